@@ -1,0 +1,198 @@
+"""Benchmark kernels against baselines measured in the same run.
+
+    python bench.py k2 k3_3 k4              # default sweep (FlashAttention-3 paper's)
+    CHECK=1 python bench.py k4              # check each config against fp32 first
+    SEQLEN=4096 HEADDIM=128 CAUSAL=0 python bench.py k4 --json results/x.json
+    python bench.py k4 --profile            # one config, once, inside an NVTX range (for ncu)
+    python bench.py k2 k4 --compile-only    # no GPU needed: registers, SMEM, spills per config
+
+Prints one table (ms, TFLOP/s = 4*B*H*N^2*d / time, halved for causal, and the ratio to each
+baseline: >1 means faster than the baseline). --json writes every row with the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from harness import problems, registry
+
+
+def _nvtx_range(name):
+    try:
+        import nvtx
+        return nvtx.annotate(name)
+    except ImportError:  # fall back to torch's binding
+        import torch
+        return torch.cuda.nvtx.range(name)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", nargs="+", help=f"any of: {', '.join(registry.KERNELS)}")
+    ap.add_argument("--json", help="write all rows and the environment to this file")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="compile for sm_90a and report registers/SMEM/spills (no GPU needed)")
+    ap.add_argument("--profile", action="store_true",
+                    help="run the first config once per kernel inside an NVTX range")
+    ap.add_argument("--baselines", default="sdpa_flash,sdpa_cudnn,fa4",
+                    help="comma-separated baselines to time ('' for none)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def compile_only(entries) -> int:
+    from harness.compile_report import format_rows, report
+    head_dims = problems._env_list("HEADDIM", problems.HEAD_DIMS)
+    causals = problems._env_list("CAUSAL", (False, True), problems._bool)
+    rows = report(entries, head_dims, causals)
+    print(format_rows(rows))
+    bad = [r for r in rows if not r["ok"] or r["spills"] or r.get("local_bytes")]
+    return 1 if bad else 0
+
+
+def profile(entries, args) -> int:
+    import torch
+    from harness.inputs import make_inputs
+    problem = problems.sweep()[0]
+    q, k, v, out = make_inputs(problem, args.seed)
+    for entry in entries:
+        reason = entry.spec.unsupported_reason(problem)
+        if reason:
+            print(f"skip {entry.name}: {reason}")
+            continue
+        handle = entry.compile(problem)
+        for _ in range(3):                      # warm-up outside the range
+            entry.run(handle, q, k, v, out)
+        torch.cuda.synchronize()
+        name = f"{entry.name}__{problems.config_name(problem)}"
+        with _nvtx_range(name):
+            entry.run(handle, q, k, v, out)
+        torch.cuda.synchronize()
+        print(f"profiled {name}: ncu --nvtx --nvtx-include \"{name}/\" --set full "
+              f"-o {name} python bench.py {entry.name} --profile")
+    return 0
+
+
+def run(entries, args) -> int:
+    import torch
+    from harness import baselines
+    from harness.checks import ReferenceCase
+    from harness.env import environment
+    from harness.inputs import make_inputs
+    from harness.timing import L2Flush, benchmark, tflops
+
+    check = os.environ.get("CHECK", "0") not in ("", "0")
+    env = environment()
+    names = [b for b in args.baselines.split(",") if b]
+    found, missing = baselines.available(names)
+    for name, why in missing.items():
+        print(f"baseline {name} unavailable: {why}")
+    flush = L2Flush()
+    rows, failures = [], []
+    for problem in problems.sweep():
+        if check:
+            case = ReferenceCase(problem, args.seed)
+            q, k, v, out = case.q, case.k, case.v, case.out
+        else:
+            q, k, v, out = make_inputs(problem, args.seed)
+        base_ms = {}
+        for name, fn in found.items():
+            with _nvtx_range(f"{name}__{problems.config_name(problem)}"):
+                t = benchmark(lambda: fn(q, k, v, problem.causal), flush)
+            base_ms[name] = t["ms"]
+            rows.append({"kernel": name, "baseline": True, "config": problem.as_dict(), **t,
+                         "tflops": tflops(problem.flops, t["ms"])})
+        for entry in entries:
+            row = {"kernel": entry.name, "baseline": False, "config": problem.as_dict()}
+            reason = entry.spec.unsupported_reason(problem)
+            if reason:
+                rows.append({**row, "skipped": reason})
+                continue
+            try:
+                handle = entry.compile(problem)
+                row["compile_s"] = round(handle.compile_seconds, 2)
+                row["kernel_config"] = handle.describe()
+                if check:
+                    verdict = case.check(entry, handle)
+                    row["check"] = verdict
+                    if not verdict["ok"]:
+                        failures.append((entry.name, problem.label(), verdict))
+                with _nvtx_range(f"{entry.name}__{problems.config_name(problem)}"):
+                    t = benchmark(lambda: entry.run(handle, q, k, v, out), flush)
+            except Exception as exc:  # noqa: BLE001 - record and keep going, fail at the end
+                rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                failures.append((entry.name, problem.label(), str(exc)[:300]))
+                continue
+            row.update(t, tflops=tflops(problem.flops, t["ms"]),
+                       ratios={b: ms / t["ms"] for b, ms in base_ms.items()})
+            rows.append(row)
+        del q, k, v, out
+        if check:
+            del case
+        torch.cuda.empty_cache()
+        print(f"done {problem.label()}", file=sys.stderr, flush=True)
+        if args.json:                       # rewritten after every config: partial runs count
+            write_json(args.json, env, check, missing, rows)
+
+    print(format_table(rows, list(found), env))
+    if args.json:
+        print(f"wrote {args.json}")
+    if failures:
+        print("\nFAILED:")
+        for name, label, why in failures:
+            print(f"  {name} {label}: {why}")
+        return 1
+    return 0
+
+
+def write_json(path, env, check, missing, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        sweep_env = {k: os.environ[k] for k in ("SEQLEN", "HEADDIM", "CAUSAL", "BATCH", "HEADS")
+                     if os.environ.get(k)}
+        json.dump({"env": env, "command": "python " + " ".join(sys.argv), "sweep_env": sweep_env,
+                   "check": check,
+                   "baselines_missing": missing, "rows": rows}, f, indent=1)
+
+
+def format_table(rows, baseline_names, env) -> str:
+    head = f"{env.get('gpu')}, torch {env.get('torch')}, cutlass-dsl {env.get('cutlass_dsl')}, {env.get('date_utc')}"
+    cols = "".join(f" {('x' + b.replace('sdpa_', ''))[:8]:>8}" for b in baseline_names)
+    lines = [head, f"{'config':34} {'kernel':7} {'ms':>9} {'TFLOP/s':>8}{cols} {'err/torch':>9} {'compile s':>9}"]
+    for r in rows:
+        c = r["config"]
+        config = f"B{c['batch']} H{c['heads']} N{c['seqlen']} d{c['head_dim']} {'causal' if c['causal'] else 'full'}"
+        if r.get("skipped") or r.get("error"):
+            lines.append(f"{config:34} {r['kernel']:7} {'skipped: ' + r['skipped'] if r.get('skipped') else 'ERROR: ' + r['error'][:80]}")
+            continue
+        if r["baseline"]:
+            lines.append(f"{config:34} {r['kernel'][:7]:7} {r['ms']:9.3f} {r['tflops']:8.1f}")
+            continue
+        ratios = "".join(f" {r['ratios'].get(b, float('nan')):8.2f}" for b in baseline_names)
+        err = f"{r['check']['error_ratio']:9.2f}" if r.get("check") else f"{'-':>9}"
+        lines.append(f"{config:34} {r['kernel']:7} {r['ms']:9.3f} {r['tflops']:8.1f}{ratios} {err} "
+                     f"{r.get('compile_s', 0):9.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    entries = registry.resolve(args.kernels)
+    if args.compile_only:
+        return compile_only(entries)
+    import torch
+    if not torch.cuda.is_available():
+        print("No CUDA device here. The kernels need a Hopper GPU (sm_90a) to run; on this machine\n"
+              "you can still compile them and see registers, SMEM and spills:\n"
+              f"    python bench.py {' '.join(args.kernels)} --compile-only")
+        return 2
+    if args.profile:
+        return profile(entries, args)
+    return run(entries, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The shared harness: problems, inputs, reference, timing, baselines, results, reports."""

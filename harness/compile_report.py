@@ -1,0 +1,110 @@
+"""Compile kernels for sm_90a (no GPU needed) and report what the binary shows.
+
+For each kernel and configuration: compile seconds, registers / stack / local memory per
+thread from the cubin (`cuobjdump --dump-resource-usage`), dynamic shared memory from the
+kernel's SharedStorage, and register spills (ptxas runs with --warn-on-spills
+--warning-as-error, so a spill fails the compile and is reported as such). The PTX is kept
+so tests can assert what each stage is about (TMA, mbarrier waits, WGMMA, ...).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+import time
+
+from kernels.common.contract import Problem
+
+SPILLS_AS_ERRORS = "--ptxas-options='--warn-on-spills --warning-as-error'"
+
+
+def compile_artifacts(entry, head_dim: int, causal: bool) -> dict:
+    """Fresh compile (no cache) with PTX and cubin kept in memory."""
+    problem = Problem(2, 2, 128, head_dim, causal)
+    with tempfile.TemporaryDirectory() as dump:
+        opts = f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"
+        t0 = time.perf_counter()
+        try:
+            handle = entry.compile(problem, compile_options=opts)
+        except Exception as exc:  # noqa: BLE001 - report, the caller decides
+            message = str(exc)
+            spills = "spill" in message.lower()
+            first = next((ln for ln in message.splitlines() if "error" in ln.lower()), message[:200])
+            return {"ok": False, "spills": spills, "error": first.strip()[:400],
+                    "compile_s": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        ptx, cubin = handle.compiled.__ptx__, handle.compiled.__cubin__
+    if not isinstance(ptx, str) or not isinstance(cubin, (bytes, bytearray)):
+        raise RuntimeError("CuTe DSL did not return PTX/cubin in memory (dump dir missing?)")
+    return {"ok": True, "spills": False, "compile_s": seconds, "ptx": ptx.rstrip("\0"),
+            "cubin": bytes(cubin), "kernel": handle.describe()}
+
+
+def _cubin_tool(tool: str, cubin: bytes, *args) -> str:
+    """Run a CUDA binary utility (from its pip wheel) on a cubin; return its stdout."""
+    from cuda.pathfinder import find_nvidia_binary_utility
+    path = find_nvidia_binary_utility(tool)
+    if path is None:
+        raise RuntimeError(f"{tool} not found: pip install nvidia-cuda-{tool}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([path, *args, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def resource_usage(cubin: bytes) -> list[dict]:
+    """Per-function REG / STACK / SHARED / LOCAL from cuobjdump."""
+    out = _cubin_tool("cuobjdump", cubin, "--dump-resource-usage")
+    rows = []
+    for name, body in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", out):
+        fields = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", body))
+        short = re.sub(r"^kernel_cutlass_", "", name).split("_kernels")[0]
+        rows.append({"function": short, "registers": int(fields["REG"]),
+                     "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
+                     "static_smem": int(fields["SHARED"])})
+    return rows
+
+
+def sass(cubin: bytes) -> str:
+    """Disassembly (nvdisasm) of a cubin."""
+    return _cubin_tool("nvdisasm", cubin)
+
+
+def report(entries, head_dims=(64, 128), causals=(False, True)) -> list[dict]:
+    rows = []
+    for entry in entries:
+        for d in head_dims:
+            if d not in entry.spec.head_dims:
+                continue
+            for causal in causals:
+                art = compile_artifacts(entry, d, causal)
+                row = {"kernel": entry.name, "head_dim": d, "causal": causal,
+                       "compile_s": round(art["compile_s"], 2), "ok": art["ok"],
+                       "spills": art["spills"]}
+                if art["ok"]:
+                    usage = resource_usage(art["cubin"])
+                    row["functions"] = usage
+                    row["registers"] = max(u["registers"] for u in usage)
+                    row["local_bytes"] = max(u["local"] for u in usage)
+                    row["smem_bytes"] = art["kernel"].get("smem_bytes")
+                else:
+                    row["error"] = art["error"]
+                rows.append(row)
+    return rows
+
+
+def format_rows(rows) -> str:
+    lines = [f"{'kernel':8} {'d':>4} {'causal':>6} {'compile s':>9} {'regs':>5} {'local B':>7} "
+             f"{'SMEM KiB':>8}  spills"]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"{r['kernel']:8} {r['head_dim']:>4} {int(r['causal']):>6} "
+                         f"{r['compile_s']:>9} FAILED: {r['error'].splitlines()[-1][:80]}")
+            continue
+        smem = r.get("smem_bytes")
+        lines.append(f"{r['kernel']:8} {r['head_dim']:>4} {int(r['causal']):>6} {r['compile_s']:>9} "
+                     f"{r['registers']:>5} {r['local_bytes']:>7} "
+                     f"{(smem / 1024 if smem else 0):>8.1f}  {'YES' if r['spills'] else 'no'}")
+    return "\n".join(lines)

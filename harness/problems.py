@@ -1,0 +1,55 @@
+"""Benchmark problems: the FlashAttention-3 paper's sweep, narrowed by environment variables.
+
+Default sweep: 16k tokens per batch (batch = 16384 / N), hidden size 2048 (heads =
+2048 / d), N in 512 .. 16384, d in {64, 128}, causal off and on. Every tensor is then
+64 MiB, larger than the L2 cache of an H100 (50 MiB) or H200 (60 MiB).
+
+Narrow it with comma-separated lists: SEQLEN=4096 HEADDIM=128 CAUSAL=0 [BATCH=.. HEADS=..].
+"""
+
+from __future__ import annotations
+
+import os
+
+from kernels.common.contract import Problem
+
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+TOKENS = 16384
+HIDDEN = 2048
+
+
+def _env_list(name: str, default, cast=int):
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return tuple(default) if default is not None else None
+    return tuple(cast(x) for x in raw.split(",") if x.strip())
+
+
+def _bool(x: str) -> bool:
+    if x.strip().lower() in ("1", "true", "yes", "causal"):
+        return True
+    if x.strip().lower() in ("0", "false", "no", "full"):
+        return False
+    raise ValueError(f"CAUSAL must be 0 or 1, got {x!r}")
+
+
+def sweep() -> list[Problem]:
+    seqlens = _env_list("SEQLEN", SEQLENS)
+    head_dims = _env_list("HEADDIM", HEAD_DIMS)
+    causals = _env_list("CAUSAL", (False, True), _bool)
+    batches = _env_list("BATCH", None)
+    heads_list = _env_list("HEADS", None)
+    problems = []
+    for d in head_dims:
+        for causal in causals:
+            for n in seqlens:
+                for b in batches or (max(1, TOKENS // n),):
+                    for h in heads_list or (max(1, HIDDEN // d),):
+                        problems.append(Problem(b, h, n, d, causal))
+    return problems
+
+
+def config_name(p: Problem) -> str:
+    """A short name without spaces (used for NVTX ranges and file names)."""
+    return f"b{p.batch}_h{p.heads}_n{p.seqlen}_d{p.head_dim}_{'causal' if p.causal else 'full'}"

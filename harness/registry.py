@@ -1,0 +1,63 @@
+"""Kernel names the harness knows, and how to build each one.
+
+A name maps to a module in kernels/ plus compile options, so one module can appear as
+several variants (k3_1, k3_2, k3_3 are k3 with 1, 2 and 5 pipeline stages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelEntry:
+    name: str
+    module: str
+    options: tuple = ()          # ((key, value), ...) passed to compile_kernel
+    note: str = ""
+
+    def load(self):
+        return importlib.import_module(self.module)
+
+    @property
+    def spec(self):
+        return self.load().SPEC
+
+    def compile(self, problem, compile_options: str = ""):
+        return self.load().compile_kernel(problem, compile_options=compile_options,
+                                          **dict(self.options))
+
+    def run(self, handle, q, k, v, out):
+        self.load().run_kernel(handle, q, k, v, out)
+
+
+KERNELS = {e.name: e for e in [
+    KernelEntry("k1", "kernels.k1", note="naive, three kernels, N x N scores in memory"),
+    KernelEntry("k2", "kernels.k2", note="fused FA2, CUDA cores"),
+    KernelEntry("k3_1", "kernels.k3", (("stages", 1),), note="TMA, 1-stage pipeline"),
+    KernelEntry("k3_2", "kernels.k3", (("stages", 2),), note="TMA, 2-stage pipeline"),
+    KernelEntry("k3_3", "kernels.k3", (("stages", 5),), note="TMA, 5-stage pipeline"),
+    KernelEntry("k4_qk", "kernels.k4_qk", note="WGMMA for QK^T, S through SMEM"),
+    KernelEntry("k4", "kernels.k4", note="WGMMA for both GEMMs, P in registers"),
+]}
+
+
+def get(name: str) -> KernelEntry:
+    """A registered name, optionally with options: 'k4:block_n=64,stages=3'."""
+    base, _, opts = name.partition(":")
+    if base not in KERNELS:
+        raise SystemExit(f"unknown kernel {base!r}; known: {', '.join(KERNELS)}")
+    entry = KERNELS[base]
+    if not opts:
+        return entry
+    extra = {}
+    for item in opts.split(","):
+        key, _, value = item.partition("=")
+        extra[key.strip()] = int(value)
+    merged = tuple(sorted({**dict(entry.options), **extra}.items()))
+    return dataclasses.replace(entry, name=name, options=merged)
+
+
+def resolve(names) -> list[KernelEntry]:
+    return [get(n) for n in names]

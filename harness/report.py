@@ -1,0 +1,400 @@
+"""Regenerate the results tables and plots in README.md and docs/ from results/.
+
+    python -m harness.report            # rewrite generated blocks and plots in place
+    python -m harness.report --check    # exit 1 if a generated block is out of date
+
+Inputs (all committed): results/<gpu>/*_bench_*.json (bench.py --json), the k4 tile and k3
+structure sweeps, ref_check JSON, and Nsight Compute raw CSVs (results/<gpu>/profiles/).
+Outputs: the text between `<!-- BEGIN GENERATED: name -->` and `<!-- END GENERATED -->`
+markers in README.md and docs/*.md, and PNG plots in docs/img/. Nothing in those blocks is
+typed by hand; every number there comes from one of the files named in the block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import json
+import lzma
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4"]
+BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
+BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)"}
+MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
+                  re.S)
+
+
+# ------------------------------------------------------------------------------- loading
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _key(cfg):
+    return (cfg["head_dim"], cfg["causal"], cfg["seqlen"], cfg["batch"], cfg["heads"])
+
+
+class Results:
+    """The bench rows of one GPU folder; for each (kernel, config) the newest row wins."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.gpu = os.path.basename(folder)
+        self.files = sorted(glob.glob(os.path.join(folder, "*_bench_*.json")))
+        self.rows = {}          # (kernel, key) -> (row, file, env)
+        self.baselines = {}     # (baseline, key) -> (row, file, env)
+        for path in self.files:
+            data = _load(path)
+            env = data["env"]
+            for row in data["rows"]:
+                if row.get("skipped") or row.get("error"):
+                    continue
+                target = self.baselines if row["baseline"] else self.rows
+                k = (row["kernel"], _key(row["config"]))
+                if k not in target or target[k][2]["date_utc"] <= env["date_utc"]:
+                    target[k] = (row, os.path.relpath(path, ROOT), env)
+
+    def gpu_name(self):
+        envs = [e for (_, _, e) in self.rows.values()]
+        return envs[0]["gpu"] if envs else self.gpu
+
+    def configs(self, head_dim=None, causal=None):
+        keys = sorted({k for (_, k) in self.rows})
+        return [k for k in keys if (head_dim is None or k[0] == head_dim)
+                and (causal is None or k[1] == causal)]
+
+    def get(self, kernel, key):
+        return self.rows.get((kernel, key))
+
+    def sources(self, kernels):
+        return sorted({f for (kname, _), (_, f, _) in self.rows.items() if kname in kernels})
+
+    def dates(self, kernels):
+        return sorted({e["date_utc"][:10] for (kname, _), (_, _, e) in self.rows.items()
+                       if kname in kernels})
+
+
+def _cfg(key):
+    d, causal, n, b, h = key
+    return f"B{b} H{h} N{n} d{d} {'causal' if causal else 'full'}"
+
+
+def _fmt(x, digits=1):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+# ------------------------------------------------------------------------------- tables
+def stage_table(res: Results, kernels, head_dims=(64, 128), causals=(False, True)) -> str:
+    """TFLOP/s of `kernels` over the sweep, with the same-run ratios to each baseline."""
+    lines = [f"| config | kernel | ms | TFLOP/s | vs {' | vs '.join(BASELINE_LABEL[b] for b in BASELINES)} |",
+             "|---|---|---:|---:|" + "---:|" * len(BASELINES)]
+    for d in head_dims:
+        for causal in causals:
+            for key in res.configs(d, causal):
+                for kname in kernels:
+                    got = res.get(kname, key)
+                    if not got:
+                        continue
+                    row = got[0]
+                    ratios = " | ".join(_fmt(row.get("ratios", {}).get(b), 2) for b in BASELINES)
+                    lines.append(f"| {_cfg(key)} | {kname} | {row['ms']:.3f} | {row['tflops']:.1f} | {ratios} |")
+    return "\n".join(lines)
+
+
+def provenance(res: Results, kernels) -> str:
+    files = ", ".join(f"`{f}`" for f in res.sources(kernels))
+    return (f"Measured on {res.gpu_name()} ({', '.join(res.dates(kernels))}); ratios are to "
+            f"baselines timed in the same run (>1 = faster). Source: {files}.")
+
+
+def summary_table(res: Results, n: int = 4096) -> str:
+    """README: every stage at N = n, both head dims, full and causal, one row per kernel."""
+    cols = [(128, False), (128, True), (64, False), (64, True)]
+    head = " | ".join(f"d={d} {'causal' if c else 'full'}" for d, c in cols)
+    lines = [f"| kernel | {head} |", "|---|" + "---:|" * len(cols)]
+    for kname in STAGES:
+        cells = []
+        for d, causal in cols:
+            keys = [k for k in res.configs(d, causal) if k[2] == n]
+            got = res.get(kname, keys[0]) if keys else None
+            if not got:
+                cells.append("-")
+                continue
+            row, r = got[0], got[0].get("ratios", {})
+            cells.append(f"{row['tflops']:.1f} &middot; {_fmt(r.get('sdpa_flash'), 2)}x / "
+                         f"{_fmt(r.get('sdpa_cudnn'), 2)}x / {_fmt(r.get('fa4'), 2)}x")
+        lines.append(f"| {kname} | " + " | ".join(cells) + " |")
+    return ("\n".join(lines) + f"\n\nCells: TFLOP/s at N = {n} (B = {16384 // n}, H = 2048 / d) "
+            "&middot; speed relative to SDPA FLASH / SDPA cuDNN / FlashAttention-4, measured in the "
+            "same run (> 1 = faster). " + provenance(res, STAGES))
+
+
+def compile_table(res: Results) -> str:
+    lines = ["| kernel | d | mask | JIT compile, s |", "|---|---:|---|---:|"]
+    for kname in STAGES:
+        for (kn, key), (row, _, _) in sorted(res.rows.items()):
+            if kn == kname and row.get("compile_s"):
+                lines.append(f"| {kname} | {key[0]} | {'causal' if key[1] else 'full'} | {row['compile_s']:.1f} |")
+    return "\n".join(lines) + "\n\nFirst call per configuration in the bench runs (cached afterwards). " \
+        + provenance(res, STAGES)
+
+
+def sweep_table(path, title_filter=None) -> str:
+    """A small sweep file (tile sizes, structure): every row at its configs."""
+    data = _load(os.path.join(ROOT, path))
+    env = data["env"]
+    names = [b for b in BASELINES if any(r["kernel"] == b for r in data["rows"])]
+    lines = [f"| config | variant | ms | TFLOP/s | vs {' | vs '.join(BASELINE_LABEL[b] for b in names)} |",
+             "|---|---|---:|---:|" + "---:|" * len(names)]
+    for row in data["rows"]:
+        if row["baseline"] or row.get("skipped") or row.get("error"):
+            continue
+        if title_filter and not title_filter(row["kernel"]):
+            continue
+        ratios = " | ".join(_fmt(row.get("ratios", {}).get(b), 2) for b in names)
+        label = row["kernel"]
+        opts = row.get("kernel_config", {})
+        if opts.get("block_m"):
+            label += f" ({opts.get('block_m')} x {opts.get('block_n')}, {opts.get('stages', '-')} stages)"
+        lines.append(f"| {_cfg(_key(row['config']))} | {label} | {row['ms']:.3f} | {row['tflops']:.1f} | {ratios} |")
+    return "\n".join(lines) + f"\n\nMeasured on {env['gpu']} ({env['date_utc'][:10]}). Source: `{path}`."
+
+
+def ref_check_table(paths) -> str:
+    lines = ["| kernel | cases | passed | worst error / torch bf16 error | worst max abs error |",
+             "|---|---:|---:|---:|---:|"]
+    newest = {}
+    envs = []
+    for path in paths:
+        data = _load(os.path.join(ROOT, path))
+        envs.append(data["env"])
+        by_kernel = {}
+        for r in data["rows"]:
+            if r.get("skipped"):
+                continue
+            by_kernel.setdefault(r["kernel"], []).append(r)
+        for k, rows in by_kernel.items():
+            newest[k] = (rows, path)
+    for k in STAGES:
+        if k not in newest:
+            continue
+        rows, path = newest[k]
+        ok = sum(1 for r in rows if r.get("ok"))
+        worst = max(r.get("error_ratio", 0.0) for r in rows)
+        worst_abs = max(r.get("max_abs", 0.0) for r in rows)
+        lines.append(f"| {k} | {len(rows)} | {ok} | {worst:.2f} | {worst_abs:.2e} |")
+    srcs = ", ".join(f"`{p}`" for p in paths)
+    return "\n".join(lines) + (f"\n\nMeasured on {envs[0]['gpu']} ({envs[0]['date_utc'][:10]}); "
+                               f"for each kernel the newest file counts. Source: {srcs}.")
+
+
+# ------------------------------------------------------------------------------- profiles
+PROFILE_METRICS = [
+    ("duration, ms", "gpu__time_duration.sum", 3),
+    ("SM throughput, %", "sm__throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("memory throughput, %", "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("DRAM throughput, %", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", 1),
+    ("tensor pipe active, %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", 1),
+    ("FMA pipe active, %", "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active", 1),
+    ("achieved occupancy, %", "sm__warps_active.avg.pct_of_peak_sustained_active", 1),
+    ("registers / thread", "launch__registers_per_thread", 0),
+    ("dynamic SMEM / CTA, KB", "launch__shared_mem_per_block_dynamic", 1),
+]
+STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+)_per_issue_active\.ratio")
+
+
+def load_profile(path):
+    """Rows (one per kernel launch) of an ncu --page raw --csv export (.csv or .csv.xz)."""
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as f:
+        rows = list(csv.reader(io.StringIO(f.read())))
+    header, units, data = rows[0], rows[1], rows[2:]
+    scale = {"ns": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0, "s": 1e3,
+             "byte/block": 1e-3, "Kbyte/block": 1.0, "Mbyte/block": 1e3}
+    out = []
+    for r in data:
+        rec = dict(zip(header, r))
+        # normalize the units the table uses: durations to ms, shared memory to KB
+        for metric in ("gpu__time_duration.sum", "launch__shared_mem_per_block_dynamic"):
+            if metric in rec and _num(rec[metric]) is not None:
+                unit = units[header.index(metric)]
+                rec[metric] = str(_num(rec[metric]) * scale.get(unit, 1.0))
+        name = rec.get("Kernel Name", "")
+        short = re.sub(r"^kernel_cutlass_", "", name).split("_kernels")[0]
+        rec["short"] = short
+        out.append(rec)
+    return out
+
+
+def _num(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def profile_table(folder, stages=None) -> str:
+    paths = sorted(glob.glob(os.path.join(folder, "profiles", "*_ncu_*.csv*")))
+    if stages is not None:
+        found = {re.search(r"_ncu_(\w+)\.csv", p).group(1): p for p in paths}
+        paths = [found[s] for s in stages if s in found]
+    if not paths:
+        return "_no profiles committed_"
+    cols, stalls = [], []
+    for path in paths:
+        stage = re.search(r"_ncu_(\w+)\.csv", path).group(1)
+        for rec in load_profile(path):
+            label = stage if rec["short"] == "kernel" else f"{stage} ({rec['short']})"
+            cols.append((label, rec))
+            reasons = [(m.group(1), _num(v)) for k, v in rec.items()
+                       if (m := STALL.fullmatch(k)) and m.group(1) != "selected" and _num(v)]
+            reasons.sort(key=lambda t: -t[1])
+            stalls.append(", ".join(f"{n} {v:.2f}" for n, v in reasons[:3]))
+    lines = ["| metric | " + " | ".join(c[0] for c in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    threads = [re.search(r"\d+", c[1].get("Block Size", "") or "-") for c in cols]
+    lines.append("| threads / CTA | " + " | ".join(t.group() if t else "-" for t in threads) + " |")
+    for label, metric, digits in PROFILE_METRICS:
+        vals = [_num(c[1].get(metric)) for c in cols]
+        lines.append(f"| {label} | " + " | ".join(_fmt(v, digits) for v in vals) + " |")
+    lines.append("| top stalls (cycles per issued instruction) | " + " | ".join(stalls) + " |")
+    rel = ", ".join(f"`{os.path.relpath(p, ROOT)}`" for p in paths)
+    return "\n".join(lines) + (f"\n\nNsight Compute 2025.3 (`--set full`, clocks not locked), "
+                               f"B=4 H=16 N=4096 d=128, non-causal. Source: {rel}.")
+
+
+# ------------------------------------------------------------------------------- plots
+def plots(res: Results, img_dir) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(img_dir, exist_ok=True)
+    written = []
+    styles = {"k1": ":", "k2": "--", "k3_1": "--", "k3_2": "--", "k3_3": "--", "k4_qk": "-.", "k4": "-"}
+    for d in (64, 128):
+        for causal in (False, True):
+            keys = res.configs(d, causal)
+            if not keys:
+                continue
+            fig, ax = plt.subplots(figsize=(7.6, 4.0), dpi=90)
+            ns = [k[2] for k in keys]
+            for name in BASELINES:
+                ys = [res.baselines.get((name, k), (None,))[0] for k in keys]
+                if any(ys):
+                    ax.plot(ns, [y["tflops"] if y else float("nan") for y in ys], color="0.55",
+                            marker="s", ms=3, lw=1,
+                            ls={"sdpa_flash": ":", "sdpa_cudnn": "--", "fa4": "-"}[name],
+                            label=BASELINE_LABEL[name])
+            for kname in STAGES:
+                ys = [res.get(kname, k) for k in keys]
+                if any(ys):
+                    ax.plot(ns, [y[0]["tflops"] if y else float("nan") for y in ys],
+                            ls=styles[kname], marker="o", ms=3, label=kname)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(ns, [str(n) for n in ns])
+            ax.set_xlabel("sequence length N (batch = 16384 / N, heads = 2048 / d)")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_title(f"{res.gpu_name()}, d = {d}, {'causal' if causal else 'non-causal'}", fontsize=10)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+            fig.tight_layout()
+            path = os.path.join(img_dir, f"{res.gpu}_tflops_d{d}_{'causal' if causal else 'full'}.png")
+            fig.savefig(path)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+# ------------------------------------------------------------------------------- blocks
+def blocks(folder) -> dict:
+    res = Results(folder)
+    rel = os.path.relpath(folder, ROOT)
+    g = res.gpu
+    out = {
+        f"summary:{g}": summary_table(res),
+        f"compile:{g}": compile_table(res),
+        f"profiles:{g}": profile_table(folder),
+        f"results:{g}": stage_table(res, STAGES) + "\n\n" + provenance(res, STAGES),
+    }
+    for stage, kernels in {"k1": ["k1", "k2"], "k2": ["k2"], "k3": ["k2", "k3_1", "k3_2", "k3_3"],
+                           "k4_qk": ["k3_3", "k4_qk"], "k4": ["k4"]}.items():
+        out[f"stage:{stage}:{g}"] = stage_table(res, kernels) + "\n\n" + provenance(res, kernels)
+    for stage, profiled in {"k1": ["k1"], "k2": ["k1", "k2"], "k3": ["k2", "k3_3"],
+                            "k4_qk": ["k3_3", "k4_qk"], "k4": ["k3_3", "k4_qk", "k4"]}.items():
+        out[f"profile:{stage}:{g}"] = profile_table(folder, profiled)
+    sweeps = {"k4_tiles_d128": None, "k4_tiles_d64": None, "k4_tiles_causal_d128": None,
+              "k3_structure": None, "scalar_unroll": None}
+    for name in sweeps:
+        hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
+        if hits:
+            out[f"sweep:{name}:{g}"] = sweep_table(os.path.relpath(hits[-1], ROOT))
+    refs = sorted(glob.glob(os.path.join(folder, "*_ref_check*.json")))
+    if refs:
+        out[f"ref_check:{g}"] = ref_check_table([os.path.relpath(p, ROOT) for p in refs])
+    out[f"plots:{g}"] = "\n".join(
+        f"![{os.path.basename(p)}](img/{os.path.basename(p)})" for p in
+        [f"{g}_tflops_d{d}_{c}.png" for d in (64, 128) for c in ("full", "causal")])
+    out[f"plots-readme:{g}"] = out[f"plots:{g}"].replace("](img/", "](docs/img/")
+    del rel
+    return out
+
+
+def markdown_files(root):
+    files = [os.path.join(root, "README.md")]
+    files += sorted(glob.glob(os.path.join(root, "docs", "*.md")))
+    return [f for f in files if os.path.exists(f)]
+
+
+def render(root=ROOT, check=False, write_plots=True) -> list[str]:
+    """Rewrite generated blocks under `root`; return the files that changed (or would)."""
+    generated = {}
+    for folder in sorted(glob.glob(os.path.join(ROOT, "results", "*"))):
+        if os.path.isdir(folder) and glob.glob(os.path.join(folder, "*_bench_*.json")):
+            generated.update(blocks(folder))
+            if write_plots and not check:
+                plots(Results(folder), os.path.join(root, "docs", "img"))
+    changed = []
+    for path in markdown_files(root):
+        with open(path) as f:
+            text = f.read()
+
+        def repl(m):
+            name = m.group("name")
+            if name not in generated:
+                raise SystemExit(f"{os.path.relpath(path, root)}: unknown generated block {name!r}")
+            return m.group(1) + generated[name].rstrip("\n") + "\n" + m.group(4)
+
+        new = MARK.sub(repl, text)
+        if new != text:
+            changed.append(os.path.relpath(path, root))
+            if not check:
+                with open(path, "w") as f:
+                    f.write(new)
+    return changed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="fail if a generated block is stale")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    changed = render(check=args.check, write_plots=not args.no_plots)
+    if args.check:
+        if changed:
+            print("stale generated blocks in: " + ", ".join(changed) + " (run python -m harness.report)")
+            return 1
+        print("generated blocks are up to date")
+        return 0
+    print("updated: " + (", ".join(changed) if changed else "nothing (already up to date)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Timing with CUDA events: warm-up, L2 flushed before every run, median of many runs."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+class L2Flush:
+    """Overwrite a buffer twice the size of L2 so the next kernel starts with a cold cache."""
+
+    def __init__(self, device=None):
+        props = torch.cuda.get_device_properties(device or torch.cuda.current_device())
+        size = max(2 * getattr(props, "L2_cache_size", 50 << 20), 64 << 20)
+        self.buffer = torch.empty(size, dtype=torch.int8, device="cuda")
+
+    def __call__(self):
+        self.buffer.zero_()
+
+
+def benchmark(fn, flush: L2Flush | None = None, *, target_ms: float = 400.0,
+              min_reps: int = 5, max_reps: int = 100, warmup: int = 2) -> dict:
+    """Time `fn()` (already compiled). Returns median/min/max milliseconds and repetitions."""
+    flush = flush or L2Flush()
+    fn()                                   # first call: module load, lazy allocations
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end), 1e-3)
+    reps = int(min(max_reps, max(min_reps, target_ms / estimate)))
+    if estimate > 100.0:                   # slow kernels (k1 at large N): already warm, 3 runs
+        reps, warmup = 3, 0
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for s, e in events:
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in events]
+    return {"ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12

@@ -1,0 +1,1 @@
+"""What the kernels share: the host contract, layout views, softmax, masking, tiles, TMA."""

@@ -1,0 +1,240 @@
+"""The contract every kernel in this repository follows (host side, plain Python).
+
+A kernel module ``kernels/kN.py`` exposes
+
+    SPEC                                  what it supports (head dims, dtypes, limits)
+    compile_kernel(problem, **options)    -> CompiledAttention (cached per configuration)
+    run_kernel(handle, q, k, v, out)      launches on the current CUDA stream, writes ``out``
+
+Tensors are torch ``(batch, seqlen, heads, head_dim)``, contiguous, bf16, on one CUDA device:
+the FlashAttention layout, heads not folded into batch. The softmax scale is 1/sqrt(head_dim).
+
+Everything that can be wrong with a call is checked here, before anything is launched, and
+raised as ``ValueError`` (``UnsupportedProblem`` when the problem is valid but this kernel
+does not handle it, so the harness can skip with the reason).
+
+Compiled kernels are cached per (kernel, options, head_dim, causal, dtype). Batch, heads and
+sequence length are dynamic in the compiled code, so one compile serves every shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+LOG2_E = math.log2(math.e)
+
+
+class UnsupportedProblem(ValueError):
+    """A valid attention problem that this particular kernel does not handle."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention forward problem: O = softmax(Q K^T / sqrt(d) [+ causal mask]) V."""
+
+    batch: int
+    heads: int
+    seqlen: int
+    head_dim: int
+    causal: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self):
+        for field in ("batch", "heads", "seqlen", "head_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{field} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{field} must be >= 1, got {value}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {self.dtype}")
+
+    @classmethod
+    def from_tensor(cls, q: torch.Tensor, causal: bool = False) -> "Problem":
+        if q.dim() != 4:
+            raise ValueError(f"q must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
+        b, n, h, d = q.shape
+        return cls(b, h, n, d, bool(causal), q.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The torch shape of q, k, v and o: (batch, seqlen, heads, head_dim)."""
+        return (self.batch, self.seqlen, self.heads, self.head_dim)
+
+    @property
+    def flops(self) -> float:
+        """4*B*H*N^2*d for the two GEMMs; half of that with a causal mask."""
+        f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        return f / 2 if self.causal else f
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    def label(self) -> str:
+        return (f"B={self.batch} H={self.heads} N={self.seqlen} d={self.head_dim} "
+                f"{'causal' if self.causal else 'full'}")
+
+    def as_dict(self) -> dict:
+        return {"batch": self.batch, "heads": self.heads, "seqlen": self.seqlen,
+                "head_dim": self.head_dim, "causal": self.causal, "dtype": self.dtype_name}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """What a kernel declares about itself, so callers can skip with a reason."""
+
+    name: str
+    summary: str
+    head_dims: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+    max_seqlen: Optional[int] = None
+    # bytes of scratch memory a problem needs on the GPU (k1's N x N score matrix)
+    workspace_bytes: Optional[Callable[[Problem], int]] = None
+    # any other limit (e.g. a grid dimension): returns a reason, or None if supported
+    extra_limits: Optional[Callable[[Problem], Optional[str]]] = None
+
+    def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
+        if problem.dtype not in self.dtypes:
+            names = ", ".join(DTYPE_NAMES[d] for d in self.dtypes)
+            return f"{self.name} supports dtype {names}, not {problem.dtype_name}"
+        if problem.head_dim not in self.head_dims:
+            return f"{self.name} supports head_dim in {list(self.head_dims)}, not {problem.head_dim}"
+        if self.max_seqlen is not None and problem.seqlen > self.max_seqlen:
+            return f"{self.name} supports seqlen <= {self.max_seqlen}, not {problem.seqlen}"
+        if self.extra_limits is not None:
+            reason = self.extra_limits(problem)
+            if reason is not None:
+                return f"{self.name}: {reason}"
+        if check_memory and self.workspace_bytes is not None and torch.cuda.is_available():
+            need = self.workspace_bytes(problem)
+            free, _ = torch.cuda.mem_get_info()
+            # leave room for the inputs, the output and the allocator's own slack
+            if need > 0.8 * free:
+                return (f"{self.name} needs a {need / 2**30:.1f} GiB workspace for {problem.label()}, "
+                        f"but only {free / 2**30:.1f} GiB of GPU memory is free")
+        return None
+
+    def check(self, problem: Problem, *, check_memory: bool = True) -> None:
+        reason = self.unsupported_reason(problem, check_memory=check_memory)
+        if reason is not None:
+            raise UnsupportedProblem(reason)
+
+
+def check_tensors(problem: Problem, q, k, v, out) -> None:
+    """Raise ValueError unless q, k, v, out match `problem` and the layout contract."""
+    names = ("q", "k", "v", "out")
+    tensors = (q, k, v, out)
+    for name, t in zip(names, tensors):          # what the tensors are ...
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype != problem.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected {problem.dtype}")
+        if tuple(t.shape) != problem.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {problem.shape} "
+                             "(batch, seqlen, heads, head_dim) and q, k, v, out must all match")
+    for name, t in zip(names, tensors):          # ... then where and how they are stored
+        if not t.is_cuda:
+            raise ValueError(f"{name} is on {t.device}; the kernels run on a CUDA device")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (batch, seqlen, heads, head_dim); "
+                             f"got strides {t.stride()}")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    devices = {t.device for t in (q, k, v, out)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, out must be on one device, got {sorted(map(str, devices))}")
+
+
+# --------------------------------------------------------------------------------------------
+# Compilation and launch (CuTe DSL). Imported lazily so that the checks above work without it.
+# --------------------------------------------------------------------------------------------
+
+_COMPILED: dict[tuple, tuple[Any, float]] = {}
+
+
+@dataclasses.dataclass
+class CompiledAttention:
+    """What compile_kernel returns: a compiled kernel bound to one problem."""
+
+    spec: KernelSpec
+    problem: Problem
+    options: dict
+    compiled: Any            # the CuTe JIT-compiled function, shared by every shape
+    compile_seconds: float   # 0.0 when it came from the cache
+    kernel: Any              # the kernel object (tile sizes, SMEM bytes, ...)
+    workspace_fn: Optional[Callable[[Problem, torch.device], list]] = None
+    workspace: list = dataclasses.field(default_factory=list)
+    _bound_key: Any = None
+    _bound_args: Any = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def describe(self) -> dict:
+        return {"kernel": self.spec.name, "options": dict(self.options),
+                **getattr(self.kernel, "describe", lambda: {})()}
+
+
+def _cute():
+    from . import cute_runtime  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass is imported)
+    return cute_runtime
+
+
+def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], problem: Problem,
+                      options: Optional[dict] = None, *,
+                      workspace_fn: Optional[Callable[[Problem, torch.device], list]] = None,
+                      compile_options: str = "", use_cache: bool = True) -> CompiledAttention:
+    """Validate `problem` for `spec`, then compile (or fetch from the cache) its kernel."""
+    options = dict(options or {})
+    spec.check(problem)
+    rt = _cute()
+    key = (spec.name, kernel_factory, problem.head_dim, problem.causal, problem.dtype,
+           tuple(sorted(options.items())), compile_options)
+    cached = _COMPILED.get(key) if use_cache else None
+    if cached is None:
+        kernel = kernel_factory(problem.head_dim, problem.causal, **options)
+        t0 = time.perf_counter()
+        compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options)
+        seconds = time.perf_counter() - t0
+        if use_cache:
+            _COMPILED[key] = (compiled, kernel)
+        return CompiledAttention(spec, problem, options, compiled, seconds, kernel, workspace_fn)
+    compiled, kernel = cached
+    return CompiledAttention(spec, problem, options, compiled, 0.0, kernel, workspace_fn)
+
+
+def run_attention(handle: CompiledAttention, q, k, v, out) -> None:
+    """Check the tensors against the handle's problem, then launch on the current stream."""
+    problem = handle.problem
+    check_tensors(problem, q, k, v, out)
+    rt = _cute()
+    if handle.workspace_fn is not None and not handle.workspace:
+        # re-check memory right before allocating, so we refuse instead of failing mid-run
+        handle.spec.check(problem)
+        handle.workspace = handle.workspace_fn(problem, q.device)
+    key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), problem.shape)
+    if handle._bound_key != key:
+        tensors = [q, k, v, out, *handle.workspace]
+        handle._bound_args = [rt.to_cute_tensor(t) for t in tensors]
+        handle._bound_key = key
+    scale_log2 = problem.softmax_scale * LOG2_E
+    handle.compiled(*handle._bound_args, scale_log2, rt.current_stream())
+
+
+def lineinfo_enabled() -> bool:
+    return os.environ.get("CUTE_DSL_LINEINFO", "0") not in ("", "0", "false", "False")

@@ -1,0 +1,60 @@
+"""Host-side glue between torch tensors and the CuTe DSL: conversion, streams, compiling.
+
+Importing this module sets ``CUTE_DSL_ARCH=sm_90a`` (unless already set) before ``cutlass`` is
+imported: WGMMA and ``setmaxnreg`` need the ``a`` target, and a machine without a GPU would
+otherwise default to another architecture.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import torch  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass.cute.runtime import from_dlpack, make_fake_stream  # noqa: E402
+
+# Shapes of the example tensors used to compile. Layouts are marked dynamic, so these values
+# are not baked into the kernel; they only need to be valid (and not 1, to avoid any chance of
+# a degenerate-mode special case).
+_EXAMPLE_BATCH, _EXAMPLE_SEQLEN, _EXAMPLE_HEADS = 2, 128, 2
+
+
+def to_cute_tensor(t: torch.Tensor) -> cute.Tensor:
+    """torch tensor -> CuTe tensor with a dynamic layout whose last mode is the contiguous one.
+
+    Every extent and stride except the unit stride stays a runtime value, so one compiled
+    kernel serves any batch, heads and sequence length.
+    """
+    return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def current_stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def example_tensors(head_dim: int, workspace_fn=None):
+    """Small tensors (on the GPU when there is one, else on the CPU) to compile against."""
+    from .contract import Problem
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    shape = (_EXAMPLE_BATCH, _EXAMPLE_SEQLEN, _EXAMPLE_HEADS, head_dim)
+    tensors = [torch.empty(shape, dtype=torch.bfloat16, device=device) for _ in range(4)]
+    if workspace_fn is not None:
+        problem = Problem(_EXAMPLE_BATCH, _EXAMPLE_HEADS, _EXAMPLE_SEQLEN, head_dim)
+        tensors += workspace_fn(problem, device)
+    return tensors
+
+
+def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_options: str = ""):
+    """cute.compile `kernel` (a @cute.jit callable object) against example tensors."""
+    tensors = example_tensors(head_dim, workspace_fn)
+    stream = current_stream() if torch.cuda.is_available() else make_fake_stream()
+    args = [to_cute_tensor(t) for t in tensors]
+    opts = compile_options.strip()
+    if opts:
+        return cute.compile(kernel, *args, cutlass.Float32(1.0), stream, options=opts)
+    return cute.compile(kernel, *args, cutlass.Float32(1.0), stream)

@@ -1,0 +1,80 @@
+"""Which tiles a CTA visits and which scores it masks (device side), shared by every kernel.
+
+A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of BN columns.
+
+* Tails: the last kv tile may run past the sequence; its columns >= seqlen are masked.
+  (Rows >= seqlen of the last query tile are computed on zero-filled Q and never stored.)
+* Causal (query i sees keys j <= i): kv tiles entirely right of the diagonal are skipped,
+  tiles entirely left of it need no mask, and only the tiles the diagonal crosses are masked.
+* Scheduling: with a causal mask the last query tiles do the most work, so CTA x takes query
+  tile (num_m_blocks - 1 - x): the longest CTAs start first and the short ones fill the tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+@dataclasses.dataclass(frozen=True)   # frozen: a compile-time constant inside dynamic loops
+class TileSchedule:
+    block_m: int
+    block_n: int
+    causal: bool
+
+    def grid(self, seqlen, heads, batch):
+        return [cute.ceil_div(seqlen, self.block_m), heads, batch]
+
+    @cute.jit
+    def m_block(self, seqlen) -> Int32:
+        bx, _, _ = cute.arch.block_idx()
+        m_block = bx
+        if cutlass.const_expr(self.causal):
+            m_block = cute.ceil_div(seqlen, self.block_m) - 1 - bx
+        return m_block
+
+    @cute.jit
+    def n_block_count(self, m_block, seqlen) -> Int32:
+        """Number of kv tiles this CTA visits (kv tiles 0 .. count-1)."""
+        count = cute.ceil_div(seqlen, self.block_n)
+        if cutlass.const_expr(self.causal):
+            # the last visible column is the last row of this query tile
+            count = cutlass.min(count, cute.ceil_div((m_block + 1) * self.block_m, self.block_n))
+        return count
+
+    @cute.jit
+    def work(self, seqlen):
+        """(query tile, number of kv tiles) of the calling CTA."""
+        m_block = self.m_block(seqlen)
+        return m_block, self.n_block_count(m_block, seqlen)
+
+    @cute.jit
+    def needs_mask(self, m_block, n_block, seqlen):
+        """True if kv tile `n_block` has a column past the end or right of the diagonal."""
+        last_col = (n_block + 1) * self.block_n - 1
+        needs = last_col >= seqlen
+        if cutlass.const_expr(self.causal):
+            needs = needs or last_col > m_block * self.block_m
+        return needs
+
+
+@cute.jit
+def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: Int32,
+                seqlen: Int32, causal: cutlass.Constexpr[bool]):
+    """Set s to -inf where the key is past the end (or after the query, if causal).
+
+    `coords_rc[r, c]` is the (row, col) of register s_rc[r, c] inside the tile; row0 and col0
+    are the tile's offsets in the sequence.
+    """
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            row = coords_rc[r, c][0] + row0
+            col = coords_rc[r, c][1] + col0
+            hidden = col >= seqlen
+            if cutlass.const_expr(causal):
+                hidden = hidden or col > row
+            if hidden:
+                s_rc[r, c] = -Float32.inf

@@ -1,0 +1,82 @@
+"""Online softmax with deferred normalization (device side), shared by every fused kernel.
+
+A thread holds some rows of the current score tile S (as a [row, col] register view) and the
+matching rows of the output accumulator O. The rows are split across ``lanes_per_row``
+neighbouring lanes of a warp (16 in the CUDA-core kernels, 4 in the WGMMA ones), so row
+maxima are combined with butterfly shuffles; row sums stay per-thread partials until the end.
+
+For each new kv tile, per row (all in base 2: x * scale * log2(e) is folded into one FMA):
+
+    m_new = max(m_old, max_j s_j)
+    alpha = 2^((m_old - m_new) * scale_log2)        rescales what was accumulated so far
+    p_j   = 2^(s_j * scale_log2 - m_new * scale_log2)
+    l     = l * alpha + sum_j p_j
+    O     = O * alpha   (by the caller, before adding P V)
+
+At the end O is divided by l once. Masked scores are -inf; a row whose scores are all -inf
+so far keeps m = -inf, and we subtract 0 instead of -inf so no NaN appears (exp2(-inf) = 0).
+A row with l = 0 at the end (nothing visible) is written as 0, not NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+
+@dataclasses.dataclass(frozen=True)   # frozen: register arrays are updated in place, never rebound
+class OnlineSoftmax:
+    num_rows: int
+    lanes_per_row: int
+    scale_log2: Float32
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(num_rows: int, scale_log2: Float32, lanes_per_row: int) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor((num_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum)
+
+    @cute.jit
+    def step(self, s_rc: cute.Tensor) -> cute.Tensor:
+        """Turn the scores in `s_rc` into unnormalized probabilities, in place.
+
+        Returns the per-row factor alpha by which the caller must rescale O.
+        """
+        alpha = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = s_rc[r, None].load()
+            tile_max = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=self.lanes_per_row)
+            m_old = self.row_max[r]
+            m_new = cute.arch.fmax(m_old, tile_max)
+            self.row_max[r] = m_new
+            m_safe = 0.0 if m_new == -Float32.inf else m_new
+            m_scaled = m_safe * self.scale_log2
+            alpha[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            self.row_sum[r] = self.row_sum[r] * alpha[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            s_rc[r, None].store(p)
+        return alpha
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        """Combine the per-lane partial sums; return 1/l per row (0 for empty rows)."""
+        inv = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=self.lanes_per_row)
+            inv[r] = 0.0 if total == 0.0 else 1.0 / total
+        return inv
+
+
+@cute.jit
+def scale_rows(o_rc: cute.Tensor, factor: cute.Tensor):
+    """o[r, :] *= factor[r] for a [row, col] register view."""
+    for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
+        o_rc[r, None].store(o_rc[r, None].load() * factor[r])

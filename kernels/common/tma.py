@@ -1,0 +1,178 @@
+"""TMA loads and the mbarrier pipeline that feeds K/V tiles (shared by k3, k4_qk, k4).
+
+The contract of a TMA load, in four steps:
+
+1. Host: `make_tiled_tma_atom` encodes a tensor descriptor (base address, extents, strides,
+   box = one tile, swizzle mode taken from the SMEM layout). Extents are the real ones, so a
+   box that runs past the end of the sequence is filled with zeros by the hardware: tails
+   need no special load code and nothing is read out of bounds.
+2. Device: one thread arms the stage's mbarrier with the number of bytes it expects
+   (`arrive_and_expect_tx`), then issues `cp.async.bulk.tensor`; the copy engine writes SMEM
+   and decrements that count as bytes land.
+3. Consumers wait on the mbarrier's current phase (`mbarrier.try_wait.parity`): it flips
+   when the arrival count and the byte count both reach zero.
+4. When every consumer warp has finished reading the stage it arrives on the stage's
+   "empty" barrier; the producer waits on that before reusing the buffer.
+
+`PipelineTmaAsync` from cutlass.pipeline implements steps 2-4 over a ring of stages, with a
+(stage index, phase) state that the producer and the consumers advance independently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync
+
+
+def make_tma_load(gmem: cute.Tensor, smem_layout, rows: int, cols: int):
+    """Host side: TMA atom + TMA tensor for (rows, cols) tiles of an (N, d, H, B) tensor.
+
+    `smem_layout` is one stage's layout (or a staged one; only its first two modes are used).
+    """
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem,
+                                       cute.select(smem_layout, mode=[0, 1]), (rows, cols))
+
+
+def make_tma_store(gmem: cute.Tensor, smem_layout, rows: int, cols: int):
+    """Host side: TMA atom for storing (rows, cols) SMEM tiles; rows past the end are clipped."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), gmem,
+                                       cute.select(smem_layout, mode=[0, 1]), (rows, cols))
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaTiles:
+    """One operand's TMA copies for one (head, batch): tile t <-> SMEM buffer (stage s)."""
+
+    atom: cute.CopyAtom
+    gmem: cute.Tensor    # (copy, tile index)
+    smem: cute.Tensor    # (copy, stage) or (copy,)
+
+    @staticmethod
+    def partition(atom, tma_tensor: cute.Tensor, head, batch, smem: cute.Tensor) -> "TmaTiles":
+        rows, cols = cute.size(smem, mode=[0]), cute.size(smem, mode=[1])
+        tiles = cute.local_tile(tma_tensor[None, None, head, batch], (rows, cols), (None, 0))
+        smem_part, gmem_part = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                     cute.group_modes(smem, 0, 2),
+                                                     cute.group_modes(tiles, 0, 2))
+        return TmaTiles(atom, gmem_part, smem_part)
+
+    def copy(self, tile_index, barrier, stage=None):
+        """Load global tile `tile_index` into the SMEM buffer (of `stage`)."""
+        smem = self.smem if stage is None else self.smem[None, stage]
+        cute.copy(self.atom, self.gmem[None, tile_index], smem, tma_bar_ptr=barrier)
+
+    def store(self, tile_index):
+        """Store the SMEM buffer to global tile `tile_index` and wait until SMEM is read."""
+        cute.copy(self.atom, self.smem, self.gmem[None, tile_index])
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, head_dim: int):
+    """Host side, for the attention kernels: TMA atoms and TMA tensors for Q (one block_m x d
+    tile) and K, V (block_n x d ring stages), and the bytes each Q load / K+V stage brings."""
+    tma_q = make_tma_load(q, q_layout, block_m, head_dim)
+    tma_k = make_tma_load(k, kv_layout, block_n, head_dim)
+    tma_v = make_tma_load(v, kv_layout, block_n, head_dim)
+    atoms = (tma_q[0], tma_k[0], tma_v[0])
+    tensors = (tma_q[1], tma_k[1], tma_v[1])
+    q_bytes = tma_bytes(q.element_type, q_layout)
+    kv_bytes = 2 * tma_bytes(k.element_type, kv_layout)
+    return atoms, tensors, q_bytes, kv_bytes
+
+
+def prefetch_descriptors(*atoms):
+    """Pull the TMA descriptors into the descriptor cache early (call from one warp)."""
+    for atom in atoms:
+        cpasync.prefetch_descriptor(atom)
+
+
+def tma_bytes(dtype, smem_layout) -> int:
+    """Bytes one TMA tile of `smem_layout` (first two modes) delivers."""
+    return cute.size_in_bytes(dtype, cute.select(smem_layout, mode=[0, 1]))
+
+
+def make_tma_pipeline(barriers: cute.Pointer, stages: int, consumer_warps: int,
+                      bytes_per_stage: int) -> pipeline.PipelineTmaAsync:
+    """A ring of `stages` full/empty mbarrier pairs: one producer thread, `consumer_warps`
+    warps releasing each stage (lane 0 of each arrives once)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=bytes_per_stage,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLoader:
+    """K and V tiles through one pipeline: one barrier per stage counts both tiles' bytes."""
+
+    pipe: pipeline.PipelineTmaAsync
+    k: TmaTiles
+    v: TmaTiles
+
+    def load(self, state: pipeline.PipelineState, tile_index):
+        """Producer (one warp): wait until the stage is free, arm it, issue both copies."""
+        self.pipe.producer_acquire(state)
+        barrier = self.pipe.producer_get_barrier(state)
+        self.k.copy(tile_index, barrier, state.index)
+        self.v.copy(tile_index, barrier, state.index)
+        self.pipe.producer_commit(state)   # a no-op for TMA: the copies complete the barrier
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLoads:
+    """Everything the producer warp issues for one CTA: Q once (a one-stage pipeline), then
+    K/V tiles through the ring. Shared by k3, k4_qk and k4."""
+
+    q_pipe: pipeline.PipelineTmaAsync
+    q: TmaTiles
+    kv: KVLoader
+
+    @staticmethod
+    def create(storage, consumer_warps: int, stages: int, q_bytes: int, kv_bytes: int,
+               atoms, tensors, smem, head, batch) -> "AttentionLoads":
+        """`atoms`, `tensors`, `smem`: (Q, K, V) TMA atoms, TMA tensors and SMEM buffers;
+        `storage` has `q_barriers` (2) and `kv_barriers` (2 * stages)."""
+        q_pipe = make_tma_pipeline(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
+        kv_pipe = make_tma_pipeline(storage.kv_barriers.data_ptr(), stages, consumer_warps,
+                                    kv_bytes)
+        q, k, v = (TmaTiles.partition(a, t, head, batch, s) for a, t, s in zip(atoms, tensors, smem))
+        return AttentionLoads(q_pipe, q, KVLoader(kv_pipe, k, v))
+
+    @cute.jit
+    def start(self, m_block, n_count, produce: pipeline.PipelineState):
+        """Producer prologue (warp 0): Q, then the first `stages` K/V tiles."""
+        q_state = producer_state(1)
+        self.q_pipe.producer_acquire(q_state)
+        self.q.copy(m_block, self.q_pipe.producer_get_barrier(q_state))
+        for _ in cutlass.range(cutlass.min(self.kv.pipe.num_stages, n_count), unroll=1):
+            self.kv.load(produce, produce.count)
+            produce.advance()
+        return produce
+
+    @cute.jit
+    def refill(self, produce: pipeline.PipelineState, n_count):
+        """Producer (warp 0), after its own release: load the next tile, if any, into the
+        stage just freed (waits until every consumer warp has released it)."""
+        if produce.count < n_count:
+            self.kv.load(produce, produce.count)
+            produce.advance()
+        return produce
+
+    def wait_q(self):
+        self.q_pipe.consumer_wait(consumer_state(1))
+
+
+def producer_state(stages: int):
+    return pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+
+
+def consumer_state(stages: int):
+    return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)

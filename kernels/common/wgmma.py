@@ -1,0 +1,62 @@
+"""Warpgroup MMA (WGMMA) helpers shared by k4_qk and k4.
+
+A WGMMA is issued by a warpgroup (4 consecutive warps, 128 threads) and computes a
+64 x N x 16 tile: A (64 x 16) from shared memory or registers, B (N x 16) from shared memory,
+both read through 64-bit SMEM descriptors (start address, strides, swizzle mode) built from
+the swizzled layouts in layouts.py. The accumulator stays in registers of the 128 threads.
+The instruction is asynchronous:
+
+    warpgroup.fence()         order earlier register writes (accumulator, A) before the MMA
+    wgmma.mma_async ... x K/16  one per 16-wide slice of the reduction dimension
+    warpgroup.commit_group()  close the batch
+    warpgroup.wait_group(n)   wait until at most n batches are still in flight
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import BFloat16, Float32
+from cutlass.cute.nvgpu import warpgroup
+
+
+def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int):
+    """S = Q K^T: Q (M x d) and K (N x d) both K-major (head_dim contiguous) in SMEM.
+
+    Each warpgroup computes 64 rows x tile_n columns; warpgroups are stacked
+    `warpgroups_m` down and `warpgroups_n` across.
+    """
+    return sm90_helpers.make_trivial_tiled_mma(
+        BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+        Float32, (warpgroups_m, warpgroups_n, 1), tiler_mn=(64, tile_n))
+
+
+def pv_mma(warpgroups_m: int, head_dim: int):
+    """O += P V: P from registers (the converted S accumulator), V from SMEM read
+    MN-major: V is stored (kv, d) with d contiguous, and B = V^T (d x kv) therefore has its
+    N dimension (d) contiguous."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+        Float32, (warpgroups_m, 1, 1), tiler_mn=(64, head_dim),
+        a_source=warpgroup.OperandSource.RMEM)
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+         zero_init: cutlass.Constexpr[bool]):
+    """Issue acc (+)= A B as one committed WGMMA batch (does not wait)."""
+    warpgroup.fence()
+    # a fresh atom per call: its ACCUMULATE field is flipped after the first k-slice
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+def warpgroup_slice(tiled_mma: cute.TiledMma, tidx):
+    """The slice of `tiled_mma` owned by the warpgroup of thread `tidx` (operand partitions
+    are per warpgroup: the SMEM descriptors are shared by its 128 threads)."""
+    return tiled_mma.get_slice((tidx // 128) * 128)

@@ -1,0 +1,95 @@
+"""Randomized correctness sweep against an fp32 reference.
+
+    python ref_check.py k2 k3_1 k4 [--seed 0] [--quick] [--json PATH]
+
+For every supported head dim, causal off and on, odd and even sequence lengths (1, 17, 64,
+113, 128, 1000, 2049), batch 2 x heads 3, plus large-magnitude inputs: fresh random normal
+inputs per case, output poisoned with NaN, error vs fp32 compared with torch's own bf16
+SDPA error on the same inputs. Exits 1 and prints the failing configs if any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from harness import registry
+from kernels.common.contract import Problem
+
+SEQLENS = (1, 17, 64, 113, 128, 1000, 2049)
+QUICK_SEQLENS = (1, 113, 1000)
+BATCH, HEADS = 2, 3
+
+
+def cases(entry, quick: bool):
+    """(problem, input scale) pairs for one kernel."""
+    head_dims = [d for d in entry.spec.head_dims]
+    env_d = os.environ.get("HEADDIM")
+    if env_d:
+        head_dims = [d for d in head_dims if str(d) in env_d.split(",")]
+    out = []
+    for d in head_dims:
+        for causal in (False, True):
+            for n in (QUICK_SEQLENS if quick else SEQLENS):
+                out.append((Problem(BATCH, HEADS, n, d, causal), 1.0))
+            # large scores (std ~ 16 before scaling): the online softmax must not overflow
+            out.append((Problem(1, 2, 257, d, causal), 4.0))
+    return out
+
+
+def check_kernel(entry, seed: int, quick: bool = False) -> list[dict]:
+    from harness.checks import ReferenceCase
+    results = []
+    for i, (problem, scale) in enumerate(cases(entry, quick)):
+        row = {"kernel": entry.name, "config": problem.as_dict(), "input_scale": scale}
+        reason = entry.spec.unsupported_reason(problem)
+        if reason:
+            results.append({**row, "skipped": reason})
+            continue
+        case = ReferenceCase(problem, seed * 1000 + i, scale)
+        try:
+            handle = entry.compile(problem)
+            results.append({**row, **case.check(entry, handle)})
+        except Exception as exc:  # noqa: BLE001
+            results.append({**row, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:1000]})
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", nargs="+")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="fewer sequence lengths")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("ref_check needs a CUDA GPU; on a CPU machine use: python bench.py <kernels> --compile-only")
+        return 2
+    all_rows, failed = [], []
+    for entry in registry.resolve(args.kernels):
+        rows = check_kernel(entry, args.seed, args.quick)
+        worst = max((r.get("error_ratio", 0.0) for r in rows if "error_ratio" in r), default=0.0)
+        bad = [r for r in rows if not r.get("skipped") and not r.get("ok")]
+        print(f"{entry.name:7} {len(rows) - len(bad)}/{len(rows)} cases pass, "
+              f"worst error / torch bf16 error = {worst:.2f}")
+        for r in bad:
+            c = r["config"]
+            print(f"   FAIL B={c['batch']} H={c['heads']} N={c['seqlen']} d={c['head_dim']} "
+                  f"causal={c['causal']} scale={r['input_scale']}: "
+                  + (r.get("error") or f"max_abs={r['max_abs']:.3g} torch={r['torch_max_abs']:.3g} "
+                     f"nan={r['nan']}"))
+        all_rows += rows
+        failed += bad
+    if args.json:
+        from harness.env import environment
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"env": environment(), "command": " ".join(sys.argv), "rows": all_rows}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Harness logic that needs no GPU: sweep, registry, reference, verdicts, naming."""
+
+import math
+
+import pytest
+import torch
+
+from harness import problems, reference, registry
+from harness.env import gpu_slug
+
+
+def test_default_sweep_is_the_fa3_paper_sweep(monkeypatch):
+    for var in ("SEQLEN", "HEADDIM", "CAUSAL", "BATCH", "HEADS"):
+        monkeypatch.delenv(var, raising=False)
+    sweep = problems.sweep()
+    assert len(sweep) == 6 * 2 * 2
+    for p in sweep:
+        assert p.batch * p.seqlen == 16384
+        assert p.heads * p.head_dim == 2048
+        assert p.seqlen in (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def test_env_narrows_the_sweep(monkeypatch):
+    monkeypatch.setenv("SEQLEN", "4096,1000")
+    monkeypatch.setenv("HEADDIM", "128")
+    monkeypatch.setenv("CAUSAL", "1")
+    monkeypatch.setenv("BATCH", "2")
+    sweep = problems.sweep()
+    assert [(p.seqlen, p.head_dim, p.causal, p.batch, p.heads) for p in sweep] == [
+        (4096, 128, True, 2, 16), (1000, 128, True, 2, 16)]
+    assert problems.config_name(sweep[0]) == "b2_h16_n4096_d128_causal"
+
+
+def test_registry_variants_and_options():
+    assert dict(registry.get("k3_3").options)["stages"] == 5
+    entry = registry.get("k4:block_n=64,stages=3")
+    assert entry.module == "kernels.k4" and dict(entry.options) == {"block_n": 64, "stages": 3}
+    with pytest.raises(SystemExit):
+        registry.get("k9")
+
+
+def _naive(q, k, v, causal):
+    b, n, h, d = q.shape
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, -1), v.double())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 130])
+def test_reference_matches_float64_formula(n, causal, monkeypatch):
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 2 * 3 * n * 5)   # force several chunks
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(2, n, 3, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    got = reference.reference_attention(q, k, v, causal)
+    want = _naive(q, k, v, causal)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+def test_judge_fails_nan_and_large_errors():
+    ref = torch.ones(4)
+    torch_err = {"max_abs": 0.01, "mean_abs": 0.001, "nan": 0}
+    ok = reference.judge({"max_abs": 0.015, "mean_abs": 0.0, "nan": 0}, torch_err, ref)
+    assert ok["ok"] and ok["error_ratio"] == pytest.approx(1.5)
+    assert not reference.judge({"max_abs": 0.03, "mean_abs": 0.0, "nan": 0}, torch_err, ref)["ok"]
+    assert not reference.judge({"max_abs": 0.0, "mean_abs": 0.0, "nan": 1}, torch_err, ref)["ok"]
+
+
+def test_error_stats_counts_unwritten_nan():
+    out = torch.zeros(3)
+    out[1] = float("nan")
+    stats = reference.error_stats(out, torch.zeros(3))
+    assert stats["nan"] == 1 and math.isinf(stats["max_abs"])
+
+
+def test_gpu_slug():
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug(None) == "cpu"
