@@ -315,7 +315,6 @@ def plots(res: Results, img_dir) -> list[str]:
 # ------------------------------------------------------------------------------- blocks
 def blocks(folder) -> dict:
     res = Results(folder)
-    rel = os.path.relpath(folder, ROOT)
     g = res.gpu
     out = {
         f"summary:{g}": summary_table(res),
@@ -342,7 +341,6 @@ def blocks(folder) -> dict:
         f"![{os.path.basename(p)}](img/{os.path.basename(p)})" for p in
         [f"{g}_tflops_d{d}_{c}.png" for d in (64, 128) for c in ("full", "causal")])
     out[f"plots-readme:{g}"] = out[f"plots:{g}"].replace("](img/", "](docs/img/")
-    del rel
     return out
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from typing import Any, Callable, Optional
 
@@ -235,6 +234,3 @@ def run_attention(handle: CompiledAttention, q, k, v, out) -> None:
     scale_log2 = problem.softmax_scale * LOG2_E
     handle.compiled(*handle._bound_args, scale_log2, rt.current_stream())
 
-
-def lineinfo_enabled() -> bool:
-    return os.environ.get("CUTE_DSL_LINEINFO", "0") not in ("", "0", "false", "False")
