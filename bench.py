@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from harness import problems, registry
+from hopper_attn.harness import problems, registry
 
 
 def _nvtx_range(name):
@@ -44,7 +44,7 @@ def parse_args(argv=None):
 
 
 def compile_only(entries) -> int:
-    from harness.compile_report import format_rows, report
+    from hopper_attn.harness.compile_report import format_rows, report
     head_dims = problems._env_list("HEADDIM", problems.HEAD_DIMS)
     causals = problems._env_list("CAUSAL", (False, True), problems._bool)
     rows = report(entries, head_dims, causals)
@@ -55,7 +55,7 @@ def compile_only(entries) -> int:
 
 def profile(entries, args) -> int:
     import torch
-    from harness.inputs import make_inputs
+    from hopper_attn.harness.inputs import make_inputs
     problem = problems.sweep()[0]
     q, k, v, out = make_inputs(problem, args.seed)
     for entry in entries:
@@ -78,11 +78,11 @@ def profile(entries, args) -> int:
 
 def run(entries, args) -> int:
     import torch
-    from harness import baselines
-    from harness.checks import ReferenceCase
-    from harness.env import environment
-    from harness.inputs import make_inputs
-    from harness.timing import L2Flush, benchmark, tflops
+    from hopper_attn.harness import baselines
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.harness.env import environment
+    from hopper_attn.harness.inputs import make_inputs
+    from hopper_attn.harness.timing import L2Flush, benchmark, tflops
 
     check = os.environ.get("CHECK", "0") not in ("", "0")
     env = environment()

@@ -15,8 +15,8 @@ import json
 import os
 import sys
 
-from harness import registry
-from kernels.common.contract import Problem
+from hopper_attn.harness import registry
+from hopper_attn.common.contract import Problem
 
 SEQLENS = (1, 17, 64, 113, 128, 1000, 2049)
 QUICK_SEQLENS = (1, 113, 1000)
@@ -40,7 +40,7 @@ def cases(entry, quick: bool):
 
 
 def check_kernel(entry, seed: int, quick: bool = False) -> list[dict]:
-    from harness.checks import ReferenceCase
+    from hopper_attn.harness.checks import ReferenceCase
     results = []
     for i, (problem, scale) in enumerate(cases(entry, quick)):
         row = {"kernel": entry.name, "config": problem.as_dict(), "input_scale": scale}
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         all_rows += rows
         failed += bad
     if args.json:
-        from harness.env import environment
+        from hopper_attn.harness.env import environment
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"env": environment(), "command": " ".join(sys.argv), "rows": all_rows}, f, indent=1)

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from harness import registry
-from harness.compile_report import compile_artifacts, resource_usage, sass
+from hopper_attn.harness import registry
+from hopper_attn.harness.compile_report import compile_artifacts, resource_usage, sass
 
 pytestmark = pytest.mark.compile
 
@@ -59,7 +59,7 @@ def test_k2_is_fused_on_cuda_cores(d, causal):
 @pytest.mark.parametrize("d,causal", CONFIGS)
 def test_k3_loads_with_tma_and_waits_on_mbarriers(name, d, causal):
     ptx = artifacts(name, d, causal)["ptx"]
-    assert count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global") > 0
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global") > 0
     assert count(ptx, r"mbarrier\.try_wait") > 0
     assert count(ptx, r"ld\.global") == 0                      # nothing loaded by threads
     assert count(ptx, r"wgmma") == 0

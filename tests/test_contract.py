@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from harness import registry
-from kernels.common.contract import (CompiledAttention, KernelSpec, Problem, UnsupportedProblem,
+from hopper_attn.harness import registry
+from hopper_attn.common.contract import (CompiledAttention, KernelSpec, Problem, UnsupportedProblem,
                                      check_tensors, run_attention)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from harness import registry
+from hopper_attn.harness import registry
 
 pytestmark = pytest.mark.gpu
 

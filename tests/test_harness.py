@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from harness import problems, reference, registry
-from harness.env import gpu_slug
+from hopper_attn.harness import problems, reference, registry
+from hopper_attn.harness.env import gpu_slug
 
 
 def test_default_sweep_is_the_fa3_paper_sweep(monkeypatch):
@@ -34,7 +34,7 @@ def test_env_narrows_the_sweep(monkeypatch):
 def test_registry_variants_and_options():
     assert dict(registry.get("k3_3").options)["stages"] == 5
     entry = registry.get("k4:block_n=64,stages=3")
-    assert entry.module == "kernels.k4" and dict(entry.options) == {"block_n": 64, "stages": 3}
+    assert entry.module == "hopper_attn.k4" and dict(entry.options) == {"block_n": 64, "stages": 3}
     with pytest.raises(SystemExit):
         registry.get("k9")
 

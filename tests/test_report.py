@@ -5,7 +5,7 @@ import os
 import re
 import shutil
 
-from harness import report
+from hopper_attn.harness import report
 
 ROOT = report.ROOT
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

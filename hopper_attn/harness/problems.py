@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from kernels.common.contract import Problem
+from hopper_attn.common.contract import Problem
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)

@@ -1,7 +1,7 @@
 """Run one kernel once on one small problem and check it: the target for compute-sanitizer.
 
-    compute-sanitizer --tool racecheck python -m harness.run_once k3_2 --seqlen 200
-    compute-sanitizer --tool synccheck python -m harness.run_once k4 --seqlen 300 --causal
+    compute-sanitizer --tool racecheck python -m hopper_attn.harness.run_once k3_2 --seqlen 200
+    compute-sanitizer --tool synccheck python -m hopper_attn.harness.run_once k4 --seqlen 300 --causal
 
 The reference is computed on the CPU so that the sanitizer only watches the kernel under
 test (and the few torch copies around it).
@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from harness import registry
-from harness.reference import reference_attention
-from kernels.common.contract import Problem
+from hopper_attn.harness import registry
+from hopper_attn.harness.reference import reference_attention
+from hopper_attn.common.contract import Problem
 
 
 def main(argv=None) -> int:

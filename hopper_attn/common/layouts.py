@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 
 def ndhb_view(t: cute.Tensor) -> cute.Tensor:

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import time
 
-from kernels.common.contract import Problem
+from hopper_attn.common.contract import Problem
 
 SPILLS_AS_ERRORS = "--ptxas-options='--warn-on-spills --warning-as-error'"
 
@@ -60,7 +60,7 @@ def resource_usage(cubin: bytes) -> list[dict]:
     rows = []
     for name, body in re.findall(r"Function (\S+):\s*\n\s*(REG:.*)", out):
         fields = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", body))
-        short = re.sub(r"^kernel_cutlass_", "", name).split("_kernels")[0]
+        short = re.sub(r"^kernel_cutlass_", "", name).split("_kernels")[0].split("_hopper_attn")[0]
         rows.append({"function": short, "registers": int(fields["REG"]),
                      "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
                      "static_smem": int(fields["SHARED"])})

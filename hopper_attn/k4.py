@@ -34,12 +34,13 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels.common import tma, wgmma
-from kernels.common.contract import KernelSpec, compile_attention, run_attention
-from kernels.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
+from hopper_attn.common import tma, wgmma
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
                                     smem_tile_layout, transposed)
-from kernels.common.masking import TileSchedule, mask_scores
-from kernels.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.masking import TileSchedule, mask_scores
+from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.trace import PhaseTrace
 
 SPEC = KernelSpec(
     name="k4",
@@ -56,7 +57,7 @@ DEFAULT_BLOCK_M = {64: 192, 128: 128}
 
 class FlashAttentionK4:
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
-                 stages: int = 2):
+                 stages: int = 2, trace: bool = False):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m % 64 or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (multiple of 64), "
@@ -67,6 +68,7 @@ class FlashAttentionK4:
         self.warpgroups = block_m // 64
         self.threads = 128 * self.warpgroups
         self.schedule = TileSchedule(block_m, block_n, causal)
+        self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -115,7 +117,7 @@ class FlashAttentionK4:
         if warp == 0:
             tma.prefetch_descriptors(tma_q, tma_k, tma_v, tma_o)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)   # (bn, d, stage)
         sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
@@ -148,23 +150,33 @@ class FlashAttentionK4:
         loads.wait_q()
 
         for n in cutlass.range(n_count, unroll=1):
+            phase = self.trace.start("wait_kv")
             loads.kv.pipe.consumer_wait(consume)
             stage = consume.index
+            self.trace.end(phase)
+            phase = self.trace.start("qk")
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn)), Float32)
             wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, stage], zero_init=True)
             warpgroup.wait_group(0)
+            self.trace.end(phase)
+            phase = self.trace.start("softmax")
             s_rc = acc_rows_cols(acc_s)
             if schedule.needs_mask(m_block, n, seqlen):
                 mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen, self.causal)
             alpha = softmax.step(s_rc)                       # S -> P (unnormalized), in place
             scale_rows(o_rc, alpha)
             p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
+            self.trace.end(phase)
+            phase = self.trace.start("pv")
             wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, stage], zero_init=False)
             warpgroup.wait_group(0)
+            self.trace.end(phase)
+            phase = self.trace.start("release")
             loads.kv.pipe.consumer_release(consume)
             consume.advance()
             if warp == 0:                                   # refill the freed stage
                 produce = loads.refill(produce, n_count)
+            self.trace.end(phase)
 
         # Epilogue: O / l -> bf16 -> SMEM (Q's buffer) -> one TMA store.
         scale_rows(o_rc, softmax.finalize())
@@ -179,11 +191,12 @@ class FlashAttentionK4:
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
-                   block_n: int = 128, stages: int = 2):
+                   block_n: int = 128, stages: int = 2, trace: bool = False):
     """Compile (or fetch from the cache) k4; options: block_m (0: the measured default for
-    the head dim), block_n, stages."""
+    the head dim), block_n, stages, trace (iket phase ranges, for timelines)."""
     return compile_attention(SPEC, FlashAttentionK4, problem,
-                             {"block_m": block_m, "block_n": block_n, "stages": stages},
+                             {"block_m": block_m, "block_n": block_n, "stages": stages,
+                              "trace": trace},
                              compile_options=compile_options)
 
 

@@ -33,11 +33,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from kernels.common import tma
-from kernels.common.contract import KernelSpec, compile_attention, run_attention
-from kernels.common.cuda_core import ScalarTile
-from kernels.common.layouts import ndhb_view, smem_tile_layout
-from kernels.common.masking import TileSchedule
+from hopper_attn.common import tma
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.cuda_core import ScalarTile
+from hopper_attn.common.layouts import ndhb_view, smem_tile_layout
+from hopper_attn.common.masking import TileSchedule
 
 SPEC = KernelSpec(
     name="k3",
@@ -84,7 +84,7 @@ class FlashAttentionK3:
     def fit_kv_ring(self, q_layout, p_layout):
         """The deepest K/V ring (up to the requested depth) that fits in shared memory."""
         # 227 KiB per CTA, minus the 1 KiB of static shared memory the DSL's kernels declare
-        capacity = cutlass.utils.get_smem_capacity_in_bytes("sm_90") - 1024
+        capacity = cutlass.memory.get_smem_capacity_in_bytes("sm_90") - 1024
         while True:
             kv_layout = smem_tile_layout(BFloat16, self.tile.block_n, self.head_dim, self.stages)
             storage = self.shared_storage_for(q_layout, kv_layout, p_layout, self.stages)
@@ -138,7 +138,7 @@ class FlashAttentionK3:
         if warp == 0:
             tma.prefetch_descriptors(tma_q, tma_k, tma_v)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)   # (bn, d, stage)
         sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)

@@ -11,7 +11,7 @@ FMAs on the CUDA cores (k4 moves the GEMMs to the tensor cores).
 
 Budget: 256 threads (8 warps); SMEM = Q, K, V tiles of 64 x d bf16 (8 KiB each at d = 64,
 16 KiB at d = 128) + P^T 17 KiB; ~100-130 registers per thread. The compute body (thread
-mapping, S = Q K^T, softmax, P V) is `ScalarTile` in kernels/common/cuda_core.py; this file
+mapping, S = Q K^T, softmax, P V) is `ScalarTile` in hopper_attn/common/cuda_core.py; this file
 shows only the loop around it and how the tiles get into shared memory.
 """
 
@@ -21,10 +21,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
-from kernels.common.contract import KernelSpec, compile_attention, run_attention
-from kernels.common.cuda_core import ScalarTile
-from kernels.common.layouts import ndhb_view, smem_tile_layout
-from kernels.common.masking import TileSchedule
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.cuda_core import ScalarTile
+from hopper_attn.common.layouts import ndhb_view, smem_tile_layout
+from hopper_attn.common.masking import TileSchedule
 
 SPEC = KernelSpec(
     name="k2",
@@ -77,7 +77,7 @@ class FlashAttentionK2:
         seqlen = mQ.shape[0]
         m_block, n_count = schedule.work(seqlen)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
         sK = storage.sK.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)
         sV = storage.sV.get_tensor(tile_layout.outer, swizzle=tile_layout.inner)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common.contract import Problem
+from hopper_attn.common.contract import Problem
 
 
 def make_inputs(problem: Problem, seed: int, scale: float = 1.0, device: str = "cuda"):

@@ -33,13 +33,13 @@ class KernelEntry:
 
 
 KERNELS = {e.name: e for e in [
-    KernelEntry("k1", "kernels.k1", note="naive, three kernels, N x N scores in memory"),
-    KernelEntry("k2", "kernels.k2", note="fused FA2, CUDA cores"),
-    KernelEntry("k3_1", "kernels.k3", (("stages", 1),), note="TMA, 1-stage pipeline"),
-    KernelEntry("k3_2", "kernels.k3", (("stages", 2),), note="TMA, 2-stage pipeline"),
-    KernelEntry("k3_3", "kernels.k3", (("stages", 5),), note="TMA, 5-stage pipeline"),
-    KernelEntry("k4_qk", "kernels.k4_qk", note="WGMMA for QK^T, S through SMEM"),
-    KernelEntry("k4", "kernels.k4", note="WGMMA for both GEMMs, P in registers"),
+    KernelEntry("k1", "hopper_attn.k1", note="naive, three kernels, N x N scores in memory"),
+    KernelEntry("k2", "hopper_attn.k2", note="fused FA2, CUDA cores"),
+    KernelEntry("k3_1", "hopper_attn.k3", (("stages", 1),), note="TMA, 1-stage pipeline"),
+    KernelEntry("k3_2", "hopper_attn.k3", (("stages", 2),), note="TMA, 2-stage pipeline"),
+    KernelEntry("k3_3", "hopper_attn.k3", (("stages", 5),), note="TMA, 5-stage pipeline"),
+    KernelEntry("k4_qk", "hopper_attn.k4_qk", note="WGMMA for QK^T, S through SMEM"),
+    KernelEntry("k4", "hopper_attn.k4", note="WGMMA for both GEMMs, P in registers"),
 ]}
 
 

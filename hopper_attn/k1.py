@@ -22,8 +22,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32
 
-from kernels.common.contract import KernelSpec, compile_attention, run_attention
-from kernels.common.layouts import ndhb_view
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.layouts import ndhb_view
 
 _GRID_LIMIT = 65535   # CUDA's limit on gridDim.y and gridDim.z
 

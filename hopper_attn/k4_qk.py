@@ -27,10 +27,10 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from kernels.common import wgmma
-from kernels.common.contract import KernelSpec, compile_attention, run_attention
-from kernels.common.cuda_core import ScalarTile
-from kernels.k3 import FlashAttentionK3
+from hopper_attn.common import wgmma
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.cuda_core import ScalarTile
+from hopper_attn.k3 import FlashAttentionK3
 
 SPEC = KernelSpec(
     name="k4_qk",

@@ -1,7 +1,7 @@
 """Regenerate the results tables and plots in README.md and docs/ from results/.
 
-    python -m harness.report            # rewrite generated blocks and plots in place
-    python -m harness.report --check    # exit 1 if a generated block is out of date
+    python -m hopper_attn.harness.report            # rewrite generated blocks and plots in place
+    python -m hopper_attn.harness.report --check    # exit 1 if a generated block is out of date
 
 Inputs (all committed): results/<gpu>/*_bench_*.json (bench.py --json), the k4 tile and k3
 structure sweeps, ref_check JSON, and Nsight Compute raw CSVs (results/<gpu>/profiles/).
@@ -22,7 +22,7 @@ import os
 import re
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4"]
 BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
 BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)"}
@@ -226,7 +226,7 @@ def load_profile(path):
                 unit = units[header.index(metric)]
                 rec[metric] = str(_num(rec[metric]) * scale.get(unit, 1.0))
         name = rec.get("Kernel Name", "")
-        short = re.sub(r"^kernel_cutlass_", "", name).split("_kernels")[0]
+        short = re.sub(r"^kernel_cutlass_", "", name).split("_kernels")[0].split("_hopper_attn")[0]
         rec["short"] = short
         out.append(rec)
     return out
@@ -386,7 +386,7 @@ def main(argv=None) -> int:
     changed = render(check=args.check, write_plots=not args.no_plots)
     if args.check:
         if changed:
-            print("stale generated blocks in: " + ", ".join(changed) + " (run python -m harness.report)")
+            print("stale generated blocks in: " + ", ".join(changed) + " (run python -m hopper_attn.harness.report)")
             return 1
         print("generated blocks are up to date")
         return 0

@@ -1,6 +1,6 @@
 """The contract every kernel in this repository follows (host side, plain Python).
 
-A kernel module ``kernels/kN.py`` exposes
+A kernel module ``hopper_attn/kN.py`` exposes
 
     SPEC                                  what it supports (head dims, dtypes, limits)
     compile_kernel(problem, **options)    -> CompiledAttention (cached per configuration)
