@@ -73,6 +73,17 @@ def profile(entries, args) -> int:
         torch.cuda.synchronize()
         print(f"profiled {name}: ncu --nvtx --nvtx-include \"{name}/\" --set full "
               f"-o {name} python bench.py {entry.name} --profile")
+    from hopper_attn.harness import baselines          # the baselines, each in its own range
+    found, _ = baselines.available([b for b in args.baselines.split(",") if b])
+    for bname, fn in found.items():
+        for _ in range(3):
+            fn(q, k, v, problem.causal)
+        torch.cuda.synchronize()
+        name = f"{bname}__{problems.config_name(problem)}"
+        with _nvtx_range(name):
+            fn(q, k, v, problem.causal)
+        torch.cuda.synchronize()
+        print(f"profiled {name}")
     return 0
 
 

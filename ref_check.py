@@ -4,8 +4,10 @@
 
 For every supported head dim, causal off and on, odd and even sequence lengths (1, 17, 64,
 113, 128, 1000, 2049), batch 2 x heads 3, plus large-magnitude inputs: fresh random normal
-inputs per case, output poisoned with NaN, error vs fp32 compared with torch's own bf16
-SDPA error on the same inputs. Exits 1 and prints the failing configs if any case fails.
+inputs per case, each tensor inside a buffer whose neighbouring memory is NaN, output
+poisoned with NaN, error vs fp32 compared with torch's own bf16 SDPA error on the same
+inputs; the NaN guards must be untouched and a second run must give the same bits.
+Exits 1 and prints the failing configs if any case fails.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
             print(f"   FAIL B={c['batch']} H={c['heads']} N={c['seqlen']} d={c['head_dim']} "
                   f"causal={c['causal']} scale={r['input_scale']}: "
                   + (r.get("error") or f"max_abs={r['max_abs']:.3g} torch={r['torch_max_abs']:.3g} "
-                     f"nan={r['nan']}"))
+                     f"nan={r['nan']} same_bits={r.get('same_bits')} "
+                     f"guards_intact={r.get('guards_intact')}"))
         all_rows += rows
         failed += bad
     if args.json:

@@ -78,3 +78,14 @@ def test_gpu_slug():
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert gpu_slug("NVIDIA H200") == "h200"
     assert gpu_slug(None) == "cpu"
+
+
+def test_guarded_inputs_sit_between_nan_guards():
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness.inputs import GUARD, guards_intact, make_inputs
+    q, k, v, out, buffers = make_inputs(Problem(1, 2, 17, 64), 0, device="cpu", with_buffers=True)
+    assert q.is_contiguous() and q.data_ptr() % 16 == 0
+    assert not q.isnan().any() and out.isnan().all()
+    assert all(guards_intact(b) for b in buffers)
+    buffers[3][GUARD + out.numel()] = 0.0           # one element written past the end of out
+    assert not guards_intact(buffers[3])

@@ -176,3 +176,77 @@ def producer_state(stages: int):
 
 def consumer_state(stages: int):
     return pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
+
+
+# --------------------------------------------------------------------------------------------
+# From k5 on: a producer warp of its own, and K and V through separate rings.
+# --------------------------------------------------------------------------------------------
+
+def make_tma_ring(barriers: cute.Pointer, stages: int, consumer_warps: int,
+                  bytes_per_stage: int) -> pipeline.PipelineTmaAsync:
+    """`make_tma_pipeline` without its CTA-wide sync: warp 0 initialises the mbarriers, and
+    the caller makes them visible once for all rings (`barriers_ready`) before any use."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers,
+        num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=bytes_per_stage,
+        defer_sync=True,
+    )
+
+
+def barriers_ready():
+    """Fence the mbarrier inits and sync the CTA (every thread, before the role split)."""
+    pipeline.pipeline_init_arrive()
+    pipeline.pipeline_init_wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKVLoads:
+    """Q once (a one-stage ring), then K and V tiles through two rings of their own.
+
+    K_j and V_j use the same stage index (they are loaded and consumed in the same order),
+    so one PipelineState per role drives both rings; but each has its own full/empty
+    mbarriers: a consumer can start S = Q K_j^T as soon as K_j has landed while V_j is still
+    in flight, and hands K_j's buffer back as soon as that WGMMA retires, long before it is
+    done with V_j.
+    """
+
+    q_pipe: pipeline.PipelineTmaAsync
+    k_pipe: pipeline.PipelineTmaAsync
+    v_pipe: pipeline.PipelineTmaAsync
+    q: TmaTiles
+    k: TmaTiles
+    v: TmaTiles
+
+    @staticmethod
+    def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
+               atoms, tensors, smem, head, batch) -> "SplitKVLoads":
+        """`atoms`, `tensors`, `smem`: (Q, K, V) TMA atoms, TMA tensors and SMEM buffers;
+        `storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
+        Call `barriers_ready()` before the barriers are used."""
+        q_pipe = make_tma_ring(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
+        k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
+        v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
+        q, k, v = (TmaTiles.partition(a, t, head, batch, s) for a, t, s in zip(atoms, tensors, smem))
+        return SplitKVLoads(q_pipe, k_pipe, v_pipe, q, k, v)
+
+    # producer side (one warp)
+    def load_q(self, m_block):
+        q_state = producer_state(1)
+        self.q_pipe.producer_acquire(q_state)
+        self.q.copy(m_block, self.q_pipe.producer_get_barrier(q_state))
+
+    def load_k(self, state: pipeline.PipelineState, tile_index):
+        """Wait until K's stage is free, arm its barrier with the tile's bytes, issue the copy."""
+        self.k_pipe.producer_acquire(state)
+        self.k.copy(tile_index, self.k_pipe.producer_get_barrier(state), state.index)
+
+    def load_v(self, state: pipeline.PipelineState, tile_index):
+        self.v_pipe.producer_acquire(state)
+        self.v.copy(tile_index, self.v_pipe.producer_get_barrier(state), state.index)
+
+    # consumer side (every consumer thread; lane 0 of each warp arrives on release)
+    def wait_q(self):
+        self.q_pipe.consumer_wait(consumer_state(1))

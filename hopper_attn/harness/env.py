@@ -1,10 +1,18 @@
-"""What a result was measured on: GPU, versions, date. Every results file carries this."""
+"""What a result was measured on: GPU, driver, versions, date. Every results file carries this."""
 
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import platform
 import subprocess
+
+
+def _dist_version(name: str):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def environment() -> dict:
@@ -20,6 +28,10 @@ def environment() -> dict:
         info["cutlass_dsl"] = cutlass.__version__
     except Exception:  # noqa: BLE001
         info["cutlass_dsl"] = None
+    # the baselines' versions: FlashAttention-4 (and the quack kernels it builds on), cuDNN
+    info["flash_attn_4"] = _dist_version("flash-attn-4")
+    info["quack_kernels"] = _dist_version("quack-kernels")
+    info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, sm_count=p.multi_processor_count,
@@ -30,6 +42,7 @@ def environment() -> dict:
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
             info["nvidia_smi"] = out.stdout.strip()
+            info["driver"] = info["nvidia_smi"].split(",")[0].strip() or None
         except Exception:  # noqa: BLE001
             pass
     else:

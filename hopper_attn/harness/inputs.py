@@ -1,23 +1,47 @@
-"""Random inputs (normal, bf16) and a NaN-poisoned output buffer."""
+"""Random inputs (normal, bf16) and a NaN-poisoned output buffer, each inside NaN guards."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from hopper_attn.common.contract import Problem
 
+# Elements of NaN before and after every tensor (16 KiB of bf16 on each side, a multiple of
+# 16 bytes so the tensor itself stays 16-byte aligned). A kernel that reads past the end of
+# q, k or v reads NaN and fails the check; one that writes past `out` changes a guard.
+GUARD = 8192
 
-def make_inputs(problem: Problem, seed: int, scale: float = 1.0, device: str = "cuda"):
+
+def guarded_empty(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, view): a contiguous `shape` view in the middle of a NaN-filled buffer."""
+    numel = math.prod(shape)
+    buffer = torch.full((numel + 2 * GUARD,), float("nan"), dtype=dtype, device=device)
+    return buffer, buffer[GUARD:GUARD + numel].view(shape)
+
+
+def guards_intact(buffer: torch.Tensor) -> bool:
+    """True if the NaN guards around the tensor in `buffer` are untouched."""
+    return bool(buffer[:GUARD].isnan().all() and buffer[-GUARD:].isnan().all())
+
+
+def make_inputs(problem: Problem, seed: int, scale: float = 1.0, device: str = "cuda",
+                with_buffers: bool = False):
     """q, k, v ~ N(0, scale^2) in the problem's dtype, fresh for every call; out = NaN.
 
     The output starts as NaN so that any element the kernel does not write fails the check.
+    Each tensor is a view into a larger buffer whose neighbouring memory holds NaN; with
+    `with_buffers`, the four buffers are returned too (for `guards_intact`).
     """
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     shape = problem.shape
-    q, k, v = (
-        (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(problem.dtype)
-        for _ in range(3)
-    )
-    out = torch.full(shape, float("nan"), dtype=problem.dtype, device=device)
-    return q, k, v, out
+    buffers, tensors = [], []
+    for i in range(4):
+        buffer, view = guarded_empty(shape, problem.dtype, device)
+        if i < 3:
+            view.copy_(torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale)
+        buffers.append(buffer)
+        tensors.append(view)
+    return (*tensors, buffers) if with_buffers else tuple(tensors)

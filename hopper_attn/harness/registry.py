@@ -40,6 +40,7 @@ KERNELS = {e.name: e for e in [
     KernelEntry("k3_3", "hopper_attn.k3", (("stages", 5),), note="TMA, 5-stage pipeline"),
     KernelEntry("k4_qk", "hopper_attn.k4_qk", note="WGMMA for QK^T, S through SMEM"),
     KernelEntry("k4", "hopper_attn.k4", note="WGMMA for both GEMMs, P in registers"),
+    KernelEntry("k5", "hopper_attn.k5", note="warp specialization, setmaxnreg, ping-pong"),
 ]}
 
 

@@ -1,0 +1,280 @@
+"""k5: warp specialization, register reallocation, separate K/V pipelines, ping-pong.
+
+What changes from k4 (FlashAttention-3's first two techniques):
+
+* Warp specialization. One more warpgroup, warpgroup 0, is the producer: its warp 0 issues
+  every TMA load (Q once, then K_j and V_j for each kv tile), warps 1-3 have nothing to do
+  and fall through to the end. Warpgroups 1..W are consumers (64 query rows each) and only
+  wait, compute and release. In k4 warp 0 was also a consumer and refilled the ring from
+  inside the main loop, so its warpgroup stalled on its own loads.
+* Register reallocation (`setmaxnreg`, common/warp_roles.py). Launched one CTA per SM,
+  every thread starts with 65536 / threads registers (168 at 384 threads, 128 at 512). The
+  producer needs few, so its warpgroup drops to 24 (d = 128, 2 consumer WGs) or 32 (d = 64,
+  3 consumer WGs) and the consumers grow to 240 or 160: 128 x (24 + 2 x 240) = 64,512 and
+  128 x (32 + 3 x 160) = 65,536 registers, the whole register file. At d = 128 k4 needed
+  ~177 per thread, more than 168, so without the transfer this thread count would spill.
+* K and V in separate rings (tma.SplitKVLoads), each with its own full/empty mbarriers.
+  S = Q K_j^T starts as soon as K_j has landed, while V_j may still be in flight; K_j's
+  stage is released the moment its WGMMA retires (before the softmax), V_j's after P V_j.
+* Ping-pong between consumer warpgroups (warp_roles.PingPong, named barriers 2..W+1):
+  one warpgroup at a time issues WGMMAs, so while one runs its softmax (exp2 on the SFU,
+  shuffles) the other keeps the tensor cores busy. A turn covers [P V_j, Q K_{j+1}^T] of one
+  warpgroup, issue and completion (FlashAttention-4's sm90 schedule without intra-warpgroup
+  overlap):
+
+      turn:  [sync(own)] ... PV_j, wait, release V_j, wait K_{j+1}, issue QK_{j+1}, [arrive(next)]
+      then, outside the turn: wait QK_{j+1}, release K_{j+1}, mask + softmax, wait V_{j+1}
+
+* The epilogue (O / l -> bf16 -> Q's buffer -> one TMA store) synchronises the consumer
+  threads only, on named barrier 1: the producer warpgroup has left, so `sync_threads`
+  (barrier 0, which counts every thread of the CTA) would hang.
+
+What stays: k4's tiles (d = 128: 128 x 128; d = 64: 192 x 128; 2 stages), WGMMA for both
+GEMMs with P handed over in registers, the online softmax on the accumulator, the tile
+schedule (tails masked, causal tiles skipped, masking only on tiles that need it).
+
+Budget (defaults): d = 128: 384 threads = producer WG + 2 consumer WGs; SMEM = Q 32 KiB +
+2 stages x (K + V) 64 KiB = 160 KiB, + 1 KiB for the 10 mbarriers (80 B, padded to sQ's
+1024-byte alignment). d = 64: 512 threads = producer + 3 consumer WGs; SMEM = 24 + 2 x 32
++ 1 = 89 KiB. Registers: 240 (d = 128) / 160 (d = 64) per consumer thread, 24 / 32 per
+producer thread; the cubin reports the count at entry, 168 / 128.
+
+Named barriers: 0 = __syncthreads (used once, before the role split, to publish the mbarrier
+inits), 1 = epilogue (consumer threads), 2.. = one scheduler barrier per consumer warpgroup.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import BFloat16, Float32
+from cutlass.cute.nvgpu import warpgroup
+
+from hopper_attn.common import tma, wgmma
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
+                                    smem_tile_layout, transposed)
+from hopper_attn.common.masking import TileSchedule, mask_scores
+from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.trace import PhaseTrace
+from hopper_attn.common.warp_roles import PingPong, WarpRoles
+
+SPEC = KernelSpec(
+    name="k5",
+    summary="k4 + producer warpgroup, setmaxnreg, separate K/V pipelines, ping-pong",
+    head_dims=(64, 128),
+)
+
+DEFAULT_BLOCK_M = {64: 192, 128: 128}      # k4's tiles (FlashAttention-4's too)
+EPILOGUE_BARRIER = 1
+FIRST_SCHEDULER_BARRIER = 2
+
+
+class FlashAttentionK5:
+    def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
+                 stages: int = 2, trace: bool = False):
+        block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
+        if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
+            raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
+                             f"warpgroups), block_n={block_n} (multiple of 16), "
+                             f"stages={stages} (>= 1)")
+        self.head_dim = head_dim
+        self.causal = causal
+        self.block_m, self.block_n, self.stages = block_m, block_n, stages
+        self.warpgroups = block_m // 64                 # consumer warpgroups
+        self.roles = WarpRoles.create(self.warpgroups)
+        self.threads = self.roles.threads               # + the producer warpgroup
+        self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER)
+        self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
+                                                      num_threads=self.roles.consumer_threads)
+        self.schedule = TileSchedule(block_m, block_n, causal)
+        self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
+
+    def describe(self) -> dict:
+        return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
+                "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
+                "consumer_warpgroups": self.warpgroups,
+                "producer_regs": self.roles.producer_regs,
+                "consumer_regs": self.roles.consumer_regs,
+                "entry_regs_max": self.roles.entry_regs,
+                "mbarriers": getattr(self, "mbarriers", None),
+                "named_barriers": {"epilogue": EPILOGUE_BARRIER,
+                                   "scheduler": [FIRST_SCHEDULER_BARRIER + k
+                                                 for k in range(self.warpgroups)]
+                                   if self.pingpong.enabled else []}}
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 scale_log2: Float32, stream):
+        q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
+        q_layout = smem_tile_layout(BFloat16, bm, d)            # also O's staging buffer
+        kv_layout = smem_tile_layout(BFloat16, bn, d, self.stages)
+        atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
+            q, k, v, q_layout, kv_layout, bm, bn, d)
+        self.tile_bytes = kv_bytes // 2                         # one K (or V) tile
+        tma_o, o_coords = tma.make_tma_store(o, q_layout, bm, d)
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(kv_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
+        seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
+        self.kernel(*coords, o_coords, *atoms, tma_o, scale_log2, q_layout, kv_layout).launch(
+            grid=self.schedule.grid(seqlen, heads, batch),
+            block=[self.threads, 1, 1],
+            min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               tma_o: cute.CopyAtom, scale_log2: Float32, q_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout):
+        schedule, roles, pingpong = self.schedule, self.roles, self.pingpong
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        _, head, batch = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        seqlen = mQ.shape[0]
+        m_block, n_count = schedule.work(seqlen)        # n_count >= 1
+        if warp == 0:
+            tma.prefetch_descriptors(tma_q, tma_k, tma_v, tma_o)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)   # (bn, d, stage)
+        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sVt = transposed(sV)                                                    # (d, bn, stage)
+
+        # Warp 0 initialises every mbarrier; the one CTA-wide sync of the kernel publishes
+        # them. After the split below nothing may use barrier 0: the producer's warps leave.
+        loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
+                                        self.q_bytes, self.tile_bytes,
+                                        (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
+                                        head, batch)
+        tma.barriers_ready()
+
+        if warp < 4:
+            # ---------------- producer warpgroup ----------------
+            roles.become_producer()
+            if warp == 0:
+                # Q, then K_j and V_j for every kv tile. Each acquire waits until every
+                # consumer warp has released that stage. No producer_tail: every tile loaded
+                # here is waited on by the consumers, so no copy is in flight when the CTA
+                # ends, and the last releases arrive on mbarriers of this (live) CTA only.
+                loads.load_q(m_block)
+                produce = tma.producer_state(self.stages)
+                for n in cutlass.range(n_count, unroll=1):
+                    phase = self.trace.start("load_k")
+                    loads.load_k(produce, n)
+                    self.trace.end(phase)
+                    phase = self.trace.start("load_v")
+                    loads.load_v(produce, n)
+                    self.trace.end(phase)
+                    produce.advance()
+        else:
+            # ---------------- consumer warpgroups 1..W ----------------
+            roles.become_consumer()
+            ctidx = tidx - 128                              # 0 .. 128 * W - 1
+            wg = warp // 4 - 1                              # consumer warpgroup, 0 .. W - 1
+
+            # Each consumer warpgroup owns 64 query rows (as in k4, indexed by ctidx).
+            mma_qk = wgmma.qk_mma(self.warpgroups, 1, bn)
+            mma_pv = wgmma.pv_mma(self.warpgroups, d)
+            wg_qk = wgmma.warpgroup_slice(mma_qk, ctidx)
+            wg_pv = wgmma.warpgroup_slice(mma_pv, ctidx)
+            thr_qk, thr_pv = mma_qk.get_slice(ctidx), mma_pv.get_slice(ctidx)
+            q_frag = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+            k_frag = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+            vt_frag = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+            p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((bm, bn)))  # bf16 registers
+            s_coords = acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((bm, d)), Float32)
+            acc_o.fill(0.0)
+            o_rc = acc_rows_cols(acc_o)
+            softmax = OnlineSoftmax.create(cute.size(s_coords, mode=[0]), scale_log2,
+                                           lanes_per_row=4)
+            consume = tma.consumer_state(self.stages)       # same stage sequence for K and V
+            loads.wait_q()
+
+            pingpong.start(wg)                              # consumer WG 0 holds the first turn
+            phase = self.trace.start("wait_turn")
+            pingpong.sync(wg)
+            self.trace.end(phase)
+            for n in cutlass.range(n_count, unroll=1):
+                # --- inside the turn (taken before the loop, or before the previous tile's PV)
+                phase = self.trace.start("wait_k")
+                loads.k_pipe.consumer_wait(consume)
+                stage = consume.index
+                self.trace.end(phase)
+                phase = self.trace.start("qk")
+                acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn)), Float32)
+                wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, stage], zero_init=True)
+                pingpong.pass_turn(wg)                      # the next WG may issue now
+                warpgroup.wait_group(0)
+                loads.k_pipe.consumer_release(consume)      # K_n read: its stage is free
+                self.trace.end(phase)
+                # --- outside the turn: the other WGs' GEMMs run under this softmax
+                phase = self.trace.start("softmax")
+                s_rc = acc_rows_cols(acc_s)
+                if schedule.needs_mask(m_block, n, seqlen):
+                    mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen, self.causal)
+                alpha = softmax.step(s_rc)                  # S -> P (unnormalized), in place
+                scale_rows(o_rc, alpha)
+                p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
+                self.trace.end(phase)
+                phase = self.trace.start("wait_v")
+                loads.v_pipe.consumer_wait(consume)
+                self.trace.end(phase)
+                phase = self.trace.start("wait_turn")
+                pingpong.sync(wg)                           # --- the turn starts again
+                self.trace.end(phase)
+                phase = self.trace.start("pv")
+                wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, stage], zero_init=False)
+                warpgroup.wait_group(0)
+                self.trace.end(phase)
+                phase = self.trace.start("release")
+                loads.v_pipe.consumer_release(consume)      # V_n read: its stage is free
+                consume.advance()
+                self.trace.end(phase)
+            pingpong.finish(wg)                             # the next WG's last PV may go
+
+            # Epilogue: O / l -> bf16 -> SMEM (Q's buffer) -> one TMA store, consumers only.
+            phase = self.trace.start("epilogue")
+            scale_rows(o_rc, softmax.finalize())
+            o_bf16 = cute.make_rmem_tensor_like(acc_o, BFloat16)
+            o_bf16.store(acc_o.load().to(BFloat16))
+            self.epilogue_barrier.arrive_and_wait()         # every WG's last QK (reads sQ) is done
+            cute.autovec_copy(o_bf16, thr_pv.partition_C(sQ))
+            cute.arch.fence_proxy("async.shared", space="cta")   # make it visible to the TMA unit
+            self.epilogue_barrier.arrive_and_wait()
+            if warp == 4:                                   # the first consumer warp
+                o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sQ)
+                o_store.store(m_block)
+            self.trace.end(phase)
+
+
+def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
+                   block_n: int = 128, stages: int = 2, trace: bool = False):
+    """Compile (or fetch from the cache) k5; options: block_m (0: the default for the head
+    dim; 64, 128 or 192 = 1-3 consumer warpgroups), block_n, stages (of each of the K and V
+    rings), trace (iket phase ranges, for timelines)."""
+    return compile_attention(SPEC, FlashAttentionK5, problem,
+                             {"block_m": block_m, "block_n": block_n, "stages": stages,
+                              "trace": trace},
+                             compile_options=compile_options)
+
+
+def run_kernel(handle, q, k, v, out):
+    run_attention(handle, q, k, v, out)
