@@ -86,11 +86,11 @@ def test_k_and_v_have_their_own_mbarriers(d, causal):
     assert art["kernel"]["mbarriers"] == {"q": 2, "k": 2 * stages, "v": 2 * stages}
     ptx = art["ptx"]
     assert count(ptx, r"mbarrier\.init\.shared") == 2 + 4 * stages
-    # wait sites: producer on Q/K/V "empty", consumers on Q/K/V "full"
-    assert count(ptx, r"mbarrier\.try_wait") == 6
-    # release sites: K (after QK) and V (after PV), on different barriers
+    # wait sites: producer on Q/K/V "empty"; consumers on Q, K, V (in the loop) and V (last PV)
+    assert count(ptx, r"mbarrier\.try_wait") == 7
+    # release sites: V_{n-1} and K_n in the loop, V after the last PV; K and V on different barriers
     releases = re.findall(r"mbarrier\.arrive\.shared\.b64\s+\S+,\s*\[([^\]]+)\]", ptx)
-    assert len(releases) == 2 and releases[0] != releases[1]
+    assert len(releases) == 3 and len(set(releases[:2])) == 2
 
 
 @pytest.mark.compile
@@ -105,8 +105,8 @@ def test_named_barriers_ping_pong_and_epilogue(d, causal):
     sched = r"(%r\d+|[2-9]|1[0-5]),\s*256;"               # ids 0 and 1 are not scheduler ids
     syncs = re.findall(r"bar\.sync\s+" + sched, ptx)
     arrives = re.findall(r"bar\.arrive\s+" + sched, ptx)
-    assert len(syncs) == 2                                # first turn, and before each PV
-    assert len(arrives) == 3                              # WG 1's start, after QK, finish
+    assert len(syncs) == 2                                # each tile's turn, the last PV's turn
+    assert len(arrives) == 3                              # WG 1's start, after each turn, finish
     assert "2" in arrives                                 # the first turn goes to WG 1 (id 2)
     # epilogue: consumer threads only, twice (before writing sQ, before the TMA store)
     assert count(ptx, rf"bar\.sync\s+1,\s*{128 * wgs};") == 2
@@ -118,8 +118,9 @@ def test_wgmma_counts_and_p_from_registers(d, causal):
     art = artifacts(d, causal)
     ptx = art["ptx"]
     block_n = art["kernel"]["block_n"]
-    assert count(ptx, WGMMA) == d // 16 + block_n // 16   # QK slices + PV slices
-    assert count(ptx, WGMMA_REG_A) == block_n // 16       # PV takes P from registers
+    # QK slices + PV slices, PV issued at two sites (in the loop, and the last tile's)
+    assert count(ptx, WGMMA) == d // 16 + 2 * block_n // 16
+    assert count(ptx, WGMMA_REG_A) == 2 * block_n // 16   # PV takes P from registers
     assert count(ptx, r"ld\.shared") == 0
     assert "HGMMA" in sass(art["cubin"])
 
@@ -178,20 +179,24 @@ class Model:
     def consumer(self, wg):                          # the order of k5's consumer branch
         if wg == 0:
             self.hit(0)                              # start()
+        for j in range(self.n):
+            yield lambda j=j: self.loaded["k"] > j   # wait K_j
+            if j > 0:
+                yield lambda j=j: self.loaded["v"] > j - 1      # wait V_{j-1}
+            yield from self.sync(wg)
+            self.take_turn(wg)                       # issue PV_{j-1} (j > 0) and QK_j
+            self.pass_turn(wg)
+            if j > 0:
+                self.released["v"][j - 1] += 1
+            self.released["k"][j] += 1
+        yield lambda: self.loaded["v"] > self.n - 1  # the last PV, in one more turn
         yield from self.sync(wg)
         self.take_turn(wg)
-        for j in range(self.n):
-            yield lambda j=j: self.loaded["k"] > j   # wait K_j (inside the turn)
-            self.pass_turn(wg)                       # after issuing QK_j
-            self.released["k"][j] += 1
-            yield lambda j=j: self.loaded["v"] > j   # wait V_j
-            yield from self.sync(wg)
-            self.take_turn(wg)
-            self.released["v"][j] += 1               # after PV_j
         if wg != self.wgs - 1:                       # finish()
             self.pass_turn(wg)
         else:
             self.in_turn.discard(wg)
+        self.released["v"][self.n - 1] += 1
 
     def run(self, rng):
         agents = [self.producer()] + [self.consumer(w) for w in range(self.wgs)]

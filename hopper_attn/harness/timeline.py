@@ -1,17 +1,20 @@
 """Per-warpgroup timelines of a kernel's main loop, recorded in the kernel with CuTe DSL's iket.
 
     python -m hopper_attn.harness.timeline record k4 --out results/h100/timeline_k4
-    python -m hopper_attn.harness.timeline plot results/h100/timeline_k4/k4.trace.json \\
+    python -m hopper_attn.harness.timeline plot results/h100/timeline_k4/k4.trace.json.xz \\
         --out docs/img/h100_timeline_k4.png
+    python -m hopper_attn.harness.timeline stats results/h100/timeline_k4/k4.trace.json.xz
 
 `record` compiles the kernel with ``trace=1`` (iket phase ranges around each phase of the
 main loop, see hopper_attn/common/trace.py), and runs it under ``iket profile``, which keeps
-the ranges in the JIT output and turns them into per-warp timestamps. It writes the decoded
-trace (``<kernel>.trace.json``) and a Perfetto trace (``<kernel>.pftrace``, open it in
-https://ui.perfetto.dev) to ``--out``, plus ``<kernel>.cost.json``: the kernel's time with and
-without the ranges, measured in the same traced process.
+the ranges in the JIT output and turns them into per-warp timestamps, for one CTA
+(``--cta``) of every launch. It writes the decoded trace of the last launch
+(``<kernel>.trace.json.xz``), a Perfetto trace of all of them (``<kernel>.pftrace``, open it
+in https://ui.perfetto.dev) and ``<kernel>.cost.json``: the kernel's time with and without
+the ranges, measured in the same traced process, with the versions it ran with.
 
-`plot` draws one lane per warpgroup of a few CTAs on one time axis (globaltimer ns).
+`plot` draws one lane per warpgroup (its first warp) of the recorded CTA, a window of a few
+microseconds in the steady state, one panel per trace; `stats` sums the phases.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import lzma
 import os
 import shutil
 import subprocess
@@ -27,7 +31,7 @@ import tempfile
 
 PHASE_COLORS = {"wait_kv": "#bbbbbb", "wait_k": "#bbbbbb", "wait_v": "#dddddd",
                 "qk": "#1f77b4", "softmax": "#ff7f0e", "pv": "#2ca02c", "release": "#9467bd",
-                "wait_turn": "#e377c2", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b"}
+                "wait_turn": "#e377c2", "mma": "#08306b", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b"}
 
 
 # ------------------------------------------------------------------------- the workload
@@ -50,6 +54,8 @@ def workload(args) -> int:
         cost[f"ms_trace{trace}"] = t["ms"]
     torch.cuda.synchronize()
     cost["overhead"] = cost["ms_trace1"] / cost["ms_trace0"] - 1.0
+    from hopper_attn.harness.env import environment
+    cost["env"] = environment()
     print(json.dumps(cost))
     with open(args.cost_json, "w") as f:
         json.dump(cost, f, indent=1)
@@ -65,8 +71,9 @@ def record(args) -> int:
     env["CUTE_DSL_CACHE_DIR"] = os.path.join(work, "cache")
     cost_json = os.path.join(args.out, f"{args.kernel}.cost.json")
     # -o belongs to iket's top-level parser, before the subcommand
+    # --enabled-cluster: only one CTA (a 1x1x1 cluster) of each launch writes its events
     cmd = [sys.executable, "-m", "iket.cli.main", "-o", os.path.join(work, "run"),
-           "profile", "--postprocess", "all", "--",
+           "profile", "--postprocess", "all", "--enabled-cluster", f"{args.cta},0,0", "--",
            sys.executable, "-m", "hopper_attn.harness.timeline", "workload", args.kernel,
            "--batch", str(args.batch), "--heads", str(args.heads), "--seqlen", str(args.seqlen),
            "--head-dim", str(args.head_dim), "--cost-json", cost_json]
@@ -79,25 +86,73 @@ def record(args) -> int:
         if found:
             shutil.copy(max(found, key=os.path.getsize), os.path.join(args.out, args.kernel + suffix))
     print("wrote", sorted(os.listdir(args.out)))
+    trace = os.path.join(args.out, args.kernel + ".trace.json")
+    if os.path.exists(trace):
+        shrink(trace)
+        _outline(_read(trace))
     return rc
 
 
+def _read(path):
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def shrink(path):
+    """Keep only the last launch (the workload's last traced run), xz-compressed: a few
+    hundred kB instead of megabytes, small enough to commit."""
+    data = _read(path)
+    data["launches"] = data["launches"][-1:]
+    out = path if path.endswith(".xz") else path + ".xz"
+    with lzma.open(out, "wt") as f:
+        json.dump(data, f, separators=(",", ":"))
+    if out != path:
+        os.remove(path)
+    return out
+
+
+def _outline(obj, path="trace", depth=0):
+    """Print the structure of a decoded trace (keys, list lengths, sample leaves)."""
+    if depth > 5:
+        return
+    if isinstance(obj, dict):
+        for key, val in list(obj.items())[:25]:
+            _outline(val, f"{path}.{key}", depth + 1)
+    elif isinstance(obj, list):
+        print(f"{path}: list[{len(obj)}]")
+        if obj:
+            _outline(obj[0], f"{path}[0]", depth + 1)
+    else:
+        print(f"{path} = {str(obj)[:80]}")
+
+
 # ------------------------------------------------------------------------------ plotting
-def load_ranges(path, kernel_filter="FlashAttention"):
-    """Decoded iket trace -> list of (cta, warp, name, start_ns, end_ns) for one kernel."""
-    with open(path) as f:
-        data = json.load(f)
-    rows = []
-    for launch in data.get("launches", []):
-        name = launch.get("kernelName", launch.get("name", ""))
-        if kernel_filter and kernel_filter not in name:
-            continue
-        for r in launch.get("ranges", []):
-            rows.append((r.get("cta", r.get("block")), r.get("warp"), r.get("name"),
-                         r.get("start"), r.get("end")))
-        if rows:
-            break
-    return rows
+def load_ranges(path, launch=-1):
+    """Decoded iket trace -> (kernel name, [(warp, phase, start_ns, end_ns)]) of one launch.
+
+    The trace holds `launches` (one per kernel launch; `ranges` with startTs/endTs in
+    globaltimer ns, a phase name index into `stringTable` and the recording warp as an
+    index into `locationTable`) for the one CTA that `record` enabled.
+    """
+    data = _read(path)
+    names, where = data["stringTable"], data["locationTable"]
+    chosen = data["launches"][launch]
+    rows = [(where[r["warpLocIdxs"][0]]["warpId"], names[r["rangeNameIdx"]], r["startTs"],
+             r["endTs"]) for r in chosen["ranges"]]
+    return chosen["kernelName"], rows
+
+
+def phase_stats(rows) -> dict:
+    """(warpgroup, phase) -> {count, mean_ns, total_ns}, for the docs' tables."""
+    out = {}
+    for warp, name, start, end in rows:
+        entry = out.setdefault(f"wg{warp // 4} {name}", {"count": 0, "total_ns": 0})
+        entry["count"] += 1
+        entry["total_ns"] += end - start
+    for entry in out.values():
+        entry["mean_ns"] = round(entry["total_ns"] / entry["count"], 1)
+    return out
 
 
 def plot(args) -> int:
@@ -105,33 +160,48 @@ def plot(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = load_ranges(args.trace)
-    if not rows:
-        print(f"no ranges found in {args.trace}")
-        return 1
-    ctas = sorted({r[0] for r in rows}, key=str)[: args.ctas]
-    rows = [r for r in rows if r[0] in ctas and r[1] % 4 == 0]       # first warp of each warpgroup
-    t0 = min(r[3] for r in rows)
-    t_end = t0 + args.window_us * 1000 if args.window_us else max(r[4] for r in rows)
-    lanes = sorted({(r[0], r[1] // 4) for r in rows}, key=str)
-    fig, ax = plt.subplots(figsize=(11, 0.45 * len(lanes) + 1.2))
-    for y, lane in enumerate(lanes):
-        for cta, warp, name, s, e in rows:
-            if (cta, warp // 4) != lane or s > t_end:
+    traces = [load_ranges(path) for path in args.trace]
+    titles = args.titles.split("|") if args.titles else [os.path.basename(p) for p in args.trace]
+    fig, axes = plt.subplots(len(traces), 1, figsize=(11, 1.0 + 1.1 * sum(
+        len({w // 4 for w, *_ in rows}) for _, rows in traces) / len(traces) * len(traces)),
+        squeeze=False)
+    seen = {}
+    for ax, (kernel, rows), title in zip(axes[:, 0], traces, titles):
+        rows = [r for r in rows if r[0] % 4 == 0]                 # first warp of each warpgroup
+        begin = min(r[2] for r in rows)
+        t0 = begin + args.skip_us * 1000                          # past the prologue
+        t1 = t0 + args.window_us * 1000
+        lanes = sorted({w // 4 for w, *_ in rows})
+        for warp, name, start, end in rows:
+            if end < t0 or start > t1:
                 continue
-            ax.barh(y, (min(e, t_end) - s) / 1000, left=(s - t0) / 1000, height=0.7,
-                    color=PHASE_COLORS.get(name, "#444444"), label=name)
-    ax.set_yticks(range(len(lanes)), [f"CTA {c} WG {w}" for c, w in lanes])
-    ax.invert_yaxis()
-    ax.set_xlabel("time, us (globaltimer)")
-    handles, labels = ax.get_legend_handles_labels()
-    uniq = dict(zip(labels, handles))
-    ax.legend(uniq.values(), uniq.keys(), ncol=len(uniq), loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 if len(lanes) < 4 else -0.12), frameon=False)
-    ax.set_title(args.title or os.path.basename(args.trace))
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+            y = lanes.index(warp // 4)
+            bar = ax.barh(y, (min(end, t1) - max(start, t0)) / 1000, left=(max(start, t0) - t0) / 1000,
+                          height=0.72, color=PHASE_COLORS.get(name, "#444444"), edgecolor="none")
+            seen.setdefault(name, bar)
+        ax.set_yticks(range(len(lanes)),
+                      [("producer WG" if wg == 0 and len(lanes) > 1 and "K5" in kernel.upper()
+                        else f"WG {wg}") for wg in lanes])
+        ax.set_ylim(len(lanes) - 0.4, -0.6)
+        ax.set_xlim(0, args.window_us)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel(f"time, us (globaltimer; {args.skip_us:g} us after the CTA's first "
+                           "recorded phase)")
+    fig.legend(seen.values(), seen.keys(), ncol=len(seen), loc="lower center", frameon=False,
+               fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(args.out, dpi=100)
     print("wrote", args.out)
+    return 0
+
+
+def stats(args) -> int:
+    out = {}
+    for path in args.trace:
+        kernel, rows = load_ranges(path)
+        out[os.path.basename(path)] = {"kernel": kernel, "phases": phase_stats(rows)}
+    print(json.dumps(out, indent=1))
     return 0
 
 
@@ -141,23 +211,26 @@ def main(argv=None) -> int:
     for name in ("record", "workload"):
         p = sub.add_parser(name)
         p.add_argument("kernel")
-        p.add_argument("--batch", type=int, default=1)
-        p.add_argument("--heads", type=int, default=2)
-        p.add_argument("--seqlen", type=int, default=2048)
+        p.add_argument("--batch", type=int, default=4)
+        p.add_argument("--heads", type=int, default=16)
+        p.add_argument("--seqlen", type=int, default=4096)
         p.add_argument("--head-dim", type=int, default=128)
         p.add_argument("--causal", action="store_true")
         if name == "record":
             p.add_argument("--out", required=True)
+            p.add_argument("--cta", type=int, default=7, help="blockIdx.x of the CTA to record")
         else:
             p.add_argument("--cost-json", required=True)
-    p = sub.add_parser("plot")
-    p.add_argument("trace")
+    p = sub.add_parser("plot", help="one timeline per trace, stacked")
+    p.add_argument("trace", nargs="+")
     p.add_argument("--out", required=True)
-    p.add_argument("--ctas", type=int, default=2)
-    p.add_argument("--window-us", type=float, default=0.0)
-    p.add_argument("--title", default="")
+    p.add_argument("--skip-us", type=float, default=20.0)
+    p.add_argument("--window-us", type=float, default=6.0)
+    p.add_argument("--titles", default="", help="'|'-separated, one per trace")
+    p = sub.add_parser("stats", help="count / mean / total time per warpgroup and phase")
+    p.add_argument("trace", nargs="+")
     args = ap.parse_args(argv)
-    return {"record": record, "workload": workload, "plot": plot}[args.cmd](args)
+    return {"record": record, "workload": workload, "plot": plot, "stats": stats}[args.cmd](args)
 
 
 if __name__ == "__main__":
