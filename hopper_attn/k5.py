@@ -205,60 +205,10 @@ class FlashAttentionK5:
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4)
-            k_state = tma.consumer_state(self.stages)
-            v_state = tma.consumer_state(self.stages)       # one tile behind k_state
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn)), Float32)
             loads.wait_q()
-
-            pingpong.start(wg)                              # consumer WG 0 holds the first turn
-            for n in cutlass.range(n_count, unroll=1):
-                phase = self.trace.start("wait_kv")
-                loads.k_pipe.consumer_wait(k_state)         # K_n, and V_{n-1} for the PV below
-                if n > 0:
-                    loads.v_pipe.consumer_wait(v_state)
-                self.trace.end(phase)
-                phase = self.trace.start("wait_turn")
-                pingpong.sync(wg)                           # --- this WG's turn: both GEMMs
-                self.trace.end(phase)
-                phase = self.trace.start("mma")
-                if n > 0:                                   # O += P_{n-1} V_{n-1}
-                    wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
-                               zero_init=False)
-                wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
-                           zero_init=True)                  # S = Q K_n^T
-                pingpong.pass_turn(wg)                      # --- the next WG may issue now
-                warpgroup.wait_group(0)
-                self.trace.end(phase)
-                phase = self.trace.start("release")
-                if n > 0:
-                    loads.v_pipe.consumer_release(v_state)  # V_{n-1} read: its stage is free
-                    v_state.advance()
-                loads.k_pipe.consumer_release(k_state)      # K_n read: its stage is free
-                k_state.advance()
-                self.trace.end(phase)
-                # --- outside the turn: the other WGs' GEMMs run under this softmax
-                phase = self.trace.start("softmax")
-                s_rc = acc_rows_cols(acc_s)
-                if schedule.needs_mask(m_block, n, seqlen):
-                    mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen, self.causal)
-                alpha = softmax.step(s_rc)                  # S -> P (unnormalized), in place
-                scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
-                p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
-                self.trace.end(phase)
-            # the last tile's PV, in one more turn
-            phase = self.trace.start("wait_kv")
-            loads.v_pipe.consumer_wait(v_state)
-            self.trace.end(phase)
-            phase = self.trace.start("wait_turn")
-            pingpong.sync(wg)
-            self.trace.end(phase)
-            phase = self.trace.start("mma")
-            wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
-                       zero_init=False)
-            pingpong.finish(wg)                             # the next WG's last PV may go
-            warpgroup.wait_group(0)
-            loads.v_pipe.consumer_release(v_state)
-            self.trace.end(phase)
+            self.mainloop(loads, wg, m_block, n_count, seqlen, mma_qk, mma_pv, q_frag, k_frag,
+                          vt_frag, p_frag, acc_s, acc_o, s_coords, softmax)
 
             # Epilogue: O / l -> bf16 -> SMEM (Q's buffer) -> one TMA store, consumers only.
             phase = self.trace.start("epilogue")
@@ -273,6 +223,70 @@ class FlashAttentionK5:
                 o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sQ)
                 o_store.store(m_block)
             self.trace.end(phase)
+
+    @cute.jit
+    def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen,
+                 mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
+                 k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
+                 acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
+                 softmax: OnlineSoftmax):
+        """One consumer warpgroup's loop over the kv tiles: O and the softmax state are
+        updated in place (k6 overrides this method)."""
+        schedule, pingpong = self.schedule, self.pingpong
+        bm, bn = self.block_m, self.block_n
+        o_rc = acc_rows_cols(acc_o)
+        k_state = tma.consumer_state(self.stages)
+        v_state = tma.consumer_state(self.stages)       # one tile behind k_state
+
+        pingpong.start(wg)                              # consumer WG 0 holds the first turn
+        for n in cutlass.range(n_count, unroll=1):
+            phase = self.trace.start("wait_kv")
+            loads.k_pipe.consumer_wait(k_state)         # K_n, and V_{n-1} for the PV below
+            if n > 0:
+                loads.v_pipe.consumer_wait(v_state)
+            self.trace.end(phase)
+            phase = self.trace.start("wait_turn")
+            pingpong.sync(wg)                           # --- this WG's turn: both GEMMs
+            self.trace.end(phase)
+            phase = self.trace.start("mma")
+            if n > 0:                                   # O += P_{n-1} V_{n-1}
+                wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
+                           zero_init=False)
+            wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
+                       zero_init=True)                  # S = Q K_n^T
+            pingpong.pass_turn(wg)                      # --- the next WG may issue now
+            warpgroup.wait_group(0)
+            self.trace.end(phase)
+            phase = self.trace.start("release")
+            if n > 0:
+                loads.v_pipe.consumer_release(v_state)  # V_{n-1} read: its stage is free
+                v_state.advance()
+            loads.k_pipe.consumer_release(k_state)      # K_n read: its stage is free
+            k_state.advance()
+            self.trace.end(phase)
+            # --- outside the turn: the other WGs' GEMMs run under this softmax
+            phase = self.trace.start("softmax")
+            s_rc = acc_rows_cols(acc_s)
+            if schedule.needs_mask(m_block, n, seqlen):
+                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen, self.causal)
+            alpha = softmax.step(s_rc)                  # S -> P (unnormalized), in place
+            scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
+            p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
+            self.trace.end(phase)
+        # the last tile's PV, in one more turn
+        phase = self.trace.start("wait_kv")
+        loads.v_pipe.consumer_wait(v_state)
+        self.trace.end(phase)
+        phase = self.trace.start("wait_turn")
+        pingpong.sync(wg)
+        self.trace.end(phase)
+        phase = self.trace.start("mma")
+        wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
+                   zero_init=False)
+        pingpong.finish(wg)                             # the next WG's last PV may go
+        warpgroup.wait_group(0)
+        loads.v_pipe.consumer_release(v_state)
+        self.trace.end(phase)
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,

@@ -31,7 +31,7 @@ import tempfile
 
 PHASE_COLORS = {"wait_kv": "#bbbbbb", "wait_k": "#bbbbbb", "wait_v": "#dddddd",
                 "qk": "#1f77b4", "softmax": "#ff7f0e", "pv": "#2ca02c", "release": "#9467bd",
-                "wait_turn": "#e377c2", "mma": "#08306b", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b"}
+                "wait_turn": "#e377c2", "mma": "#08306b", "wait_pv": "#98df8a", "rescale": "#d62728", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b"}
 
 
 # ------------------------------------------------------------------------- the workload

@@ -1,0 +1,138 @@
+"""k6 (first step): intra-warpgroup overlap, the softmax of tile j under the PV of tile j-1.
+
+What changes from k5: only the order inside a consumer warpgroup's turn and what it waits
+for (`mainloop`, below). k5 issued O += P_{j-1} V_{j-1} and S_j = Q K_j^T, then waited for
+*both* before starting the softmax of tile j, so during its softmax a warpgroup had nothing
+on the tensor cores; only the *other* warpgroup's GEMMs could run (ping-pong), and they are
+shorter than a softmax (docs/k5.md). k6 issues S_j first and PV_{j-1} second, and waits
+only for the first (`wgmma.wait_group 1`): the row max, the exp2s and the row sums of tile j
+run while PV_{j-1} is still on the tensor cores.
+
+    turn:   issue S_j = Q K_j^T; issue O += P_{j-1} V_{j-1}; pass the turn
+            wait_group(1)          S_j is ready, PV_{j-1} may still run; release K_j
+            mask, max, exp2, sums  -> P_j (fp32, in S_j's registers), alpha_j
+            wait_group(0)          PV_{j-1} done: release V_{j-1}
+            O *= alpha_j; P_j -> bf16 registers (which PV_{j-1} was reading until now)
+
+Two rules make the overlap safe without extra registers: nothing writes `acc_o` or the bf16
+P registers while a WGMMA that reads or accumulates them is in flight (so the O rescale and
+the P conversion wait for `wait_group(0)`), and S_j has its own accumulator (as in k5).
+Register use is therefore k5's: S 64 + P 32 + O 64 fp32 per thread at d = 128.
+
+What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
+the ping-pong turn per tile, the last tile's PV in one more turn, the epilogue, tiles and
+budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
+warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two. Still to come in k6 (issue 9): a persistent causal-aware scheduler, head dims
+96-256, fp16.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16
+from cutlass.cute.nvgpu import warpgroup
+
+from hopper_attn.common import tma, wgmma
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
+from hopper_attn.common.masking import mask_scores
+from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.k5 import FlashAttentionK5
+
+SPEC = KernelSpec(
+    name="k6",
+    summary="k5 + intra-warpgroup overlap: a tile's softmax runs under the previous PV",
+    head_dims=(64, 128),
+)
+
+
+class FlashAttentionK6(FlashAttentionK5):
+    def __init__(self, head_dim: int, causal: bool, block_m: int = 0, **options):
+        # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
+        # 60 bytes, because P must now stay live under the softmax and the mask adds
+        # coordinates; two warpgroups of 240 registers (block_m = 128) fit.
+        if not block_m and head_dim == 64 and causal:
+            block_m = 128
+        super().__init__(head_dim, causal, block_m, **options)
+
+    @cute.jit
+    def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen,
+                 mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
+                 k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
+                 acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
+                 softmax: OnlineSoftmax):
+        schedule, pingpong = self.schedule, self.pingpong
+        bm, bn = self.block_m, self.block_n
+        o_rc = acc_rows_cols(acc_o)
+        k_state = tma.consumer_state(self.stages)
+        v_state = tma.consumer_state(self.stages)       # one tile behind k_state
+
+        pingpong.start(wg)                              # consumer WG 0 holds the first turn
+        for n in cutlass.range(n_count, unroll=1):
+            phase = self.trace.start("wait_kv")
+            loads.k_pipe.consumer_wait(k_state)
+            if n > 0:
+                loads.v_pipe.consumer_wait(v_state)
+            self.trace.end(phase)
+            phase = self.trace.start("wait_turn")
+            pingpong.sync(wg)                           # --- this WG's turn
+            self.trace.end(phase)
+            phase = self.trace.start("qk")
+            wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
+                       zero_init=True)                  # S = Q K_n^T, first in the queue
+            if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
+                wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
+                           zero_init=False)
+            pingpong.pass_turn(wg)                      # --- the next WG may issue now
+            if n > 0:
+                warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
+            else:
+                warpgroup.wait_group(0)
+            loads.k_pipe.consumer_release(k_state)      # K_n read: its stage is free
+            k_state.advance()
+            self.trace.end(phase)
+            # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
+            phase = self.trace.start("softmax")
+            s_rc = acc_rows_cols(acc_s)
+            if schedule.needs_mask(m_block, n, seqlen):
+                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen, self.causal)
+            alpha = softmax.step(s_rc)                  # S -> P (fp32, unnormalized), in place
+            self.trace.end(phase)
+            phase = self.trace.start("wait_pv")
+            warpgroup.wait_group(0)                     # PV_{n-1} done: O and P are free
+            if n > 0:
+                loads.v_pipe.consumer_release(v_state)  # V_{n-1} read: its stage is free
+                v_state.advance()
+            self.trace.end(phase)
+            phase = self.trace.start("rescale")
+            scale_rows(o_rc, alpha)
+            p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
+            self.trace.end(phase)
+        # the last tile's PV, in one more turn (as in k5)
+        phase = self.trace.start("wait_kv")
+        loads.v_pipe.consumer_wait(v_state)
+        self.trace.end(phase)
+        phase = self.trace.start("wait_turn")
+        pingpong.sync(wg)
+        self.trace.end(phase)
+        phase = self.trace.start("pv")
+        wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
+                   zero_init=False)
+        pingpong.finish(wg)
+        warpgroup.wait_group(0)
+        loads.v_pipe.consumer_release(v_state)
+        self.trace.end(phase)
+
+
+def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
+                   block_n: int = 128, stages: int = 2, trace: bool = False):
+    """Compile (or fetch from the cache) k6; options as k5's."""
+    return compile_attention(SPEC, FlashAttentionK6, problem,
+                             {"block_m": block_m, "block_n": block_n, "stages": stages,
+                              "trace": trace},
+                             compile_options=compile_options)
+
+
+def run_kernel(handle, q, k, v, out):
+    run_attention(handle, q, k, v, out)
