@@ -23,7 +23,7 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4", "k5"]
+STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4", "k5", "k6"]
 BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
 BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)"}
 MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
@@ -278,7 +278,7 @@ def plots(res: Results, img_dir) -> list[str]:
     import matplotlib.pyplot as plt
     os.makedirs(img_dir, exist_ok=True)
     written = []
-    styles = {"k1": ":", "k2": "--", "k3_1": "--", "k3_2": "--", "k3_3": "--", "k4_qk": "-.", "k4": "-", "k5": "-"}
+    styles = {"k1": ":", "k2": "--", "k3_1": "--", "k3_2": "--", "k3_3": "--", "k4_qk": "-.", "k4": "-", "k5": "-", "k6": "-"}
     for d in (64, 128):
         for causal in (False, True):
             keys = res.configs(d, causal)
@@ -325,14 +325,14 @@ def blocks(folder) -> dict:
         f"results:{g}": stage_table(res, STAGES) + "\n\n" + provenance(res, STAGES),
     }
     for stage, kernels in {"k1": ["k1", "k2"], "k2": ["k2"], "k3": ["k2", "k3_1", "k3_2", "k3_3"],
-                           "k4_qk": ["k3_3", "k4_qk"], "k4": ["k4"], "k5": ["k4", "k5"]}.items():
+                           "k4_qk": ["k3_3", "k4_qk"], "k4": ["k4"], "k5": ["k4", "k5"], "k6": ["k5", "k6"]}.items():
         out[f"stage:{stage}:{g}"] = stage_table(res, kernels) + "\n\n" + provenance(res, kernels)
     for stage, profiled in {"k1": ["k1"], "k2": ["k1", "k2"], "k3": ["k2", "k3_3"],
                             "k4_qk": ["k3_3", "k4_qk"], "k4": ["k3_3", "k4_qk", "k4"],
                             "k5": ["k4", "k5", "fa4"]}.items():
         out[f"profile:{stage}:{g}"] = profile_table(folder, profiled)
     sweeps = {"k4_tiles_d128": None, "k4_tiles_d64": None, "k4_tiles_causal_d128": None,
-              "k3_structure": None, "scalar_unroll": None}
+              "k3_structure": None, "scalar_unroll": None, "k6_tiles_d64": None}
     for name in sweeps:
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:

@@ -179,9 +179,9 @@ def plot(args) -> int:
             bar = ax.barh(y, (min(end, t1) - max(start, t0)) / 1000, left=(max(start, t0) - t0) / 1000,
                           height=0.72, color=PHASE_COLORS.get(name, "#444444"), edgecolor="none")
             seen.setdefault(name, bar)
+        loaders = {w // 4 for w, name, *_ in rows if name.startswith("load_")}
         ax.set_yticks(range(len(lanes)),
-                      [("producer WG" if wg == 0 and len(lanes) > 1 and "K5" in kernel.upper()
-                        else f"WG {wg}") for wg in lanes])
+                      ["producer WG" if wg in loaders else f"WG {wg}" for wg in lanes])
         ax.set_ylim(len(lanes) - 0.4, -0.6)
         ax.set_xlim(0, args.window_us)
         ax.set_title(title, fontsize=10, loc="left")
