@@ -273,17 +273,22 @@ class FlashAttentionK5:
             scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
             p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
             self.trace.end(phase)
-        # the last tile's PV, in one more turn
+        self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)
+
+    @cute.jit
+    def last_pv(self, loads: tma.SplitKVLoads, wg, mma_pv: cute.TiledMma, acc_o: cute.Tensor,
+                p_frag: cute.Tensor, vt_frag: cute.Tensor, v_state):
+        """The last tile's O += P V, in one more turn (shared with k6)."""
         phase = self.trace.start("wait_kv")
         loads.v_pipe.consumer_wait(v_state)
         self.trace.end(phase)
         phase = self.trace.start("wait_turn")
-        pingpong.sync(wg)
+        self.pingpong.sync(wg)
         self.trace.end(phase)
-        phase = self.trace.start("mma")
+        phase = self.trace.start("pv")
         wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
                    zero_init=False)
-        pingpong.finish(wg)                             # the next WG's last PV may go
+        self.pingpong.finish(wg)                        # the next WG's last PV may go
         warpgroup.wait_group(0)
         loads.v_pipe.consumer_release(v_state)
         self.trace.end(phase)

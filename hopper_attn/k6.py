@@ -109,21 +109,7 @@ class FlashAttentionK6(FlashAttentionK5):
             scale_rows(o_rc, alpha)
             p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
             self.trace.end(phase)
-        # the last tile's PV, in one more turn (as in k5)
-        phase = self.trace.start("wait_kv")
-        loads.v_pipe.consumer_wait(v_state)
-        self.trace.end(phase)
-        phase = self.trace.start("wait_turn")
-        pingpong.sync(wg)
-        self.trace.end(phase)
-        phase = self.trace.start("pv")
-        wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
-                   zero_init=False)
-        pingpong.finish(wg)
-        warpgroup.wait_group(0)
-        loads.v_pipe.consumer_release(v_state)
-        self.trace.end(phase)
-
+        self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)   # as in k5
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 128, stages: int = 2, trace: bool = False):

@@ -97,15 +97,17 @@ def tma_bytes(dtype, smem_layout) -> int:
 
 
 def make_tma_pipeline(barriers: cute.Pointer, stages: int, consumer_warps: int,
-                      bytes_per_stage: int) -> pipeline.PipelineTmaAsync:
+                      bytes_per_stage: int, defer_sync: bool = False) -> pipeline.PipelineTmaAsync:
     """A ring of `stages` full/empty mbarrier pairs: one producer thread, `consumer_warps`
-    warps releasing each stage (lane 0 of each arrives once)."""
+    warps releasing each stage (lane 0 of each arrives once). Warp 0 initialises the
+    mbarriers; unless `defer_sync`, the CTA syncs right away to make them visible."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
         tx_count=bytes_per_stage,
+        defer_sync=defer_sync,
     )
 
 
@@ -184,16 +186,9 @@ def consumer_state(stages: int):
 
 def make_tma_ring(barriers: cute.Pointer, stages: int, consumer_warps: int,
                   bytes_per_stage: int) -> pipeline.PipelineTmaAsync:
-    """`make_tma_pipeline` without its CTA-wide sync: warp 0 initialises the mbarriers, and
-    the caller makes them visible once for all rings (`barriers_ready`) before any use."""
-    return pipeline.PipelineTmaAsync.create(
-        barrier_storage=barriers,
-        num_stages=stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
-        tx_count=bytes_per_stage,
-        defer_sync=True,
-    )
+    """`make_tma_pipeline` without its CTA-wide sync: the caller makes every ring's barriers
+    visible at once (`barriers_ready`) before any use."""
+    return make_tma_pipeline(barriers, stages, consumer_warps, bytes_per_stage, defer_sync=True)
 
 
 def barriers_ready():
