@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+MAX_GRID_YZ = 65535
 LOG2_E = math.log2(math.e)
 
 
@@ -112,6 +113,11 @@ class KernelSpec:
             return f"{self.name} supports head_dim in {list(self.head_dims)}, not {problem.head_dim}"
         if self.max_seqlen is not None and problem.seqlen > self.max_seqlen:
             return f"{self.name} supports seqlen <= {self.max_seqlen}, not {problem.seqlen}"
+        if problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
+            # the grid is (query tiles, heads, batch); CUDA caps gridDim.y and .z at 65535
+            return (f"{self.name} launches one CTA row per head and one plane per batch entry: "
+                    f"heads and batch must be <= {MAX_GRID_YZ}, got heads={problem.heads}, "
+                    f"batch={problem.batch}")
         if self.extra_limits is not None:
             reason = self.extra_limits(problem)
             if reason is not None:
@@ -217,8 +223,10 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
     return CompiledAttention(spec, problem, options, compiled, 0.0, kernel, workspace_fn)
 
 
-def run_attention(handle: CompiledAttention, q, k, v, out) -> None:
-    """Check the tensors against the handle's problem, then launch on the current stream."""
+def run_attention(handle: CompiledAttention, q, k, v, out,
+                  softmax_scale: Optional[float] = None) -> None:
+    """Check the tensors against the handle's problem, then launch on the current stream.
+    `softmax_scale` defaults to 1/sqrt(head_dim)."""
     problem = handle.problem
     check_tensors(problem, q, k, v, out)
     rt = _cute()
@@ -231,6 +239,7 @@ def run_attention(handle: CompiledAttention, q, k, v, out) -> None:
         tensors = [q, k, v, out, *handle.workspace]
         handle._bound_args = [rt.to_cute_tensor(t) for t in tensors]
         handle._bound_key = key
-    scale_log2 = problem.softmax_scale * LOG2_E
+    scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
+    scale_log2 = scale * LOG2_E
     handle.compiled(*handle._bound_args, scale_log2, rt.current_stream())
 

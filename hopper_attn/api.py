@@ -1,0 +1,95 @@
+"""`attention()`: the fastest stage that supports a problem, as a PyTorch custom op.
+
+    import hopper_attn
+    out = hopper_attn.attention(q, k, v, causal=True)          # (B, N, H, d) in, same out
+
+What it does: checks the inputs (raising ValueError before anything is launched), picks the
+first stage of `PREFERENCE` that supports the problem (or the one named by `stage=`),
+compiles it on first use (cached per head dim, mask and options; one compile serves every
+batch, sequence length and head count), and launches it on the current CUDA stream.
+
+It is registered as `torch.ops.hopper_attn.attention` with a fake (meta) implementation, so
+`torch.compile(fullgraph=True)` traces through it and CUDA graphs can capture it.
+
+Not yet (issue 10): k/v with fewer heads than q (GQA/MQA), seqlen_k != seqlen_q, strided
+(non-contiguous) inputs, returning the log-sum-exp. Those raise a ValueError saying so.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from hopper_attn.common.contract import Problem, UnsupportedProblem, run_attention
+
+# Fastest first, by the same-run benchmarks in results/ (k6 is not faster than k5 yet).
+PREFERENCE = ("k5", "k4")
+
+_HANDLES: dict = {}
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
+        raise ValueError(f"q has {q.shape[2]} heads, k {k.shape[2]}, v {v.shape[2]}: k and v "
+                         "with fewer heads than q (GQA/MQA) are not supported yet")
+    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
+        raise ValueError(f"seqlen_q = {q.shape[1]}, seqlen_k = {k.shape[1]}, seqlen_v = "
+                         f"{v.shape[1]}: different query and key lengths are not supported yet")
+    if tuple(k.shape) != tuple(q.shape) or tuple(v.shape) != tuple(q.shape):
+        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def _entry_for(problem: Problem, stage: str):
+    from hopper_attn.harness import registry
+    if stage:
+        entry = registry.get(stage)
+        entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
+        return entry
+    reasons = []
+    for name in PREFERENCE:
+        entry = registry.get(name)
+        reason = entry.spec.unsupported_reason(problem)
+        if reason is None:
+            return entry
+        reasons.append(reason)
+    raise UnsupportedProblem("no stage supports this problem: " + "; ".join(reasons))
+
+
+@torch.library.custom_op("hopper_attn::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  softmax_scale: Optional[float], stage: str) -> torch.Tensor:
+    _check(q, k, v)
+    problem = Problem.from_tensor(q, causal)
+    entry = _entry_for(problem, stage)
+    key = (entry.name, problem)
+    handle = _HANDLES.get(key)
+    if handle is None:
+        handle = _HANDLES[key] = entry.compile(problem)
+    out = torch.empty_like(q)
+    run_attention(handle, q, k, v, out, softmax_scale)
+    return out
+
+
+@_attention_op.register_fake
+def _(q, k, v, causal, softmax_scale, stage):
+    _check(q, k, v)
+    return torch.empty_like(q)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              softmax_scale: Optional[float] = None, stage: Optional[str] = None) -> torch.Tensor:
+    """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
+
+    softmax_scale defaults to 1/sqrt(head_dim); `stage` picks a stage by name (e.g. "k4")
+    instead of the fastest one. Inputs: bf16, contiguous, on one CUDA device, head_dim 64 or
+    128, any sequence length; anything else raises ValueError before a launch.
+    """
+    return torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale, stage or "")

@@ -1,0 +1,64 @@
+"""attention(): argument checks, the fake implementation, and tracing with torch.compile, all
+without a GPU (the GPU checks are in tests/test_gpu.py)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import hopper_attn
+from hopper_attn.common.contract import Problem, UnsupportedProblem
+from hopper_attn.harness import registry
+
+
+def _qkv(shape=(2, 33, 4, 64), dtype=torch.bfloat16, device="cpu"):
+    return [torch.randn(shape, device=device).to(dtype) for _ in range(3)]
+
+
+def test_refuses_what_it_does_not_support_before_launching():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="GQA"):
+        hopper_attn.attention(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(ValueError, match="seqlen_k"):
+        hopper_attn.attention(q, k[:, :17], v[:, :17])
+    with pytest.raises(ValueError, match="4-D"):
+        hopper_attn.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="CUDA"):                   # the checks of the contract
+        hopper_attn.attention(q, k, v)
+    with pytest.raises(UnsupportedProblem, match="head_dim"):
+        hopper_attn.attention(*_qkv((1, 16, 2, 80)))
+    with pytest.raises(SystemExit):
+        hopper_attn.attention(q, k, v, stage="k9")
+
+
+def test_batch_and_heads_past_the_grid_limit_are_refused_clearly():
+    spec = registry.get("k5").spec
+    assert "65535" in spec.unsupported_reason(Problem(1, 70000, 16, 64), check_memory=False)
+    assert "65535" in spec.unsupported_reason(Problem(70000, 1, 16, 64), check_memory=False)
+    assert spec.unsupported_reason(Problem(65535, 1, 16, 64), check_memory=False) is None
+
+
+def test_fake_implementation_gives_the_output_shape():
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 100, 8, 128, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        out = torch.ops.hopper_attn.attention(q, k, v, True, None, "")
+        assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+        kv4 = torch.empty(2, 100, 4, 128, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="GQA"):
+            torch.ops.hopper_attn.attention(q, kv4, kv4, True, None, "")
+
+
+def test_torch_compile_fullgraph_traces_through_the_op():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: (torch.zeros_like(args[0]),)   # record only, nothing runs
+
+    def f(q, k, v):
+        return hopper_attn.attention(q, k, v, causal=True) * 2
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    compiled(*_qkv())
+    code = graphs[0].code
+    assert "hopper_attn.attention" in code and len(graphs) == 1
