@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from hopper_attn.common.contract import Problem, UnsupportedProblem, run_attention
+from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tensors,
+                                         run_attention)
 
 # Fastest first, by the same-run benchmarks in results/ (k6 is not faster than k5 yet).
 PREFERENCE = ("k5", "k4")
@@ -47,6 +48,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
 
 
+def _compile_options() -> str:
+    """CuTe DSL's TVM-FFI calling path when its runtime (apache-tvm-ffi) is installed."""
+    import importlib.util
+    return "--enable-tvm-ffi" if importlib.util.find_spec("tvm_ffi") is not None else ""
+
+
 def _entry_for(problem: Problem, stage: str):
     from hopper_attn.harness import registry
     if stage:
@@ -69,10 +76,11 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     _check(q, k, v)
     problem = Problem.from_tensor(q, causal)
     entry = _entry_for(problem, stage)
+    check_tensors(problem, q, k, v, q)                 # dtype, device, layout: before compiling
     key = (entry.name, problem)
     handle = _HANDLES.get(key)
     if handle is None:
-        handle = _HANDLES[key] = entry.compile(problem)
+        handle = _HANDLES[key] = entry.compile(problem, compile_options=_compile_options())
     out = torch.empty_like(q)
     run_attention(handle, q, k, v, out, softmax_scale)
     return out

@@ -183,6 +183,7 @@ class CompiledAttention:
     kernel: Any              # the kernel object (tile sizes, SMEM bytes, ...)
     workspace_fn: Optional[Callable[[Problem, torch.device], list]] = None
     workspace: list = dataclasses.field(default_factory=list)
+    tvm_ffi: bool = False    # compiled for CuTe DSL's TVM-FFI calling path (torch tensors in)
     _bound_key: Any = None
     _bound_args: Any = None
 
@@ -218,9 +219,11 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
         seconds = time.perf_counter() - t0
         if use_cache:
             _COMPILED[key] = (compiled, kernel)
-        return CompiledAttention(spec, problem, options, compiled, seconds, kernel, workspace_fn)
+        return CompiledAttention(spec, problem, options, compiled, seconds, kernel, workspace_fn,
+                                 tvm_ffi=rt.TVM_FFI in compile_options)
     compiled, kernel = cached
-    return CompiledAttention(spec, problem, options, compiled, 0.0, kernel, workspace_fn)
+    return CompiledAttention(spec, problem, options, compiled, 0.0, kernel, workspace_fn,
+                             tvm_ffi=rt.TVM_FFI in compile_options)
 
 
 def run_attention(handle: CompiledAttention, q, k, v, out,
@@ -234,12 +237,15 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
         # re-check memory right before allocating, so we refuse instead of failing mid-run
         handle.spec.check(problem)
         handle.workspace = handle.workspace_fn(problem, q.device)
+    scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
+    if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
+        handle.compiled(q, k, v, out, *handle.workspace, scale * LOG2_E)
+        return
     key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), problem.shape)
     if handle._bound_key != key:
         tensors = [q, k, v, out, *handle.workspace]
         handle._bound_args = [rt.to_cute_tensor(t) for t in tensors]
         handle._bound_key = key
-    scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
     scale_log2 = scale * LOG2_E
     handle.compiled(*handle._bound_args, scale_log2, rt.current_stream())
 

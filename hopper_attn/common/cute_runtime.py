@@ -23,13 +23,17 @@ from cutlass.cute.runtime import from_dlpack, make_fake_stream  # noqa: E402
 _EXAMPLE_BATCH, _EXAMPLE_SEQLEN, _EXAMPLE_HEADS = 2, 128, 2
 
 
-def to_cute_tensor(t: torch.Tensor) -> cute.Tensor:
+TVM_FFI = "--enable-tvm-ffi"
+
+
+def to_cute_tensor(t: torch.Tensor, enable_tvm_ffi: bool = False) -> cute.Tensor:
     """torch tensor -> CuTe tensor with a dynamic layout whose last mode is the contiguous one.
 
     Every extent and stride except the unit stride stays a runtime value, so one compiled
     kernel serves any batch, heads and sequence length.
     """
-    return from_dlpack(t.detach(), assumed_align=16).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=enable_tvm_ffi) \
+        .mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 def current_stream():
@@ -52,8 +56,14 @@ def example_tensors(head_dim: int, workspace_fn=None):
 def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_options: str = ""):
     """cute.compile `kernel` (a @cute.jit callable object) against example tensors."""
     tensors = example_tensors(head_dim, workspace_fn)
-    stream = current_stream() if torch.cuda.is_available() else make_fake_stream()
-    args = [to_cute_tensor(t) for t in tensors]
+    # With CuTe DSL's TVM-FFI calling path the compiled function takes torch tensors directly
+    # and launches on torch's current stream (no stream argument): far less host work per call.
+    tvm_ffi = TVM_FFI in compile_options
+    if tvm_ffi:
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    else:
+        stream = current_stream() if torch.cuda.is_available() else make_fake_stream()
+    args = [to_cute_tensor(t, tvm_ffi) for t in tensors]
     opts = compile_options.strip()
     if opts:
         return cute.compile(kernel, *args, cutlass.Float32(1.0), stream, options=opts)
