@@ -11,8 +11,11 @@ batch, sequence length and head count), and launches it on the current CUDA stre
 It is registered as `torch.ops.hopper_attn.attention` with a fake (meta) implementation, so
 `torch.compile(fullgraph=True)` traces through it and CUDA graphs can capture it.
 
-Not yet (issue 10): k/v with fewer heads than q (GQA/MQA), seqlen_k != seqlen_q, strided
-(non-contiguous) inputs, returning the log-sum-exp. Those raise a ValueError saying so.
+k and v may have fewer heads than q (GQA/MQA: q's heads a multiple of theirs; read in place,
+no copies) and another sequence length (cross-attention, a KV prefix); with a causal mask
+the diagonal is then aligned bottom-right, as in FlashAttention: query i sees keys
+j <= i + seqlen_k - seqlen_q, and a query that sees no key gets a zero output row.
+Not yet: strided (non-contiguous) inputs, returning the log-sum-exp.
 """
 
 from __future__ import annotations
@@ -37,15 +40,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), "
                              f"got shape {tuple(t.shape)}")
-    if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
-        raise ValueError(f"q has {q.shape[2]} heads, k {k.shape[2]}, v {v.shape[2]}: k and v "
-                         "with fewer heads than q (GQA/MQA) are not supported yet")
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        raise ValueError(f"seqlen_q = {q.shape[1]}, seqlen_k = {k.shape[1]}, seqlen_v = "
-                         f"{v.shape[1]}: different query and key lengths are not supported yet")
-    if tuple(k.shape) != tuple(q.shape) or tuple(v.shape) != tuple(q.shape):
-        raise ValueError(f"q, k, v must have the same shape, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
+                         "head_dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's heads ({q.shape[2]}) must be a multiple of k/v's ({k.shape[2]}) "
+                         "for grouped-query attention")
 
 
 def _compile_options() -> str:
@@ -74,7 +77,7 @@ def _entry_for(problem: Problem, stage: str):
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: Optional[float], stage: str) -> torch.Tensor:
     _check(q, k, v)
-    problem = Problem.from_tensor(q, causal)
+    problem = Problem.from_tensor(q, causal, k)
     entry = _entry_for(problem, stage)
     check_tensors(problem, q, k, v, q)                 # dtype, device, layout: before compiling
     key = (entry.name, problem)

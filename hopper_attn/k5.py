@@ -64,6 +64,7 @@ SPEC = KernelSpec(
     name="k5",
     summary="k4 + producer warpgroup, setmaxnreg, separate K/V pipelines, ping-pong",
     head_dims=(64, 128),
+    separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
 )
 
 DEFAULT_BLOCK_M = {64: 192, 128: 128}      # k4's tiles (FlashAttention-4's too)
@@ -146,8 +147,9 @@ class FlashAttentionK5:
         tidx, _, _ = cute.arch.thread_idx()
         _, head, batch = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        seqlen = mQ.shape[0]
-        m_block, n_count = schedule.work(seqlen)        # n_count >= 1
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        kv_head = head // (mQ.shape[2] // mK.shape[2])   # GQA: a group of q heads shares k/v
+        m_block, n_count = schedule.work_kv(seqlen_q, seqlen_k)   # n_count >= 1
         if warp == 0:
             tma.prefetch_descriptors(tma_q, tma_k, tma_v, tma_o)
 
@@ -162,7 +164,7 @@ class FlashAttentionK5:
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
-                                        head, batch)
+                                        head, kv_head, batch)
         tma.barriers_ready()
 
         if warp < 4:
@@ -207,8 +209,8 @@ class FlashAttentionK5:
                                            lanes_per_row=4)
             acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn)), Float32)
             loads.wait_q()
-            self.mainloop(loads, wg, m_block, n_count, seqlen, mma_qk, mma_pv, q_frag, k_frag,
-                          vt_frag, p_frag, acc_s, acc_o, s_coords, softmax)
+            self.mainloop(loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
+                          q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax)
 
             # Epilogue: O / l -> bf16 -> SMEM (Q's buffer) -> one TMA store, consumers only.
             phase = self.trace.start("epilogue")
@@ -225,7 +227,7 @@ class FlashAttentionK5:
             self.trace.end(phase)
 
     @cute.jit
-    def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen,
+    def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
@@ -267,8 +269,9 @@ class FlashAttentionK5:
             # --- outside the turn: the other WGs' GEMMs run under this softmax
             phase = self.trace.start("softmax")
             s_rc = acc_rows_cols(acc_s)
-            if schedule.needs_mask(m_block, n, seqlen):
-                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen, self.causal)
+            if schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
+                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen_k, self.causal,
+                            seqlen_k - seqlen_q)
             alpha = softmax.step(s_rc)                  # S -> P (unnormalized), in place
             scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
             p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))

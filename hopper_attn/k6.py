@@ -44,6 +44,7 @@ SPEC = KernelSpec(
     name="k6",
     summary="k5 + intra-warpgroup overlap: a tile's softmax runs under the previous PV",
     head_dims=(64, 128),
+    separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
 )
 
 
@@ -57,7 +58,7 @@ class FlashAttentionK6(FlashAttentionK5):
         super().__init__(head_dim, causal, block_m, **options)
 
     @cute.jit
-    def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen,
+    def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
@@ -95,8 +96,9 @@ class FlashAttentionK6(FlashAttentionK5):
             # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
             phase = self.trace.start("softmax")
             s_rc = acc_rows_cols(acc_s)
-            if schedule.needs_mask(m_block, n, seqlen):
-                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen, self.causal)
+            if schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
+                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen_k, self.causal,
+                            seqlen_k - seqlen_q)
             alpha = softmax.step(s_rc)                  # S -> P (fp32, unnormalized), in place
             self.trace.end(phase)
             phase = self.trace.start("wait_pv")

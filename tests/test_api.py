@@ -16,18 +16,31 @@ def _qkv(shape=(2, 33, 4, 64), dtype=torch.bfloat16, device="cpu"):
 
 def test_refuses_what_it_does_not_support_before_launching():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="GQA"):
-        hopper_attn.attention(q, k[:, :, :2], v[:, :, :2])
-    with pytest.raises(ValueError, match="seqlen_k"):
-        hopper_attn.attention(q, k[:, :17], v[:, :17])
+    with pytest.raises(ValueError, match="multiple"):                # 4 q heads, 3 k/v heads
+        hopper_attn.attention(q, k[:, :, :3], v[:, :, :3])
+    with pytest.raises(ValueError, match="same shape"):
+        hopper_attn.attention(q, k, v[:, :17])
     with pytest.raises(ValueError, match="4-D"):
         hopper_attn.attention(q[0], k, v)
     with pytest.raises(ValueError, match="CUDA"):                   # the checks of the contract
-        hopper_attn.attention(q, k, v)
+        hopper_attn.attention(q, k[:, :17, :2], v[:, :17, :2])
     with pytest.raises(UnsupportedProblem, match="head_dim"):
         hopper_attn.attention(*_qkv((1, 16, 2, 80)))
+    with pytest.raises(UnsupportedProblem, match="GQA"):             # k4 has no GQA
+        hopper_attn.attention(q, k[:, :, :2], v[:, :, :2], stage="k4")
     with pytest.raises(SystemExit):
         hopper_attn.attention(q, k, v, stage="k9")
+
+
+def test_problems_with_other_kv_heads_and_lengths():
+    q, k, _ = _qkv((2, 100, 8, 64))
+    p = Problem.from_tensor(q, True, k[:, :30, :2])
+    assert (p.kv_heads, p.kv_seqlen, p.kv_shape) == (2, 30, (2, 30, 2, 64))
+    # bottom-right causal: query i sees min(30, max(0, i - 69)) keys
+    assert p.flops == 4 * 2 * 8 * 64 * sum(min(30, max(0, i - 69)) for i in range(100))
+    assert Problem.from_tensor(q, True, k) == Problem(2, 8, 100, 64, True)
+    with pytest.raises(ValueError, match="multiple"):
+        Problem(1, 6, 16, 64, heads_kv=4)
 
 
 def test_batch_and_heads_past_the_grid_limit_are_refused_clearly():
@@ -43,9 +56,11 @@ def test_fake_implementation_gives_the_output_shape():
                    for _ in range(3))
         out = torch.ops.hopper_attn.attention(q, k, v, True, None, "")
         assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-        kv4 = torch.empty(2, 100, 4, 128, dtype=torch.bfloat16, device="cuda")
-        with pytest.raises(ValueError, match="GQA"):
-            torch.ops.hopper_attn.attention(q, kv4, kv4, True, None, "")
+        kv = torch.empty(2, 37, 2, 128, dtype=torch.bfloat16, device="cuda")   # GQA + cross
+        assert torch.ops.hopper_attn.attention(q, kv, kv, True, None, "").shape == q.shape
+        kv3 = torch.empty(2, 100, 3, 128, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="multiple"):
+            torch.ops.hopper_attn.attention(q, kv3, kv3, True, None, "")
 
 
 def test_torch_compile_fullgraph_traces_through_the_op():

@@ -18,11 +18,17 @@ def test_ref_check(name):
 
 
 def _reference(q, k, v, causal, scale):
-    s = torch.einsum("bihd,bjhd->bhij", q.float(), k.float()) * scale
+    """fp32 attention; k/v heads repeated for GQA; causal aligned bottom-right; rows that
+    see no key are 0."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
+    nq, nk = q.shape[1], k.shape[1]
     if causal:
-        n = q.shape[1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, -1), v.float())
+        hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -60,3 +66,27 @@ def test_attention_op_under_torch_compile_and_cuda_graphs():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, hopper_attn.attention(*static, causal=True))
+
+
+@pytest.mark.parametrize("heads_kv,seqlen_k", [(6, 300), (3, 300), (1, 300), (6, 77), (2, 1000)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_op_gqa_and_cross_attention(heads_kv, seqlen_k, causal):
+    import hopper_attn
+    gen = torch.Generator(device="cuda").manual_seed(heads_kv * 7 + seqlen_k + causal)
+    q = torch.randn(2, 300, 6, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    out = hopper_attn.attention(q, k, v, causal=causal)
+    ref = _reference(q, k, v, causal, 128 ** -0.5)
+    group = 6 // heads_kv
+    kk, vv = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    nq, nk = 300, seqlen_k
+    mask = None
+    if causal:                                           # torch SDPA's own bf16 error
+        mask = ~torch.ones(nq, nk, dtype=torch.bool, device="cuda").triu(nk - nq + 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=mask
+    ).transpose(1, 2).float().nan_to_num(0.0)
+    torch_err = (sdpa - ref).abs().max().item()
+    assert not out.isnan().any()
+    assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10

@@ -45,6 +45,11 @@ class Problem:
     head_dim: int
     causal: bool = False
     dtype: torch.dtype = torch.bfloat16
+    # keys/values, when they differ from the queries (0: the same as heads / seqlen):
+    # fewer heads than q (GQA/MQA; heads % heads_kv == 0) or another length (cross-attention,
+    # a KV prefix; the causal mask is then aligned bottom-right)
+    heads_kv: int = 0
+    seqlen_k: int = 0
 
     def __post_init__(self):
         for field in ("batch", "heads", "seqlen", "head_dim"):
@@ -53,26 +58,59 @@ class Problem:
                 raise ValueError(f"{field} must be an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"{field} must be >= 1, got {value}")
+        for field in ("heads_kv", "seqlen_k"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field} must be an int >= 1 (or 0: as q), got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"q's heads ({self.heads}) must be a multiple of k/v's "
+                             f"({self.kv_heads})")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {self.dtype}")
 
     @classmethod
-    def from_tensor(cls, q: torch.Tensor, causal: bool = False) -> "Problem":
-        if q.dim() != 4:
-            raise ValueError(f"q must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(q.shape)}")
+    def from_tensor(cls, q: torch.Tensor, causal: bool = False,
+                    k: Optional[torch.Tensor] = None) -> "Problem":
+        for name, t in (("q", q), ("k", k)):
+            if t is not None and t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), "
+                                 f"got shape {tuple(t.shape)}")
         b, n, h, d = q.shape
-        return cls(b, h, n, d, bool(causal), q.dtype)
+        if k is None or (k.shape[1] == n and k.shape[2] == h):
+            return cls(b, h, n, d, bool(causal), q.dtype)
+        return cls(b, h, n, d, bool(causal), q.dtype, heads_kv=k.shape[2], seqlen_k=k.shape[1])
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads_kv or self.heads
+
+    @property
+    def kv_seqlen(self) -> int:
+        return self.seqlen_k or self.seqlen
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        """The torch shape of q, k, v and o: (batch, seqlen, heads, head_dim)."""
+        """The torch shape of q and o: (batch, seqlen, heads, head_dim)."""
         return (self.batch, self.seqlen, self.heads, self.head_dim)
 
     @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        """The torch shape of k and v: (batch, seqlen_k, heads_kv, head_dim)."""
+        return (self.batch, self.kv_seqlen, self.kv_heads, self.head_dim)
+
+    @property
     def flops(self) -> float:
-        """4*B*H*N^2*d for the two GEMMs; half of that with a causal mask."""
-        f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
-        return f / 2 if self.causal else f
+        """4*B*H*N^2*d for the two GEMMs (N^2: query-key pairs); half of that with a causal
+        mask on a square problem. With seqlen_k != seqlen_q: 4*B*H*d times the number of
+        visible pairs (the causal mask aligned bottom-right)."""
+        nq, nk = self.seqlen, self.kv_seqlen
+        if not self.causal:
+            pairs = nq * nk
+        elif nq == nk:
+            pairs = nq * nq / 2
+        else:                      # query i sees min(nk, max(0, i + nk - nq + 1)) keys
+            pairs = sum(min(nk, max(0, i + nk - nq + 1)) for i in range(nq))
+        return 4.0 * self.batch * self.heads * pairs * self.head_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -83,12 +121,18 @@ class Problem:
         return DTYPE_NAMES[self.dtype]
 
     def label(self) -> str:
+        kv = ""
+        if self.heads_kv or self.seqlen_k:
+            kv = f" (k/v: H={self.kv_heads} N={self.kv_seqlen})"
         return (f"B={self.batch} H={self.heads} N={self.seqlen} d={self.head_dim} "
-                f"{'causal' if self.causal else 'full'}")
+                f"{'causal' if self.causal else 'full'}{kv}")
 
     def as_dict(self) -> dict:
-        return {"batch": self.batch, "heads": self.heads, "seqlen": self.seqlen,
-                "head_dim": self.head_dim, "causal": self.causal, "dtype": self.dtype_name}
+        out = {"batch": self.batch, "heads": self.heads, "seqlen": self.seqlen,
+               "head_dim": self.head_dim, "causal": self.causal, "dtype": self.dtype_name}
+        if self.heads_kv or self.seqlen_k:
+            out.update(heads_kv=self.kv_heads, seqlen_k=self.kv_seqlen)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +148,8 @@ class KernelSpec:
     workspace_bytes: Optional[Callable[[Problem], int]] = None
     # any other limit (e.g. a grid dimension): returns a reason, or None if supported
     extra_limits: Optional[Callable[[Problem], Optional[str]]] = None
+    # k/v with fewer heads (GQA/MQA) or another length than q (cross-attention)
+    separate_kv: bool = False
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -111,6 +157,9 @@ class KernelSpec:
             return f"{self.name} supports dtype {names}, not {problem.dtype_name}"
         if problem.head_dim not in self.head_dims:
             return f"{self.name} supports head_dim in {list(self.head_dims)}, not {problem.head_dim}"
+        if (problem.heads_kv or problem.seqlen_k) and not self.separate_kv:
+            return (f"{self.name} needs k and v with q's heads and sequence length "
+                    f"(no GQA/MQA or cross-attention)")
         if self.max_seqlen is not None and problem.seqlen > self.max_seqlen:
             return f"{self.name} supports seqlen <= {self.max_seqlen}, not {problem.seqlen}"
         if problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
@@ -148,9 +197,11 @@ def check_tensors(problem: Problem, q, k, v, out) -> None:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
         if t.dtype != problem.dtype:
             raise ValueError(f"{name} has dtype {t.dtype}, expected {problem.dtype}")
-        if tuple(t.shape) != problem.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {problem.shape} "
-                             "(batch, seqlen, heads, head_dim) and q, k, v, out must all match")
+        want = problem.kv_shape if name in ("k", "v") else problem.shape
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want} "
+                             "(batch, seqlen, heads, head_dim); q and out must match, and k "
+                             "and v must match each other")
     for name, t in zip(names, tensors):          # ... then where and how they are stored
         if not t.is_cuda:
             raise ValueError(f"{name} is on {t.device}; the kernels run on a CUDA device")

@@ -6,6 +6,8 @@ A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of B
   (Rows >= seqlen of the last query tile are computed on zero-filled Q and never stored.)
 * Causal (query i sees keys j <= i): kv tiles entirely right of the diagonal are skipped,
   tiles entirely left of it need no mask, and only the tiles the diagonal crosses are masked.
+  With seqlen_k != seqlen_q (k5 on: `work_kv`, `needs_mask_kv`) the diagonal is aligned
+  bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q.
 * Scheduling: with a causal mask the last query tiles do the most work, so CTA x takes query
   tile (num_m_blocks - 1 - x): the longest CTAs start first and the short ones fill the tail.
 """
@@ -52,6 +54,28 @@ class TileSchedule:
         return m_block, self.n_block_count(m_block, seqlen)
 
     @cute.jit
+    def work_kv(self, seqlen_q, seqlen_k):
+        """`work` when keys and queries may differ in length (k5 on). The causal mask is then
+        aligned bottom-right, as in FlashAttention: query i sees keys j <= i + seqlen_k -
+        seqlen_q. At least one kv tile is visited, so that a query tile whose rows see no key
+        at all still runs (fully masked, its rows are written as 0)."""
+        m_block = self.m_block(seqlen_q)
+        count = cute.ceil_div(seqlen_k, self.block_n)
+        if cutlass.const_expr(self.causal):
+            visible = cutlass.max((m_block + 1) * self.block_m + seqlen_k - seqlen_q, 1)
+            count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
+        return m_block, count
+
+    @cute.jit
+    def needs_mask_kv(self, m_block, n_block, seqlen_q, seqlen_k):
+        """`needs_mask` with the bottom-right causal diagonal of `work_kv`."""
+        last_col = (n_block + 1) * self.block_n - 1
+        needs = last_col >= seqlen_k
+        if cutlass.const_expr(self.causal):
+            needs = needs or last_col > m_block * self.block_m + seqlen_k - seqlen_q
+        return needs
+
+    @cute.jit
     def needs_mask(self, m_block, n_block, seqlen):
         """True if kv tile `n_block` has a column past the end or right of the diagonal."""
         last_col = (n_block + 1) * self.block_n - 1
@@ -63,8 +87,9 @@ class TileSchedule:
 
 @cute.jit
 def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: Int32,
-                seqlen: Int32, causal: cutlass.Constexpr[bool]):
-    """Set s to -inf where the key is past the end (or after the query, if causal).
+                seqlen: Int32, causal: cutlass.Constexpr[bool], causal_offset: Int32 = 0):
+    """Set s to -inf where the key is past the end (`seqlen` keys), or, if causal, after
+    the query shifted by `causal_offset` (seqlen_k - seqlen_q: bottom-right alignment).
 
     `coords_rc[r, c]` is the (row, col) of register s_rc[r, c] inside the tile; row0 and col0
     are the tile's offsets in the sequence.
@@ -75,6 +100,6 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
             col = coords_rc[r, c][1] + col0
             hidden = col >= seqlen
             if cutlass.const_expr(causal):
-                hidden = hidden or col > row
+                hidden = hidden or col > row + causal_offset
             if hidden:
                 s_rc[r, c] = -Float32.inf

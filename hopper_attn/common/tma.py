@@ -217,14 +217,18 @@ class SplitKVLoads:
 
     @staticmethod
     def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
-               atoms, tensors, smem, head, batch) -> "SplitKVLoads":
+               atoms, tensors, smem, head, kv_head, batch) -> "SplitKVLoads":
         """`atoms`, `tensors`, `smem`: (Q, K, V) TMA atoms, TMA tensors and SMEM buffers;
         `storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
-        Call `barriers_ready()` before the barriers are used."""
+        Q is read from head `head`, K and V from `kv_head` (the same head, or with GQA the
+        k/v head that a group of query heads shares). Call `barriers_ready()` before the
+        barriers are used."""
         q_pipe = make_tma_ring(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
         k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
         v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
-        q, k, v = (TmaTiles.partition(a, t, head, batch, s) for a, t, s in zip(atoms, tensors, smem))
+        q = TmaTiles.partition(atoms[0], tensors[0], head, batch, smem[0])
+        k, v = (TmaTiles.partition(a, t, kv_head, batch, s)
+                for a, t, s in zip(atoms[1:], tensors[1:], smem[1:]))
         return SplitKVLoads(q_pipe, k_pipe, v_pipe, q, k, v)
 
     # producer side (one warp)

@@ -1,7 +1,9 @@
 """Per-call cost of attention() on tiny problems, where the host side dominates, against
-FlashAttention-4 and torch SDPA in the same process.
+FlashAttention-4 and torch SDPA in the same process; and (--gqa) the speed of a
+grouped-query, Llama-style problem against the same baselines.
 
     python -m hopper_attn.harness.overhead [--json results/h100/overhead.json]
+    python -m hopper_attn.harness.overhead --gqa [--json results/h100/gqa.json]
 
 For each problem and op: wall time of 200 back-to-back calls (after 20 warm-up calls),
 divided by 200. On problems this small the GPU finishes each kernel before the host has
@@ -31,10 +33,74 @@ def per_call_us(fn, calls: int = 200) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal): Llama-3-8B-like prefill,
+# and a prefill with a KV prefix (cross-length, bottom-right causal)
+GQA_PROBLEMS = [(1, 8192, 8192, 32, 8, 128, True), (1, 8192, 8192, 32, 8, 128, False),
+                (2, 2048, 6144, 32, 8, 128, True)]
+
+
+def gqa(args) -> int:
+    import torch.nn.functional as F
+
+    import hopper_attn
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness.env import environment
+    from hopper_attn.harness.timing import L2Flush, benchmark, tflops
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    ops = {"hopper_attn.attention": lambda q, k, v, c: hopper_attn.attention(q, k, v, causal=c)}
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+        ops["fa4"] = lambda q, k, v, c: flash_attn_func(q, k, v, causal=c)
+    except Exception as exc:  # noqa: BLE001
+        print(f"fa4 unavailable: {exc}")
+
+    def cudnn(q, k, v, c):
+        nq, nk = q.shape[1], k.shape[1]
+        mask = None
+        if c and nq != nk:          # SDPA's is_causal is top-left aligned: pass the mask
+            mask = ~torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                is_causal=c and nq == nk, enable_gqa=True).transpose(1, 2)
+    ops["sdpa_cudnn"] = cudnn
+    flush, rows = L2Flush(), []
+    for b, nq, nk, h, hkv, d, causal in GQA_PROBLEMS:
+        q = torch.randn(b, nq, h, d, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(b, nk, hkv, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+        problem = Problem(b, h, nq, d, causal, heads_kv=hkv, seqlen_k=nk)
+        ref = ops["hopper_attn.attention"](q, k, v, causal).float()
+        times = {}
+        for name, fn in ops.items():
+            try:
+                err = (fn(q, k, v, causal).float() - ref).abs().max().item()
+                t = benchmark(lambda: fn(q, k, v, causal), flush)
+            except Exception as exc:  # noqa: BLE001
+                print(f"{name} failed on {problem.label()}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            times[name] = t["ms"]
+            rows.append({"op": name, "config": problem.as_dict(), "ms": t["ms"],
+                         "tflops": tflops(problem.flops, t["ms"]),
+                         "max_abs_diff_vs_hopper_attn": err})
+        mine = times.get("hopper_attn.attention")
+        for row in rows[-len(times):]:
+            row["ratio_vs_hopper_attn"] = (row["ms"] / mine) if mine else None
+            print(f"{problem.label():60} {row['op']:22} {row['ms']:8.3f} ms "
+                  f"{row['tflops']:7.1f} TFLOP/s  (hopper_attn / it: {mine and row['ms'] / mine:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": environment(), "command": "python " + " ".join(sys.argv),
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
+    ap.add_argument("--gqa", action="store_true", help="GQA / cross-length speed instead")
     args = ap.parse_args(argv)
+    if args.gqa:
+        return gqa(args)
     import hopper_attn
     from hopper_attn.harness import baselines
     from hopper_attn.harness.env import environment
