@@ -50,7 +50,10 @@ def gqa(args) -> int:
     ops = {"hopper_attn.attention": lambda q, k, v, c: hopper_attn.attention(q, k, v, causal=c)}
     try:
         from flash_attn.cute.interface import flash_attn_func
-        ops["fa4"] = lambda q, k, v, c: flash_attn_func(q, k, v, causal=c)
+        def fa4(q, k, v, c):
+            out = flash_attn_func(q, k, v, causal=c)
+            return out[0] if isinstance(out, tuple) else out       # (out, lse) in some versions
+        ops["fa4"] = fa4
     except Exception as exc:  # noqa: BLE001
         print(f"fa4 unavailable: {exc}")
 
