@@ -134,17 +134,11 @@ class FlashAttentionK4:
 
         # Each warpgroup owns 64 query rows. Operand fragments are SMEM descriptors (per
         # warpgroup); accumulators and coordinates are per thread.
-        mma_qk = wgmma.qk_mma(self.warpgroups, 1, bn)
-        mma_pv = wgmma.pv_mma(self.warpgroups, d)
-        wg_qk, wg_pv = wgmma.warpgroup_slice(mma_qk, tidx), wgmma.warpgroup_slice(mma_pv, tidx)
-        thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
-        q_frag = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-        k_frag = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-        vt_frag = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((bm, bn)))     # bf16 registers
-        s_coords = acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((bm, d)), Float32)
-        acc_o.fill(0.0)
+        mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, tidx, sQ, sK, sVt)
+        mma_qk, mma_pv, thr_qk, thr_pv = mmas.mma_qk, mmas.mma_pv, mmas.thr_qk, mmas.thr_pv
+        q_frag, k_frag, vt_frag, p_frag = mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag
+        s_coords = mmas.s_coords
+        acc_o = mmas.new_o_accumulator(bm, d)
         o_rc = acc_rows_cols(acc_o)
         softmax = OnlineSoftmax.create(cute.size(s_coords, mode=[0]), scale_log2, lanes_per_row=4)
         loads.wait_q()

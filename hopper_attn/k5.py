@@ -142,7 +142,7 @@ class FlashAttentionK5:
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_o: cute.CopyAtom, scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout):
-        schedule, roles, pingpong = self.schedule, self.roles, self.pingpong
+        schedule, roles = self.schedule, self.roles
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         _, head, batch = cute.arch.block_idx()
@@ -192,25 +192,16 @@ class FlashAttentionK5:
             wg = warp // 4 - 1                              # consumer warpgroup, 0 .. W - 1
 
             # Each consumer warpgroup owns 64 query rows (as in k4, indexed by ctidx).
-            mma_qk = wgmma.qk_mma(self.warpgroups, 1, bn)
-            mma_pv = wgmma.pv_mma(self.warpgroups, d)
-            wg_qk = wgmma.warpgroup_slice(mma_qk, ctidx)
-            wg_pv = wgmma.warpgroup_slice(mma_pv, ctidx)
-            thr_qk, thr_pv = mma_qk.get_slice(ctidx), mma_pv.get_slice(ctidx)
-            q_frag = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
-            k_frag = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
-            vt_frag = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-            p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((bm, bn)))  # bf16 registers
-            s_coords = acc_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((bm, bn))))
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((bm, d)), Float32)
-            acc_o.fill(0.0)
+            mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt)
+            acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
-            softmax = OnlineSoftmax.create(cute.size(s_coords, mode=[0]), scale_log2,
+            softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4)
-            acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn)), Float32)
+            acc_s = mmas.new_s_accumulator(bm, bn)
             loads.wait_q()
-            self.mainloop(loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
-                          q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax)
+            self.mainloop(loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
+                          mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag,
+                          acc_s, acc_o, mmas.s_coords, softmax)
 
             # Epilogue: O / l -> bf16 -> SMEM (Q's buffer) -> one TMA store, consumers only.
             phase = self.trace.start("epilogue")
@@ -218,7 +209,7 @@ class FlashAttentionK5:
             o_bf16 = cute.make_rmem_tensor_like(acc_o, BFloat16)
             o_bf16.store(acc_o.load().to(BFloat16))
             self.epilogue_barrier.arrive_and_wait()         # every WG's last QK (reads sQ) is done
-            cute.autovec_copy(o_bf16, thr_pv.partition_C(sQ))
+            cute.autovec_copy(o_bf16, mmas.thr_pv.partition_C(sQ))
             cute.arch.fence_proxy("async.shared", space="cta")   # make it visible to the TMA unit
             self.epilogue_barrier.arrive_and_wait()
             if warp == 4:                                   # the first consumer warp

@@ -15,7 +15,6 @@ Nothing here moves data: every function returns a new *view* (same memory, anoth
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass.cute.nvgpu import warpgroup

@@ -14,11 +14,15 @@ The instruction is asynchronous:
 
 from __future__ import annotations
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import warpgroup
+
+from .layouts import acc_rows_cols
 
 
 def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int):
@@ -60,3 +64,50 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx):
     """The slice of `tiled_mma` owned by the warpgroup of thread `tidx` (operand partitions
     are per warpgroup: the SMEM descriptors are shared by its 128 threads)."""
     return tiled_mma.get_slice((tidx // 128) * 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMmas:
+    """The two GEMMs of a warpgroup-per-64-rows attention kernel (k4 on), partitioned for
+    thread `tidx` (counted from the first thread of the first computing warpgroup).
+
+    S = Q K^T takes both operands from SMEM; O += P V takes P from registers (`p_frag`,
+    bf16) and V^T from SMEM (`vt_frag`, MN-major). Operand fragments are SMEM descriptors
+    shared by a warpgroup; accumulators and `s_coords` (each S register's (row, col) in the
+    tile, as a [row, col] view) are per thread.
+    """
+
+    mma_qk: cute.TiledMma
+    mma_pv: cute.TiledMma
+    thr_qk: object
+    thr_pv: object
+    q_frag: cute.Tensor
+    k_frag: cute.Tensor
+    vt_frag: cute.Tensor
+    p_frag: cute.Tensor
+    s_coords: cute.Tensor
+
+    @staticmethod
+    def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
+               sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor) -> "AttentionMmas":
+        mma_qk = qk_mma(warpgroups, 1, block_n)
+        mma_pv = pv_mma(warpgroups, head_dim)
+        wg_qk, wg_pv = warpgroup_slice(mma_qk, tidx), warpgroup_slice(mma_pv, tidx)
+        thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
+        return AttentionMmas(
+            mma_qk, mma_pv, thr_qk, thr_pv,
+            q_frag=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
+            k_frag=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
+            vt_frag=wg_pv.make_fragment_B(wg_pv.partition_B(sVt)),
+            p_frag=wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n))),
+            s_coords=acc_rows_cols(thr_qk.partition_C(
+                cute.make_identity_tensor((block_m, block_n)))))
+
+    def new_o_accumulator(self, block_m: int, head_dim: int) -> cute.Tensor:
+        """O (fp32, per thread), zeroed."""
+        acc_o = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((block_m, head_dim)), Float32)
+        acc_o.fill(0.0)
+        return acc_o
+
+    def new_s_accumulator(self, block_m: int, block_n: int) -> cute.Tensor:
+        return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((block_m, block_n)), Float32)
