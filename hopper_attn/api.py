@@ -15,7 +15,8 @@ k and v may have fewer heads than q (GQA/MQA: q's heads a multiple of theirs; re
 no copies) and another sequence length (cross-attention, a KV prefix); with a causal mask
 the diagonal is then aligned bottom-right, as in FlashAttention: query i sees keys
 j <= i + seqlen_k - seqlen_q, and a query that sees no key gets a zero output row.
-Not yet: strided (non-contiguous) inputs, returning the log-sum-exp.
+`return_lse=True` also returns the log-sum-exp (fp32, (batch, heads, seqlen_q)).
+Not yet: strided (non-contiguous) inputs.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ def _entry_for(problem: Problem, stage: str):
 
 @torch.library.custom_op("hopper_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: Optional[float], stage: str) -> torch.Tensor:
+                  softmax_scale: Optional[float], stage: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(q, k, v)
     problem = Problem.from_tensor(q, causal, k)
     entry = _entry_for(problem, stage)
@@ -85,22 +87,38 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if handle is None:
         handle = _HANDLES[key] = entry.compile(problem, compile_options=_compile_options())
     out = torch.empty_like(q)
-    run_attention(handle, q, k, v, out, softmax_scale)
-    return out
+    lse = _lse_like(q)
+    if handle.workspace_fn is None:            # a stage that does not write the LSE (k4)
+        lse.fill_(float("nan"))
+        run_attention(handle, q, k, v, out, softmax_scale)
+    else:
+        run_attention(handle, q, k, v, out, softmax_scale, workspace=[lse])
+    return out, lse
+
+
+def _lse_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
+                       device=q.device)
 
 
 @_attention_op.register_fake
 def _(q, k, v, causal, softmax_scale, stage):
     _check(q, k, v)
-    return torch.empty_like(q)
+    return torch.empty_like(q), _lse_like(q)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              softmax_scale: Optional[float] = None, stage: Optional[str] = None) -> torch.Tensor:
+              softmax_scale: Optional[float] = None, return_lse: bool = False,
+              stage: Optional[str] = None):
     """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
 
-    softmax_scale defaults to 1/sqrt(head_dim); `stage` picks a stage by name (e.g. "k4")
+    softmax_scale defaults to 1/sqrt(head_dim). With `return_lse`, also returns the
+    log-sum-exp of each query row, log(sum_j exp(q_i . k_j * scale)), fp32 (batch, heads,
+    seqlen_q); -inf for a row that sees no key (what a backward pass or a split-KV
+    combination needs). `stage` picks a stage by name (e.g. "k4", which writes no LSE: NaN)
     instead of the fastest one. Inputs: bf16, contiguous, on one CUDA device, head_dim 64 or
     128, any sequence length; anything else raises ValueError before a launch.
     """
-    return torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale, stage or "")
+    out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
+                                               stage or "")
+    return (out, lse) if return_lse else out

@@ -107,7 +107,7 @@ class FlashAttentionK5:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 scale_log2: Float32, stream):
+                 mLSE: cute.Tensor, scale_log2: Float32, stream):
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         q_layout = smem_tile_layout(BFloat16, bm, d)            # also O's staging buffer
@@ -130,7 +130,8 @@ class FlashAttentionK5:
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
-        self.kernel(*coords, o_coords, *atoms, tma_o, scale_log2, q_layout, kv_layout).launch(
+        self.kernel(*coords, o_coords, mLSE, *atoms, tma_o, scale_log2, q_layout,
+                    kv_layout).launch(
             grid=self.schedule.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
@@ -139,7 +140,7 @@ class FlashAttentionK5:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_o: cute.CopyAtom, scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout):
         schedule, roles = self.schedule, self.roles
@@ -205,7 +206,10 @@ class FlashAttentionK5:
 
             # Epilogue: O / l -> bf16 -> SMEM (Q's buffer) -> one TMA store, consumers only.
             phase = self.trace.start("epilogue")
-            scale_rows(o_rc, softmax.finalize())
+            inv_sum = softmax.finalize()
+            self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
+                           m_block * bm, seqlen_q, head, batch)
+            scale_rows(o_rc, inv_sum)
             o_bf16 = cute.make_rmem_tensor_like(acc_o, BFloat16)
             o_bf16.store(acc_o.load().to(BFloat16))
             self.epilogue_barrier.arrive_and_wait()         # every WG's last QK (reads sQ) is done
@@ -270,6 +274,18 @@ class FlashAttentionK5:
         self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)
 
     @cute.jit
+    def store_lse(self, mLSE: cute.Tensor, lse: cute.Tensor, s_coords: cute.Tensor, ctidx,
+                  row0, seqlen_q, head, batch):
+        """The log-sum-exp of each query row, (batch, heads, seqlen_q) fp32: the 4 lanes of
+        a quad hold the same rows, so lane 0 of each quad writes them; rows past the end of
+        the sequence are not written."""
+        if ctidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = row0 + s_coords[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = lse[r]
+
+    @cute.jit
     def last_pv(self, loads: tma.SplitKVLoads, wg, mma_pv: cute.TiledMma, acc_o: cute.Tensor,
                 p_frag: cute.Tensor, vt_frag: cute.Tensor, v_state):
         """The last tile's O += P V, in one more turn (shared with k6)."""
@@ -288,6 +304,13 @@ class FlashAttentionK5:
         self.trace.end(phase)
 
 
+def lse_buffer(problem, device) -> list:
+    """Where k5 and k6 write the log-sum-exp: (batch, heads, seqlen_q) fp32."""
+    import torch
+    return [torch.empty((problem.batch, problem.heads, problem.seqlen), dtype=torch.float32,
+                        device=device)]
+
+
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 128, stages: int = 2, trace: bool = False):
     """Compile (or fetch from the cache) k5; options: block_m (0: the default for the head
@@ -296,7 +319,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     return compile_attention(SPEC, FlashAttentionK5, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "trace": trace},
-                             compile_options=compile_options)
+                             workspace_fn=lse_buffer, compile_options=compile_options)
 
 
 def run_kernel(handle, q, k, v, out):

@@ -38,7 +38,7 @@ from hopper_attn.common.contract import KernelSpec, compile_attention, run_atten
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
 from hopper_attn.common.masking import mask_scores
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
-from hopper_attn.k5 import FlashAttentionK5
+from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 
 SPEC = KernelSpec(
     name="k6",
@@ -119,7 +119,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "trace": trace},
-                             compile_options=compile_options)
+                             workspace_fn=lse_buffer, compile_options=compile_options)
 
 
 def run_kernel(handle, q, k, v, out):

@@ -54,10 +54,11 @@ def test_fake_implementation_gives_the_output_shape():
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 100, 8, 128, dtype=torch.bfloat16, device="cuda")
                    for _ in range(3))
-        out = torch.ops.hopper_attn.attention(q, k, v, True, None, "")
+        out, lse = torch.ops.hopper_attn.attention(q, k, v, True, None, "")
         assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+        assert lse.shape == (2, 8, 100) and lse.dtype == torch.float32
         kv = torch.empty(2, 37, 2, 128, dtype=torch.bfloat16, device="cuda")   # GQA + cross
-        assert torch.ops.hopper_attn.attention(q, kv, kv, True, None, "").shape == q.shape
+        assert torch.ops.hopper_attn.attention(q, kv, kv, True, None, "")[0].shape == q.shape
         kv3 = torch.empty(2, 100, 3, 128, dtype=torch.bfloat16, device="cuda")
         with pytest.raises(ValueError, match="multiple"):
             torch.ops.hopper_attn.attention(q, kv3, kv3, True, None, "")

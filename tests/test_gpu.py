@@ -31,6 +31,17 @@ def _reference(q, k, v, causal, scale):
     return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
+def _reference_lse(q, k, causal, scale):
+    """fp32 log-sum-exp per (batch, head, query row); -inf for rows that see no key."""
+    k = k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
+    nq, nk = q.shape[1], k.shape[1]
+    if causal:
+        hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+    return torch.logsumexp(s, -1)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_op_matches_fp32(d, causal):
@@ -76,8 +87,12 @@ def test_attention_op_gqa_and_cross_attention(heads_kv, seqlen_k, causal):
     q = torch.randn(2, 300, 6, 128, device="cuda", generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", generator=gen).to(torch.bfloat16)
             for _ in range(2))
-    out = hopper_attn.attention(q, k, v, causal=causal)
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
     ref = _reference(q, k, v, causal, 128 ** -0.5)
+    ref_lse = _reference_lse(q, k, causal, 128 ** -0.5)
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)                  # -inf exactly where no key
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
     group = 6 // heads_kv
     kk, vv = (t.repeat_interleave(group, dim=2) for t in (k, v))
     nq, nk = 300, seqlen_k

@@ -278,23 +278,27 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
 
 
 def run_attention(handle: CompiledAttention, q, k, v, out,
-                  softmax_scale: Optional[float] = None) -> None:
+                  softmax_scale: Optional[float] = None, workspace: Optional[list] = None) -> None:
     """Check the tensors against the handle's problem, then launch on the current stream.
-    `softmax_scale` defaults to 1/sqrt(head_dim)."""
+    `softmax_scale` defaults to 1/sqrt(head_dim). `workspace`: the kernel's extra tensors
+    (k5/k6: the log-sum-exp) to use instead of the handle's own (allocated once)."""
     problem = handle.problem
     check_tensors(problem, q, k, v, out)
     rt = _cute()
-    if handle.workspace_fn is not None and not handle.workspace:
-        # re-check memory right before allocating, so we refuse instead of failing mid-run
-        handle.spec.check(problem)
-        handle.workspace = handle.workspace_fn(problem, q.device)
+    if workspace is None:
+        if handle.workspace_fn is not None and not handle.workspace:
+            # re-check memory right before allocating, so we refuse instead of failing mid-run
+            handle.spec.check(problem)
+            handle.workspace = handle.workspace_fn(problem, q.device)
+        workspace = handle.workspace
     scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
     if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
-        handle.compiled(q, k, v, out, *handle.workspace, scale * LOG2_E)
+        handle.compiled(q, k, v, out, *workspace, scale * LOG2_E)
         return
-    key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), problem.shape)
+    key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), problem.shape,
+           tuple(t.data_ptr() for t in workspace))
     if handle._bound_key != key:
-        tensors = [q, k, v, out, *handle.workspace]
+        tensors = [q, k, v, out, *workspace]
         handle._bound_args = [rt.to_cute_tensor(t) for t in tensors]
         handle._bound_key = key
     scale_log2 = scale * LOG2_E

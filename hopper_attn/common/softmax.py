@@ -26,6 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+LN_2 = 0.6931471805599453
+
 
 @dataclasses.dataclass(frozen=True)   # frozen: register arrays are updated in place, never rebound
 class OnlineSoftmax:
@@ -73,6 +75,18 @@ class OnlineSoftmax:
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=self.lanes_per_row)
             inv[r] = 0.0 if total == 0.0 else 1.0 / total
         return inv
+
+    @cute.jit
+    def log_sum_exp(self, inv: cute.Tensor) -> cute.Tensor:
+        """Per row, log(sum_j exp(s_j * scale)) in natural log, from `finalize`'s 1/l:
+        m * scale + ln(l) = (m * scale_log2 - log2(1/l)) * ln(2); -inf for empty rows."""
+        lse = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            lse[r] = -Float32.inf
+            if inv[r] != 0.0:
+                lse[r] = (self.row_max[r] * self.scale_log2
+                          - cute.math.log2(inv[r], fastmath=True)) * LN_2
+        return lse
 
 
 @cute.jit
