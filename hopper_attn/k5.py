@@ -29,6 +29,11 @@ What changes from k4 (FlashAttention-3's first two techniques):
   threads only, on named barrier 1: the producer warpgroup has left, so `sync_threads`
   (barrier 0, which counts every thread of the CTA) would hang.
 
+Also from this stage on (for `hopper_attn.attention`): k and v may have fewer heads than q
+(GQA/MQA: a CTA reads the k/v head its query head belongs to) and another length
+(cross-attention; the causal diagonal is then aligned bottom-right, `TileSchedule.work_kv`),
+and the epilogue writes each row's log-sum-exp (fp32, (batch, heads, seqlen_q)).
+
 What stays: k4's tiles (d = 128: 128 x 128; d = 64: 192 x 128; 2 stages), WGMMA for both
 GEMMs with P handed over in registers, the online softmax on the accumulator, the tile
 schedule (tails masked, causal tiles skipped, masking only on tiles that need it).
