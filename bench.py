@@ -149,6 +149,11 @@ def run(entries, args) -> int:
             write_json(args.json, env, check, missing, rows)
 
     print(format_table(rows, list(found), env))
+    ran = [r for r in rows if not r["baseline"] and "ms" in r]
+    if not ran:                                     # say so, instead of an empty table
+        reasons = sorted({r.get("skipped") or r.get("error", "") for r in rows
+                          if not r["baseline"]})
+        print("\nno kernel ran on this sweep: " + "; ".join(reasons))
     if args.json:
         print(f"wrote {args.json}")
     if failures:

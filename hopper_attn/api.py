@@ -15,8 +15,9 @@ k and v may have fewer heads than q (GQA/MQA: q's heads a multiple of theirs; re
 no copies) and another sequence length (cross-attention, a KV prefix); with a causal mask
 the diagonal is then aligned bottom-right, as in FlashAttention: query i sees keys
 j <= i + seqlen_k - seqlen_q, and a query that sees no key gets a zero output row.
-`return_lse=True` also returns the log-sum-exp (fp32, (batch, heads, seqlen_q)).
-Not yet: strided (non-contiguous) inputs.
+`return_lse=True` also returns the log-sum-exp (fp32, (batch, heads, seqlen_q)). q, k, v
+may be strided views (last dim contiguous, other strides multiples of 16 bytes), e.g. of one
+packed (batch, seqlen, 3, heads, head_dim) QKV tensor: read in place, no copies.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     _check(q, k, v)
     problem = Problem.from_tensor(q, causal, k)
     entry = _entry_for(problem, stage)
-    check_tensors(problem, q, k, v, q)                 # dtype, device, layout: before compiling
+    check_tensors(problem, q, k, v, q,                 # dtype, device, layout: before compiling
+                  strided=entry.spec.strided_inputs)
     key = (entry.name, problem)
     handle = _HANDLES.get(key)
     if handle is None:

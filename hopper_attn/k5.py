@@ -70,6 +70,7 @@ SPEC = KernelSpec(
     summary="k4 + producer warpgroup, setmaxnreg, separate K/V pipelines, ping-pong",
     head_dims=(64, 128),
     separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
+    strided_inputs=True,        # e.g. q, k, v as views of a packed QKV tensor
 )
 
 DEFAULT_BLOCK_M = {64: 192, 128: 128}      # k4's tiles (FlashAttention-4's too)

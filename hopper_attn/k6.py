@@ -45,6 +45,7 @@ SPEC = KernelSpec(
     summary="k5 + intra-warpgroup overlap: a tile's softmax runs under the previous PV",
     head_dims=(64, 128),
     separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
+    strided_inputs=True,        # e.g. q, k, v as views of a packed QKV tensor
 )
 
 

@@ -78,3 +78,17 @@ def test_torch_compile_fullgraph_traces_through_the_op():
     compiled(*_qkv())
     code = graphs[0].code
     assert "hopper_attn.attention" in code and len(graphs) == 1
+
+
+def test_strided_views_pass_the_checks_of_strided_stages_only():
+    from hopper_attn.common.contract import check_tensors
+    qkv = torch.randn(2, 33, 3, 4, 64).to(torch.bfloat16)
+    q, k, v = qkv.unbind(2)                                   # strides (33*3*4*64, 3*4*64, 64, 1)
+    p = Problem.from_tensor(q)
+    with pytest.raises(ValueError, match="CUDA"):             # the layout is fine; the device is not
+        check_tensors(p, q, k, v, torch.empty_like(q), strided=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        check_tensors(p, q, k, v, torch.empty_like(q))
+    odd = torch.randn(2, 33, 4, 68).to(torch.bfloat16)[..., :64]   # row stride 68: not 16 B
+    with pytest.raises(ValueError, match="16 bytes"):
+        check_tensors(p, odd, odd, odd, odd, strided=True)

@@ -105,3 +105,14 @@ def test_attention_op_gqa_and_cross_attention(heads_kv, seqlen_k, causal):
     torch_err = (sdpa - ref).abs().max().item()
     assert not out.isnan().any()
     assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_op_reads_packed_qkv_in_place(causal):
+    import hopper_attn
+    qkv = torch.randn(2, 333, 3, 4, 128, device="cuda").to(torch.bfloat16)
+    q, k, v = qkv.unbind(2)                              # strided views, no copies
+    assert not q.is_contiguous()
+    out = hopper_attn.attention(q, k, v, causal=causal)
+    same = hopper_attn.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal)
+    assert torch.equal(out, same)                        # the same bits as contiguous inputs

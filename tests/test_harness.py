@@ -89,3 +89,9 @@ def test_guarded_inputs_sit_between_nan_guards():
     assert all(guards_intact(b) for b in buffers)
     buffers[3][GUARD + out.numel()] = 0.0           # one element written past the end of out
     assert not guards_intact(buffers[3])
+
+
+def test_bad_sweep_variables_are_reported(monkeypatch):
+    monkeypatch.setenv("SEQLEN", "abc")
+    with pytest.raises(SystemExit, match="SEQLEN"):
+        problems.sweep()

@@ -150,6 +150,8 @@ class KernelSpec:
     extra_limits: Optional[Callable[[Problem], Optional[str]]] = None
     # k/v with fewer heads (GQA/MQA) or another length than q (cross-attention)
     separate_kv: bool = False
+    # strided q/k/v/out (last dim contiguous, other strides multiples of 16 bytes)
+    strided_inputs: bool = False
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -186,8 +188,11 @@ class KernelSpec:
             raise UnsupportedProblem(reason)
 
 
-def check_tensors(problem: Problem, q, k, v, out) -> None:
-    """Raise ValueError unless q, k, v, out match `problem` and the layout contract."""
+def check_tensors(problem: Problem, q, k, v, out, strided: bool = False) -> None:
+    """Raise ValueError unless q, k, v, out match `problem` and the layout contract:
+    contiguous, or with `strided` (stages that read through TMA with runtime strides, k5 on)
+    any strides with the last dim contiguous and the others multiples of 16 bytes, e.g. q, k,
+    v as views of one packed (batch, seqlen, 3, heads, head_dim) tensor."""
     names = ("q", "k", "v", "out")
     tensors = (q, k, v, out)
     for name, t in zip(names, tensors):          # what the tensors are ...
@@ -202,14 +207,21 @@ def check_tensors(problem: Problem, q, k, v, out) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want} "
                              "(batch, seqlen, heads, head_dim); q and out must match, and k "
                              "and v must match each other")
-    for name, t in zip(names, tensors):          # ... then where and how they are stored
-        if not t.is_cuda:
-            raise ValueError(f"{name} is on {t.device}; the kernels run on a CUDA device")
-        if not t.is_contiguous():
+    for name, t in zip(names, tensors):          # ... then how and where they are stored
+        if strided:
+            unit = 16 // t.element_size()
+            if t.stride(-1) != 1 or any(st % unit for st, n in zip(t.stride()[:3], t.shape[:3])
+                                        if n > 1):
+                raise ValueError(f"{name} needs a contiguous last dim and the other strides "
+                                 f"multiples of {unit} elements (16 bytes); got strides "
+                                 f"{t.stride()}")
+        elif not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (batch, seqlen, heads, head_dim); "
                              f"got strides {t.stride()}")
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
+        if not t.is_cuda:
+            raise ValueError(f"{name} is on {t.device}; the kernels run on a CUDA device")
     devices = {t.device for t in (q, k, v, out)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v, out must be on one device, got {sorted(map(str, devices))}")
@@ -283,7 +295,7 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
     `softmax_scale` defaults to 1/sqrt(head_dim). `workspace`: the kernel's extra tensors
     (k5/k6: the log-sum-exp) to use instead of the handle's own (allocated once)."""
     problem = handle.problem
-    check_tensors(problem, q, k, v, out)
+    check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs)
     rt = _cute()
     if workspace is None:
         if handle.workspace_fn is not None and not handle.workspace:
@@ -295,8 +307,8 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
     if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
         handle.compiled(q, k, v, out, *workspace, scale * LOG2_E)
         return
-    key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), problem.shape,
-           tuple(t.data_ptr() for t in workspace))
+    key = (tuple((t.data_ptr(), t.stride()) for t in (q, k, v, out, *workspace)),
+           problem.shape)
     if handle._bound_key != key:
         tensors = [q, k, v, out, *workspace]
         handle._bound_args = [rt.to_cute_tensor(t) for t in tensors]

@@ -23,7 +23,11 @@ def _env_list(name: str, default, cast=int):
     raw = os.environ.get(name, "").strip()
     if not raw:
         return tuple(default) if default is not None else None
-    return tuple(cast(x) for x in raw.split(",") if x.strip())
+    try:
+        return tuple(cast(x) for x in raw.split(",") if x.strip())
+    except ValueError as exc:
+        raise SystemExit(f"{name}={raw!r}: expected a comma-separated list, e.g. "
+                         f"{name}=1024,4096 ({exc})") from None
 
 
 def _bool(x: str) -> bool:
