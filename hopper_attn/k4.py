@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                    smem_tile_layout, transposed)
+                                        smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.trace import PhaseTrace

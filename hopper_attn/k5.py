@@ -18,12 +18,14 @@ What changes from k4 (FlashAttention-3's first two techniques):
   stage is released the moment its WGMMA retires (before the softmax), V_j's after P V_j.
 * Ping-pong between consumer warpgroups (warp_roles.PingPong, named barriers 2..W+1):
   one warpgroup at a time issues WGMMAs, so while one runs its softmax (exp2 on the SFU,
-  shuffles) the other keeps the tensor cores busy. A turn covers [P V_j, Q K_{j+1}^T] of one
-  warpgroup, issue and completion (FlashAttention-4's sm90 schedule without intra-warpgroup
-  overlap):
+  shuffles) the other keeps the tensor cores busy. A turn issues the previous tile's PV and
+  this tile's QK back to back, then hands the turn on before waiting for them:
 
-      turn:  [sync(own)] ... PV_j, wait, release V_j, wait K_{j+1}, issue QK_{j+1}, [arrive(next)]
-      then, outside the turn: wait QK_{j+1}, release K_{j+1}, mask + softmax, wait V_{j+1}
+      wait K_j (and V_{j-1}); sync(own)
+      issue O += P_{j-1} V_{j-1}; issue S_j = Q K_j^T; arrive(next)       <- the turn
+      wait for both; release V_{j-1} and K_j
+      mask + softmax of tile j, rescale O, P_j -> bf16 registers          <- outside it
+      (after the last tile: one more turn for the last PV)
 
 * The epilogue (O / l -> bf16 -> Q's buffer -> one TMA store) synchronises the consumer
   threads only, on named barrier 1: the producer warpgroup has left, so `sync_threads`
@@ -59,7 +61,7 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                    smem_tile_layout, transposed)
+                                        smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.trace import PhaseTrace

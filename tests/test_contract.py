@@ -5,7 +5,7 @@ import torch
 
 from hopper_attn.harness import registry
 from hopper_attn.common.contract import (CompiledAttention, KernelSpec, Problem, UnsupportedProblem,
-                                     check_tensors, run_attention)
+                                         check_tensors, run_attention)
 
 
 def test_flops_are_4bhn2d_and_half_for_causal():
