@@ -2,30 +2,19 @@
 its PTX/SASS shows what its stage is about. ptxas runs with --warn-on-spills
 --warning-as-error, so a spill fails the compile."""
 
-import re
-
 import pytest
 
 from hopper_attn.harness import registry
-from hopper_attn.harness.compile_report import compile_artifacts, resource_usage, sass
+from hopper_attn.harness.compile_report import resource_usage, sass
+from ptx import WGMMA, WGMMA_REG_A, compiled, count
 
 pytestmark = pytest.mark.compile
 
 CONFIGS = [(64, False), (128, True)]   # both head dims, both mask modes, 2 compiles per kernel
-_CACHE = {}
 
 
 def artifacts(name, d, causal):
-    key = (name, d, causal)
-    if key not in _CACHE:
-        art = compile_artifacts(registry.get(name), d, causal)
-        assert art["ok"], f"{name} d={d} causal={causal} failed to compile: {art.get('error')}"
-        _CACHE[key] = art
-    return _CACHE[key]
-
-
-def count(ptx, pattern):
-    return len(re.findall(pattern, ptx))
+    return compiled(name, d, causal)
 
 
 @pytest.mark.parametrize("d,causal", CONFIGS)
@@ -73,8 +62,6 @@ def test_k3_3_uses_the_deepest_ring_that_fits():
     assert art["kernel"]["smem_bytes"] <= 227 * 1024 - 1024
 
 
-WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16"
-WGMMA_REG_A = WGMMA + r"\s*\{[^}]*\},\s*\{"                    # A given as a register list
 
 
 @pytest.mark.parametrize("d,causal", CONFIGS)

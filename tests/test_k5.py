@@ -8,30 +8,15 @@ import re
 
 import pytest
 
-from hopper_attn.harness import registry
-from hopper_attn.harness.compile_report import compile_artifacts, resource_usage, sass
+from hopper_attn.harness.compile_report import resource_usage, sass
+from ptx import TMA_LOAD, TMA_STORE, WGMMA, WGMMA_REG_A, compiled, count
 
 CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
 REGS = {64: (32, 160, 128, 3), 128: (24, 240, 168, 2)}   # producer, consumer, entry, consumer WGs
-_CACHE = {}
-
-WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16"
-WGMMA_REG_A = WGMMA + r"\s*\{[^}]*\},\s*\{"
-TMA_LOAD = r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"
-TMA_STORE = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta"
 
 
 def artifacts(d, causal, name="k5"):
-    key = (name, d, causal)
-    if key not in _CACHE:
-        art = compile_artifacts(registry.get(name), d, causal)
-        assert art["ok"], f"{name} d={d} causal={causal} failed to compile: {art.get('error')}"
-        _CACHE[key] = art
-    return _CACHE[key]
-
-
-def count(ptx, pattern):
-    return len(re.findall(pattern, ptx))
+    return compiled(name, d, causal)
 
 
 @pytest.mark.compile

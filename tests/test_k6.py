@@ -6,24 +6,17 @@ import re
 
 import pytest
 
-from hopper_attn.harness import registry
-from hopper_attn.harness.compile_report import compile_artifacts, resource_usage, sass
+from hopper_attn.harness.compile_report import resource_usage, sass
+from ptx import WGMMA, WGMMA_REG_A, compiled
 
 pytestmark = pytest.mark.compile
 
-WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16"
 
 CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
-_CACHE = {}
 
 
 def artifacts(d, causal, name="k6"):
-    key = (name, d, causal)
-    if key not in _CACHE:
-        art = compile_artifacts(registry.get(name), d, causal)
-        assert art["ok"], f"{name} d={d} causal={causal}: {art.get('error')}"
-        _CACHE[key] = art
-    return _CACHE[key]
+    return compiled(name, d, causal)
 
 
 @pytest.mark.parametrize("d,causal", CONFIGS)
@@ -40,7 +33,7 @@ def test_softmax_waits_for_qk_only(d, causal):
     assert "1" in waits                                       # S_j ready, PV_{j-1} in flight
     # after the turn's bar.sync, the QK WGMMA (A from SMEM) comes before the PV one (A in regs)
     loop = ptx[re.search(r"bar\.sync\s+%r\d+,\s*256;", ptx).end():]
-    first_pv = re.search(WGMMA + r"\s*\{[^}]*\},\s*\{", loop).start()
+    first_pv = re.search(WGMMA_REG_A, loop).start()
     first_any = re.search(WGMMA, loop).start()
     assert first_any < first_pv
     # ptxas did not serialize the WGMMAs: a DEPBAR that allows one group in flight. (It then
@@ -50,7 +43,7 @@ def test_softmax_waits_for_qk_only(d, causal):
 
 
 def test_k5_waits_for_both():
-    art = compile_artifacts(registry.get("k5"), 128, False)
+    art = compiled("k5", 128, False)
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", art["ptx"])
     assert "1" not in waits
 
