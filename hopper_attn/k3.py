@@ -36,7 +36,7 @@ from cutlass import BFloat16, Float32
 from hopper_attn.common import tma
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.cuda_core import ScalarTile
-from hopper_attn.common.layouts import ndhb_view, smem_tile_layout
+from hopper_attn.common.layouts import ndhb_view, qkv_smem, smem_tile_layout
 from hopper_attn.common.masking import TileSchedule
 
 SPEC = KernelSpec(
@@ -139,9 +139,7 @@ class FlashAttentionK3:
             tma.prefetch_descriptors(tma_q, tma_k, tma_v)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)   # (bn, d, stage)
-        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sQ, sK, sV = qkv_smem(storage, q_layout, kv_layout)    # (bm, d), (bn, d, stage) x 2
         sPt = storage.sPt.get_tensor(p_layout)
 
         loads = tma.AttentionLoads.create(storage, self.threads // 32, self.stages, self.q_bytes,

@@ -37,7 +37,7 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                        smem_tile_layout, transposed)
+                                        qkv_smem, smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.trace import PhaseTrace
@@ -118,9 +118,7 @@ class FlashAttentionK4:
             tma.prefetch_descriptors(tma_q, tma_k, tma_v, tma_o)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-        sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)   # (bn, d, stage)
-        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sQ, sK, sV = qkv_smem(storage, q_layout, kv_layout)    # (bm, d), (bn, d, stage) x 2
         sVt = transposed(sV)                                                    # (d, bn, stage)
 
         loads = tma.AttentionLoads.create(storage, self.threads // 32, self.stages, self.q_bytes,

@@ -43,6 +43,14 @@ def smem_tile_layout(dtype, rows: int, cols: int, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
+def qkv_smem(storage, q_layout, kv_layout):
+    """The Q tile and the K and V rings of a SharedStorage (fields sQ, sK, sV) as swizzled
+    tensors: (block_m, d), (block_n, d, stage), (block_n, d, stage)."""
+    return tuple(buf.get_tensor(layout.outer, swizzle=layout.inner)
+                 for buf, layout in ((storage.sQ, q_layout), (storage.sK, kv_layout),
+                                     (storage.sV, kv_layout)))
+
+
 def transposed(t: cute.Tensor) -> cute.Tensor:
     """Swap the first two modes of `t` (further modes, e.g. the stage, are kept)."""
     rank = cute.rank(t)
