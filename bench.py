@@ -47,7 +47,7 @@ def compile_only(entries) -> int:
     from hopper_attn.harness.compile_report import format_rows, report
     head_dims = problems._env_list("HEADDIM", problems.HEAD_DIMS)
     causals = problems._env_list("CAUSAL", (False, True), problems._bool)
-    rows = report(entries, head_dims, causals)
+    rows = report(entries, head_dims, causals, problems.dtypes())
     print(format_rows(rows))
     bad = [r for r in rows if not r["ok"] or r["spills"] or r.get("local_bytes")]
     return 1 if bad else 0
@@ -167,7 +167,7 @@ def run(entries, args) -> int:
 def write_json(path, env, check, missing, rows):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        sweep_env = {k: os.environ[k] for k in ("SEQLEN", "HEADDIM", "CAUSAL", "BATCH", "HEADS")
+        sweep_env = {k: os.environ[k] for k in ("SEQLEN", "HEADDIM", "CAUSAL", "DTYPE", "BATCH", "HEADS")
                      if os.environ.get(k)}
         json.dump({"env": env, "command": "python " + " ".join(sys.argv), "sweep_env": sweep_env,
                    "check": check,
@@ -180,7 +180,8 @@ def format_table(rows, baseline_names, env) -> str:
     lines = [head, f"{'config':34} {'kernel':7} {'ms':>9} {'TFLOP/s':>8}{cols} {'err/torch':>9} {'compile s':>9}"]
     for r in rows:
         c = r["config"]
-        config = f"B{c['batch']} H{c['heads']} N{c['seqlen']} d{c['head_dim']} {'causal' if c['causal'] else 'full'}"
+        config = (f"B{c['batch']} H{c['heads']} N{c['seqlen']} d{c['head_dim']} "
+                  f"{'causal' if c['causal'] else 'full'}{'' if c['dtype'] == 'bf16' else ' ' + c['dtype']}")
         if r.get("skipped") or r.get("error"):
             lines.append(f"{config:34} {r['kernel']:7} {'skipped: ' + r['skipped'] if r.get('skipped') else 'ERROR: ' + r['error'][:80]}")
             continue

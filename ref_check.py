@@ -2,11 +2,11 @@
 
     python ref_check.py k2 k3_1 k4 [--seed 0] [--quick] [--json PATH]
 
-For every supported head dim, causal off and on, odd and even sequence lengths (1, 17, 64,
+For every supported dtype and head dim, causal off and on, odd and even sequence lengths (1, 17, 64,
 113, 128, 1000, 2049), batch 2 x heads 3, plus large-magnitude inputs: fresh random normal
 inputs per case, each tensor inside a buffer whose neighbouring memory is NaN, output
 poisoned with NaN, error vs fp32 compared with torch's own bf16 SDPA error on the same
-inputs; the NaN guards must be untouched and a second run must give the same bits.
+inputs (fp16 kernels: torch's fp16 error); the NaN guards must be untouched and a second run must give the same bits.
 Exits 1 and prints the failing configs if any case fails.
 """
 
@@ -32,12 +32,13 @@ def cases(entry, quick: bool):
     if env_d:
         head_dims = [d for d in head_dims if str(d) in env_d.split(",")]
     out = []
-    for d in head_dims:
-        for causal in (False, True):
-            for n in (QUICK_SEQLENS if quick else SEQLENS):
-                out.append((Problem(BATCH, HEADS, n, d, causal), 1.0))
-            # large scores (std ~ 16 before scaling): the online softmax must not overflow
-            out.append((Problem(1, 2, 257, d, causal), 4.0))
+    for dtype in entry.spec.dtypes:
+        for d in head_dims:
+            for causal in (False, True):
+                for n in (QUICK_SEQLENS if quick else SEQLENS):
+                    out.append((Problem(BATCH, HEADS, n, d, causal, dtype), 1.0))
+                # large scores (std ~ 16 before scaling): the online softmax must not overflow
+                out.append((Problem(1, 2, 257, d, causal, dtype), 4.0))
     return out
 
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
               f"worst error / torch bf16 error = {worst:.2f}")
         for r in bad:
             c = r["config"]
-            print(f"   FAIL B={c['batch']} H={c['heads']} N={c['seqlen']} d={c['head_dim']} "
+            print(f"   FAIL {c['dtype']} B={c['batch']} H={c['heads']} N={c['seqlen']} d={c['head_dim']} "
                   f"causal={c['causal']} scale={r['input_scale']}: "
                   + (r.get("error") or f"max_abs={r['max_abs']:.3g} torch={r['torch_max_abs']:.3g} "
                      f"nan={r['nan']} same_bits={r.get('same_bits')} "

@@ -30,7 +30,7 @@ from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tens
                                          run_attention)
 
 # Fastest first, by the same-run benchmarks in results/ (k6 is not faster than k5 yet).
-PREFERENCE = ("k5", "k4")
+PREFERENCE = ("k5", "k6", "k4")   # k6: head dims 96-256 and fp16
 
 _HANDLES: dict = {}
 
@@ -118,8 +118,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     log-sum-exp of each query row, log(sum_j exp(q_i . k_j * scale)), fp32 (batch, heads,
     seqlen_q); -inf for a row that sees no key (what a backward pass or a split-KV
     combination needs). `stage` picks a stage by name (e.g. "k4", which writes no LSE: NaN)
-    instead of the fastest one. Inputs: bf16, contiguous, on one CUDA device, head_dim 64 or
-    128, any sequence length; anything else raises ValueError before a launch.
+    instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
+    128, 192 or 256 (64 and 128 in bf16 go to k5, the rest to k6), any sequence length;
+    anything else raises ValueError before a launch.
     """
     out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
                                                stage or "")

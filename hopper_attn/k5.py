@@ -55,7 +55,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import BFloat16, Float32
+from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
@@ -78,23 +78,31 @@ SPEC = KernelSpec(
 DEFAULT_BLOCK_M = {64: 192, 128: 128}      # k4's tiles (FlashAttention-4's too)
 EPILOGUE_BARRIER = 1
 FIRST_SCHEDULER_BARRIER = 2
+SMEM_PER_CTA = 227 * 1024          # the most dynamic shared memory one CTA may use (sm_90)
 
 
 class FlashAttentionK5:
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
-                 stages: int = 2, trace: bool = False):
+                 stages: int = 2, trace: bool = False, pingpong: bool = True):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
                              f"warpgroups), block_n={block_n} (multiple of 16), "
                              f"stages={stages} (>= 1)")
+        # Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
+        smem = 1024 + sum(-(-rows * head_dim * 2 // 1024) * 1024
+                          for rows in (block_m, stages * block_n, stages * block_n))
+        if smem > SMEM_PER_CTA:
+            raise ValueError(f"{block_m} x {block_n} tiles at d = {head_dim} with {stages} "
+                             f"stages need {smem} bytes of shared memory; a CTA gets at most "
+                             f"{SMEM_PER_CTA}")
         self.head_dim = head_dim
         self.causal = causal
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
         self.warpgroups = block_m // 64                 # consumer warpgroups
         self.roles = WarpRoles.create(self.warpgroups)
         self.threads = self.roles.threads               # + the producer warpgroup
-        self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER)
+        self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=pingpong)
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=self.roles.consumer_threads)
         self.schedule = TileSchedule(block_m, block_n, causal)
@@ -118,8 +126,9 @@ class FlashAttentionK5:
                  mLSE: cute.Tensor, scale_log2: Float32, stream):
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
-        q_layout = smem_tile_layout(BFloat16, bm, d)            # also O's staging buffer
-        kv_layout = smem_tile_layout(BFloat16, bn, d, self.stages)
+        self.dtype = mQ.element_type                            # bf16 or fp16 (SPEC.dtypes)
+        q_layout = smem_tile_layout(self.dtype, bm, d)          # also O's staging buffer
+        kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d)
         self.tile_bytes = kv_bytes // 2                         # one K (or V) tile
@@ -130,9 +139,9 @@ class FlashAttentionK5:
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(q_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(kv_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -199,7 +208,8 @@ class FlashAttentionK5:
             wg = warp // 4 - 1                              # consumer warpgroup, 0 .. W - 1
 
             # Each consumer warpgroup owns 64 query rows (as in k4, indexed by ctidx).
-            mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt)
+            mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
+                                              self.dtype)
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
@@ -210,16 +220,16 @@ class FlashAttentionK5:
                           mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag,
                           acc_s, acc_o, mmas.s_coords, softmax)
 
-            # Epilogue: O / l -> bf16 -> SMEM (Q's buffer) -> one TMA store, consumers only.
+            # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store, consumers only.
             phase = self.trace.start("epilogue")
             inv_sum = softmax.finalize()
             self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
                            m_block * bm, seqlen_q, head, batch)
             scale_rows(o_rc, inv_sum)
-            o_bf16 = cute.make_rmem_tensor_like(acc_o, BFloat16)
-            o_bf16.store(acc_o.load().to(BFloat16))
+            o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
+            o_out.store(acc_o.load().to(self.dtype))
             self.epilogue_barrier.arrive_and_wait()         # every WG's last QK (reads sQ) is done
-            cute.autovec_copy(o_bf16, mmas.thr_pv.partition_C(sQ))
+            cute.autovec_copy(o_out, mmas.thr_pv.partition_C(sQ))
             cute.arch.fence_proxy("async.shared", space="cta")   # make it visible to the TMA unit
             self.epilogue_barrier.arrive_and_wait()
             if warp == 4:                                   # the first consumer warp
@@ -275,7 +285,7 @@ class FlashAttentionK5:
                             seqlen_k - seqlen_q)
             alpha = softmax.step(s_rc)                  # S -> P (unnormalized), in place
             scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
-            p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
+            p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             self.trace.end(phase)
         self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)
 

@@ -22,15 +22,20 @@ Register use is therefore k5's: S 64 + P 32 + O 64 fp32 per thread at d = 128.
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
 the ping-pong turn per tile, the last tile's PV in one more turn, the epilogue, tiles and
 budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
-warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two. Still to come in k6 (issue 9): a persistent causal-aware scheduler, head dims
-96-256, fp16.
+warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two.
+
+Second step: head dims 96, 192 and 256 (tiles in TILES, below: shared memory sets the kv
+tile) and fp16 (the element type comes from the tensors). Still to come in k6 (issue 9):
+a persistent causal-aware scheduler.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16
+import torch
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
@@ -43,20 +48,33 @@ from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 SPEC = KernelSpec(
     name="k6",
     summary="k5 + intra-warpgroup overlap: a tile's softmax runs under the previous PV",
-    head_dims=(64, 128),
+    head_dims=(64, 96, 128, 192, 256),
+    dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
     strided_inputs=True,        # e.g. q, k, v as views of a packed QKV tensor
 )
 
+# head_dim -> (block_m, block_n, ping-pong): block_m / 64 consumer warpgroups. Both K and V
+# rings hold 2 stages, so SMEM = (block_m + 4 * block_n) * d * 2 bytes (+ 1 KiB): at d = 256
+# a 128 x 80 tile fills 225 of the 227 KiB an SM offers, at d = 192 128 x 112 takes 217.
+# Registers per consumer thread (fp32): S block_n / 2, P block_n / 4, O d / 2 (d = 256:
+# 40 + 20 + 128 of 240).
+TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
+         192: (128, 112, False), 256: (128, 80, False)}
+
 
 class FlashAttentionK6(FlashAttentionK5):
-    def __init__(self, head_dim: int, causal: bool, block_m: int = 0, **options):
+    def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
+                 pingpong: Optional[bool] = None, **options):
+        default_m, default_n, default_pingpong = TILES[head_dim]
         # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
         # 60 bytes, because P must now stay live under the softmax and the mask adds
         # coordinates; two warpgroups of 240 registers (block_m = 128) fit.
-        if not block_m and head_dim == 64 and causal:
-            block_m = 128
-        super().__init__(head_dim, causal, block_m, **options)
+        if head_dim == 64 and causal:
+            default_m = 128
+        super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
+                         pingpong=default_pingpong if pingpong is None else bool(pingpong),
+                         **options)
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
@@ -110,16 +128,18 @@ class FlashAttentionK6(FlashAttentionK5):
             self.trace.end(phase)
             phase = self.trace.start("rescale")
             scale_rows(o_rc, alpha)
-            p_frag.store(acc_as_operand_a(acc_s).load().to(BFloat16))
+            p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             self.trace.end(phase)
         self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)   # as in k5
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
-                   block_n: int = 128, stages: int = 2, trace: bool = False):
-    """Compile (or fetch from the cache) k6; options as k5's."""
+                   block_n: int = 0, stages: int = 2, pingpong: Optional[bool] = None,
+                   trace: bool = False):
+    """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
+    of TILES for the head dim (pingpong: turn-taking between consumer warpgroups)."""
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
-                              "trace": trace},
+                              "pingpong": pingpong, "trace": trace},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -3,10 +3,12 @@ whole test session, and the PTX patterns the stages are checked against."""
 
 import re
 
+import torch
+
 from hopper_attn.harness import registry
 from hopper_attn.harness.compile_report import compile_artifacts
 
-WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16"
+WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16\.bf16|f16\.f16)"
 WGMMA_REG_A = WGMMA + r"\s*\{[^}]*\},\s*\{"                    # A given as a register list
 TMA_LOAD = r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global"
 TMA_STORE = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta"
@@ -14,11 +16,11 @@ TMA_STORE = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta"
 _CACHE = {}
 
 
-def compiled(name, d, causal):
+def compiled(name, d, causal, dtype=torch.bfloat16):
     """PTX, cubin and kernel description of `name` (a registry name, options allowed)."""
-    key = (name, d, causal)
+    key = (name, d, causal, dtype)
     if key not in _CACHE:
-        art = compile_artifacts(registry.get(name), d, causal)
+        art = compile_artifacts(registry.get(name), d, causal, dtype)
         assert art["ok"], f"{name} d={d} causal={causal} failed to compile: {art.get('error')}"
         _CACHE[key] = art
     return _CACHE[key]

@@ -42,19 +42,21 @@ def _reference_lse(q, k, causal, scale):
     return torch.logsumexp(s, -1)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.bfloat16),
+                                     (96, torch.bfloat16), (192, torch.float16),
+                                     (256, torch.bfloat16), (128, torch.float16)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_op_matches_fp32(d, causal):
+def test_attention_op_matches_fp32(d, dtype, causal):
     import hopper_attn
     gen = torch.Generator(device="cuda").manual_seed(d + causal)
-    q, k, v = (torch.randn(2, 1000, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+    q, k, v = (torch.randn(2, 1000, 3, d, device="cuda", generator=gen).to(dtype)
                for _ in range(3))
     for scale in (None, 0.3):
         out = hopper_attn.attention(q, k, v, causal=causal, softmax_scale=scale)
         ref = _reference(q, k, v, causal, d ** -0.5 if scale is None else scale)
         sdpa = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-            scale=scale).transpose(1, 2)                    # torch's own bf16 error
+            scale=scale).transpose(1, 2)                    # torch's own bf16/fp16 error
         torch_err = (sdpa.float() - ref).abs().max().item()
         assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
 

@@ -9,15 +9,30 @@ from hopper_attn.harness import problems, reference, registry
 from hopper_attn.harness.env import gpu_slug
 
 
-def test_default_sweep_is_the_fa3_paper_sweep(monkeypatch):
-    for var in ("SEQLEN", "HEADDIM", "CAUSAL", "BATCH", "HEADS"):
+def test_default_sweep_is_the_fa3_paper_sweep_plus_d256(monkeypatch):
+    for var in ("SEQLEN", "HEADDIM", "CAUSAL", "DTYPE", "BATCH", "HEADS"):
         monkeypatch.delenv(var, raising=False)
     sweep = problems.sweep()
-    assert len(sweep) == 6 * 2 * 2
+    assert len(sweep) == 6 * 3 * 2
+    assert {p.head_dim for p in sweep} == {64, 128, 256}
     for p in sweep:
         assert p.batch * p.seqlen == 16384
         assert p.heads * p.head_dim == 2048
         assert p.seqlen in (512, 1024, 2048, 4096, 8192, 16384)
+        assert p.dtype == torch.bfloat16
+
+
+def test_dtype_env(monkeypatch):
+    monkeypatch.setenv("SEQLEN", "1024")
+    monkeypatch.setenv("HEADDIM", "64")
+    monkeypatch.setenv("CAUSAL", "0")
+    monkeypatch.setenv("DTYPE", "bf16,fp16")
+    sweep = problems.sweep()
+    assert [p.dtype for p in sweep] == [torch.bfloat16, torch.float16]
+    assert problems.config_name(sweep[1]) == "b16_h32_n1024_d64_full_fp16"
+    monkeypatch.setenv("DTYPE", "fp8")
+    with pytest.raises(SystemExit, match="DTYPE"):
+        problems.sweep()
 
 
 def test_env_narrows_the_sweep(monkeypatch):

@@ -5,6 +5,7 @@ only for the first (`wgmma.wait_group 1`), the O rescale for both (`wait_group 0
 import re
 
 import pytest
+import torch
 
 from hopper_attn.harness.compile_report import resource_usage, sass
 from ptx import WGMMA, WGMMA_REG_A, compiled
@@ -13,16 +14,50 @@ pytestmark = pytest.mark.compile
 
 
 CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
+WIDE = [(96, False), (96, True), (192, False), (192, True), (256, False), (256, True)]
 
 
-def artifacts(d, causal, name="k6"):
-    return compiled(name, d, causal)
+def artifacts(d, causal, name="k6", dtype=torch.bfloat16):
+    return compiled(name, d, causal, dtype)
 
 
-@pytest.mark.parametrize("d,causal", CONFIGS)
+@pytest.mark.parametrize("d,causal", CONFIGS + WIDE)
 def test_no_spills(d, causal):
     for fn in resource_usage(artifacts(d, causal)["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, False)])
+def test_fp16(d, causal):
+    """fp16 is the same kernel with f16 WGMMAs (and f16 conversions of P and O)."""
+    art = artifacts(d, causal, dtype=torch.float16)
+    assert re.search(r"wgmma\.mma_async\S*\.f32\.f16\.f16", art["ptx"])
+    assert not re.search(r"\.bf16", art["ptx"])
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("d,block_m,block_n,pingpong", [
+    (96, 128, 128, True), (192, 128, 112, False), (256, 128, 80, False)])
+def test_wide_head_dim_tiles(d, block_m, block_n, pingpong):
+    """Two 2-stage K and V rings of block_n x d fit in 227 KiB only with a narrower kv tile;
+    above d = 128 the warpgroups do not take turns (as in FlashAttention-4)."""
+    art = artifacts(d, False)
+    kernel = art["kernel"]
+    assert (kernel["block_m"], kernel["block_n"]) == (block_m, block_n)
+    assert kernel["smem_bytes"] <= 227 * 1024
+    assert bool(kernel["named_barriers"]["scheduler"]) == pingpong
+    assert bool(re.search(r"bar\.sync\s+%r\d+,\s*256;", art["ptx"])) == pingpong
+    # QK has block_n columns, PV d: one WGMMA per k16 slice of each
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k16", art["ptx"])
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{d}k16", art["ptx"])
+
+
+def test_too_much_shared_memory_is_refused():
+    from hopper_attn.common.contract import Problem
+    from hopper_attn import k6
+    with pytest.raises(ValueError, match="shared memory"):
+        k6.compile_kernel(Problem(1, 1, 128, 192), block_n=128)
 
 
 @pytest.mark.parametrize("d,causal", CONFIGS)

@@ -278,7 +278,8 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
     if cached is None:
         kernel = kernel_factory(problem.head_dim, problem.causal, **options)
         t0 = time.perf_counter()
-        compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options)
+        compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options,
+                                           problem.dtype)
         seconds = time.perf_counter() - t0
         if use_cache:
             _COMPILED[key] = (compiled, kernel)

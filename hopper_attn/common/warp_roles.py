@@ -102,10 +102,11 @@ class PingPong:
     warpgroups: int
     first_barrier: int = 2
     threads: int = 256                 # 128 that sync + 128 that arrive
+    on: bool = True                    # False: every warpgroup issues whenever it is ready
 
     @property
     def enabled(self) -> bool:
-        return self.warpgroups > 1
+        return self.on and self.warpgroups > 1
 
     @cute.jit
     def start(self, wg):

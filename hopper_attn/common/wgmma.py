@@ -25,23 +25,23 @@ from cutlass.cute.nvgpu import warpgroup
 from .layouts import acc_rows_cols
 
 
-def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int):
+def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, dtype=BFloat16):
     """S = Q K^T: Q (M x d) and K (N x d) both K-major (head_dim contiguous) in SMEM.
 
     Each warpgroup computes 64 rows x tile_n columns; warpgroups are stacked
     `warpgroups_m` down and `warpgroups_n` across.
     """
     return sm90_helpers.make_trivial_tiled_mma(
-        BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
         Float32, (warpgroups_m, warpgroups_n, 1), tiler_mn=(64, tile_n))
 
 
-def pv_mma(warpgroups_m: int, head_dim: int):
+def pv_mma(warpgroups_m: int, head_dim: int, dtype=BFloat16):
     """O += P V: P from registers (the converted S accumulator), V from SMEM read
     MN-major: V is stored (kv, d) with d contiguous, and B = V^T (d x kv) therefore has its
     N dimension (d) contiguous."""
     return sm90_helpers.make_trivial_tiled_mma(
-        BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
         Float32, (warpgroups_m, 1, 1), tiler_mn=(64, head_dim),
         a_source=warpgroup.OperandSource.RMEM)
 
@@ -89,9 +89,10 @@ class AttentionMmas:
 
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
-               sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor) -> "AttentionMmas":
-        mma_qk = qk_mma(warpgroups, 1, block_n)
-        mma_pv = pv_mma(warpgroups, head_dim)
+               sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
+               dtype=BFloat16) -> "AttentionMmas":
+        mma_qk = qk_mma(warpgroups, 1, block_n, dtype)
+        mma_pv = pv_mma(warpgroups, head_dim, dtype)
         wg_qk, wg_pv = warpgroup_slice(mma_qk, tidx), warpgroup_slice(mma_pv, tidx)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         return AttentionMmas(

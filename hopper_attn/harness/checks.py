@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .inputs import guards_intact, make_inputs
-from .reference import error_stats, judge, reference_attention, torch_bf16_attention
+from .reference import error_stats, judge, reference_attention, torch_lowp_attention
 
 
 class ReferenceCase:
@@ -17,7 +17,7 @@ class ReferenceCase:
         self.q, self.k, self.v, self.out, self.buffers = make_inputs(problem, seed, scale,
                                                                       with_buffers=True)
         self.ref = reference_attention(self.q, self.k, self.v, problem.causal)
-        self.torch_err = error_stats(torch_bf16_attention(self.q, self.k, self.v, problem.causal),
+        self.torch_err = error_stats(torch_lowp_attention(self.q, self.k, self.v, problem.causal),
                                      self.ref)
 
     def check(self, entry, handle) -> dict:

@@ -9,19 +9,22 @@ so tests can assert what each stage is about (TMA, mbarrier waits, WGMMA, ...).
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import tempfile
 import time
 
-from hopper_attn.common.contract import Problem
+import torch
+
+from hopper_attn.common.contract import DTYPE_NAMES, Problem
 
 SPILLS_AS_ERRORS = "--ptxas-options='--warn-on-spills --warning-as-error'"
 
 
-def compile_artifacts(entry, head_dim: int, causal: bool) -> dict:
+def compile_artifacts(entry, head_dim: int, causal: bool, dtype=torch.bfloat16) -> dict:
     """Fresh compile (no cache) with PTX and cubin kept in memory."""
-    problem = Problem(2, 2, 128, head_dim, causal)
+    problem = Problem(2, 2, 128, head_dim, causal, dtype)
     with tempfile.TemporaryDirectory() as dump:
         opts = f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"
         t0 = time.perf_counter()
@@ -72,39 +75,40 @@ def sass(cubin: bytes) -> str:
     return _cubin_tool("nvdisasm", cubin)
 
 
-def report(entries, head_dims=(64, 128), causals=(False, True)) -> list[dict]:
+def report(entries, head_dims=(64, 128), causals=(False, True),
+           dtypes=(torch.bfloat16,)) -> list[dict]:
     rows = []
     for entry in entries:
-        for d in head_dims:
-            if d not in entry.spec.head_dims:
+        for dtype, d, causal in itertools.product(dtypes, head_dims, causals):
+            if d not in entry.spec.head_dims or dtype not in entry.spec.dtypes:
                 continue
-            for causal in causals:
-                art = compile_artifacts(entry, d, causal)
-                row = {"kernel": entry.name, "head_dim": d, "causal": causal,
-                       "compile_s": round(art["compile_s"], 2), "ok": art["ok"],
-                       "spills": art["spills"]}
-                if art["ok"]:
-                    usage = resource_usage(art["cubin"])
-                    row["functions"] = usage
-                    row["registers"] = max(u["registers"] for u in usage)
-                    row["local_bytes"] = max(u["local"] for u in usage)
-                    row["smem_bytes"] = art["kernel"].get("smem_bytes")
-                else:
-                    row["error"] = art["error"]
-                rows.append(row)
+            art = compile_artifacts(entry, d, causal, dtype)
+            row = {"kernel": entry.name, "head_dim": d, "causal": causal,
+                   "dtype": DTYPE_NAMES[dtype],
+                   "compile_s": round(art["compile_s"], 2), "ok": art["ok"],
+                   "spills": art["spills"]}
+            if art["ok"]:
+                usage = resource_usage(art["cubin"])
+                row["functions"] = usage
+                row["registers"] = max(u["registers"] for u in usage)
+                row["local_bytes"] = max(u["local"] for u in usage)
+                row["smem_bytes"] = art["kernel"].get("smem_bytes")
+            else:
+                row["error"] = art["error"]
+            rows.append(row)
     return rows
 
 
 def format_rows(rows) -> str:
-    lines = [f"{'kernel':8} {'d':>4} {'causal':>6} {'compile s':>9} {'regs':>5} {'local B':>7} "
+    lines = [f"{'kernel':8} {'dtype':5} {'d':>4} {'causal':>6} {'compile s':>9} {'regs':>5} {'local B':>7} "
              f"{'SMEM KiB':>8}  spills"]
     for r in rows:
         if not r["ok"]:
-            lines.append(f"{r['kernel']:8} {r['head_dim']:>4} {int(r['causal']):>6} "
+            lines.append(f"{r['kernel']:8} {r.get('dtype', 'bf16'):5} {r['head_dim']:>4} {int(r['causal']):>6} "
                          f"{r['compile_s']:>9} FAILED: {r['error'].splitlines()[-1][:80]}")
             continue
         smem = r.get("smem_bytes")
-        lines.append(f"{r['kernel']:8} {r['head_dim']:>4} {int(r['causal']):>6} {r['compile_s']:>9} "
+        lines.append(f"{r['kernel']:8} {r.get('dtype', 'bf16'):5} {r['head_dim']:>4} {int(r['causal']):>6} {r['compile_s']:>9} "
                      f"{r['registers']:>5} {r['local_bytes']:>7} "
                      f"{(smem / 1024 if smem else 0):>8.1f}  {'YES' if r['spills'] else 'no'}")
     return "\n".join(lines)

@@ -1,20 +1,24 @@
 """Benchmark problems: the FlashAttention-3 paper's sweep, narrowed by environment variables.
 
 Default sweep: 16k tokens per batch (batch = 16384 / N), hidden size 2048 (heads =
-2048 / d), N in 512 .. 16384, d in {64, 128}, causal off and on. Every tensor is then
-64 MiB, larger than the L2 cache of an H100 (50 MiB) or H200 (60 MiB).
+2048 / d), N in 512 .. 16384, d in {64, 128, 256}, causal off and on, bf16. Every tensor is
+then 64 MiB, larger than the L2 cache of an H100 (50 MiB) or H200 (60 MiB).
 
-Narrow it with comma-separated lists: SEQLEN=4096 HEADDIM=128 CAUSAL=0 [BATCH=.. HEADS=..].
+Narrow (or widen) it with comma-separated lists: SEQLEN=4096 HEADDIM=128 CAUSAL=0
+[DTYPE=bf16,fp16 BATCH=.. HEADS=..].
 """
 
 from __future__ import annotations
 
 import os
 
+import torch
+
 from hopper_attn.common.contract import Problem
 
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENS = 16384
 HIDDEN = 2048
 
@@ -38,6 +42,16 @@ def _bool(x: str) -> bool:
     raise ValueError(f"CAUSAL must be 0 or 1, got {x!r}")
 
 
+def _dtype(x: str) -> torch.dtype:
+    if x.strip().lower() not in DTYPES:
+        raise ValueError(f"DTYPE must be one of {', '.join(DTYPES)}, got {x!r}")
+    return DTYPES[x.strip().lower()]
+
+
+def dtypes() -> tuple:
+    return _env_list("DTYPE", (torch.bfloat16,), _dtype)
+
+
 def sweep() -> list[Problem]:
     seqlens = _env_list("SEQLEN", SEQLENS)
     head_dims = _env_list("HEADDIM", HEAD_DIMS)
@@ -45,15 +59,17 @@ def sweep() -> list[Problem]:
     batches = _env_list("BATCH", None)
     heads_list = _env_list("HEADS", None)
     problems = []
-    for d in head_dims:
-        for causal in causals:
-            for n in seqlens:
-                for b in batches or (max(1, TOKENS // n),):
-                    for h in heads_list or (max(1, HIDDEN // d),):
-                        problems.append(Problem(b, h, n, d, causal))
+    for dtype in dtypes():
+        for d in head_dims:
+            for causal in causals:
+                for n in seqlens:
+                    for b in batches or (max(1, TOKENS // n),):
+                        for h in heads_list or (max(1, HIDDEN // d),):
+                            problems.append(Problem(b, h, n, d, causal, dtype))
     return problems
 
 
 def config_name(p: Problem) -> str:
     """A short name without spaces (used for NVTX ranges and file names)."""
-    return f"b{p.batch}_h{p.heads}_n{p.seqlen}_d{p.head_dim}_{'causal' if p.causal else 'full'}"
+    dtype = "" if p.dtype == torch.bfloat16 else f"_{p.dtype_name}"
+    return f"b{p.batch}_h{p.heads}_n{p.seqlen}_d{p.head_dim}_{'causal' if p.causal else 'full'}{dtype}"

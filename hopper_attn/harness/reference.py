@@ -1,9 +1,9 @@
 """fp32 reference attention and error measures.
 
-The reference upcasts the bf16 inputs to fp32 and runs the textbook formula in chunks of
+The reference upcasts the bf16 (fp16) inputs to fp32 and runs the textbook formula in chunks of
 query rows (so N = 16k does not need an N x N matrix at once), with TF32 disabled.
-A kernel's error is compared with torch's own bf16 SDPA error on the same inputs: a bf16
-kernel is right when its error is at most about twice torch's (`ERROR_RATIO_LIMIT`).
+A kernel's error is compared with torch's own SDPA error on the same inputs (same dtype): a
+bf16 or fp16 kernel is right when its error is at most about twice torch's (`ERROR_RATIO_LIMIT`).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def reference_attention(q, k, v, causal: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def torch_bf16_attention(q, k, v, causal: bool) -> torch.Tensor:
-    """torch's own bf16 SDPA (default backend) on the same inputs, as (B, N, H, d)."""
+def torch_lowp_attention(q, k, v, causal: bool) -> torch.Tensor:
+    """torch's own SDPA (default backend) on the same bf16 / fp16 inputs, as (B, N, H, d)."""
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        is_causal=causal)
     return o.transpose(1, 2)
