@@ -36,6 +36,11 @@ Also from this stage on (for `hopper_attn.attention`): k and v may have fewer he
 (cross-attention; the causal diagonal is then aligned bottom-right, `TileSchedule.work_kv`),
 and the epilogue writes each row's log-sum-exp (fp32, (batch, heads, seqlen_q)).
 
+Structure for the next stage: every role runs a loop over work items (a query tile of one
+(head, batch), common/scheduler.py); in k5 it runs once per CTA (one CTA per work item, as
+in k4), k6 makes it a persistent loop. The Q buffer is released after the output staged in
+it has been stored, and the producer loads K_0 before Q: both only matter for k6.
+
 What stays: k4's tiles (d = 128: 128 x 128; d = 64: 192 x 128; 2 stages), WGMMA for both
 GEMMs with P handed over in registers, the online softmax on the accumulator, the tile
 schedule (tails masked, causal tiles skipped, masking only on tiles that need it).
@@ -59,10 +64,12 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
+from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
                                         qkv_smem, smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
+from hopper_attn.common.scheduler import TileScheduler, sm_count
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import PingPong, WarpRoles
@@ -83,7 +90,8 @@ SMEM_PER_CTA = 227 * 1024          # the most dynamic shared memory one CTA may 
 
 class FlashAttentionK5:
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
-                 stages: int = 2, trace: bool = False, pingpong: bool = True):
+                 stages: int = 2, trace: bool = False, pingpong: bool = True,
+                 persistent: bool = False, persistent_ctas: int = 0):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -105,12 +113,15 @@ class FlashAttentionK5:
         self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=pingpong)
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=self.roles.consumer_threads)
-        self.schedule = TileSchedule(block_m, block_n, causal)
+        self.schedule = TileSchedule(block_m, block_n, causal)       # kv tiles, masks
+        self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
+                                       (persistent_ctas or sm_count()) if persistent else 0)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
                 "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
+                "persistent_ctas": self.scheduler.ctas if self.scheduler.persistent else 0,
                 "consumer_warpgroups": self.warpgroups,
                 "producer_regs": self.roles.producer_regs,
                 "consumer_regs": self.roles.consumer_regs,
@@ -149,7 +160,7 @@ class FlashAttentionK5:
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
         self.kernel(*coords, o_coords, mLSE, *atoms, tma_o, scale_log2, q_layout,
                     kv_layout).launch(
-            grid=self.schedule.grid(seqlen, heads, batch),
+            grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,
@@ -160,14 +171,12 @@ class FlashAttentionK5:
                mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
                tma_o: cute.CopyAtom, scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout):
-        schedule, roles = self.schedule, self.roles
+        schedule, scheduler, roles = self.schedule, self.scheduler, self.roles
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        _, head, batch = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        kv_head = head // (mQ.shape[2] // mK.shape[2])   # GQA: a group of q heads shares k/v
-        m_block, n_count = schedule.work_kv(seqlen_q, seqlen_k)   # n_count >= 1
+        group = mQ.shape[2] // mK.shape[2]        # GQA: `group` q heads share one k/v head
         if warp == 0:
             tma.prefetch_descriptors(tma_q, tma_k, tma_v, tma_o)
 
@@ -179,28 +188,45 @@ class FlashAttentionK5:
         # them. After the split below nothing may use barrier 0: the producer's warps leave.
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
-                                        (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
-                                        head, kv_head, batch)
+                                        (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV))
         tma.barriers_ready()
 
+        # Every role walks the same work items (one per CTA here; k6: a persistent loop),
+        # each with its own iterator. A work item: query tile m_block of (head, batch).
+        heads, batch_size = mQ.shape[2], mQ.shape[3]
+        tiles = scheduler.start()
+        m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
         if warp < 4:
             # ---------------- producer warpgroup ----------------
             roles.become_producer()
             if warp == 0:
-                # Q, then K_j and V_j for every kv tile. Each acquire waits until every
-                # consumer warp has released that stage. No producer_tail: every tile loaded
-                # here is waited on by the consumers, so no copy is in flight when the CTA
-                # ends, and the last releases arrive on mbarriers of this (live) CTA only.
-                loads.load_q(m_block)
+                # Per work item K_0, Q, V_0, then K_j and V_j for every further kv tile. Each
+                # acquire waits until every consumer warp has released that stage; Q's waits
+                # for the previous output to leave its buffer, so K_0 goes first. No
+                # producer_tail: every tile loaded here is waited on by the consumers, so no
+                # copy is in flight when the CTA ends, and the last releases arrive on
+                # mbarriers of this (live) CTA only.
+                q_state = tma.producer_state(1)
                 produce = tma.producer_state(self.stages)
-                for n in cutlass.range(n_count, unroll=1):
-                    phase = self.trace.start("load_k")
-                    loads.load_k(produce, n)
-                    self.trace.end(phase)
-                    phase = self.trace.start("load_v")
-                    loads.load_v(produce, n)
-                    self.trace.end(phase)
+                while valid:
+                    n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
+                    work = loads.at(head, head // group, batch)
+                    work.load_k(produce, 0)
+                    work.load_q(q_state, m_block)
+                    work.load_v(produce, 0)
                     produce.advance()
+                    for n in cutlass.range(1, n_count, unroll=1):
+                        phase = self.trace.start("load_k")
+                        work.load_k(produce, n)
+                        self.trace.end(phase)
+                        phase = self.trace.start("load_v")
+                        work.load_v(produce, n)
+                        self.trace.end(phase)
+                        produce.advance()
+                    q_state.advance()
+                    tiles = scheduler.advance(tiles)
+                    m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
+                                                                 batch_size)
         else:
             # ---------------- consumer warpgroups 1..W ----------------
             roles.become_consumer()
@@ -215,41 +241,55 @@ class FlashAttentionK5:
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4)
             acc_s = mmas.new_s_accumulator(bm, bn)
-            loads.wait_q()
-            self.mainloop(loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
-                          mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag,
-                          acc_s, acc_o, mmas.s_coords, softmax)
+            o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)   # O in bf16 (fp16)
+            q_state = tma.consumer_state(1)
+            k_state = tma.consumer_state(self.stages)
+            v_state = tma.consumer_state(self.stages)       # one tile behind k_state
+            while valid:
+                n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+                acc_o.fill(0.0)
+                softmax.reset()
+                loads.wait_q(q_state)
+                k_state, v_state = self.mainloop(
+                    loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
+                    mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
+                    mmas.s_coords, softmax, k_state, v_state)
 
-            # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store, consumers only.
-            phase = self.trace.start("epilogue")
-            inv_sum = softmax.finalize()
-            self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
-                           m_block * bm, seqlen_q, head, batch)
-            scale_rows(o_rc, inv_sum)
-            o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
-            o_out.store(acc_o.load().to(self.dtype))
-            self.epilogue_barrier.arrive_and_wait()         # every WG's last QK (reads sQ) is done
-            cute.autovec_copy(o_out, mmas.thr_pv.partition_C(sQ))
-            cute.arch.fence_proxy("async.shared", space="cta")   # make it visible to the TMA unit
-            self.epilogue_barrier.arrive_and_wait()
-            if warp == 4:                                   # the first consumer warp
-                o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sQ)
-                o_store.store(m_block)
-            self.trace.end(phase)
+                # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
+                phase = self.trace.start("epilogue")
+                inv_sum = softmax.finalize()
+                self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
+                               m_block * bm, seqlen_q, head, batch)
+                scale_rows(o_rc, inv_sum)
+                o_out.store(acc_o.load().to(self.dtype))
+                self.epilogue_barrier.arrive_and_wait()     # every WG's last QK (reads sQ) is done
+                # (the SMEM addresses derive from an opaque thread index so that they are
+                # computed here, not hoisted out of a persistent loop: compiler_hints.py)
+                sO = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sQ)
+                cute.autovec_copy(o_out, sO)
+                cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
+                self.epilogue_barrier.arrive_and_wait()
+                if warp == 4:                               # the first consumer warp
+                    o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sQ)
+                    o_store.store(m_block)                  # returns once SMEM has been read
+                loads.q_pipe.consumer_release(q_state)      # the next Q may overwrite it
+                q_state.advance()
+                self.trace.end(phase)
+                tiles = scheduler.advance(tiles)
+                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                 softmax: OnlineSoftmax):
-        """One consumer warpgroup's loop over the kv tiles: O and the softmax state are
-        updated in place (k6 overrides this method)."""
+                 softmax: OnlineSoftmax, k_state, v_state):
+        """One consumer warpgroup's loop over the kv tiles of a work item: O and the
+        softmax state are updated in place; returns the K and V ring states (k6 overrides
+        this method)."""
         schedule, pingpong = self.schedule, self.pingpong
         bm, bn = self.block_m, self.block_n
         o_rc = acc_rows_cols(acc_o)
-        k_state = tma.consumer_state(self.stages)
-        v_state = tma.consumer_state(self.stages)       # one tile behind k_state
 
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
         for n in cutlass.range(n_count, unroll=1):
@@ -287,7 +327,8 @@ class FlashAttentionK5:
             scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
             p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             self.trace.end(phase)
-        self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)
+        v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)
+        return k_state, v_state
 
     @cute.jit
     def store_lse(self, mLSE: cute.Tensor, lse: cute.Tensor, s_coords: cute.Tensor, ctidx,
@@ -317,7 +358,9 @@ class FlashAttentionK5:
         self.pingpong.finish(wg)                        # the next WG's last PV may go
         warpgroup.wait_group(0)
         loads.v_pipe.consumer_release(v_state)
+        v_state.advance()
         self.trace.end(phase)
+        return v_state
 
 
 def lse_buffer(problem, device) -> list:

@@ -25,8 +25,14 @@ budgets), except at d = 64 causal, where 192 x 128 with three 160-register consu
 warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two.
 
 Second step: head dims 96, 192 and 256 (tiles in TILES, below: shared memory sets the kv
-tile) and fp16 (the element type comes from the tensors). Still to come in k6 (issue 9):
-a persistent causal-aware scheduler.
+tile) and fp16 (the element type comes from the tensors).
+
+Third step: a persistent grid for full attention (common/scheduler.py): one CTA per SM loops
+over work items (query tile, head, batch), its K/V rings running on from one to the next
+and the next K tile loading while the previous output is stored; any batch x heads. With a
+causal mask it measured slower than one CTA per work item, so k6 keeps that there (unless
+heads or batch exceed 65535): docs/k6.md. Still to come: a dynamic (causal-aware)
+persistent schedule.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import torch
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
+                                         compile_attention, run_attention)
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
 from hopper_attn.common.masking import mask_scores
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
@@ -52,6 +59,7 @@ SPEC = KernelSpec(
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
     strided_inputs=True,        # e.g. q, k, v as views of a packed QKV tensor
+    grid_per_tile=False,        # persistent: any batch x heads
 )
 
 # head_dim -> (block_m, block_n, ping-pong): block_m / 64 consumer warpgroups. Both K and V
@@ -65,7 +73,8 @@ TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
 
 class FlashAttentionK6(FlashAttentionK5):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
-                 pingpong: Optional[bool] = None, **options):
+                 pingpong: Optional[bool] = None, persistent: Optional[bool] = None,
+                 **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
         # 60 bytes, because P must now stay live under the softmax and the mask adds
@@ -74,6 +83,7 @@ class FlashAttentionK6(FlashAttentionK5):
             default_m = 128
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
+                         persistent=(not causal) if persistent is None else bool(persistent),
                          **options)
 
     @cute.jit
@@ -81,12 +91,10 @@ class FlashAttentionK6(FlashAttentionK5):
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                 softmax: OnlineSoftmax):
+                 softmax: OnlineSoftmax, k_state, v_state):
         schedule, pingpong = self.schedule, self.pingpong
         bm, bn = self.block_m, self.block_n
         o_rc = acc_rows_cols(acc_o)
-        k_state = tma.consumer_state(self.stages)
-        v_state = tma.consumer_state(self.stages)       # one tile behind k_state
 
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
         for n in cutlass.range(n_count, unroll=1):
@@ -130,16 +138,29 @@ class FlashAttentionK6(FlashAttentionK5):
             scale_rows(o_rc, alpha)
             p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             self.trace.end(phase)
-        self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)   # as in k5
+        v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
+        return k_state, v_state
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 2, pingpong: Optional[bool] = None,
+                   persistent: Optional[bool] = None, persistent_ctas: int = 0,
                    trace: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
-    of TILES for the head dim (pingpong: turn-taking between consumer warpgroups)."""
+    of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
+    persistent: a fixed grid of CTAs looping over work items (default: full attention, or
+    when heads or batch exceed the grid's 65535), False: one CTA per work item as in k5
+    (default with a causal mask: measured faster, docs/k6.md); persistent_ctas: the
+    persistent grid's size, 0 = one CTA per SM)."""
+    too_big = max(problem.heads, problem.batch) > MAX_GRID_YZ
+    if persistent is None and too_big:
+        persistent = True
+    if persistent is False and too_big:
+        raise UnsupportedProblem(f"k6 with persistent=False launches one CTA per work item: "
+                                 f"heads and batch must be <= {MAX_GRID_YZ}")
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
-                              "pingpong": pingpong, "trace": trace},
+                              "pingpong": pingpong, "persistent": persistent,
+                              "persistent_ctas": persistent_ctas, "trace": trace},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

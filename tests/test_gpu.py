@@ -83,13 +83,14 @@ def test_attention_op_under_torch_compile_and_cuda_graphs():
 
 @pytest.mark.parametrize("heads_kv,seqlen_k", [(6, 300), (3, 300), (1, 300), (6, 77), (2, 1000)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_op_gqa_and_cross_attention(heads_kv, seqlen_k, causal):
+@pytest.mark.parametrize("stage", ["k5", "k6"])
+def test_attention_op_gqa_and_cross_attention(heads_kv, seqlen_k, causal, stage):
     import hopper_attn
     gen = torch.Generator(device="cuda").manual_seed(heads_kv * 7 + seqlen_k + causal)
     q = torch.randn(2, 300, 6, 128, device="cuda", generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", generator=gen).to(torch.bfloat16)
             for _ in range(2))
-    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True, stage=stage)
     ref = _reference(q, k, v, causal, 128 ** -0.5)
     ref_lse = _reference_lse(q, k, causal, 128 ** -0.5)
     finite = ref_lse.isfinite()
@@ -118,3 +119,31 @@ def test_attention_op_reads_packed_qkv_in_place(causal):
     out = hopper_attn.attention(q, k, v, causal=causal)
     same = hopper_attn.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal)
     assert torch.equal(out, same)                        # the same bits as contiguous inputs
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, True)])
+def test_k6_persistent_ctas_run_many_work_items(d, causal):
+    """600+ work items on one CTA per SM: every CTA runs several, in the scheduler's order."""
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.common.contract import Problem
+    problem = Problem(3, 24, 1000, d, causal)
+    entry = registry.get("k6:persistent=1")          # causal too (not k6's default there)
+    handle = entry.compile(problem)
+    assert handle.describe()["persistent_ctas"] > 0
+    verdict = ReferenceCase(problem, seed=d + causal).check(entry, handle)
+    assert verdict["ok"], verdict
+
+
+def test_k6_runs_more_than_65535_heads():
+    """k5 launches one CTA row per head (gridDim.y <= 65535) and refuses; k6 loops."""
+    from hopper_attn.common.contract import Problem
+    problem = Problem(1, 70000, 17, 64, True)
+    assert "65535" in registry.get("k5").spec.unsupported_reason(problem)
+    q, k, v = (torch.randn(problem.shape, device="cuda").to(torch.bfloat16) for _ in range(3))
+    out = torch.full_like(q, float("nan"))
+    entry = registry.get("k6")
+    handle = entry.compile(problem)
+    assert handle.describe()["persistent_ctas"] > 0   # causal, but too many heads for a grid
+    entry.run(handle, q, k, v, out)
+    ref = _reference(q, k, v, True, 64 ** -0.5)
+    assert (out.float() - ref).abs().max().item() < 2e-2

@@ -52,8 +52,9 @@ def test_setmaxnreg_splits_registers(d, causal):
 def test_only_the_producer_branch_loads(d, causal):
     ptx = artifacts(d, causal)["ptx"]
     loads = [m.start() for m in re.finditer(TMA_LOAD, ptx)]
-    # Q, K, V: one load site each, split into d / 64 boxes of 64 columns (128-byte swizzle)
-    assert len(loads) == 3 * (d // 64)
+    # K_0, Q, V_0, then K_j and V_j in the loop: five load sites, each split into d / 64
+    # boxes of 64 columns (128-byte swizzle)
+    assert len(loads) == 5 * (d // 64)
     dec = ptx.index("setmaxnreg.dec")
     inc = ptx.index("setmaxnreg.inc")
     assert dec < inc
@@ -71,11 +72,13 @@ def test_k_and_v_have_their_own_mbarriers(d, causal):
     assert art["kernel"]["mbarriers"] == {"q": 2, "k": 2 * stages, "v": 2 * stages}
     ptx = art["ptx"]
     assert count(ptx, r"mbarrier\.init\.shared") == 2 + 4 * stages
-    # wait sites: producer on Q/K/V "empty"; consumers on Q, K, V (in the loop) and V (last PV)
-    assert count(ptx, r"mbarrier\.try_wait") == 7
-    # release sites: V_{n-1} and K_n in the loop, V after the last PV; K and V on different barriers
+    # wait sites: producer on the "empty" barriers of K_0, Q, V_0 and of K_j, V_j (loop);
+    # consumers on Q, K, V (in the loop) and V (last PV)
+    assert count(ptx, r"mbarrier\.try_wait") == 9
+    # release sites: V_{n-1} and K_n in the loop, V after the last PV, Q after the output
+    # left its buffer; K and V on different barriers
     releases = re.findall(r"mbarrier\.arrive\.shared\.b64\s+\S+,\s*\[([^\]]+)\]", ptx)
-    assert len(releases) == 3 and len(set(releases[:2])) == 2
+    assert len(releases) == 4 and len(set(releases[:2])) == 2
 
 
 @pytest.mark.compile

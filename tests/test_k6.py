@@ -86,3 +86,23 @@ def test_k5_waits_for_both():
 def test_d64_causal_uses_two_consumer_warpgroups():
     assert artifacts(64, True)["kernel"]["block_m"] == 128
     assert artifacts(64, False)["kernel"]["block_m"] == 192
+
+
+def test_persistent_loop():
+    """One CTA per SM (grid = min(work items, SMs)) that steps by gridDim.x; k5 reads no
+    grid size at all. Any batch x heads runs (k5 refuses more than 65535; k6 with a causal
+    mask then switches to its persistent loop)."""
+    from hopper_attn.common.contract import Problem
+    k6_ptx, k5_ptx = artifacts(128, False)["ptx"], compiled("k5", 128, False)["ptx"]
+    assert artifacts(128, False)["kernel"]["persistent_ctas"] > 0
+    assert "%nctaid.x" in k6_ptx and "%nctaid" not in k5_ptx
+    # with a causal mask k6 keeps one CTA per work item (measured faster: docs/k6.md)
+    assert artifacts(128, True)["kernel"]["persistent_ctas"] == 0
+    big = Problem(1, 70000, 64, 64)
+    assert registry_spec("k6").unsupported_reason(big) is None
+    assert "65535" in registry_spec("k5").unsupported_reason(big)
+
+
+def registry_spec(name):
+    from hopper_attn.harness import registry
+    return registry.get(name).spec

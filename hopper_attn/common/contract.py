@@ -152,6 +152,9 @@ class KernelSpec:
     separate_kv: bool = False
     # strided q/k/v/out (last dim contiguous, other strides multiples of 16 bytes)
     strided_inputs: bool = False
+    # one CTA per (query tile, head, batch), heads and batch on grid y and z (<= 65535 each);
+    # False for a persistent kernel (a fixed grid that loops over work items)
+    grid_per_tile: bool = True
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -164,7 +167,7 @@ class KernelSpec:
                     f"(no GQA/MQA or cross-attention)")
         if self.max_seqlen is not None and problem.seqlen > self.max_seqlen:
             return f"{self.name} supports seqlen <= {self.max_seqlen}, not {problem.seqlen}"
-        if problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ:
+        if self.grid_per_tile and (problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ):
             # the grid is (query tiles, heads, batch); CUDA caps gridDim.y and .z at 65535
             return (f"{self.name} launches one CTA row per head and one plane per batch entry: "
                     f"heads and batch must be <= {MAX_GRID_YZ}, got heads={problem.heads}, "

@@ -60,11 +60,16 @@ class TileSchedule:
         seqlen_q. At least one kv tile is visited, so that a query tile whose rows see no key
         at all still runs (fully masked, its rows are written as 0)."""
         m_block = self.m_block(seqlen_q)
+        return m_block, self.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def n_block_count_kv(self, m_block, seqlen_q, seqlen_k) -> Int32:
+        """The kv tiles query tile `m_block` visits (at least 1), as in `work_kv`."""
         count = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.causal):
             visible = cutlass.max((m_block + 1) * self.block_m + seqlen_k - seqlen_q, 1)
             count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
-        return m_block, count
+        return count
 
     @cute.jit
     def needs_mask_kv(self, m_block, n_block, seqlen_q, seqlen_k):

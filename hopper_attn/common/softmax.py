@@ -45,6 +45,11 @@ class OnlineSoftmax:
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum)
 
+    def reset(self):
+        """Start a new set of rows (a persistent kernel's next work item)."""
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
     @cute.jit
     def step(self, s_rc: cute.Tensor) -> cute.Tensor:
         """Turn the scores in `s_rc` into unnormalized probabilities, in place.

@@ -199,43 +199,53 @@ def barriers_ready():
 
 @dataclasses.dataclass(frozen=True)
 class SplitKVLoads:
-    """Q once (a one-stage ring), then K and V tiles through two rings of their own.
+    """Q once per work item (a one-stage ring), then K and V tiles through two rings of
+    their own.
 
     K_j and V_j use the same stage index (they are loaded and consumed in the same order),
     so one PipelineState per role drives both rings; but each has its own full/empty
     mbarriers: a consumer can start S = Q K_j^T as soon as K_j has landed while V_j is still
     in flight, and hands K_j's buffer back as soon as that WGMMA retires, long before it is
     done with V_j.
+
+    The rings live as long as the CTA (a persistent CTA keeps its pipeline states running
+    from one work item to the next); the TMA copies are bound to a (head, batch) by `at`.
     """
 
     q_pipe: pipeline.PipelineTmaAsync
     k_pipe: pipeline.PipelineTmaAsync
     v_pipe: pipeline.PipelineTmaAsync
-    q: TmaTiles
-    k: TmaTiles
-    v: TmaTiles
+    atoms: tuple            # (Q, K, V) TMA atoms
+    tensors: tuple          # (Q, K, V) TMA tensors
+    smem: tuple             # (Q, K, V) SMEM buffers
+    q: TmaTiles = None      # set by `at`
+    k: TmaTiles = None
+    v: TmaTiles = None
 
     @staticmethod
     def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
-               atoms, tensors, smem, head, kv_head, batch) -> "SplitKVLoads":
-        """`atoms`, `tensors`, `smem`: (Q, K, V) TMA atoms, TMA tensors and SMEM buffers;
-        `storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
-        Q is read from head `head`, K and V from `kv_head` (the same head, or with GQA the
-        k/v head that a group of query heads shares). Call `barriers_ready()` before the
-        barriers are used."""
+               atoms, tensors, smem) -> "SplitKVLoads":
+        """`storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
+        Call `barriers_ready()` before the barriers are used."""
         q_pipe = make_tma_ring(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
         k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
         v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
-        q = TmaTiles.partition(atoms[0], tensors[0], head, batch, smem[0])
+        return SplitKVLoads(q_pipe, k_pipe, v_pipe, tuple(atoms), tuple(tensors), tuple(smem))
+
+    def at(self, head, kv_head, batch) -> "SplitKVLoads":
+        """The copies of one work item: Q from head `head`, K and V from `kv_head` (the same
+        head, or with GQA the k/v head that a group of query heads shares)."""
+        q = TmaTiles.partition(self.atoms[0], self.tensors[0], head, batch, self.smem[0])
         k, v = (TmaTiles.partition(a, t, kv_head, batch, s)
-                for a, t, s in zip(atoms[1:], tensors[1:], smem[1:]))
-        return SplitKVLoads(q_pipe, k_pipe, v_pipe, q, k, v)
+                for a, t, s in zip(self.atoms[1:], self.tensors[1:], self.smem[1:]))
+        return dataclasses.replace(self, q=q, k=k, v=v)
 
     # producer side (one warp)
-    def load_q(self, m_block):
-        q_state = producer_state(1)
-        self.q_pipe.producer_acquire(q_state)
-        self.q.copy(m_block, self.q_pipe.producer_get_barrier(q_state))
+    def load_q(self, state: pipeline.PipelineState, m_block):
+        """Wait until the consumers are done with the Q buffer (a persistent CTA's previous
+        output leaves through it), then load query tile `m_block`."""
+        self.q_pipe.producer_acquire(state)
+        self.q.copy(m_block, self.q_pipe.producer_get_barrier(state))
 
     def load_k(self, state: pipeline.PipelineState, tile_index):
         """Wait until K's stage is free, arm its barrier with the tile's bytes, issue the copy."""
@@ -247,5 +257,5 @@ class SplitKVLoads:
         self.v.copy(tile_index, self.v_pipe.producer_get_barrier(state), state.index)
 
     # consumer side (every consumer thread; lane 0 of each warp arrives on release)
-    def wait_q(self):
-        self.q_pipe.consumer_wait(consumer_state(1))
+    def wait_q(self, state: pipeline.PipelineState):
+        self.q_pipe.consumer_wait(state)

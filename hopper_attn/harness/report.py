@@ -90,7 +90,10 @@ def _fmt(x, digits=1):
 
 
 # ------------------------------------------------------------------------------- tables
-def stage_table(res: Results, kernels, head_dims=(64, 128), causals=(False, True)) -> str:
+HEAD_DIMS = (64, 128, 256)        # the default sweep's (d = 256: k6 and the baselines only)
+
+
+def stage_table(res: Results, kernels, head_dims=HEAD_DIMS, causals=(False, True)) -> str:
     """TFLOP/s of `kernels` over the sweep, with the same-run ratios to each baseline."""
     lines = [f"| config | kernel | ms | TFLOP/s | vs {' | vs '.join(BASELINE_LABEL[b] for b in BASELINES)} |",
              "|---|---|---:|---:|" + "---:|" * len(BASELINES)]
@@ -279,7 +282,7 @@ def plots(res: Results, img_dir) -> list[str]:
     os.makedirs(img_dir, exist_ok=True)
     written = []
     styles = {"k1": ":", "k2": "--", "k3_1": "--", "k3_2": "--", "k3_3": "--", "k4_qk": "-.", "k4": "-", "k5": "-", "k6": "-"}
-    for d in (64, 128):
+    for d in HEAD_DIMS:
         for causal in (False, True):
             keys = res.configs(d, causal)
             if not keys:
@@ -342,7 +345,8 @@ def blocks(folder) -> dict:
         out[f"ref_check:{g}"] = ref_check_table([os.path.relpath(p, ROOT) for p in refs])
     out[f"plots:{g}"] = "\n".join(
         f"![{os.path.basename(p)}](img/{os.path.basename(p)})" for p in
-        [f"{g}_tflops_d{d}_{c}.png" for d in (64, 128) for c in ("full", "causal")])
+        [f"{g}_tflops_d{d}_{c}.png" for d in HEAD_DIMS for c in ("full", "causal")
+         if os.path.exists(os.path.join(ROOT, "docs", "img", f"{g}_tflops_d{d}_{c}.png"))])
     out[f"plots-readme:{g}"] = out[f"plots:{g}"].replace("](img/", "](docs/img/")
     return out
 
