@@ -27,10 +27,11 @@ from typing import Optional
 import torch
 
 from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tensors,
-                                         run_attention)
+                                         run_attention, work_counter)
 
-# Fastest first, by the same-run benchmarks in results/ (k6 is not faster than k5 yet).
-PREFERENCE = ("k5", "k6", "k4")   # k6: head dims 96-256 and fp16
+# Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.03-1.11x k5 at
+# d = 128, 0.88-1.23x at d = 64; k6 alone runs d 96-256 and fp16).
+PREFERENCE = ("k6", "k5", "k4")
 
 _HANDLES: dict = {}
 
@@ -94,7 +95,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         lse.fill_(float("nan"))
         run_attention(handle, q, k, v, out, softmax_scale)
     else:
-        run_attention(handle, q, k, v, out, softmax_scale, workspace=[lse])
+        run_attention(handle, q, k, v, out, softmax_scale, workspace=[lse, work_counter(q.device)])
     return out, lse
 
 
@@ -119,7 +120,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     seqlen_q); -inf for a row that sees no key (what a backward pass or a split-KV
     combination needs). `stage` picks a stage by name (e.g. "k4", which writes no LSE: NaN)
     instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
-    128, 192 or 256 (64 and 128 in bf16 go to k5, the rest to k6), any sequence length;
+    128, 192 or 256 (k6; k5 and k4: 64 and 128, bf16), any sequence length;
     anything else raises ValueError before a launch.
     """
     out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,

@@ -65,11 +65,13 @@ from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.compiler_hints import opaque
-from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention,
+                                         work_counter)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
                                         qkv_smem, smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
-from hopper_attn.common.scheduler import TileScheduler, sm_count
+from hopper_attn.common.scheduler import (ItemQueue, TileScheduler, fetch_next_item, retire,
+                                          sm_count)
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import PingPong, WarpRoles
@@ -91,7 +93,7 @@ SMEM_PER_CTA = 227 * 1024          # the most dynamic shared memory one CTA may 
 class FlashAttentionK5:
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False, pingpong: bool = True,
-                 persistent: bool = False, persistent_ctas: int = 0):
+                 persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -115,7 +117,8 @@ class FlashAttentionK5:
                                                       num_threads=self.roles.consumer_threads)
         self.schedule = TileSchedule(block_m, block_n, causal)       # kv tiles, masks
         self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
-                                       (persistent_ctas or sm_count()) if persistent else 0)
+                                       (persistent_ctas or sm_count()) if persistent else 0,
+                                       dynamic and persistent)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
 
     def describe(self) -> dict:
@@ -134,7 +137,7 @@ class FlashAttentionK5:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, scale_log2: Float32, stream):
+                 mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream):
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type                            # bf16 or fp16 (SPEC.dtypes)
@@ -150,6 +153,8 @@ class FlashAttentionK5:
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            item_barriers: cute.struct.MemRange[cutlass.Int64, 4]    # k6, dynamic schedule
+            items: cute.struct.MemRange[cutlass.Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
@@ -158,7 +163,7 @@ class FlashAttentionK5:
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
-        self.kernel(*coords, o_coords, mLSE, *atoms, tma_o, scale_log2, q_layout,
+        self.kernel(*coords, o_coords, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
                     kv_layout).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
@@ -168,8 +173,9 @@ class FlashAttentionK5:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
-               tma_o: cute.CopyAtom, scale_log2: Float32, q_layout: cute.ComposedLayout,
+               mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
+               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
+               scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout):
         schedule, scheduler, roles = self.schedule, self.scheduler, self.roles
         bm, bn, d = self.block_m, self.block_n, self.head_dim
@@ -189,6 +195,11 @@ class FlashAttentionK5:
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV))
+        queue = None
+        if cutlass.const_expr(scheduler.dynamic):
+            queue = ItemQueue.create(storage.item_barriers.data_ptr(),
+                                     storage.items.get_tensor(cute.make_layout(2)),
+                                     roles.consumer_threads)
         tma.barriers_ready()
 
         # Every role walks the same work items (one per CTA here; k6: a persistent loop),
@@ -208,6 +219,7 @@ class FlashAttentionK5:
                 # mbarriers of this (live) CTA only.
                 q_state = tma.producer_state(1)
                 produce = tma.producer_state(self.stages)
+                item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
                 while valid:
                     n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
                     work = loads.at(head, head // group, batch)
@@ -224,9 +236,16 @@ class FlashAttentionK5:
                         self.trace.end(phase)
                         produce.advance()
                     q_state.advance()
-                    tiles = scheduler.advance(tiles)
+                    if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
+                        tiles = fetch_next_item(mCounter)
+                        queue.publish(item_state, tiles)
+                        item_state.advance()
+                    else:
+                        tiles = scheduler.advance(tiles)
                     m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
                                                                  batch_size)
+                if cutlass.const_expr(scheduler.dynamic):
+                    retire(mCounter)
         else:
             # ---------------- consumer warpgroups 1..W ----------------
             roles.become_consumer()
@@ -245,6 +264,7 @@ class FlashAttentionK5:
             q_state = tma.consumer_state(1)
             k_state = tma.consumer_state(self.stages)
             v_state = tma.consumer_state(self.stages)       # one tile behind k_state
+            item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
             while valid:
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
                 acc_o.fill(0.0)
@@ -275,7 +295,11 @@ class FlashAttentionK5:
                 loads.q_pipe.consumer_release(q_state)      # the next Q may overwrite it
                 q_state.advance()
                 self.trace.end(phase)
-                tiles = scheduler.advance(tiles)
+                if cutlass.const_expr(scheduler.dynamic):
+                    tiles = queue.receive(item_state)
+                    item_state.advance()
+                else:
+                    tiles = scheduler.advance(tiles)
                 m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
 
     @cute.jit
@@ -364,10 +388,11 @@ class FlashAttentionK5:
 
 
 def lse_buffer(problem, device) -> list:
-    """Where k5 and k6 write the log-sum-exp: (batch, heads, seqlen_q) fp32."""
+    """What k5 and k6 take besides q, k, v, out: where they write the log-sum-exp, (batch,
+    heads, seqlen_q) fp32, and k6's work counter (common/scheduler.work_counter)."""
     import torch
     return [torch.empty((problem.batch, problem.heads, problem.seqlen), dtype=torch.float32,
-                        device=device)]
+                        device=device), work_counter(device)]
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,

@@ -27,12 +27,13 @@ warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 wit
 Second step: head dims 96, 192 and 256 (tiles in TILES, below: shared memory sets the kv
 tile) and fp16 (the element type comes from the tensors).
 
-Third step: a persistent grid for full attention (common/scheduler.py): one CTA per SM loops
-over work items (query tile, head, batch), its K/V rings running on from one to the next
-and the next K tile loading while the previous output is stored; any batch x heads. With a
-causal mask it measured slower than one CTA per work item, so k6 keeps that there (unless
-heads or batch exceed 65535): docs/k6.md. Still to come: a dynamic (causal-aware)
-persistent schedule.
+Third step: a persistent grid (common/scheduler.py): one CTA per SM loops over work items
+(query tile, head, batch), its K/V rings running on from one to the next and the next K
+tile loading while the previous output is stored; any batch x heads. Full attention: CTA c
+takes items c, c + grid, ... With a causal mask (items of different lengths, the longest
+first) the producer warp of a CTA takes its next item from a global counter (one atomicAdd)
+and passes it to its consumer warpgroups through shared memory, so items go to whichever
+CTA is free first: docs/k6.md.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
 
 class FlashAttentionK6(FlashAttentionK5):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
-                 pingpong: Optional[bool] = None, persistent: Optional[bool] = None,
-                 **options):
+                 pingpong: Optional[bool] = None, persistent: bool = True,
+                 dynamic: Optional[bool] = None, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
         # 60 bytes, because P must now stay live under the softmax and the mask adds
@@ -83,8 +84,8 @@ class FlashAttentionK6(FlashAttentionK5):
             default_m = 128
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
-                         persistent=(not causal) if persistent is None else bool(persistent),
-                         **options)
+                         persistent=bool(persistent),
+                         dynamic=causal if dynamic is None else bool(dynamic), **options)
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
@@ -143,24 +144,22 @@ class FlashAttentionK6(FlashAttentionK5):
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 2, pingpong: Optional[bool] = None,
-                   persistent: Optional[bool] = None, persistent_ctas: int = 0,
-                   trace: bool = False):
+                   persistent: bool = True, persistent_ctas: int = 0,
+                   dynamic: Optional[bool] = None, trace: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
-    persistent: a fixed grid of CTAs looping over work items (default: full attention, or
-    when heads or batch exceed the grid's 65535), False: one CTA per work item as in k5
-    (default with a causal mask: measured faster, docs/k6.md); persistent_ctas: the
-    persistent grid's size, 0 = one CTA per SM)."""
-    too_big = max(problem.heads, problem.batch) > MAX_GRID_YZ
-    if persistent is None and too_big:
-        persistent = True
-    if persistent is False and too_big:
+    persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
+    item, as in k5, for comparison); persistent_ctas: that grid's size (0: one per SM);
+    dynamic: each CTA takes its next work item from a global counter (default: with a
+    causal mask, whose work items differ in length) instead of every grid-th one."""
+    if not persistent and max(problem.heads, problem.batch) > MAX_GRID_YZ:
         raise UnsupportedProblem(f"k6 with persistent=False launches one CTA per work item: "
                                  f"heads and batch must be <= {MAX_GRID_YZ}")
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "pingpong": pingpong, "persistent": persistent,
-                              "persistent_ctas": persistent_ctas, "trace": trace},
+                              "persistent_ctas": persistent_ctas, "dynamic": dynamic,
+                              "trace": trace},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -122,12 +122,15 @@ def test_attention_op_reads_packed_qkv_in_place(causal):
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, True)])
-def test_k6_persistent_ctas_run_many_work_items(d, causal):
-    """600+ work items on one CTA per SM: every CTA runs several, in the scheduler's order."""
+@pytest.mark.parametrize("name", ["k6:persistent=1", "k6:persistent=1,dynamic=1"])
+def test_k6_persistent_ctas_run_many_work_items(d, causal, name):
+    """600+ work items on one CTA per SM: every CTA runs several, in the scheduler's order
+    (static) or as they ask for them (dynamic: the check runs twice, so the work counter
+    must be back at zero after a launch)."""
     from hopper_attn.harness.checks import ReferenceCase
     from hopper_attn.common.contract import Problem
     problem = Problem(3, 24, 1000, d, causal)
-    entry = registry.get("k6:persistent=1")          # causal too (not k6's default there)
+    entry = registry.get(name)
     handle = entry.compile(problem)
     assert handle.describe()["persistent_ctas"] > 0
     verdict = ReferenceCase(problem, seed=d + causal).check(entry, handle)
@@ -143,7 +146,7 @@ def test_k6_runs_more_than_65535_heads():
     out = torch.full_like(q, float("nan"))
     entry = registry.get("k6")
     handle = entry.compile(problem)
-    assert handle.describe()["persistent_ctas"] > 0   # causal, but too many heads for a grid
+    assert handle.describe()["persistent_ctas"] > 0
     entry.run(handle, q, k, v, out)
     ref = _reference(q, k, v, True, 64 ** -0.5)
     assert (out.float() - ref).abs().max().item() < 2e-2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hopper_attn.harness.compile_report import resource_usage, sass
-from ptx import WGMMA, WGMMA_REG_A, compiled
+from ptx import WGMMA, WGMMA_REG_A, compiled, count
 
 pytestmark = pytest.mark.compile
 
@@ -90,14 +90,20 @@ def test_d64_causal_uses_two_consumer_warpgroups():
 
 def test_persistent_loop():
     """One CTA per SM (grid = min(work items, SMs)) that steps by gridDim.x; k5 reads no
-    grid size at all. Any batch x heads runs (k5 refuses more than 65535; k6 with a causal
-    mask then switches to its persistent loop)."""
+    grid size at all. Any batch x heads runs (k5 refuses more than 65535)."""
     from hopper_attn.common.contract import Problem
     k6_ptx, k5_ptx = artifacts(128, False)["ptx"], compiled("k5", 128, False)["ptx"]
     assert artifacts(128, False)["kernel"]["persistent_ctas"] > 0
     assert "%nctaid.x" in k6_ptx and "%nctaid" not in k5_ptx
-    # with a causal mask k6 keeps one CTA per work item (measured faster: docs/k6.md)
-    assert artifacts(128, True)["kernel"]["persistent_ctas"] == 0
+    # with a causal mask the next work item comes from a global counter (one atomicAdd per
+    # item; the last CTA resets it with an acq_rel one) and reaches the consumers through
+    # a 2-slot ring with its own mbarriers; full attention needs neither
+    causal_ptx = artifacts(128, True)["ptx"]
+    assert artifacts(128, True)["kernel"]["persistent_ctas"] > 0
+    assert re.search(r"atom\.global\.add", causal_ptx)
+    assert re.search(r"atom\.global\.acq_rel\.add", causal_ptx)
+    assert count(causal_ptx, r"mbarrier\.init") == count(k6_ptx, r"mbarrier\.init") + 4
+    assert not re.search(r"atom\.global", k6_ptx)
     big = Problem(1, 70000, 64, 64)
     assert registry_spec("k6").unsupported_reason(big) is None
     assert "65535" in registry_spec("k5").unsupported_reason(big)

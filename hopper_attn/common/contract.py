@@ -230,6 +230,23 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False) -> None
         raise ValueError(f"q, k, v, out must be on one device, got {sorted(map(str, devices))}")
 
 
+_COUNTERS: dict = {}
+
+
+def work_counter(device) -> torch.Tensor:
+    """The global work counter of `device`'s current stream (k6's dynamic persistent
+    schedule): int32 [next work item, CTAs done], zero between launches (the last CTA of each
+    launch resets it). One per stream, so that launches on different streams never share
+    one; launches on one stream run in order."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
 # --------------------------------------------------------------------------------------------
 # Compilation and launch (CuTe DSL). Imported lazily so that the checks above work without it.
 # --------------------------------------------------------------------------------------------

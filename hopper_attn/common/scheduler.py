@@ -7,15 +7,20 @@ kv tiles it may see (`masking.TileSchedule` says which). Two schedules:
   causal mask CTA x takes query tile (tiles - 1 - x): the hardware starts CTAs in launch
   order, so the longest ones start first and the short ones fill the tail. gridDim.y and .z
   are capped at 65535, so heads and batch must be too (`KernelSpec` refuses more).
-* ``persistent=True`` (k6, full attention): one CTA per SM (grid = min(work items, SMs)),
-  each looping over work items: first its CTA index, then every grid-th one, in the order
-  of the single-tile grid (query tile fastest, then head, then batch; with a causal mask
-  the query tile reversed). The CTAs running at one time share a head's K and V in L2, and
-  a CTA's loads for its next work item start while it still stores the previous output
-  (its producer warp runs ahead), which the single-tile schedule cannot do. Any batch x
-  heads fits. With a causal mask, where work items differ in length, this static
-  assignment measured slower than the hardware's own CTA scheduling (docs/k6.md), so k6
-  uses it there only when heads or batch exceed 65535.
+* ``persistent=True`` (k6): one CTA per SM (grid = min(work items, SMs)), each looping over
+  work items in the order of the single-tile grid (query tile fastest, then head, then
+  batch; with a causal mask the longest query tiles first), so the CTAs running at one time
+  read the same head's K and V through L2. A CTA's K/V rings run on from one work item to
+  the next, and its loads for the next item start while it still stores the previous
+  output (the producer warp runs ahead), which the single-tile schedule cannot do. Any
+  batch x heads fits. Which items a CTA runs:
+    - static (full attention, where every item costs the same): items c, c + grid, ...
+    - ``dynamic=True`` (causal, where items differ in length): the first item is the CTA's
+      index, each later one comes from a global counter (`fetch_next_item`, one atomicAdd
+      by the producer warp when it has issued the loads of its current item), and reaches
+      the consumer warpgroups through `ItemQueue`. So an item goes to the first CTA that
+      is free, as the hardware does with one CTA per item; a static assignment (even one
+      that alternates direction every round) measured up to a third slower (docs/k6.md).
   (cutlass.utils' StaticPersistentTileScheduler walks the same kind of index, but it is
   deprecated in CuTe DSL 4.8 and moving to the examples; the loop here is a few lines.)
 """
@@ -43,6 +48,7 @@ class TileScheduler:
     causal: bool
     persistent: bool = False
     ctas: int = 132              # persistent CTAs: one per SM
+    dynamic: bool = False        # persistent: work items from a global counter (below)
 
     def grid(self, seqlen_q, heads, batch):
         """Host side (inside the @cute.jit __call__)."""
@@ -59,21 +65,18 @@ class TileScheduler:
     #         ...
     #         tiles = scheduler.advance(tiles)
     #         m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
-    # `tiles` is an Int32: the work items done (single tile) or the current linear index
-    # (persistent). It is reassigned, not mutated, so the DSL carries it around the loop.
+    # `tiles` is an Int32, the work items this CTA has done; it is reassigned, not mutated,
+    # so that the DSL carries it around the loop.
     @cute.jit
     def start(self):
-        if cutlass.const_expr(not self.persistent):
-            return Int32(0)
-        bx, _, _ = cute.arch.block_idx()
-        return cute.arch.make_warp_uniform(Int32(bx))
+        if cutlass.const_expr(self.dynamic):
+            bx, _, _ = cute.arch.block_idx()           # the first work item: the CTA's index
+            return cute.arch.make_warp_uniform(Int32(bx))
+        return Int32(0)
 
     @cute.jit
     def advance(self, tiles):
-        if cutlass.const_expr(not self.persistent):
-            return tiles + 1
-        grid, _, _ = cute.arch.grid_dim()
-        return cute.arch.make_warp_uniform(tiles + Int32(grid))
+        return cute.arch.make_warp_uniform(tiles + 1)
 
     @cute.jit
     def work(self, tiles, seqlen_q, heads, batch_size):
@@ -85,9 +88,15 @@ class TileScheduler:
             if cutlass.const_expr(self.causal):
                 m_block = m_blocks - 1 - bx
             return Int32(m_block), Int32(head), Int32(batch), tiles == 0
-        valid = tiles < m_blocks * heads * batch_size
-        m_block = tiles % m_blocks                      # (query tile, head, batch)
-        rest = tiles // m_blocks
+        if cutlass.const_expr(self.dynamic):
+            item = tiles                                # the work item's index itself
+        else:                                           # round `tiles`: CTA c takes item
+            cta, _, _ = cute.arch.block_idx()           # tiles * grid + c
+            grid, _, _ = cute.arch.grid_dim()
+            item = tiles * Int32(grid) + Int32(cta)
+        valid = item < m_blocks * heads * batch_size
+        m_block = item % m_blocks                       # (query tile, head, batch)
+        rest = item // m_blocks
         head = rest % heads
         batch = rest // heads
         if cutlass.const_expr(self.causal):             # the longest query tiles first
@@ -95,3 +104,65 @@ class TileScheduler:
         # warp-uniform: ptxas may keep them in uniform registers, off the consumers' budget
         uniform = cute.arch.make_warp_uniform
         return uniform(Int32(m_block)), uniform(Int32(head)), uniform(Int32(batch)), valid
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamic persistent scheduling (k6 with a causal mask): the next work item goes to the CTA
+# that asks first, as the hardware does with one CTA per work item. The counter is an int32
+# [next item, CTAs done] in global memory (contract.work_counter), zero between launches.
+# --------------------------------------------------------------------------------------------
+
+@cute.jit
+def fetch_next_item(counter: cute.Tensor) -> Int32:
+    """Producer warp (all lanes): the next work item. Items 0 .. grid - 1 are the CTAs'
+    first ones (by CTA index); later ones come from the counter, one atomicAdd each."""
+    grid, _, _ = cute.arch.grid_dim()
+    item = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        item = Int32(grid) + cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed",
+                                                  scope="gpu")
+    return cute.arch.make_warp_uniform(cute.arch.shuffle_sync(item, 0))
+
+
+@cute.jit
+def retire(counter: cute.Tensor):
+    """Producer warp, after its last fetch: count this CTA done; the last one to finish zeroes
+    the counter for the next launch (acq_rel: every CTA's fetches come before its count)."""
+    if cute.arch.lane_idx() == 0:
+        grid, _, _ = cute.arch.grid_dim()
+        done = cute.arch.atomic_add(counter.iterator + 1, Int32(1), sem="acq_rel", scope="gpu")
+        if done == Int32(grid) - 1:
+            counter[0] = Int32(0)
+            counter[1] = Int32(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemQueue:
+    """The producer warp hands each fetched work item to the consumer warpgroups through a
+    2-slot ring in shared memory (full/empty mbarriers: cutlass.pipeline.PipelineAsync)."""
+
+    pipe: object
+    slots: cute.Tensor            # Int32 (2,) in SMEM
+
+    @staticmethod
+    def create(barriers, slots: cute.Tensor, consumer_threads: int) -> "ItemQueue":
+        import cutlass.pipeline as pipeline
+        pipe = pipeline.PipelineAsync.create(
+            barrier_storage=barriers, num_stages=2,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+            defer_sync=True)
+        return ItemQueue(pipe, slots)
+
+    def publish(self, state, item):
+        """Producer warp (all lanes)."""
+        self.pipe.producer_acquire(state)
+        self.slots[state.index] = item
+        self.pipe.producer_commit(state)
+
+    def receive(self, state):
+        """Every consumer thread."""
+        self.pipe.consumer_wait(state)
+        item = self.slots[state.index]
+        self.pipe.consumer_release(state)
+        return cute.arch.make_warp_uniform(item)
