@@ -238,9 +238,12 @@ def work_counter(device) -> torch.Tensor:
     schedule): int32 [next work item, CTAs done], zero between launches (the last CTA of each
     launch resets it). One per stream, so that launches on different streams never share
     one; launches on one stream run in order."""
-    device = torch.device(device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
+    if isinstance(device, str):
+        device = torch.device(device)
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) \
+        if cuda else -1
+    key = (index, torch._C._cuda_getCurrentRawStream(index) if cuda else 0)
     counter = _COUNTERS.get(key)
     if counter is None:
         counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
