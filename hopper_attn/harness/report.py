@@ -324,7 +324,7 @@ def blocks(folder) -> dict:
     out = {
         f"summary:{g}": summary_table(res),
         f"compile:{g}": compile_table(res),
-        f"profiles:{g}": profile_table(folder, ["k1", "k2", "k3_3", "k4_qk", "k4", "k5", "fa4"]),
+        f"profiles:{g}": profile_table(folder, ["k1", "k2", "k3_3", "k4_qk", "k4", "k5", "k6", "fa4"]),
         f"results:{g}": stage_table(res, STAGES) + "\n\n" + provenance(res, STAGES),
     }
     for stage, kernels in {"k1": ["k1", "k2"], "k2": ["k2"], "k3": ["k2", "k3_1", "k3_2", "k3_3"],
