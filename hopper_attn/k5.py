@@ -3,7 +3,7 @@
 What changes from k4 (FlashAttention-3's first two techniques):
 
 * Warp specialization. One more warpgroup, warpgroup 0, is the producer: its warp 0 issues
-  every TMA load (Q once, then K_j and V_j for each kv tile), warps 1-3 have nothing to do
+  every TMA load (K_0, Q, V_0, then K_j and V_j for each kv tile), warps 1-3 have nothing to do
   and fall through to the end. Warpgroups 1..W are consumers (64 query rows each) and only
   wait, compute and release. In k4 warp 0 was also a consumer and refilled the ring from
   inside the main loop, so its warpgroup stalled on its own loads.

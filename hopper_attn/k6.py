@@ -1,6 +1,7 @@
-"""k6 (first step): intra-warpgroup overlap, the softmax of tile j under the PV of tile j-1.
+"""k6: intra-warpgroup overlap, head dims 64-256, fp16, a persistent scheduler.
 
-What changes from k5: only the order inside a consumer warpgroup's turn and what it waits
+First step, the overlap: the softmax of tile j under the PV of tile j-1. What changes from
+k5: only the order inside a consumer warpgroup's turn and what it waits
 for (`mainloop`, below). k5 issued O += P_{j-1} V_{j-1} and S_j = Q K_j^T, then waited for
 *both* before starting the softmax of tile j, so during its softmax a warpgroup had nothing
 on the tensor cores; only the *other* warpgroup's GEMMs could run (ping-pong), and they are
@@ -55,7 +56,7 @@ from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 
 SPEC = KernelSpec(
     name="k6",
-    summary="k5 + intra-warpgroup overlap: a tile's softmax runs under the previous PV",
+    summary="k5 + intra-warpgroup overlap, head dims 64-256, fp16, persistent scheduler",
     head_dims=(64, 96, 128, 192, 256),
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
