@@ -41,7 +41,7 @@ KERNELS = {e.name: e for e in [
     KernelEntry("k4_qk", "hopper_attn.k4_qk", note="WGMMA for QK^T, S through SMEM"),
     KernelEntry("k4", "hopper_attn.k4", note="WGMMA for both GEMMs, P in registers"),
     KernelEntry("k5", "hopper_attn.k5", note="warp specialization, setmaxnreg, ping-pong"),
-    KernelEntry("k6", "hopper_attn.k6", note="k5 + intra-warpgroup overlap (softmax under PV)"),
+    KernelEntry("k6", "hopper_attn.k6", note="k5 + intra-warpgroup overlap, head dims 64-256, fp16, persistent"),
 ]}
 
 
