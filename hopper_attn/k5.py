@@ -311,8 +311,7 @@ class FlashAttentionK5:
         """One consumer warpgroup's loop over the kv tiles of a work item: O and the
         softmax state are updated in place; returns the K and V ring states (k6 overrides
         this method)."""
-        schedule, pingpong = self.schedule, self.pingpong
-        bm, bn = self.block_m, self.block_n
+        pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
 
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
@@ -343,16 +342,25 @@ class FlashAttentionK5:
             self.trace.end(phase)
             # --- outside the turn: the other WGs' GEMMs run under this softmax
             phase = self.trace.start("softmax")
-            s_rc = acc_rows_cols(acc_s)
-            if schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
-                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen_k, self.causal,
-                            seqlen_k - seqlen_q)
-            alpha = softmax.step(s_rc)                  # S -> P (unnormalized), in place
+            alpha = self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
+                                         seqlen_k)
             scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
             p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             self.trace.end(phase)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)
         return k_state, v_state
+
+    @cute.jit
+    def scores_to_probs(self, acc_s: cute.Tensor, s_coords: cute.Tensor,
+                        softmax: OnlineSoftmax, m_block, n, seqlen_q, seqlen_k):
+        """Mask kv tile n's scores where needed (tails, the causal diagonal), then the
+        online-softmax step: S -> P (fp32, unnormalized) in place; returns alpha (shared
+        with k6)."""
+        s_rc = acc_rows_cols(acc_s)
+        if self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
+            mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n, seqlen_k,
+                        self.causal, seqlen_k - seqlen_q)
+        return softmax.step(s_rc)
 
     @cute.jit
     def store_lse(self, mLSE: cute.Tensor, lse: cute.Tensor, s_coords: cute.Tensor, ctidx,

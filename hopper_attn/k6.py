@@ -50,7 +50,6 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
-from hopper_attn.common.masking import mask_scores
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 
@@ -94,8 +93,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
                  softmax: OnlineSoftmax, k_state, v_state):
-        schedule, pingpong = self.schedule, self.pingpong
-        bm, bn = self.block_m, self.block_n
+        pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
 
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
@@ -124,11 +122,8 @@ class FlashAttentionK6(FlashAttentionK5):
             self.trace.end(phase)
             # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
             phase = self.trace.start("softmax")
-            s_rc = acc_rows_cols(acc_s)
-            if schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
-                mask_scores(s_rc, s_coords, m_block * bm, n * bn, seqlen_k, self.causal,
-                            seqlen_k - seqlen_q)
-            alpha = softmax.step(s_rc)                  # S -> P (fp32, unnormalized), in place
+            alpha = self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
+                                         seqlen_k)      # S -> P (fp32, unnormalized), in place
             self.trace.end(phase)
             phase = self.trace.start("wait_pv")
             warpgroup.wait_group(0)                     # PV_{n-1} done: O and P are free
