@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from hopper_attn.common.contract import (LOG2_E, Problem, UnsupportedProblem, check_tensors,
-                                         run_attention, work_counter)
+from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tensors,
+                                         run_attention)
 
 # Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.03-1.11x k5 at
 # d = 128, 0.88-1.23x at d = 64; k6 alone runs d 96-256 and fp16).
@@ -99,13 +99,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     lse = _lse_like(q)
     if handle.workspace_fn is None:            # a stage that does not write the LSE (k4)
         lse.fill_(float("nan"))
-        run_attention(handle, q, k, v, out, softmax_scale)
-    elif handle.tvm_ffi:                       # checked above: straight to the kernel
-        scale = handle.problem.softmax_scale if softmax_scale is None else float(softmax_scale)
-        handle.compiled(q, k, v, out, lse, work_counter(q.device), scale * LOG2_E)
+        run_attention(handle, q, k, v, out, softmax_scale, checked=True)
     else:
-        run_attention(handle, q, k, v, out, softmax_scale,
-                      workspace=[lse, work_counter(q.device)])
+        run_attention(handle, q, k, v, out, softmax_scale, workspace=[lse], checked=True)
     return out, lse
 
 

@@ -33,8 +33,8 @@ What changes from k4 (FlashAttention-3's first two techniques):
 
 Also from this stage on (for `hopper_attn.attention`): k and v may have fewer heads than q
 (GQA/MQA: a CTA reads the k/v head its query head belongs to) and another length
-(cross-attention; the causal diagonal is then aligned bottom-right, `TileSchedule.work_kv`),
-and the epilogue writes each row's log-sum-exp (fp32, (batch, heads, seqlen_q)).
+(cross-attention; the causal diagonal is then aligned bottom-right,
+`TileSchedule.n_block_count_kv`), and the epilogue writes each row's log-sum-exp (fp32, (batch, heads, seqlen_q)).
 
 Structure for the next stage: every role runs a loop over work items (a query tile of one
 (head, batch), common/scheduler.py); in k5 it runs once per CTA (one CTA per work item, as
@@ -65,8 +65,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.compiler_hints import opaque
-from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention,
-                                         work_counter)
+from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
                                         qkv_smem, smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
@@ -82,6 +81,7 @@ SPEC = KernelSpec(
     head_dims=(64, 128),
     separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
     strided_inputs=True,        # e.g. q, k, v as views of a packed QKV tensor
+    takes_work_counter=True,    # a kernel argument (used by k6's dynamic schedule only)
 )
 
 DEFAULT_BLOCK_M = {64: 192, 128: 128}      # k4's tiles (FlashAttention-4's too)
@@ -396,11 +396,10 @@ class FlashAttentionK5:
 
 
 def lse_buffer(problem, device) -> list:
-    """What k5 and k6 take besides q, k, v, out: where they write the log-sum-exp, (batch,
-    heads, seqlen_q) fp32, and k6's work counter (common/scheduler.work_counter)."""
+    """Where k5 and k6 write the log-sum-exp: (batch, heads, seqlen_q) fp32."""
     import torch
     return [torch.empty((problem.batch, problem.heads, problem.seqlen), dtype=torch.float32,
-                        device=device), work_counter(device)]
+                        device=device)]
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,

@@ -61,6 +61,7 @@ SPEC = KernelSpec(
     separate_kv=True,           # GQA/MQA, seqlen_k != seqlen_q
     strided_inputs=True,        # e.g. q, k, v as views of a packed QKV tensor
     grid_per_tile=False,        # persistent: any batch x heads
+    takes_work_counter=True,    # the dynamic schedule's (causal)
 )
 
 # head_dim -> (block_m, block_n, ping-pong): block_m / 64 consumer warpgroups. Both K and V

@@ -97,3 +97,27 @@ def test_run_checks_before_launching():
     q2 = torch.randn(2, 18, 3, 64).to(torch.bfloat16)
     with pytest.raises(ValueError, match="shape"):
         run_attention(handle, q2, k, v, o)
+
+
+def test_run_attention_passes_workspace_then_the_streams_work_counter(monkeypatch):
+    """k5/k6 take (q, k, v, out, lse, counter, scale_log2): the caller's workspace (or the
+    handle's own), then the current stream's work counter, looked up per call; `checked`
+    skips the tensor checks (attention()'s cache of checked layouts)."""
+    from hopper_attn.common import contract
+    from hopper_attn.harness import registry
+    calls = []
+    spec = registry.get("k6").spec
+    assert spec.takes_work_counter
+    problem = Problem(1, 2, 16, 64)
+    handle = contract.CompiledAttention(spec, problem, {}, lambda *a: calls.append(a), 0.0,
+                                        None, workspace_fn=None, tvm_ffi=True)
+    monkeypatch.setattr(contract, "_cute", lambda: None)
+    q = torch.zeros(problem.shape, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 16)
+    contract.run_attention(handle, q, q, q, q, workspace=[lse], checked=True)
+    args = calls[-1]
+    assert args[4] is lse and args[5] is contract.work_counter(q.device)
+    assert args[5].dtype == torch.int32 and args[5].tolist() == [0, 0]
+    assert args[6] == pytest.approx(contract.LOG2_E / 8.0)       # 1/sqrt(64) * log2(e)
+    with pytest.raises(ValueError, match="CUDA"):                  # unchecked: CPU tensors fail
+        contract.run_attention(handle, q, q, q, q, workspace=[lse])

@@ -155,6 +155,8 @@ class KernelSpec:
     # one CTA per (query tile, head, batch), heads and batch on grid y and z (<= 65535 each);
     # False for a persistent kernel (a fixed grid that loops over work items)
     grid_per_tile: bool = True
+    # the kernel takes the current stream's work counter after its workspace (k5, k6)
+    takes_work_counter: bool = False
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -302,7 +304,7 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
         kernel = kernel_factory(problem.head_dim, problem.causal, **options)
         t0 = time.perf_counter()
         compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options,
-                                           problem.dtype)
+                                           problem.dtype, spec.takes_work_counter)
         seconds = time.perf_counter() - t0
         if use_cache:
             _COMPILED[key] = (compiled, kernel)
@@ -314,12 +316,16 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
 
 
 def run_attention(handle: CompiledAttention, q, k, v, out,
-                  softmax_scale: Optional[float] = None, workspace: Optional[list] = None) -> None:
-    """Check the tensors against the handle's problem, then launch on the current stream.
-    `softmax_scale` defaults to 1/sqrt(head_dim). `workspace`: the kernel's extra tensors
-    (k5/k6: the log-sum-exp) to use instead of the handle's own (allocated once)."""
+                  softmax_scale: Optional[float] = None, workspace: Optional[list] = None,
+                  checked: bool = False) -> None:
+    """Check the tensors against the handle's problem (unless the caller has, for this
+    layout: `checked`), then launch on the current stream. `softmax_scale` defaults to
+    1/sqrt(head_dim). `workspace`: the kernel's extra tensors (k5/k6: the log-sum-exp) to use
+    instead of the handle's own (allocated once). Kernels that take a work counter get the
+    current stream's (`work_counter`), looked up per call."""
     problem = handle.problem
-    check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs)
+    if not checked:
+        check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs)
     rt = _cute()
     if workspace is None:
         if handle.workspace_fn is not None and not handle.workspace:
@@ -327,6 +333,8 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
             handle.spec.check(problem)
             handle.workspace = handle.workspace_fn(problem, q.device)
         workspace = handle.workspace
+    if handle.spec.takes_work_counter:
+        workspace = [*workspace, work_counter(q.device)]
     scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
     if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
         handle.compiled(q, k, v, out, *workspace, scale * LOG2_E)
@@ -339,4 +347,3 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
         handle._bound_key = key
     scale_log2 = scale * LOG2_E
     handle.compiled(*handle._bound_args, scale_log2, rt.current_stream())
-

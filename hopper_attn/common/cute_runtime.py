@@ -41,23 +41,26 @@ def current_stream():
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
-def example_tensors(head_dim: int, workspace_fn=None, dtype=torch.bfloat16):
+def example_tensors(head_dim: int, workspace_fn=None, dtype=torch.bfloat16,
+                    work_counter: bool = False):
     """Small tensors (on the GPU when there is one, else on the CPU) to compile against."""
-    from .contract import Problem
+    from .contract import Problem, work_counter as counter_of
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     shape = (_EXAMPLE_BATCH, _EXAMPLE_SEQLEN, _EXAMPLE_HEADS, head_dim)
     tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(4)]
     if workspace_fn is not None:
         problem = Problem(_EXAMPLE_BATCH, _EXAMPLE_HEADS, _EXAMPLE_SEQLEN, head_dim, dtype=dtype)
         tensors += workspace_fn(problem, device)
+    if work_counter:
+        tensors.append(counter_of(device))
     return tensors
 
 
 def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_options: str = "",
-                        dtype=torch.bfloat16):
+                        dtype=torch.bfloat16, work_counter: bool = False):
     """cute.compile `kernel` (a @cute.jit callable object) against example tensors of
     `dtype` (kernels that take it from their tensors compile one version per dtype)."""
-    tensors = example_tensors(head_dim, workspace_fn, dtype)
+    tensors = example_tensors(head_dim, workspace_fn, dtype, work_counter)
     # With CuTe DSL's TVM-FFI calling path the compiled function takes torch tensors directly
     # and launches on torch's current stream (no stream argument): far less host work per call.
     tvm_ffi = TVM_FFI in compile_options

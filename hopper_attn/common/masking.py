@@ -6,7 +6,7 @@ A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of B
   (Rows >= seqlen of the last query tile are computed on zero-filled Q and never stored.)
 * Causal (query i sees keys j <= i): kv tiles entirely right of the diagonal are skipped,
   tiles entirely left of it need no mask, and only the tiles the diagonal crosses are masked.
-  With seqlen_k != seqlen_q (k5 on: `work_kv`, `needs_mask_kv`) the diagonal is aligned
+  With seqlen_k != seqlen_q (k5 on: `n_block_count_kv`, `needs_mask_kv`) the diagonal is aligned
   bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q.
 * Scheduling: with a causal mask the last query tiles do the most work, so CTA x takes query
   tile (num_m_blocks - 1 - x): the longest CTAs start first and the short ones fill the tail.
@@ -54,17 +54,12 @@ class TileSchedule:
         return m_block, self.n_block_count(m_block, seqlen)
 
     @cute.jit
-    def work_kv(self, seqlen_q, seqlen_k):
-        """`work` when keys and queries may differ in length (k5 on). The causal mask is then
-        aligned bottom-right, as in FlashAttention: query i sees keys j <= i + seqlen_k -
-        seqlen_q. At least one kv tile is visited, so that a query tile whose rows see no key
-        at all still runs (fully masked, its rows are written as 0)."""
-        m_block = self.m_block(seqlen_q)
-        return m_block, self.n_block_count_kv(m_block, seqlen_q, seqlen_k)
-
-    @cute.jit
     def n_block_count_kv(self, m_block, seqlen_q, seqlen_k) -> Int32:
-        """The kv tiles query tile `m_block` visits (at least 1), as in `work_kv`."""
+        """The kv tiles query tile `m_block` visits when keys and queries may differ in
+        length (k5 on). The causal mask is then aligned bottom-right, as in FlashAttention:
+        query i sees keys j <= i + seqlen_k - seqlen_q. At least one kv tile is visited, so
+        that a query tile whose rows see no key at all still runs (fully masked, its rows
+        are written as 0)."""
         count = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.causal):
             visible = cutlass.max((m_block + 1) * self.block_m + seqlen_k - seqlen_q, 1)
@@ -73,7 +68,7 @@ class TileSchedule:
 
     @cute.jit
     def needs_mask_kv(self, m_block, n_block, seqlen_q, seqlen_k):
-        """`needs_mask` with the bottom-right causal diagonal of `work_kv`."""
+        """`needs_mask` with the bottom-right causal diagonal of `n_block_count_kv`."""
         last_col = (n_block + 1) * self.block_n - 1
         needs = last_col >= seqlen_k
         if cutlass.const_expr(self.causal):
