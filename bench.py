@@ -5,9 +5,13 @@
     SEQLEN=4096 HEADDIM=128 CAUSAL=0 python bench.py k4 --json results/x.json
     python bench.py k4 --profile            # one config, once, inside an NVTX range (for ncu)
     python bench.py k2 k4 --compile-only    # no GPU needed: registers, SMEM, spills per config
+    CHECK=1 python bench.py kb1             # a backward stage: timed against the baselines'
+                                            # own backward passes (autograd)
 
 Prints one table (ms, TFLOP/s = 4*B*H*N^2*d / time, halved for causal, and the ratio to each
-baseline: >1 means faster than the baseline). --json writes every row with the environment.
+baseline: >1 means faster than the baseline). Backward stages count 10*B*H*N^2*d (2.5x the
+forward: five N x N x d GEMMs instead of two), halved for causal. --json writes every row
+with the environment.
 """
 
 from __future__ import annotations
@@ -87,7 +91,13 @@ def profile(entries, args) -> int:
     return 0
 
 
-def run(entries, args) -> int:
+def _backward_case(problem, seed: int, check: bool):
+    """Inputs of one backward problem (with its fp32 reference when checking)."""
+    from hopper_attn.harness.grad_check import BackwardCase
+    return BackwardCase(problem, seed, reference=check)
+
+
+def run(entries, args, backward: bool = False) -> int:
     import torch
     from hopper_attn.harness import baselines
     from hopper_attn.harness.checks import ReferenceCase
@@ -98,24 +108,35 @@ def run(entries, args) -> int:
     check = os.environ.get("CHECK", "0") not in ("", "0")
     env = environment()
     names = [b for b in args.baselines.split(",") if b]
-    found, missing = baselines.available(names)
+    found, missing = (baselines.backward_available if backward else baselines.available)(names)
     for name, why in missing.items():
         print(f"baseline {name} unavailable: {why}")
     flush = L2Flush()
     rows, failures = [], []
     for problem in problems.sweep():
-        if check:
+        flops = problem.flops * (2.5 if backward else 1.0)
+        if backward:
+            case = _backward_case(problem, args.seed, check)
+            q, k, v, out = case.q, case.k, case.v, case.o
+            tensors = (case.q, case.k, case.v, case.o, case.do, case.lse, case.dq, case.dk,
+                       case.dv)
+        elif check:
             case = ReferenceCase(problem, args.seed)
             q, k, v, out = case.q, case.k, case.v, case.out
+            tensors = (q, k, v, out)
         else:
             q, k, v, out = make_inputs(problem, args.seed)
+            tensors = (q, k, v, out)
         base_ms = {}
         for name, fn in found.items():
             with _nvtx_range(f"{name}__{problems.config_name(problem)}"):
-                t = benchmark(lambda: fn(q, k, v, problem.causal), flush)
+                call = (fn(q, k, v, case.do, problem.causal) if backward
+                        else lambda: fn(q, k, v, problem.causal))
+                t = benchmark(call, flush)
+                del call
             base_ms[name] = t["ms"]
             rows.append({"kernel": name, "baseline": True, "config": problem.as_dict(), **t,
-                         "tflops": tflops(problem.flops, t["ms"])})
+                         "tflops": tflops(flops, t["ms"])})
         for entry in entries:
             row = {"kernel": entry.name, "baseline": False, "config": problem.as_dict()}
             reason = entry.spec.unsupported_reason(problem)
@@ -132,16 +153,16 @@ def run(entries, args) -> int:
                     if not verdict["ok"]:
                         failures.append((entry.name, problem.label(), verdict))
                 with _nvtx_range(f"{entry.name}__{problems.config_name(problem)}"):
-                    t = benchmark(lambda: entry.run(handle, q, k, v, out), flush)
+                    t = benchmark(lambda: entry.run(handle, *tensors), flush)
             except Exception as exc:  # noqa: BLE001 - record and keep going, fail at the end
                 rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:2000]})
                 failures.append((entry.name, problem.label(), str(exc)[:300]))
                 continue
-            row.update(t, tflops=tflops(problem.flops, t["ms"]),
+            row.update(t, tflops=tflops(flops, t["ms"]),
                        ratios={b: ms / t["ms"] for b, ms in base_ms.items()})
             rows.append(row)
-        del q, k, v, out
-        if check:
+        del q, k, v, out, tensors
+        if check or backward:
             del case
         torch.cuda.empty_cache()
         print(f"done {problem.label()}", file=sys.stderr, flush=True)
@@ -206,9 +227,13 @@ def main(argv=None) -> int:
               "you can still compile them and see registers, SMEM and spills:\n"
               f"    python bench.py {' '.join(args.kernels)} --compile-only")
         return 2
+    backward = [e.name.split(":")[0] in registry.BACKWARD_KERNELS for e in entries]
+    if any(backward) and not all(backward):
+        raise SystemExit("time forward and backward stages in separate runs "
+                         f"(backward: {', '.join(registry.BACKWARD_KERNELS)})")
     if args.profile:
         return profile(entries, args)
-    return run(entries, args)
+    return run(entries, args, backward=all(backward))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Randomized correctness sweep against an fp32 reference.
 
-    python ref_check.py k2 k3_1 k4 [--seed 0] [--quick] [--json PATH]
+    python ref_check.py k2 k3_1 k4 kb1 [--seed 0] [--quick] [--json PATH]
 
 For every supported dtype and head dim, causal off and on, odd and even sequence lengths (1, 17, 64,
 113, 128, 1000, 2049), batch 2 x heads 3, plus large-magnitude inputs: fresh random normal
 inputs per case, each tensor inside a buffer whose neighbouring memory is NaN, output
 poisoned with NaN, error vs fp32 compared with torch's own bf16 SDPA error on the same
 inputs (fp16 kernels: torch's fp16 error); the NaN guards must be untouched and a second run must give the same bits.
+Backward stages (kb1, ...) get the same sweep plus cross-attention (seqlen_k != seqlen_q) and
+GQA cases, checked per gradient (harness/grad_check.py).
 Exits 1 and prints the failing configs if any case fails.
 """
 
@@ -39,11 +41,20 @@ def cases(entry, quick: bool):
                     out.append((Problem(BATCH, HEADS, n, d, causal, dtype), 1.0))
                 # large scores (std ~ 16 before scaling): the online softmax must not overflow
                 out.append((Problem(1, 2, 257, d, causal, dtype), 4.0))
+    if entry.name.split(":")[0] in registry.BACKWARD_KERNELS:
+        for dtype in entry.spec.dtypes:
+            for d in head_dims:
+                for causal in (False, True):
+                    for nq, nk in ((300, 1000), (1000, 300)):     # a KV prefix, and the reverse
+                        out.append((Problem(2, 2, nq, d, causal, dtype, seqlen_k=nk), 1.0))
+                    out.append((Problem(2, 6, 257, d, causal, dtype, heads_kv=2), 1.0))  # GQA
     return out
 
 
 def check_kernel(entry, seed: int, quick: bool = False) -> list[dict]:
     from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.harness.grad_check import BackwardCase
+    backward = entry.name.split(":")[0] in registry.BACKWARD_KERNELS
     results = []
     for i, (problem, scale) in enumerate(cases(entry, quick)):
         row = {"kernel": entry.name, "config": problem.as_dict(), "input_scale": scale}
@@ -51,7 +62,7 @@ def check_kernel(entry, seed: int, quick: bool = False) -> list[dict]:
         if reason:
             results.append({**row, "skipped": reason})
             continue
-        case = ReferenceCase(problem, seed * 1000 + i, scale)
+        case = (BackwardCase if backward else ReferenceCase)(problem, seed * 1000 + i, scale)
         try:
             handle = entry.compile(problem)
             results.append({**row, **case.check(entry, handle)})
@@ -80,6 +91,12 @@ def main(argv=None) -> int:
               f"worst error / torch bf16 error = {worst:.2f}")
         for r in bad:
             c = r["config"]
+            if "dq" in r:                                  # a backward case
+                print(f"   FAIL {c}: " + ", ".join(
+                    f"{g} max_abs={r[g]['max_abs']:.3g} torch={r[g]['torch_max_abs']:.3g} "
+                    f"nan={r[g]['nan']}" for g in ("dq", "dk", "dv"))
+                      + f" same_bits={r['same_bits']} guards_intact={r['guards_intact']}")
+                continue
             print(f"   FAIL {c['dtype']} B={c['batch']} H={c['heads']} N={c['seqlen']} d={c['head_dim']} "
                   f"causal={c['causal']} scale={r['input_scale']}: "
                   + (r.get("error") or f"max_abs={r['max_abs']:.3g} torch={r['torch_max_abs']:.3g} "

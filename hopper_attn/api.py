@@ -18,6 +18,12 @@ j <= i + seqlen_k - seqlen_q, and a query that sees no key gets a zero output ro
 `return_lse=True` also returns the log-sum-exp (fp32, (batch, heads, seqlen_q)). q, k, v
 may be strided views (last dim contiguous, other strides multiples of 16 bytes), e.g. of one
 packed (batch, seqlen, 3, heads, head_dim) QKV tensor: read in place, no copies.
+
+Gradients: when q, k or v requires grad, the op records what its backward needs (q, k, v,
+the output and the LSE) and `.backward()` runs the first backward stage of
+`BACKWARD_PREFERENCE` that supports the problem (kb1: head_dim 64 and 128, bf16 and fp16,
+GQA, cross-attention); a problem it does not support is refused in the forward, before any
+launch. The LSE output itself is not differentiable.
 """
 
 from __future__ import annotations
@@ -32,8 +38,21 @@ from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tens
 # Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.03-1.11x k5 at
 # d = 128, 0.88-1.23x at d = 64; k6 alone runs d 96-256 and fp16).
 PREFERENCE = ("k6", "k5", "k4")
+BACKWARD_PREFERENCE = ("kb1",)
 
 _HANDLES: dict = {}
+
+
+def _backward_entry(problem: Problem):
+    from hopper_attn.harness import registry
+    reasons = []
+    for name in BACKWARD_PREFERENCE:
+        entry = registry.get(name)
+        reason = entry.spec.unsupported_reason(problem)
+        if reason is None:
+            return entry
+        reasons.append(reason)
+    raise UnsupportedProblem("no backward stage supports this problem: " + "; ".join(reasons))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -137,6 +156,55 @@ def _(q, k, v, causal, softmax_scale, stage):
     return torch.empty_like(q), _lse_like(q)
 
 
+@torch.library.custom_op("hopper_attn::attention_backward", mutates_args=())
+def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                           causal: bool, softmax_scale: Optional[float]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the backward stages read contiguous tensors (a packed-QKV view is copied here)
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+    problem = Problem.from_tensor(q, causal, k)
+    entry = _backward_entry(problem)
+    key = (entry.name, problem)
+    handle = _HANDLES.get(key)
+    if handle is None:
+        handle = _HANDLES[key] = entry.compile(problem)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    entry.run(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale)
+    return dq, dk, dv
+
+
+@_attention_backward_op.register_fake
+def _(q, k, v, out, dout, lse, causal, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, stage = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, ctx.causal,
+                                                          ctx.softmax_scale)
+    return dq, dk, dv, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_differentiable(q, k, v, causal: bool, stage: Optional[str]) -> None:
+    """Before a forward whose result needs gradients: can a backward stage run it?"""
+    _check(q, k, v)
+    if stage == "k4":
+        raise ValueError("stage k4 writes no log-sum-exp, which the backward pass needs; "
+                         "use k5, k6 or the default")
+    _backward_entry(Problem.from_tensor(q, causal, k))     # UnsupportedProblem with the reason
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
               stage: Optional[str] = None):
@@ -148,9 +216,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     combination needs). `stage` picks a stage by name (e.g. "k4", which writes no LSE: NaN)
     instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
     128, 192 or 256 (k6; k5 and k4: 64 and 128, bf16), any sequence length;
-    anything else raises ValueError before a launch.
+    anything else raises ValueError before a launch. Differentiable (head_dim 64 and 128):
+    the backward runs kb1.
     """
-    if torch.compiler.is_compiling():          # traced: the custom op (with its fake impl)
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    if needs_grad and not torch.compiler.is_compiling():   # (traced: the backward op checks)
+        _check_differentiable(q, k, v, bool(causal), stage)
+    if torch.compiler.is_compiling() or needs_grad:   # the custom op: fake impl, autograd
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
                                                    stage or "")
     else:                                      # eager: no dispatcher round trip

@@ -92,3 +92,41 @@ def test_strided_views_pass_the_checks_of_strided_stages_only():
     odd = torch.randn(2, 33, 4, 68).to(torch.bfloat16)[..., :64]   # row stride 68: not 16 B
     with pytest.raises(ValueError, match="16 bytes"):
         check_tensors(p, odd, odd, odd, odd, strided=True)
+
+
+def test_gradients_are_refused_before_launch_where_no_backward_stage_runs():
+    q = torch.randn(1, 16, 2, 96).to(torch.bfloat16).requires_grad_()
+    with pytest.raises(UnsupportedProblem, match="backward.*head_dim"):
+        hopper_attn.attention(q, q, q)
+    q = torch.randn(1, 16, 2, 64).to(torch.bfloat16).requires_grad_()
+    with pytest.raises(ValueError, match="k4 writes no log-sum-exp"):
+        hopper_attn.attention(q, q, q, stage="k4")
+    with torch.no_grad():                                 # no gradient needed: no such check
+        with pytest.raises(ValueError, match="CUDA"):
+            hopper_attn.attention(q, q, q, stage="k4")
+
+
+def test_backward_op_fake_and_traced_backward():
+    with FakeTensorMode():
+        q = torch.empty(2, 100, 8, 64, dtype=torch.bfloat16, device="cuda")
+        kv = torch.empty(2, 37, 2, 64, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(2, 8, 100, dtype=torch.float32, device="cuda")
+        dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, kv, kv, q, q, lse, True, None)
+        assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape
+    graphs = []
+
+    def backend(gm, example_inputs):                     # AOT-trace forward and backward
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(g, _):
+            graphs.append(g.code)
+            return g
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+
+    def loss(q, k, v):
+        return hopper_attn.attention(q, k, v, causal=True).float().sum()
+
+    leaves = [t.requires_grad_() for t in _qkv()]
+    with pytest.raises(ValueError, match="CUDA"):         # traced fine; runs on CPU: refused
+        torch.compile(loss, fullgraph=True, backend=backend)(*leaves).backward()
+    assert any("hopper_attn.attention.default" in g for g in graphs)

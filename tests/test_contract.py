@@ -32,14 +32,14 @@ def test_problem_from_tensor_reads_bnhd():
         Problem.from_tensor(torch.empty(17, 64))
 
 
-@pytest.mark.parametrize("name", list(registry.KERNELS))
+@pytest.mark.parametrize("name", [*registry.KERNELS, *registry.BACKWARD_KERNELS])
 def test_every_kernel_declares_bf16_and_head_dims_64_128(name):
     spec = registry.get(name).spec
     assert torch.bfloat16 in spec.dtypes
     assert {64, 128} <= set(spec.head_dims)
 
 
-@pytest.mark.parametrize("name", list(registry.KERNELS))
+@pytest.mark.parametrize("name", [*registry.KERNELS, *registry.BACKWARD_KERNELS])
 def test_unsupported_head_dim_and_dtype_are_refused_with_a_reason(name):
     spec = registry.get(name).spec
     reason = spec.unsupported_reason(Problem(1, 1, 64, 80))

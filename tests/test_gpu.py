@@ -9,7 +9,7 @@ from hopper_attn.harness import registry
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name", list(registry.KERNELS))
+@pytest.mark.parametrize("name", [*registry.KERNELS, *registry.BACKWARD_KERNELS])
 def test_ref_check(name):
     from ref_check import check_kernel
     rows = check_kernel(registry.get(name), seed=1234)
@@ -150,3 +150,48 @@ def test_k6_runs_more_than_65535_heads():
     entry.run(handle, q, k, v, out)
     ref = _reference(q, k, v, True, 64 ** -0.5)
     assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("heads_kv,seqlen_k", [(4, 0), (2, 0), (4, 700), (1, 300)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_backward_matches_fp32(d, causal, heads_kv, seqlen_k):
+    """attention(...).backward() (k6 forward, kb1 backward) against the fp32 reference
+    gradients, within 2x torch's own bf16 backward error on the same inputs."""
+    import hopper_attn
+    from hopper_attn.harness.grad_check import _torch_lowp_grads
+    from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse
+    gen = torch.Generator(device="cuda").manual_seed(d + 10 * heads_kv + seqlen_k + causal)
+    nq, nk = 500, seqlen_k or 500
+    q, do = (torch.randn(2, nq, 4, d, device="cuda", generator=gen).to(torch.bfloat16)
+             for _ in range(2))
+    k, v = (torch.randn(2, nk, heads_kv, d, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    hopper_attn.attention(*leaves, causal=causal).backward(do)
+    o, lse = forward_with_lse(q, k, v, causal)
+    ref = attention_backward(q, k, v, o, lse, do, causal)
+    lowp = _torch_lowp_grads(q, k, v, do, causal)
+    for name, leaf, r, t in zip("qkv", leaves, ref, lowp):
+        grad = leaf.grad.float()
+        torch_err = (t.float() - r).abs().max().item()
+        err = (grad - r).abs().max().item()
+        assert not grad.isnan().any(), name
+        assert err <= 2 * torch_err + 2 ** -12 * max(1.0, r.abs().max().item()), (name, err,
+                                                                                   torch_err)
+
+
+def test_attention_backward_under_torch_compile():
+    import hopper_attn
+    q, k, v = (torch.randn(1, 256, 2, 64, device="cuda").to(torch.bfloat16) for _ in range(3))
+
+    def loss(a, b, c):
+        return hopper_attn.attention(a, b, c, causal=True).float().square().sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for eager, traced in zip(*grads):                    # dQ's fp32 adds may reorder: close
+        assert torch.allclose(eager.float(), traced.float(), atol=2e-2, rtol=2e-2)

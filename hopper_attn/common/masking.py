@@ -103,3 +103,54 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                 hidden = hidden or col > row + causal_offset
             if hidden:
                 s_rc[r, c] = -Float32.inf
+
+
+@cute.jit
+def mask_scores_transposed(st_rc: cute.Tensor, coords_rc: cute.Tensor, key0: Int32,
+                           query0: Int32, seqlen_k: Int32, causal: cutlass.Constexpr[bool],
+                           causal_offset: Int32):
+    """`mask_scores` for a transposed tile S^T (rows: keys, columns: queries), as the
+    backward computes it: -inf where the key is past the end (`seqlen_k`), or, if causal,
+    where key > query + causal_offset (seqlen_k - seqlen_q)."""
+    for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(st_rc, mode=[1])):
+            key = coords_rc[r, c][0] + key0
+            query = coords_rc[r, c][1] + query0
+            hidden = key >= seqlen_k
+            if cutlass.const_expr(causal):
+                hidden = hidden or key > query + causal_offset
+            if hidden:
+                st_rc[r, c] = -Float32.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTileSchedule:
+    """The backward's view of the same mask: a CTA owns kv tile `n_block` (block_n keys) and
+    walks the query tiles (block_m rows) that see at least one of its keys. With a causal
+    mask (bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q) the query tiles above
+    the diagonal are skipped; only the last kv tile (keys past the end) and the tiles the
+    diagonal crosses are masked."""
+
+    block_m: int
+    block_n: int
+    causal: bool
+
+    def grid(self, seqlen_k, heads, batch):
+        return [cute.ceil_div(seqlen_k, self.block_n), heads, batch]
+
+    @cute.jit
+    def m_block_range(self, n_block, seqlen_q, seqlen_k):
+        """(first, end) query tiles that kv tile `n_block` contributes to."""
+        first = Int32(0)
+        if cutlass.const_expr(self.causal):
+            # the first query that sees key n_block * block_n
+            first = cutlass.max(n_block * self.block_n - (seqlen_k - seqlen_q), 0) // self.block_m
+        return first, cute.ceil_div(seqlen_q, self.block_m)
+
+    @cute.jit
+    def needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
+        last_key = (n_block + 1) * self.block_n - 1
+        needs = last_key >= seqlen_k
+        if cutlass.const_expr(self.causal):
+            needs = needs or last_key > m_block * self.block_m + seqlen_k - seqlen_q
+        return needs

@@ -46,6 +46,15 @@ def pv_mma(warpgroups_m: int, head_dim: int, dtype=BFloat16):
         a_source=warpgroup.OperandSource.RMEM)
 
 
+def smem_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, a_major, b_major,
+             dtype=BFloat16):
+    """Both operands from SMEM with the given major modes (the backward's dQ = dS K reads
+    dS^T and K, both MN-major); warpgroups stacked as in `qk_mma`."""
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, a_major, b_major, Float32, (warpgroups_m, warpgroups_n, 1),
+        tiler_mn=(64, tile_n))
+
+
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
          zero_init: cutlass.Constexpr[bool]):

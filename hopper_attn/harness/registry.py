@@ -28,8 +28,9 @@ class KernelEntry:
         return self.load().compile_kernel(problem, compile_options=compile_options,
                                           **dict(self.options))
 
-    def run(self, handle, q, k, v, out):
-        self.load().run_kernel(handle, q, k, v, out)
+    def run(self, handle, *tensors):
+        """Forward: (q, k, v, out); backward: (q, k, v, o, do, lse, dq, dk, dv)."""
+        self.load().run_kernel(handle, *tensors)
 
 
 KERNELS = {e.name: e for e in [
@@ -44,13 +45,19 @@ KERNELS = {e.name: e for e in [
     KernelEntry("k6", "hopper_attn.k6", note="k5 + intra-warpgroup overlap, head dims 64-256, fp16, persistent"),
 ]}
 
+# The backward stages: run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv)
+BACKWARD_KERNELS = {e.name: e for e in [
+    KernelEntry("kb1", "hopper_attn.kb1", note="FA2 backward on WGMMA, dQ by fp32 reduce-adds"),
+]}
+
 
 def get(name: str) -> KernelEntry:
     """A registered name, optionally with options: 'k4:block_n=64,stages=3'."""
     base, _, opts = name.partition(":")
-    if base not in KERNELS:
-        raise SystemExit(f"unknown kernel {base!r}; known: {', '.join(KERNELS)}")
-    entry = KERNELS[base]
+    known = {**KERNELS, **BACKWARD_KERNELS}
+    if base not in known:
+        raise SystemExit(f"unknown kernel {base!r}; known: {', '.join(known)}")
+    entry = known[base]
     if not opts:
         return entry
     extra = {}

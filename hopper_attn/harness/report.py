@@ -24,6 +24,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4", "k5", "k6"]
+BACKWARD_STAGES = ["kb1"]                 # results/<gpu>/*_backward_*.json
 BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
 BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)"}
 MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
@@ -43,10 +44,10 @@ def _key(cfg):
 class Results:
     """The bench rows of one GPU folder; for each (kernel, config) the newest row wins."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, pattern="*_bench_*.json"):
         self.folder = folder
         self.gpu = os.path.basename(folder)
-        self.files = sorted(glob.glob(os.path.join(folder, "*_bench_*.json")))
+        self.files = sorted(glob.glob(os.path.join(folder, pattern)))
         self.rows = {}          # (kernel, key) -> (row, file, env)
         self.baselines = {}     # (baseline, key) -> (row, file, env)
         for path in self.files:
@@ -184,13 +185,16 @@ def ref_check_table(paths) -> str:
             by_kernel.setdefault(r["kernel"], []).append(r)
         for k, rows in by_kernel.items():
             newest[k] = (rows, path)
-    for k in STAGES:
+    for k in STAGES + BACKWARD_STAGES:
         if k not in newest:
             continue
         rows, path = newest[k]
         ok = sum(1 for r in rows if r.get("ok"))
         worst = max(r.get("error_ratio", 0.0) for r in rows)
-        worst_abs = max(r.get("max_abs", 0.0) for r in rows)
+        # backward rows: one verdict per gradient (dq, dk, dv)
+        worst_abs = max(max([r.get("max_abs", 0.0)] + [r[g]["max_abs"] for g in ("dq", "dk", "dv")
+                                                       if isinstance(r.get(g), dict)])
+                        for r in rows)
         lines.append(f"| {k} | {len(rows)} | {ok} | {worst:.2f} | {worst_abs:.2e} |")
     srcs = ", ".join(f"`{p}`" for p in paths)
     return "\n".join(lines) + (f"\n\nMeasured on {envs[0]['gpu']} ({envs[0]['date_utc'][:10]}); "
@@ -330,6 +334,10 @@ def blocks(folder) -> dict:
     for stage, kernels in {"k1": ["k1", "k2"], "k2": ["k2"], "k3": ["k2", "k3_1", "k3_2", "k3_3"],
                            "k4_qk": ["k3_3", "k4_qk"], "k4": ["k4"], "k5": ["k4", "k5"], "k6": ["k5", "k6"]}.items():
         out[f"stage:{stage}:{g}"] = stage_table(res, kernels) + "\n\n" + provenance(res, kernels)
+    backward = Results(folder, "*_backward_*.json")      # bench.py kb1 ... (backward stages)
+    if backward.files:
+        out[f"backward:{g}"] = (stage_table(backward, BACKWARD_STAGES, head_dims=(64, 128))
+                                + "\n\n" + provenance(backward, BACKWARD_STAGES))
     for stage, profiled in {"k1": ["k1"], "k2": ["k1", "k2"], "k3": ["k2", "k3_3"],
                             "k4_qk": ["k3_3", "k4_qk"], "k4": ["k3_3", "k4_qk", "k4"],
                             "k5": ["k4", "k5", "fa4"]}.items():

@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool racecheck python -m hopper_attn.harness.run_once k3_2 --seqlen 200
     compute-sanitizer --tool synccheck python -m hopper_attn.harness.run_once k4 --seqlen 300 --causal
+    compute-sanitizer --tool racecheck python -m hopper_attn.harness.run_once kb1 --seqlen 300
 
 The reference is computed on the CPU so that the sanitizer only watches the kernel under
 test (and the few torch copies around it).
@@ -33,6 +34,8 @@ def main(argv=None) -> int:
     problem = Problem(args.batch, args.heads, args.seqlen, args.head_dim, args.causal)
     gen = torch.Generator().manual_seed(args.seed)
     q, k, v = (torch.randn(problem.shape, generator=gen).to(torch.bfloat16) for _ in range(3))
+    if args.kernel.split(":")[0] in registry.BACKWARD_KERNELS:
+        return _backward(entry, problem, q, k, v, gen)
     ref = reference_attention(q, k, v, problem.causal)
     handle = entry.compile(problem)
     qd, kd, vd = (t.cuda() for t in (q, k, v))
@@ -42,6 +45,27 @@ def main(argv=None) -> int:
     err = (out.float().cpu() - ref).abs()
     worst = float(err.nan_to_num(float("inf")).max())
     print(f"{entry.name} {problem.label()}: max abs error {worst:.3g}, NaN {int(out.isnan().sum())}")
+    return 0 if worst < 0.05 else 1
+
+
+def _backward(entry, problem, q, k, v, gen) -> int:
+    """A backward stage: o and the LSE from the fp32 reference, gradients checked against
+    the fp32 reference backward (all on the CPU)."""
+    from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse
+    do = torch.randn(problem.shape, generator=gen).to(torch.bfloat16)
+    o, lse = forward_with_lse(q, k, v, problem.causal)
+    o = o.to(torch.bfloat16)
+    refs = attention_backward(q, k, v, o, lse, do, problem.causal)
+    handle = entry.compile(problem)
+    dev = [t.cuda() for t in (q, k, v, o, do, lse)]
+    grads = [torch.full(t.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+             for t in (q, k, v)]
+    entry.run(handle, *dev, *grads)
+    torch.cuda.synchronize()
+    worst = max(float((g.float().cpu() - r).abs().nan_to_num(float("inf")).max())
+                for g, r in zip(grads, refs))
+    nan = sum(int(g.isnan().sum()) for g in grads)
+    print(f"{entry.name} {problem.label()}: max abs error (dq, dk, dv) {worst:.3g}, NaN {nan}")
     return 0 if worst < 0.05 else 1
 
 

@@ -1,0 +1,252 @@
+"""What every backward stage shares: the pre- and post-processing kernels and the host side.
+
+The backward pass of attention (docs/05-backward-math.md) runs as three launches:
+
+1. preprocess (`BackwardPreprocess`), one thread per query row:
+       D[i]    = sum_c dO[i, c] * O[i, c]                 (fp32)
+       lse2[i] = lse[i] * log2(e)                          the forward's LSE in base 2
+   Both are written to (batch, heads, rows) buffers padded to a whole number of query tiles:
+   a padded row gets D = 0 and lse2 = +inf, and so does a row that saw no key (lse = -inf).
+   exp2(s * scale_log2 - lse2) is then exactly 0 for those rows, so the main kernel needs no
+   bounds checks on them: P = 0 makes their dS, dV and dK contributions 0.
+2. the stage's main kernel (kb1, kb2): dK and dV per kv tile, and dQ accumulated in fp32
+   into `dq_accum` (batch, heads, padded rows, d), zeroed before the launch.
+3. postprocess (`DqConvert`), one thread per query row: dQ = dq_accum * scale, converted to
+   the input dtype and written in the (batch, seqlen, heads, head_dim) layout.
+
+Host side: `compile_backward` validates the problem and compiles (cached per configuration)
+the three kernels; `run_backward` checks the tensors and launches them on the current stream.
+k and v may have fewer heads than q (GQA/MQA): the main kernel then writes one dK/dV per
+query head into a scratch buffer, and the group's sum is taken afterwards (in fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import cute_runtime as rt    # sets the target architecture before cutlass is imported
+from .contract import LOG2_E, KernelSpec, Problem, check_tensors
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.runtime import make_fake_stream
+
+from .layouts import ndhb_view
+
+_COMPILED: dict = {}
+
+
+@dataclasses.dataclass
+class CompiledBackward:
+    """What a backward stage's compile_kernel returns: three compiled kernels for a problem."""
+
+    spec: KernelSpec
+    problem: Problem
+    options: dict
+    kernel: Any              # the main kernel object (tile sizes, SMEM bytes, ...)
+    main: Any
+    preprocess: Any
+    postprocess: Any
+    compile_seconds: float   # 0.0 when everything came from the cache
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def compiled(self):
+        """The main kernel (what compile reports inspect: its __ptx__ and __cubin__)."""
+        return self.main
+
+    @property
+    def block_m(self) -> int:
+        return self.kernel.block_m
+
+    def describe(self) -> dict:
+        return {"kernel": self.spec.name, "options": dict(self.options),
+                **getattr(self.kernel, "describe", lambda: {})()}
+
+
+def padded_rows(seqlen: int, block_m: int) -> int:
+    return -(-seqlen // block_m) * block_m
+
+
+def _example(shape, dtype):
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _compile(fn, *tensors, scalars=(), options: str = ""):
+    stream = rt.current_stream() if torch.cuda.is_available() else make_fake_stream()
+    args = [rt.to_cute_tensor(t) for t in tensors]
+    args += [cutlass.Float32(s) for s in scalars]
+    if options.strip():
+        return cute.compile(fn, *args, stream, options=options.strip())
+    return cute.compile(fn, *args, stream)
+
+
+def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], problem: Problem,
+                     options: Optional[dict] = None, compile_options: str = ""
+                     ) -> CompiledBackward:
+    """Validate `problem` for `spec`, then compile (or fetch) the main kernel and the pre- and
+    post-processing kernels for its head dim, mask, dtype and options. `compile_options`
+    (e.g. --keep-ptx) apply to the main kernel."""
+    options = dict(options or {})
+    spec.check(problem)
+    d, dt = problem.head_dim, problem.dtype
+    key = (spec.name, kernel_factory, d, problem.causal, dt, tuple(sorted(options.items())),
+           compile_options)
+    cached = _COMPILED.get(key)
+    if cached is not None:
+        kernel, main, pre, post = cached
+        return CompiledBackward(spec, problem, options, kernel, main, pre, post, 0.0)
+    t0 = time.perf_counter()
+    kernel = kernel_factory(d, problem.causal, **options)
+    b, n, h = 2, 128, 2
+    rows = padded_rows(n, kernel.block_m)
+    qkv = [_example((b, n, h, d), dt) for _ in range(4)]                     # q, k, v, dO
+    stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
+    dq_accum = _example((b, h, rows, d), torch.float32)
+    dkv = [_example((b, n, h, d), dt) for _ in range(2)]
+    main = _compile(kernel, *qkv, *stats, dq_accum, *dkv, scalars=(1.0, 1.0),
+                    options=compile_options)
+    pre_key = ("preprocess", d, dt, kernel.block_m)
+    if pre_key not in _COMPILED:
+        lse = _example((b, h, n), torch.float32)
+        _COMPILED[pre_key] = _compile(BackwardPreprocess(d, kernel.block_m), qkv[0], qkv[3],
+                                      lse, *stats)
+        _COMPILED[("postprocess", d, dt)] = _compile(DqConvert(d), dq_accum, qkv[0],
+                                                     scalars=(1.0,))
+    pre, post = _COMPILED[pre_key], _COMPILED[("postprocess", d, dt)]
+    _COMPILED[key] = (kernel, main, pre, post)
+    return CompiledBackward(spec, problem, options, kernel, main, pre, post,
+                            time.perf_counter() - t0)
+
+
+def check_backward_tensors(problem: Problem, q, k, v, o, do, lse, dq, dk, dv) -> None:
+    """ValueError unless every tensor matches the problem (contiguous, like the forward's)."""
+    check_tensors(problem, q, k, v, o)
+    check_tensors(problem, do, k, v, dq)
+    check_tensors(problem, q, dk, dv, q)
+    want = (problem.batch, problem.heads, problem.seqlen)
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 \
+            or tuple(lse.shape) != want or not lse.is_contiguous() or lse.device != q.device:
+        raise ValueError(f"lse must be a contiguous fp32 tensor of shape {want} "
+                         f"(batch, heads, seqlen_q) on {q.device}, as the forward returns it")
+
+
+def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
+                 softmax_scale: Optional[float] = None) -> None:
+    """dq, dk, dv (written in place) of attention(q, k, v) = o with log-sum-exp lse, for the
+    incoming gradient do. Launches preprocess, the main kernel and the dQ conversion on the
+    current stream."""
+    p = handle.problem
+    check_backward_tensors(p, q, k, v, o, do, lse, dq, dk, dv)
+    scale = p.softmax_scale if softmax_scale is None else float(softmax_scale)
+    rows = padded_rows(p.seqlen, handle.block_m)
+    dev = q.device
+    lse2 = torch.empty((p.batch, p.heads, rows), dtype=torch.float32, device=dev)
+    dsum = torch.empty_like(lse2)
+    dq_accum = torch.zeros((p.batch, p.heads, rows, p.head_dim), dtype=torch.float32,
+                           device=dev)
+    group = p.heads // p.kv_heads
+    if group > 1:            # one dK/dV per query head, summed over each group below
+        dk_out = torch.empty((p.batch, p.kv_seqlen, p.heads, p.head_dim), dtype=q.dtype,
+                             device=dev)
+        dv_out = torch.empty_like(dk_out)
+    else:
+        dk_out, dv_out = dk, dv
+    stream = rt.current_stream()
+    t = rt.to_cute_tensor
+    handle.preprocess(t(o), t(do), t(lse), t(lse2), t(dsum), stream)
+    handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out), t(dv_out),
+                scale * LOG2_E, scale, stream)
+    handle.postprocess(t(dq_accum), t(dq), scale, stream)
+    if group > 1:
+        shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
+        dk.copy_(dk_out.view(shape).float().sum(3))
+        dv.copy_(dv_out.view(shape).float().sum(3))
+
+
+# --------------------------------------------------------------------------------------------
+# Device side: the pre- and post-processing kernels (CUDA cores, one thread per query row).
+# --------------------------------------------------------------------------------------------
+
+def _rows_aligned(t: cute.Tensor) -> cute.Tensor:
+    """A (batch, heads, rows, d) fp32 tensor with its runtime strides declared multiples of
+    4 elements (16 bytes), so that a row is copied with 16-byte vector accesses."""
+    strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=4) for s in t.layout.stride)
+    return cute.make_tensor(t.iterator, cute.make_layout(t.layout.shape, stride=strides))
+
+
+def _row(t: cute.Tensor, length: int) -> cute.Tensor:
+    """One contiguous row of `length` elements with a static shape (vector copies)."""
+    return cute.make_tensor(t.iterator, cute.make_layout((length,)))
+
+
+class BackwardPreprocess:
+    """D = rowsum(dO * O) and lse2 = lse * log2(e), padded (see the module docstring)."""
+
+    def __init__(self, head_dim: int, rows_per_cta: int):
+        self.head_dim, self.rows = head_dim, rows_per_cta
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, stream):
+        o, do = ndhb_view(mO), ndhb_view(mdO)                  # (N, d, H, B)
+        self.kernel(o, do, mLSE, mLSE2, mD).launch(
+            grid=[cute.ceil_div(mLSE2.shape[2], self.rows), o.shape[2], o.shape[3]],
+            block=[self.rows, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, o: cute.Tensor, do: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+               mD: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        row = bx * self.rows + tidx
+        if row < mLSE2.shape[2]:
+            dsum = Float32(0.0)
+            lse2 = Float32.inf
+            if row < o.shape[0]:
+                o_row = cute.make_rmem_tensor((self.head_dim,), o.element_type)
+                do_row = cute.make_rmem_tensor((self.head_dim,), o.element_type)
+                cute.autovec_copy(_row(o[row, None, head, batch], self.head_dim), o_row)
+                cute.autovec_copy(_row(do[row, None, head, batch], self.head_dim), do_row)
+                prod = o_row.load().to(Float32) * do_row.load().to(Float32)
+                dsum = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                lse = mLSE[batch, head, row]
+                if lse != -Float32.inf:
+                    lse2 = lse * LOG2_E
+            mD[batch, head, row] = dsum
+            mLSE2[batch, head, row] = lse2
+
+
+class DqConvert:
+    """dQ = dq_accum * scale in the input dtype, (batch, seqlen, heads, d) layout."""
+
+    def __init__(self, head_dim: int, rows_per_cta: int = 64):
+        self.head_dim, self.rows = head_dim, rows_per_cta
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
+        dq = ndhb_view(mdQ)                                    # (N, d, H, B)
+        self.kernel(_rows_aligned(mdQacc), dq, scale).launch(
+            grid=[cute.ceil_div(dq.shape[0], self.rows), dq.shape[2], dq.shape[3]],
+            block=[self.rows, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, acc: cute.Tensor, dq: cute.Tensor, scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        row = bx * self.rows + tidx
+        if row < dq.shape[0]:
+            acc_row = cute.make_rmem_tensor((self.head_dim,), Float32)
+            cute.autovec_copy(_row(acc[batch, head, row, None], self.head_dim), acc_row)
+            out = cute.make_rmem_tensor((self.head_dim,), dq.element_type)
+            out.store((acc_row.load() * scale).to(dq.element_type))
+            cute.autovec_copy(out, _row(dq[row, None, head, batch], self.head_dim))
