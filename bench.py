@@ -57,11 +57,18 @@ def compile_only(entries) -> int:
     return 1 if bad else 0
 
 
-def profile(entries, args) -> int:
+def profile(entries, args, backward: bool = False) -> int:
     import torch
     from hopper_attn.harness.inputs import make_inputs
+    from hopper_attn.harness import baselines
     problem = problems.sweep()[0]
-    q, k, v, out = make_inputs(problem, args.seed)
+    if backward:                 # a backward stage: its three launches; baselines' backward
+        case = _backward_case(problem, args.seed, check=False)
+        q, k, v = case.q, case.k, case.v
+        tensors = (case.q, case.k, case.v, case.o, case.do, case.lse, case.dq, case.dk, case.dv)
+    else:
+        q, k, v, out = make_inputs(problem, args.seed)
+        tensors = (q, k, v, out)
     for entry in entries:
         reason = entry.spec.unsupported_reason(problem)
         if reason:
@@ -69,23 +76,28 @@ def profile(entries, args) -> int:
             continue
         handle = entry.compile(problem)
         for _ in range(3):                      # warm-up outside the range
-            entry.run(handle, q, k, v, out)
+            entry.run(handle, *tensors)
         torch.cuda.synchronize()
         name = f"{entry.name}__{problems.config_name(problem)}"
         with _nvtx_range(name):
-            entry.run(handle, q, k, v, out)
+            entry.run(handle, *tensors)
         torch.cuda.synchronize()
         print(f"profiled {name}: ncu --nvtx --nvtx-include \"{name}/\" --set full "
               f"-o {name} python bench.py {entry.name} --profile")
-    from hopper_attn.harness import baselines          # the baselines, each in its own range
-    found, _ = baselines.available([b for b in args.baselines.split(",") if b])
+    names = [b for b in args.baselines.split(",") if b]   # the baselines, each in its own range
+    if backward:
+        makers, _ = baselines.backward_available(names)
+        found = {b: make(q, k, v, case.do, problem.causal) for b, make in makers.items()}
+    else:
+        found = {b: (lambda fn=fn: fn(q, k, v, problem.causal))
+                 for b, fn in baselines.available(names)[0].items()}
     for bname, fn in found.items():
         for _ in range(3):
-            fn(q, k, v, problem.causal)
+            fn()
         torch.cuda.synchronize()
         name = f"{bname}__{problems.config_name(problem)}"
         with _nvtx_range(name):
-            fn(q, k, v, problem.causal)
+            fn()
         torch.cuda.synchronize()
         print(f"profiled {name}")
     return 0
@@ -232,7 +244,7 @@ def main(argv=None) -> int:
         raise SystemExit("time forward and backward stages in separate runs "
                          f"(backward: {', '.join(registry.BACKWARD_KERNELS)})")
     if args.profile:
-        return profile(entries, args)
+        return profile(entries, args, backward=all(backward))
     return run(entries, args, backward=all(backward))
 
 

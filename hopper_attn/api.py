@@ -21,7 +21,7 @@ packed (batch, seqlen, 3, heads, head_dim) QKV tensor: read in place, no copies.
 
 Gradients: when q, k or v requires grad, the op records what its backward needs (q, k, v,
 the output and the LSE) and `.backward()` runs the first backward stage of
-`BACKWARD_PREFERENCE` that supports the problem (kb1: head_dim 64 and 128, bf16 and fp16,
+`BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64 and 128, bf16 and fp16,
 GQA, cross-attention); a problem it does not support is refused in the forward, before any
 launch. The LSE output itself is not differentiable.
 """
@@ -38,7 +38,7 @@ from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tens
 # Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.03-1.11x k5 at
 # d = 128, 0.88-1.23x at d = 64; k6 alone runs d 96-256 and fp16).
 PREFERENCE = ("k6", "k5", "k4")
-BACKWARD_PREFERENCE = ("kb1",)
+BACKWARD_PREFERENCE = ("kb2", "kb1")
 
 _HANDLES: dict = {}
 
@@ -217,7 +217,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
     128, 192 or 256 (k6; k5 and k4: 64 and 128, bf16), any sequence length;
     anything else raises ValueError before a launch. Differentiable (head_dim 64 and 128):
-    the backward runs kb1.
+    the backward runs kb2.
     """
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))

@@ -189,9 +189,7 @@ class FlashAttentionBackwardKB1:
         acc_dk.fill(0.0)
         acc_dv.fill(0.0)
         # dQ = dS K: queries x d (warpgroup w: columns w d/2 ..), A = (dS^T)^T, B = K^T
-        mma_dq = wgmma.smem_mma(1, self.warpgroups, d // self.warpgroups,
-                                cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.MN,
-                                dtype)
+        mma_dq = wgmma.dq_mma(d, dtype)
         wg_dq, thr_dq = wgmma.warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
         ds_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt)))
         kt_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))

@@ -156,7 +156,7 @@ def test_k6_runs_more_than_65535_heads():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_backward_matches_fp32(d, causal, heads_kv, seqlen_k):
-    """attention(...).backward() (k6 forward, kb1 backward) against the fp32 reference
+    """attention(...).backward() (k6 forward, kb2 backward) against the fp32 reference
     gradients, within 2x torch's own bf16 backward error on the same inputs."""
     import hopper_attn
     from hopper_attn.harness.grad_check import _torch_lowp_grads

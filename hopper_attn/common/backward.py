@@ -120,9 +120,13 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
         lse = _example((b, h, n), torch.float32)
         _COMPILED[pre_key] = _compile(BackwardPreprocess(d, kernel.block_m), qkv[0], qkv[3],
                                       lse, *stats)
-        _COMPILED[("postprocess", d, dt)] = _compile(DqConvert(d), dq_accum, qkv[0],
-                                                     scalars=(1.0,))
-    pre, post = _COMPILED[pre_key], _COMPILED[("postprocess", d, dt)]
+    # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
+    fragments = getattr(kernel, "dq_fragment_order", False)
+    post_key = ("postprocess", d, dt, kernel.block_m, fragments)
+    if post_key not in _COMPILED:
+        convert = DqConvertFragments(d, kernel.block_m) if fragments else DqConvert(d)
+        _COMPILED[post_key] = _compile(convert, dq_accum, qkv[0], scalars=(1.0,))
+    pre, post = _COMPILED[pre_key], _COMPILED[post_key]
     _COMPILED[key] = (kernel, main, pre, post)
     return CompiledBackward(spec, problem, options, kernel, main, pre, post,
                             time.perf_counter() - t0)
@@ -250,3 +254,50 @@ class DqConvert:
             out = cute.make_rmem_tensor((self.head_dim,), dq.element_type)
             out.store((acc_row.load() * scale).to(dq.element_type))
             cute.autovec_copy(out, _row(dq[row, None, head, batch], self.head_dim))
+
+
+class DqConvertFragments:
+    """`DqConvert` for a dq_accum written in fragment order (kb2): each 64-row query tile is
+    one contiguous block of 64 x d floats, warpgroup w's half (columns w d/2 ..) after w's, in
+    the order the dQ WGMMA's accumulator registers are laid out, 4 floats per thread at a
+    time (what lets kb2 move it with one bulk copy). A CTA of 256 threads re-creates that
+    WGMMA's partition to know which (row, column) each float is."""
+
+    def __init__(self, head_dim: int, block_m: int):
+        self.head_dim, self.block_m = head_dim, block_m
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
+        dq = ndhb_view(mdQ)                                    # (N, d, H, B)
+        self.dtype = mdQ.element_type
+        self.kernel(mdQacc, dq, scale).launch(
+            grid=[cute.ceil_div(dq.shape[0], self.block_m), dq.shape[2], dq.shape[3]],
+            block=[256, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, acc_all: cute.Tensor, dq: cute.Tensor, scale: Float32):
+        from .wgmma import dq_mma
+        bm, d = self.block_m, self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        thr = dq_mma(d, self.dtype).get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((bm, d)), Float32)
+        src = fragment_slot(acc_all[batch, head, None, None].iterator, m_block, tidx, bm, d,
+                            cute.size(acc))
+        cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
+        coords = thr.partition_C(cute.make_identity_tensor((bm, d)))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            row = m_block * bm + coords[i][0]
+            if row < dq.shape[0]:
+                dq[row, coords[i][1], head, batch] = (acc[i] * scale).to(self.dtype)
+
+
+def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int, regs: int):
+    """Where thread `tidx` (0..255, warpgroup tidx // 128) of the dQ WGMMA keeps its `regs`
+    accumulator floats inside query tile `m_block`'s block of a fragment-ordered buffer
+    starting at `base`: (4, regs / 4) floats, 4 contiguous, groups 4 x 128 apart (so that
+    a warpgroup's 128 threads write 512 contiguous floats per step)."""
+    wg, t = tidx // 128, tidx % 128
+    offset = m_block * (block_m * head_dim) + wg * (block_m * head_dim // 2) + t * 4
+    return cute.make_tensor(base + cute.assume(offset, divby=4),
+                            cute.make_layout((4, regs // 4), stride=(1, 4 * 128)))

@@ -25,7 +25,10 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
 
 
 def make_tma_load(gmem: cute.Tensor, smem_layout, rows: int, cols: int):
@@ -60,6 +63,18 @@ class TmaTiles:
                                                      cute.group_modes(tiles, 0, 2))
         return TmaTiles(atom, gmem_part, smem_part)
 
+    @staticmethod
+    def partition_rows(atom, tma_tensor: cute.Tensor, head, batch,
+                       smem: cute.Tensor) -> "TmaTiles":
+        """`partition` for a vector per row (the backward's LSE and D): tma_tensor is
+        (rows, H, B), smem (tile rows, stage)."""
+        rows = cute.size(smem, mode=[0])
+        tiles = cute.local_tile(tma_tensor[None, head, batch], (rows,), (None,))
+        smem_part, gmem_part = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                                     cute.group_modes(smem, 0, 1),
+                                                     cute.group_modes(tiles, 0, 1))
+        return TmaTiles(atom, gmem_part, smem_part)
+
     def copy(self, tile_index, barrier, stage=None):
         """Load global tile `tile_index` into the SMEM buffer (of `stage`)."""
         smem = self.smem if stage is None else self.smem[None, stage]
@@ -83,6 +98,28 @@ def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, hea
     q_bytes = tma_bytes(q.element_type, q_layout)
     kv_bytes = 2 * tma_bytes(k.element_type, kv_layout)
     return atoms, tensors, q_bytes, kv_bytes
+
+
+def make_tma_row_load(gmem_rows: cute.Tensor, rows: int):
+    """Host side: TMA atom + tensor for `rows`-long pieces of a (rows, H, B) fp32 vector."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem_rows,
+                                       cute.make_layout((rows,)), (rows,))
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int, *,
+                        loc=None, ip=None) -> None:
+    """global[i] += smem[i] for `num_bytes` of contiguous fp32, by the copy engine
+    (`cp.reduce.async.bulk ... .add.f32`; one thread issues it, completion is tracked with
+    the bulk-group commit/wait like a TMA store). Both addresses 16-byte aligned, the size a
+    multiple of 16."""
+    llvm.inline_asm(
+        None,
+        [gmem_ptr.llvm_ptr, smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+         Int32(num_bytes).ir_value(loc=loc, ip=ip)],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def prefetch_descriptors(*atoms):

@@ -55,6 +55,13 @@ def smem_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, a_major, b_major
         tiler_mn=(64, tile_n))
 
 
+def dq_mma(head_dim: int, dtype=BFloat16):
+    """The backward's dQ = dS K for a 64-row query tile: two warpgroups side by side, each
+    64 x d/2 (A = dS and B = K^T, both read MN-major from SMEM)."""
+    return smem_mma(1, 2, head_dim // 2, cute.nvgpu.OperandMajorMode.MN,
+                    cute.nvgpu.OperandMajorMode.MN, dtype)
+
+
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
          zero_init: cutlass.Constexpr[bool]):

@@ -48,6 +48,7 @@ KERNELS = {e.name: e for e in [
 # The backward stages: run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv)
 BACKWARD_KERNELS = {e.name: e for e in [
     KernelEntry("kb1", "hopper_attn.kb1", note="FA2 backward on WGMMA, dQ by fp32 reduce-adds"),
+    KernelEntry("kb2", "hopper_attn.kb2", note="kb1 + warp specialization, setmaxnreg, dQ by bulk reduce-add"),
 ]}
 
 

@@ -24,7 +24,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4", "k5", "k6"]
-BACKWARD_STAGES = ["kb1"]                 # results/<gpu>/*_backward_*.json
+BACKWARD_STAGES = ["kb1", "kb2"]          # results/<gpu>/*_backward_*.json
 BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
 BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)"}
 MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
@@ -338,6 +338,7 @@ def blocks(folder) -> dict:
     if backward.files:
         out[f"backward:{g}"] = (stage_table(backward, BACKWARD_STAGES, head_dims=(64, 128))
                                 + "\n\n" + provenance(backward, BACKWARD_STAGES))
+        out[f"profile:backward:{g}"] = profile_table(folder, ["kb2", "fa4_bwd"])
     for stage, profiled in {"k1": ["k1"], "k2": ["k1", "k2"], "k3": ["k2", "k3_3"],
                             "k4_qk": ["k3_3", "k4_qk"], "k4": ["k3_3", "k4_qk", "k4"],
                             "k5": ["k4", "k5", "fa4"]}.items():

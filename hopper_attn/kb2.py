@@ -1,0 +1,352 @@
+"""kb2: the backward with FlashAttention-3's Hopper techniques, as a diff from kb1.
+
+What changes from kb1:
+
+* Warp specialization (common/warp_roles.py, as in k5). Warpgroup 0 is the producer: its
+  warp 0 issues every TMA load (K and V once; then per query tile Q with its LSE row and dO
+  with its D row), its warp 1 is the dQ writer (below), warps 2-3 idle. Warpgroups 1-2 are
+  the consumers (64 keys each) and only compute. `setmaxnreg`: 24 registers for the producer
+  warpgroup, 240 for the consumers.
+* Q and dO through separate 2-stage rings, each with its per-row statistic loaded by TMA
+  into the same stage (lse2 with Q, D with dO): S^T = K Q^T starts as soon as Q has landed,
+  and the statistics are read from SMEM rather than from global memory.
+* dQ through SMEM and a bulk reduce-add. kb1 issued 32 `red.global.add.f32` per thread and
+  query tile. Here a consumer warpgroup writes its 64 x d/2 fp32 dQ partial to SMEM (16-byte
+  vector stores, in the accumulator's own register order: no shuffling), and the dQ writer
+  warp adds the whole 16 KiB block to global memory with one
+  `cp.reduce.async.bulk.global.shared::cta.add.f32` (tma.bulk_reduce_add_f32). The global
+  buffer is therefore in "fragment order"; the postprocess (`DqConvertFragments`) knows the
+  mapping back to (row, column). Two named barriers per warpgroup hand the SMEM buffer back
+  and forth (dQ full: 128 consumer threads arrive, the writer waits; dQ empty: the writer
+  arrives once the copy engine has read it, the consumers wait before writing the next).
+* The consumer's order (FlashAttention-3's): S^T and dP^T issued back to back; P^T while
+  dP^T still runs; dS^T; dS^T -> SMEM and dV += P^T dO issued; one barrier; dQ = dS K
+  issued, waiting only for dV; dK += dS^T Q issued, waiting only for dQ; dQ -> SMEM while
+  dK runs. The tensor core always has the next GEMM queued behind the current one.
+
+What stays: kb1's tiles (64 queries x 128 keys), the transposed formulation (P^T and dS^T
+from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile
+skipping, GQA and seqlen_k != seqlen_q, the pre/post-processing structure.
+
+Budget (d = 128): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
+2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
+~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
+S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
+producer thread.
+
+Named barriers: 0 = the CTA-wide sync publishing the mbarrier inits; 1 = dS^T written
+(256 consumer threads); 2 = epilogue (consumers); 3-4 = dQ full, 5-6 = dQ empty (one per
+consumer warpgroup, 128 + 32 threads).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+
+from hopper_attn.common import tma, wgmma
+from hopper_attn.common.backward import compile_backward, fragment_slot, run_backward
+from hopper_attn.common.contract import KernelSpec
+from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
+                                        smem_tile_layout, transposed)
+from hopper_attn.common.masking import KVTileSchedule, mask_scores_transposed
+from hopper_attn.common.warp_roles import WarpRoles
+
+SPEC = KernelSpec(
+    name="kb2",
+    summary="kb1 + producer warpgroup, setmaxnreg, Q/dO rings with LSE/D, dQ by bulk reduce-add",
+    head_dims=(64, 128),
+    dtypes=(torch.bfloat16, torch.float16),
+    separate_kv=True,
+)
+
+DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
+DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer warp
+
+
+class FlashAttentionBackwardKB2:
+    dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
+
+    def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
+                 stages: int = 2):
+        if block_m != 64 or block_n != 128:
+            raise ValueError("kb2 runs 64 x 128 tiles (one consumer warpgroup per 64 keys); "
+                             f"got {block_m} x {block_n}")
+        self.head_dim, self.causal = head_dim, causal
+        self.block_m, self.block_n, self.stages = block_m, block_n, stages
+        self.warpgroups = block_n // 64                     # consumer warpgroups
+        self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
+        self.threads = self.roles.threads
+        self.schedule = KVTileSchedule(block_m, block_n, causal)
+
+    def describe(self) -> dict:
+        return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
+                "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
+                "producer_regs": self.roles.producer_regs,
+                "consumer_regs": self.roles.consumer_regs}
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                 mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32, stream):
+        q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]  # (N, d, H, B)
+        lse2, dsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                      for t in (mLSE2, mD)]                                     # (rows, H, B)
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
+        self.dtype = mQ.element_type
+        q_layout = smem_tile_layout(self.dtype, bm, d, self.stages)     # Q and dO rings
+        kv_layout = smem_tile_layout(self.dtype, bn, d)                 # K, V; then dK, dV
+        ds_layout = smem_tile_layout(self.dtype, bn, bm, 2)             # dS^T, 2 buffers
+        row_layout = cute.make_layout((bm, self.stages))                # lse2 / D rings
+        tma_q, q_tiles = tma.make_tma_load(q, q_layout, bm, d)
+        tma_do, do_tiles = tma.make_tma_load(do, q_layout, bm, d)
+        tma_k, k_tiles = tma.make_tma_load(k, kv_layout, bn, d)
+        tma_v, v_tiles = tma.make_tma_load(v, kv_layout, bn, d)
+        tma_lse, lse_tiles = tma.make_tma_row_load(lse2, bm)
+        tma_dsum, dsum_tiles = tma.make_tma_row_load(dsum, bm)
+        tma_dk, dk_tiles = tma.make_tma_store(dk, kv_layout, bn, d)
+        tma_dv, dv_tiles = tma.make_tma_store(dv, kv_layout, bn, d)
+        self.q_bytes = tma.tma_bytes(self.dtype, q_layout) + bm * 4     # + its lse2 (or D) row
+        self.kv_bytes = 2 * tma.tma_bytes(self.dtype, kv_layout)
+
+        @cute.struct
+        class SharedStorage:
+            kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bm * self.stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, bm * self.stages], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.kernel(q_tiles, do_tiles, k_tiles, v_tiles, lse_tiles, dsum_tiles, dk_tiles,
+                    dv_tiles, tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv,
+                    mdQacc, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
+                    row_layout).launch(
+            grid=self.schedule.grid(k.shape[0], q.shape[2], q.shape[3]),
+            block=[self.threads, 1, 1],
+            min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mdO: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom,
+               tma_v: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_dsum: cute.CopyAtom,
+               tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mdQacc: cute.Tensor,
+               scale_log2: Float32, softmax_scale: Float32, q_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout, ds_layout: cute.ComposedLayout,
+               row_layout: cute.Layout):
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        kv_head = head // (mQ.shape[2] // mK.shape[2])       # GQA: the group's k/v head
+        m_first, m_end = self.schedule.m_block_range(n_block, seqlen_q, seqlen_k)
+        m_count = m_end - m_first
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sK, sV = (buf.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+                  for buf in (storage.sK, storage.sV))                   # (bn, d)
+        sQ, sdO = (buf.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+                   for buf in (storage.sQ, storage.sdO))                 # (bm, d, stage)
+        sdSt = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (bn, bm, 2)
+        sLSE, sD = storage.sLSE.get_tensor(row_layout), storage.sD.get_tensor(row_layout)
+
+        consumer_warps = 4 * self.warpgroups
+        kv_pipe = tma.make_tma_ring(storage.kv_barriers.data_ptr(), 1, consumer_warps,
+                                    self.kv_bytes)
+        q_pipe = tma.make_tma_ring(storage.q_barriers.data_ptr(), self.stages, consumer_warps,
+                                   self.q_bytes)
+        do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.stages,
+                                    consumer_warps, self.q_bytes)
+        tma.barriers_ready()
+        dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
+
+        if warp < 4:
+            # ---------------- producer warpgroup ----------------
+            self.roles.become_producer()
+            if warp == 0:                                   # every TMA load
+                tma.prefetch_descriptors(tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum,
+                                         tma_dk, tma_dv)
+                kv_state = tma.producer_state(1)
+                kv_pipe.producer_acquire(kv_state)
+                tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK).copy(
+                    n_block, kv_pipe.producer_get_barrier(kv_state))
+                tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV).copy(
+                    n_block, kv_pipe.producer_get_barrier(kv_state))
+                q_load = tma.TmaTiles.partition(tma_q, mQ, head, batch, sQ)
+                do_load = tma.TmaTiles.partition(tma_do, mdO, head, batch, sdO)
+                lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
+                dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
+                produce = tma.producer_state(self.stages)
+                for it in cutlass.range(m_count, unroll=1):
+                    m_block = m_first + it
+                    q_pipe.producer_acquire(produce)
+                    barrier = q_pipe.producer_get_barrier(produce)
+                    q_load.copy(m_block, barrier, produce.index)
+                    lse_load.copy(m_block, barrier, produce.index)
+                    do_pipe.producer_acquire(produce)
+                    barrier = do_pipe.producer_get_barrier(produce)
+                    do_load.copy(m_block, barrier, produce.index)
+                    dsum_load.copy(m_block, barrier, produce.index)
+                    produce.advance()
+            if warp == 1:                                   # the dQ writer
+                dq_accum = mdQacc[batch, head, None, None].iterator
+                for it in cutlass.range(m_count, unroll=1):
+                    m_block = m_first + it
+                    # hand each staging buffer back once the copy engine has read it (the
+                    # previous tile's copies were committed in warpgroup order)
+                    for wg in cutlass.range_constexpr(self.warpgroups):
+                        cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
+                        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
+                                                 number_of_threads=DQ_HANDOFF_THREADS)
+                    for wg in cutlass.range_constexpr(self.warpgroups):
+                        cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
+                                          number_of_threads=DQ_HANDOFF_THREADS)
+                        with cute.arch.elect_one():
+                            tma.bulk_reduce_add_f32(
+                                storage.sdQ.data_ptr() + wg * dq_block,
+                                dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            # ---------------- consumer warpgroups ----------------
+            self.roles.become_consumer()
+            ctidx = tidx - 128                              # 0 .. 255
+            wg = warp // 4 - 1
+            self.consume(ctidx, wg, n_block, m_first, m_count, seqlen_q, seqlen_k,
+                         kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
+                         storage.sdQ.data_ptr(), scale_log2, softmax_scale, mdK, mdV,
+                         tma_dk, tma_dv, head, batch, warp)
+
+    @cute.jit
+    def consume(self, ctidx, wg, n_block, m_first, m_count, seqlen_q, seqlen_k,
+                kv_pipe: pipeline.PipelineTmaAsync, q_pipe: pipeline.PipelineTmaAsync,
+                do_pipe: pipeline.PipelineTmaAsync, sK: cute.Tensor, sV: cute.Tensor,
+                sQ: cute.Tensor, sdO: cute.Tensor, sdSt: cute.Tensor, sLSE: cute.Tensor,
+                sD: cute.Tensor, sdQ: cute.Pointer, scale_log2: Float32,
+                softmax_scale: Float32, mdK: cute.Tensor, mdV: cute.Tensor,
+                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, head, batch, warp):
+        bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
+        mma_sdp = wgmma.qk_mma(self.warpgroups, 1, bm, dtype)     # S^T, dP^T: keys x queries
+        wg_sdp, thr_sdp = wgmma.warpgroup_slice(mma_sdp, ctidx), mma_sdp.get_slice(ctidx)
+        k_frag = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        v_frag = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        q_frag = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        do_frag = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        st_coords = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm))))
+        mma_dkv = wgmma.pv_mma(self.warpgroups, d, dtype)         # dV, dK: keys x d
+        wg_dkv, thr_dkv = wgmma.warpgroup_slice(mma_dkv, ctidx), mma_dkv.get_slice(ctidx)
+        dot_frag = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO)))
+        qt_frag = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
+        pt_frag = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm)))
+        dst_frag = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm)))
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), Float32)
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), Float32)
+        acc_dk.fill(0.0)
+        acc_dv.fill(0.0)
+        mma_dq = wgmma.dq_mma(d, dtype)                           # dQ: queries x d/2 per WG
+        wg_dq, thr_dq = wgmma.warpgroup_slice(mma_dq, ctidx), mma_dq.get_slice(ctidx)
+        ds_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt)))
+        kt_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))
+        ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,
+                                           num_threads=128 * self.warpgroups)
+
+        kv_pipe.consumer_wait(tma.consumer_state(1))
+        consume = tma.consumer_state(self.stages)
+        causal_offset = seqlen_k - seqlen_q
+        for it in cutlass.range(m_count, unroll=1):
+            m_block = m_first + it
+            stage = consume.index
+            q_pipe.consumer_wait(consume)
+            acc_st = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bn, bm)), Float32)
+            wgmma.gemm(mma_sdp, acc_st, k_frag, q_frag[None, None, None, stage], zero_init=True)
+            do_pipe.consumer_wait(consume)
+            acc_dpt = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bn, bm)), Float32)
+            wgmma.gemm(mma_sdp, acc_dpt, v_frag, do_frag[None, None, None, stage],
+                       zero_init=True)
+            st_rc, dpt_rc = acc_rows_cols(acc_st), acc_rows_cols(acc_dpt)
+            cols = cute.size(st_rc, mode=[1])
+            warpgroup.wait_group(1)                                     # S^T has landed
+            if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
+                mask_scores_transposed(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
+                                       self.causal, causal_offset)
+            for c in cutlass.range_constexpr(cols):
+                lse2 = sLSE[st_coords[0, c][1], stage]
+                for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
+                    st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2,
+                                                 fastmath=True)          # P^T
+            pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
+            warpgroup.wait_group(0)                                     # dP^T has landed
+            for c in cutlass.range_constexpr(cols):
+                dsum = sD[st_coords[0, c][1], stage]
+                for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
+                    dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum)  # dS^T
+            dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
+            buf = it % 2
+            ds_out = cute.make_rmem_tensor_like(acc_dpt, dtype)
+            ds_out.store(acc_dpt.load().to(dtype))
+            cute.autovec_copy(ds_out, thr_sdp.partition_C(sdSt[None, None, buf]))
+            wgmma.gemm(mma_dkv, acc_dv, pt_frag, dot_frag[None, None, None, stage],
+                       zero_init=False)                                  # dV += P^T dO
+            cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
+            ds_written.arrive_and_wait()                         # ... of both warpgroups
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((bm, d)), Float32)
+            wgmma.gemm(mma_dq, acc_dq, ds_frag[None, None, None, buf], kt_frag, zero_init=True)
+            warpgroup.wait_group(1)                                     # dV is done
+            do_pipe.consumer_release(consume)
+            wgmma.gemm(mma_dkv, acc_dk, dst_frag, qt_frag[None, None, None, stage],
+                       zero_init=False)                                  # dK += dS^T Q
+            warpgroup.wait_group(1)                                     # dQ is done
+            # dQ -> the staging buffer (in register order), once the writer has read the last
+            cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg,
+                              number_of_threads=DQ_HANDOFF_THREADS)
+            slot = fragment_slot(sdQ, 0, ctidx, bm, d, cute.size(acc_dq))
+            cute.autovec_copy(cute.make_tensor(acc_dq.iterator, slot.layout.shape), slot)
+            cute.arch.fence_proxy("async.shared", space="cta")   # visible to the copy engine
+            cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg,
+                                     number_of_threads=DQ_HANDOFF_THREADS)
+            warpgroup.wait_group(0)                                     # dK is done
+            q_pipe.consumer_release(consume)
+            consume.advance()
+
+        # Epilogue: dK * scale and dV -> dtype -> SMEM (K's and V's buffers) -> TMA stores
+        epilogue = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
+                                         num_threads=128 * self.warpgroups)
+        acc_dk.store(acc_dk.load() * softmax_scale)
+        epilogue.arrive_and_wait()                          # every WGMMA has read K and V
+        for acc, smem in ((acc_dk, sK), (acc_dv, sV)):
+            out = cute.make_rmem_tensor_like(acc, dtype)
+            out.store(acc.load().to(dtype))
+            cute.autovec_copy(out, thr_dkv.partition_C(smem))
+        cute.arch.fence_proxy("async.shared", space="cta")  # visible to the TMA unit
+        epilogue.arrive_and_wait()
+        if warp == 4:                                       # the first consumer warp
+            tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK).store(n_block)
+            tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block)
+
+
+def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
+                   block_n: int = 128, stages: int = 2):
+    """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels."""
+    return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
+                            {"block_m": block_m, "block_n": block_n, "stages": stages},
+                            compile_options=compile_options)
+
+
+def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None):
+    run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale)

@@ -1,0 +1,51 @@
+"""kb2 compiles for sm_90a without spills and its PTX shows what it adds to kb1: the
+register split between a producer and two consumer warpgroups, TMA loads of the LSE and D
+rows next to Q and dO, dQ leaving through SMEM by bulk reduce-add (no per-element atomics),
+and the named barriers that hand the dQ staging buffers between consumers and the writer."""
+
+import re
+
+import pytest
+import torch
+
+from hopper_attn.harness.compile_report import resource_usage
+from ptx import TMA_LOAD, TMA_STORE, compiled, count
+
+pytestmark = pytest.mark.compile
+
+CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
+
+
+@pytest.mark.parametrize("d,causal", CONFIGS)
+def test_no_spills(d, causal):
+    for fn in resource_usage(compiled("kb2", d, causal)["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("d,causal", CONFIGS)
+def test_ptx_shows_the_stage(d, causal):
+    art = compiled("kb2", d, causal)
+    ptx, kernel = art["ptx"], art["kernel"]
+    assert kernel["threads"] == 384 and kernel["smem_bytes"] <= 227 * 1024
+    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;") == 1
+    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;") == 1
+    # dQ: one bulk reduce-add per consumer warpgroup and query tile, no element atomics
+    assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
+    assert count(ptx, r"\sred\.\S*add\.f32|\satom\.\S*add\.f32") == 0
+    # TMA: K, V once; Q, dO (one instruction per 64 columns) and their LSE / D rows per tile
+    assert count(ptx, TMA_LOAD) == 4 * (d // 64) + 2
+    assert count(ptx, TMA_STORE) == 2 * (d // 64)
+    # named barriers: dS^T written (256 consumer threads); dQ full / empty handoffs between a
+    # consumer warpgroup (128) and the writer warp (32)
+    assert count(ptx, r"bar\.sync\s+1,\s*256;") == 1
+    assert count(ptx, r"bar\.(sync|arrive)\s+\S+,\s*160;") == 6
+    # the five GEMMs as in kb1: two SMEM x SMEM, two with A from registers, dQ transposed
+    assert count(ptx, r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*\{") == 2 * (64 // 16)
+
+
+def test_fp16_compiles_to_f16_wgmmas():
+    art = compiled("kb2", 128, False, torch.float16)
+    assert re.search(r"wgmma\.mma_async\S*\.f32\.f16\.f16", art["ptx"])
+    assert not re.search(r"\.bf16", art["ptx"])
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
