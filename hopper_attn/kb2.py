@@ -73,7 +73,7 @@ class FlashAttentionBackwardKB2:
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
-                 stages: int = 2):
+                 stages: int = 2, rotate: bool = True):
         if block_m != 64 or block_n != 128:
             raise ValueError("kb2 runs 64 x 128 tiles (one consumer warpgroup per 64 keys); "
                              f"got {block_m} x {block_n}")
@@ -83,6 +83,18 @@ class FlashAttentionBackwardKB2:
         self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
         self.threads = self.roles.threads
         self.schedule = KVTileSchedule(block_m, block_n, causal)
+        # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
+        # one head do not all reduce-add into the same dQ tile at the same time (measured:
+        # results/h100/2026-11-23_kb2_variants.json, docs/kb2.md)
+        self.rotate = rotate
+
+    @cute.jit
+    def query_tile(self, it, n_block, m_first, m_count):
+        """The `it`-th query tile a CTA visits (every role walks the same order)."""
+        m_block = m_first + it
+        if cutlass.const_expr(self.rotate):
+            m_block = m_first + (it + n_block) % m_count
+        return m_block
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -194,7 +206,7 @@ class FlashAttentionBackwardKB2:
                 dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
                 produce = tma.producer_state(self.stages)
                 for it in cutlass.range(m_count, unroll=1):
-                    m_block = m_first + it
+                    m_block = self.query_tile(it, n_block, m_first, m_count)
                     q_pipe.producer_acquire(produce)
                     barrier = q_pipe.producer_get_barrier(produce)
                     q_load.copy(m_block, barrier, produce.index)
@@ -207,7 +219,7 @@ class FlashAttentionBackwardKB2:
             if warp == 1:                                   # the dQ writer
                 dq_accum = mdQacc[batch, head, None, None].iterator
                 for it in cutlass.range(m_count, unroll=1):
-                    m_block = m_first + it
+                    m_block = self.query_tile(it, n_block, m_first, m_count)
                     # hand each staging buffer back once the copy engine has read it (the
                     # previous tile's copies were committed in warpgroup order)
                     for wg in cutlass.range_constexpr(self.warpgroups):
@@ -270,7 +282,7 @@ class FlashAttentionBackwardKB2:
         consume = tma.consumer_state(self.stages)
         causal_offset = seqlen_k - seqlen_q
         for it in cutlass.range(m_count, unroll=1):
-            m_block = m_first + it
+            m_block = self.query_tile(it, n_block, m_first, m_count)
             stage = consume.index
             q_pipe.consumer_wait(consume)
             acc_st = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bn, bm)), Float32)
@@ -341,10 +353,11 @@ class FlashAttentionBackwardKB2:
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
-                   block_n: int = 128, stages: int = 2):
+                   block_n: int = 128, stages: int = 2, rotate: bool = True):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels."""
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
-                            {"block_m": block_m, "block_n": block_n, "stages": stages},
+                            {"block_m": block_m, "block_n": block_n, "stages": stages,
+                             "rotate": bool(rotate)},
                             compile_options=compile_options)
 
 

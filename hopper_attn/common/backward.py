@@ -2,16 +2,18 @@
 
 The backward pass of attention (docs/05-backward-math.md) runs as three launches:
 
-1. preprocess (`BackwardPreprocess`), one thread per query row:
+1. preprocess (`BackwardPreprocess`), d/8 threads per query row:
        D[i]    = sum_c dO[i, c] * O[i, c]                 (fp32)
        lse2[i] = lse[i] * log2(e)                          the forward's LSE in base 2
    Both are written to (batch, heads, rows) buffers padded to a whole number of query tiles:
    a padded row gets D = 0 and lse2 = +inf, and so does a row that saw no key (lse = -inf).
    exp2(s * scale_log2 - lse2) is then exactly 0 for those rows, so the main kernel needs no
-   bounds checks on them: P = 0 makes their dS, dV and dK contributions 0.
+   bounds checks on them: P = 0 makes their dS, dV and dK contributions 0. It also zeroes
+   the fp32 dQ buffer, tile by tile (no separate memset).
 2. the stage's main kernel (kb1, kb2): dK and dV per kv tile, and dQ accumulated in fp32
    into `dq_accum` (batch, heads, padded rows, d), zeroed before the launch.
-3. postprocess (`DqConvert`), one thread per query row: dQ = dq_accum * scale, converted to
+3. postprocess (`DqConvert`, or `DqConvertFragments` for kb2's buffer order), d/8 threads
+   per query row: dQ = dq_accum * scale, converted to
    the input dtype and written in the (batch, seqlen, heads, head_dim) layout.
 
 Host side: `compile_backward` validates the problem and compiles (cached per configuration)
@@ -53,6 +55,7 @@ class CompiledBackward:
     preprocess: Any
     postprocess: Any
     compile_seconds: float   # 0.0 when everything came from the cache
+    tvm_ffi: bool = False    # compiled for the TVM-FFI calling path (torch tensors in)
 
     @property
     def name(self) -> str:
@@ -81,9 +84,22 @@ def _example(shape, dtype):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _compile(fn, *tensors, scalars=(), options: str = ""):
-    stream = rt.current_stream() if torch.cuda.is_available() else make_fake_stream()
-    args = [rt.to_cute_tensor(t) for t in tensors]
+def tvm_ffi_available() -> bool:
+    """CuTe DSL's TVM-FFI calling path (apache-tvm-ffi installed): the compiled kernels then
+    take torch tensors directly and launch on torch's current stream, a few microseconds per
+    call instead of ~10 per tensor converted (nine tensors per backward). It compiles
+    against CUDA tensors only, so not on a machine without a GPU."""
+    import importlib.util
+    return torch.cuda.is_available() and importlib.util.find_spec("tvm_ffi") is not None
+
+
+def _compile(fn, *tensors, scalars=(), options: str = "", tvm_ffi: bool = False):
+    if tvm_ffi:
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        options = f"{options} {rt.TVM_FFI}"
+    else:
+        stream = rt.current_stream() if torch.cuda.is_available() else make_fake_stream()
+    args = [rt.to_cute_tensor(t, tvm_ffi) for t in tensors]
     args += [cutlass.Float32(s) for s in scalars]
     if options.strip():
         return cute.compile(fn, *args, stream, options=options.strip())
@@ -99,12 +115,13 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     options = dict(options or {})
     spec.check(problem)
     d, dt = problem.head_dim, problem.dtype
+    ffi = tvm_ffi_available()
     key = (spec.name, kernel_factory, d, problem.causal, dt, tuple(sorted(options.items())),
-           compile_options)
+           compile_options, ffi)
     cached = _COMPILED.get(key)
     if cached is not None:
         kernel, main, pre, post = cached
-        return CompiledBackward(spec, problem, options, kernel, main, pre, post, 0.0)
+        return CompiledBackward(spec, problem, options, kernel, main, pre, post, 0.0, ffi)
     t0 = time.perf_counter()
     kernel = kernel_factory(d, problem.causal, **options)
     b, n, h = 2, 128, 2
@@ -114,22 +131,22 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     dq_accum = _example((b, h, rows, d), torch.float32)
     dkv = [_example((b, n, h, d), dt) for _ in range(2)]
     main = _compile(kernel, *qkv, *stats, dq_accum, *dkv, scalars=(1.0, 1.0),
-                    options=compile_options)
-    pre_key = ("preprocess", d, dt, kernel.block_m)
+                    options=compile_options, tvm_ffi=ffi)
+    pre_key = ("preprocess", d, dt, kernel.block_m, ffi)
     if pre_key not in _COMPILED:
         lse = _example((b, h, n), torch.float32)
         _COMPILED[pre_key] = _compile(BackwardPreprocess(d, kernel.block_m), qkv[0], qkv[3],
-                                      lse, *stats)
+                                      lse, *stats, dq_accum, tvm_ffi=ffi)
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
-    post_key = ("postprocess", d, dt, kernel.block_m, fragments)
+    post_key = ("postprocess", d, dt, kernel.block_m, fragments, ffi)
     if post_key not in _COMPILED:
         convert = DqConvertFragments(d, kernel.block_m) if fragments else DqConvert(d)
-        _COMPILED[post_key] = _compile(convert, dq_accum, qkv[0], scalars=(1.0,))
+        _COMPILED[post_key] = _compile(convert, dq_accum, qkv[0], scalars=(1.0,), tvm_ffi=ffi)
     pre, post = _COMPILED[pre_key], _COMPILED[post_key]
     _COMPILED[key] = (kernel, main, pre, post)
     return CompiledBackward(spec, problem, options, kernel, main, pre, post,
-                            time.perf_counter() - t0)
+                            time.perf_counter() - t0, ffi)
 
 
 def check_backward_tensors(problem: Problem, q, k, v, o, do, lse, dq, dk, dv) -> None:
@@ -156,8 +173,8 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
     dev = q.device
     lse2 = torch.empty((p.batch, p.heads, rows), dtype=torch.float32, device=dev)
     dsum = torch.empty_like(lse2)
-    dq_accum = torch.zeros((p.batch, p.heads, rows, p.head_dim), dtype=torch.float32,
-                           device=dev)
+    dq_accum = torch.empty((p.batch, p.heads, rows, p.head_dim), dtype=torch.float32,
+                           device=dev)                   # zeroed by the preprocess
     group = p.heads // p.kv_heads
     if group > 1:            # one dK/dV per query head, summed over each group below
         dk_out = torch.empty((p.batch, p.kv_seqlen, p.heads, p.head_dim), dtype=q.dtype,
@@ -165,12 +182,17 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         dv_out = torch.empty_like(dk_out)
     else:
         dk_out, dv_out = dk, dv
-    stream = rt.current_stream()
-    t = rt.to_cute_tensor
-    handle.preprocess(t(o), t(do), t(lse), t(lse2), t(dsum), stream)
-    handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out), t(dv_out),
-                scale * LOG2_E, scale, stream)
-    handle.postprocess(t(dq_accum), t(dq), scale, stream)
+    if handle.tvm_ffi:                  # torch tensors straight in, torch's current stream
+        handle.preprocess(o, do, lse, lse2, dsum, dq_accum)
+        handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, scale * LOG2_E, scale)
+        handle.postprocess(dq_accum, dq, scale)
+    else:
+        stream = rt.current_stream()
+        t = rt.to_cute_tensor
+        handle.preprocess(t(o), t(do), t(lse), t(lse2), t(dsum), t(dq_accum), stream)
+        handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out),
+                    t(dv_out), scale * LOG2_E, scale, stream)
+        handle.postprocess(t(dq_accum), t(dq), scale, stream)
     if group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
         dk.copy_(dk_out.view(shape).float().sum(3))
@@ -181,79 +203,111 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
 # Device side: the pre- and post-processing kernels (CUDA cores, one thread per query row).
 # --------------------------------------------------------------------------------------------
 
-def _rows_aligned(t: cute.Tensor) -> cute.Tensor:
-    """A (batch, heads, rows, d) fp32 tensor with its runtime strides declared multiples of
-    4 elements (16 bytes), so that a row is copied with 16-byte vector accesses."""
-    strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=4) for s in t.layout.stride)
-    return cute.make_tensor(t.iterator, cute.make_layout(t.layout.shape, stride=strides))
+CHUNK = 8            # elements per thread and access: 16 bytes of bf16, two 16-byte fp32 halves
+HELPER_THREADS = 128
 
 
-def _row(t: cute.Tensor, length: int) -> cute.Tensor:
-    """One contiguous row of `length` elements with a static shape (vector copies)."""
-    return cute.make_tensor(t.iterator, cute.make_layout((length,)))
+def _tile_rows(head_dim: int, threads: int):
+    """How `threads` threads cover rows of `head_dim` elements in 8-element (16-byte) chunks:
+    (lanes per row, rows per pass). A row's lanes are consecutive, so one warp instruction
+    reads whole rows: coalesced."""
+    lanes = head_dim // CHUNK
+    return lanes, threads // lanes
+
+
+def _aligned(ptr: cute.Pointer, size: int) -> cute.Tensor:
+    """`size` contiguous elements at `ptr`, declared 16-byte aligned (true of every address
+    these kernels form: tensor bases are, and offsets are multiples of 16 bytes) so that the
+    copies become 16-byte vector accesses."""
+    return cute.make_tensor(cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace, assumed_align=16),
+                            cute.make_layout((size,)))
+
+
+def _chunk(t: cute.Tensor, row, col0, head, batch) -> cute.Tensor:
+    """Elements [col0, col0 + 8) of row `row` of an (N, d, H, B) tensor, statically shaped."""
+    return _aligned(t[row, None, head, batch].iterator + col0, CHUNK)
 
 
 class BackwardPreprocess:
-    """D = rowsum(dO * O) and lse2 = lse * log2(e), padded (see the module docstring)."""
+    """Per 64-row query tile (see the module docstring): D = rowsum(dO * O) and
+    lse2 = lse * log2(e), padded; and the tile's block of the fp32 dQ buffer set to 0 (so no
+    separate memset). d/8 consecutive lanes share a row: 16-byte loads, then a shuffle sum."""
 
     def __init__(self, head_dim: int, rows_per_cta: int):
         self.head_dim, self.rows = head_dim, rows_per_cta
+        self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mLSE2: cute.Tensor, mD: cute.Tensor, stream):
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, stream):
         o, do = ndhb_view(mO), ndhb_view(mdO)                  # (N, d, H, B)
-        self.kernel(o, do, mLSE, mLSE2, mD).launch(
-            grid=[cute.ceil_div(mLSE2.shape[2], self.rows), o.shape[2], o.shape[3]],
-            block=[self.rows, 1, 1], stream=stream)
+        self.kernel(o, do, mLSE, mLSE2, mD, mdQacc).launch(
+            grid=[mLSE2.shape[2] // self.rows, o.shape[2], o.shape[3]],
+            block=[HELPER_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, o: cute.Tensor, do: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-               mD: cute.Tensor):
+               mD: cute.Tensor, mdQacc: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        row = bx * self.rows + tidx
-        if row < mLSE2.shape[2]:
-            dsum = Float32(0.0)
-            lse2 = Float32.inf
+        m_block, head, batch = cute.arch.block_idx()
+        lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        for p in cutlass.range_constexpr(self.rows // self.rows_per_pass):
+            row = m_block * self.rows + p * self.rows_per_pass + lane_row
+            partial = Float32(0.0)
             if row < o.shape[0]:
-                o_row = cute.make_rmem_tensor((self.head_dim,), o.element_type)
-                do_row = cute.make_rmem_tensor((self.head_dim,), o.element_type)
-                cute.autovec_copy(_row(o[row, None, head, batch], self.head_dim), o_row)
-                cute.autovec_copy(_row(do[row, None, head, batch], self.head_dim), do_row)
-                prod = o_row.load().to(Float32) * do_row.load().to(Float32)
-                dsum = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                lse = mLSE[batch, head, row]
-                if lse != -Float32.inf:
-                    lse2 = lse * LOG2_E
-            mD[batch, head, row] = dsum
-            mLSE2[batch, head, row] = lse2
+                o_part = cute.make_rmem_tensor((CHUNK,), o.element_type)
+                do_part = cute.make_rmem_tensor((CHUNK,), o.element_type)
+                cute.autovec_copy(_chunk(o, row, col0, head, batch), o_part)
+                cute.autovec_copy(_chunk(do, row, col0, head, batch), do_part)
+                prod = o_part.load().to(Float32) * do_part.load().to(Float32)
+                partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
+            if tidx % self.lanes == 0:
+                lse2 = Float32.inf
+                if row < o.shape[0]:
+                    lse = mLSE[batch, head, row]
+                    if lse != -Float32.inf:
+                        lse2 = lse * LOG2_E
+                mD[batch, head, row] = dsum
+                mLSE2[batch, head, row] = lse2
+        # zero this tile's rows x d floats of the dQ buffer (contiguous in either order)
+        block = self.rows * self.head_dim
+        base = mdQacc[batch, head, None, None].iterator + m_block * block
+        zeros = cute.make_rmem_tensor((4,), Float32)
+        zeros.fill(0.0)
+        for i in cutlass.range_constexpr(block // (4 * HELPER_THREADS)):
+            cute.autovec_copy(zeros, _aligned(base + (i * HELPER_THREADS + tidx) * 4, 4))
 
 
 class DqConvert:
-    """dQ = dq_accum * scale in the input dtype, (batch, seqlen, heads, d) layout."""
+    """dQ = dq_accum * scale in the input dtype, (batch, seqlen, heads, d) layout; d/8 lanes
+    per row, 16-byte stores."""
 
     def __init__(self, head_dim: int, rows_per_cta: int = 64):
         self.head_dim, self.rows = head_dim, rows_per_cta
+        self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
         dq = ndhb_view(mdQ)                                    # (N, d, H, B)
-        self.kernel(_rows_aligned(mdQacc), dq, scale).launch(
+        self.kernel(mdQacc, dq, scale).launch(
             grid=[cute.ceil_div(dq.shape[0], self.rows), dq.shape[2], dq.shape[3]],
-            block=[self.rows, 1, 1], stream=stream)
+            block=[HELPER_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, acc: cute.Tensor, dq: cute.Tensor, scale: Float32):
+    def kernel(self, mdQacc: cute.Tensor, dq: cute.Tensor, scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        row = bx * self.rows + tidx
-        if row < dq.shape[0]:
-            acc_row = cute.make_rmem_tensor((self.head_dim,), Float32)
-            cute.autovec_copy(_row(acc[batch, head, row, None], self.head_dim), acc_row)
-            out = cute.make_rmem_tensor((self.head_dim,), dq.element_type)
-            out.store((acc_row.load() * scale).to(dq.element_type))
-            cute.autovec_copy(out, _row(dq[row, None, head, batch], self.head_dim))
+        m_block, head, batch = cute.arch.block_idx()
+        lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        base = mdQacc[batch, head, None, None].iterator
+        for p in cutlass.range_constexpr(self.rows // self.rows_per_pass):
+            row = m_block * self.rows + p * self.rows_per_pass + lane_row
+            if row < dq.shape[0]:
+                acc = cute.make_rmem_tensor((CHUNK,), Float32)
+                cute.autovec_copy(_aligned(base + (row * self.head_dim + col0), CHUNK), acc)
+                out = cute.make_rmem_tensor((CHUNK,), dq.element_type)
+                out.store((acc.load() * scale).to(dq.element_type))
+                cute.autovec_copy(out, _chunk(dq, row, col0, head, batch))
 
 
 class DqConvertFragments:
@@ -261,10 +315,13 @@ class DqConvertFragments:
     one contiguous block of 64 x d floats, warpgroup w's half (columns w d/2 ..) after w's, in
     the order the dQ WGMMA's accumulator registers are laid out, 4 floats per thread at a
     time (what lets kb2 move it with one bulk copy). A CTA of 256 threads re-creates that
-    WGMMA's partition to know which (row, column) each float is."""
+    WGMMA's partition to know which (row, column) each float is, converts, and writes the
+    tile through SMEM (rows padded by 8 elements: conflict-free) so that the global stores
+    are 16-byte row chunks."""
 
     def __init__(self, head_dim: int, block_m: int):
         self.head_dim, self.block_m = head_dim, block_m
+        self.lanes, self.rows_per_pass = _tile_rows(head_dim, 256)
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
@@ -285,11 +342,21 @@ class DqConvertFragments:
         src = fragment_slot(acc_all[batch, head, None, None].iterator, m_block, tidx, bm, d,
                             cute.size(acc))
         cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
-        coords = thr.partition_C(cute.make_identity_tensor((bm, d)))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            row = m_block * bm + coords[i][0]
+        converted = cute.make_rmem_tensor_like(acc, self.dtype)
+        converted.store((acc.load() * scale).to(self.dtype))
+        smem = cutlass.memory.SmemAllocator()
+        tile = smem.allocate_tensor(self.dtype, cute.make_layout((bm, d), stride=(d + CHUNK, 1)),
+                                    byte_alignment=16)
+        cute.autovec_copy(converted, thr.partition_C(tile))
+        cute.arch.sync_threads()
+        lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        for p in cutlass.range_constexpr(bm // self.rows_per_pass):
+            r = p * self.rows_per_pass + lane_row
+            row = m_block * bm + r
             if row < dq.shape[0]:
-                dq[row, coords[i][1], head, batch] = (acc[i] * scale).to(self.dtype)
+                out = cute.make_rmem_tensor((CHUNK,), self.dtype)
+                cute.autovec_copy(_aligned(tile[r, None].iterator + col0, CHUNK), out)
+                cute.autovec_copy(out, _chunk(dq, row, col0, head, batch))
 
 
 def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int, regs: int):
@@ -298,6 +365,7 @@ def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int
     starting at `base`: (4, regs / 4) floats, 4 contiguous, groups 4 x 128 apart (so that
     a warpgroup's 128 threads write 512 contiguous floats per step)."""
     wg, t = tidx // 128, tidx % 128
-    offset = m_block * (block_m * head_dim) + wg * (block_m * head_dim // 2) + t * 4
-    return cute.make_tensor(base + cute.assume(offset, divby=4),
+    ptr = base + (m_block * (block_m * head_dim) + wg * (block_m * head_dim // 2) + t * 4)
+    return cute.make_tensor(cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace,
+                                          assumed_align=16),
                             cute.make_layout((4, regs // 4), stride=(1, 4 * 128)))
