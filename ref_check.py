@@ -65,7 +65,10 @@ def check_kernel(entry, seed: int, quick: bool = False) -> list[dict]:
         case = (BackwardCase if backward else ReferenceCase)(problem, seed * 1000 + i, scale)
         try:
             handle = entry.compile(problem)
-            results.append({**row, **case.check(entry, handle)})
+            if backward and dict(entry.options).get("deterministic"):
+                results.append({**row, **case.check(entry, handle, deterministic=True)})
+            else:
+                results.append({**row, **case.check(entry, handle)})
         except Exception as exc:  # noqa: BLE001
             results.append({**row, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:1000]})
     return results

@@ -43,10 +43,11 @@ BACKWARD_PREFERENCE = ("kb2", "kb1")
 _HANDLES: dict = {}
 
 
-def _backward_entry(problem: Problem):
+def _backward_entry(problem: Problem, deterministic: bool = False):
     from hopper_attn.harness import registry
     reasons = []
-    for name in BACKWARD_PREFERENCE:
+    names = ("kb2:deterministic=1",) if deterministic else BACKWARD_PREFERENCE
+    for name in names:
         entry = registry.get(name)
         reason = entry.spec.unsupported_reason(problem)
         if reason is None:
@@ -140,7 +141,7 @@ def _checked_handle(q, k, v, causal: bool, stage: str):
 
 @torch.library.custom_op("hopper_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: Optional[float], stage: str
+                  softmax_scale: Optional[float], stage: str, deterministic: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     return _run(q, k, v, causal, softmax_scale, stage)
 
@@ -151,7 +152,7 @@ def _lse_like(q: torch.Tensor) -> torch.Tensor:
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, stage):
+def _(q, k, v, causal, softmax_scale, stage, deterministic=False):
     _check(q, k, v)
     return torch.empty_like(q), _lse_like(q)
 
@@ -159,12 +160,13 @@ def _(q, k, v, causal, softmax_scale, stage):
 @torch.library.custom_op("hopper_attn::attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                           causal: bool, softmax_scale: Optional[float]
+                           causal: bool, softmax_scale: Optional[float],
+                           deterministic: bool = False
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # the backward stages read contiguous tensors (a packed-QKV view is copied here)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     problem = Problem.from_tensor(q, causal, k)
-    entry = _backward_entry(problem)
+    entry = _backward_entry(problem, deterministic)
     key = (entry.name, problem)
     handle = _HANDLES.get(key)
     if handle is None:
@@ -175,22 +177,22 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, out, dout, lse, causal, softmax_scale):
+def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, stage = inputs
+    q, k, v, causal, softmax_scale, stage, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, ctx.causal,
-                                                          ctx.softmax_scale)
-    return dq, dk, dv, None, None, None
+                                                          ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -207,7 +209,7 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str]) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
-              stage: Optional[str] = None):
+              stage: Optional[str] = None, deterministic: bool = False):
     """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
 
     softmax_scale defaults to 1/sqrt(head_dim). With `return_lse`, also returns the
@@ -217,7 +219,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
     128, 192 or 256 (k6; k5 and k4: 64 and 128, bf16), any sequence length;
     anything else raises ValueError before a launch. Differentiable (head_dim 64 and 128):
-    the backward runs kb2.
+    the backward runs kb2; with `deterministic`, its dQ additions happen in a fixed order, so
+    the gradients have the same bits on every run (slower: docs/kb2.md).
     """
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
@@ -225,7 +228,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         _check_differentiable(q, k, v, bool(causal), stage)
     if torch.compiler.is_compiling() or needs_grad:   # the custom op: fake impl, autograd
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
-                                                   stage or "")
+                                                   stage or "", bool(deterministic))
     else:                                      # eager: no dispatcher round trip
         out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "")
     return (out, lse) if return_lse else out

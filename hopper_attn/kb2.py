@@ -71,9 +71,10 @@ DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer 
 
 class FlashAttentionBackwardKB2:
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
+    takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
-                 stages: int = 2, rotate: bool = True):
+                 stages: int = 2, rotate: bool = True, deterministic: bool = False):
         if block_m != 64 or block_n != 128:
             raise ValueError("kb2 runs 64 x 128 tiles (one consumer warpgroup per 64 keys); "
                              f"got {block_m} x {block_n}")
@@ -86,7 +87,10 @@ class FlashAttentionBackwardKB2:
         # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
         # one head do not all reduce-add into the same dQ tile at the same time (measured:
         # results/h100/2026-11-23_kb2_variants.json, docs/kb2.md)
-        self.rotate = rotate
+        self.rotate = rotate and not deterministic
+        # deterministic: the kv tiles add into each dQ tile in the order 0, 1, 2, ... (a
+        # turn counter per query tile), so dQ has the same bits on every run
+        self.deterministic = deterministic
 
     @cute.jit
     def query_tile(self, it, n_block, m_first, m_count):
@@ -105,7 +109,8 @@ class FlashAttentionBackwardKB2:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32, stream):
+                 mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32,
+                 softmax_scale: Float32, stream):
         q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]  # (N, d, H, B)
         lse2, dsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                       for t in (mLSE2, mD)]                                     # (rows, H, B)
@@ -144,7 +149,7 @@ class FlashAttentionBackwardKB2:
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(q_tiles, do_tiles, k_tiles, v_tiles, lse_tiles, dsum_tiles, dk_tiles,
                     dv_tiles, tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv,
-                    mdQacc, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
+                    mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
                     row_layout).launch(
             grid=self.schedule.grid(k.shape[0], q.shape[2], q.shape[3]),
             block=[self.threads, 1, 1],
@@ -158,7 +163,7 @@ class FlashAttentionBackwardKB2:
                tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_dsum: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mdQacc: cute.Tensor,
-               scale_log2: Float32, softmax_scale: Float32, q_layout: cute.ComposedLayout,
+               mSem: cute.Tensor, scale_log2: Float32, softmax_scale: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, ds_layout: cute.ComposedLayout,
                row_layout: cute.Layout):
         bm, bn, d = self.block_m, self.block_n, self.head_dim
@@ -226,6 +231,9 @@ class FlashAttentionBackwardKB2:
                         cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
                         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
                                                  number_of_threads=DQ_HANDOFF_THREADS)
+                    turn = mSem[batch, head, None].iterator + m_block
+                    if cutlass.const_expr(self.deterministic):
+                        wait_for_turn(turn, n_block)       # kv tiles 0 .. n_block - 1 added
                     for wg in cutlass.range_constexpr(self.warpgroups):
                         cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
                                           number_of_threads=DQ_HANDOFF_THREADS)
@@ -234,6 +242,10 @@ class FlashAttentionBackwardKB2:
                                 storage.sdQ.data_ptr() + wg * dq_block,
                                 dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
                         cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.deterministic):
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
+                        with cute.arch.elect_one():
+                            cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             # ---------------- consumer warpgroups ----------------
@@ -352,12 +364,24 @@ class FlashAttentionBackwardKB2:
             tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block)
 
 
+@cute.jit
+def wait_for_turn(turn: cute.Pointer, n_block):
+    """Spin (one lane, acquire) until the turn counter reaches `n_block`."""
+    if cute.arch.lane_idx() == 0:
+        seen = cute.arch.atomic_add(turn, Int32(0), sem="acquire", scope="gpu")
+        while seen != n_block:
+            seen = cute.arch.atomic_add(turn, Int32(0), sem="acquire", scope="gpu")
+    cute.arch.sync_warp()
+
+
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
-                   block_n: int = 128, stages: int = 2, rotate: bool = True):
-    """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels."""
+                   block_n: int = 128, stages: int = 2, rotate: bool = True,
+                   deterministic: bool = False):
+    """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
+    deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower)."""
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
                             {"block_m": block_m, "block_n": block_n, "stages": stages,
-                             "rotate": bool(rotate)},
+                             "rotate": bool(rotate), "deterministic": bool(deterministic)},
                             compile_options=compile_options)
 
 

@@ -195,3 +195,19 @@ def test_attention_backward_under_torch_compile():
         grads.append([t.grad for t in leaves])
     for eager, traced in zip(*grads):                    # dQ's fp32 adds may reorder: close
         assert torch.allclose(eager.float(), traced.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_attention_backward_deterministic_mode_gives_the_same_bits():
+    import hopper_attn
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = (torch.randn(2, 1000, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
+                   for _ in range(4))
+    grads = []
+    for _ in range(3):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        hopper_attn.attention(*leaves, causal=True, deterministic=True).backward(do)
+        grads.append([t.grad.view(torch.int16) for t in leaves])
+    for first, again in zip(grads[0], grads[1]):
+        assert torch.equal(first, again)
+    for first, again in zip(grads[0], grads[2]):
+        assert torch.equal(first, again)

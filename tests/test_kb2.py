@@ -49,3 +49,13 @@ def test_fp16_compiles_to_f16_wgmmas():
     assert not re.search(r"\.bf16", art["ptx"])
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def test_deterministic_mode_orders_the_dq_adds():
+    """One turn counter per query tile: the writer waits (acquire) until the kv tiles before
+    its own have added, waits for its bulk adds to complete, then passes the turn (release)."""
+    ptx = compiled("kb2:deterministic=1", 128, True)["ptx"]
+    assert count(ptx, r"atom\.global\.acquire(\.gpu)?\.add") >= 1
+    assert count(ptx, r"atom\.global\.release(\.gpu)?\.add") == 1
+    assert count(ptx, r"cp\.async\.bulk\.wait_group\s+0;") >= 1        # not just .read
+    assert count(compiled("kb2", 128, True)["ptx"], r"atom\.global") == 0

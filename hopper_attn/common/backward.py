@@ -130,7 +130,10 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((b, h, rows, d), torch.float32)
     dkv = [_example((b, n, h, d), dt) for _ in range(2)]
-    main = _compile(kernel, *qkv, *stats, dq_accum, *dkv, scalars=(1.0, 1.0),
+    # kb2: one int32 per (batch, head, query tile), the deterministic mode's turn counters
+    sems = [_example((b, h, rows // kernel.block_m), torch.int32)] \
+        if getattr(kernel, "takes_semaphores", False) else []
+    main = _compile(kernel, *qkv, *stats, dq_accum, *dkv, *sems, scalars=(1.0, 1.0),
                     options=compile_options, tvm_ffi=ffi)
     pre_key = ("preprocess", d, dt, kernel.block_m, ffi)
     if pre_key not in _COMPILED:
@@ -182,16 +185,23 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         dv_out = torch.empty_like(dk_out)
     else:
         dk_out, dv_out = dk, dv
+    sems = []
+    if getattr(handle.kernel, "takes_semaphores", False):
+        shape = (p.batch, p.heads, rows // handle.block_m)
+        sems = [torch.zeros(shape, dtype=torch.int32, device=dev)
+                if handle.kernel.deterministic else torch.empty(shape, dtype=torch.int32,
+                                                                device=dev)]
     if handle.tvm_ffi:                  # torch tensors straight in, torch's current stream
         handle.preprocess(o, do, lse, lse2, dsum, dq_accum)
-        handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, scale * LOG2_E, scale)
+        handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, *sems, scale * LOG2_E,
+                    scale)
         handle.postprocess(dq_accum, dq, scale)
     else:
         stream = rt.current_stream()
         t = rt.to_cute_tensor
         handle.preprocess(t(o), t(do), t(lse), t(lse2), t(dsum), t(dq_accum), stream)
         handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out),
-                    t(dv_out), scale * LOG2_E, scale, stream)
+                    t(dv_out), *[t(x) for x in sems], scale * LOG2_E, scale, stream)
         handle.postprocess(t(dq_accum), t(dq), scale, stream)
     if group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)

@@ -345,7 +345,7 @@ def blocks(folder) -> dict:
         out[f"profile:{stage}:{g}"] = profile_table(folder, profiled)
     sweeps = {"k4_tiles_d128": None, "k4_tiles_d64": None, "k4_tiles_causal_d128": None,
               "k3_structure": None, "scalar_unroll": None, "k6_tiles_d64": None,
-              "kb2_variants": None}
+              "kb2_variants": None, "kb2_deterministic": None}
     for name in sweeps:
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
