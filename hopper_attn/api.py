@@ -43,17 +43,23 @@ BACKWARD_PREFERENCE = ("kb2", "kb1")
 _HANDLES: dict = {}
 
 
-def _backward_entry(problem: Problem, deterministic: bool = False):
+def _first_supporting(names, problem: Problem, what: str):
+    """The first registered stage of `names` that supports `problem`, else UnsupportedProblem
+    with every stage's reason."""
     from hopper_attn.harness import registry
     reasons = []
-    names = ("kb2:deterministic=1",) if deterministic else BACKWARD_PREFERENCE
     for name in names:
         entry = registry.get(name)
         reason = entry.spec.unsupported_reason(problem)
         if reason is None:
             return entry
         reasons.append(reason)
-    raise UnsupportedProblem("no backward stage supports this problem: " + "; ".join(reasons))
+    raise UnsupportedProblem(f"no {what} supports this problem: " + "; ".join(reasons))
+
+
+def _backward_entry(problem: Problem, deterministic: bool = False):
+    names = ("kb2:deterministic=1",) if deterministic else BACKWARD_PREFERENCE
+    return _first_supporting(names, problem, "backward stage")
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -86,14 +92,7 @@ def _entry_for(problem: Problem, stage: str):
         entry = registry.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
         return entry
-    reasons = []
-    for name in PREFERENCE:
-        entry = registry.get(name)
-        reason = entry.spec.unsupported_reason(problem)
-        if reason is None:
-            return entry
-        reasons.append(reason)
-    raise UnsupportedProblem("no stage supports this problem: " + "; ".join(reasons))
+    return _first_supporting(PREFERENCE, problem, "stage")
 
 
 # Calls that passed every check once, by everything the checks looked at except the data

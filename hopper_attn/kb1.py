@@ -54,11 +54,11 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import compile_backward, run_backward
+from hopper_attn.common.backward import compile_backward, run_backward, stage_dkv, store_dkv
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                        smem_tile_layout, transposed)
-from hopper_attn.common.masking import KVTileSchedule, mask_scores_transposed
+                                        smem_tile_layout)
+from hopper_attn.common.masking import KVTileSchedule, mask_scores
 
 SPEC = KernelSpec(
     name="kb1",
@@ -169,30 +169,13 @@ class FlashAttentionBackwardKB1:
             for _ in cutlass.range(cutlass.min(self.stages, m_count), unroll=1):
                 produce = self.load_q_do(qdo_pipe, q_load, do_load, produce, m_first)
 
-        # S^T, dP^T: keys (bn, 64 per warpgroup) x queries (bm), both operands from SMEM.
-        mma_sdp = wgmma.qk_mma(self.warpgroups, 1, bm, dtype)
-        wg_sdp, thr_sdp = wgmma.warpgroup_slice(mma_sdp, tidx), mma_sdp.get_slice(tidx)
-        k_frag = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        v_frag = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        q_frag = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        do_frag = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        st_coords = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm))))
-        # dV += P^T dO, dK += dS^T Q: keys x d, A from registers, B = dO^T / Q^T (MN-major)
-        mma_dkv = wgmma.pv_mma(self.warpgroups, d, dtype)
-        wg_dkv, thr_dkv = wgmma.warpgroup_slice(mma_dkv, tidx), mma_dkv.get_slice(tidx)
-        dot_frag = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO)))
-        qt_frag = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
-        pt_frag = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm)))
-        dst_frag = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm)))
-        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), Float32)
-        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), Float32)
-        acc_dk.fill(0.0)
-        acc_dv.fill(0.0)
-        # dQ = dS K: queries x d (warpgroup w: columns w d/2 ..), A = (dS^T)^T, B = K^T
-        mma_dq = wgmma.dq_mma(d, dtype)
-        wg_dq, thr_dq = wgmma.warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
-        ds_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt)))
-        kt_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))
+        # the five GEMMs (common/wgmma.py): S^T, dP^T (keys x queries), dV, dK (keys x d, A
+        # from registers), dQ (queries x d/2 per warpgroup)
+        mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, tidx, sK, sV, sQ, sdO, sdSt,
+                                         dtype)
+        st_coords = mmas.st_coords
+        acc_dk = mmas.new_dkv_accumulator(bn, d)
+        acc_dv = mmas.new_dkv_accumulator(bn, d)
         dq_accum = mdQacc[batch, head, None, None]                        # (padded rows, d)
 
         kv_pipe.consumer_wait(tma.consumer_state(1))
@@ -201,10 +184,11 @@ class FlashAttentionBackwardKB1:
             m_block = m_first + it
             qdo_pipe.consumer_wait(consume)
             stage = consume.index
-            acc_st = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bn, bm)), Float32)
-            acc_dpt = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bn, bm)), Float32)
-            wgmma.gemm(mma_sdp, acc_st, k_frag, q_frag[None, None, None, stage], zero_init=True)
-            wgmma.gemm(mma_sdp, acc_dpt, v_frag, do_frag[None, None, None, stage],
+            acc_st = mmas.new_st_accumulator(bm, bn)
+            acc_dpt = mmas.new_st_accumulator(bm, bn)
+            wgmma.gemm(mmas.mma_sdp, acc_st, mmas.k_frag, mmas.q_frag[None, None, None, stage],
+                       zero_init=True)
+            wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag, mmas.do_frag[None, None, None, stage],
                        zero_init=True)
             # the per-query statistics of this thread's columns (padded: no bounds checks)
             st_rc, dpt_rc = acc_rows_cols(acc_st), acc_rows_cols(acc_dpt)
@@ -217,37 +201,38 @@ class FlashAttentionBackwardKB1:
                 dsum[c] = mD[batch, head, query]
             warpgroup.wait_group(1)                                     # S^T has landed
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
-                mask_scores_transposed(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
-                                       self.causal, causal_offset)
+                mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
+                            self.causal, causal_offset, transposed=True)
             for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                 for c in cutlass.range_constexpr(cols):
                     st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2[c],
                                                  fastmath=True)          # P^T
-            pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
-            wgmma.gemm(mma_dkv, acc_dv, pt_frag, dot_frag[None, None, None, stage],
+            mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
+            wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
                        zero_init=False)
             warpgroup.wait_group(1)                                     # dP^T has landed
             for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                 for c in cutlass.range_constexpr(cols):
                     dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum[c])   # dS^T
-            dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
-            wgmma.gemm(mma_dkv, acc_dk, dst_frag, qt_frag[None, None, None, stage],
+            mmas.dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
+            wgmma.gemm(mmas.mma_dkv, acc_dk, mmas.dst_frag, mmas.qt_frag[None, None, None, stage],
                        zero_init=False)
             # dS^T to SMEM for dQ; then every warpgroup's part must be there
             buf = it % 2
             ds_out = cute.make_rmem_tensor_like(acc_dpt, dtype)
             ds_out.store(acc_dpt.load().to(dtype))
-            cute.autovec_copy(ds_out, thr_sdp.partition_C(sdSt[None, None, buf]))
+            cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
             cute.arch.fence_proxy("async.shared", space="cta")   # visible to the WGMMA unit
             cute.arch.barrier()
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((bm, d)), Float32)
-            wgmma.gemm(mma_dq, acc_dq, ds_frag[None, None, None, buf], kt_frag, zero_init=True)
+            acc_dq = mmas.new_dq_accumulator(bm, d)
+            wgmma.gemm(mmas.mma_dq, acc_dq, mmas.ds_frag[None, None, None, buf], mmas.kt_frag,
+                       zero_init=True)
             warpgroup.wait_group(0)
             qdo_pipe.consumer_release(consume)                 # Q, dO of this stage are read
             consume.advance()
             if warp == 0 and produce.count < m_count:
                 produce = self.load_q_do(qdo_pipe, q_load, do_load, produce, m_first)
-            dq_part = thr_dq.partition_C(cute.local_tile(dq_accum, (bm, d), (m_block, 0)))
+            dq_part = mmas.thr_dq.partition_C(cute.local_tile(dq_accum, (bm, d), (m_block, 0)))
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
                 cute.arch.red(dq_part.iterator + cute.crd2idx(i, dq_part.layout), acc_dq[i],
                               op="add", dtype="f32", sem="relaxed", scope="gpu")
@@ -255,15 +240,10 @@ class FlashAttentionBackwardKB1:
         # Epilogue: dK * scale and dV -> dtype -> SMEM (K's and V's buffers) -> TMA stores
         acc_dk.store(acc_dk.load() * softmax_scale)
         cute.arch.barrier()                                      # every WGMMA has read K, V
-        for acc, smem in ((acc_dk, sK), (acc_dv, sV)):
-            out = cute.make_rmem_tensor_like(acc, dtype)
-            out.store(acc.load().to(dtype))
-            cute.autovec_copy(out, thr_dkv.partition_C(smem))
-        cute.arch.fence_proxy("async.shared", space="cta")       # visible to the TMA unit
+        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype)
         cute.arch.barrier()
         if warp == 0:
-            tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK).store(n_block)
-            tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block)
+            store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
 
     @cute.jit
     def load_q_do(self, qdo_pipe: pipeline.PipelineTmaAsync, q_load: tma.TmaTiles,

@@ -50,11 +50,12 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import compile_backward, fragment_slot, run_backward
+from hopper_attn.common.backward import (compile_backward, fragment_slot, run_backward,
+                                         stage_dkv, store_dkv)
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                        smem_tile_layout, transposed)
-from hopper_attn.common.masking import KVTileSchedule, mask_scores_transposed
+                                        smem_tile_layout)
+from hopper_attn.common.masking import KVTileSchedule, mask_scores
 from hopper_attn.common.warp_roles import WarpRoles
 
 SPEC = KernelSpec(
@@ -163,10 +164,10 @@ class FlashAttentionBackwardKB2:
                tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_dsum: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mdQacc: cute.Tensor,
-               mSem: cute.Tensor, scale_log2: Float32, softmax_scale: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, ds_layout: cute.ComposedLayout,
-               row_layout: cute.Layout):
-        bm, bn, d = self.block_m, self.block_n, self.head_dim
+               mSem: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+               q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
+               ds_layout: cute.ComposedLayout, row_layout: cute.Layout):
+        bm, d = self.block_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -266,27 +267,11 @@ class FlashAttentionBackwardKB2:
                 softmax_scale: Float32, mdK: cute.Tensor, mdV: cute.Tensor,
                 tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, head, batch, warp):
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
-        mma_sdp = wgmma.qk_mma(self.warpgroups, 1, bm, dtype)     # S^T, dP^T: keys x queries
-        wg_sdp, thr_sdp = wgmma.warpgroup_slice(mma_sdp, ctidx), mma_sdp.get_slice(ctidx)
-        k_frag = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        v_frag = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        q_frag = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        do_frag = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        st_coords = acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm))))
-        mma_dkv = wgmma.pv_mma(self.warpgroups, d, dtype)         # dV, dK: keys x d
-        wg_dkv, thr_dkv = wgmma.warpgroup_slice(mma_dkv, ctidx), mma_dkv.get_slice(ctidx)
-        dot_frag = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO)))
-        qt_frag = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
-        pt_frag = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm)))
-        dst_frag = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm)))
-        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), Float32)
-        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((bn, d)), Float32)
-        acc_dk.fill(0.0)
-        acc_dv.fill(0.0)
-        mma_dq = wgmma.dq_mma(d, dtype)                           # dQ: queries x d/2 per WG
-        wg_dq, thr_dq = wgmma.warpgroup_slice(mma_dq, ctidx), mma_dq.get_slice(ctidx)
-        ds_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt)))
-        kt_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))
+        mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
+                                         sdSt, dtype)                 # kb1's five GEMMs
+        st_coords = mmas.st_coords
+        acc_dk = mmas.new_dkv_accumulator(bn, d)
+        acc_dv = mmas.new_dkv_accumulator(bn, d)
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,
                                            num_threads=128 * self.warpgroups)
 
@@ -297,43 +282,45 @@ class FlashAttentionBackwardKB2:
             m_block = self.query_tile(it, n_block, m_first, m_count)
             stage = consume.index
             q_pipe.consumer_wait(consume)
-            acc_st = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bn, bm)), Float32)
-            wgmma.gemm(mma_sdp, acc_st, k_frag, q_frag[None, None, None, stage], zero_init=True)
+            acc_st = mmas.new_st_accumulator(bm, bn)
+            wgmma.gemm(mmas.mma_sdp, acc_st, mmas.k_frag, mmas.q_frag[None, None, None, stage],
+                       zero_init=True)
             do_pipe.consumer_wait(consume)
-            acc_dpt = cute.make_rmem_tensor(thr_sdp.partition_shape_C((bn, bm)), Float32)
-            wgmma.gemm(mma_sdp, acc_dpt, v_frag, do_frag[None, None, None, stage],
+            acc_dpt = mmas.new_st_accumulator(bm, bn)
+            wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag, mmas.do_frag[None, None, None, stage],
                        zero_init=True)
             st_rc, dpt_rc = acc_rows_cols(acc_st), acc_rows_cols(acc_dpt)
             cols = cute.size(st_rc, mode=[1])
             warpgroup.wait_group(1)                                     # S^T has landed
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
-                mask_scores_transposed(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
-                                       self.causal, causal_offset)
+                mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
+                            self.causal, causal_offset, transposed=True)
             for c in cutlass.range_constexpr(cols):
                 lse2 = sLSE[st_coords[0, c][1], stage]
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                     st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2,
                                                  fastmath=True)          # P^T
-            pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
+            mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
             warpgroup.wait_group(0)                                     # dP^T has landed
             for c in cutlass.range_constexpr(cols):
                 dsum = sD[st_coords[0, c][1], stage]
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                     dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum)  # dS^T
-            dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
+            mmas.dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
             buf = it % 2
             ds_out = cute.make_rmem_tensor_like(acc_dpt, dtype)
             ds_out.store(acc_dpt.load().to(dtype))
-            cute.autovec_copy(ds_out, thr_sdp.partition_C(sdSt[None, None, buf]))
-            wgmma.gemm(mma_dkv, acc_dv, pt_frag, dot_frag[None, None, None, stage],
+            cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
+            wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
                        zero_init=False)                                  # dV += P^T dO
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
             ds_written.arrive_and_wait()                         # ... of both warpgroups
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((bm, d)), Float32)
-            wgmma.gemm(mma_dq, acc_dq, ds_frag[None, None, None, buf], kt_frag, zero_init=True)
+            acc_dq = mmas.new_dq_accumulator(bm, d)
+            wgmma.gemm(mmas.mma_dq, acc_dq, mmas.ds_frag[None, None, None, buf], mmas.kt_frag,
+                       zero_init=True)
             warpgroup.wait_group(1)                                     # dV is done
             do_pipe.consumer_release(consume)
-            wgmma.gemm(mma_dkv, acc_dk, dst_frag, qt_frag[None, None, None, stage],
+            wgmma.gemm(mmas.mma_dkv, acc_dk, mmas.dst_frag, mmas.qt_frag[None, None, None, stage],
                        zero_init=False)                                  # dK += dS^T Q
             warpgroup.wait_group(1)                                     # dQ is done
             # dQ -> the staging buffer (in register order), once the writer has read the last
@@ -353,15 +340,10 @@ class FlashAttentionBackwardKB2:
                                          num_threads=128 * self.warpgroups)
         acc_dk.store(acc_dk.load() * softmax_scale)
         epilogue.arrive_and_wait()                          # every WGMMA has read K and V
-        for acc, smem in ((acc_dk, sK), (acc_dv, sV)):
-            out = cute.make_rmem_tensor_like(acc, dtype)
-            out.store(acc.load().to(dtype))
-            cute.autovec_copy(out, thr_dkv.partition_C(smem))
-        cute.arch.fence_proxy("async.shared", space="cta")  # visible to the TMA unit
+        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype)
         epilogue.arrive_and_wait()
         if warp == 4:                                       # the first consumer warp
-            tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK).store(n_block)
-            tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block)
+            store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
 
 
 @cute.jit

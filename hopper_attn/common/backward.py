@@ -38,6 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.runtime import make_fake_stream
 
+from . import tma
 from .layouts import ndhb_view
 
 _COMPILED: dict = {}
@@ -210,8 +211,26 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
 
 
 # --------------------------------------------------------------------------------------------
-# Device side: the pre- and post-processing kernels (CUDA cores, one thread per query row).
+# Device side: the main kernels' epilogue, then the pre- and post-processing kernels.
 # --------------------------------------------------------------------------------------------
+
+def stage_dkv(thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor,
+              sV: cute.Tensor, dtype):
+    """dK and dV (already scaled) -> dtype -> K's and V's SMEM buffers, fenced for the TMA
+    unit. The caller has made sure no WGMMA still reads K or V."""
+    for acc, smem in ((acc_dk, sK), (acc_dv, sV)):
+        out = cute.make_rmem_tensor_like(acc, dtype)
+        out.store(acc.load().to(dtype))
+        cute.autovec_copy(out, thr_dkv.partition_C(smem))
+    cute.arch.fence_proxy("async.shared", space="cta")       # visible to the TMA unit
+
+
+def store_dkv(tma_dk, tma_dv, mdK: cute.Tensor, mdV: cute.Tensor, head, batch,
+              sK: cute.Tensor, sV: cute.Tensor, n_block):
+    """One warp: the staged dK and dV tiles to global memory (rows past the end clipped)."""
+    tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK).store(n_block)
+    tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block)
+
 
 CHUNK = 8            # elements per thread and access: 16 bytes of bf16, two 16-byte fp32 halves
 HELPER_THREADS = 128

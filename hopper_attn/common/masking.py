@@ -87,40 +87,25 @@ class TileSchedule:
 
 @cute.jit
 def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: Int32,
-                seqlen: Int32, causal: cutlass.Constexpr[bool], causal_offset: Int32 = 0):
+                seqlen: Int32, causal: cutlass.Constexpr[bool], causal_offset: Int32 = 0,
+                transposed: cutlass.Constexpr[bool] = False):
     """Set s to -inf where the key is past the end (`seqlen` keys), or, if causal, after
     the query shifted by `causal_offset` (seqlen_k - seqlen_q: bottom-right alignment).
 
     `coords_rc[r, c]` is the (row, col) of register s_rc[r, c] inside the tile; row0 and col0
-    are the tile's offsets in the sequence.
+    are the tile's offsets in the sequence. Rows are queries and columns keys, or, with
+    `transposed` (the backward's S^T), rows are keys and columns queries.
     """
     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             row = coords_rc[r, c][0] + row0
             col = coords_rc[r, c][1] + col0
-            hidden = col >= seqlen
-            if cutlass.const_expr(causal):
-                hidden = hidden or col > row + causal_offset
-            if hidden:
-                s_rc[r, c] = -Float32.inf
-
-
-@cute.jit
-def mask_scores_transposed(st_rc: cute.Tensor, coords_rc: cute.Tensor, key0: Int32,
-                           query0: Int32, seqlen_k: Int32, causal: cutlass.Constexpr[bool],
-                           causal_offset: Int32):
-    """`mask_scores` for a transposed tile S^T (rows: keys, columns: queries), as the
-    backward computes it: -inf where the key is past the end (`seqlen_k`), or, if causal,
-    where key > query + causal_offset (seqlen_k - seqlen_q)."""
-    for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(st_rc, mode=[1])):
-            key = coords_rc[r, c][0] + key0
-            query = coords_rc[r, c][1] + query0
-            hidden = key >= seqlen_k
+            query, key = (col, row) if cutlass.const_expr(transposed) else (row, col)
+            hidden = key >= seqlen
             if cutlass.const_expr(causal):
                 hidden = hidden or key > query + causal_offset
             if hidden:
-                st_rc[r, c] = -Float32.inf
+                s_rc[r, c] = -Float32.inf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,7 +22,7 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from .layouts import acc_rows_cols
+from .layouts import acc_rows_cols, transposed
 
 
 def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, dtype=BFloat16):
@@ -128,3 +128,76 @@ class AttentionMmas:
 
     def new_s_accumulator(self, block_m: int, block_n: int) -> cute.Tensor:
         return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((block_m, block_n)), Float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardMmas:
+    """The five GEMMs of a backward CTA (kb1, kb2) that owns `block_n` keys (64 per
+    warpgroup) and walks `block_m`-row query tiles, partitioned for thread `tidx` (counted
+    from the first computing thread):
+
+        S^T = K Q^T, dP^T = V dO^T   mma_sdp: keys x queries, A and B K-major from SMEM
+        dV += P^T dO, dK += dS^T Q   mma_dkv: keys x d, A from registers (pt_frag, dst_frag),
+                                     B = dO^T, Q^T (the same tiles read MN-major)
+        dQ = dS K                    mma_dq: queries x d/2 per warpgroup, A = (dS^T)^T and
+                                     B = K^T, both MN-major from SMEM
+
+    sQ and sdO have a stage mode, sdSt (keys x queries) a buffer mode. `st_coords[r, c]` is
+    the (key, query) of S^T register [r, c] inside the tile.
+    """
+
+    mma_sdp: cute.TiledMma
+    mma_dkv: cute.TiledMma
+    mma_dq: cute.TiledMma
+    thr_sdp: object
+    thr_dkv: object
+    thr_dq: object
+    k_frag: cute.Tensor
+    v_frag: cute.Tensor
+    q_frag: cute.Tensor
+    do_frag: cute.Tensor
+    dot_frag: cute.Tensor
+    qt_frag: cute.Tensor
+    pt_frag: cute.Tensor
+    dst_frag: cute.Tensor
+    ds_frag: cute.Tensor
+    kt_frag: cute.Tensor
+    st_coords: cute.Tensor
+
+    @staticmethod
+    def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
+               sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
+               sdSt: cute.Tensor, dtype=BFloat16) -> "BackwardMmas":
+        bm, bn = block_m, block_n
+        mma_sdp = qk_mma(warpgroups, 1, bm, dtype)
+        wg_sdp, thr_sdp = warpgroup_slice(mma_sdp, tidx), mma_sdp.get_slice(tidx)
+        mma_dkv = pv_mma(warpgroups, head_dim, dtype)
+        wg_dkv, thr_dkv = warpgroup_slice(mma_dkv, tidx), mma_dkv.get_slice(tidx)
+        mma_dq = dq_mma(head_dim, dtype)
+        wg_dq, thr_dq = warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
+        return BackwardMmas(
+            mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dkv, thr_dq,
+            k_frag=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
+            v_frag=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
+            q_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
+            do_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
+            dot_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO))),
+            qt_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ))),
+            pt_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
+            dst_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
+            ds_frag=wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt))),
+            kt_frag=wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK))),
+            st_coords=acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm)))))
+
+    def new_dkv_accumulator(self, block_n: int, head_dim: int) -> cute.Tensor:
+        """dK or dV (fp32, per thread), zeroed."""
+        acc = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((block_n, head_dim)), Float32)
+        acc.fill(0.0)
+        return acc
+
+    def new_st_accumulator(self, block_m: int, block_n: int) -> cute.Tensor:
+        """S^T or dP^T (fp32, per thread)."""
+        return cute.make_rmem_tensor(self.thr_sdp.partition_shape_C((block_n, block_m)), Float32)
+
+    def new_dq_accumulator(self, block_m: int, head_dim: int) -> cute.Tensor:
+        return cute.make_rmem_tensor(self.thr_dq.partition_shape_C((block_m, head_dim)), Float32)
