@@ -35,7 +35,9 @@ def _nvtx_range(name):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kernels", nargs="+", help=f"any of: {', '.join(registry.KERNELS)}")
+    ap.add_argument("kernels", nargs="+",
+                    help=f"any of: {', '.join(registry.KERNELS)} (forward), "
+                         f"{', '.join(registry.BACKWARD_KERNELS)} (backward)")
     ap.add_argument("--json", help="write all rows and the environment to this file")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile for sm_90a and report registers/SMEM/spills (no GPU needed)")
