@@ -113,6 +113,10 @@ def test_backward_op_fake_and_traced_backward():
         lse = torch.empty(2, 8, 100, dtype=torch.float32, device="cuda")
         dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, kv, kv, q, q, lse, True, None)
         assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape
+        out, _ = torch.ops.hopper_attn.attention(q, kv, kv, True, None, "", True)  # deterministic
+        assert out.shape == q.shape
+        grads = torch.ops.hopper_attn.attention_backward(q, kv, kv, q, q, lse, True, None, True)
+        assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape]
     graphs = []
 
     def backend(gm, example_inputs):                     # AOT-trace forward and backward

@@ -117,12 +117,13 @@ def provenance(res: Results, kernels) -> str:
             f"baselines timed in the same run (>1 = faster). Source: {files}.")
 
 
-def summary_table(res: Results, n: int = 4096) -> str:
+def summary_table(res: Results, n: int = 4096, stages=None, what: str = "") -> str:
     """README: every stage at N = n, both head dims, full and causal, one row per kernel."""
+    stages = STAGES if stages is None else stages
     cols = [(128, False), (128, True), (64, False), (64, True)]
     head = " | ".join(f"d={d} {'causal' if c else 'full'}" for d, c in cols)
     lines = [f"| kernel | {head} |", "|---|" + "---:|" * len(cols)]
-    for kname in STAGES:
+    for kname in stages:
         cells = []
         for d, causal in cols:
             keys = [k for k in res.configs(d, causal) if k[2] == n]
@@ -134,9 +135,10 @@ def summary_table(res: Results, n: int = 4096) -> str:
             cells.append(f"{row['tflops']:.1f} &middot; {_fmt(r.get('sdpa_flash'), 2)}x / "
                          f"{_fmt(r.get('sdpa_cudnn'), 2)}x / {_fmt(r.get('fa4'), 2)}x")
         lines.append(f"| {kname} | " + " | ".join(cells) + " |")
-    return ("\n".join(lines) + f"\n\nCells: TFLOP/s at N = {n} (B = {16384 // n}, H = 2048 / d) "
-            "&middot; speed relative to SDPA FLASH / SDPA cuDNN / FlashAttention-4, measured in the "
-            "same run (> 1 = faster). " + provenance(res, STAGES))
+    return ("\n".join(lines) + f"\n\nCells: {what}TFLOP/s at N = {n} (B = {16384 // n}, "
+            "H = 2048 / d) &middot; speed relative to SDPA FLASH / SDPA cuDNN / "
+            f"FlashAttention-4{' (their backward passes)' if what else ''}, measured in the "
+            "same run (> 1 = faster). " + provenance(res, stages))
 
 
 def compile_table(res: Results) -> str:
@@ -339,6 +341,8 @@ def blocks(folder) -> dict:
         out[f"backward:{g}"] = (stage_table(backward, BACKWARD_STAGES, head_dims=(64, 128))
                                 + "\n\n" + provenance(backward, BACKWARD_STAGES))
         out[f"profile:backward:{g}"] = profile_table(folder, ["kb2", "fa4_bwd"])
+        out[f"summary-backward:{g}"] = summary_table(
+            backward, stages=BACKWARD_STAGES, what="backward (10 B H N^2 d FLOPs, half causal) ")
     for stage, profiled in {"k1": ["k1"], "k2": ["k1", "k2"], "k3": ["k2", "k3_3"],
                             "k4_qk": ["k3_3", "k4_qk"], "k4": ["k3_3", "k4_qk", "k4"],
                             "k5": ["k4", "k5", "fa4"]}.items():
