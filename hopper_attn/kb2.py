@@ -75,7 +75,8 @@ class FlashAttentionBackwardKB2:
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
-                 stages: int = 2, rotate: bool = True, deterministic: bool = False):
+                 stages: int = 2, rotate: bool = True, deterministic: bool = False,
+                 stmatrix: bool = False):
         if block_m != 64 or block_n != 128:
             raise ValueError("kb2 runs 64 x 128 tiles (one consumer warpgroup per 64 keys); "
                              f"got {block_m} x {block_n}")
@@ -92,6 +93,10 @@ class FlashAttentionBackwardKB2:
         # deterministic: the kv tiles add into each dQ tile in the order 0, 1, 2, ... (a
         # turn counter per query tile), so dQ has the same bits on every run
         self.deterministic = deterministic
+        # stmatrix: dS^T -> SMEM with `stmatrix` (four 8 x 8 blocks per warp instruction)
+        # instead of one 4-byte store per register pair; correct, speed not yet decided
+        # (docs/kb2.md: measured only against another run)
+        self.stmatrix = stmatrix
 
     @cute.jit
     def query_tile(self, it, n_block, m_first, m_count):
@@ -272,6 +277,13 @@ class FlashAttentionBackwardKB2:
         st_coords = mmas.st_coords
         acc_dk = mmas.new_dkv_accumulator(bn, d)
         acc_dv = mmas.new_dkv_accumulator(bn, d)
+        if cutlass.const_expr(self.stmatrix):
+            store_ds = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
+                                                                      num_matrices=4), dtype),
+                mmas.mma_sdp)
+            thr_store_ds = store_ds.get_slice(ctidx)
+            ds_smem = thr_store_ds.partition_D(sdSt)             # (..., buffer)
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,
                                            num_threads=128 * self.warpgroups)
 
@@ -310,7 +322,11 @@ class FlashAttentionBackwardKB2:
             buf = it % 2
             ds_out = cute.make_rmem_tensor_like(acc_dpt, dtype)
             ds_out.store(acc_dpt.load().to(dtype))
-            cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
+            if cutlass.const_expr(self.stmatrix):
+                cute.copy(store_ds, thr_store_ds.retile(ds_out),
+                          ds_smem[None, None, None, buf])
+            else:
+                cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
             wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
                        zero_init=False)                                  # dV += P^T dO
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
@@ -358,12 +374,13 @@ def wait_for_turn(turn: cute.Pointer, n_block):
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
                    block_n: int = 128, stages: int = 2, rotate: bool = True,
-                   deterministic: bool = False):
+                   deterministic: bool = False, stmatrix: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower)."""
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
                             {"block_m": block_m, "block_n": block_n, "stages": stages,
-                             "rotate": bool(rotate), "deterministic": bool(deterministic)},
+                             "rotate": bool(rotate), "deterministic": bool(deterministic),
+                             "stmatrix": bool(stmatrix)},
                             compile_options=compile_options)
 
 

@@ -59,3 +59,12 @@ def test_deterministic_mode_orders_the_dq_adds():
     assert count(ptx, r"atom\.global\.release(\.gpu)?\.add") == 1
     assert count(ptx, r"cp\.async\.bulk\.wait_group\s+0;") >= 1        # not just .read
     assert count(compiled("kb2", 128, True)["ptx"], r"atom\.global") == 0
+
+
+def test_stmatrix_option_stores_ds_with_stmatrix():
+    """kb2:stmatrix=1 (an option under evaluation) stores dS^T with stmatrix.x4; the
+    default keeps one 4-byte st.shared per register pair."""
+    assert count(compiled("kb2:stmatrix=1", 128, False)["ptx"], r"stmatrix\.sync\.aligned") == 4
+    assert count(compiled("kb2", 128, False)["ptx"], r"stmatrix") == 0
+    for fn in resource_usage(compiled("kb2:stmatrix=1", 64, True)["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
