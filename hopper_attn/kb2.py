@@ -50,11 +50,10 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (compile_backward, fragment_slot, run_backward,
-                                         stage_dkv, store_dkv)
+from hopper_attn.common.backward import (BackwardTiles, compile_backward, fragment_slot,
+                                         run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.contract import KernelSpec
-from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                        smem_tile_layout)
+from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
 from hopper_attn.common.warp_roles import WarpRoles
 
@@ -117,23 +116,17 @@ class FlashAttentionBackwardKB2:
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
                  mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32,
                  softmax_scale: Float32, stream):
-        q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]  # (N, d, H, B)
         lse2, dsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                       for t in (mLSE2, mD)]                                     # (rows, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type
-        q_layout = smem_tile_layout(self.dtype, bm, d, self.stages)     # Q and dO rings
-        kv_layout = smem_tile_layout(self.dtype, bn, d)                 # K, V; then dK, dV
-        ds_layout = smem_tile_layout(self.dtype, bn, bm, 2)             # dS^T, 2 buffers
+        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages)
+        q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
         row_layout = cute.make_layout((bm, self.stages))                # lse2 / D rings
-        tma_q, q_tiles = tma.make_tma_load(q, q_layout, bm, d)
-        tma_do, do_tiles = tma.make_tma_load(do, q_layout, bm, d)
-        tma_k, k_tiles = tma.make_tma_load(k, kv_layout, bn, d)
-        tma_v, v_tiles = tma.make_tma_load(v, kv_layout, bn, d)
+        q_tiles, do_tiles, k_tiles, v_tiles, dk_tiles, dv_tiles = tiles.tensors
+        tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv = tiles.atoms
         tma_lse, lse_tiles = tma.make_tma_row_load(lse2, bm)
         tma_dsum, dsum_tiles = tma.make_tma_row_load(dsum, bm)
-        tma_dk, dk_tiles = tma.make_tma_store(dk, kv_layout, bn, d)
-        tma_dv, dv_tiles = tma.make_tma_store(dv, kv_layout, bn, d)
         self.q_bytes = tma.tma_bytes(self.dtype, q_layout) + bm * 4     # + its lse2 (or D) row
         self.kv_bytes = 2 * tma.tma_bytes(self.dtype, kv_layout)
 
@@ -157,7 +150,7 @@ class FlashAttentionBackwardKB2:
                     dv_tiles, tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv,
                     mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
                     row_layout).launch(
-            grid=self.schedule.grid(k.shape[0], q.shape[2], q.shape[3]),
+            grid=self.schedule.grid(tiles.seqlen_k, tiles.heads, tiles.batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,

@@ -39,7 +39,7 @@ from cutlass import Float32
 from cutlass.cute.runtime import make_fake_stream
 
 from . import tma
-from .layouts import ndhb_view
+from .layouts import ndhb_view, smem_tile_layout
 
 _COMPILED: dict = {}
 
@@ -211,8 +211,43 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
 
 
 # --------------------------------------------------------------------------------------------
-# Device side: the main kernels' epilogue, then the pre- and post-processing kernels.
+# The main kernels' tiles (host side, inside their @cute.jit __call__) and epilogue (device).
 # --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTiles:
+    """What a backward main kernel (kb1, kb2) sets up on the host: the swizzled SMEM layouts
+    of its tiles and the TMA atoms and tensors that move them.
+
+    q_layout: (block_m, d, stage), the Q and dO rings; kv_layout: (block_n, d), K and V, later
+    dK and dV; ds_layout: (block_n, block_m, 2), dS^T (keys x queries, queries contiguous).
+    atoms and tensors: (Q, dO, K, V) loads, then (dK, dV) stores. `kv_tiles`, `heads`,
+    `batch`: the grid's extents (one CTA per kv tile of a head)."""
+
+    q_layout: object
+    kv_layout: object
+    ds_layout: object
+    atoms: tuple
+    tensors: tuple
+    seqlen_k: object
+    heads: object
+    batch: object
+
+    @staticmethod
+    def create(mQ, mK, mV, mdO, mdK, mdV, block_m: int, block_n: int, head_dim: int,
+               stages: int) -> "BackwardTiles":
+        q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        bm, bn, d, dtype = block_m, block_n, head_dim, mQ.element_type
+        q_layout = smem_tile_layout(dtype, bm, d, stages)
+        kv_layout = smem_tile_layout(dtype, bn, d)
+        ds_layout = smem_tile_layout(dtype, bn, bm, 2)
+        copies = [tma.make_tma_load(q, q_layout, bm, d), tma.make_tma_load(do, q_layout, bm, d),
+                  tma.make_tma_load(k, kv_layout, bn, d), tma.make_tma_load(v, kv_layout, bn, d),
+                  tma.make_tma_store(dk, kv_layout, bn, d),
+                  tma.make_tma_store(dv, kv_layout, bn, d)]
+        return BackwardTiles(q_layout, kv_layout, ds_layout, tuple(c[0] for c in copies),
+                             tuple(c[1] for c in copies), k.shape[0], q.shape[2], q.shape[3])
+
 
 def stage_dkv(thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor,
               sV: cute.Tensor, dtype):
