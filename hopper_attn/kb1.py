@@ -54,8 +54,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, compile_backward, run_backward,
-                                         stage_dkv, store_dkv)
+from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
+                                         run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
@@ -134,11 +134,7 @@ class FlashAttentionBackwardKB1:
             tma.prefetch_descriptors(tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sK, sV = (buf.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-                  for buf in (storage.sK, storage.sV))                   # (bn, d)
-        sQ, sdO = (buf.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-                   for buf in (storage.sQ, storage.sdO))                 # (bm, d, stage)
-        sdSt = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (bn, bm, 2)
+        sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout)
 
         # K, V: one load (a one-stage pipeline); Q, dO: a ring, one barrier per stage for both
         kv_pipe = tma.make_tma_ring(storage.kv_barriers.data_ptr(), 1, self.threads // 32,

@@ -50,8 +50,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, compile_backward, fragment_slot,
-                                         run_backward, stage_dkv, store_dkv)
+from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
+                                         fragment_slot, run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
@@ -175,11 +175,7 @@ class FlashAttentionBackwardKB2:
         m_count = m_end - m_first
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sK, sV = (buf.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-                  for buf in (storage.sK, storage.sV))                   # (bn, d)
-        sQ, sdO = (buf.get_tensor(q_layout.outer, swizzle=q_layout.inner)
-                   for buf in (storage.sQ, storage.sdO))                 # (bm, d, stage)
-        sdSt = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)  # (bn, bm, 2)
+        sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout)
         sLSE, sD = storage.sLSE.get_tensor(row_layout), storage.sD.get_tensor(row_layout)
 
         consumer_warps = 4 * self.warpgroups

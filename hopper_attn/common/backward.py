@@ -249,6 +249,17 @@ class BackwardTiles:
                              tuple(c[1] for c in copies), k.shape[0], q.shape[2], q.shape[3])
 
 
+def backward_smem(storage, q_layout, kv_layout, ds_layout):
+    """The swizzled SMEM tensors of a backward CTA's SharedStorage (fields sK, sV, sQ, sdO,
+    sdS): K and V (block_n, d); Q and dO (block_m, d, stage); dS^T (block_n, block_m, 2)."""
+    sK, sV = (buf.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+              for buf in (storage.sK, storage.sV))
+    sQ, sdO = (buf.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+               for buf in (storage.sQ, storage.sdO))
+    sdSt = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
+    return sK, sV, sQ, sdO, sdSt
+
+
 def stage_dkv(thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor,
               sV: cute.Tensor, dtype):
     """dK and dV (already scaled) -> dtype -> K's and V's SMEM buffers, fenced for the TMA
