@@ -40,6 +40,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from . import tma
 from .layouts import ndhb_view, smem_tile_layout
+from .wgmma import dq_mma
 
 _COMPILED: dict = {}
 
@@ -408,7 +409,6 @@ class DqConvertFragments:
 
     @cute.kernel
     def kernel(self, acc_all: cute.Tensor, dq: cute.Tensor, scale: Float32):
-        from .wgmma import dq_mma
         bm, d = self.block_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
