@@ -3,6 +3,7 @@
     python bench.py k2 k3_3 k4              # default sweep (FlashAttention-3 paper's)
     CHECK=1 python bench.py k4              # check each config against fp32 first
     SEQLEN=4096 HEADDIM=128 CAUSAL=0 python bench.py k4 --json results/x.json
+    python bench.py kb2 kb2:stmatrix=1 --interleave   # round-robin timing, for close A/B
     python bench.py k4 --profile            # one config, once, inside an NVTX range (for ncu)
     python bench.py k2 k4 --compile-only    # no GPU needed: registers, SMEM, spills per config
     CHECK=1 python bench.py kb1             # a backward stage: timed against the baselines'
@@ -46,6 +47,9 @@ def parse_args(argv=None):
     ap.add_argument("--baselines", default="sdpa_flash,sdpa_cudnn,fa4",
                     help="comma-separated baselines to time ('' for none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--interleave", action="store_true",
+                    help="time kernels and baselines of a config round-robin (steadier ratios "
+                         "for A/B decisions between close variants)")
     return ap.parse_args(argv)
 
 
@@ -117,7 +121,7 @@ def run(entries, args, backward: bool = False) -> int:
     from hopper_attn.harness.checks import ReferenceCase
     from hopper_attn.harness.env import environment
     from hopper_attn.harness.inputs import make_inputs
-    from hopper_attn.harness.timing import L2Flush, benchmark, tflops
+    from hopper_attn.harness.timing import L2Flush, benchmark, benchmark_interleaved, tflops
 
     check = os.environ.get("CHECK", "0") not in ("", "0")
     env = environment()
@@ -141,21 +145,19 @@ def run(entries, args, backward: bool = False) -> int:
         else:
             q, k, v, out = make_inputs(problem, args.seed)
             tensors = (q, k, v, out)
-        base_ms = {}
+        calls, timed = {}, {}
         for name, fn in found.items():
-            with _nvtx_range(f"{name}__{problems.config_name(problem)}"):
-                call = (fn(q, k, v, case.do, problem.causal) if backward
-                        else lambda: fn(q, k, v, problem.causal))
-                t = benchmark(call, flush)
-                del call
-            base_ms[name] = t["ms"]
-            rows.append({"kernel": name, "baseline": True, "config": problem.as_dict(), **t,
-                         "tflops": tflops(flops, t["ms"])})
+            calls[name] = (fn(q, k, v, case.do, problem.causal) if backward
+                           else (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v, problem.causal)))
+            if not args.interleave:
+                with _nvtx_range(f"{name}__{problems.config_name(problem)}"):
+                    timed[name] = benchmark(calls.pop(name), flush)
+        kernel_rows = []
         for entry in entries:
             row = {"kernel": entry.name, "baseline": False, "config": problem.as_dict()}
             reason = entry.spec.unsupported_reason(problem)
             if reason:
-                rows.append({**row, "skipped": reason})
+                kernel_rows.append({**row, "skipped": reason})
                 continue
             try:
                 handle = entry.compile(problem)
@@ -166,14 +168,30 @@ def run(entries, args, backward: bool = False) -> int:
                     row["check"] = verdict
                     if not verdict["ok"]:
                         failures.append((entry.name, problem.label(), verdict))
-                with _nvtx_range(f"{entry.name}__{problems.config_name(problem)}"):
-                    t = benchmark(lambda: entry.run(handle, *tensors), flush)
+                call = (lambda entry=entry, handle=handle, tensors=tensors:
+                        entry.run(handle, *tensors))
+                if args.interleave:
+                    calls[entry.name] = call
+                else:
+                    with _nvtx_range(f"{entry.name}__{problems.config_name(problem)}"):
+                        timed[entry.name] = benchmark(call, flush)
             except Exception as exc:  # noqa: BLE001 - record and keep going, fail at the end
-                rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+                kernel_rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:2000]})
                 failures.append((entry.name, problem.label(), str(exc)[:300]))
                 continue
-            row.update(t, tflops=tflops(flops, t["ms"]),
-                       ratios={b: ms / t["ms"] for b, ms in base_ms.items()})
+            kernel_rows.append(row)
+        if args.interleave:                 # everything of this config, round-robin
+            timed.update(benchmark_interleaved(calls, flush))
+        calls.clear()
+        base_ms = {name: timed[name]["ms"] for name in found}
+        for name in found:
+            rows.append({"kernel": name, "baseline": True, "config": problem.as_dict(),
+                         **timed[name], "tflops": tflops(flops, timed[name]["ms"])})
+        for row in kernel_rows:
+            t = timed.get(row["kernel"]) if "error" not in row and "skipped" not in row else None
+            if t is not None:
+                row.update(t, tflops=tflops(flops, t["ms"]),
+                           ratios={b: ms / t["ms"] for b, ms in base_ms.items()})
             rows.append(row)
         del q, k, v, out, tensors
         if check or backward:

@@ -4,9 +4,10 @@
     out = hopper_attn.attention(q, k, v, causal=True)          # (B, N, H, d) in, same out
 
 What it does: checks the inputs (raising ValueError before anything is launched), picks the
-first stage of `PREFERENCE` that supports the problem (or the one named by `stage=`),
-compiles it on first use (cached per head dim, mask and options; one compile serves every
-batch, sequence length and head count), and launches it on the current CUDA stream.
+first stage of `PREFERENCE` (per head dim) that supports the problem (or the one named by
+`stage=`), compiles it on first use (cached per head dim, mask and options; one compile
+serves every batch, sequence length and head count), and launches it on the current CUDA
+stream.
 
 It is registered as `torch.ops.hopper_attn.attention` with a fake (meta) implementation, so
 `torch.compile(fullgraph=True)` traces through it and CUDA graphs can capture it.
@@ -35,9 +36,12 @@ import torch
 from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tensors,
                                          run_attention)
 
-# Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.03-1.11x k5 at
-# d = 128, 0.88-1.23x at d = 64; k6 alone runs d 96-256 and fp16).
+# Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.02-1.03x k5 at
+# d = 128; k6 alone runs d 96-256 and fp16). At d = 64 k5 leads since its SMEM descriptors
+# are built in uniform registers: 1.06-1.08x k6 without a mask, 1.00-1.13x with one
+# (results/h100/2026-11-23_fwd_uniform_descriptors.json); k6 still takes what k5 refuses.
 PREFERENCE = ("k6", "k5", "k4")
+PREFERENCE_BY_HEAD_DIM = {64: ("k5", "k6", "k4")}
 BACKWARD_PREFERENCE = ("kb2", "kb1")
 
 _HANDLES: dict = {}
@@ -92,7 +96,8 @@ def _entry_for(problem: Problem, stage: str):
         entry = registry.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
         return entry
-    return _first_supporting(PREFERENCE, problem, "stage")
+    return _first_supporting(PREFERENCE_BY_HEAD_DIM.get(problem.head_dim, PREFERENCE),
+                             problem, "stage")
 
 
 # Calls that passed every check once, by everything the checks looked at except the data

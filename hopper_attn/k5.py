@@ -93,7 +93,8 @@ SMEM_PER_CTA = 227 * 1024          # the most dynamic shared memory one CTA may 
 class FlashAttentionK5:
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False, pingpong: bool = True,
-                 persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False):
+                 persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False,
+                 uniform_descriptors: bool = True):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -120,6 +121,7 @@ class FlashAttentionK5:
                                        (persistent_ctas or sm_count()) if persistent else 0,
                                        dynamic and persistent)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
+        self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -254,7 +256,7 @@ class FlashAttentionK5:
 
             # Each consumer warpgroup owns 64 query rows (as in k4, indexed by ctidx).
             mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
-                                              self.dtype)
+                                              self.dtype, self.uniform_descriptors)
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
@@ -403,13 +405,14 @@ def lse_buffer(problem, device) -> list:
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
-                   block_n: int = 128, stages: int = 2, trace: bool = False):
+                   block_n: int = 128, stages: int = 2, trace: bool = False,
+                   uniform_descriptors: bool = True):
     """Compile (or fetch from the cache) k5; options: block_m (0: the default for the head
     dim; 64, 128 or 192 = 1-3 consumer warpgroups), block_n, stages (of each of the K and V
     rings), trace (iket phase ranges, for timelines)."""
     return compile_attention(SPEC, FlashAttentionK5, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
-                              "trace": trace},
+                              "trace": trace, "uniform_descriptors": bool(uniform_descriptors)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

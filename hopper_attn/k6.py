@@ -142,13 +142,19 @@ class FlashAttentionK6(FlashAttentionK5):
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 2, pingpong: Optional[bool] = None,
                    persistent: bool = True, persistent_ctas: int = 0,
-                   dynamic: Optional[bool] = None, trace: bool = False):
+                   dynamic: Optional[bool] = None, trace: bool = False,
+                   uniform_descriptors: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
     item, as in k5, for comparison); persistent_ctas: that grid's size (0: one per SM);
     dynamic: each CTA takes its next work item from a global counter (default: with a
     causal mask, whose work items differ in length) instead of every grid-th one."""
+    if uniform_descriptors is None:
+        # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
+        # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there
+        # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md)
+        uniform_descriptors = problem.head_dim != 64
     if not persistent and max(problem.heads, problem.batch) > MAX_GRID_YZ:
         raise UnsupportedProblem(f"k6 with persistent=False launches one CTA per work item: "
                                  f"heads and batch must be <= {MAX_GRID_YZ}")
@@ -156,7 +162,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "pingpong": pingpong, "persistent": persistent,
                               "persistent_ctas": persistent_ctas, "dynamic": dynamic,
-                              "trace": trace},
+                              "trace": trace,
+                              "uniform_descriptors": bool(uniform_descriptors)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -57,7 +57,7 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
                                          run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.contract import KernelSpec
-from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
+from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
 
 SPEC = KernelSpec(
@@ -206,8 +206,7 @@ class FlashAttentionBackwardKB1:
                        zero_init=False)
             # dS^T to SMEM for dQ; then every warpgroup's part must be there
             buf = it % 2
-            ds_out = cute.make_rmem_tensor_like(acc_dpt, dtype)
-            ds_out.store(acc_dpt.load().to(dtype))
+            ds_out = operand_a_as_acc(mmas.dst_frag, acc_dpt)         # dS^T, converted once
             cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
             cute.arch.fence_proxy("async.shared", space="cta")   # visible to the WGMMA unit
             cute.arch.barrier()

@@ -52,8 +52,9 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
                                          fragment_slot, run_backward, stage_dkv, store_dkv)
+from hopper_attn.common.compiler_hints import pin
 from hopper_attn.common.contract import KernelSpec
-from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
+from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
 from hopper_attn.common.warp_roles import WarpRoles
 
@@ -74,8 +75,8 @@ class FlashAttentionBackwardKB2:
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
-                 stages: int = 2, rotate: bool = True, deterministic: bool = False,
-                 stmatrix: bool = False):
+                 stages: int = 2, rotate: bool = False, deterministic: bool = False,
+                 stmatrix: bool = True, early_dv=None):
         if block_m != 64 or block_n != 128:
             raise ValueError("kb2 runs 64 x 128 tiles (one consumer warpgroup per 64 keys); "
                              f"got {block_m} x {block_n}")
@@ -86,16 +87,22 @@ class FlashAttentionBackwardKB2:
         self.threads = self.roles.threads
         self.schedule = KVTileSchedule(block_m, block_n, causal)
         # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
-        # one head do not all reduce-add into the same dQ tile at the same time (measured:
-        # results/h100/2026-11-23_kb2_variants.json, docs/kb2.md)
+        # one head do not all reduce-add into the same dQ tile at the same time. Off by
+        # default: timed round-robin against FA4 it gains nothing without a mask and costs
+        # 3-4% with a causal one (results/h100/2026-11-23_kb2_ab.json, docs/kb2.md)
         self.rotate = rotate and not deterministic
         # deterministic: the kv tiles add into each dQ tile in the order 0, 1, 2, ... (a
         # turn counter per query tile), so dQ has the same bits on every run
         self.deterministic = deterministic
         # stmatrix: dS^T -> SMEM with `stmatrix` (four 8 x 8 blocks per warp instruction)
-        # instead of one 4-byte store per register pair; correct, speed not yet decided
-        # (docs/kb2.md: measured only against another run)
+        # instead of one 4-byte store (and its swizzled address) per register pair
         self.stmatrix = stmatrix
+        # early_dv: issue dV += P^T dO as soon as P^T is in registers, before waiting for
+        # dP^T, instead of after dS^T. It gives the tensor core queued work while dS^T is
+        # computed, and it is what makes ptxas keep the exp2 loop ahead of that wait (with
+        # dV later, the compiled code waited for dP^T before the first exp2). Default: on at
+        # d = 128, off at d = 64, where it measured 1-2% faster and 5% slower
+        self.early_dv = (head_dim == 128) if early_dv is None else bool(early_dv)
 
     @cute.jit
     def query_tile(self, it, n_block, m_first, m_count):
@@ -273,6 +280,7 @@ class FlashAttentionBackwardKB2:
                 mmas.mma_sdp)
             thr_store_ds = store_ds.get_slice(ctidx)
             ds_smem = thr_store_ds.partition_D(sdSt)             # (..., buffer)
+
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,
                                            num_threads=128 * self.warpgroups)
 
@@ -286,38 +294,47 @@ class FlashAttentionBackwardKB2:
             acc_st = mmas.new_st_accumulator(bm, bn)
             wgmma.gemm(mmas.mma_sdp, acc_st, mmas.k_frag, mmas.q_frag[None, None, None, stage],
                        zero_init=True)
+            st_rc = acc_rows_cols(acc_st)
+            cols = cute.size(st_rc, mode=[1])
+            # this thread's LSE (and below D) values, loaded while the GEMMs run: read after
+            # the wait, their SMEM latency stalled the exp2 loop (ncu: 9% of warp samples)
+            lse2 = column_stats(sLSE, st_coords, stage, cols)
             do_pipe.consumer_wait(consume)
             acc_dpt = mmas.new_st_accumulator(bm, bn)
             wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag, mmas.do_frag[None, None, None, stage],
                        zero_init=True)
-            st_rc, dpt_rc = acc_rows_cols(acc_st), acc_rows_cols(acc_dpt)
-            cols = cute.size(st_rc, mode=[1])
+            dpt_rc = acc_rows_cols(acc_dpt)
             warpgroup.wait_group(1)                                     # S^T has landed
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
                             self.causal, causal_offset, transposed=True)
             for c in cutlass.range_constexpr(cols):
-                lse2 = sLSE[st_coords[0, c][1], stage]
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
-                    st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2,
+                    st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2[c],
                                                  fastmath=True)          # P^T
+            dsum = column_stats(sD, st_coords, stage, cols)
             mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
-            warpgroup.wait_group(0)                                     # dP^T has landed
+            if cutlass.const_expr(self.early_dv):
+                wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
+                           mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
+                warpgroup.wait_group(1)                                 # dP^T has landed
+            else:
+                warpgroup.wait_group(0)                                 # dP^T has landed
             for c in cutlass.range_constexpr(cols):
-                dsum = sD[st_coords[0, c][1], stage]
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
-                    dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum)  # dS^T
+                    dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum[c])  # dS^T
             mmas.dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
+            pin(mmas.dst_frag)                          # one conversion for both readers
             buf = it % 2
-            ds_out = cute.make_rmem_tensor_like(acc_dpt, dtype)
-            ds_out.store(acc_dpt.load().to(dtype))
+            ds_out = operand_a_as_acc(mmas.dst_frag, acc_dpt)         # dS^T, converted once
             if cutlass.const_expr(self.stmatrix):
                 cute.copy(store_ds, thr_store_ds.retile(ds_out),
                           ds_smem[None, None, None, buf])
             else:
                 cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
-            wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
-                       zero_init=False)                                  # dV += P^T dO
+            if cutlass.const_expr(not self.early_dv):
+                wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
+                           mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
             ds_written.arrive_and_wait()                         # ... of both warpgroups
             acc_dq = mmas.new_dq_accumulator(bm, d)
@@ -352,6 +369,16 @@ class FlashAttentionBackwardKB2:
 
 
 @cute.jit
+def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
+    """The per-query statistic (lse2 or D) of each S^T column this thread holds, from the
+    stage's SMEM row into registers."""
+    vals = cute.make_rmem_tensor((cols,), Float32)
+    for c in cutlass.range_constexpr(cols):
+        vals[c] = s_rows[st_coords[0, c][1], stage]
+    return vals
+
+
+@cute.jit
 def wait_for_turn(turn: cute.Pointer, n_block):
     """Spin (one lane, acquire) until the turn counter reaches `n_block`."""
     if cute.arch.lane_idx() == 0:
@@ -362,14 +389,15 @@ def wait_for_turn(turn: cute.Pointer, n_block):
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
-                   block_n: int = 128, stages: int = 2, rotate: bool = True,
-                   deterministic: bool = False, stmatrix: bool = False):
+                   block_n: int = 128, stages: int = 2, rotate: bool = False,
+                   deterministic: bool = False, stmatrix: bool = True, early_dv=None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower)."""
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
                             {"block_m": block_m, "block_n": block_n, "stages": stages,
                              "rotate": bool(rotate), "deterministic": bool(deterministic),
-                             "stmatrix": bool(stmatrix)},
+                             "stmatrix": bool(stmatrix),
+                             "early_dv": None if early_dv is None else bool(early_dv)},
                             compile_options=compile_options)
 
 

@@ -61,10 +61,33 @@ def test_deterministic_mode_orders_the_dq_adds():
     assert count(compiled("kb2", 128, True)["ptx"], r"atom\.global") == 0
 
 
-def test_stmatrix_option_stores_ds_with_stmatrix():
-    """kb2:stmatrix=1 (an option under evaluation) stores dS^T with stmatrix.x4; the
-    default keeps one 4-byte st.shared per register pair."""
-    assert count(compiled("kb2:stmatrix=1", 128, False)["ptx"], r"stmatrix\.sync\.aligned") == 4
-    assert count(compiled("kb2", 128, False)["ptx"], r"stmatrix") == 0
-    for fn in resource_usage(compiled("kb2:stmatrix=1", 64, True)["cubin"]):
+def test_ds_is_stored_with_stmatrix():
+    """dS^T goes to SMEM with stmatrix.x4 (four per thread and tile at d = 128); the
+    kb2:stmatrix=0 variant keeps one 4-byte st.shared per register pair."""
+    assert count(compiled("kb2", 128, False)["ptx"], r"stmatrix\.sync\.aligned") == 4
+    assert count(compiled("kb2:stmatrix=0", 128, False)["ptx"], r"stmatrix") == 0
+    for fn in resource_usage(compiled("kb2:stmatrix=0", 64, True)["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def _consumer_loop(ptx: str) -> str:
+    """From the first WGMMA commit (S^T) to the dS^T barrier shared by both warpgroups."""
+    start = ptx.index("wgmma.commit_group.sync.aligned")
+    return ptx[start:re.search(r"bar\.sync\s+1,\s*256;", ptx).start()]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_lse_read_while_the_gemms_run(d):
+    """The LSE values of a thread's S^T columns are read from SMEM between issuing S^T and
+    waiting for it (read after the wait, their latency stalled the exp2 loop)."""
+    loop = _consumer_loop(compiled("kb2", d, False)["ptx"])
+    first_wait = loop.index("wgmma.wait_group")
+    assert count(loop[:first_wait], r"ld\.shared") >= 4
+
+
+@pytest.mark.parametrize("d,early", [(128, True), (64, False)])
+def test_dv_issued_before_waiting_for_dpt_at_d128(d, early):
+    """At d = 128, dV += P^T dO is issued before the wait for dP^T (no wait_group 0 before
+    dS^T is shared); at d = 64, where that order measured slower, after it."""
+    loop = _consumer_loop(compiled("kb2", d, False)["ptx"])
+    assert count(loop, r"wgmma\.wait_group\.sync\.aligned\s+0;") == (0 if early else 1)

@@ -107,3 +107,15 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     through this view has the A-fragment layout the PV WGMMA expects.
     """
     return cute.make_tensor(acc.iterator, _regrouped(acc.layout, _operand_a))
+
+
+def operand_a_as_acc(frag: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
+    """The registers of an A fragment written through `acc_as_operand_a(acc)`, viewed with
+    the accumulator's own layout: the regrouping keeps the register order when a warpgroup
+    holds one MMA tile along M, so element i of one view is element i of the other. A tile
+    converted once (e.g. dS^T in bf16) can then feed a register-A WGMMA and be stored to
+    SMEM through the accumulator's partition, without a second conversion."""
+    if cute.size(acc.shape[1]) != 1:
+        raise ValueError("operand_a_as_acc needs one MMA tile along M per warpgroup")
+    return cute.make_tensor(frag.iterator, acc.layout)
+

@@ -76,10 +76,15 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Ten
     warpgroup.commit_group()
 
 
-def warpgroup_slice(tiled_mma: cute.TiledMma, tidx):
+def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
     """The slice of `tiled_mma` owned by the warpgroup of thread `tidx` (operand partitions
-    are per warpgroup: the SMEM descriptors are shared by its 128 threads)."""
-    return tiled_mma.get_slice((tidx // 128) * 128)
+    are per warpgroup: the SMEM descriptors are shared by its 128 threads). The warpgroup
+    index goes through `make_warp_uniform`: without it the compiler builds every SMEM
+    descriptor in per-thread registers and copies it to uniform ones (R2UR) before each
+    WGMMA."""
+    if not uniform:                        # (kept for a same-run A/B: k5/k6 uniform_descriptors=0)
+        return tiled_mma.get_slice((tidx // 128) * 128)
+    return tiled_mma.get_slice(cute.arch.make_warp_uniform(tidx // 128) * 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +111,11 @@ class AttentionMmas:
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
-               dtype=BFloat16) -> "AttentionMmas":
+               dtype=BFloat16, uniform: bool = True) -> "AttentionMmas":
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype)
         mma_pv = pv_mma(warpgroups, head_dim, dtype)
-        wg_qk, wg_pv = warpgroup_slice(mma_qk, tidx), warpgroup_slice(mma_pv, tidx)
+        wg_qk = warpgroup_slice(mma_qk, tidx, uniform)
+        wg_pv = warpgroup_slice(mma_pv, tidx, uniform)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         return AttentionMmas(
             mma_qk, mma_pv, thr_qk, thr_pv,

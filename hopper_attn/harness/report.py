@@ -151,7 +151,7 @@ def compile_table(res: Results) -> str:
         + provenance(res, STAGES)
 
 
-def sweep_table(path, title_filter=None) -> str:
+def sweep_table(path, title_filter=None, row_filter=None) -> str:
     """A small sweep file (tile sizes, structure): every row at its configs."""
     data = _load(os.path.join(ROOT, path))
     env = data["env"]
@@ -162,6 +162,8 @@ def sweep_table(path, title_filter=None) -> str:
         if row["baseline"] or row.get("skipped") or row.get("error"):
             continue
         if title_filter and not title_filter(row["kernel"]):
+            continue
+        if row_filter and not row_filter(row):
             continue
         ratios = " | ".join(_fmt(row.get("ratios", {}).get(b), 2) for b in names)
         label = row["kernel"]
@@ -349,11 +351,14 @@ def blocks(folder) -> dict:
         out[f"profile:{stage}:{g}"] = profile_table(folder, profiled)
     sweeps = {"k4_tiles_d128": None, "k4_tiles_d64": None, "k4_tiles_causal_d128": None,
               "k3_structure": None, "scalar_unroll": None, "k6_tiles_d64": None,
-              "kb2_variants": None, "kb2_deterministic": None}
-    for name in sweeps:
+              "kb2_variants": None, "kb2_deterministic": None, "kb2_cuts": None,
+              "kb2_ab": lambda r: r["config"]["seqlen"] in (4096, 16384),
+              "fwd_uniform_descriptors": lambda r: r["config"]["seqlen"] in (4096, 16384)}
+    for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
-            out[f"sweep:{name}:{g}"] = sweep_table(os.path.relpath(hits[-1], ROOT))
+            out[f"sweep:{name}:{g}"] = sweep_table(os.path.relpath(hits[-1], ROOT),
+                                                   row_filter=row_filter)
     refs = sorted(glob.glob(os.path.join(folder, "*_ref_check*.json")))
     if refs:
         out[f"ref_check:{g}"] = ref_check_table([os.path.relpath(p, ROOT) for p in refs])

@@ -48,5 +48,48 @@ def benchmark(fn, flush: L2Flush | None = None, *, target_ms: float = 400.0,
     return {"ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
 
 
+def benchmark_interleaved(fns: dict, flush: L2Flush | None = None, *,
+                          target_ms: float = 400.0, min_reps: int = 5, max_reps: int = 100,
+                          warmup: int = 2) -> dict:
+    """Time several callables round-robin: every round runs each once (L2 flushed before
+    each), in an order rotated from round to round. Clock and power drift then hit all of
+    them alike, so their ratios are steadier than those of back-to-back series, which on
+    the H100 host drifted by up to 10-20% between a kernel's fastest and slowest run at long
+    sequences (results/h100/2026-11-23_kb2_noninterleaved.json). Returns {name: benchmark()-style dict}."""
+    flush = flush or L2Flush()
+    names = list(fns)
+    estimate = {}
+    for name in names:
+        fns[name]()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[name]()
+        end.record()
+        torch.cuda.synchronize()
+        estimate[name] = max(start.elapsed_time(end), 1e-3)
+    per_fn_budget = target_ms / max(estimate.values())
+    reps = int(min(max_reps, max(min_reps, per_fn_budget)))
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    events = []
+    for r in range(reps):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush()
+            s.record()
+            fns[name]()
+            e.record()
+            events.append((name, s, e))
+    torch.cuda.synchronize()
+    times = {name: [] for name in names}
+    for name, s, e in events:
+        times[name].append(s.elapsed_time(e))
+    return {name: {"ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
+                   "reps": reps, "interleaved": True} for name, t in times.items()}
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
