@@ -4,6 +4,7 @@ grouped-query, Llama-style problem against the same baselines.
 
     python -m hopper_attn.harness.overhead [--json results/h100/overhead.json]
     python -m hopper_attn.harness.overhead --gqa [--json results/h100/gqa.json]
+    python -m hopper_attn.harness.overhead --breakdown [--json ...]   # where the time goes
 
 For each problem and op: wall time of 200 back-to-back calls (after 20 warm-up calls),
 divided by 200. On problems this small the GPU finishes each kernel before the host has
@@ -97,13 +98,62 @@ def gqa(args) -> int:
     return 0
 
 
+def breakdown(args) -> int:
+    """Where one call's host time goes (B1 N128 H16 d128, non-causal): the floors (tensor
+    allocation, one tiny torch kernel), the compiled kernel called directly, attention(),
+    and attention() replayed from a CUDA graph."""
+    import hopper_attn
+    from hopper_attn import api
+    from hopper_attn.common.contract import LOG2_E, work_counter
+    from hopper_attn.harness.env import environment
+    q, k, v = (torch.randn(1, 128, 16, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
+    tiny = torch.zeros(16, device="cuda")
+    out, lse = hopper_attn.attention(q, k, v, return_lse=True)
+    handle = next(iter(api._FAST.values()))
+    extra = [work_counter(q.device)] if handle.spec.takes_work_counter else []
+    scale = handle.problem.softmax_scale * LOG2_E
+    direct = ((lambda: handle.compiled(q, k, v, out, lse, *extra, scale)) if handle.tvm_ffi
+              else None)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        hopper_attn.attention(q, k, v)                  # warm-up on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            hopper_attn.attention(q, k, v)
+    torch.cuda.synchronize()
+    fns = {"torch.empty_like(q)": lambda: torch.empty_like(q),
+           "out + lse allocation": lambda: (torch.empty_like(q), api._lse_like(q)),
+           "tiny torch kernel (x.add_(1))": lambda: tiny.add_(1),
+           "compiled kernel, called directly": direct,
+           "attention()": lambda: hopper_attn.attention(q, k, v),
+           "attention() in a CUDA graph, replayed": graph.replay}
+    rows = []
+    for name, fn in fns.items():
+        if fn is None:
+            print(f"{name:40} (no TVM-FFI path here)")
+            continue
+        us = per_call_us(fn, calls=1000)
+        rows.append({"what": name, "us_per_call": round(us, 2)})
+        print(f"{name:40} {us:8.2f} us/call")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": environment(), "command": "python " + " ".join(sys.argv),
+                       "stage": handle.spec.name, "tvm_ffi": handle.tvm_ffi, "rows": rows},
+                      f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--gqa", action="store_true", help="GQA / cross-length speed instead")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="where one call's host time goes (floors, direct call, CUDA graph)")
     args = ap.parse_args(argv)
     if args.gqa:
         return gqa(args)
+    if args.breakdown:
+        return breakdown(args)
     import hopper_attn
     from hopper_attn.harness import baselines
     from hopper_attn.harness.env import environment
