@@ -19,10 +19,12 @@ What changes from kb1:
   mapping back to (row, column). Two named barriers per warpgroup hand the SMEM buffer back
   and forth (dQ full: 128 consumer threads arrive, the writer waits; dQ empty: the writer
   arrives once the copy engine has read it, the consumers wait before writing the next).
-* The consumer's order (FlashAttention-3's): S^T and dP^T issued back to back; P^T while
-  dP^T still runs; dS^T; dS^T -> SMEM and dV += P^T dO issued; one barrier; dQ = dS K
-  issued, waiting only for dV; dK += dS^T Q issued, waiting only for dQ; dQ -> SMEM while
-  dK runs. The tensor core always has the next GEMM queued behind the current one.
+* The consumer's order (FlashAttention-3's): S^T and dP^T issued back to back (each
+  thread's lse2 values read from SMEM meanwhile); P^T while dP^T still runs; dS^T; dS^T ->
+  SMEM (stmatrix) and dV += P^T dO issued (at d = 128 dV goes right after P^T instead:
+  `early_dv`); one barrier; dQ = dS K issued, waiting only for dV; dK += dS^T Q issued,
+  waiting only for dQ; dQ -> SMEM while dK runs. The tensor core always has the next GEMM
+  queued behind the current one.
 
 What stays: kb1's tiles (64 queries x 128 keys), the transposed formulation (P^T and dS^T
 from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile
