@@ -81,13 +81,16 @@ def test_attention_op_under_torch_compile_and_cuda_graphs():
     assert torch.equal(out, hopper_attn.attention(*static, causal=True))
 
 
-@pytest.mark.parametrize("heads_kv,seqlen_k", [(6, 300), (3, 300), (1, 300), (6, 77), (2, 1000)])
+# (q heads, k/v heads, seqlen_k): GQA ratios 1, 2, 3, 8, MQA (6:1 and 8:1), cross-attention
+@pytest.mark.parametrize("heads_q,heads_kv,seqlen_k", [(6, 6, 300), (6, 3, 300), (6, 1, 300),
+                                                      (6, 6, 77), (6, 2, 1000), (16, 2, 300),
+                                                      (8, 1, 300)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("stage", ["k5", "k6"])
-def test_attention_op_gqa_and_cross_attention(heads_kv, seqlen_k, causal, stage):
+def test_attention_op_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, stage):
     import hopper_attn
-    gen = torch.Generator(device="cuda").manual_seed(heads_kv * 7 + seqlen_k + causal)
-    q = torch.randn(2, 300, 6, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(heads_q * 31 + heads_kv * 7 + seqlen_k + causal)
+    q = torch.randn(2, 300, heads_q, 128, device="cuda", generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", generator=gen).to(torch.bfloat16)
             for _ in range(2))
     out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True, stage=stage)
@@ -96,7 +99,7 @@ def test_attention_op_gqa_and_cross_attention(heads_kv, seqlen_k, causal, stage)
     finite = ref_lse.isfinite()
     assert torch.equal(lse.isfinite(), finite)                  # -inf exactly where no key
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
-    group = 6 // heads_kv
+    group = heads_q // heads_kv
     kk, vv = (t.repeat_interleave(group, dim=2) for t in (k, v))
     nq, nk = 300, seqlen_k
     mask = None
