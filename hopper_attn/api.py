@@ -151,8 +151,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
-    return torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
-                       device=q.device)
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 @_attention_op.register_fake
@@ -226,11 +225,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     the backward runs kb2; with `deterministic`, its dQ additions happen in a fixed order, so
     the gradients have the same bits on every run (slower: docs/kb2.md).
     """
-    needs_grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    if needs_grad and not torch.compiler.is_compiling():   # (traced: the backward op checks)
+    try:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                  or v.requires_grad)
+    except AttributeError:                     # not tensors: the checks below say so
+        needs_grad = False
+    compiling = torch.compiler.is_compiling()
+    if needs_grad and not compiling:           # (traced: the backward op checks)
         _check_differentiable(q, k, v, bool(causal), stage)
-    if torch.compiler.is_compiling() or needs_grad:   # the custom op: fake impl, autograd
+    if compiling or needs_grad:                # the custom op: fake impl, autograd
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
                                                    stage or "", bool(deterministic))
     else:                                      # eager: no dispatcher round trip
