@@ -282,7 +282,6 @@ class FlashAttentionBackwardKB2:
                 mmas.mma_sdp)
             thr_store_ds = store_ds.get_slice(ctidx)
             ds_smem = thr_store_ds.partition_D(sdSt)             # (..., buffer)
-
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,
                                            num_threads=128 * self.warpgroups)
 
