@@ -124,12 +124,9 @@ class FlashAttentionBackwardKB1:
                kv_layout: cute.ComposedLayout, ds_layout: cute.ComposedLayout):
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head, batch = cute.arch.block_idx()
+        (n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first,
+         m_count) = self.schedule.cta_work(mQ, mK)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        kv_head = head // (mQ.shape[2] // mK.shape[2])       # GQA: the group's k/v head
-        m_first, m_end = self.schedule.m_block_range(n_block, seqlen_q, seqlen_k)
-        m_count = m_end - m_first
         if warp == 0:
             tma.prefetch_descriptors(tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv)
 

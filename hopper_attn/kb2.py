@@ -176,12 +176,9 @@ class FlashAttentionBackwardKB2:
                ds_layout: cute.ComposedLayout, row_layout: cute.Layout):
         bm, d = self.block_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head, batch = cute.arch.block_idx()
+        (n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first,
+         m_count) = self.schedule.cta_work(mQ, mK)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        kv_head = head // (mQ.shape[2] // mK.shape[2])       # GQA: the group's k/v head
-        m_first, m_end = self.schedule.m_block_range(n_block, seqlen_q, seqlen_k)
-        m_count = m_end - m_first
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout)

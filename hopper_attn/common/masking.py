@@ -133,6 +133,17 @@ class KVTileSchedule:
         return first, cute.ceil_div(seqlen_q, self.block_m)
 
     @cute.jit
+    def cta_work(self, mQ: cute.Tensor, mK: cute.Tensor):
+        """This CTA's kv tile, head, batch, k/v head (GQA: the group's), the two lengths and
+        the query tiles it walks: (n_block, head, batch, kv_head, seqlen_q, seqlen_k,
+        m_first, m_count). mQ, mK: (rows, d, heads, batch)."""
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        kv_head = head // (mQ.shape[2] // mK.shape[2])
+        m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
+        return n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first, m_end - m_first
+
+    @cute.jit
     def needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
         last_key = (n_block + 1) * self.block_n - 1
         needs = last_key >= seqlen_k
