@@ -81,12 +81,13 @@ def profile(entries, args, backward: bool = False) -> int:
             print(f"skip {entry.name}: {reason}")
             continue
         handle = entry.compile(problem)
+        args_ = tensors if backward else (*entry.prepare(q, k, v), out)
         for _ in range(3):                      # warm-up outside the range
-            entry.run(handle, *tensors)
+            entry.run(handle, *args_)
         torch.cuda.synchronize()
         name = f"{entry.name}__{problems.config_name(problem)}"
         with _nvtx_range(name):
-            entry.run(handle, *tensors)
+            entry.run(handle, *args_)
         torch.cuda.synchronize()
         print(f"profiled {name}: ncu --nvtx --nvtx-include \"{name}/\" --set full "
               f"-o {name} python bench.py {entry.name} --profile")
@@ -145,10 +146,18 @@ def run(entries, args, backward: bool = False) -> int:
         else:
             q, k, v, out = make_inputs(problem, args.seed)
             tensors = (q, k, v, out)
-        calls, timed = {}, {}
+        calls, timed, baseline_errors = {}, {}, {}
         for name, fn in found.items():
-            calls[name] = (fn(q, k, v, case.do, problem.causal) if backward
-                           else (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v, problem.causal)))
+            if backward:
+                calls[name] = fn(q, k, v, case.do, problem.causal)
+            elif hasattr(fn, "prepare"):            # cudnn_fp8: quantized here, untimed
+                calls[name] = fn.prepare(q, k, v, problem.causal)
+                if check:
+                    calls[name]()
+                    torch.cuda.synchronize()
+                    baseline_errors[name] = fp8_baseline_error(fn, case)
+            else:
+                calls[name] = (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v, problem.causal))
             if not args.interleave:
                 with _nvtx_range(f"{name}__{problems.config_name(problem)}"):
                     timed[name] = benchmark(calls.pop(name), flush)
@@ -168,6 +177,8 @@ def run(entries, args, backward: bool = False) -> int:
                     row["check"] = verdict
                     if not verdict["ok"]:
                         failures.append((entry.name, problem.label(), verdict))
+                if not backward:        # k7's FP8 inputs: quantized here, outside the timing
+                    tensors = (*entry.prepare(q, k, v), out)
                 call = (lambda entry=entry, handle=handle, tensors=tensors:
                         entry.run(handle, *tensors))
                 if args.interleave:
@@ -186,7 +197,9 @@ def run(entries, args, backward: bool = False) -> int:
         base_ms = {name: timed[name]["ms"] for name in found}
         for name in found:
             rows.append({"kernel": name, "baseline": True, "config": problem.as_dict(),
-                         **timed[name], "tflops": tflops(flops, timed[name]["ms"])})
+                         **timed[name], "tflops": tflops(flops, timed[name]["ms"]),
+                         **({"check": baseline_errors[name]} if name in baseline_errors
+                            else {})})
         for row in kernel_rows:
             t = timed.get(row["kernel"]) if "error" not in row and "skipped" not in row else None
             if t is not None:
@@ -215,6 +228,19 @@ def run(entries, args, backward: bool = False) -> int:
             print(f"  {name} {label}: {why}")
         return 1
     return 0
+
+
+def fp8_baseline_error(baseline, case) -> dict:
+    """An FP8 baseline's error on the inputs it quantized itself: against the fp32 reference
+    on its dequantized inputs (its own error) and on the bf16 inputs (end to end)."""
+    from hopper_attn.harness.reference import error_stats, reference_attention
+    _, _, tensors, descales = baseline.last
+    deq = [t.float() * s.reshape(()) for t, s in zip(tensors, descales)]
+    ref = reference_attention(*deq, case.problem.causal)
+    out = baseline.output()
+    own, end = error_stats(out, ref), error_stats(out, case.ref)
+    return {"max_abs": own["max_abs"], "mean_abs": own["mean_abs"], "nan": own["nan"],
+            "end_to_end": end, "ref_max": float(ref.abs().max())}
 
 
 def write_json(path, env, check, missing, rows):

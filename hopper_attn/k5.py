@@ -213,41 +213,8 @@ class FlashAttentionK5:
             # ---------------- producer warpgroup ----------------
             roles.become_producer()
             if warp == 0:
-                # Per work item K_0, Q, V_0, then K_j and V_j for every further kv tile. Each
-                # acquire waits until every consumer warp has released that stage; Q's waits
-                # for the previous output to leave its buffer, so K_0 goes first. No
-                # producer_tail: every tile loaded here is waited on by the consumers, so no
-                # copy is in flight when the CTA ends, and the last releases arrive on
-                # mbarriers of this (live) CTA only.
-                q_state = tma.producer_state(1)
-                produce = tma.producer_state(self.stages)
-                item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
-                while valid:
-                    n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
-                    work = loads.at(head, head // group, batch)
-                    work.load_k(produce, 0)
-                    work.load_q(q_state, m_block)
-                    work.load_v(produce, 0)
-                    produce.advance()
-                    for n in cutlass.range(1, n_count, unroll=1):
-                        phase = self.trace.start("load_k")
-                        work.load_k(produce, n)
-                        self.trace.end(phase)
-                        phase = self.trace.start("load_v")
-                        work.load_v(produce, n)
-                        self.trace.end(phase)
-                        produce.advance()
-                    q_state.advance()
-                    if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
-                        tiles = fetch_next_item(mCounter)
-                        queue.publish(item_state, tiles)
-                        item_state.advance()
-                    else:
-                        tiles = scheduler.advance(tiles)
-                    m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
-                                                                 batch_size)
-                if cutlass.const_expr(scheduler.dynamic):
-                    retire(mCounter)
+                self.load_loop(loads, queue, mCounter, tiles, m_block, head, batch, valid,
+                               seqlen_q, seqlen_k, heads, batch_size, group)
         else:
             # ---------------- consumer warpgroups 1..W ----------------
             roles.become_consumer()
@@ -304,6 +271,47 @@ class FlashAttentionK5:
                     tiles = scheduler.advance(tiles)
                 m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
 
+
+    @cute.jit
+    def load_loop(self, loads: tma.SplitKVLoads, queue, mCounter: cute.Tensor, tiles,
+                  m_block, head, batch, valid, seqlen_q, seqlen_k, heads, batch_size, group):
+        """The producer warp (warp 0): every TMA load of every work item of this CTA."""
+        schedule, scheduler = self.schedule, self.scheduler
+        # Per work item K_0, Q, V_0, then K_j and V_j for every further kv tile. Each
+        # acquire waits until every consumer warp has released that stage; Q's waits
+        # for the previous output to leave its buffer, so K_0 goes first. No
+        # producer_tail: every tile loaded here is waited on by the consumers, so no
+        # copy is in flight when the CTA ends, and the last releases arrive on
+        # mbarriers of this (live) CTA only.
+        q_state = tma.producer_state(1)
+        produce = tma.producer_state(self.stages)
+        item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        while valid:
+            n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
+            work = loads.at(head, head // group, batch)
+            work.load_k(produce, 0)
+            work.load_q(q_state, m_block)
+            work.load_v(produce, 0)
+            produce.advance()
+            for n in cutlass.range(1, n_count, unroll=1):
+                phase = self.trace.start("load_k")
+                work.load_k(produce, n)
+                self.trace.end(phase)
+                phase = self.trace.start("load_v")
+                work.load_v(produce, n)
+                self.trace.end(phase)
+                produce.advance()
+            q_state.advance()
+            if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
+                tiles = fetch_next_item(mCounter)
+                queue.publish(item_state, tiles)
+                item_state.advance()
+            else:
+                tiles = scheduler.advance(tiles)
+            m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+        if cutlass.const_expr(scheduler.dynamic):
+            retire(mCounter)
+
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
@@ -347,7 +355,7 @@ class FlashAttentionK5:
             alpha = self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
                                          seqlen_k)
             scale_rows(o_rc, alpha)                     # O holds P_{n-1} V_{n-1} already
-            p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            self.probs_to_operand(acc_s, p_frag)
             self.trace.end(phase)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)
         return k_state, v_state
@@ -363,6 +371,12 @@ class FlashAttentionK5:
             mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n, seqlen_k,
                         self.causal, seqlen_k - seqlen_q)
         return softmax.step(s_rc)
+
+    @cute.jit
+    def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor):
+        """P (fp32, in S's registers) -> the register A operand of O += P V, in the input
+        dtype (shared with k6; k7's FP8 operand needs a different register order)."""
+        p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
     @cute.jit
     def store_lse(self, mLSE: cute.Tensor, lse: cute.Tensor, s_coords: cute.Tensor, ctidx,

@@ -49,7 +49,7 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
-from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols
+from hopper_attn.common.layouts import acc_rows_cols
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 
@@ -134,7 +134,7 @@ class FlashAttentionK6(FlashAttentionK5):
             self.trace.end(phase)
             phase = self.trace.start("rescale")
             scale_rows(o_rc, alpha)
-            p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            self.probs_to_operand(acc_s, p_frag)
             self.trace.end(phase)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         return k_state, v_state

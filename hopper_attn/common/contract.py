@@ -157,6 +157,11 @@ class KernelSpec:
     grid_per_tile: bool = True
     # the kernel takes the current stream's work counter after its workspace (k5, k6)
     takes_work_counter: bool = False
+    # the dtype q, k, v arrive in when it is not the problem's (k7: e4m3, quantized from the
+    # problem's bf16 by the module's `prepare_inputs`); the output stays in the problem's
+    input_dtype: Optional[torch.dtype] = None
+    # more input tensors after `out` (k7: the descales); returns examples to compile against
+    extra_inputs: Optional[Callable[[Problem, Any], list]] = None
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -193,7 +198,8 @@ class KernelSpec:
             raise UnsupportedProblem(reason)
 
 
-def check_tensors(problem: Problem, q, k, v, out, strided: bool = False) -> None:
+def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
+                  input_dtype: Optional[torch.dtype] = None) -> None:
     """Raise ValueError unless q, k, v, out match `problem` and the layout contract:
     contiguous, or with `strided` (stages that read through TMA with runtime strides, k5 on)
     any strides with the last dim contiguous and the others multiples of 16 bytes, e.g. q, k,
@@ -205,8 +211,9 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False) -> None
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype != problem.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype}, expected {problem.dtype}")
+        want_dtype = input_dtype if input_dtype is not None and name != "out" else problem.dtype
+        if t.dtype != want_dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, expected {want_dtype}")
         want = problem.kv_shape if name in ("k", "v") else problem.shape
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want} "
@@ -304,7 +311,8 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
         kernel = kernel_factory(problem.head_dim, problem.causal, **options)
         t0 = time.perf_counter()
         compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options,
-                                           problem.dtype, spec.takes_work_counter)
+                                           problem.dtype, spec.takes_work_counter,
+                                           spec.input_dtype, spec.extra_inputs)
         seconds = time.perf_counter() - t0
         if use_cache:
             _COMPILED[key] = (compiled, kernel)
@@ -315,9 +323,24 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
                              tvm_ffi=rt.TVM_FFI in compile_options)
 
 
+def check_descales(problem: Problem, descales) -> None:
+    """k7's per-(batch, head) fp32 descales: q's (batch, heads), k's and v's (batch, heads_kv)."""
+    for name, t, heads in zip(("descale_q", "descale_k", "descale_v"), descales,
+                              (problem.heads, problem.kv_heads, problem.kv_heads)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or \
+                tuple(t.shape) != (problem.batch, heads) or not t.is_contiguous():
+            got = (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"{name} must be a contiguous fp32 tensor of shape "
+                             f"{(problem.batch, heads)} (batch, heads), got {got}")
+    for name, t in zip(("descale_q", "descale_k", "descale_v"), descales):
+        if not t.is_cuda:
+            raise ValueError(f"{name} is on {t.device}; the kernels run on a CUDA device")
+
+
 def run_attention(handle: CompiledAttention, q, k, v, out,
                   softmax_scale: Optional[float] = None, workspace: Optional[list] = None,
-                  checked: bool = False) -> None:
+                  checked: bool = False, extra_inputs: tuple = ()) -> None:
     """Check the tensors against the handle's problem (unless the caller has, for this
     layout: `checked`), then launch on the current stream. `softmax_scale` defaults to
     1/sqrt(head_dim). `workspace`: the kernel's extra tensors (k5/k6: the log-sum-exp) to use
@@ -325,7 +348,10 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
     current stream's (`work_counter`), looked up per call."""
     problem = handle.problem
     if not checked:
-        check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs)
+        check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs,
+                      input_dtype=handle.spec.input_dtype)
+        if handle.spec.extra_inputs is not None:
+            check_descales(problem, extra_inputs)
     rt = _cute()
     if workspace is None:
         if handle.workspace_fn is not None and not handle.workspace:
@@ -337,12 +363,13 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
         workspace = [*workspace, work_counter(q.device)]
     scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
     if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
-        handle.compiled(q, k, v, out, *workspace, scale * LOG2_E)
+        handle.compiled(q, k, v, out, *extra_inputs, *workspace, scale * LOG2_E)
         return
-    key = (tuple((t.data_ptr(), t.stride()) for t in (q, k, v, out, *workspace)),
+    key = (tuple((t.data_ptr(), t.stride()) for t in (q, k, v, out, *extra_inputs,
+                                                       *workspace)),
            problem.shape)
     if handle._bound_key != key:
-        tensors = [q, k, v, out, *workspace]
+        tensors = [q, k, v, out, *extra_inputs, *workspace]
         handle._bound_args = [rt.to_cute_tensor(t) for t in tensors]
         handle._bound_key = key
     scale_log2 = scale * LOG2_E

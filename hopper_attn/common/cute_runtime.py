@@ -42,14 +42,18 @@ def current_stream():
 
 
 def example_tensors(head_dim: int, workspace_fn=None, dtype=torch.bfloat16,
-                    work_counter: bool = False):
-    """Small tensors (on the GPU when there is one, else on the CPU) to compile against."""
+                    work_counter: bool = False, input_dtype=None, extra_fn=None):
+    """Small tensors (on the GPU when there is one, else on the CPU) to compile against:
+    q, k, v (in `input_dtype` if given), out, the extra inputs, the workspace, the counter."""
     from .contract import Problem, work_counter as counter_of
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     shape = (_EXAMPLE_BATCH, _EXAMPLE_SEQLEN, _EXAMPLE_HEADS, head_dim)
-    tensors = [torch.empty(shape, dtype=dtype, device=device) for _ in range(4)]
+    tensors = [torch.empty(shape, dtype=input_dtype or dtype, device=device) for _ in range(3)]
+    tensors.append(torch.empty(shape, dtype=dtype, device=device))
+    problem = Problem(_EXAMPLE_BATCH, _EXAMPLE_HEADS, _EXAMPLE_SEQLEN, head_dim, dtype=dtype)
+    if extra_fn is not None:
+        tensors += extra_fn(problem, device)
     if workspace_fn is not None:
-        problem = Problem(_EXAMPLE_BATCH, _EXAMPLE_HEADS, _EXAMPLE_SEQLEN, head_dim, dtype=dtype)
         tensors += workspace_fn(problem, device)
     if work_counter:
         tensors.append(counter_of(device))
@@ -57,10 +61,12 @@ def example_tensors(head_dim: int, workspace_fn=None, dtype=torch.bfloat16,
 
 
 def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_options: str = "",
-                        dtype=torch.bfloat16, work_counter: bool = False):
+                        dtype=torch.bfloat16, work_counter: bool = False, input_dtype=None,
+                        extra_fn=None):
     """cute.compile `kernel` (a @cute.jit callable object) against example tensors of
     `dtype` (kernels that take it from their tensors compile one version per dtype)."""
-    tensors = example_tensors(head_dim, workspace_fn, dtype, work_counter)
+    tensors = example_tensors(head_dim, workspace_fn, dtype, work_counter, input_dtype,
+                              extra_fn)
     # With CuTe DSL's TVM-FFI calling path the compiled function takes torch tensors directly
     # and launches on torch's current stream (no stream argument): far less host work per call.
     tvm_ffi = TVM_FFI in compile_options

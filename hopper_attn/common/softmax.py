@@ -36,14 +36,25 @@ class OnlineSoftmax:
     scale_log2: Float32
     row_max: cute.Tensor
     row_sum: cute.Tensor
+    # p_j = 2^(s_j * scale_log2 - m * scale_log2 + p_scale_log2): k7 puts the largest
+    # probability at 2^8 = 256 (e4m3 reaches 448), so that small ones stay above e4m3's
+    # smallest subnormal (2^-9) after P is quantized; l carries the same factor, so O = P V / l
+    # is unchanged. 0 (a constant) adds no code.
+    p_scale_log2: int = 0
 
     @staticmethod
-    def create(num_rows: int, scale_log2: Float32, lanes_per_row: int) -> "OnlineSoftmax":
+    def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
+               p_scale_log2: int = 0) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum)
+        return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
+                             p_scale_log2)
+
+    def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
+        """The same row state with another score scale (k7: per (batch, head) descales)."""
+        return dataclasses.replace(self, scale_log2=scale_log2)
 
     def reset(self):
         """Start a new set of rows (a persistent kernel's next work item)."""
@@ -67,6 +78,8 @@ class OnlineSoftmax:
             m_safe = 0.0 if m_new == -Float32.inf else m_new
             m_scaled = m_safe * self.scale_log2
             alpha[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+            if cutlass.const_expr(self.p_scale_log2 != 0):
+                m_scaled = m_scaled - Float32(self.p_scale_log2)
             p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
             self.row_sum[r] = self.row_sum[r] * alpha[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
             s_rc[r, None].store(p)
@@ -89,8 +102,10 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             lse[r] = -Float32.inf
             if inv[r] != 0.0:
-                lse[r] = (self.row_max[r] * self.scale_log2
-                          - cute.math.log2(inv[r], fastmath=True)) * LN_2
+                m_scaled = self.row_max[r] * self.scale_log2
+                if cutlass.const_expr(self.p_scale_log2 != 0):
+                    m_scaled = m_scaled - Float32(self.p_scale_log2)   # l carries 2^p_scale_log2
+                lse[r] = (m_scaled - cute.math.log2(inv[r], fastmath=True)) * LN_2
         return lse
 
 

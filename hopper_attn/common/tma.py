@@ -261,13 +261,19 @@ class SplitKVLoads:
 
     @staticmethod
     def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
-               atoms, tensors, smem) -> "SplitKVLoads":
+               atoms, tensors, smem, v_consumer_warps: int = 0) -> "SplitKVLoads":
         """`storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
-        Call `barriers_ready()` before the barriers are used."""
+        Call `barriers_ready()` before the barriers are used. `v_consumer_warps`: the warps
+        that release V's stages, when not the consumers (k7: the warps that transpose V)."""
         q_pipe = make_tma_ring(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
         k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
-        v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
+        v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages,
+                               v_consumer_warps or consumer_warps, tile_bytes)
         return SplitKVLoads(q_pipe, k_pipe, v_pipe, tuple(atoms), tuple(tensors), tuple(smem))
+
+    def with_v_pipe(self, v_pipe) -> "SplitKVLoads":
+        """The same loads with another ring in V's place (k7's consumers wait on V^T's)."""
+        return dataclasses.replace(self, v_pipe=v_pipe)
 
     def at(self, head, kv_head, batch) -> "SplitKVLoads":
         """The copies of one work item: Q from head `head`, K and V from `kv_head` (the same

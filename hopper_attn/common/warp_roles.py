@@ -44,11 +44,13 @@ class WarpRoles:
     consumer_regs: int
 
     @staticmethod
-    def create(consumer_warpgroups: int) -> "WarpRoles":
+    def create(consumer_warpgroups: int, split: tuple = None) -> "WarpRoles":
+        """`split`: (producer, consumer) registers instead of REGISTER_SPLIT's (k7's
+        producer warpgroup transposes V and needs more than 24)."""
         if consumer_warpgroups not in REGISTER_SPLIT:
             raise ValueError(f"1 to 3 consumer warpgroups (block_m 64, 128 or 192), "
                              f"not {consumer_warpgroups}")
-        producer, consumer = REGISTER_SPLIT[consumer_warpgroups]
+        producer, consumer = split or REGISTER_SPLIT[consumer_warpgroups]
         roles = WarpRoles(consumer_warpgroups, producer, consumer)
         assert roles.registers_after <= REGISTERS_PER_SM
         assert producer <= roles.entry_regs <= consumer

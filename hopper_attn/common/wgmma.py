@@ -36,12 +36,14 @@ def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, dtype=BFloat16):
         Float32, (warpgroups_m, warpgroups_n, 1), tiler_mn=(64, tile_n))
 
 
-def pv_mma(warpgroups_m: int, head_dim: int, dtype=BFloat16):
+def pv_mma(warpgroups_m: int, head_dim: int, dtype=BFloat16, vt_k_major: bool = False):
     """O += P V: P from registers (the converted S accumulator), V from SMEM read
     MN-major: V is stored (kv, d) with d contiguous, and B = V^T (d x kv) therefore has its
-    N dimension (d) contiguous."""
+    N dimension (d) contiguous. FP8 WGMMAs read only K-major SMEM operands, so k7 stores V
+    transposed, (d, kv) with kv contiguous (`vt_k_major`)."""
+    b_major = cute.nvgpu.OperandMajorMode.K if vt_k_major else cute.nvgpu.OperandMajorMode.MN
     return sm90_helpers.make_trivial_tiled_mma(
-        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, b_major,
         Float32, (warpgroups_m, 1, 1), tiler_mn=(64, head_dim),
         a_source=warpgroup.OperandSource.RMEM)
 
@@ -111,9 +113,10 @@ class AttentionMmas:
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
-               dtype=BFloat16, uniform: bool = True) -> "AttentionMmas":
+               dtype=BFloat16, uniform: bool = True,
+               vt_k_major: bool = False) -> "AttentionMmas":
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype)
-        mma_pv = pv_mma(warpgroups, head_dim, dtype)
+        mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
         wg_qk = warpgroup_slice(mma_qk, tidx, uniform)
         wg_pv = warpgroup_slice(mma_pv, tidx, uniform)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)

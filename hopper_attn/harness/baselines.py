@@ -27,10 +27,95 @@ def _fa4():
     return run
 
 
+class CudnnFp8:
+    """cuDNN's FP8 attention (what TransformerEngine runs on Hopper), through the
+    cudnn-frontend Python graph API (`pip install nvidia-cudnn-frontend`; on the GPU host
+    `pack --with-cudnn-fe`). Per-tensor e4m3 scaling (scale = 448 / amax), FP8 output (on
+    Hopper cuDNN has no bf16 output from FP8 inputs), P scaled by 448 inside. `prepare`
+    quantizes outside the timing and returns the call to time; `output` dequantizes what it
+    wrote, for the error on the same inputs."""
+
+    def __init__(self):
+        import cudnn
+        self.cudnn = cudnn
+        self.handle = cudnn.create_handle()
+        self.graphs = {}
+
+    def _graph(self, shape, kv_shape, causal):
+        key = (shape, kv_shape, causal)
+        if key in self.graphs:
+            return self.graphs[key]
+        cudnn = self.cudnn
+        b, n, h, d = shape
+        _, nk, hk, _ = kv_shape
+        fp8, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        g = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=f32, compute_data_type=f32,
+                          handle=self.handle)
+
+        def bnhd(name, nn, hh):          # a (B, N, H, d) buffer seen as (B, H, N, d)
+            return g.tensor(name=name, dim=[b, hh, nn, d], stride=[nn * hh * d, d, hh * d, 1],
+                            data_type=fp8)
+
+        q, k, v = bnhd("q", n, h), bnhd("k", nk, hk), bnhd("v", nk, hk)
+        scalars = [g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+                   for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s",
+                                "scale_o")]
+        o, _, amax_s, amax_o = g.sdpa_fp8(q, k, v, *scalars, generate_stats=False,
+                                          attn_scale=d ** -0.5, use_causal_mask=causal)
+        o.set_output(True).set_dim([b, h, n, d]).set_stride([n * h * d, d, h * d, 1]) \
+            .set_data_type(fp8)
+        for amax in (amax_s, amax_o):
+            amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]) \
+                .set_data_type(f32)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        workspace = torch.empty(g.get_workspace_size(), dtype=torch.uint8, device="cuda")
+        self.graphs[key] = (g, (q, k, v), scalars, (o, amax_s, amax_o), workspace)
+        return self.graphs[key]
+
+    def prepare(self, q, k, v, causal):
+        """Quantize q, k, v (per tensor) and build the graph; returns the callable to time
+        (it leaves the FP8 output and its descale in `self.last`)."""
+        g, (tq, tk, tv), scalars, (to, tas, tao), workspace = self._graph(
+            tuple(q.shape), tuple(k.shape), causal)
+        tensors, descales = [], []
+        for x in (q, k, v):
+            amax = x.abs().amax().float().clamp_min(1e-12)
+            tensors.append((x.float() * (448.0 / amax)).to(torch.float8_e4m3fn))
+            descales.append((amax / 448.0).reshape(1, 1, 1, 1))
+        one = torch.ones(1, 1, 1, 1, device="cuda")
+        scale_o = (1.0 / descales[2]).reshape(1, 1, 1, 1)      # |O| <= max |V|
+        values = [*descales, one / 448.0, one * 448.0, scale_o]
+        out = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device="cuda")
+        amax_s, amax_o = (torch.empty(1, 1, 1, 1, device="cuda") for _ in range(2))
+        pack = {tq: tensors[0], tk: tensors[1], tv: tensors[2], to: out, tas: amax_s,
+                tao: amax_o, **dict(zip(scalars, values))}
+        self.last = (out, descales[2], tensors, descales)
+
+        def run():
+            self.cudnn.set_stream(self.handle, torch.cuda.current_stream().cuda_stream)
+            g.execute(pack, workspace, handle=self.handle)
+            return out
+        return run
+
+    def output(self) -> torch.Tensor:
+        """The last run's output, dequantized to fp32 (B, N, H, d)."""
+        out, descale_v, _, _ = self.last
+        return out.float() * descale_v.reshape(())
+
+
+def _cudnn_fp8():
+    return CudnnFp8()
+
+
 BASELINES = {
     "sdpa_flash": lambda: _sdpa("FLASH_ATTENTION"),
     "sdpa_cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
     "fa4": _fa4,
+    "cudnn_fp8": _cudnn_fp8,
 }
 
 
@@ -41,7 +126,10 @@ def available(names=None) -> dict:
         try:
             fn = BASELINES[name]()
             q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
-            fn(q, q, q, False)
+            if hasattr(fn, "prepare"):
+                fn.prepare(q, q, q, False)()
+            else:
+                fn(q, q, q, False)
             torch.cuda.synchronize()
             found[name] = fn
         except Exception as exc:  # noqa: BLE001 - any failure means "not available here"

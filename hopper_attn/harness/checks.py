@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 
 from .inputs import guards_intact, make_inputs
+from hopper_attn.quantize import dequantize_fp8
+
+from .inputs import guarded_empty
 from .reference import error_stats, judge, reference_attention, torch_lowp_attention
 
 
@@ -21,6 +24,8 @@ class ReferenceCase:
                                      self.ref)
 
     def check(self, entry, handle) -> dict:
+        if entry.spec.input_dtype is not None:
+            return self.check_fp8(entry, handle)
         self.out.fill_(float("nan"))
         entry.run(handle, self.q, self.k, self.v, self.out)
         torch.cuda.synchronize()
@@ -32,5 +37,38 @@ class ReferenceCase:
         # bitwise: compare the raw 16-bit patterns (NaN != NaN as floats)
         verdict["same_bits"] = bool(torch.equal(first.view(torch.int16), self.out.view(torch.int16)))
         verdict["guards_intact"] = all(guards_intact(b) for b in self.buffers)
+        verdict["ok"] = verdict["ok"] and verdict["same_bits"] and verdict["guards_intact"]
+        return verdict
+
+    def check_fp8(self, entry, handle) -> dict:
+        """An FP8 stage (k7): its inputs are the quantized q, k, v (each copied into a buffer
+        whose neighbouring bytes are e4m3 NaN) and their descales. Its own error is measured
+        against the fp32 reference on the *dequantized* inputs and judged against the error
+        of an FP8 emulation in torch on the same inputs (P rounded to e4m3 as the kernel
+        does, everything else fp32): at most ERROR_RATIO_LIMIT x that. The error against the
+        bf16-input reference (end to end: input quantization included) is reported too."""
+        q8, k8, v8, *descales = entry.prepare(self.q, self.k, self.v)
+        views, buffers = [], list(self.buffers[3:])          # out's guards stay checked
+        for t in (q8, k8, v8):
+            buffer, view = guarded_empty(t.shape, t.dtype, t.device)
+            view.copy_(t)
+            views.append(view)
+            buffers.append(buffer)
+        deq = [dequantize_fp8(t, s) for t, s in zip((q8, k8, v8), descales)]
+        causal = self.problem.causal
+        ref = reference_attention(*deq, causal)
+        emulated = reference_attention(*deq, causal, fp8_probs=True).to(self.out.dtype).float()
+        runs = []
+        for _ in range(2):
+            self.out.fill_(float("nan"))
+            entry.run(handle, *views, *descales, self.out)
+            torch.cuda.synchronize()
+            runs.append(self.out.clone())
+        verdict = judge(error_stats(runs[0], ref), error_stats(emulated, ref), ref)
+        verdict["end_to_end"] = error_stats(runs[0], self.ref)           # vs bf16 inputs
+        verdict["torch_bf16_max_abs"] = self.torch_err["max_abs"]
+        verdict["same_bits"] = bool(torch.equal(runs[0].view(torch.int16),
+                                                runs[1].view(torch.int16)))
+        verdict["guards_intact"] = all(guards_intact(b) for b in buffers)
         verdict["ok"] = verdict["ok"] and verdict["same_bits"] and verdict["guards_intact"]
         return verdict

@@ -17,12 +17,19 @@ GUARD = 8192
 def guarded_empty(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, view): a contiguous `shape` view in the middle of a NaN-filled buffer."""
     numel = math.prod(shape)
-    buffer = torch.full((numel + 2 * GUARD,), float("nan"), dtype=dtype, device=device)
+    if dtype == torch.float8_e4m3fn:                  # 0x7f: e4m3's NaN (no fill for fp8)
+        buffer = torch.full((numel + 2 * GUARD,), 0x7F, dtype=torch.uint8,
+                            device=device).view(dtype)
+    else:
+        buffer = torch.full((numel + 2 * GUARD,), float("nan"), dtype=dtype, device=device)
     return buffer, buffer[GUARD:GUARD + numel].view(shape)
 
 
 def guards_intact(buffer: torch.Tensor) -> bool:
     """True if the NaN guards around the tensor in `buffer` are untouched."""
+    if buffer.dtype == torch.float8_e4m3fn:
+        raw = buffer.view(torch.uint8)
+        return bool((raw[:GUARD] == 0x7F).all() and (raw[-GUARD:] == 0x7F).all())
     return bool(buffer[:GUARD].isnan().all() and buffer[-GUARD:].isnan().all())
 
 

@@ -18,8 +18,12 @@ _CHUNK_ELEMENTS = 1 << 27     # fp32 scores per chunk (512 MiB)
 
 
 @torch.no_grad()
-def reference_attention(q, k, v, causal: bool) -> torch.Tensor:
-    """fp32 softmax(q k^T / sqrt(d)) v for (B, N, H, d) tensors; returns fp32 (B, N, H, d)."""
+def reference_attention(q, k, v, causal: bool, fp8_probs: bool = False) -> torch.Tensor:
+    """fp32 softmax(q k^T / sqrt(d)) v for (B, N, H, d) tensors; returns fp32 (B, N, H, d).
+
+    `fp8_probs`: emulate an FP8 kernel's P V instead (the yardstick for k7's error): the
+    unnormalized probabilities, scaled to a row maximum of 256 as k7 does, rounded to e4m3
+    before P V; the row sums stay fp32."""
     b_, n, h, d = q.shape
     scale = 1.0 / math.sqrt(d)
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -38,7 +42,12 @@ def reference_attention(q, k, v, causal: bool) -> torch.Tensor:
                 if causal:
                     rows = torch.arange(i0, i1, device=q.device)
                     s.masked_fill_(cols[None, :] > rows[:, None], float("-inf"))
-                p = torch.softmax(s, dim=-1)
+                if fp8_probs:
+                    e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+                    total = e.sum(dim=-1, keepdim=True)
+                    p = (e * 256.0).to(torch.float8_e4m3fn).float() / (total * 256.0)
+                else:
+                    p = torch.softmax(s, dim=-1)
                 out[b, i0:i1] = torch.matmul(p, vb).transpose(0, 1)
         return out
     finally:

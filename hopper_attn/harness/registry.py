@@ -28,8 +28,14 @@ class KernelEntry:
         return self.load().compile_kernel(problem, compile_options=compile_options,
                                           **dict(self.options))
 
+    def prepare(self, q, k, v) -> tuple:
+        """The kernel's inputs made from bf16 q, k, v (outside any timing): k7 quantizes them
+        to FP8 with descales; the other stages take them as they are."""
+        prepare = getattr(self.load(), "prepare_inputs", None)
+        return tuple(prepare(q, k, v)) if prepare is not None else (q, k, v)
+
     def run(self, handle, *tensors):
-        """Forward: (q, k, v, out); backward: (q, k, v, o, do, lse, dq, dk, dv)."""
+        """Forward: (*prepare(q, k, v), out); backward: (q, k, v, o, do, lse, dq, dk, dv)."""
         self.load().run_kernel(handle, *tensors)
 
 
@@ -43,6 +49,7 @@ KERNELS = {e.name: e for e in [
     KernelEntry("k4", "hopper_attn.k4", note="WGMMA for both GEMMs, P in registers"),
     KernelEntry("k5", "hopper_attn.k5", note="warp specialization, setmaxnreg, ping-pong"),
     KernelEntry("k6", "hopper_attn.k6", note="k5 + intra-warpgroup overlap, head dims 64-256, fp16, persistent"),
+    KernelEntry("k7", "hopper_attn.k7", note="k6 in FP8 (e4m3): V transposed in SMEM, bf16 output"),
 ]}
 
 # The backward stages: run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv)

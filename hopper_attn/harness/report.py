@@ -26,7 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4", "k5", "k6"]
 BACKWARD_STAGES = ["kb1", "kb2"]          # results/<gpu>/*_backward_*.json
 BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
-BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)"}
+BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)",
+                  "cudnn_fp8": "cuDNN FP8"}
+FP8_STAGES = ["k7"]                       # results/<gpu>/*_fp8_*.json
 MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
                   re.S)
 
@@ -189,7 +191,7 @@ def ref_check_table(paths) -> str:
             by_kernel.setdefault(r["kernel"], []).append(r)
         for k, rows in by_kernel.items():
             newest[k] = (rows, path)
-    for k in STAGES + BACKWARD_STAGES:
+    for k in STAGES + FP8_STAGES + BACKWARD_STAGES:
         if k not in newest:
             continue
         rows, path = newest[k]
@@ -199,10 +201,47 @@ def ref_check_table(paths) -> str:
         worst_abs = max(max([r.get("max_abs", 0.0)] + [r[g]["max_abs"] for g in ("dq", "dk", "dv")
                                                        if isinstance(r.get(g), dict)])
                         for r in rows)
-        lines.append(f"| {k} | {len(rows)} | {ok} | {worst:.2f} | {worst_abs:.2e} |")
+        label = f"{k} (FP8: / its emulation's error)" if k in FP8_STAGES else k
+        lines.append(f"| {label} | {len(rows)} | {ok} | {worst:.2f} | {worst_abs:.2e} |")
     srcs = ", ".join(f"`{p}`" for p in paths)
     return "\n".join(lines) + (f"\n\nMeasured on {envs[0]['gpu']} ({envs[0]['date_utc'][:10]}); "
                                f"for each kernel the newest file counts. Source: {srcs}.")
+
+
+def fp8_table(path, bf16_stage="k6") -> str:
+    """k7 against cuDNN's FP8 attention, cuDNN bf16 (SDPA) and the fastest bf16 stage, all
+    from one bench.py run with CHECK=1, with each FP8 kernel's error on the same inputs (max
+    abs error against the fp32 reference on its own dequantized inputs, and end to end
+    against the bf16 inputs; |O| <= the max |V|)."""
+    data = _load(os.path.join(ROOT, path))
+    env = data["env"]
+    by_cfg = {}
+    for r in data["rows"]:
+        if "ms" in r:
+            by_cfg.setdefault(_key(r["config"]), {})[r["kernel"]] = r
+    lines = ["| config | k7 TFLOP/s | vs cuDNN FP8 | vs cuDNN bf16 | vs " + bf16_stage +
+             " (bf16) | cuDNN FP8 TFLOP/s | k7 error: own / end to end | cuDNN FP8 error: "
+             "own / end to end |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def err(row):
+        c = row.get("check")
+        if not c:
+            return "-"
+        return f"{c['max_abs']:.3f} / {c.get('end_to_end', {}).get('max_abs', float('nan')):.3f}"
+
+    for key, rows in by_cfg.items():
+        k7, fp8 = rows.get("k7"), rows.get("cudnn_fp8")
+        if not k7:
+            continue
+        bf16 = rows.get(bf16_stage)
+        vs = [fp8["ms"] / k7["ms"] if fp8 else None,
+              rows["sdpa_cudnn"]["ms"] / k7["ms"] if "sdpa_cudnn" in rows else None,
+              bf16["ms"] / k7["ms"] if bf16 else None]
+        lines.append(f"| {_cfg(key)} | {k7['tflops']:.1f} | " + " | ".join(_fmt(x, 2) for x in vs)
+                     + f" | {_fmt(fp8['tflops'] if fp8 else None)} | {err(k7)} | "
+                     f"{err(fp8) if fp8 else '-'} |")
+    return "\n".join(lines) + (f"\n\nMeasured on {env['gpu']} ({env['date_utc'][:10]}, cuDNN "
+                               f"{env.get('cudnn', '?')}). Source: `{path}`.")
 
 
 # ------------------------------------------------------------------------------- profiles
@@ -359,6 +398,9 @@ def blocks(folder) -> dict:
         if hits:
             out[f"sweep:{name}:{g}"] = sweep_table(os.path.relpath(hits[-1], ROOT),
                                                    row_filter=row_filter)
+    fp8 = sorted(glob.glob(os.path.join(folder, "*_fp8_k7*.json")))
+    if fp8:
+        out[f"fp8:{g}"] = fp8_table(os.path.relpath(fp8[-1], ROOT))
     refs = sorted(glob.glob(os.path.join(folder, "*_ref_check*.json")))
     if refs:
         out[f"ref_check:{g}"] = ref_check_table([os.path.relpath(p, ROOT) for p in refs])

@@ -31,7 +31,7 @@ import tempfile
 
 PHASE_COLORS = {"wait_kv": "#bbbbbb", "wait_k": "#bbbbbb", "wait_v": "#dddddd",
                 "qk": "#1f77b4", "softmax": "#ff7f0e", "pv": "#2ca02c", "release": "#9467bd",
-                "wait_turn": "#e377c2", "mma": "#08306b", "wait_pv": "#98df8a", "rescale": "#d62728", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b"}
+                "wait_turn": "#e377c2", "mma": "#08306b", "wait_pv": "#98df8a", "rescale": "#d62728", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b", "transpose": "#7f7f7f"}
 
 
 # ------------------------------------------------------------------------- the workload
@@ -50,7 +50,8 @@ def workload(args) -> int:
     for trace in (0, 1):
         entry = registry.get(f"{args.kernel}:trace={trace}")
         handle = entry.compile(problem)
-        t = benchmark(lambda: entry.run(handle, q, k, v, out), target_ms=50, max_reps=10)
+        tensors = (*entry.prepare(q, k, v), out)       # k7: its FP8 inputs
+        t = benchmark(lambda: entry.run(handle, *tensors), target_ms=50, max_reps=10)
         cost[f"ms_trace{trace}"] = t["ms"]
     torch.cuda.synchronize()
     cost["overhead"] = cost["ms_trace1"] / cost["ms_trace0"] - 1.0

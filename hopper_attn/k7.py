@@ -1,0 +1,304 @@
+"""k7: FP8 (e4m3) forward: both GEMMs on FP8 WGMMA, V transposed in shared memory.
+
+Hopper's tensor cores multiply e4m3 at twice the bf16 rate (k32 WGMMAs instead of k16).
+What changes from k6 (docs/k7.md):
+
+* Inputs: q, k, v in `float8_e4m3fn` with one fp32 descale per (batch, head) each
+  (x = x8 * descale; `hopper_attn.quantize.quantize_fp8` makes them from bf16). Output bf16
+  (and the log-sum-exp), as k6. S = Q K^T is an FP8 WGMMA with fp32 accumulation; the
+  descales of q and k fold into the softmax's scale, v's into the final 1/l.
+* P in e4m3 registers as the A operand of O += P V. The softmax scales P by 2^8 (largest
+  value 256 of e4m3's 448) so that small probabilities do not flush to zero; l carries the same
+  factor. The conversion needs no shuffle: P's kv order is permuted instead
+  (common/fp8.py), and V^T's rows follow the same permutation.
+* V transposed in shared memory. An FP8 WGMMA reads its SMEM operands K-major only; V
+  arrives (kv, d) with d contiguous, MN-major for P V. Warps 1-2 of the producer warpgroup
+  (idle in k5/k6) turn every V tile into V^T, (d, kv) with kv contiguous, with
+  `ldmatrix.trans`, byte permutes and `stmatrix` (`VTranspose`). TMA fills a raw V ring (warp
+  0, unchanged); the transposers wait on it, write a V^T ring, fence (their generic-proxy
+  stores must be visible to the WGMMA's async proxy), and signal the consumers through the
+  V^T ring's mbarriers; the consumers release V^T stages as they release V stages in k6.
+* The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
+
+What stays: k6's consumer loop as is (`mainloop`: QK issued before the softmax, PV of the
+previous tile under it, ping-pong turns), the producer warp's TMA loads, the persistent
+scheduler (dynamic with a causal mask; the transposer warps receive each work item as the
+consumers do), tails, causal skipping, the (B, N, H, d) layout, GQA.
+
+Budget, d = 128 (128 x 128 tiles, 2 stages): 384 threads; SMEM = Q 16 KiB + K, V and V^T
+rings 3 x 32 KiB + O 32 KiB = 144 KiB (+ barriers). Registers after setmaxnreg: producer
+warpgroup 24, consumers 240 (S 64 + P 16 + O 64 fp32 registers per thread).
+d = 64: 128 x 128 tiles as well, Q 8 + rings 3 x 16 + O 16 = 72 KiB.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import torch
+from cutlass import Float32
+
+from hopper_attn.common import tma, wgmma
+from hopper_attn.common.compiler_hints import opaque
+from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention)
+from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
+from hopper_attn.common.layouts import acc_rows_cols, ndhb_view, smem_tile_layout
+from hopper_attn.common.scheduler import ItemQueue
+from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.warp_roles import WarpRoles
+from hopper_attn.k5 import lse_buffer
+from hopper_attn.k6 import FlashAttentionK6
+
+FP8 = torch.float8_e4m3fn
+
+
+def descale_examples(problem, device) -> list:
+    """Example descales to compile against: q's (batch, heads), k's and v's (batch, heads_kv)."""
+    return [torch.ones((problem.batch, h), dtype=torch.float32, device=device)
+            for h in (problem.heads, problem.kv_heads, problem.kv_heads)]
+
+
+SPEC = KernelSpec(
+    name="k7",
+    summary="k6 in FP8 (e4m3): FP8 WGMMA for both GEMMs, V transposed in SMEM, bf16 output",
+    head_dims=(64, 128),
+    dtypes=(torch.bfloat16,),   # the problem: bf16 attention, computed from e4m3 inputs
+    input_dtype=FP8,
+    extra_inputs=descale_examples,
+    separate_kv=True,
+    strided_inputs=True,
+    grid_per_tile=False,
+    takes_work_counter=True,
+)
+
+P_SCALE_LOG2 = 8                 # P in [0, 256]: e4m3 keeps 3 mantissa bits down to 2^-6
+TRANSPOSE_WARPS = 2              # producer warps 1 .. 2
+TILES = {64: (128, 128), 128: (128, 128)}
+PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (40, 232), 3: (32, 160)}   # after setmaxnreg
+
+
+class FlashAttentionK7(FlashAttentionK6):
+    def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
+                 **options):
+        default_m, default_n = TILES[head_dim]
+        super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
+                         **options)
+        self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS)
+        # the transposing warps need more than k6's 24 registers (ptxas spills at 24)
+        self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mDescaleQ: cute.Tensor, mDescaleK: cute.Tensor, mDescaleV: cute.Tensor,
+                 mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream):
+        q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
+        self.dtype = mQ.element_type                            # e4m3
+        self.out_dtype = mO.element_type                        # bf16
+        q_layout = smem_tile_layout(self.dtype, bm, d)
+        kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
+        vt_layout = smem_tile_layout(self.dtype, d, bn, self.stages)   # V^T: kv contiguous
+        o_layout = smem_tile_layout(self.out_dtype, bm, d)
+        check_row_period(kv_layout, bn, d)
+        check_row_period(vt_layout, d, bn)
+        atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
+            q, k, v, q_layout, kv_layout, bm, bn, d)
+        self.tile_bytes = kv_bytes // 2
+        tma_o, o_coords = tma.make_tma_store(o, o_layout, bm, d)
+
+        @cute.struct
+        class SharedStorage:
+            q_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            vt_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            item_barriers: cute.struct.MemRange[cutlass.Int64, 4]
+            items: cute.struct.MemRange[cutlass.Int32, 2]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(vt_layout)],
+                                   1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(o_layout)],
+                                  1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages,
+                          "vt": 2 * self.stages}
+        seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
+        self.kernel(*coords, o_coords, mDescaleQ, mDescaleK, mDescaleV, mLSE, mCounter, *atoms,
+                    tma_o, scale_log2, q_layout, kv_layout, vt_layout, o_layout).launch(
+            grid=self.scheduler.grid(seqlen, heads, batch),
+            block=[self.threads, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mDescaleQ: cute.Tensor, mDescaleK: cute.Tensor, mDescaleV: cute.Tensor,
+               mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
+               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
+               scale_log2: Float32, q_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout,
+               o_layout: cute.ComposedLayout):
+        schedule, scheduler, roles = self.schedule, self.scheduler, self.roles
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]
+        if warp == 0:
+            tma.prefetch_descriptors(tma_q, tma_k, tma_v, tma_o)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
+        sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
+        sVt = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)  # (d, bn, st)
+        sO = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
+
+        # the raw V ring's consumers are the transposing warps; V^T's, the consumer threads
+        loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
+                                        self.q_bytes, self.tile_bytes,
+                                        (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
+                                        v_consumer_warps=TRANSPOSE_WARPS)
+        vt_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.vt_barriers.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     32 * TRANSPOSE_WARPS),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     roles.consumer_threads),
+            defer_sync=True)
+        queue = None
+        if cutlass.const_expr(scheduler.dynamic):
+            queue = ItemQueue.create(storage.item_barriers.data_ptr(),
+                                     storage.items.get_tensor(cute.make_layout(2)),
+                                     roles.consumer_threads + 32 * TRANSPOSE_WARPS)
+        tma.barriers_ready()
+
+        heads, batch_size = mQ.shape[2], mQ.shape[3]
+        tiles = scheduler.start()
+        m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+        if warp < 4:
+            # ---------------- producer warpgroup ----------------
+            roles.become_producer()
+            if warp == 0:
+                self.load_loop(loads, queue, mCounter, tiles, m_block, head, batch, valid,
+                               seqlen_q, seqlen_k, heads, batch_size, group)
+            elif warp <= TRANSPOSE_WARPS:
+                v_state = tma.consumer_state(self.stages)
+                vt_state = tma.producer_state(self.stages)
+                item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+                src, dst = self.transpose.addresses(storage.sV.data_ptr(), kv_layout,
+                                                    storage.sVt.data_ptr(), vt_layout,
+                                                    warp - 1, cute.arch.lane_idx())
+                while valid:
+                    n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+                    for n in cutlass.range(n_count, unroll=1):
+                        loads.v_pipe.consumer_wait(v_state)       # V_n has landed
+                        vt_pipe.producer_acquire(vt_state)        # its V^T stage is free
+                        phase = self.trace.start("transpose")
+                        self.transpose.stage(src, dst, v_state.index)
+                        self.trace.end(phase)
+                        cute.arch.fence_proxy("async.shared", space="cta")  # for the WGMMAs
+                        vt_pipe.producer_commit(vt_state)
+                        loads.v_pipe.consumer_release(v_state)    # TMA may refill it
+                        v_state.advance()
+                        vt_state.advance()
+                    if cutlass.const_expr(scheduler.dynamic):
+                        tiles = queue.receive(item_state)
+                        item_state.advance()
+                    else:
+                        tiles = scheduler.advance(tiles)
+                    m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
+                                                                 batch_size)
+        else:
+            # ---------------- consumer warpgroups 1..W ----------------
+            roles.become_consumer()
+            ctidx = tidx - 128
+            wg = warp // 4 - 1
+            mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
+                                              self.dtype, self.uniform_descriptors,
+                                              vt_k_major=True)
+            acc_o = mmas.new_o_accumulator(bm, d)
+            o_rc = acc_rows_cols(acc_o)
+            softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
+                                           lanes_per_row=4, p_scale_log2=P_SCALE_LOG2)
+            acc_s = mmas.new_s_accumulator(bm, bn)
+            o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
+            # the consumers see V^T's ring where k6 has V's
+            consumer_loads = loads.with_v_pipe(vt_pipe)
+            q_state = tma.consumer_state(1)
+            k_state = tma.consumer_state(self.stages)
+            v_state = tma.consumer_state(self.stages)
+            item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+            while valid:
+                kv_head = head // group
+                n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+                acc_o.fill(0.0)
+                softmax.reset()
+                item_softmax = softmax.with_scale(
+                    scale_log2 * mDescaleQ[batch, head] * mDescaleK[batch, kv_head])
+                loads.wait_q(q_state)
+                k_state, v_state = self.mainloop(
+                    consumer_loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
+                    mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s,
+                    acc_o, mmas.s_coords, item_softmax, k_state, v_state)
+                loads.q_pipe.consumer_release(q_state)      # O has its own buffer
+                q_state.advance()
+
+                # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
+                inv_sum = item_softmax.finalize()
+                self.store_lse(mLSE, item_softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
+                               m_block * bm, seqlen_q, head, batch)
+                descale_v = mDescaleV[batch, kv_head]
+                for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                    inv_sum[r] = inv_sum[r] * descale_v
+                scale_rows(o_rc, inv_sum)
+                o_out.store(acc_o.load().to(self.out_dtype))
+                self.epilogue_barrier.arrive_and_wait()     # the previous store has read sO
+                o_smem = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sO)
+                cute.autovec_copy(o_out, o_smem)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.epilogue_barrier.arrive_and_wait()
+                if warp == 4:
+                    o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO)
+                    o_store.store(m_block)
+                if cutlass.const_expr(scheduler.dynamic):
+                    tiles = queue.receive(item_state)
+                    item_state.advance()
+                else:
+                    tiles = scheduler.advance(tiles)
+                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+
+    @cute.jit
+    def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor):
+        probs_to_fp8_operand(acc_s, p_frag)
+
+
+def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
+                   block_n: int = 0, stages: int = 2, pingpong: Optional[bool] = None,
+                   persistent: bool = True, dynamic: Optional[bool] = None,
+                   trace: bool = False):
+    """Compile (or fetch from the cache) k7; options as k6's."""
+    return compile_attention(SPEC, FlashAttentionK7, problem,
+                             {"block_m": block_m, "block_n": block_n, "stages": stages,
+                              "pingpong": pingpong, "persistent": persistent,
+                              "dynamic": dynamic, "trace": trace},
+                             workspace_fn=lse_buffer, compile_options=compile_options)
+
+
+def prepare_inputs(q, k, v):
+    """bf16 q, k, v -> (q8, k8, v8, descale_q, descale_k, descale_v) for `run_kernel`
+    (per (batch, head) amax scaling; outside the timed region in bench.py)."""
+    from hopper_attn.quantize import quantize_fp8
+    return quantize_fp8(q, k, v)
+
+
+def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):
+    run_attention(handle, q8, k8, v8, out, extra_inputs=(descale_q, descale_k, descale_v))

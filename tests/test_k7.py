@@ -1,0 +1,91 @@
+"""k7 (FP8): compiles for sm_90a without spills, and its PTX shows the stage's idea: both
+GEMMs are e4m3 WGMMAs (k32), P is converted to e4m3 in registers, V is transposed in shared
+memory by the producer warpgroup (ldmatrix.trans, prmt, stmatrix, then a proxy fence before
+the V^T ring's mbarrier arrive). Plus the host pieces: the quantizer, the input checks, and the
+FP8 reference emulation that k7's error is judged against."""
+
+import re
+
+import pytest
+import torch
+
+from hopper_attn.common.contract import Problem, check_descales, check_tensors
+from hopper_attn.harness.compile_report import resource_usage
+from ptx import compiled, count
+
+CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
+E4M3_WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3"
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", CONFIGS)
+def test_no_spills_and_both_gemms_in_fp8(d, causal):
+    art = compiled("k7", d, causal)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    ptx = art["ptx"]
+    # S = Q K^T (n = block_n = 128) and O += P V (n = d), nothing in 16 bits
+    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {128, d}
+    assert not re.search(r"wgmma\S*\.(bf16|f16)", ptx)
+    # P -> e4m3 pairs in registers (block_n / 2 = 64 fp32 per thread -> 32 conversions)
+    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 32
+    # the PV WGMMA takes A from registers: {...} list right after the accumulators
+    assert re.search(r"wgmma\.mma_async\S*k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [64, 128])
+def test_v_is_transposed_in_shared_memory(d):
+    ptx = compiled("k7", d, False)["ptx"]
+    units = 128 // 16 * d // 32 // 2                  # 16 x 32 units per transposing warp
+    assert count(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16") == units
+    assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16") == units
+    assert count(ptx, r"prmt\.b32") >= 4 * units
+    # the transposers' stores reach the WGMMAs (async proxy) only after a proxy fence
+    assert count(ptx, r"fence\.proxy\.async\.shared::cta") >= 2
+    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40") == 1
+    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232") == 1
+
+
+def test_quantize_round_trip_and_scales():
+    from hopper_attn.quantize import E4M3_MAX, dequantize_fp8, quantize_fp8
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 50, 3, 64, generator=gen)
+    x[:, :, 1] *= 100.0                                  # one loud head
+    x[1, :, 2] = 0.0                                     # an all-zero slice
+    x8, descale = quantize_fp8(x.to(torch.bfloat16))
+    assert x8.dtype == torch.float8_e4m3fn and descale.shape == (2, 3)
+    assert descale.dtype == torch.float32 and descale[1, 2] == 1.0
+    assert (x8.float().abs().amax(dim=(1, 3)) <= E4M3_MAX).all()
+    back = dequantize_fp8(x8, descale)
+    rel = (back - x.to(torch.bfloat16).float()).abs() / x.abs().amax(dim=(1, 3))[:, None, :, None].clamp_min(1e-9)
+    assert rel.max() <= 2 ** -4 + 1e-6                  # within half an e4m3 ulp at the top
+    # per (batch, head): the loud head does not coarsen the quiet ones
+    quiet = (back[:, :, 0] - x[:, :, 0]).abs().max()
+    assert quiet < 0.3
+
+
+def test_inputs_must_be_fp8_with_descales():
+    p = Problem(2, 3, 17, 64)
+    q, k, v = (torch.randn(p.shape).to(torch.float8_e4m3fn) for _ in range(3))
+    out = torch.empty(p.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        check_tensors(p, q.float().to(torch.bfloat16), k, v, out, input_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="on cpu"):
+        check_tensors(p, q, k, v, out, input_dtype=torch.float8_e4m3fn)
+    good = [torch.ones(2, 3) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"descale_k .*\(2, 3\)"):
+        check_descales(p, [good[0], torch.ones(3, 2), good[2]])
+    with pytest.raises(ValueError, match="descale_v"):
+        check_descales(p, [good[0], good[1], good[2].double()])
+
+
+def test_fp8_emulation_is_close_to_fp32_and_exact_for_one_key():
+    from hopper_attn.harness.reference import reference_attention
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=gen) for _ in range(3))
+    ref = reference_attention(q, k, v, causal=True)
+    emu = reference_attention(q, k, v, causal=True, fp8_probs=True)
+    err = (emu - ref).abs().max().item()
+    assert 0 < err < 0.05                           # P in e4m3: ~3 significant bits
+    assert torch.equal(emu[:, 0], ref[:, 0])        # row 0 sees one key: P = 256 exactly
