@@ -96,7 +96,8 @@ def profile(entries, args, backward: bool = False) -> int:
         makers, _ = baselines.backward_available(names)
         found = {b: make(q, k, v, case.do, problem.causal) for b, make in makers.items()}
     else:
-        found = {b: (lambda fn=fn: fn(q, k, v, problem.causal))
+        found = {b: (fn.prepare(q, k, v, problem.causal) if hasattr(fn, "prepare")
+                     else (lambda fn=fn: fn(q, k, v, problem.causal)))
                  for b, fn in baselines.available(names)[0].items()}
     for bname, fn in found.items():
         for _ in range(3):

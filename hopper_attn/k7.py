@@ -21,14 +21,16 @@ What changes from k6 (docs/k7.md):
 * The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
 
 What stays: k6's consumer loop as is (`mainloop`: QK issued before the softmax, PV of the
-previous tile under it, ping-pong turns), the producer warp's TMA loads, the persistent
-scheduler (dynamic with a causal mask; the transposer warps receive each work item as the
-consumers do), tails, causal skipping, the (B, N, H, d) layout, GQA.
+previous tile under it), the producer warp's TMA loads, the persistent scheduler (dynamic
+with a causal mask; the transposer warps receive each work item as the consumers do),
+tails, causal skipping, the (B, N, H, d) layout, GQA. Measured choices (TILES): no ping-pong
+between the consumer warpgroups (with GEMMs half as long, taking turns costs more than it
+saves) and, at d = 128, three ring stages.
 
-Budget, d = 128 (128 x 128 tiles, 2 stages): 384 threads; SMEM = Q 16 KiB + K, V and V^T
-rings 3 x 32 KiB + O 32 KiB = 144 KiB (+ barriers). Registers after setmaxnreg: producer
-warpgroup 24, consumers 240 (S 64 + P 16 + O 64 fp32 registers per thread).
-d = 64: 128 x 128 tiles as well, Q 8 + rings 3 x 16 + O 16 = 72 KiB.
+Budget, d = 128 (128 x 128 tiles, 3 stages): 384 threads; SMEM = Q 16 KiB + K, V and V^T
+rings 3 x 48 KiB + O 32 KiB = 192 KiB (+ barriers). Registers after setmaxnreg: producer
+warpgroup 56 (the transposers spill at 24 and at 40 with batched loads), consumers 224 (S 64
++ P 16 + O 64 fp32 registers per thread). d = 64: 2 stages, Q 8 + 3 x 16 + O 16 = 72 KiB.
 """
 
 from __future__ import annotations
@@ -76,17 +78,22 @@ SPEC = KernelSpec(
 
 P_SCALE_LOG2 = 8                 # P in [0, 256]: e4m3 keeps 3 mantissa bits down to 2^-6
 TRANSPOSE_WARPS = 2              # producer warps 1 .. 2
-TILES = {64: (128, 128), 128: (128, 128)}
-PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (40, 232), 3: (32, 160)}   # after setmaxnreg
+# head_dim -> (block_m, block_n, ping-pong, stages). Measured on the H100 round-robin
+# (results/h100/2026-11-23_k7_variants.json, docs/k7.md): without ping-pong +1-3% at d128 and
+# +4-11% at d64 (full), three stages +4-7% at d128 and nothing at d64.
+TILES = {64: (128, 128, False, 2), 128: (128, 128, False, 3)}
+PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after setmaxnreg
 
 
 class FlashAttentionK7(FlashAttentionK6):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
+                 pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
                  **options):
-        default_m, default_n = TILES[head_dim]
+        default_m, default_n, default_pingpong, default_stages = TILES[head_dim]
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
-                         **options)
-        self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS)
+                         pingpong=default_pingpong if pingpong is None else bool(pingpong),
+                         stages=stages or default_stages, **options)
+        self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
         # the transposing warps need more than k6's 24 registers (ptxas spills at 24)
         self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
 
@@ -282,14 +289,18 @@ class FlashAttentionK7(FlashAttentionK6):
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
-                   block_n: int = 0, stages: int = 2, pingpong: Optional[bool] = None,
+                   block_n: int = 0, stages: int = 0, pingpong: Optional[bool] = None,
                    persistent: bool = True, dynamic: Optional[bool] = None,
-                   trace: bool = False):
-    """Compile (or fetch from the cache) k7; options as k6's."""
+                   trace: bool = False, transpose_batch: int = 1):
+    """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
+    the head dim), and transpose_batch: V tile units whose ldmatrix the transposing warps
+    issue back to back (1, the default: one at a time; more finishes the transpose sooner
+    but slows the consumers' exp2, which share the MIO queue with ldmatrix/stmatrix)."""
     return compile_attention(SPEC, FlashAttentionK7, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "pingpong": pingpong, "persistent": persistent,
-                              "dynamic": dynamic, "trace": trace},
+                              "dynamic": dynamic, "trace": trace,
+                              "transpose_batch": transpose_batch},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -43,8 +43,8 @@ def test_v_is_transposed_in_shared_memory(d):
     assert count(ptx, r"prmt\.b32") >= 4 * units
     # the transposers' stores reach the WGMMAs (async proxy) only after a proxy fence
     assert count(ptx, r"fence\.proxy\.async\.shared::cta") >= 2
-    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40") == 1
-    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232") == 1
+    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+56") == 1
+    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224") == 1
 
 
 def test_quantize_round_trip_and_scales():

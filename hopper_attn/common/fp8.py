@@ -34,6 +34,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm
 # byte selectors of `prmt` (bytes 0-3 from the first word, 4-7 from the second)
 EVEN_BYTES = 0x6420         # bytes 0 and 2 of each word: the even d column of both pairs
 ODD_BYTES = 0x7531          # bytes 1 and 3: the odd one
+BATCH = 4                   # ldmatrix issued back to back (4 x 4 registers in flight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ class VTranspose:
     block_n: int
     head_dim: int
     warps: int
+    batch: int = BATCH
 
     def __post_init__(self):
         if self.block_n % 16 or self.head_dim % (32 * self.warps) or self.block_n > 128 \
@@ -91,12 +93,20 @@ class VTranspose:
 
     @cute.jit
     def stage(self, src: list, dst: list, stage):
-        """Transpose ring stage `stage` (every unit of this warp), from `addresses`."""
+        """Transpose ring stage `stage` (every unit of this warp), from `addresses`.
+
+        Units go in batches of `batch`: all of a batch's loads, then its permutes and stores.
+        Unit by unit, each ldmatrix would wait for the previous stmatrix (the compiler cannot
+        tell that they touch different buffers), so every load's latency would be exposed.
+        """
         v_tile = self.block_n * self.head_dim           # bytes per stage, V and V^T alike
-        for u in cutlass.range_constexpr(self.block_n // 16):
-            for j in cutlass.range_constexpr(self.d_units):
-                words = nvvm.ldmatrix((src[j] + (stage * v_tile + 16 * u * self.head_dim))
-                                      .llvm_ptr, num=4, layout=nvvm.MMALayout.COL)
+        units = [(u, j) for u in range(self.block_n // 16) for j in range(self.d_units)]
+        for b in cutlass.range_constexpr(0, len(units), self.batch):
+            batch = units[b:b + self.batch]
+            loaded = [nvvm.ldmatrix((src[j] + (stage * v_tile + 16 * u * self.head_dim))
+                                    .llvm_ptr, num=4, layout=nvvm.MMALayout.COL)
+                      for u, j in batch]
+            for (u, j), words in zip(batch, loaded):
                 out = [cute.arch.prmt(words[2 * h], words[2 * h + 1], sel)
                        for h in (0, 1) for sel in (EVEN_BYTES, ODD_BYTES)]
                 nvvm.stmatrix((dst[u] + (stage * v_tile + 32 * j * self.block_n)).llvm_ptr,

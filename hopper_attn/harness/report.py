@@ -157,7 +157,7 @@ def sweep_table(path, title_filter=None, row_filter=None) -> str:
     """A small sweep file (tile sizes, structure): every row at its configs."""
     data = _load(os.path.join(ROOT, path))
     env = data["env"]
-    names = [b for b in BASELINES if any(r["kernel"] == b for r in data["rows"])]
+    names = [b for b in BASELINES + ["cudnn_fp8"] if any(r["kernel"] == b for r in data["rows"])]
     lines = [f"| config | variant | ms | TFLOP/s | vs {' | vs '.join(BASELINE_LABEL[b] for b in names)} |",
              "|---|---|---:|---:|" + "---:|" * len(names)]
     for row in data["rows"]:
@@ -392,7 +392,8 @@ def blocks(folder) -> dict:
               "k3_structure": None, "scalar_unroll": None, "k6_tiles_d64": None,
               "kb2_variants": None, "kb2_deterministic": None, "kb2_cuts": None,
               "kb2_ab": lambda r: r["config"]["seqlen"] in (4096, 16384),
-              "fwd_uniform_descriptors": lambda r: r["config"]["seqlen"] in (4096, 16384)}
+              "fwd_uniform_descriptors": lambda r: r["config"]["seqlen"] in (4096, 16384),
+              "k7_variants": None, "k7_variants_batch": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
