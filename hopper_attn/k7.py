@@ -66,7 +66,7 @@ def descale_examples(problem, device) -> list:
 SPEC = KernelSpec(
     name="k7",
     summary="k6 in FP8 (e4m3): FP8 WGMMA for both GEMMs, V transposed in SMEM, bf16 output",
-    head_dims=(64, 128),
+    head_dims=(64, 128, 256),
     dtypes=(torch.bfloat16,),   # the problem: bf16 attention, computed from e4m3 inputs
     input_dtype=FP8,
     extra_inputs=descale_examples,
@@ -81,19 +81,21 @@ TRANSPOSE_WARPS = 2              # producer warps 1 .. 2
 # head_dim -> (block_m, block_n, ping-pong, stages). Measured on the H100 round-robin
 # (results/h100/2026-11-23_k7_variants.json, docs/k7.md): without ping-pong +1-3% at d128 and
 # +4-11% at d64 (full), three stages +4-7% at d128 and nothing at d64.
-TILES = {64: (128, 128, False, 2), 128: (128, 128, False, 3)}
+# d = 256: Q 32 + 2 stages x (K, V, V^T) 3 x 16 + O (bf16) 64 = 192 KiB with 64-column kv tiles.
+TILES = {64: (128, 128, False, 2), 128: (128, 128, False, 3), 256: (128, 64, False, 2)}
 PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after setmaxnreg
 
 
 class FlashAttentionK7(FlashAttentionK6):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
-                 **options):
+                 fma_exp2_every: int = 0, **options):
         default_m, default_n, default_pingpong, default_stages = TILES[head_dim]
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          stages=stages or default_stages, **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
+        self.fma_exp2_every = fma_exp2_every
         # the transposing warps need more than k6's 24 registers (ptxas spills at 24)
         self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
 
@@ -201,7 +203,7 @@ class FlashAttentionK7(FlashAttentionK6):
                 v_state = tma.consumer_state(self.stages)
                 vt_state = tma.producer_state(self.stages)
                 item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-                src, dst = self.transpose.addresses(storage.sV.data_ptr(), kv_layout,
+                src, dst, steps = self.transpose.addresses(storage.sV.data_ptr(), kv_layout,
                                                     storage.sVt.data_ptr(), vt_layout,
                                                     warp - 1, cute.arch.lane_idx())
                 while valid:
@@ -210,7 +212,7 @@ class FlashAttentionK7(FlashAttentionK6):
                         loads.v_pipe.consumer_wait(v_state)       # V_n has landed
                         vt_pipe.producer_acquire(vt_state)        # its V^T stage is free
                         phase = self.trace.start("transpose")
-                        self.transpose.stage(src, dst, v_state.index)
+                        self.transpose.stage(src, dst, steps, v_state.index)
                         self.trace.end(phase)
                         cute.arch.fence_proxy("async.shared", space="cta")  # for the WGMMAs
                         vt_pipe.producer_commit(vt_state)
@@ -235,7 +237,8 @@ class FlashAttentionK7(FlashAttentionK6):
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
-                                           lanes_per_row=4, p_scale_log2=P_SCALE_LOG2)
+                                           lanes_per_row=4, p_scale_log2=P_SCALE_LOG2,
+                                           fma_exp2_every=self.fma_exp2_every)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
             # the consumers see V^T's ring where k6 has V's
@@ -291,7 +294,7 @@ class FlashAttentionK7(FlashAttentionK6):
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 0, pingpong: Optional[bool] = None,
                    persistent: bool = True, dynamic: Optional[bool] = None,
-                   trace: bool = False, transpose_batch: int = 1):
+                   trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), and transpose_batch: V tile units whose ldmatrix the transposing warps
     issue back to back (1, the default: one at a time; more finishes the transpose sooner
@@ -300,7 +303,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "pingpong": pingpong, "persistent": persistent,
                               "dynamic": dynamic, "trace": trace,
-                              "transpose_batch": transpose_batch},
+                              "transpose_batch": transpose_batch,
+                              "fma_exp2_every": fma_exp2_every},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -13,7 +13,7 @@ from hopper_attn.common.contract import Problem, check_descales, check_tensors
 from hopper_attn.harness.compile_report import resource_usage
 from ptx import compiled, count
 
-CONFIGS = [(64, False), (64, True), (128, False), (128, True)]
+CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False)]
 E4M3_WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3"
 
 
@@ -23,21 +23,22 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
     art = compiled("k7", d, causal)
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    ptx = art["ptx"]
-    # S = Q K^T (n = block_n = 128) and O += P V (n = d), nothing in 16 bits
-    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {128, d}
+    ptx, block_n = art["ptx"], art["kernel"]["block_n"]
+    # S = Q K^T (n = block_n) and O += P V (n = d), nothing in 16 bits
+    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {block_n, d}
     assert not re.search(r"wgmma\S*\.(bf16|f16)", ptx)
-    # P -> e4m3 pairs in registers (block_n / 2 = 64 fp32 per thread -> 32 conversions)
-    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == 32
+    # P -> e4m3 pairs in registers (block_n / 2 fp32 per thread, two per conversion)
+    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == block_n // 4
     # the PV WGMMA takes A from registers: {...} list right after the accumulators
     assert re.search(r"wgmma\.mma_async\S*k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_v_is_transposed_in_shared_memory(d):
-    ptx = compiled("k7", d, False)["ptx"]
-    units = 128 // 16 * d // 32 // 2                  # 16 x 32 units per transposing warp
+    art = compiled("k7", d, False)
+    ptx = art["ptx"]
+    units = art["kernel"]["block_n"] // 16 * d // 32 // 2   # 16 x 32 units per warp
     assert count(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16") == units
     assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16") == units
     assert count(ptx, r"prmt\.b32") >= 4 * units
@@ -89,3 +90,20 @@ def test_fp8_emulation_is_close_to_fp32_and_exact_for_one_key():
     err = (emu - ref).abs().max().item()
     assert 0 < err < 0.05                           # P in e4m3: ~3 significant bits
     assert torch.equal(emu[:, 0], ref[:, 0])        # row 0 sees one key: P = 256 exactly
+
+
+def test_k8_rotation_is_orthogonal_and_keeps_scores():
+    from hopper_attn import k8
+    for d in (64, 128, 256):
+        r = k8.rotation(d, "cpu", seed=3)
+        assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 8, 2, 128, generator=gen) for _ in range(2))
+    k[..., 5] *= 100.0                                   # an outlier channel
+    s = torch.einsum("bihd,bjhd->bhij", q, k)
+    s_rot = torch.einsum("bihd,bjhd->bhij", k8.rotate(q), k8.rotate(k))
+    assert torch.allclose(s, s_rot, rtol=1e-4, atol=1e-2)
+    # the outlier's energy is spread: no coordinate of the rotated k holds most of it
+    assert k8.rotate(k).abs().amax() < 0.3 * k.abs().amax()
+    with pytest.raises(ValueError, match="power-of-two"):
+        k8.hadamard(96)

@@ -64,11 +64,9 @@ class VTranspose:
     batch: int = BATCH
 
     def __post_init__(self):
-        if self.block_n % 16 or self.head_dim % (32 * self.warps) or self.block_n > 128 \
-                or self.head_dim > 128:
-            raise ValueError(f"V transpose: block_n ({self.block_n}) a multiple of 16, "
-                             f"head_dim ({self.head_dim}) of 32 x {self.warps} warps, both "
-                             f"<= 128 (one swizzle atom per row)")
+        if self.block_n % 16 or self.head_dim % (32 * self.warps):
+            raise ValueError(f"V transpose: block_n ({self.block_n}) must be a multiple of 16 "
+                             f"and head_dim ({self.head_dim}) of 32 x {self.warps} warps")
 
     @property
     def d_units(self) -> int:
@@ -89,10 +87,12 @@ class VTranspose:
         dst = [svt + cute.crd2idx((d_first + 16 * (m // 2) + (m % 2) + 2 * r, 16 * u, 0),
                                   vt_layout)
                for u in range(self.block_n // 16)]
-        return src, dst
+        # what 16 more rows of V and 32 more rows of V^T add (check_row_period)
+        steps = (cute.crd2idx((16, 0, 0), v_layout), cute.crd2idx((32, 0, 0), vt_layout))
+        return src, dst, steps
 
     @cute.jit
-    def stage(self, src: list, dst: list, stage):
+    def stage(self, src: list, dst: list, steps: tuple, stage):
         """Transpose ring stage `stage` (every unit of this warp), from `addresses`.
 
         Units go in batches of `batch`: all of a batch's loads, then its permutes and stores.
@@ -103,26 +103,28 @@ class VTranspose:
         units = [(u, j) for u in range(self.block_n // 16) for j in range(self.d_units)]
         for b in cutlass.range_constexpr(0, len(units), self.batch):
             batch = units[b:b + self.batch]
-            loaded = [nvvm.ldmatrix((src[j] + (stage * v_tile + 16 * u * self.head_dim))
+            loaded = [nvvm.ldmatrix((src[j] + (stage * v_tile + u * steps[0]))
                                     .llvm_ptr, num=4, layout=nvvm.MMALayout.COL)
                       for u, j in batch]
             for (u, j), words in zip(batch, loaded):
                 out = [cute.arch.prmt(words[2 * h], words[2 * h + 1], sel)
                        for h in (0, 1) for sel in (EVEN_BYTES, ODD_BYTES)]
-                nvvm.stmatrix((dst[u] + (stage * v_tile + 32 * j * self.block_n)).llvm_ptr,
+                nvvm.stmatrix((dst[u] + (stage * v_tile + j * steps[1])).llvm_ptr,
                               out, nvvm.MMALayout.ROW)
 
 
 def check_row_period(layout: cute.ComposedLayout, rows: int, cols: int, period: int = 16):
-    """Host side: assert that `layout` (rows, cols, stages) maps (row + period, col, stage)
-    to offset + period * cols and (row, col, stage) to offset + stage * rows * cols, which
-    `VTranspose` relies on (one swizzle atom per row, atoms stacked down the rows)."""
+    """Host side: assert that `layout` (rows, cols, stages) maps (row + period t, col, stage)
+    to offset(row, col, 0) + t * offset(period, 0, 0) + stage * rows * cols, which
+    `VTranspose` relies on: the swizzle repeats every 8 rows and swizzle atoms are stacked
+    down the rows (a row wider than one atom continues in the next column of atoms)."""
+    step = cute.crd2idx((period, 0, 0), layout)
     for row in range(period):
         for col in range(0, cols, 16):
             base = cute.crd2idx((row, col, 0), layout)
             for t in range(1, rows // period):
-                assert cute.crd2idx((row + period * t, col, 0), layout) == \
-                    base + period * t * cols, "layout is not row-periodic"
+                assert cute.crd2idx((row + period * t, col, 0), layout) == base + t * step, \
+                    "layout is not row-periodic"
             assert cute.crd2idx((row, col, 1), layout) == base + rows * cols, \
                 "stages are not contiguous"
 

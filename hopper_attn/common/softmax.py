@@ -25,8 +25,45 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 LN_2 = 0.6931471805599453
+
+# 2^x without the SFU (MUFU.EX2): with t = x + 1.5 * 2^23 rounded to an integer j in t's low
+# mantissa bits, f = x - j in [-0.5, 0.5], 2^x = 2^j * 2^f, where 2^f is a cubic
+# 1 + c1 f + c2 f^2 + c3 f^3 (relative error < 2.1e-4, fitted here in relative terms) and 2^j
+# is added to the result's exponent field: bits(t) << 23 is j << 23 (the rest of t's bits
+# shift out). x is clamped at -127 and the cubic is exactly 1 at f = 0, so 2^-inf (a masked
+# score) comes out as exactly +0 (exponent field 0, mantissa 0), as MUFU.EX2 gives; results
+# below 2^-126 are tiny non-negative subnormals, not exact.
+# Three FADDs, three FFMAs, one shift-add and a max: on the FMA and ALU pipes, which k7's
+# softmax leaves mostly idle while the SFU is the busiest pipe of its loop.
+_EXP2_FMA_PTX = """{
+ .reg .f32 x, t, j, f, p;
+ .reg .b32 tb, pb;
+ max.f32 x, $1, 0fC2FE0000;
+ add.rn.f32 t, x, 0f4B400000;
+ sub.rn.f32 j, t, 0f4B400000;
+ sub.rn.f32 f, x, j;
+ fma.rn.f32 p, f, 0f3D59A02E, 0f3E78574E;
+ fma.rn.f32 p, p, f, 0f3F319B9C;
+ fma.rn.f32 p, p, f, 0f3F800000;
+ mov.b32 tb, t;
+ mov.b32 pb, p;
+ shl.b32 tb, tb, 23;
+ add.s32 pb, pb, tb;
+ mov.b32 $0, pb;
+}"""
+
+
+@dsl_user_op
+def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x computed with FMA-pipe instructions instead of MUFU.EX2 (see above)."""
+    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
+                                   _EXP2_FMA_PTX, "=f,f", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                   loc=loc, ip=ip))
 
 
 @dataclasses.dataclass(frozen=True)   # frozen: register arrays are updated in place, never rebound
@@ -41,16 +78,18 @@ class OnlineSoftmax:
     # smallest subnormal (2^-9) after P is quantized; l carries the same factor, so O = P V / l
     # is unchanged. 0 (a constant) adds no code.
     p_scale_log2: int = 0
+    # every n-th column's exp2 on the FMA pipe (`exp2_on_fma`) instead of the SFU (0: none)
+    fma_exp2_every: int = 0
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
-               p_scale_log2: int = 0) -> "OnlineSoftmax":
+               p_scale_log2: int = 0, fma_exp2_every: int = 0) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
-                             p_scale_log2)
+                             p_scale_log2, fma_exp2_every)
 
     def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
         """The same row state with another score scale (k7: per (batch, head) descales)."""
@@ -80,9 +119,19 @@ class OnlineSoftmax:
             alpha[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
             if cutlass.const_expr(self.p_scale_log2 != 0):
                 m_scaled = m_scaled - Float32(self.p_scale_log2)
-            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            if cutlass.const_expr(self.fma_exp2_every == 0):
+                p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+                s_rc[r, None].store(p)
+            else:
+                every = self.fma_exp2_every
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    x = s_rc[r, c] * self.scale_log2 - m_scaled
+                    if cutlass.const_expr(c % every == every - 1):
+                        s_rc[r, c] = exp2_on_fma(x)
+                    else:
+                        s_rc[r, c] = cute.math.exp2(x, fastmath=True)
+                p = s_rc[r, None].load()
             self.row_sum[r] = self.row_sum[r] * alpha[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
-            s_rc[r, None].store(p)
         return alpha
 
     @cute.jit

@@ -28,7 +28,7 @@ BACKWARD_STAGES = ["kb1", "kb2"]          # results/<gpu>/*_backward_*.json
 BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
 BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)",
                   "cudnn_fp8": "cuDNN FP8"}
-FP8_STAGES = ["k7"]                       # results/<gpu>/*_fp8_*.json
+FP8_STAGES = ["k7", "k8"]                 # results/<gpu>/*_fp8_*.json
 MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
                   re.S)
 
@@ -222,6 +222,7 @@ def fp8_table(path, bf16_stage="k6") -> str:
     lines = ["| config | k7 TFLOP/s | vs cuDNN FP8 | vs cuDNN bf16 | vs " + bf16_stage +
              " (bf16) | cuDNN FP8 TFLOP/s | k7 error: own / end to end | cuDNN FP8 error: "
              "own / end to end |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    # (k8 runs k7's kernel on rotated inputs: its time is k7's within noise, see docs/k8.md)
 
     def err(row):
         c = row.get("check")
@@ -242,6 +243,32 @@ def fp8_table(path, bf16_stage="k6") -> str:
                      f"{err(fp8) if fp8 else '-'} |")
     return "\n".join(lines) + (f"\n\nMeasured on {env['gpu']} ({env['date_utc'][:10]}, cuDNN "
                                f"{env.get('cudnn', '?')}). Source: `{path}`.")
+
+
+def fp8_error_table(path) -> str:
+    """fp8_error.py's rows: RMS error relative to the reference's RMS, and max abs error, end
+    to end (input quantization included), per head dim, mask and outlier factor."""
+    data = _load(os.path.join(ROOT, path))
+    methods = [("torch_bf16", "torch bf16"), ("k7", "k7"), ("k8", "k8 (rotated)"),
+               ("cudnn_fp8", "cuDNN FP8")]
+    methods = [(m, label) for m, label in methods if any(m in r for r in data["rows"])]
+    lines = ["| d | mask | outlier channels | " + " | ".join(label for _, label in methods)
+             + " |", "|---:|---|---:|" + "---:|" * len(methods)]
+    for r in data["rows"]:
+        cells = [f"{r[m]['rms_rel']:.3f} / {r[m]['max_abs']:.2f}" if m in r else "-"
+                 for m, _ in methods]
+        factor = "none" if r["factor"] == 1 else f"{r['factor']:g}x"
+        lines.append(f"| {r['head_dim']} | {'causal' if r['causal'] else 'full'} | {factor} | "
+                     + " | ".join(cells) + " |")
+    c = data["costs"]
+    cfg = c["config"]
+    env = data["env"]
+    return "\n".join(lines) + (
+        f"\n\nCells: RMS error / RMS of the output, then max abs error, against the fp32 "
+        f"reference on the bf16 inputs. Input passes at B{cfg['batch']} H{cfg['heads']} "
+        f"N{cfg['seqlen']} d{cfg['head_dim']}: quantize {c['k7_prepare_ms']:.2f} ms, rotate + "
+        f"quantize {c['k8_prepare_ms']:.2f} ms, the kernel {c['k7_kernel_ms']:.2f} ms. Measured "
+        f"on {env['gpu']} ({env['date_utc'][:10]}). Source: `{path}`.")
 
 
 # ------------------------------------------------------------------------------- profiles
@@ -393,7 +420,7 @@ def blocks(folder) -> dict:
               "kb2_variants": None, "kb2_deterministic": None, "kb2_cuts": None,
               "kb2_ab": lambda r: r["config"]["seqlen"] in (4096, 16384),
               "fwd_uniform_descriptors": lambda r: r["config"]["seqlen"] in (4096, 16384),
-              "k7_variants": None, "k7_variants_batch": None}
+              "k7_variants": None, "k7_variants_batch": None, "k7_exp2_fma": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
@@ -402,6 +429,9 @@ def blocks(folder) -> dict:
     fp8 = sorted(glob.glob(os.path.join(folder, "*_fp8_k7*.json")))
     if fp8:
         out[f"fp8:{g}"] = fp8_table(os.path.relpath(fp8[-1], ROOT))
+    fp8_err = sorted(glob.glob(os.path.join(folder, "*_fp8_error*.json")))
+    if fp8_err:
+        out[f"fp8_error:{g}"] = fp8_error_table(os.path.relpath(fp8_err[-1], ROOT))
     refs = sorted(glob.glob(os.path.join(folder, "*_ref_check*.json")))
     if refs:
         out[f"ref_check:{g}"] = ref_check_table([os.path.relpath(p, ROOT) for p in refs])

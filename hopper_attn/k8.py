@@ -1,0 +1,84 @@
+"""k8: k7 with incoherent processing: Q and K rotated by a random orthogonal matrix before
+they are quantized.
+
+What changes from k7: only the inputs (`prepare_inputs`); the kernel is k7's. For any
+orthogonal R (R R^T = I), (Q R)(K R)^T = Q K^T, so rotating both Q and K leaves the scores
+and everything after them unchanged in exact arithmetic; V is not touched. What changes is
+what e4m3 has to represent. Activations often have a few *outlier channels* (head-dim
+coordinates 10-100x larger than the rest); their rounding error, a fixed fraction of a large
+value, then dominates each score q . k. A random rotation spreads every channel's energy
+over all d coordinates, so no coordinate is much larger than the others, and the rounding
+errors of the d products average out instead of one of them dominating
+(FlashAttention-3, section 3.3, after QuIP's "incoherence processing").
+
+R = H diag(s) / sqrt(d): H the d x d Hadamard matrix (entries +-1, Sylvester's
+construction, d a power of two), s random signs. Applied here as a matmul (2 d FLOPs per
+element, a separate pass over Q and K, fused with the quantization; its time is reported by
+bench.py next to the kernel's, not inside it). A fast Walsh-Hadamard transform would need
+d log d instead of d^2 operations; at d <= 256 the matmul is not the cost that matters.
+
+Everything else, including the numbers that describe the kernel, is k7's: docs/k8.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from hopper_attn import k7
+from hopper_attn.common.contract import compile_attention, run_attention
+from hopper_attn.k5 import lse_buffer
+
+SPEC = dataclasses.replace(
+    k7.SPEC, name="k8",
+    summary="k7 + incoherent processing: Q and K rotated (random-sign Hadamard) before FP8")
+
+_ROTATIONS: dict = {}
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """The d x d Sylvester Hadamard matrix (fp32 entries +-1); d a power of two."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rotation(d: int, device, seed: int = 0) -> torch.Tensor:
+    """R = diag(s) H / sqrt(d) with random signs s (fp32, orthogonal), cached per
+    (d, device, seed)."""
+    key = (d, str(device), seed)
+    if key not in _ROTATIONS:
+        gen = torch.Generator().manual_seed(seed)
+        signs = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
+        _ROTATIONS[key] = (signs[:, None] * hadamard(d) / math.sqrt(d)).to(device)
+    return _ROTATIONS[key]
+
+
+@torch.no_grad()
+def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """x R in fp32, for (batch, seqlen, heads, head_dim) x."""
+    return torch.matmul(x.float(), rotation(x.shape[-1], x.device, seed))
+
+
+def prepare_inputs(q, k, v, seed: int = 0):
+    """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both)."""
+    from hopper_attn.quantize import quantize_fp8
+    return quantize_fp8(rotate(q, seed), rotate(k, seed), v)
+
+
+def compile_kernel(problem, *, compile_options: str = "", **options):
+    """k7's kernel (same options), registered under k8's name."""
+    merged = {"block_m": 0, "block_n": 0, "stages": 0, "pingpong": None, "persistent": True,
+              "dynamic": None, "trace": False, "transpose_batch": 1, "fma_exp2_every": 0}
+    merged.update(options)
+    return compile_attention(SPEC, k7.FlashAttentionK7, problem, merged,
+                             workspace_fn=lse_buffer, compile_options=compile_options)
+
+
+def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):
+    run_attention(handle, q8, k8, v8, out, extra_inputs=(descale_q, descale_k, descale_v))
