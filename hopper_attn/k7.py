@@ -30,7 +30,8 @@ saves) and, at d = 128, three ring stages.
 Budget, d = 128 (128 x 128 tiles, 3 stages): 384 threads; SMEM = Q 16 KiB + K, V and V^T
 rings 3 x 48 KiB + O 32 KiB = 192 KiB (+ barriers). Registers after setmaxnreg: producer
 warpgroup 56 (the transposers spill at 24 and at 40 with batched loads), consumers 224 (S 64
-+ P 16 + O 64 fp32 registers per thread). d = 64: 2 stages, Q 8 + 3 x 16 + O 16 = 72 KiB.
++ P 16 + O 64 fp32 registers per thread). d = 64: 128 x 256 tiles, 3 stages, Q 8 + 3 x 48
++ O 16 = 168 KiB. d = 256: 128 x 64 tiles, 2 stages, Q 32 + 3 x 32 + O 64 = 192 KiB.
 """
 
 from __future__ import annotations
@@ -79,10 +80,12 @@ SPEC = KernelSpec(
 P_SCALE_LOG2 = 8                 # P in [0, 256]: e4m3 keeps 3 mantissa bits down to 2^-6
 TRANSPOSE_WARPS = 2              # producer warps 1 .. 2
 # head_dim -> (block_m, block_n, ping-pong, stages). Measured on the H100 round-robin
-# (results/h100/2026-11-23_k7_variants.json, docs/k7.md): without ping-pong +1-3% at d128 and
-# +4-11% at d64 (full), three stages +4-7% at d128 and nothing at d64.
+# (results/h100/2026-11-23_k7_variants.json, _k7_block_n.json, docs/k7.md): without ping-pong
+# +1-3% at d128 and +4-11% at d64 (full); three stages +4-7% at d128; 256-wide kv tiles +6-17%
+# at d64 (fewer row-max, alpha and O-rescale steps per key; 192 at d128: -4..+2%), and with
+# them three stages +2-9% at d64 (_k7_d64_stages.json).
 # d = 256: Q 32 + 2 stages x (K, V, V^T) 3 x 16 + O (bf16) 64 = 192 KiB with 64-column kv tiles.
-TILES = {64: (128, 128, False, 2), 128: (128, 128, False, 3), 256: (128, 64, False, 2)}
+TILES = {64: (128, 256, False, 3), 128: (128, 128, False, 3), 256: (128, 64, False, 2)}
 PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after setmaxnreg
 
 
