@@ -100,9 +100,7 @@ class FlashAttentionK5:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
                              f"warpgroups), block_n={block_n} (multiple of 16), "
                              f"stages={stages} (>= 1)")
-        # Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
-        smem = 1024 + sum(-(-rows * head_dim * 2 // 1024) * 1024
-                          for rows in (block_m, stages * block_n, stages * block_n))
+        smem = self.smem_estimate(head_dim, block_m, block_n, stages)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"{block_m} x {block_n} tiles at d = {head_dim} with {stages} "
                              f"stages need {smem} bytes of shared memory; a CTA gets at most "
@@ -122,6 +120,12 @@ class FlashAttentionK5:
                                        dynamic and persistent)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
+
+    def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
+        """Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
+        (k7 overrides it: FP8 rings, a V^T ring, an output buffer)."""
+        return 1024 + sum(-(-rows * head_dim * 2 // 1024) * 1024
+                          for rows in (block_m, stages * block_n, stages * block_n))
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,

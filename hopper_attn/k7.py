@@ -92,8 +92,9 @@ PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after se
 class FlashAttentionK7(FlashAttentionK6):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
-                 fma_exp2_every: int = 0, **options):
+                 fma_exp2_every: int = 0, direct_store: bool = False, **options):
         default_m, default_n, default_pingpong, default_stages = TILES[head_dim]
+        self.direct_store = direct_store        # (read by smem_estimate, during __init__)
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          stages=stages or default_stages, **options)
@@ -101,6 +102,14 @@ class FlashAttentionK7(FlashAttentionK6):
         self.fma_exp2_every = fma_exp2_every
         # the transposing warps need more than k6's 24 registers (ptxas spills at 24)
         self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
+
+    def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
+        """e4m3 Q, K, V and V^T rings, the bf16 output buffer (unless O is stored straight
+        from registers), 1 KiB of mbarriers; each buffer 1024-byte aligned."""
+        def kib(n):
+            return -(-n // 1024) * 1024
+        o_bytes = 0 if self.direct_store else kib(block_m * head_dim * 2)
+        return 1024 + kib(block_m * head_dim) + 3 * kib(stages * block_n * head_dim) + o_bytes
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -120,6 +129,7 @@ class FlashAttentionK7(FlashAttentionK6):
             q, k, v, q_layout, kv_layout, bm, bn, d)
         self.tile_bytes = kv_bytes // 2
         tma_o, o_coords = tma.make_tma_store(o, o_layout, bm, d)
+        o_elems = 8 if self.direct_store else cute.cosize(o_layout)    # no staging buffer
 
         @cute.struct
         class SharedStorage:
@@ -134,16 +144,15 @@ class FlashAttentionK7(FlashAttentionK6):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(vt_layout)],
                                    1024]
-            sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, cute.cosize(o_layout)],
-                                  1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages,
                           "vt": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
-        self.kernel(*coords, o_coords, mDescaleQ, mDescaleK, mDescaleV, mLSE, mCounter, *atoms,
-                    tma_o, scale_log2, q_layout, kv_layout, vt_layout, o_layout).launch(
+        self.kernel(*coords, o_coords, o, mDescaleQ, mDescaleK, mDescaleV, mLSE, mCounter,
+                    *atoms, tma_o, scale_log2, q_layout, kv_layout, vt_layout, o_layout).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
@@ -152,7 +161,7 @@ class FlashAttentionK7(FlashAttentionK6):
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mDescaleQ: cute.Tensor, mDescaleK: cute.Tensor, mDescaleV: cute.Tensor,
+               mOut: cute.Tensor, mDescaleQ: cute.Tensor, mDescaleK: cute.Tensor, mDescaleV: cute.Tensor,
                mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
@@ -274,20 +283,41 @@ class FlashAttentionK7(FlashAttentionK6):
                     inv_sum[r] = inv_sum[r] * descale_v
                 scale_rows(o_rc, inv_sum)
                 o_out.store(acc_o.load().to(self.out_dtype))
-                self.epilogue_barrier.arrive_and_wait()     # the previous store has read sO
-                o_smem = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sO)
-                cute.autovec_copy(o_out, o_smem)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                self.epilogue_barrier.arrive_and_wait()
-                if warp == 4:
-                    o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO)
-                    o_store.store(m_block)
+                if cutlass.const_expr(self.direct_store):
+                    self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
+                                        seqlen_q)
+                else:
+                    self.epilogue_barrier.arrive_and_wait()     # the last store has read sO
+                    o_smem = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sO)
+                    cute.autovec_copy(o_out, o_smem)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    self.epilogue_barrier.arrive_and_wait()
+                    if warp == 4:
+                        o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO)
+                        o_store.store(m_block)
                 if cutlass.const_expr(scheduler.dynamic):
                     tiles = queue.receive(item_state)
                     item_state.advance()
                 else:
                     tiles = scheduler.advance(tiles)
                 m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+
+    @cute.jit
+    def store_o_direct(self, mOut: cute.Tensor, o_out: cute.Tensor, thr_pv, m_block, head,
+                       batch, seqlen_q):
+        """O (bf16 registers) straight to global memory, no SMEM: each thread stores its
+        pairs of neighbouring columns (4 bytes), skipping rows past the sequence's end. Frees
+        the output buffer's SMEM for wider kv tiles; the stores are less coalesced than one
+        TMA store (a quad of lanes writes 16 contiguous bytes per row)."""
+        bm, d = self.block_m, self.head_dim
+        g_o = cute.local_tile(mOut[None, None, head, batch], (bm, d), (m_block, 0))
+        o_part = thr_pv.partition_C(g_o)
+        coords = thr_pv.partition_C(cute.make_identity_tensor((bm, d)))
+        rows_left = seqlen_q - m_block * bm
+        for rr in cutlass.range_constexpr(cute.size(o_out.shape[0][1])):
+            for v in cutlass.range_constexpr(cute.size(o_out.shape[0][2])):
+                if coords[(0, rr, v), 0, 0][0] < rows_left:
+                    cute.autovec_copy(o_out[(None, rr, v), 0, 0], o_part[(None, rr, v), 0, 0])
 
     @cute.jit
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor):
@@ -297,7 +327,8 @@ class FlashAttentionK7(FlashAttentionK6):
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 0, pingpong: Optional[bool] = None,
                    persistent: bool = True, dynamic: Optional[bool] = None,
-                   trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0):
+                   trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0,
+                   direct_store: bool = False):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), and transpose_batch: V tile units whose ldmatrix the transposing warps
     issue back to back (1, the default: one at a time; more finishes the transpose sooner
@@ -307,7 +338,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "pingpong": pingpong, "persistent": persistent,
                               "dynamic": dynamic, "trace": trace,
                               "transpose_batch": transpose_batch,
-                              "fma_exp2_every": fma_exp2_every},
+                              "fma_exp2_every": fma_exp2_every,
+                              "direct_store": bool(direct_store)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -74,7 +74,8 @@ def prepare_inputs(q, k, v, seed: int = 0):
 def compile_kernel(problem, *, compile_options: str = "", **options):
     """k7's kernel (same options), registered under k8's name."""
     merged = {"block_m": 0, "block_n": 0, "stages": 0, "pingpong": None, "persistent": True,
-              "dynamic": None, "trace": False, "transpose_batch": 1, "fma_exp2_every": 0}
+              "dynamic": None, "trace": False, "transpose_batch": 1, "fma_exp2_every": 0,
+              "direct_store": False}
     merged.update(options)
     return compile_attention(SPEC, k7.FlashAttentionK7, problem, merged,
                              workspace_fn=lse_buffer, compile_options=compile_options)

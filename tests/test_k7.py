@@ -107,3 +107,13 @@ def test_k8_rotation_is_orthogonal_and_keeps_scores():
     assert k8.rotate(k).abs().amax() < 0.3 * k.abs().amax()
     with pytest.raises(ValueError, match="power-of-two"):
         k8.hadamard(96)
+
+
+def test_register_split_must_fit_what_the_producer_frees():
+    """setmaxnreg.inc takes registers only from the CTA's own pool: a 32/240 split fits the
+    register file but hangs (the producer frees 17,408, the consumers want 18,432)."""
+    from hopper_attn.common.warp_roles import WarpRoles
+    for split in [(24, 240), (40, 232), (56, 224)]:
+        WarpRoles.create(2, split)
+    with pytest.raises(ValueError, match="frees"):
+        WarpRoles.create(2, (32, 240))

@@ -54,6 +54,13 @@ class WarpRoles:
         roles = WarpRoles(consumer_warpgroups, producer, consumer)
         assert roles.registers_after <= REGISTERS_PER_SM
         assert producer <= roles.entry_regs <= consumer
+        # setmaxnreg.inc waits until the CTA's own pool has the registers: only what the
+        # producer gave back (its entry count minus its new one) can go to the consumers;
+        # asking for more hangs the kernel
+        if (roles.entry_regs - producer) < consumer_warpgroups * (consumer - roles.entry_regs):
+            raise ValueError(f"setmaxnreg split {producer}/{consumer}: the producer frees "
+                             f"{128 * (roles.entry_regs - producer)} registers, the consumers "
+                             f"need {128 * consumer_warpgroups * (consumer - roles.entry_regs)}")
         return roles
 
     @property

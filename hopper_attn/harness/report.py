@@ -420,7 +420,8 @@ def blocks(folder) -> dict:
               "kb2_variants": None, "kb2_deterministic": None, "kb2_cuts": None,
               "kb2_ab": lambda r: r["config"]["seqlen"] in (4096, 16384),
               "fwd_uniform_descriptors": lambda r: r["config"]["seqlen"] in (4096, 16384),
-              "k7_variants": None, "k7_variants_batch": None, "k7_exp2_fma": None}
+              "k7_variants": None, "k7_variants_batch": None, "k7_exp2_fma": None,
+              "k7_block_n": None, "k7_d64_stages": None, "k7_direct_store": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
