@@ -245,6 +245,38 @@ def fp8_table(path, bf16_stage="k6") -> str:
                                f"{env.get('cudnn', '?')}). Source: `{path}`.")
 
 
+def fp8_summary(path, n: int = 16384, bf16_stage: str = "k6") -> str:
+    """README: k7 at one sequence length per head dim and mask, against cuDNN FP8, cuDNN bf16
+    and the fastest bf16 stage of the same run."""
+    data = _load(os.path.join(ROOT, path))
+    rows = {}
+    for r in data["rows"]:
+        c = r["config"]
+        if "ms" in r and c["seqlen"] == n:
+            rows[(c["head_dim"], c["causal"], r["kernel"])] = r
+    dims = sorted({d for d, _, _ in rows})
+    lines = ["| kernel | " + " | ".join(f"d={d} {'causal' if c else 'full'}"
+                                       for d in dims for c in (False, True)) + " |",
+             "|---|" + "---:|" * (2 * len(dims))]
+    cells = []
+    for d in dims:
+        for c in (False, True):
+            k7 = rows.get((d, c, "k7"))
+            if not k7:
+                cells.append("-")
+                continue
+            vs = [rows[(d, c, b)]["ms"] / k7["ms"] if (d, c, b) in rows else None
+                  for b in ("cudnn_fp8", "sdpa_cudnn", bf16_stage)]
+            cells.append(f"{k7['tflops']:.1f} &middot; " + " / ".join(
+                f"{x:.2f}x" if x else "-" for x in vs))
+    lines.append("| k7 (FP8) | " + " | ".join(cells) + " |")
+    env = data["env"]
+    return "\n".join(lines) + (
+        f"\n\nCells: TFLOP/s at N = {n} (hidden 2048) &middot; speed relative to cuDNN's FP8 "
+        f"attention / cuDNN bf16 (SDPA) / {bf16_stage} (bf16), measured in the same run "
+        f"(> 1 = faster). Measured on {env['gpu']} ({env['date_utc'][:10]}). Source: `{path}`.")
+
+
 def fp8_error_table(path) -> str:
     """fp8_error.py's rows: RMS error relative to the reference's RMS, and max abs error, end
     to end (input quantization included), per head dim, mask and outlier factor."""
@@ -430,6 +462,7 @@ def blocks(folder) -> dict:
     fp8 = sorted(glob.glob(os.path.join(folder, "*_fp8_k7*.json")))
     if fp8:
         out[f"fp8:{g}"] = fp8_table(os.path.relpath(fp8[-1], ROOT))
+        out[f"summary-fp8:{g}"] = fp8_summary(os.path.relpath(fp8[-1], ROOT))
     fp8_err = sorted(glob.glob(os.path.join(folder, "*_fp8_error*.json")))
     if fp8_err:
         out[f"fp8_error:{g}"] = fp8_error_table(os.path.relpath(fp8_err[-1], ROOT))
