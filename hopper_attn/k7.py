@@ -161,9 +161,10 @@ class FlashAttentionK7(FlashAttentionK6):
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mOut: cute.Tensor, mDescaleQ: cute.Tensor, mDescaleK: cute.Tensor, mDescaleV: cute.Tensor,
-               mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
-               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
+               mOut: cute.Tensor, mDescaleQ: cute.Tensor, mDescaleK: cute.Tensor,
+               mDescaleV: cute.Tensor, mLSE: cute.Tensor, mCounter: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom,
+               tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout,
                o_layout: cute.ComposedLayout):
