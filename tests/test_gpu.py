@@ -31,6 +31,22 @@ def _reference(q, k, v, causal, scale):
     return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
+def _reference_fp8(q, k, v, causal, scale):
+    """`_reference` with P rounded to e4m3 after scaling its row maximum to 256 (k7's), the
+    row sums in fp32, the output rounded to bf16: the error an FP8 kernel cannot avoid."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
+    nq, nk = q.shape[1], k.shape[1]
+    if causal:
+        hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True)).nan_to_num(0.0)
+    total = e.sum(-1, keepdim=True)
+    p = ((e * 256).to(torch.float8_e4m3fn).float() / (total * 256)).nan_to_num(0.0)
+    return torch.einsum("bhij,bjhd->bihd", p, v).to(torch.bfloat16).float()
+
+
 def _reference_lse(q, k, causal, scale):
     """fp32 log-sum-exp per (batch, head, query row); -inf for rows that see no key."""
     k = k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
@@ -214,3 +230,32 @@ def test_attention_backward_deterministic_mode_gives_the_same_bits():
         assert torch.equal(first, again)
     for first, again in zip(grads[0], grads[2]):
         assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("heads_q,heads_kv,seqlen_k", [(6, 2, 300), (6, 6, 77), (6, 6, 1000)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, monkeypatch):
+    """k7 refuses GQA / cross-attention (SPEC.separate_kv=False) until this passes: run the
+    kernel with the check lifted, against the fp32 reference on its dequantized inputs,
+    within 2x the FP8 emulation's error."""
+    import dataclasses
+    from hopper_attn import k7
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.quantize import dequantize_fp8, quantize_fp8
+    monkeypatch.setattr(k7, "SPEC", dataclasses.replace(k7.SPEC, separate_kv=True))
+    gen = torch.Generator(device="cuda").manual_seed(heads_kv * 7 + seqlen_k + causal)
+    q = torch.randn(2, 300, heads_q, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", generator=gen)
+            .to(torch.bfloat16) for _ in range(2))
+    q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
+    problem = Problem.from_tensor(q, causal, k=k)
+    handle = k7.compile_kernel(problem)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    k7.run_kernel(handle, q8, k8, v8, dq, dk, dv, out)
+    torch.cuda.synchronize()
+    deq = [dequantize_fp8(t, s) for t, s in ((q8, dq), (k8, dk), (v8, dv))]
+    ref = _reference(*deq, causal, 128 ** -0.5)
+    emulated = _reference_fp8(*deq, causal, 128 ** -0.5)
+    assert not out.isnan().any()
+    limit = 2 * (emulated - ref).abs().max().item() + 2 ** -10
+    assert (out.float() - ref).abs().max().item() <= limit
