@@ -259,3 +259,25 @@ def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, monkeyp
     assert not out.isnan().any()
     limit = 2 * (emulated - ref).abs().max().item() + 2 ** -10
     assert (out.float() - ref).abs().max().item() <= limit
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_k7_log_sum_exp(d, causal):
+    """k7's LSE (its workspace): the descaled scores' log-sum-exp, with the 2^8 that P
+    carries removed, against fp32 on the dequantized inputs (S itself is exact up to fp32
+    accumulation there, so the tolerance is tight)."""
+    from hopper_attn import k7
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.quantize import dequantize_fp8, quantize_fp8
+    gen = torch.Generator(device="cuda").manual_seed(d + causal)
+    q, k, v = (torch.randn(2, 333, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+               for _ in range(3))
+    q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
+    handle = k7.compile_kernel(Problem.from_tensor(q, causal))
+    out = torch.empty_like(q)
+    k7.run_kernel(handle, q8, k8, v8, dq, dk, dv, out)
+    torch.cuda.synchronize()
+    lse = handle.workspace[0]
+    ref = _reference_lse(dequantize_fp8(q8, dq), dequantize_fp8(k8, dk), causal, d ** -0.5)
+    assert (lse - ref).abs().max().item() < 2e-3
