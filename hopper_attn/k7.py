@@ -21,7 +21,8 @@ What changes from k6 (docs/k7.md):
 * The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
 
 What stays: k6's consumer loop as is (`mainloop`: QK issued before the softmax, PV of the
-previous tile under it), the producer warp's TMA loads, the persistent scheduler (dynamic
+previous tile under it in the source, though ptxas moves the PV wait up to the start of the
+softmax: docs/k6.md), the producer warp's TMA loads, the persistent scheduler (dynamic
 with a causal mask; the transposer warps receive each work item as the consumers do),
 tails, causal skipping, the (B, N, H, d) layout (GQA, cross-attention and strided inputs
 are in the code but refused until tested on the GPU). Measured choices (TILES): no ping-pong
