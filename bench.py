@@ -6,6 +6,8 @@
     python bench.py kb2 kb2:stmatrix=1 --interleave   # round-robin timing, for close A/B
     python bench.py k4 --profile            # one config, once, inside an NVTX range (for ncu)
     python bench.py k2 k4 --compile-only    # no GPU needed: registers, SMEM, spills per config
+    CHECK=1 python bench.py k6 k7           # FP8 (k7): cuDNN's FP8 attention joins the baselines
+                                            # (needs nvidia-cudnn-frontend)
     CHECK=1 python bench.py kb1             # a backward stage: timed against the baselines'
                                             # own backward passes (autograd)
 
@@ -34,6 +36,9 @@ def _nvtx_range(name):
         return torch.cuda.nvtx.range(name)
 
 
+DEFAULT_BASELINES = "sdpa_flash,sdpa_cudnn,fa4"
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("kernels", nargs="+",
@@ -44,8 +49,9 @@ def parse_args(argv=None):
                     help="compile for sm_90a and report registers/SMEM/spills (no GPU needed)")
     ap.add_argument("--profile", action="store_true",
                     help="run the first config once per kernel inside an NVTX range")
-    ap.add_argument("--baselines", default="sdpa_flash,sdpa_cudnn,fa4",
-                    help="comma-separated baselines to time ('' for none)")
+    ap.add_argument("--baselines", default=None,
+                    help="comma-separated baselines to time ('' for none; default "
+                         "sdpa_flash,sdpa_cudnn,fa4, plus cudnn_fp8 when an FP8 stage runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interleave", action="store_true",
                     help="time kernels and baselines of a config round-robin (steadier ratios "
@@ -278,6 +284,10 @@ def format_table(rows, baseline_names, env) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     entries = registry.resolve(args.kernels)
+    if args.baselines is None:
+        args.baselines = DEFAULT_BASELINES
+        if any(e.spec.input_dtype is not None for e in entries):    # k7, k8
+            args.baselines += ",cudnn_fp8"
     if args.compile_only:
         return compile_only(entries)
     import torch
