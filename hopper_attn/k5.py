@@ -121,6 +121,22 @@ class FlashAttentionK5:
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
 
+    def item_queue(self, storage, receivers: int):
+        """The dynamic schedule's queue of work items from the producer warp to `receivers`
+        threads (None with a static schedule, which needs none)."""
+        if not self.scheduler.dynamic:
+            return None
+        return ItemQueue.create(storage.item_barriers.data_ptr(),
+                                storage.items.get_tensor(cute.make_layout(2)), receivers)
+
+    def first_item(self, mQ: cute.Tensor):
+        """(heads, batch size, the scheduler's iterator, and this CTA's first work item:
+        query tile, head, batch, valid)."""
+        heads, batch_size = mQ.shape[2], mQ.shape[3]
+        tiles = self.scheduler.start()
+        return (heads, batch_size, tiles,
+                *self.scheduler.work(tiles, mQ.shape[0], heads, batch_size))
+
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
         (k7 overrides it: FP8 rings, a V^T ring, an output buffer)."""
@@ -201,18 +217,12 @@ class FlashAttentionK5:
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV))
-        queue = None
-        if cutlass.const_expr(scheduler.dynamic):
-            queue = ItemQueue.create(storage.item_barriers.data_ptr(),
-                                     storage.items.get_tensor(cute.make_layout(2)),
-                                     roles.consumer_threads)
+        queue = self.item_queue(storage, roles.consumer_threads)
         tma.barriers_ready()
 
         # Every role walks the same work items (one per CTA here; k6: a persistent loop),
         # each with its own iterator. A work item: query tile m_block of (head, batch).
-        heads, batch_size = mQ.shape[2], mQ.shape[3]
-        tiles = scheduler.start()
-        m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ)
         if warp < 4:
             # ---------------- producer warpgroup ----------------
             roles.become_producer()

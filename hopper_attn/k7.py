@@ -51,7 +51,6 @@ from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention)
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
 from hopper_attn.common.layouts import acc_rows_cols, ndhb_view, smem_tile_layout
-from hopper_attn.common.scheduler import ItemQueue
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.warp_roles import WarpRoles
 from hopper_attn.k5 import lse_buffer
@@ -200,16 +199,11 @@ class FlashAttentionK7(FlashAttentionK6):
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      roles.consumer_threads),
             defer_sync=True)
-        queue = None
-        if cutlass.const_expr(scheduler.dynamic):
-            queue = ItemQueue.create(storage.item_barriers.data_ptr(),
-                                     storage.items.get_tensor(cute.make_layout(2)),
-                                     roles.consumer_threads + 32 * TRANSPOSE_WARPS)
+        # the transposing warps walk the work items too
+        queue = self.item_queue(storage, roles.consumer_threads + 32 * TRANSPOSE_WARPS)
         tma.barriers_ready()
 
-        heads, batch_size = mQ.shape[2], mQ.shape[3]
-        tiles = scheduler.start()
-        m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ)
         if warp < 4:
             # ---------------- producer warpgroup ----------------
             roles.become_producer()

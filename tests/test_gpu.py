@@ -17,30 +17,31 @@ def test_ref_check(name):
     assert not bad, bad[:3]
 
 
-def _reference(q, k, v, causal, scale):
-    """fp32 attention; k/v heads repeated for GQA; causal aligned bottom-right; rows that
-    see no key are 0."""
-    group = q.shape[2] // k.shape[2]
-    k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
+def _scores(q, k, causal, scale):
+    """fp32 scores (batch, heads, nq, nk); k's heads repeated for GQA; causal aligned
+    bottom-right (-inf above the diagonal)."""
+    k = k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
     nq, nk = q.shape[1], k.shape[1]
     if causal:
         hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
         s = s.masked_fill(hidden, float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return s
+
+
+def _reference(q, k, v, causal, scale):
+    """fp32 attention; k/v heads repeated for GQA; causal aligned bottom-right; rows that
+    see no key are 0."""
+    v = v.float().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    p = torch.softmax(_scores(q, k, causal, scale), -1).nan_to_num(0.0)
     return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
 def _reference_fp8(q, k, v, causal, scale):
     """`_reference` with P rounded to e4m3 after scaling its row maximum to 256 (k7's), the
     row sums in fp32, the output rounded to bf16: the error an FP8 kernel cannot avoid."""
-    group = q.shape[2] // k.shape[2]
-    k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
-    s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
-    nq, nk = q.shape[1], k.shape[1]
-    if causal:
-        hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
-        s = s.masked_fill(hidden, float("-inf"))
+    v = v.float().repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    s = _scores(q, k, causal, scale)
     e = torch.exp(s - s.amax(-1, keepdim=True)).nan_to_num(0.0)
     total = e.sum(-1, keepdim=True)
     p = ((e * 256).to(torch.float8_e4m3fn).float() / (total * 256)).nan_to_num(0.0)
@@ -49,13 +50,7 @@ def _reference_fp8(q, k, v, causal, scale):
 
 def _reference_lse(q, k, causal, scale):
     """fp32 log-sum-exp per (batch, head, query row); -inf for rows that see no key."""
-    k = k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
-    nq, nk = q.shape[1], k.shape[1]
-    if causal:
-        hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
-        s = s.masked_fill(hidden, float("-inf"))
-    return torch.logsumexp(s, -1)
+    return torch.logsumexp(_scores(q, k, causal, scale), -1)
 
 
 @pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (128, torch.bfloat16),
