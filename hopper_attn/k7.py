@@ -327,12 +327,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 0, pingpong: Optional[bool] = None,
                    persistent: bool = True, dynamic: Optional[bool] = None,
                    trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0,
-                   direct_store: bool = False):
+                   direct_store: bool = False, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), and transpose_batch: V tile units whose ldmatrix the transposing warps
     issue back to back (1, the default: one at a time; more finishes the transpose sooner
-    but slows the consumers' exp2, which share the MIO queue with ldmatrix/stmatrix)."""
-    return compile_attention(SPEC, FlashAttentionK7, problem,
+    but slows the consumers' exp2, which share the MIO queue with ldmatrix/stmatrix).
+    `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
+    return compile_attention(spec, FlashAttentionK7, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "pingpong": pingpong, "persistent": persistent,
                               "dynamic": dynamic, "trace": trace,

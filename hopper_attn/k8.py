@@ -28,8 +28,6 @@ import math
 import torch
 
 from hopper_attn import k7
-from hopper_attn.common.contract import compile_attention, run_attention
-from hopper_attn.k5 import lse_buffer
 
 SPEC = dataclasses.replace(
     k7.SPEC, name="k8",
@@ -73,13 +71,7 @@ def prepare_inputs(q, k, v, seed: int = 0):
 
 def compile_kernel(problem, *, compile_options: str = "", **options):
     """k7's kernel (same options), registered under k8's name."""
-    merged = {"block_m": 0, "block_n": 0, "stages": 0, "pingpong": None, "persistent": True,
-              "dynamic": None, "trace": False, "transpose_batch": 1, "fma_exp2_every": 0,
-              "direct_store": False}
-    merged.update(options)
-    return compile_attention(SPEC, k7.FlashAttentionK7, problem, merged,
-                             workspace_fn=lse_buffer, compile_options=compile_options)
+    return k7.compile_kernel(problem, compile_options=compile_options, spec=SPEC, **options)
 
 
-def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):
-    run_attention(handle, q8, k8, v8, out, extra_inputs=(descale_q, descale_k, descale_v))
+run_kernel = k7.run_kernel          # same inputs: (q8, k8, v8, descales..., out)

@@ -229,7 +229,7 @@ def test_attention_backward_deterministic_mode_gives_the_same_bits():
 
 @pytest.mark.parametrize("heads_q,heads_kv,seqlen_k", [(6, 2, 300), (6, 6, 77), (6, 6, 1000)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, monkeypatch):
+def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal):
     """k7 refuses GQA / cross-attention (SPEC.separate_kv=False) until this passes: run the
     kernel with the check lifted, against the fp32 reference on its dequantized inputs,
     within 2x the FP8 emulation's error."""
@@ -237,14 +237,13 @@ def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, monkeyp
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
     from hopper_attn.quantize import dequantize_fp8, quantize_fp8
-    monkeypatch.setattr(k7, "SPEC", dataclasses.replace(k7.SPEC, separate_kv=True))
     gen = torch.Generator(device="cuda").manual_seed(heads_kv * 7 + seqlen_k + causal)
     q = torch.randn(2, 300, heads_q, 128, device="cuda", generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", generator=gen)
             .to(torch.bfloat16) for _ in range(2))
     q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
     problem = Problem.from_tensor(q, causal, k=k)
-    handle = k7.compile_kernel(problem)
+    handle = k7.compile_kernel(problem, spec=dataclasses.replace(k7.SPEC, separate_kv=True))
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     k7.run_kernel(handle, q8, k8, v8, dq, dk, dv, out)
     torch.cuda.synchronize()

@@ -28,21 +28,6 @@ def _errors(out, ref) -> dict:
             "nan": int(out.isnan().sum())}
 
 
-def _time_ms(fn, reps: int = 20) -> float:
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None) -> int:
     import torch
     from hopper_attn.common.contract import Problem
@@ -50,6 +35,7 @@ def main(argv=None) -> int:
     from hopper_attn.harness.env import environment
     from hopper_attn.harness.reference import reference_attention, torch_lowp_attention
     from hopper_attn.harness import registry
+    from hopper_attn.harness.timing import benchmark
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,8 +86,8 @@ def main(argv=None) -> int:
         entry = registry.get(name)
         handle = entry.compile(problem)
         inputs = entry.prepare(q, k, v)
-        costs[f"{name}_prepare_ms"] = _time_ms(lambda: entry.prepare(q, k, v))
-        costs[f"{name}_kernel_ms"] = _time_ms(lambda: entry.run(handle, *inputs, out))
+        costs[f"{name}_prepare_ms"] = benchmark(lambda: entry.prepare(q, k, v))["ms"]
+        costs[f"{name}_kernel_ms"] = benchmark(lambda: entry.run(handle, *inputs, out))["ms"]
     print("input passes:", json.dumps(costs))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
