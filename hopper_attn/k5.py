@@ -380,11 +380,18 @@ class FlashAttentionK5:
         """Mask kv tile n's scores where needed (tails, the causal diagonal), then the
         online-softmax step: S -> P (fp32, unnormalized) in place; returns alpha (shared
         with k6)."""
+        return softmax.step(self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k))
+
+    @cute.jit
+    def masked_scores(self, acc_s: cute.Tensor, s_coords: cute.Tensor, m_block, n, seqlen_q,
+                      seqlen_k) -> cute.Tensor:
+        """kv tile n's scores as a [row, col] view, -inf where the tail or the causal
+        diagonal hides them (only tiles that need it run the mask code)."""
         s_rc = acc_rows_cols(acc_s)
         if self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
             mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n, seqlen_k,
                         self.causal, seqlen_k - seqlen_q)
-        return softmax.step(s_rc)
+        return s_rc
 
     @cute.jit
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor):

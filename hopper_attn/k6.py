@@ -20,6 +20,14 @@ P registers while a WGMMA that reads or accumulates them is in flight (so the O 
 the P conversion wait for `wait_group(0)`), and S_j has its own accumulator (as in k5).
 Register use is therefore k5's: S 64 + P 32 + O 64 fp32 per thread at d = 128.
 
+Where the wait_group(0) and what follows it (`finish_tile`) sit in the code matters: ptxas
+schedules the wait as early as its basic block allows, so written right after the softmax
+it lands *before* the softmax, and PV_{j-1} is waited for first after all. k6 therefore
+runs tile j's end at the top of iteration j+1, behind the loop's back edge, where it cannot
+move up (`wait_pv_late`, the default at d >= 96; docs/k6.md "What the SASS says"). The
+option `lazy_rescale` also skips the O rescale unless a row maximum grew by more than 2^8
+(faster, less accurate: docs/k6.md).
+
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
 the ping-pong turn per tile, the last tile's PV in one more turn, the epilogue, tiles and
 budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
@@ -43,6 +51,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+from cutlass import Float32
 import torch
 from cutlass.cute.nvgpu import warpgroup
 
@@ -76,8 +85,14 @@ TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
 class FlashAttentionK6(FlashAttentionK5):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, persistent: bool = True,
-                 dynamic: Optional[bool] = None, **options):
+                 dynamic: Optional[bool] = None, wait_pv_late: Optional[bool] = None,
+                 lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
+        # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
+        # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
+        self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
+        self.lazy_rescale = bool(lazy_rescale)
+        self.rescale_threshold_log2 = float(rescale_threshold_log2)
         # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
         # 60 bytes, because P must now stay live under the softmax and the mask adds
         # coordinates; two warpgroups of 240 registers (block_m = 128) fit.
@@ -96,9 +111,14 @@ class FlashAttentionK6(FlashAttentionK5):
                  softmax: OnlineSoftmax, k_state, v_state):
         pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
+        alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
 
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
         for n in cutlass.range(n_count, unroll=1):
+            if cutlass.const_expr(self.wait_pv_late):
+                if n > 0:                               # tile n-1's end, after the back edge
+                    v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
+                                               v_state)
             phase = self.trace.start("wait_kv")
             loads.k_pipe.consumer_wait(k_state)
             if n > 0:
@@ -123,33 +143,69 @@ class FlashAttentionK6(FlashAttentionK5):
             self.trace.end(phase)
             # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
             phase = self.trace.start("softmax")
-            alpha = self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
-                                         seqlen_k)      # S -> P (fp32, unnormalized), in place
+            self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, m_block, n,
+                                    seqlen_q, seqlen_k)  # S -> P (fp32), in place
             self.trace.end(phase)
-            phase = self.trace.start("wait_pv")
-            warpgroup.wait_group(0)                     # PV_{n-1} done: O and P are free
-            if n > 0:
-                loads.v_pipe.consumer_release(v_state)  # V_{n-1} read: its stage is free
-                v_state.advance()
-            self.trace.end(phase)
-            phase = self.trace.start("rescale")
-            scale_rows(o_rc, alpha)
-            self.probs_to_operand(acc_s, p_frag)
-            self.trace.end(phase)
+            if cutlass.const_expr(not self.wait_pv_late):
+                v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state)
+        if cutlass.const_expr(self.wait_pv_late):
+            v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         return k_state, v_state
+
+    @cute.jit
+    def scores_to_probs_k6(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
+                           softmax: OnlineSoftmax, alpha: cute.Tensor, m_block, n, seqlen_q,
+                           seqlen_k):
+        """Mask, then the online-softmax step. Eager: every tile's factor alpha goes to
+        `finish_tile`, which rescales O. Lazy: O is rescaled here, and only when a row maximum
+        of this warp grew by more than 2^rescale_threshold_log2 (after waiting for PV_{n-1}:
+        a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold)."""
+        if cutlass.const_expr(not self.lazy_rescale):
+            alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
+                                             seqlen_k).load())
+        else:
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            m_new = softmax.running_max(s_rc)
+            if softmax.needs_rescale(m_new, self.rescale_threshold_log2):
+                warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
+                scale_rows(o_rc, softmax.rebase(m_new))
+            softmax.exponentiate(s_rc)
+
+    @cute.jit
+    def finish_tile(self, loads: tma.SplitKVLoads, n, acc_s: cute.Tensor, o_rc: cute.Tensor,
+                    p_frag: cute.Tensor, alpha: cute.Tensor, v_state):
+        """Tile n's end: wait for PV_{n-1}, release V_{n-1}, rescale O (eager), P_n -> the
+        PV operand registers (which PV_{n-1} was reading until now)."""
+        phase = self.trace.start("wait_pv")
+        warpgroup.wait_group(0)                         # PV_{n-1} done: O and P are free
+        if n > 0:
+            loads.v_pipe.consumer_release(v_state)      # V_{n-1} read: its stage is free
+            v_state.advance()
+        self.trace.end(phase)
+        phase = self.trace.start("rescale")
+        if cutlass.const_expr(not self.lazy_rescale):
+            scale_rows(o_rc, alpha)
+        self.probs_to_operand(acc_s, p_frag)
+        self.trace.end(phase)
+        return v_state
+
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 2, pingpong: Optional[bool] = None,
                    persistent: bool = True, persistent_ctas: int = 0,
                    dynamic: Optional[bool] = None, trace: bool = False,
-                   uniform_descriptors: Optional[bool] = None):
+                   uniform_descriptors: Optional[bool] = None,
+                   wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
     item, as in k5, for comparison); persistent_ctas: that grid's size (0: one per SM);
     dynamic: each CTA takes its next work item from a global counter (default: with a
-    causal mask, whose work items differ in length) instead of every grid-th one."""
+    causal mask, whose work items differ in length) instead of every grid-th one;
+    wait_pv_late: a tile's wait for PV (and the O rescale, P conversion) at the top of the
+    next iteration (default: at d >= 96); lazy_rescale: rescale O only when a row maximum
+    grew by more than 2^8 (faster, larger error: docs/k6.md)."""
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there
@@ -163,7 +219,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "pingpong": pingpong, "persistent": persistent,
                               "persistent_ctas": persistent_ctas, "dynamic": dynamic,
                               "trace": trace,
-                              "uniform_descriptors": bool(uniform_descriptors)},
+                              "uniform_descriptors": bool(uniform_descriptors),
+                              "wait_pv_late": wait_pv_late,
+                              "lazy_rescale": bool(lazy_rescale)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

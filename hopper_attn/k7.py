@@ -81,6 +81,7 @@ SPEC = KernelSpec(
 )
 
 P_SCALE_LOG2 = 8                 # P in [0, 256]: e4m3 keeps 3 mantissa bits down to 2^-6
+LAZY_THRESHOLD_LOG2 = 1.8        # with lazy rescaling (P scaled 2^7): P < 2^8.8 < 448
 TRANSPOSE_WARPS = 2              # producer warps 1 .. 2
 # head_dim -> (block_m, block_n, ping-pong, stages). Measured on the H100 round-robin
 # (results/h100/2026-11-23_k7_variants.json, _k7_block_n.json, docs/k7.md): without ping-pong
@@ -95,14 +96,19 @@ PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after se
 class FlashAttentionK7(FlashAttentionK6):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
-                 fma_exp2_every: int = 0, direct_store: bool = False, **options):
+                 fma_exp2_every: int = 0, direct_store: bool = False,
+                 wait_pv_late: bool = False, **options):
         default_m, default_n, default_pingpong, default_stages = TILES[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
-                         stages=stages or default_stages, **options)
+                         stages=stages or default_stages, wait_pv_late=wait_pv_late,
+                         **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
         self.fma_exp2_every = fma_exp2_every
+        # lazy rescaling lets P reach 2^(p_scale_log2 + threshold) <= 448 (e4m3's largest)
+        self.p_scale_log2 = P_SCALE_LOG2 - 1 if self.lazy_rescale else P_SCALE_LOG2
+        self.rescale_threshold_log2 = LAZY_THRESHOLD_LOG2
         # the transposing warps need more than k6's 24 registers (ptxas spills at 24)
         self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
 
@@ -248,7 +254,7 @@ class FlashAttentionK7(FlashAttentionK6):
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
-                                           lanes_per_row=4, p_scale_log2=P_SCALE_LOG2,
+                                           lanes_per_row=4, p_scale_log2=self.p_scale_log2,
                                            fma_exp2_every=self.fma_exp2_every)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
@@ -327,7 +333,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 0, pingpong: Optional[bool] = None,
                    persistent: bool = True, dynamic: Optional[bool] = None,
                    trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0,
-                   direct_store: bool = False, spec: KernelSpec = SPEC):
+                   direct_store: bool = False, wait_pv_late: bool = False,
+                   lazy_rescale: bool = False, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), and transpose_batch: V tile units whose ldmatrix the transposing warps
     issue back to back (1, the default: one at a time; more finishes the transpose sooner
@@ -339,7 +346,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "dynamic": dynamic, "trace": trace,
                               "transpose_batch": transpose_batch,
                               "fma_exp2_every": fma_exp2_every,
-                              "direct_store": bool(direct_store)},
+                              "direct_store": bool(direct_store),
+                              "wait_pv_late": bool(wait_pv_late),
+                              "lazy_rescale": bool(lazy_rescale)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -76,7 +76,8 @@ class OnlineSoftmax:
     # p_j = 2^(s_j * scale_log2 - m * scale_log2 + p_scale_log2): k7 puts the largest
     # probability at 2^8 = 256 (e4m3 reaches 448), so that small ones stay above e4m3's
     # smallest subnormal (2^-9) after P is quantized; l carries the same factor, so O = P V / l
-    # is unchanged. 0 (a constant) adds no code.
+    # is unchanged (2^7 when k7 rescales lazily, so that 2^(7 + threshold) stays below 448).
+    # 0 (a constant) adds no code.
     p_scale_log2: int = 0
     # every n-th column's exp2 on the FMA pipe (`exp2_on_fma`) instead of the SFU (0: none)
     fma_exp2_every: int = 0
@@ -133,6 +134,55 @@ class OnlineSoftmax:
                 p = s_rc[r, None].load()
             self.row_sum[r] = self.row_sum[r] * alpha[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
         return alpha
+
+    # --- the same step in three parts, for a loop that rescales O only when it must
+    # (k6's `lazy_rescale`): row_max is then a *reference* maximum that may trail the true
+    # one by up to `threshold_log2` (in exp2 units), so p_j <= 2^threshold_log2 (times
+    # 2^p_scale_log2); O and l stay consistent with it, so O / l is unchanged.
+
+    @cute.jit
+    def running_max(self, s_rc: cute.Tensor) -> cute.Tensor:
+        """max(reference max, this tile's row max), per row; changes nothing."""
+        m_new = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            tile_max = s_rc[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=self.lanes_per_row)
+            m_new[r] = cute.arch.fmax(self.row_max[r], tile_max)
+        return m_new
+
+    @cute.jit
+    def needs_rescale(self, m_new: cute.Tensor, threshold_log2: float):
+        """True for the whole warp if any of its rows' maxima grew by more than
+        2^threshold_log2 (a first finite maximum always counts; -inf to -inf never)."""
+        grew = False
+        for r in cutlass.range_constexpr(self.num_rows):
+            grew = grew or (m_new[r] - self.row_max[r]) * self.scale_log2 > threshold_log2
+        return cute.arch.vote_any_sync(grew)
+
+    @cute.jit
+    def rebase(self, m_new: cute.Tensor) -> cute.Tensor:
+        """Move the reference maxima to `m_new`: l *= alpha; returns alpha, by which the
+        caller rescales O."""
+        alpha = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_safe = 0.0 if m_new[r] == -Float32.inf else m_new[r]
+            alpha[r] = cute.math.exp2((self.row_max[r] - m_safe) * self.scale_log2, fastmath=True)
+            self.row_max[r] = m_new[r]
+            self.row_sum[r] = self.row_sum[r] * alpha[r]
+        return alpha
+
+    @cute.jit
+    def exponentiate(self, s_rc: cute.Tensor):
+        """S -> P = 2^(s * scale_log2 - reference max (+ p_scale_log2)) in place; l += sums."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_ref = self.row_max[r]
+            m_safe = 0.0 if m_ref == -Float32.inf else m_ref
+            m_scaled = m_safe * self.scale_log2
+            if cutlass.const_expr(self.p_scale_log2 != 0):
+                m_scaled = m_scaled - Float32(self.p_scale_log2)
+            p = cute.math.exp2(s_rc[r, None].load() * self.scale_log2 - m_scaled, fastmath=True)
+            s_rc[r, None].store(p)
+            self.row_sum[r] = self.row_sum[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
 
     @cute.jit
     def finalize(self) -> cute.Tensor:
