@@ -72,10 +72,11 @@ SPEC = KernelSpec(
     dtypes=(torch.bfloat16,),   # the problem: bf16 attention, computed from e4m3 inputs
     input_dtype=FP8,
     extra_inputs=descale_examples,
-    # GQA / cross-attention and strided e4m3 inputs go through k6's code paths (k/v
-    # descales per k/v head), but no GPU test has run them for k7 yet: refused until one has
-    separate_kv=False,
-    strided_inputs=False,
+    # GQA / cross-attention (k/v descales per k/v head) and strided e4m3 inputs: k6's code
+    # paths, GPU-tested for k7 (tests/test_gpu.py::test_k7_gqa_and_cross_attention,
+    # ::test_k7_strided_inputs)
+    separate_kv=True,
+    strided_inputs=True,
     grid_per_tile=False,
     takes_work_counter=True,
 )

@@ -230,10 +230,8 @@ def test_attention_backward_deterministic_mode_gives_the_same_bits():
 @pytest.mark.parametrize("heads_q,heads_kv,seqlen_k", [(6, 2, 300), (6, 6, 77), (6, 6, 1000)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal):
-    """k7 refuses GQA / cross-attention (SPEC.separate_kv=False) until this passes: run the
-    kernel with the check lifted, against the fp32 reference on its dequantized inputs,
+    """GQA and cross-attention in FP8, against the fp32 reference on the dequantized inputs,
     within 2x the FP8 emulation's error."""
-    import dataclasses
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
     from hopper_attn.quantize import dequantize_fp8, quantize_fp8
@@ -243,7 +241,7 @@ def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal):
             .to(torch.bfloat16) for _ in range(2))
     q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
     problem = Problem.from_tensor(q, causal, k=k)
-    handle = k7.compile_kernel(problem, spec=dataclasses.replace(k7.SPEC, separate_kv=True))
+    handle = k7.compile_kernel(problem)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     k7.run_kernel(handle, q8, k8, v8, dq, dk, dv, out)
     torch.cuda.synchronize()
@@ -253,6 +251,34 @@ def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal):
     assert not out.isnan().any()
     limit = 2 * (emulated - ref).abs().max().item() + 2 ** -10
     assert (out.float() - ref).abs().max().item() <= limit
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_k7_strided_inputs(causal):
+    """q, k, v as views of one packed (B, N, 4, H, d) e4m3 tensor whose unused slot holds
+    NaN: the output must match the same inputs made contiguous, bit for bit."""
+    from hopper_attn import k7
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.quantize import quantize_fp8
+    gen = torch.Generator(device="cuda").manual_seed(11 + causal)
+    q, k, v = (torch.randn(2, 333, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
+               for _ in range(3))
+    q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
+    packed = torch.full((2, 333, 4, 4, 128), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+    for i, t in enumerate((q8, k8, v8)):
+        packed[:, :, i] = t.view(torch.uint8)
+    views = [packed[:, :, i].view(q8.dtype) for i in range(3)]
+    assert not views[0].is_contiguous()
+    problem = Problem.from_tensor(q, causal)
+    outs = []
+    for inputs in (views, (q8, k8, v8)):
+        handle = k7.compile_kernel(problem)
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        k7.run_kernel(handle, *inputs, dq, dk, dv, out)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
