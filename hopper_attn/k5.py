@@ -199,7 +199,7 @@ class FlashAttentionK5:
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout):
-        schedule, scheduler, roles = self.schedule, self.scheduler, self.roles
+        schedule, roles = self.schedule, self.roles
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -278,13 +278,21 @@ class FlashAttentionK5:
                 loads.q_pipe.consumer_release(q_state)      # the next Q may overwrite it
                 q_state.advance()
                 self.trace.end(phase)
-                if cutlass.const_expr(scheduler.dynamic):
-                    tiles = queue.receive(item_state)
-                    item_state.advance()
-                else:
-                    tiles = scheduler.advance(tiles)
-                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+                tiles, item_state, m_block, head, batch, valid = self.next_item(
+                    queue, item_state, tiles, seqlen_q, heads, batch_size)
 
+
+    @cute.jit
+    def next_item(self, queue, item_state, tiles, seqlen_q, heads, batch_size):
+        """A consumer's next work item: from the producer warp's queue (dynamic schedule) or
+        the grid-stride step (static); returns the iterator, the queue state and the item."""
+        if cutlass.const_expr(self.scheduler.dynamic):
+            tiles = queue.receive(item_state)
+            item_state.advance()
+        else:
+            tiles = self.scheduler.advance(tiles)
+        m_block, head, batch, valid = self.scheduler.work(tiles, seqlen_q, heads, batch_size)
+        return tiles, item_state, m_block, head, batch, valid
 
     @cute.jit
     def load_loop(self, loads: tma.SplitKVLoads, queue, mCounter: cute.Tensor, tiles,

@@ -38,6 +38,7 @@ warpgroup 56 (the transposers spill at 24 and at 40 with batched loads), consume
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import cutlass
@@ -50,7 +51,8 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention)
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
-from hopper_attn.common.layouts import acc_rows_cols, ndhb_view, smem_tile_layout
+from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_tile_layout,
+                                        swap_modes, transposed)
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.warp_roles import WarpRoles
 from hopper_attn.k5 import lse_buffer
@@ -98,9 +100,12 @@ class FlashAttentionK7(FlashAttentionK6):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
                  fma_exp2_every: int = 0, direct_store: bool = False,
-                 wait_pv_late: bool = False, **options):
+                 wait_pv_late: bool = False, v_transposed: bool = False, **options):
         default_m, default_n, default_pingpong, default_stages = TILES[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
+        # V arrives transposed in global memory (sequence-major, from prepare_inputs): the
+        # TMA loads V^T tiles straight into the V^T ring and no warp transposes
+        self.v_transposed = v_transposed
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          stages=stages or default_stages, wait_pv_late=wait_pv_late,
@@ -119,7 +124,8 @@ class FlashAttentionK7(FlashAttentionK6):
         def kib(n):
             return -(-n // 1024) * 1024
         o_bytes = 0 if self.direct_store else kib(block_m * head_dim * 2)
-        return 1024 + kib(block_m * head_dim) + 3 * kib(stages * block_n * head_dim) + o_bytes
+        rings = 2 if self.v_transposed else 3                   # K, V^T (and raw V)
+        return 1024 + kib(block_m * head_dim) + rings * kib(stages * block_n * head_dim) + o_bytes
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -135,9 +141,17 @@ class FlashAttentionK7(FlashAttentionK6):
         o_layout = smem_tile_layout(self.out_dtype, bm, d)
         check_row_period(kv_layout, bn, d)
         check_row_period(vt_layout, d, bn)
-        atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
-            q, k, v, q_layout, kv_layout, bm, bn, d)
+        if cutlass.const_expr(self.v_transposed):
+            # V (N, d, H, B) with N contiguous -> (bn, d) boxes written as V^T's (d, bn) tile
+            atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
+                q, k, k, q_layout, kv_layout, bm, bn, d)
+            tma_v, v_coords = tma.make_tma_load(v, swap_modes(vt_layout), bn, d)
+            atoms, coords = (*atoms[:2], tma_v), (*coords[:2], v_coords)
+        else:
+            atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
+                q, k, v, q_layout, kv_layout, bm, bn, d)
         self.tile_bytes = kv_bytes // 2
+        v_elems = 8 if self.v_transposed else cute.cosize(kv_layout)    # no raw V ring
         tma_o, o_coords = tma.make_tma_store(o, o_layout, bm, d)
         o_elems = 8 if self.direct_store else cute.cosize(o_layout)    # no staging buffer
 
@@ -151,7 +165,7 @@ class FlashAttentionK7(FlashAttentionK6):
             items: cute.struct.MemRange[cutlass.Int32, 2]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, v_elems], 1024]
             sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(vt_layout)],
                                    1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
@@ -178,7 +192,7 @@ class FlashAttentionK7(FlashAttentionK6):
                scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, vt_layout: cute.ComposedLayout,
                o_layout: cute.ComposedLayout):
-        schedule, scheduler, roles = self.schedule, self.scheduler, self.roles
+        schedule, roles = self.schedule, self.roles
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -190,15 +204,19 @@ class FlashAttentionK7(FlashAttentionK6):
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(q_layout.outer, swizzle=q_layout.inner)
         sK = storage.sK.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
-        sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sVt = storage.sVt.get_tensor(vt_layout.outer, swizzle=vt_layout.inner)  # (d, bn, st)
+        if cutlass.const_expr(self.v_transposed):
+            sV = transposed(sVt)                # the TMA's view of the V^T ring: (bn, d, st)
+        else:
+            sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sO = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
 
         # the raw V ring's consumers are the transposing warps; V^T's, the consumer threads
+        transpose_warps = 0 if self.v_transposed else TRANSPOSE_WARPS
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
-                                        v_consumer_warps=TRANSPOSE_WARPS)
+                                        v_consumer_warps=transpose_warps)
         vt_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.vt_barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -207,7 +225,7 @@ class FlashAttentionK7(FlashAttentionK6):
                                                      roles.consumer_threads),
             defer_sync=True)
         # the transposing warps walk the work items too
-        queue = self.item_queue(storage, roles.consumer_threads + 32 * TRANSPOSE_WARPS)
+        queue = self.item_queue(storage, roles.consumer_threads + 32 * transpose_warps)
         tma.barriers_ready()
 
         heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ)
@@ -217,33 +235,12 @@ class FlashAttentionK7(FlashAttentionK6):
             if warp == 0:
                 self.load_loop(loads, queue, mCounter, tiles, m_block, head, batch, valid,
                                seqlen_q, seqlen_k, heads, batch_size, group)
-            elif warp <= TRANSPOSE_WARPS:
-                v_state = tma.consumer_state(self.stages)
-                vt_state = tma.producer_state(self.stages)
-                item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
-                src, dst, steps = self.transpose.addresses(storage.sV.data_ptr(), kv_layout,
-                                                    storage.sVt.data_ptr(), vt_layout,
-                                                    warp - 1, cute.arch.lane_idx())
-                while valid:
-                    n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
-                    for n in cutlass.range(n_count, unroll=1):
-                        loads.v_pipe.consumer_wait(v_state)       # V_n has landed
-                        vt_pipe.producer_acquire(vt_state)        # its V^T stage is free
-                        phase = self.trace.start("transpose")
-                        self.transpose.stage(src, dst, steps, v_state.index)
-                        self.trace.end(phase)
-                        cute.arch.fence_proxy("async.shared", space="cta")  # for the WGMMAs
-                        vt_pipe.producer_commit(vt_state)
-                        loads.v_pipe.consumer_release(v_state)    # TMA may refill it
-                        v_state.advance()
-                        vt_state.advance()
-                    if cutlass.const_expr(scheduler.dynamic):
-                        tiles = queue.receive(item_state)
-                        item_state.advance()
-                    else:
-                        tiles = scheduler.advance(tiles)
-                    m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
-                                                                 batch_size)
+            else:
+                if cutlass.const_expr(not self.v_transposed):
+                    if warp <= TRANSPOSE_WARPS:
+                        self.transpose_loop(loads, vt_pipe, queue, storage, kv_layout,
+                                            vt_layout, warp, tiles, m_block, head, batch,
+                                            valid, seqlen_q, seqlen_k, heads, batch_size)
         else:
             # ---------------- consumer warpgroups 1..W ----------------
             roles.become_consumer()
@@ -259,8 +256,10 @@ class FlashAttentionK7(FlashAttentionK6):
                                            fma_exp2_every=self.fma_exp2_every)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
-            # the consumers see V^T's ring where k6 has V's
-            consumer_loads = loads.with_v_pipe(vt_pipe)
+            # the consumers see V^T's ring where k6 has V's (the TMA's own, when V arrives
+            # transposed)
+            consumer_loads = loads if cutlass.const_expr(self.v_transposed) \
+                else loads.with_v_pipe(vt_pipe)
             q_state = tma.consumer_state(1)
             k_state = tma.consumer_state(self.stages)
             v_state = tma.consumer_state(self.stages)
@@ -301,12 +300,37 @@ class FlashAttentionK7(FlashAttentionK6):
                     if warp == 4:
                         o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO)
                         o_store.store(m_block)
-                if cutlass.const_expr(scheduler.dynamic):
-                    tiles = queue.receive(item_state)
-                    item_state.advance()
-                else:
-                    tiles = scheduler.advance(tiles)
-                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+                tiles, item_state, m_block, head, batch, valid = self.next_item(
+                    queue, item_state, tiles, seqlen_q, heads, batch_size)
+
+    @cute.jit
+    def transpose_loop(self, loads: tma.SplitKVLoads, vt_pipe, queue, storage, kv_layout,
+                       vt_layout, warp, tiles, m_block, head, batch, valid, seqlen_q,
+                       seqlen_k, heads, batch_size):
+        """Producer warps 1..TRANSPOSE_WARPS: every V tile of every work item, from the raw
+        V ring into the V^T ring."""
+        schedule = self.schedule
+        v_state = tma.consumer_state(self.stages)
+        vt_state = tma.producer_state(self.stages)
+        item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        src, dst, steps = self.transpose.addresses(storage.sV.data_ptr(), kv_layout,
+                                                   storage.sVt.data_ptr(), vt_layout,
+                                                   warp - 1, cute.arch.lane_idx())
+        while valid:
+            n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+            for n in cutlass.range(n_count, unroll=1):
+                loads.v_pipe.consumer_wait(v_state)       # V_n has landed
+                vt_pipe.producer_acquire(vt_state)        # its V^T stage is free
+                phase = self.trace.start("transpose")
+                self.transpose.stage(src, dst, steps, v_state.index)
+                self.trace.end(phase)
+                cute.arch.fence_proxy("async.shared", space="cta")  # for the WGMMAs
+                vt_pipe.producer_commit(vt_state)
+                loads.v_pipe.consumer_release(v_state)    # TMA may refill it
+                v_state.advance()
+                vt_state.advance()
+            tiles, item_state, m_block, head, batch, valid = self.next_item(
+                queue, item_state, tiles, seqlen_q, heads, batch_size)
 
     @cute.jit
     def store_o_direct(self, mOut: cute.Tensor, o_out: cute.Tensor, thr_pv, m_block, head,
@@ -335,12 +359,15 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    persistent: bool = True, dynamic: Optional[bool] = None,
                    trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0,
                    direct_store: bool = False, wait_pv_late: bool = False,
-                   lazy_rescale: bool = False, spec: KernelSpec = SPEC):
+                   lazy_rescale: bool = False, v_transposed: bool = False,
+                   spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), and transpose_batch: V tile units whose ldmatrix the transposing warps
     issue back to back (1, the default: one at a time; more finishes the transpose sooner
     but slows the consumers' exp2, which share the MIO queue with ldmatrix/stmatrix).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
+    if v_transposed:
+        spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "pingpong": pingpong, "persistent": persistent,
@@ -349,15 +376,53 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "fma_exp2_every": fma_exp2_every,
                               "direct_store": bool(direct_store),
                               "wait_pv_late": bool(wait_pv_late),
-                              "lazy_rescale": bool(lazy_rescale)},
+                              "lazy_rescale": bool(lazy_rescale),
+                              "v_transposed": bool(v_transposed)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
-def prepare_inputs(q, k, v):
+def prepare_inputs(q, k, v, v_transposed: bool = False, **_options):
     """bf16 q, k, v -> (q8, k8, v8, descale_q, descale_k, descale_v) for `run_kernel`
-    (per (batch, head) amax scaling; outside the timed region in bench.py)."""
+    (per (batch, head) amax scaling; outside the timed region in bench.py). With
+    `v_transposed` (the kernel option), v8 is packed for the kernel's V^T ring (`pack_v`)."""
     from hopper_attn.quantize import quantize_fp8
-    return quantize_fp8(q, k, v)
+    q8, k8, v8, *descales = quantize_fp8(q, k, v)
+    return (q8, k8, pack_v(v8) if v_transposed else v8, *descales)
+
+
+def logical_inputs(q8, k8, v8, v_transposed: bool = False, **_options):
+    """The inverse of `prepare_inputs`' packing: q8, k8, v8 as (batch, seqlen, heads, d)."""
+    return q8, k8, unpack_v(v8, k8.shape[1]) if v_transposed else v8
+
+
+# position n of each 16-wide kv block of V^T holds V row PERM16[n]: the k-slot order of P
+# as an FP8 A operand (common/fp8.py), which the in-kernel transpose produces by itself
+PERM16 = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+
+
+def pack_v(v8: torch.Tensor) -> torch.Tensor:
+    """e4m3 V (batch, seqlen, heads, d) -> what k7:v_transposed=1 loads as V^T tiles: a
+    (batch, heads, d, seqlen16) buffer (seqlen16: seqlen rounded up to 16, the TMA's stride
+    unit in bytes), kv permuted within each 16 as PERM16, zeros past the end; returned as
+    its (batch, seqlen16, heads, d) view. One copy, like a transpose."""
+    b, n, h, d = v8.shape
+    n16 = -(-n // 16) * 16
+    rows = torch.arange(n16, device=v8.device)
+    src = rows - rows % 16 + torch.tensor(PERM16, device=v8.device)[rows % 16]
+    padded = torch.zeros((b, n16, h, d), dtype=torch.uint8, device=v8.device)
+    padded[:, :n] = v8.view(torch.uint8)
+    packed = padded[:, src].permute(0, 2, 3, 1).contiguous()      # (b, h, d, n16)
+    return packed.view(v8.dtype).permute(0, 3, 1, 2)
+
+
+def unpack_v(packed: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """`pack_v`'s inverse: (batch, seqlen, heads, d), contiguous."""
+    n16 = packed.shape[1]
+    rows = torch.arange(n16, device=packed.device)
+    src = rows - rows % 16 + torch.tensor(PERM16, device=packed.device)[rows % 16]
+    out = torch.empty_like(packed.view(torch.uint8).contiguous())
+    out[:, src] = packed.view(torch.uint8)
+    return out[:, :seqlen].contiguous().view(packed.dtype)
 
 
 def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):

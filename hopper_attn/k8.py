@@ -63,10 +63,9 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return torch.matmul(x.float(), rotation(x.shape[-1], x.device, seed))
 
 
-def prepare_inputs(q, k, v, seed: int = 0):
+def prepare_inputs(q, k, v, seed: int = 0, v_transposed: bool = False, **_options):
     """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both)."""
-    from hopper_attn.quantize import quantize_fp8
-    return quantize_fp8(rotate(q, seed), rotate(k, seed), v)
+    return k7.prepare_inputs(rotate(q, seed), rotate(k, seed), v, v_transposed=v_transposed)
 
 
 def compile_kernel(problem, *, compile_options: str = "", **options):

@@ -229,9 +229,10 @@ def test_attention_backward_deterministic_mode_gives_the_same_bits():
 
 @pytest.mark.parametrize("heads_q,heads_kv,seqlen_k", [(6, 2, 300), (6, 6, 77), (6, 6, 1000)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal):
+@pytest.mark.parametrize("v_transposed", [False, True])
+def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, v_transposed):
     """GQA and cross-attention in FP8, against the fp32 reference on the dequantized inputs,
-    within 2x the FP8 emulation's error."""
+    within 2x the FP8 emulation's error (also with V given sequence-major)."""
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
     from hopper_attn.quantize import dequantize_fp8, quantize_fp8
@@ -241,9 +242,9 @@ def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal):
             .to(torch.bfloat16) for _ in range(2))
     q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
     problem = Problem.from_tensor(q, causal, k=k)
-    handle = k7.compile_kernel(problem)
+    handle = k7.compile_kernel(problem, v_transposed=v_transposed)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    k7.run_kernel(handle, q8, k8, v8, dq, dk, dv, out)
+    k7.run_kernel(handle, q8, k8, k7.pack_v(v8) if v_transposed else v8, dq, dk, dv, out)
     torch.cuda.synchronize()
     deq = [dequantize_fp8(t, s) for t, s in ((q8, dq), (k8, dk), (v8, dv))]
     ref = _reference(*deq, causal, 128 ** -0.5)

@@ -67,6 +67,37 @@ def test_quantize_round_trip_and_scales():
     assert quiet < 0.3
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
+def test_v_transposed_in_memory_needs_no_transpose(d, causal):
+    """k7:v_transposed=1: V^T tiles come straight from the TMA (no ldmatrix / stmatrix, no
+    raw V ring), still both GEMMs in e4m3, no spills."""
+    art = compiled("k7:v_transposed=1", d, causal)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    ptx = art["ptx"]
+    assert not re.search(r"ldmatrix|stmatrix", ptx)
+    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {art["kernel"]["block_n"], d}
+    assert art["kernel"]["smem_bytes"] < compiled("k7", d, causal)["kernel"]["smem_bytes"]
+
+
+@pytest.mark.parametrize("seqlen", [1, 17, 128, 1000])
+def test_packed_v_round_trip(seqlen):
+    """pack_v: sequence-major, padded to 16 with zeros, kv permuted within 16 as P's k-slots
+    (position 2 holds row 8); unpack_v gives V back."""
+    from hopper_attn import k7
+    v = torch.randn(2, seqlen, 3, 64).to(torch.float8_e4m3fn)
+    packed = k7.pack_v(v)
+    n16 = -(-seqlen // 16) * 16
+    assert packed.shape == (2, n16, 3, 64) and packed.stride(1) == 1
+    assert torch.equal(k7.unpack_v(packed, seqlen).view(torch.uint8), v.view(torch.uint8))
+    bytes_, src = packed.view(torch.uint8), v.view(torch.uint8)
+    if seqlen > 8:
+        assert torch.equal(bytes_[:, 2], src[:, 8])
+    padding = [i for i in range(n16) if i - i % 16 + k7.PERM16[i % 16] >= seqlen]
+    assert not bytes_[:, padding].any()
+
+
 def test_inputs_must_be_fp8_with_descales():
     p = Problem(2, 3, 17, 64)
     q, k, v = (torch.randn(p.shape).to(torch.float8_e4m3fn) for _ in range(3))

@@ -162,6 +162,10 @@ class KernelSpec:
     input_dtype: Optional[torch.dtype] = None
     # more input tensors after `out` (k7: the descales); returns examples to compile against
     extra_inputs: Optional[Callable[[Problem, Any], list]] = None
+    # v stored with the sequence dim contiguous (v.stride(1) == 1, i.e. a (batch, heads,
+    # head_dim, seqlen) buffer seen as (batch, seqlen, heads, head_dim)), seqlen padded to a
+    # multiple of 16: k7:v_transposed=1 (made by k7.pack_v)
+    v_seq_major: bool = False
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -199,7 +203,7 @@ class KernelSpec:
 
 
 def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
-                  input_dtype: Optional[torch.dtype] = None) -> None:
+                  input_dtype: Optional[torch.dtype] = None, v_seq_major: bool = False) -> None:
     """Raise ValueError unless q, k, v, out match `problem` and the layout contract:
     contiguous, or with `strided` (stages that read through TMA with runtime strides, k5 on)
     any strides with the last dim contiguous and the others multiples of 16 bytes, e.g. q, k,
@@ -215,12 +219,21 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
         if t.dtype != want_dtype:
             raise ValueError(f"{name} has dtype {t.dtype}, expected {want_dtype}")
         want = problem.kv_shape if name in ("k", "v") else problem.shape
+        if name == "v" and v_seq_major:         # packed: seqlen rounded up to 16 (k7)
+            want = (want[0], -(-want[1] // 16) * 16, *want[2:])
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want} "
                              "(batch, seqlen, heads, head_dim); q and out must match, and k "
                              "and v must match each other")
     for name, t in zip(names, tensors):          # ... then how and where they are stored
-        if strided:
+        if name == "v" and v_seq_major:
+            unit = 16 // t.element_size()
+            if t.stride(1) != 1 or any(t.stride(i) % unit for i in (0, 2, 3) if t.shape[i] > 1):
+                raise ValueError(f"v must be stored sequence-major (v.stride(1) == 1, e.g. a "
+                                 f"(batch, heads, head_dim, seqlen) buffer permuted to (batch, "
+                                 f"seqlen, heads, head_dim)), the other strides multiples of "
+                                 f"{unit} elements; got strides {t.stride()}")
+        elif strided:
             unit = 16 // t.element_size()
             if t.stride(-1) != 1 or any(st % unit for st, n in zip(t.stride()[:3], t.shape[:3])
                                         if n > 1):
@@ -312,7 +325,8 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
         t0 = time.perf_counter()
         compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options,
                                            problem.dtype, spec.takes_work_counter,
-                                           spec.input_dtype, spec.extra_inputs)
+                                           spec.input_dtype, spec.extra_inputs,
+                                           spec.v_seq_major)
         seconds = time.perf_counter() - t0
         if use_cache:
             _COMPILED[key] = (compiled, kernel)
@@ -349,7 +363,7 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
     problem = handle.problem
     if not checked:
         check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs,
-                      input_dtype=handle.spec.input_dtype)
+                      input_dtype=handle.spec.input_dtype, v_seq_major=handle.spec.v_seq_major)
         if handle.spec.extra_inputs is not None:
             check_descales(problem, extra_inputs)
     rt = _cute()
@@ -370,7 +384,9 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
            problem.shape)
     if handle._bound_key != key:
         tensors = [q, k, v, out, *extra_inputs, *workspace]
-        handle._bound_args = [rt.to_cute_tensor(t) for t in tensors]
+        handle._bound_args = [rt.to_cute_tensor(t, leading_dim=1 if i == 2 and
+                                                handle.spec.v_seq_major else None)
+                              for i, t in enumerate(tensors)]
         handle._bound_key = key
     scale_log2 = scale * LOG2_E
     handle.compiled(*handle._bound_args, scale_log2, rt.current_stream())

@@ -26,14 +26,16 @@ _EXAMPLE_BATCH, _EXAMPLE_SEQLEN, _EXAMPLE_HEADS = 2, 128, 2
 TVM_FFI = "--enable-tvm-ffi"
 
 
-def to_cute_tensor(t: torch.Tensor, enable_tvm_ffi: bool = False) -> cute.Tensor:
-    """torch tensor -> CuTe tensor with a dynamic layout whose last mode is the contiguous one.
+def to_cute_tensor(t: torch.Tensor, enable_tvm_ffi: bool = False,
+                   leading_dim=None) -> cute.Tensor:
+    """torch tensor -> CuTe tensor with a dynamic layout whose last mode (or `leading_dim`)
+    is the contiguous one.
 
     Every extent and stride except the unit stride stays a runtime value, so one compiled
     kernel serves any batch, heads and sequence length.
     """
     return from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=enable_tvm_ffi) \
-        .mark_layout_dynamic(leading_dim=t.dim() - 1)
+        .mark_layout_dynamic(leading_dim=t.dim() - 1 if leading_dim is None else leading_dim)
 
 
 def current_stream():
@@ -62,11 +64,16 @@ def example_tensors(head_dim: int, workspace_fn=None, dtype=torch.bfloat16,
 
 def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_options: str = "",
                         dtype=torch.bfloat16, work_counter: bool = False, input_dtype=None,
-                        extra_fn=None):
+                        extra_fn=None, v_seq_major: bool = False):
     """cute.compile `kernel` (a @cute.jit callable object) against example tensors of
-    `dtype` (kernels that take it from their tensors compile one version per dtype)."""
+    `dtype` (kernels that take it from their tensors compile one version per dtype;
+    `v_seq_major`: v stored with the sequence dim contiguous)."""
     tensors = example_tensors(head_dim, workspace_fn, dtype, work_counter, input_dtype,
                               extra_fn)
+    if v_seq_major:
+        b, n, h, d = tensors[2].shape
+        tensors[2] = torch.empty((b, h, d, n), dtype=tensors[2].dtype,
+                                 device=tensors[2].device).permute(0, 3, 1, 2)
     # With CuTe DSL's TVM-FFI calling path the compiled function takes torch tensors directly
     # and launches on torch's current stream (no stream argument): far less host work per call.
     tvm_ffi = TVM_FFI in compile_options
@@ -74,7 +81,8 @@ def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_option
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     else:
         stream = current_stream() if torch.cuda.is_available() else make_fake_stream()
-    args = [to_cute_tensor(t, tvm_ffi) for t in tensors]
+    args = [to_cute_tensor(t, tvm_ffi, leading_dim=1 if i == 2 and v_seq_major else None)
+            for i, t in enumerate(tensors)]
     opts = compile_options.strip()
     if opts:
         return cute.compile(kernel, *args, cutlass.Float32(1.0), stream, options=opts)

@@ -61,6 +61,14 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
     return cute.composition(t, swap)
 
 
+def swap_modes(layout):
+    """`transposed` for a (possibly swizzled) layout: the same memory indexed with the first
+    two modes swapped (host side, e.g. a TMA box written as the transpose of an SMEM tile)."""
+    rank = cute.rank(layout)
+    shape = (layout.shape[1], layout.shape[0], *layout.shape[2:])
+    return cute.composition(layout, cute.make_ordered_layout(shape, order=(1, 0, *range(2, rank))))
+
+
 def _regrouped(layout: cute.Layout, regroup) -> cute.Layout:
     # `regroup` rearranges the modes of a compact layout over layout's own domain; composing
     # with it works for any fragment layout, including coordinate probes whose "strides" are

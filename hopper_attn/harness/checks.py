@@ -8,7 +8,7 @@ import torch
 from .inputs import guards_intact, make_inputs
 from hopper_attn.quantize import dequantize_fp8
 
-from .inputs import guarded_empty
+from .inputs import guarded_like
 from .reference import error_stats, judge, reference_attention, torch_lowp_attention
 
 
@@ -50,11 +50,11 @@ class ReferenceCase:
         q8, k8, v8, *descales = entry.prepare(self.q, self.k, self.v)
         views, buffers = [], list(self.buffers[3:])          # out's guards stay checked
         for t in (q8, k8, v8):
-            buffer, view = guarded_empty(t.shape, t.dtype, t.device)
+            buffer, view = guarded_like(t)
             view.copy_(t)
             views.append(view)
             buffers.append(buffer)
-        deq = [dequantize_fp8(t, s) for t, s in zip((q8, k8, v8), descales)]
+        deq = [dequantize_fp8(t, s) for t, s in zip(entry.logical(q8, k8, v8), descales)]
         causal = self.problem.causal
         ref = reference_attention(*deq, causal)
         emulated = reference_attention(*deq, causal, fp8_probs=True).to(self.out.dtype).float()

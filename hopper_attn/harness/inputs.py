@@ -25,6 +25,14 @@ def guarded_empty(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     return buffer, buffer[GUARD:GUARD + numel].view(shape)
 
 
+def guarded_like(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`guarded_empty` with t's shape, dtype and strides (e.g. k7's sequence-major, padded
+    v); padding between rows stays NaN like the guards."""
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    buffer, flat = guarded_empty((span,), t.dtype, t.device)
+    return buffer, flat.as_strided(t.shape, t.stride())
+
+
 def guards_intact(buffer: torch.Tensor) -> bool:
     """True if the NaN guards around the tensor in `buffer` are untouched."""
     if buffer.dtype == torch.float8_e4m3fn:

@@ -30,9 +30,18 @@ class KernelEntry:
 
     def prepare(self, q, k, v) -> tuple:
         """The kernel's inputs made from bf16 q, k, v (outside any timing): k7 quantizes them
-        to FP8 with descales; the other stages take them as they are."""
+        to FP8 with descales (in the layout the entry's options ask for); the other stages
+        take them as they are."""
         prepare = getattr(self.load(), "prepare_inputs", None)
-        return tuple(prepare(q, k, v)) if prepare is not None else (q, k, v)
+        return tuple(prepare(q, k, v, **dict(self.options))) if prepare is not None \
+            else (q, k, v)
+
+    def logical(self, *tensors) -> tuple:
+        """`prepare`'s q, k, v back as plain (batch, seqlen, heads, head_dim) tensors (k7
+        with a packed V: unpacked), for references."""
+        logical = getattr(self.load(), "logical_inputs", None)
+        return tuple(logical(*tensors, **dict(self.options))) if logical is not None \
+            else tuple(tensors)
 
     def run(self, handle, *tensors):
         """Forward: (*prepare(q, k, v), out); backward: (q, k, v, o, do, lse, dq, dk, dv)."""

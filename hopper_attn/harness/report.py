@@ -219,9 +219,11 @@ def fp8_table(path, bf16_stage="k6") -> str:
     for r in data["rows"]:
         if "ms" in r:
             by_cfg.setdefault(_key(r["config"]), {})[r["kernel"]] = r
-    lines = ["| config | k7 TFLOP/s | vs cuDNN FP8 | vs cuDNN bf16 | vs " + bf16_stage +
-             " (bf16) | cuDNN FP8 TFLOP/s | k7 error: own / end to end | cuDNN FP8 error: "
-             "own / end to end |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| config | kernel | TFLOP/s | vs cuDNN FP8 | vs cuDNN bf16 | vs " + bf16_stage +
+             " (bf16) | cuDNN FP8 TFLOP/s | error: own / end to end | cuDNN FP8 error: "
+             "own / end to end |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    variants = sorted({r["kernel"] for r in data["rows"] if r["kernel"].startswith("k7")},
+                      key=lambda k: (k != "k7", len(k), k))
     # (k8 runs k7's kernel on rotated inputs: its time is k7's within noise, see docs/k8.md)
 
     def err(row):
@@ -231,16 +233,18 @@ def fp8_table(path, bf16_stage="k6") -> str:
         return f"{c['max_abs']:.3f} / {c.get('end_to_end', {}).get('max_abs', float('nan')):.3f}"
 
     for key, rows in by_cfg.items():
-        k7, fp8 = rows.get("k7"), rows.get("cudnn_fp8")
-        if not k7:
-            continue
-        bf16 = rows.get(bf16_stage)
-        vs = [fp8["ms"] / k7["ms"] if fp8 else None,
-              rows["sdpa_cudnn"]["ms"] / k7["ms"] if "sdpa_cudnn" in rows else None,
-              bf16["ms"] / k7["ms"] if bf16 else None]
-        lines.append(f"| {_cfg(key)} | {k7['tflops']:.1f} | " + " | ".join(_fmt(x, 2) for x in vs)
-                     + f" | {_fmt(fp8['tflops'] if fp8 else None)} | {err(k7)} | "
-                     f"{err(fp8) if fp8 else '-'} |")
+        fp8, bf16 = rows.get("cudnn_fp8"), rows.get(bf16_stage)
+        for name in variants:
+            k7 = rows.get(name)
+            if not k7:
+                continue
+            vs = [fp8["ms"] / k7["ms"] if fp8 else None,
+                  rows["sdpa_cudnn"]["ms"] / k7["ms"] if "sdpa_cudnn" in rows else None,
+                  bf16["ms"] / k7["ms"] if bf16 else None]
+            lines.append(f"| {_cfg(key)} | {name} | {k7['tflops']:.1f} | "
+                         + " | ".join(_fmt(x, 2) for x in vs)
+                         + f" | {_fmt(fp8['tflops'] if fp8 else None)} | {err(k7)} | "
+                         f"{err(fp8) if fp8 else '-'} |")
     return "\n".join(lines) + (f"\n\nMeasured on {env['gpu']} ({env['date_utc'][:10]}, cuDNN "
                                f"{env.get('cudnn', '?')}). Source: `{path}`.")
 
@@ -258,18 +262,21 @@ def fp8_summary(path, n: int = 16384, bf16_stage: str = "k6") -> str:
     lines = ["| kernel | " + " | ".join(f"d={d} {'causal' if c else 'full'}"
                                        for d in dims for c in (False, True)) + " |",
              "|---|" + "---:|" * (2 * len(dims))]
-    cells = []
-    for d in dims:
-        for c in (False, True):
-            k7 = rows.get((d, c, "k7"))
-            if not k7:
-                cells.append("-")
-                continue
-            vs = [rows[(d, c, b)]["ms"] / k7["ms"] if (d, c, b) in rows else None
-                  for b in ("cudnn_fp8", "sdpa_cudnn", bf16_stage)]
-            cells.append(f"{k7['tflops']:.1f} &middot; " + " / ".join(
-                f"{x:.2f}x" if x else "-" for x in vs))
-    lines.append("| k7 (FP8) | " + " | ".join(cells) + " |")
+    variants = sorted({k for _, _, k in rows if k.startswith("k7")},
+                      key=lambda k: (k != "k7", len(k), k))
+    for name in variants:
+        cells = []
+        for d in dims:
+            for c in (False, True):
+                k7 = rows.get((d, c, name))
+                if not k7:
+                    cells.append("-")
+                    continue
+                vs = [rows[(d, c, b)]["ms"] / k7["ms"] if (d, c, b) in rows else None
+                      for b in ("cudnn_fp8", "sdpa_cudnn", bf16_stage)]
+                cells.append(f"{k7['tflops']:.1f} &middot; " + " / ".join(
+                    f"{x:.2f}x" if x else "-" for x in vs))
+        lines.append(f"| {name} (FP8) | " + " | ".join(cells) + " |")
     env = data["env"]
     return "\n".join(lines) + (
         f"\n\nCells: TFLOP/s at N = {n} (hidden 2048) &middot; speed relative to cuDNN's FP8 "

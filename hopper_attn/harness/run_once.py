@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     err = (out.float().cpu() - ref).abs()
     worst = float(err.nan_to_num(float("inf")).max())
     print(f"{entry.name} {problem.label()}: max abs error {worst:.3g}, NaN {int(out.isnan().sum())}")
-    return 0 if worst < 0.05 else 1
+    # (FP8 inputs: e4m3's 3 mantissa bits put the end-to-end error near 0.1-0.2 here)
+    return 0 if worst < (0.25 if entry.spec.input_dtype is not None else 0.05) else 1
 
 
 def _backward(entry, problem, q, k, v, gen) -> int:
@@ -66,7 +67,8 @@ def _backward(entry, problem, q, k, v, gen) -> int:
                 for g, r in zip(grads, refs))
     nan = sum(int(g.isnan().sum()) for g in grads)
     print(f"{entry.name} {problem.label()}: max abs error (dq, dk, dv) {worst:.3g}, NaN {nan}")
-    return 0 if worst < 0.05 else 1
+    # (FP8 inputs: e4m3's 3 mantissa bits put the end-to-end error near 0.1-0.2 here)
+    return 0 if worst < (0.25 if entry.spec.input_dtype is not None else 0.05) else 1
 
 
 if __name__ == "__main__":
