@@ -115,8 +115,10 @@ class FlashAttentionK7(FlashAttentionK6):
         # lazy rescaling lets P reach 2^(p_scale_log2 + threshold) <= 448 (e4m3's largest)
         self.p_scale_log2 = P_SCALE_LOG2 - 1 if self.lazy_rescale else P_SCALE_LOG2
         self.rescale_threshold_log2 = LAZY_THRESHOLD_LOG2
-        # the transposing warps need more than k6's 24 registers (ptxas spills at 24)
-        self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
+        # the transposing warps need more than k6's 24 registers (ptxas spills at 24); with
+        # V transposed in memory there are none, and k6's split (24 / 240) applies
+        if not v_transposed:
+            self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """e4m3 Q, K, V and V^T rings, the bf16 output buffer (unless O is stored straight
