@@ -24,10 +24,14 @@ What stays: k6's consumer loop as is (`mainloop`: QK issued before the softmax, 
 previous tile under it in the source, though ptxas moves the PV wait up to the start of the
 softmax: docs/k6.md), the producer warp's TMA loads, the persistent scheduler (dynamic
 with a causal mask; the transposer warps receive each work item as the consumers do),
-tails, causal skipping, the (B, N, H, d) layout (GQA, cross-attention and strided inputs
-are in the code but refused until tested on the GPU). Measured choices (TILES): no ping-pong
+tails, causal skipping, the (B, N, H, d) layout, GQA, cross-attention and strided inputs.
+Measured choices (TILES): no ping-pong
 between the consumer warpgroups (with GEMMs half as long, taking turns costs more than it
 saves) and, at d = 128, three ring stages.
+
+Option `v_transposed` (docs/k7.md, end): V given transposed in memory by the input pass
+(`pack_v`); the TMA fills the V^T ring directly, no transposing warps, no raw V ring, and
+k6's register split (24 / 240).
 
 Budget, d = 128 (128 x 128 tiles, 3 stages): 384 threads; SMEM = Q 16 KiB + K, V and V^T
 rings 3 x 48 KiB + O 32 KiB = 192 KiB (+ barriers). Registers after setmaxnreg: producer
@@ -143,15 +147,10 @@ class FlashAttentionK7(FlashAttentionK6):
         o_layout = smem_tile_layout(self.out_dtype, bm, d)
         check_row_period(kv_layout, bn, d)
         check_row_period(vt_layout, d, bn)
-        if cutlass.const_expr(self.v_transposed):
-            # V (N, d, H, B) with N contiguous -> (bn, d) boxes written as V^T's (d, bn) tile
-            atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
-                q, k, k, q_layout, kv_layout, bm, bn, d)
-            tma_v, v_coords = tma.make_tma_load(v, swap_modes(vt_layout), bn, d)
-            atoms, coords = (*atoms[:2], tma_v), (*coords[:2], v_coords)
-        else:
-            atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
-                q, k, v, q_layout, kv_layout, bm, bn, d)
+        # with V given transposed (N contiguous), its (bn, d) boxes land as V^T's (d, bn) tile
+        atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
+            q, k, v, q_layout, kv_layout, bm, bn, d,
+            v_layout=swap_modes(vt_layout) if self.v_transposed else None)
         self.tile_bytes = kv_bytes // 2
         v_elems = 8 if self.v_transposed else cute.cosize(kv_layout)    # no raw V ring
         tma_o, o_coords = tma.make_tma_store(o, o_layout, bm, d)
@@ -402,6 +401,12 @@ def logical_inputs(q8, k8, v8, v_transposed: bool = False, **_options):
 PERM16 = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 
+def _packed_rows(n16: int, device) -> torch.Tensor:
+    """For each of n16 packed positions, the V row it holds."""
+    rows = torch.arange(n16, device=device)
+    return rows - rows % 16 + torch.tensor(PERM16, device=device)[rows % 16]
+
+
 def pack_v(v8: torch.Tensor) -> torch.Tensor:
     """e4m3 V (batch, seqlen, heads, d) -> what k7:v_transposed=1 loads as V^T tiles: a
     (batch, heads, d, seqlen16) buffer (seqlen16: seqlen rounded up to 16, the TMA's stride
@@ -409,8 +414,7 @@ def pack_v(v8: torch.Tensor) -> torch.Tensor:
     its (batch, seqlen16, heads, d) view. One copy, like a transpose."""
     b, n, h, d = v8.shape
     n16 = -(-n // 16) * 16
-    rows = torch.arange(n16, device=v8.device)
-    src = rows - rows % 16 + torch.tensor(PERM16, device=v8.device)[rows % 16]
+    src = _packed_rows(n16, v8.device)
     padded = torch.zeros((b, n16, h, d), dtype=torch.uint8, device=v8.device)
     padded[:, :n] = v8.view(torch.uint8)
     packed = padded[:, src].permute(0, 2, 3, 1).contiguous()      # (b, h, d, n16)
@@ -419,11 +423,8 @@ def pack_v(v8: torch.Tensor) -> torch.Tensor:
 
 def unpack_v(packed: torch.Tensor, seqlen: int) -> torch.Tensor:
     """`pack_v`'s inverse: (batch, seqlen, heads, d), contiguous."""
-    n16 = packed.shape[1]
-    rows = torch.arange(n16, device=packed.device)
-    src = rows - rows % 16 + torch.tensor(PERM16, device=packed.device)[rows % 16]
     out = torch.empty_like(packed.view(torch.uint8).contiguous())
-    out[:, src] = packed.view(torch.uint8)
+    out[:, _packed_rows(packed.shape[1], packed.device)] = packed.view(torch.uint8)
     return out[:, :seqlen].contiguous().view(packed.dtype)
 
 

@@ -87,12 +87,15 @@ class TmaTiles:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
-def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, head_dim: int):
+def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, head_dim: int,
+                   v_layout=None):
     """Host side, for the attention kernels: TMA atoms and TMA tensors for Q (one block_m x d
-    tile) and K, V (block_n x d ring stages), and the bytes each Q load / K+V stage brings."""
+    tile) and K, V (block_n x d ring stages), and the bytes each Q load / K+V stage brings.
+    `v_layout`: V's SMEM stage as a (block_n, d) view when it is not K's (k7 with V given
+    transposed: the (kv, d) view of a V^T stage)."""
     tma_q = make_tma_load(q, q_layout, block_m, head_dim)
     tma_k = make_tma_load(k, kv_layout, block_n, head_dim)
-    tma_v = make_tma_load(v, kv_layout, block_n, head_dim)
+    tma_v = make_tma_load(v, kv_layout if v_layout is None else v_layout, block_n, head_dim)
     atoms = (tma_q[0], tma_k[0], tma_v[0])
     tensors = (tma_q[1], tma_k[1], tma_v[1])
     q_bytes = tma_bytes(q.element_type, q_layout)
