@@ -1,43 +1,43 @@
-"""k7: FP8 (e4m3) forward: both GEMMs on FP8 WGMMA, V transposed in shared memory.
+"""k7: FP8 (e4m3) forward: both GEMMs on FP8 WGMMA, V loaded transposed.
 
 Hopper's tensor cores multiply e4m3 at twice the bf16 rate (k32 WGMMAs instead of k16).
 What changes from k6 (docs/k7.md):
 
 * Inputs: q, k, v in `float8_e4m3fn` with one fp32 descale per (batch, head) each
-  (x = x8 * descale; `hopper_attn.quantize.quantize_fp8` makes them from bf16). Output bf16
-  (and the log-sum-exp), as k6. S = Q K^T is an FP8 WGMMA with fp32 accumulation; the
-  descales of q and k fold into the softmax's scale, v's into the final 1/l.
+  (x = x8 * descale; `prepare_inputs` / `hopper_attn.quantize.quantize_fp8` make them from
+  bf16). Output bf16 (and the log-sum-exp), as k6. S = Q K^T is an FP8 WGMMA with fp32
+  accumulation; the descales of q and k fold into the softmax's scale, v's into the final 1/l.
 * P in e4m3 registers as the A operand of O += P V. The softmax scales P by 2^8 (largest
   value 256 of e4m3's 448) so that small probabilities do not flush to zero; l carries the same
   factor. The conversion needs no shuffle: P's kv order is permuted instead
   (common/fp8.py), and V^T's rows follow the same permutation.
-* V transposed in shared memory. An FP8 WGMMA reads its SMEM operands K-major only; V
-  arrives (kv, d) with d contiguous, MN-major for P V. Warps 1-2 of the producer warpgroup
-  (idle in k5/k6) turn every V tile into V^T, (d, kv) with kv contiguous, with
-  `ldmatrix.trans`, byte permutes and `stmatrix` (`VTranspose`). TMA fills a raw V ring (warp
-  0, unchanged); the transposers wait on it, write a V^T ring, fence (their generic-proxy
-  stores must be visible to the WGMMA's async proxy), and signal the consumers through the
-  V^T ring's mbarriers; the consumers release V^T stages as they release V stages in k6.
+* V^T tiles. An FP8 WGMMA reads its SMEM operands K-major only; V as attention gets it,
+  (kv, d) with d contiguous, is MN-major for P V. k7 takes V *sequence-major* instead,
+  packed by the quantizer in the same pass (`quantize_fp8(v, pack_v=True)`: (B, H, d, N16)
+  in memory, keys permuted within 16 as P's k-slots), so the producer warp's TMA writes V^T
+  tiles straight into the ring the PV WGMMA reads, as it writes K tiles; nothing else
+  changes in the producer.
+* Wider kv tiles (TILES): with only K and V^T rings in SMEM, 128 x 192 at d = 128 and
+  128 x 128 at d = 256 fit (k6: 128 x 128 and 128 x 80).
 * The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
 
 What stays: k6's consumer loop as is (`mainloop`: QK issued before the softmax, PV of the
-previous tile under it in the source, though ptxas moves the PV wait up to the start of the
-softmax: docs/k6.md), the producer warp's TMA loads, the persistent scheduler (dynamic
-with a causal mask; the transposer warps receive each work item as the consumers do),
-tails, causal skipping, the (B, N, H, d) layout, GQA, cross-attention and strided inputs.
-Measured choices (TILES): no ping-pong
-between the consumer warpgroups (with GEMMs half as long, taking turns costs more than it
-saves) and, at d = 128, three ring stages.
+previous tile under it in the source; no late PV wait, which costs FP8 2-7%: docs/k7.md),
+its register split (producer 24, consumers 240), the producer warp's TMA loads, the
+persistent scheduler, tails, causal skipping, the (B, N, H, d) layout of q, k and the output,
+GQA, cross-attention and strided q / k. No ping-pong between the consumer warpgroups (with
+GEMMs half as long, taking turns costs more than it saves).
 
-Option `v_transposed` (docs/k7.md, end): V given transposed in memory by the input pass
-(`pack_v`); the TMA fills the V^T ring directly, no transposing warps, no raw V ring, and
-k6's register split (24 / 240).
+Option `v_transposed=False` (docs/k7.md, "V transposed in shared memory"): V in the plain
+(B, N, H, d) layout, transposed inside the kernel by producer warps 1-2 (ldmatrix.trans,
+byte permutes, stmatrix) from a raw V ring into the V^T ring; 56 / 224 registers, the
+smaller tiles of TILES_IN_KERNEL_TRANSPOSE; 6-25% slower (the in-kernel transpose is what
+limited d = 256).
 
-Budget, d = 128 (128 x 128 tiles, 3 stages): 384 threads; SMEM = Q 16 KiB + K, V and V^T
-rings 3 x 48 KiB + O 32 KiB = 192 KiB (+ barriers). Registers after setmaxnreg: producer
-warpgroup 56 (the transposers spill at 24 and at 40 with batched loads), consumers 224 (S 64
-+ P 16 + O 64 fp32 registers per thread). d = 64: 128 x 256 tiles, 3 stages, Q 8 + 3 x 48
-+ O 16 = 168 KiB. d = 256: 128 x 64 tiles, 2 stages, Q 32 + 3 x 32 + O 64 = 192 KiB.
+Budget, d = 128 (128 x 192 tiles, 3 stages): 384 threads; SMEM = Q 16 KiB + K and V^T rings
+2 x 3 x 24 KiB + O 32 KiB = 192 KiB (+ barriers). Registers per consumer thread: S 96 +
+P 24 + O 64 fp32. d = 64: 128 x 256, 3 stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256:
+128 x 128, 2 stages: Q 32 + 2 x 2 x 32 + O 64 = 224 KiB.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.warp_roles import WarpRoles
 from hopper_attn.k5 import lse_buffer
 from hopper_attn.k6 import FlashAttentionK6
+from hopper_attn.quantize import PERM16, pack_v, quantize_fp8, unpack_v  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
 
@@ -90,13 +91,18 @@ SPEC = KernelSpec(
 P_SCALE_LOG2 = 8                 # P in [0, 256]: e4m3 keeps 3 mantissa bits down to 2^-6
 LAZY_THRESHOLD_LOG2 = 1.8        # with lazy rescaling (P scaled 2^7): P < 2^8.8 < 448
 TRANSPOSE_WARPS = 2              # producer warps 1 .. 2
-# head_dim -> (block_m, block_n, ping-pong, stages). Measured on the H100 round-robin
-# (results/h100/2026-11-23_k7_variants.json, _k7_block_n.json, docs/k7.md): without ping-pong
-# +1-3% at d128 and +4-11% at d64 (full); three stages +4-7% at d128; 256-wide kv tiles +6-17%
-# at d64 (fewer row-max, alpha and O-rescale steps per key; 192 at d128: -4..+2%), and with
-# them three stages +2-9% at d64 (_k7_d64_stages.json).
-# d = 256: Q 32 + 2 stages x (K, V, V^T) 3 x 16 + O (bf16) 64 = 192 KiB with 64-column kv tiles.
-TILES = {64: (128, 256, False, 3), 128: (128, 128, False, 3), 256: (128, 64, False, 2)}
+# head_dim -> (block_m, block_n, ping-pong, stages), measured on the H100 round-robin against
+# cuDNN FP8 (results/h100/2026-11-23_k7_tiles_v_packed.json, docs/k7.md). With V packed in
+# memory only the K and V^T rings take SMEM, so the kv tiles grow: 192 wide at d = 128
+# (+2-6% over 128; 224: no faster, and its causal variant spills), 128 at d = 256 (+20-25%
+# over 64); no ping-pong (-1..-3% with it: FP8's GEMMs are too short to take turns for).
+TILES = {64: (128, 256, False, 3), 128: (128, 192, False, 3), 256: (128, 128, False, 2)}
+# with the in-kernel transpose (v_transposed=False) the raw V ring takes its share of SMEM
+# (results/h100/2026-11-23_k7_variants.json, _k7_block_n.json, _k7_d64_stages.json): without
+# ping-pong +1-3% at d128 and +4-11% at d64; three stages +4-7% at d128; 256-wide kv tiles
+# +6-17% at d64; d = 256: Q 32 + 2 stages x (K, V, V^T) 3 x 16 + O 64 = 192 KiB.
+TILES_IN_KERNEL_TRANSPOSE = {64: (128, 256, False, 3), 128: (128, 128, False, 3),
+                             256: (128, 64, False, 2)}
 PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after setmaxnreg
 
 
@@ -104,8 +110,9 @@ class FlashAttentionK7(FlashAttentionK6):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
                  fma_exp2_every: int = 0, direct_store: bool = False,
-                 wait_pv_late: bool = False, v_transposed: bool = False, **options):
-        default_m, default_n, default_pingpong, default_stages = TILES[head_dim]
+                 wait_pv_late: bool = False, v_transposed: bool = True, **options):
+        tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
+        default_m, default_n, default_pingpong, default_stages = tiles[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
         # V arrives transposed in global memory (sequence-major, from prepare_inputs): the
         # TMA loads V^T tiles straight into the V^T ring and no warp transposes
@@ -360,10 +367,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    persistent: bool = True, dynamic: Optional[bool] = None,
                    trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0,
                    direct_store: bool = False, wait_pv_late: bool = False,
-                   lazy_rescale: bool = False, v_transposed: bool = False,
+                   lazy_rescale: bool = False, v_transposed: bool = True,
                    spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
-    the head dim), and transpose_batch: V tile units whose ldmatrix the transposing warps
+    the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
+    kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V tile units whose ldmatrix the transposing warps
     issue back to back (1, the default: one at a time; more finishes the transpose sooner
     but slows the consumers' exp2, which share the MIO queue with ldmatrix/stmatrix).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
@@ -382,50 +390,19 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
-def prepare_inputs(q, k, v, v_transposed: bool = False, **_options):
+def prepare_inputs(q, k, v, v_transposed: bool = True, **_options):
     """bf16 q, k, v -> (q8, k8, v8, descale_q, descale_k, descale_v) for `run_kernel`
-    (per (batch, head) amax scaling; outside the timed region in bench.py). With
-    `v_transposed` (the kernel option), v8 is packed for the kernel's V^T ring (`pack_v`)."""
-    from hopper_attn.quantize import quantize_fp8
-    q8, k8, v8, *descales = quantize_fp8(q, k, v)
-    return (q8, k8, pack_v(v8) if v_transposed else v8, *descales)
+    (per (batch, head) amax scaling; outside the timed region in bench.py). v8 packed for
+    the kernel's V^T ring (`quantize_fp8(v, pack_v=True)`: sequence-major, keys permuted
+    within 16) unless the kernel transposes V itself (`v_transposed=False`)."""
+    q8, k8, descale_q, descale_k = quantize_fp8(q, k)
+    v8, descale_v = quantize_fp8(v, pack_v=v_transposed)
+    return q8, k8, v8, descale_q, descale_k, descale_v
 
 
-def logical_inputs(q8, k8, v8, v_transposed: bool = False, **_options):
+def logical_inputs(q8, k8, v8, v_transposed: bool = True, **_options):
     """The inverse of `prepare_inputs`' packing: q8, k8, v8 as (batch, seqlen, heads, d)."""
     return q8, k8, unpack_v(v8, k8.shape[1]) if v_transposed else v8
-
-
-# position n of each 16-wide kv block of V^T holds V row PERM16[n]: the k-slot order of P
-# as an FP8 A operand (common/fp8.py), which the in-kernel transpose produces by itself
-PERM16 = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
-
-
-def _packed_rows(n16: int, device) -> torch.Tensor:
-    """For each of n16 packed positions, the V row it holds."""
-    rows = torch.arange(n16, device=device)
-    return rows - rows % 16 + torch.tensor(PERM16, device=device)[rows % 16]
-
-
-def pack_v(v8: torch.Tensor) -> torch.Tensor:
-    """e4m3 V (batch, seqlen, heads, d) -> what k7:v_transposed=1 loads as V^T tiles: a
-    (batch, heads, d, seqlen16) buffer (seqlen16: seqlen rounded up to 16, the TMA's stride
-    unit in bytes), kv permuted within each 16 as PERM16, zeros past the end; returned as
-    its (batch, seqlen16, heads, d) view. One copy, like a transpose."""
-    b, n, h, d = v8.shape
-    n16 = -(-n // 16) * 16
-    src = _packed_rows(n16, v8.device)
-    padded = torch.zeros((b, n16, h, d), dtype=torch.uint8, device=v8.device)
-    padded[:, :n] = v8.view(torch.uint8)
-    packed = padded[:, src].permute(0, 2, 3, 1).contiguous()      # (b, h, d, n16)
-    return packed.view(v8.dtype).permute(0, 3, 1, 2)
-
-
-def unpack_v(packed: torch.Tensor, seqlen: int) -> torch.Tensor:
-    """`pack_v`'s inverse: (batch, seqlen, heads, d), contiguous."""
-    out = torch.empty_like(packed.view(torch.uint8).contiguous())
-    out[:, _packed_rows(packed.shape[1], packed.device)] = packed.view(torch.uint8)
-    return out[:, :seqlen].contiguous().view(packed.dtype)
 
 
 def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):

@@ -63,7 +63,7 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return torch.matmul(x.float(), rotation(x.shape[-1], x.device, seed))
 
 
-def prepare_inputs(q, k, v, seed: int = 0, v_transposed: bool = False, **_options):
+def prepare_inputs(q, k, v, seed: int = 0, v_transposed: bool = True, **_options):
     """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both)."""
     return k7.prepare_inputs(rotate(q, seed), rotate(k, seed), v, v_transposed=v_transposed)
 
@@ -74,3 +74,4 @@ def compile_kernel(problem, *, compile_options: str = "", **options):
 
 
 run_kernel = k7.run_kernel          # same inputs: (q8, k8, v8, descales..., out)
+logical_inputs = k7.logical_inputs  # V unpacked, for references

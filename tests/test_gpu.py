@@ -255,9 +255,11 @@ def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, v_trans
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_k7_strided_inputs(causal):
-    """q, k, v as views of one packed (B, N, 4, H, d) e4m3 tensor whose unused slot holds
-    NaN: the output must match the same inputs made contiguous, bit for bit."""
+@pytest.mark.parametrize("v_transposed", [False, True])
+def test_k7_strided_inputs(causal, v_transposed):
+    """q, k (and, when the kernel transposes V itself, v) as views of one packed
+    (B, N, 4, H, d) e4m3 tensor whose unused slot holds NaN: the output must match the same
+    inputs made contiguous, bit for bit."""
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
     from hopper_attn.quantize import quantize_fp8
@@ -270,10 +272,12 @@ def test_k7_strided_inputs(causal):
         packed[:, :, i] = t.view(torch.uint8)
     views = [packed[:, :, i].view(q8.dtype) for i in range(3)]
     assert not views[0].is_contiguous()
+    if v_transposed:                        # V in the kernel's packed layout (its own buffer)
+        views[2] = v8 = k7.pack_v(v8)
     problem = Problem.from_tensor(q, causal)
     outs = []
     for inputs in (views, (q8, k8, v8)):
-        handle = k7.compile_kernel(problem)
+        handle = k7.compile_kernel(problem, v_transposed=v_transposed)
         out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
         k7.run_kernel(handle, *inputs, dq, dk, dv, out)
         torch.cuda.synchronize()
@@ -290,11 +294,11 @@ def test_k7_log_sum_exp(d, causal):
     accumulation there, so the tolerance is tight)."""
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
-    from hopper_attn.quantize import dequantize_fp8, quantize_fp8
+    from hopper_attn.quantize import dequantize_fp8
     gen = torch.Generator(device="cuda").manual_seed(d + causal)
     q, k, v = (torch.randn(2, 333, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
                for _ in range(3))
-    q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
+    q8, k8, v8, dq, dk, dv = k7.prepare_inputs(q, k, v)
     handle = k7.compile_kernel(Problem.from_tensor(q, causal))
     out = torch.empty_like(q)
     k7.run_kernel(handle, q8, k8, v8, dq, dk, dv, out)

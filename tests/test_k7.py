@@ -1,8 +1,10 @@
 """k7 (FP8): compiles for sm_90a without spills, and its PTX shows the stage's idea: both
-GEMMs are e4m3 WGMMAs (k32), P is converted to e4m3 in registers, V is transposed in shared
-memory by the producer warpgroup (ldmatrix.trans, prmt, stmatrix, then a proxy fence before
-the V^T ring's mbarrier arrive). Plus the host pieces: the quantizer, the input checks, and the
-FP8 reference emulation that k7's error is judged against."""
+GEMMs are e4m3 WGMMAs (k32), P is converted to e4m3 in registers, V^T tiles come straight
+from the TMA (V packed sequence-major by the quantizer); with `v_transposed=0`, V is
+transposed in shared memory by the producer warpgroup instead (ldmatrix.trans, prmt,
+stmatrix, then a proxy fence before the V^T ring's mbarrier arrive). Plus the host pieces:
+the quantizer and V's packing, the input checks, and the FP8 reference emulation that k7's
+error is judged against."""
 
 import re
 
@@ -13,7 +15,7 @@ from hopper_attn.common.contract import Problem, check_descales, check_tensors
 from hopper_attn.harness.compile_report import resource_usage
 from ptx import compiled, count
 
-CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False)]
+CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
 E4M3_WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3"
 
 
@@ -36,7 +38,8 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
 @pytest.mark.compile
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_v_is_transposed_in_shared_memory(d):
-    art = compiled("k7", d, False)
+    """k7:v_transposed=0: plain V, transposed by producer warps 1-2."""
+    art = compiled("k7:v_transposed=0", d, False)
     ptx = art["ptx"]
     units = art["kernel"]["block_n"] // 16 * d // 32 // 2   # 16 x 32 units per warp
     assert count(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16") == units
@@ -70,23 +73,26 @@ def test_quantize_round_trip_and_scales():
 @pytest.mark.compile
 @pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
 def test_v_transposed_in_memory_needs_no_transpose(d, causal):
-    """k7:v_transposed=1: V^T tiles come straight from the TMA (no ldmatrix / stmatrix, no
-    raw V ring), still both GEMMs in e4m3, no spills."""
-    art = compiled("k7:v_transposed=1", d, causal)
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    ptx = art["ptx"]
+    """k7 (V packed in memory): V^T tiles come straight from the TMA (no ldmatrix /
+    stmatrix), and SMEM holds Q, the K and V^T rings and the output buffer, no raw V ring."""
+    art = compiled("k7", d, causal)
+    ptx, kernel = art["ptx"], art["kernel"]
     assert not re.search(r"ldmatrix|stmatrix", ptx)
-    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {art["kernel"]["block_n"], d}
-    assert art["kernel"]["smem_bytes"] < compiled("k7", d, causal)["kernel"]["smem_bytes"]
+    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {kernel["block_n"], d}
+    ring_stage = kernel["block_n"] * d                            # bytes, e4m3
+    two_rings = kernel["block_m"] * d * 3 + 2 * kernel["stages"] * ring_stage
+    assert two_rings <= kernel["smem_bytes"] < two_rings + 4096   # + barriers, alignment
 
 
 @pytest.mark.parametrize("seqlen", [1, 17, 128, 1000])
 def test_packed_v_round_trip(seqlen):
-    """pack_v: sequence-major, padded to 16 with zeros, kv permuted within 16 as P's k-slots
-    (position 2 holds row 8); unpack_v gives V back."""
+    """V packed for k7: sequence-major, padded to 16 with zeros, kv permuted within 16 as P's
+    k-slots (position 2 holds row 8); the quantizer packs in its own pass exactly as pack_v
+    packs its output; unpack_v gives V back."""
     from hopper_attn import k7
-    v = torch.randn(2, seqlen, 3, 64).to(torch.float8_e4m3fn)
+    from hopper_attn.quantize import quantize_fp8
+    v_bf16 = torch.randn(2, seqlen, 3, 64).to(torch.bfloat16)
+    v, descale = quantize_fp8(v_bf16)
     packed = k7.pack_v(v)
     n16 = -(-seqlen // 16) * 16
     assert packed.shape == (2, n16, 3, 64) and packed.stride(1) == 1
@@ -96,6 +102,9 @@ def test_packed_v_round_trip(seqlen):
         assert torch.equal(bytes_[:, 2], src[:, 8])
     padding = [i for i in range(n16) if i - i % 16 + k7.PERM16[i % 16] >= seqlen]
     assert not bytes_[:, padding].any()
+    fused, fused_descale = quantize_fp8(v_bf16, pack_v=True)
+    assert fused.stride() == packed.stride() and torch.equal(fused_descale, descale)
+    assert torch.equal(fused.view(torch.uint8), bytes_)
 
 
 def test_inputs_must_be_fp8_with_descales():
@@ -106,6 +115,11 @@ def test_inputs_must_be_fp8_with_descales():
         check_tensors(p, q.float().to(torch.bfloat16), k, v, out, input_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="on cpu"):
         check_tensors(p, q, k, v, out, input_dtype=torch.float8_e4m3fn)
+    p32 = Problem(2, 3, 32, 64)
+    plain = [torch.randn(p32.shape).to(torch.float8_e4m3fn) for _ in range(3)]
+    with pytest.raises(ValueError, match="sequence-major"):      # k7's default wants V packed
+        check_tensors(p32, *plain, torch.empty(p32.shape, dtype=torch.bfloat16),
+                      input_dtype=torch.float8_e4m3fn, v_seq_major=True)
     good = [torch.ones(2, 3) for _ in range(3)]
     with pytest.raises(ValueError, match=r"descale_k .*\(2, 3\)"):
         check_descales(p, [good[0], torch.ones(3, 2), good[2]])

@@ -164,7 +164,7 @@ class KernelSpec:
     extra_inputs: Optional[Callable[[Problem, Any], list]] = None
     # v stored with the sequence dim contiguous (v.stride(1) == 1, i.e. a (batch, heads,
     # head_dim, seqlen) buffer seen as (batch, seqlen, heads, head_dim)), seqlen padded to a
-    # multiple of 16: k7:v_transposed=1 (made by k7.pack_v)
+    # multiple of 16: k7's default (made by quantize_fp8(v, pack_v=True) or k7.pack_v)
     v_seq_major: bool = False
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
@@ -232,7 +232,8 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
                 raise ValueError(f"v must be stored sequence-major (v.stride(1) == 1, e.g. a "
                                  f"(batch, heads, head_dim, seqlen) buffer permuted to (batch, "
                                  f"seqlen, heads, head_dim)), the other strides multiples of "
-                                 f"{unit} elements; got strides {t.stride()}")
+                                 f"{unit} elements; got strides {t.stride()} (k7: V as "
+                                 f"prepare_inputs / quantize_fp8(v, pack_v=True) packs it)")
         elif strided:
             unit = 16 // t.element_size()
             if t.stride(-1) != 1 or any(st % unit for st, n in zip(t.stride()[:3], t.shape[:3])
@@ -245,6 +246,7 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
                              f"got strides {t.stride()}")
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
+    for name, t in zip(names, tensors):
         if not t.is_cuda:
             raise ValueError(f"{name} is on {t.device}; the kernels run on a CUDA device")
     devices = {t.device for t in (q, k, v, out)}

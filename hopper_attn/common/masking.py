@@ -96,16 +96,25 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
     are the tile's offsets in the sequence. Rows are queries and columns keys, or, with
     `transposed` (the backward's S^T), rows are keys and columns queries.
     """
-    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-            row = coords_rc[r, c][0] + row0
-            col = coords_rc[r, c][1] + col0
-            query, key = (col, row) if cutlass.const_expr(transposed) else (row, col)
-            hidden = key >= seqlen
+    if cutlass.const_expr(not transposed):
+        # rows are queries: one limit per row (the first hidden key), one compare per element
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            limit = seqlen
             if cutlass.const_expr(causal):
-                hidden = hidden or key > query + causal_offset
-            if hidden:
-                s_rc[r, c] = -Float32.inf
+                limit = cutlass.min(limit, coords_rc[r, 0][0] + row0 + causal_offset + 1)
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                if coords_rc[r, c][1] + col0 >= limit:
+                    s_rc[r, c] = -Float32.inf
+    else:
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                key = coords_rc[r, c][0] + row0
+                query = coords_rc[r, c][1] + col0
+                hidden = key >= seqlen
+                if cutlass.const_expr(causal):
+                    hidden = hidden or key > query + causal_offset
+                if hidden:
+                    s_rc[r, c] = -Float32.inf
 
 
 @dataclasses.dataclass(frozen=True)
