@@ -91,6 +91,10 @@ SMEM_PER_CTA = 227 * 1024          # the most dynamic shared memory one CTA may 
 
 
 class FlashAttentionK5:
+    # masked tiles: one key limit per row instead of two compares per element
+    # (common/masking.py; k7 turns it on)
+    mask_per_row = False
+
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False, pingpong: bool = True,
                  persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False,
@@ -398,7 +402,7 @@ class FlashAttentionK5:
         s_rc = acc_rows_cols(acc_s)
         if self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
             mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n, seqlen_k,
-                        self.causal, seqlen_k - seqlen_q)
+                        self.causal, seqlen_k - seqlen_q, per_row_limit=self.mask_per_row)
         return s_rc
 
     @cute.jit

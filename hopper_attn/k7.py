@@ -107,6 +107,10 @@ PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after se
 
 
 class FlashAttentionK7(FlashAttentionK6):
+    # the masked tile with one key limit per row: without it the 128-wide kv tile at d = 256
+    # spills 76 bytes with a causal mask (docs/k7.md)
+    mask_per_row = True
+
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
                  fma_exp2_every: int = 0, direct_store: bool = False,

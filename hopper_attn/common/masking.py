@@ -88,16 +88,22 @@ class TileSchedule:
 @cute.jit
 def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: Int32,
                 seqlen: Int32, causal: cutlass.Constexpr[bool], causal_offset: Int32 = 0,
-                transposed: cutlass.Constexpr[bool] = False):
+                transposed: cutlass.Constexpr[bool] = False,
+                per_row_limit: cutlass.Constexpr[bool] = False):
     """Set s to -inf where the key is past the end (`seqlen` keys), or, if causal, after
     the query shifted by `causal_offset` (seqlen_k - seqlen_q: bottom-right alignment).
 
     `coords_rc[r, c]` is the (row, col) of register s_rc[r, c] inside the tile; row0 and col0
     are the tile's offsets in the sequence. Rows are queries and columns keys, or, with
     `transposed` (the backward's S^T), rows are keys and columns queries.
+
+    `per_row_limit` (rows are queries): one limit per row, the first hidden key
+    (min(seqlen, query + causal_offset + 1)), and one compare per element instead of two.
+    Fewer instructions and registers in the masked tile (k7 at d = 256 spills without it);
+    measured on k6 (docs/k7.md): a tie at d = 128 and 256, 3-4% slower at d = 64, so only k7
+    uses it.
     """
-    if cutlass.const_expr(not transposed):
-        # rows are queries: one limit per row (the first hidden key), one compare per element
+    if cutlass.const_expr(per_row_limit and not transposed):
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             limit = seqlen
             if cutlass.const_expr(causal):
@@ -108,8 +114,9 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
     else:
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                key = coords_rc[r, c][0] + row0
-                query = coords_rc[r, c][1] + col0
+                row = coords_rc[r, c][0] + row0
+                col = coords_rc[r, c][1] + col0
+                query, key = (col, row) if cutlass.const_expr(transposed) else (row, col)
                 hidden = key >= seqlen
                 if cutlass.const_expr(causal):
                     hidden = hidden or key > query + causal_offset
