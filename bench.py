@@ -257,7 +257,7 @@ def write_json(path, env, check, missing, rows):
                      if os.environ.get(k)}
         json.dump({"env": env, "command": "python " + " ".join(sys.argv), "sweep_env": sweep_env,
                    "check": check,
-                   "baselines_missing": missing, "rows": rows}, f, indent=1)
+                   "baselines_missing": missing, "rows": rows}, f, separators=(",", ":"))
 
 
 def format_table(rows, baseline_names, env) -> str:

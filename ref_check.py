@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         from hopper_attn.harness.env import environment
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"env": environment(), "command": " ".join(sys.argv), "rows": all_rows}, f, indent=1)
+            json.dump({"env": environment(), "command": " ".join(sys.argv), "rows": all_rows}, f, separators=(",", ":"))
     return 1 if failed else 0
 
 

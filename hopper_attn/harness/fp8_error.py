@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"env": environment(), "command": " ".join(sys.argv),
                        "outlier_channels": OUTLIER_CHANNELS, "rows": rows, "costs": costs},
-                      f, indent=1)
+                      f, separators=(",", ":"))
     return 0
 
 

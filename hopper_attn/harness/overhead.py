@@ -94,7 +94,7 @@ def gqa(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": environment(), "command": "python " + " ".join(sys.argv),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows}, f, separators=(",", ":"))
     return 0
 
 
@@ -139,7 +139,7 @@ def breakdown(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"env": environment(), "command": "python " + " ".join(sys.argv),
                        "stage": handle.spec.name, "tvm_ffi": handle.tvm_ffi, "rows": rows},
-                      f, indent=1)
+                      f, separators=(",", ":"))
     return 0
 
 
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": environment(), "command": "python " + " ".join(sys.argv),
-                       "baselines_missing": missing, "rows": rows}, f, indent=1)
+                       "baselines_missing": missing, "rows": rows}, f, separators=(",", ":"))
     return 0
 
 
