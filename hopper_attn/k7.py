@@ -28,11 +28,11 @@ persistent scheduler, tails, causal skipping, the (B, N, H, d) layout of q, k an
 GQA, cross-attention and strided q / k. No ping-pong between the consumer warpgroups (with
 GEMMs half as long, taking turns costs more than it saves).
 
-Option `v_transposed=False` (docs/k7.md, "V transposed in shared memory"): V in the plain
+Option `v_transposed=False` (docs/k7.md, rule 1 of "What changes from k6"): V in the plain
 (B, N, H, d) layout, transposed inside the kernel by producer warps 1-2 (ldmatrix.trans,
 byte permutes, stmatrix) from a raw V ring into the V^T ring; 56 / 224 registers, the
-smaller tiles of TILES_IN_KERNEL_TRANSPOSE; 6-25% slower (the in-kernel transpose is what
-limited d = 256).
+smaller tiles of TILES_IN_KERNEL_TRANSPOSE; 6-44% slower at d = 128 and 256 (the in-kernel
+transpose is what limited d = 256).
 
 Budget, d = 128 (128 x 192 tiles, 3 stages): 384 threads; SMEM = Q 16 KiB + K and V^T rings
 2 x 3 x 24 KiB + O 32 KiB = 192 KiB (+ barriers). Registers per consumer thread: S 96 +
@@ -375,9 +375,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
-    kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V tile units whose ldmatrix the transposing warps
-    issue back to back (1, the default: one at a time; more finishes the transpose sooner
-    but slows the consumers' exp2, which share the MIO queue with ldmatrix/stmatrix).
+    kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
+    tile units whose ldmatrix the transposing warps issue back to back (1, the default: one at
+    a time; more finishes the transpose sooner but slows the consumers' exp2, which share the
+    MIO queue with ldmatrix/stmatrix).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
