@@ -52,6 +52,23 @@ def _blocks_of_16(x: torch.Tensor) -> torch.Tensor:
     return x.view(b, n16 // 16, 2, 4, 2, h, d)
 
 
+def _padded_to_16(x: torch.Tensor, dtype) -> torch.Tensor:
+    """A zero (b, n16, h, d) buffer of `dtype`, n rounded up to 16, and its first n rows as
+    a view to fill."""
+    b, n, h, d = x.shape
+    padded = torch.zeros((b, -(-n // 16) * 16, h, d), dtype=dtype, device=x.device)
+    return padded, padded[:, :n]
+
+
+def _pack(padded: torch.Tensor, dtype) -> torch.Tensor:
+    """A (b, n16, h, d) tensor written packed (cast to `dtype` on the way, one pass), as the
+    (b, n16, h, d) view of the (b, h, d, n16) buffer."""
+    b, n16, h, d = padded.shape
+    packed = torch.empty((b, h, d, n16), dtype=dtype, device=padded.device)
+    _packed_as_logical(packed).copy_(_blocks_of_16(padded))
+    return packed.permute(0, 3, 1, 2)
+
+
 @torch.no_grad()
 def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False):
     """For each (batch, seqlen, heads, head_dim) tensor: its e4m3 copy; then the descales,
@@ -63,18 +80,14 @@ def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False):
     quantized, descales = [], []
     for x in tensors:
         scale = _scale(x)
-        b, n, h, d = x.shape
         if not pack_v:
             scaled = (x * scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # fp32
             quantized.append(scaled.to(torch.float8_e4m3fn))
         else:
-            n16 = -(-n // 16) * 16
-            scaled = torch.zeros((b, n16, h, d), dtype=torch.float32, device=x.device)
-            torch.mul(x, scale[:, None, :, None], out=scaled[:, :n])
+            scaled, rows = _padded_to_16(x, torch.float32)
+            torch.mul(x, scale[:, None, :, None], out=rows)
             scaled.clamp_(-E4M3_MAX, E4M3_MAX)
-            packed = torch.empty((b, h, d, n16), dtype=torch.float8_e4m3fn, device=x.device)
-            _packed_as_logical(packed).copy_(_blocks_of_16(scaled))   # cast + pack, one pass
-            quantized.append(packed.permute(0, 3, 1, 2))
+            quantized.append(_pack(scaled, torch.float8_e4m3fn))     # cast + pack, one pass
         descales.append((1.0 / scale).contiguous())
     return (*quantized, *descales)
 
@@ -82,13 +95,9 @@ def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False):
 def pack_v(v8: torch.Tensor) -> torch.Tensor:
     """An e4m3 V (batch, seqlen, heads, d) packed as `quantize_fp8(v, pack_v=True)` packs:
     returned as the (batch, seqlen16, heads, d) view of a (batch, heads, d, seqlen16) buffer."""
-    b, n, h, d = v8.shape
-    n16 = -(-n // 16) * 16
-    padded = torch.zeros((b, n16, h, d), dtype=torch.uint8, device=v8.device)
-    padded[:, :n] = v8.view(torch.uint8)
-    packed = torch.empty((b, h, d, n16), dtype=torch.uint8, device=v8.device)
-    _packed_as_logical(packed).copy_(_blocks_of_16(padded))
-    return packed.view(v8.dtype).permute(0, 3, 1, 2)
+    padded, rows = _padded_to_16(v8, torch.uint8)
+    rows.copy_(v8.view(torch.uint8))
+    return _pack(padded, torch.uint8).view(v8.dtype)
 
 
 def unpack_v(packed: torch.Tensor, seqlen: int) -> torch.Tensor:

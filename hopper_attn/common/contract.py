@@ -386,9 +386,7 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
            problem.shape)
     if handle._bound_key != key:
         tensors = [q, k, v, out, *extra_inputs, *workspace]
-        handle._bound_args = [rt.to_cute_tensor(t, leading_dim=1 if i == 2 and
-                                                handle.spec.v_seq_major else None)
-                              for i, t in enumerate(tensors)]
+        handle._bound_args = rt.attention_args(tensors, v_seq_major=handle.spec.v_seq_major)
         handle._bound_key = key
     scale_log2 = scale * LOG2_E
     handle.compiled(*handle._bound_args, scale_log2, rt.current_stream())

@@ -38,6 +38,13 @@ def to_cute_tensor(t: torch.Tensor, enable_tvm_ffi: bool = False,
         .mark_layout_dynamic(leading_dim=t.dim() - 1 if leading_dim is None else leading_dim)
 
 
+def attention_args(tensors, enable_tvm_ffi: bool = False, v_seq_major: bool = False) -> list:
+    """A forward kernel's tensors (q, k, v, out, ...) as CuTe tensors; v (third) with its
+    sequence mode as the contiguous one when it is stored sequence-major (k7)."""
+    return [to_cute_tensor(t, enable_tvm_ffi, leading_dim=1 if i == 2 and v_seq_major else None)
+            for i, t in enumerate(tensors)]
+
+
 def current_stream():
     import cuda.bindings.driver as cuda
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -81,8 +88,7 @@ def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_option
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     else:
         stream = current_stream() if torch.cuda.is_available() else make_fake_stream()
-    args = [to_cute_tensor(t, tvm_ffi, leading_dim=1 if i == 2 and v_seq_major else None)
-            for i, t in enumerate(tensors)]
+    args = attention_args(tensors, tvm_ffi, v_seq_major)
     opts = compile_options.strip()
     if opts:
         return cute.compile(kernel, *args, cutlass.Float32(1.0), stream, options=opts)
