@@ -116,6 +116,9 @@ class FlashAttentionK5:
         self.roles = WarpRoles.create(self.warpgroups)
         self.threads = self.roles.threads               # + the producer warpgroup
         self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=pingpong)
+        # turns for the softmax's exp2s (k6's option `exp_turns`, off here)
+        self.exp_turns = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER + self.warpgroups,
+                                  on=False)
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=self.roles.consumer_threads)
         self.schedule = TileSchedule(block_m, block_n, causal)       # kv tiles, masks
@@ -159,7 +162,10 @@ class FlashAttentionK5:
                 "named_barriers": {"epilogue": EPILOGUE_BARRIER,
                                    "scheduler": [FIRST_SCHEDULER_BARRIER + k
                                                  for k in range(self.warpgroups)]
-                                   if self.pingpong.enabled else []}}
+                                   if self.pingpong.enabled else [],
+                                   "exp_turns": [FIRST_SCHEDULER_BARRIER + self.warpgroups + k
+                                                 for k in range(self.warpgroups)]
+                                   if self.exp_turns.enabled else []}}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,

@@ -47,6 +47,7 @@ CTA is free first: docs/k6.md.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import cutlass
@@ -86,12 +87,16 @@ class FlashAttentionK6(FlashAttentionK5):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, persistent: bool = True,
                  dynamic: Optional[bool] = None, wait_pv_late: Optional[bool] = None,
-                 lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0, **options):
+                 lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
+                 exp_turns: bool = False, pin_pv_wait: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
         self.lazy_rescale = bool(lazy_rescale)
+        # a memory fence right before the PV wait keeps ptxas from hoisting the wait above
+        # the softmax, in the same iteration (docs/k6.md "What the SASS says")
+        self.pin_pv_wait = bool(pin_pv_wait)
         self.rescale_threshold_log2 = float(rescale_threshold_log2)
         # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
         # 60 bytes, because P must now stay live under the softmax and the mask adds
@@ -102,6 +107,13 @@ class FlashAttentionK6(FlashAttentionK5):
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          persistent=bool(persistent),
                          dynamic=causal if dynamic is None else bool(dynamic), **options)
+        # exp2 in turns (off by default; an FP8 experiment, docs/k7.md): the consumer
+        # warpgroups take turns for the exp2 part of their softmax, on named barriers of
+        # their own (after the scheduler's), so that one warpgroup's exp2 has the SFU to itself
+        # while the other's GEMMs run
+        if exp_turns and self.lazy_rescale:
+            raise ValueError("exp_turns needs the eager rescale (lazy_rescale=False)")
+        self.exp_turns = dataclasses.replace(self.exp_turns, on=bool(exp_turns))
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
@@ -114,6 +126,7 @@ class FlashAttentionK6(FlashAttentionK5):
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
 
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
+        self.exp_turns.start(wg)
         for n in cutlass.range(n_count, unroll=1):
             if cutlass.const_expr(self.wait_pv_late):
                 if n > 0:                               # tile n-1's end, after the back edge
@@ -143,8 +156,8 @@ class FlashAttentionK6(FlashAttentionK5):
             self.trace.end(phase)
             # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
             phase = self.trace.start("softmax")
-            self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, m_block, n,
-                                    seqlen_q, seqlen_k)  # S -> P (fp32), in place
+            self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block, n,
+                                    n_count, seqlen_q, seqlen_k)  # S -> P (fp32), in place
             self.trace.end(phase)
             if cutlass.const_expr(not self.wait_pv_late):
                 v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state)
@@ -155,13 +168,27 @@ class FlashAttentionK6(FlashAttentionK5):
 
     @cute.jit
     def scores_to_probs_k6(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
-                           softmax: OnlineSoftmax, alpha: cute.Tensor, m_block, n, seqlen_q,
-                           seqlen_k):
+                           softmax: OnlineSoftmax, alpha: cute.Tensor, wg, m_block, n, n_count,
+                           seqlen_q, seqlen_k):
         """Mask, then the online-softmax step. Eager: every tile's factor alpha goes to
         `finish_tile`, which rescales O. Lazy: O is rescaled here, and only when a row maximum
         of this warp grew by more than 2^rescale_threshold_log2 (after waiting for PV_{n-1}:
-        a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold)."""
-        if cutlass.const_expr(not self.lazy_rescale):
+        a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold).
+        With exp_turns, the eager step in its parts: row maxima and alpha, then the exp2s
+        and row sums inside this warpgroup's turn (the last warpgroup keeps the token after
+        a work item's last tile: every sync has its arrive, see PingPong)."""
+        if cutlass.const_expr(self.exp_turns.enabled):
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
+            self.exp_turns.sync(wg)
+            # ptxas moves ALU and SFU instructions across named barriers, but not across a
+            # memory fence: the fences keep the exp2s between the sync and the arrive
+            cute.arch.fence_acq_rel_cta()
+            softmax.exponentiate(s_rc)
+            cute.arch.fence_acq_rel_cta()
+            if wg != self.warpgroups - 1 or n != n_count - 1:
+                self.exp_turns.pass_turn(wg)
+        elif cutlass.const_expr(not self.lazy_rescale):
             alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
                                              seqlen_k).load())
         else:
@@ -178,6 +205,8 @@ class FlashAttentionK6(FlashAttentionK5):
         """Tile n's end: wait for PV_{n-1}, release V_{n-1}, rescale O (eager), P_n -> the
         PV operand registers (which PV_{n-1} was reading until now)."""
         phase = self.trace.start("wait_pv")
+        if cutlass.const_expr(self.pin_pv_wait):
+            cute.arch.fence_acq_rel_cta()               # ptxas keeps the wait below this
         warpgroup.wait_group(0)                         # PV_{n-1} done: O and P are free
         if n > 0:
             loads.v_pipe.consumer_release(v_state)      # V_{n-1} read: its stage is free
@@ -196,7 +225,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    persistent: bool = True, persistent_ctas: int = 0,
                    dynamic: Optional[bool] = None, trace: bool = False,
                    uniform_descriptors: Optional[bool] = None,
-                   wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False):
+                   wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
+                   exp_turns: bool = False, pin_pv_wait: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -205,7 +235,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     causal mask, whose work items differ in length) instead of every grid-th one;
     wait_pv_late: a tile's wait for PV (and the O rescale, P conversion) at the top of the
     next iteration (default: at d >= 96); lazy_rescale: rescale O only when a row maximum
-    grew by more than 2^8 (faster, larger error: docs/k6.md)."""
+    grew by more than 2^8 (faster, larger error: docs/k6.md); pin_pv_wait: a memory fence
+    that keeps ptxas from hoisting the PV wait above the softmax (without wait_pv_late);
+    exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
+    docs/k7.md)."""
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there
@@ -221,7 +254,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "trace": trace,
                               "uniform_descriptors": bool(uniform_descriptors),
                               "wait_pv_late": wait_pv_late,
-                              "lazy_rescale": bool(lazy_rescale)},
+                              "lazy_rescale": bool(lazy_rescale),
+                              "exp_turns": bool(exp_turns),
+                              "pin_pv_wait": bool(pin_pv_wait)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -136,3 +136,17 @@ def test_lazy_rescale_compiles(d, causal):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert "vote.sync.any" in art["ptx"]
     assert exp2_between_waits(sass(art["cubin"])) >= art["kernel"]["block_n"] // 2
+
+
+@pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1", "k7:pin_pv_wait=1"])
+def test_a_fence_pins_the_pv_wait(name):
+    """Without the late wait, ptxas hoists the PV wait (`DEPBAR 0x0`) above the softmax; a
+    memory fence in front of it (MEMBAR.ALL.CTA) keeps it where the source puts it, after
+    every exp2 of the tile, in the same iteration (docs/k6.md "What the SASS says")."""
+    plain = artifacts(128, False, name=name.split(":")[0] + ":wait_pv_late=0")
+    pinned = artifacts(128, False, name=name)
+    assert exp2_between_waits(sass(plain["cubin"])) == 0
+    assert exp2_between_waits(sass(pinned["cubin"])) >= pinned["kernel"]["block_n"] // 2
+    assert count(pinned["ptx"], r"fence\.acq_rel\.cta") == 1
+    for fn in resource_usage(pinned["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn

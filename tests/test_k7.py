@@ -163,3 +163,24 @@ def test_register_split_must_fit_what_the_producer_frees():
         WarpRoles.create(2, split)
     with pytest.raises(ValueError, match="frees"):
         WarpRoles.create(2, (32, 240))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
+def test_exp2_in_turns(d, causal):
+    """k7:exp_turns=1: the consumer warpgroups take turns for their exp2s (named barriers
+    after the scheduler's, one fence on each side so that ptxas keeps the exp2s inside):
+    in the SASS every exp2 of a tile sits between the turn's BAR.SYNC and its BAR.ARV."""
+    from hopper_attn.harness.compile_report import sass
+    art = compiled("k7:exp_turns=1", d, causal)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert count(art["ptx"], r"fence\.acq_rel\.cta") == 2
+    lines = sass(art["cubin"]).splitlines()
+    syncs = [i for i, ln in enumerate(lines) if "BAR.SYNC" in ln]
+
+    def exp2_in_turn(sync):        # MUFU.EX2 from a BAR.SYNC to the next BAR.ARV
+        arrive = next((i for i in range(sync, len(lines)) if "BAR.ARV" in lines[i]), sync)
+        return sum("MUFU.EX2" in ln for ln in lines[sync:arrive])
+
+    assert max(exp2_in_turn(i) for i in syncs) >= art["kernel"]["block_n"] // 2
