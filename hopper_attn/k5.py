@@ -151,6 +151,12 @@ class FlashAttentionK5:
                           for rows in (block_m, stages * block_n, stages * block_n))
 
     def describe(self) -> dict:
+        named = {"epilogue": EPILOGUE_BARRIER,
+                 "scheduler": [FIRST_SCHEDULER_BARRIER + k for k in range(self.warpgroups)]
+                 if self.pingpong.enabled else []}
+        if self.exp_turns.enabled:
+            named["exp_turns"] = [self.exp_turns.first_barrier + k
+                                  for k in range(self.warpgroups)]
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
                 "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
                 "persistent_ctas": self.scheduler.ctas if self.scheduler.persistent else 0,
@@ -159,13 +165,7 @@ class FlashAttentionK5:
                 "consumer_regs": self.roles.consumer_regs,
                 "entry_regs_max": self.roles.entry_regs,
                 "mbarriers": getattr(self, "mbarriers", None),
-                "named_barriers": {"epilogue": EPILOGUE_BARRIER,
-                                   "scheduler": [FIRST_SCHEDULER_BARRIER + k
-                                                 for k in range(self.warpgroups)]
-                                   if self.pingpong.enabled else [],
-                                   "exp_turns": [FIRST_SCHEDULER_BARRIER + self.warpgroups + k
-                                                 for k in range(self.warpgroups)]
-                                   if self.exp_turns.enabled else []}}
+                "named_barriers": named}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
