@@ -18,6 +18,11 @@ The permutation is a reshape: key 16 t + 8 j + 2 i + c sits at position 16 t + 4
 so the packed buffer seen as (b, h, d, t, i, j, c) and permuted to (b, t, j, i, c, h, d) *is*
 V in its logical order, and the quantizer's last step (the cast to e4m3) writes through that
 view: packing costs no pass of its own.
+
+`fused=True` does the same with two small CuTe DSL kernels instead of torch's passes over
+memory (common/fp8_quantize.py: one pass for the per-(batch, head) amax, one that scales,
+casts and, for V, packs); it gives the same bytes. CUDA tensors only, head_dim 64, 128 or
+256 (any multiple of 8 that divides 256), d contiguous, 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -70,15 +75,24 @@ def _pack(padded: torch.Tensor, dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False):
+def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False, fused: bool = False):
     """For each (batch, seqlen, heads, head_dim) tensor: its e4m3 copy; then the descales,
     (batch, heads) fp32 each, in the same order. `pack_v`: the (single) tensor is V, written
     packed for k7 (returned as its (batch, seqlen16, heads, head_dim) view, seqlen16 the
-    sequence rounded up to 16)."""
+    sequence rounded up to 16). `fused`: with the GPU kernels of common/fp8_quantize.py
+    (same result; ValueError for what they do not support, `fused_unsupported`)."""
     if pack_v and len(tensors) != 1:
         raise ValueError("pack_v=True quantizes V alone: quantize_fp8(v, pack_v=True)")
     quantized, descales = [], []
     for x in tensors:
+        if fused:
+            reason = fused_unsupported(x)
+            if reason:
+                raise ValueError(f"quantize_fp8(fused=True): {reason}")
+            x8, scale = _quantize_on_gpu(x, pack_v)
+            quantized.append(x8)
+            descales.append((1.0 / scale).contiguous())
+            continue
         scale = _scale(x)
         if not pack_v:
             scaled = (x * scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # fp32
@@ -90,6 +104,79 @@ def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False):
             quantized.append(_pack(scaled, torch.float8_e4m3fn))     # cast + pack, one pass
         descales.append((1.0 / scale).contiguous())
     return (*quantized, *descales)
+
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FUSED_KERNELS: dict = {}
+
+
+def fused_unsupported(x: torch.Tensor):
+    """Why the GPU quantizer cannot take `x` (None if it can)."""
+    if x.dim() != 4:
+        return f"expected (batch, seqlen, heads, head_dim), got {tuple(x.shape)}"
+    d = x.shape[-1]
+    if not x.is_cuda:
+        return f"x is on {x.device}, the fused quantizer runs on a CUDA device"
+    if x.dtype not in FUSED_DTYPES:
+        return f"dtype {x.dtype} (bf16, fp16 or fp32)"
+    if d % 8 or 256 % d:
+        return f"head_dim {d} (a multiple of 8 that divides 256)"
+    if x.stride(-1) != 1 or any(s % 8 for s in x.stride()[:-1]) or x.data_ptr() % 16:
+        return "head_dim must be contiguous, the other strides multiples of 8, the data 16-byte aligned"
+    return None
+
+
+def _fused_kernel(kind: str, head_dim: int, packed: bool, dtype, device,
+                  compile_options: str = ""):
+    """The compiled AbsMax ("amax") / ScaleCast ("cast") kernel for (head_dim, packed, input
+    dtype), cached (compiles on a machine without a GPU too, for the CPU tests)."""
+    key = (kind, head_dim, packed, dtype, compile_options)
+    if key not in _FUSED_KERNELS:
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_fake_stream
+        from hopper_attn.common import cute_runtime as rt
+        from hopper_attn.common.fp8_quantize import AbsMax, ScaleCast
+        x = torch.empty((2, 32, 2, head_dim), dtype=dtype, device=device)
+        stats = rt.to_cute_tensor(torch.zeros((2, 2), dtype=torch.float32, device=device))
+        stream = rt.current_stream() if device.type == "cuda" else make_fake_stream()
+        if kind == "amax":
+            args = (rt.to_cute_tensor(x), stats)
+            kernel = AbsMax(head_dim)
+        else:
+            out = _fp8_output(x, packed)
+            args = (rt.to_cute_tensor(x), rt.to_cute_tensor(out, leading_dim=1 if packed else None),
+                    stats)
+            kernel = ScaleCast(head_dim, packed)
+        _FUSED_KERNELS[key] = cute.compile(kernel, *args, stream, options=compile_options) \
+            if compile_options else cute.compile(kernel, *args, stream)
+    return _FUSED_KERNELS[key]
+
+
+def _fp8_output(x: torch.Tensor, packed: bool) -> torch.Tensor:
+    """An e4m3 tensor for x's quantized copy: contiguous (b, n, h, d), or packed (the (b, n16,
+    h, d) view of a (b, h, d, n16) buffer)."""
+    b, n, h, d = x.shape
+    if not packed:
+        return torch.empty((b, n, h, d), dtype=torch.float8_e4m3fn, device=x.device)
+    buffer = torch.empty((b, h, d, -(-n // 16) * 16), dtype=torch.float8_e4m3fn, device=x.device)
+    return buffer.permute(0, 3, 1, 2)
+
+
+def _quantize_on_gpu(x: torch.Tensor, packed: bool):
+    """(e4m3 copy, scale) with the two kernels; the scale (448 / amax, 1 for an all-zero
+    slice) is computed between them by `_scale`'s formula."""
+    from hopper_attn.common import cute_runtime as rt
+    b, n, h, d = x.shape
+    amax = torch.zeros((b, h), dtype=torch.float32, device=x.device)
+    stream = rt.current_stream()
+    x_cute = rt.to_cute_tensor(x)
+    _fused_kernel("amax", d, False, x.dtype, x.device)(x_cute, rt.to_cute_tensor(amax), stream)
+    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+    out = _fp8_output(x, packed)
+    _fused_kernel("cast", d, packed, x.dtype, x.device)(
+        x_cute, rt.to_cute_tensor(out, leading_dim=1 if packed else None),
+        rt.to_cute_tensor(scale), stream)
+    return out, scale
 
 
 def pack_v(v8: torch.Tensor) -> torch.Tensor:
