@@ -23,11 +23,11 @@ Everything else, including the numbers that describe the kernel, is k7's: docs/k
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from hopper_attn import k7
+from hopper_attn.quantize import hadamard, rotation_matrix  # noqa: F401  (hadamard: re-exported)
 
 SPEC = dataclasses.replace(
     k7.SPEC, name="k8",
@@ -36,14 +36,10 @@ SPEC = dataclasses.replace(
 _ROTATIONS: dict = {}
 
 
-def hadamard(d: int) -> torch.Tensor:
-    """The d x d Sylvester Hadamard matrix (fp32 entries +-1); d a power of two."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
-    h = torch.ones(1, 1)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
+def signs(d: int, seed: int = 0) -> torch.Tensor:
+    """The random signs s of R = diag(s) H / sqrt(d): (d,) fp32 +-1, on the CPU, from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
 
 
 def rotation(d: int, device, seed: int = 0) -> torch.Tensor:
@@ -51,9 +47,7 @@ def rotation(d: int, device, seed: int = 0) -> torch.Tensor:
     (d, device, seed)."""
     key = (d, str(device), seed)
     if key not in _ROTATIONS:
-        gen = torch.Generator().manual_seed(seed)
-        signs = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
-        _ROTATIONS[key] = (signs[:, None] * hadamard(d) / math.sqrt(d)).to(device)
+        _ROTATIONS[key] = rotation_matrix(signs(d, seed)).to(device)
     return _ROTATIONS[key]
 
 

@@ -27,6 +27,9 @@ casts and, for V, packs); it gives the same bytes. CUDA tensors only, head_dim 6
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 E4M3_MAX = 448.0
@@ -75,42 +78,67 @@ def _pack(padded: torch.Tensor, dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False, fused: bool = False):
+def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False, fused: bool = False,
+                 rotate_signs: Optional[torch.Tensor] = None):
     """For each (batch, seqlen, heads, head_dim) tensor: its e4m3 copy; then the descales,
     (batch, heads) fp32 each, in the same order. `pack_v`: the (single) tensor is V, written
     packed for k7 (returned as its (batch, seqlen16, heads, head_dim) view, seqlen16 the
-    sequence rounded up to 16). `fused`: with the GPU kernels of common/fp8_quantize.py
-    (same result; ValueError for what they do not support, `fused_unsupported`)."""
+    sequence rounded up to 16). `rotate_signs`: (head_dim,) random signs s; each tensor is
+    first rotated, x R with R = diag(s) H / sqrt(head_dim) (k8's incoherent processing).
+    `fused`: with the GPU kernels of common/fp8_quantize.py (the same bytes without
+    rotation; with it, the same up to fp32 rounding in the rotation; ValueError for what they
+    do not support, `fused_unsupported`)."""
     if pack_v and len(tensors) != 1:
         raise ValueError("pack_v=True quantizes V alone: quantize_fp8(v, pack_v=True)")
     quantized, descales = [], []
     for x in tensors:
         if fused:
-            reason = fused_unsupported(x)
+            reason = fused_unsupported(x, rotate_signs is not None)
             if reason:
                 raise ValueError(f"quantize_fp8(fused=True): {reason}")
-            x8, scale = _quantize_on_gpu(x, pack_v)
-            quantized.append(x8)
-            descales.append((1.0 / scale).contiguous())
-            continue
-        scale = _scale(x)
-        if not pack_v:
-            scaled = (x * scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # fp32
-            quantized.append(scaled.to(torch.float8_e4m3fn))
+            x8, scale = _quantize_on_gpu(x, pack_v, rotate_signs)
         else:
-            scaled, rows = _padded_to_16(x, torch.float32)
-            torch.mul(x, scale[:, None, :, None], out=rows)
-            scaled.clamp_(-E4M3_MAX, E4M3_MAX)
-            quantized.append(_pack(scaled, torch.float8_e4m3fn))     # cast + pack, one pass
+            if rotate_signs is not None:
+                x = torch.matmul(x.float(), rotation_matrix(rotate_signs).to(x.device))
+            x8, scale = _quantize_in_torch(x, pack_v)
+        quantized.append(x8)
         descales.append((1.0 / scale).contiguous())
     return (*quantized, *descales)
+
+
+def _quantize_in_torch(x: torch.Tensor, pack_v: bool):
+    """(e4m3 copy, scale) with torch ops."""
+    scale = _scale(x)
+    if not pack_v:
+        scaled = (x * scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # fp32
+        return scaled.to(torch.float8_e4m3fn), scale
+    scaled, rows = _padded_to_16(x, torch.float32)
+    torch.mul(x, scale[:, None, :, None], out=rows)
+    scaled.clamp_(-E4M3_MAX, E4M3_MAX)
+    return _pack(scaled, torch.float8_e4m3fn), scale                 # cast + pack, one pass
+
+
+def hadamard(d: int) -> torch.Tensor:
+    """The d x d Sylvester Hadamard matrix (fp32 entries +-1); d a power of two."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
+    """R = diag(s) H / sqrt(d) (fp32, orthogonal) for a (d,) vector of signs s."""
+    d = signs.shape[0]
+    return signs.float().cpu()[:, None] * hadamard(d) / math.sqrt(d)
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FUSED_KERNELS: dict = {}
 
 
-def fused_unsupported(x: torch.Tensor):
+def fused_unsupported(x: torch.Tensor, rotate: bool = False):
     """Why the GPU quantizer cannot take `x` (None if it can)."""
     if x.dim() != 4:
         return f"expected (batch, seqlen, heads, head_dim), got {tuple(x.shape)}"
@@ -121,16 +149,18 @@ def fused_unsupported(x: torch.Tensor):
         return f"dtype {x.dtype} (bf16, fp16 or fp32)"
     if d % 8 or 256 % d:
         return f"head_dim {d} (a multiple of 8 that divides 256)"
+    if rotate and d < 8:
+        return f"head_dim {d}: the rotation needs at least 8"
     if x.stride(-1) != 1 or any(s % 8 for s in x.stride()[:-1]) or x.data_ptr() % 16:
         return "head_dim must be contiguous, the other strides multiples of 8, the data 16-byte aligned"
     return None
 
 
-def _fused_kernel(kind: str, head_dim: int, packed: bool, dtype, device,
+def _fused_kernel(kind: str, head_dim: int, packed: bool, rotate: bool, dtype, device,
                   compile_options: str = ""):
-    """The compiled AbsMax ("amax") / ScaleCast ("cast") kernel for (head_dim, packed, input
-    dtype), cached (compiles on a machine without a GPU too, for the CPU tests)."""
-    key = (kind, head_dim, packed, dtype, compile_options)
+    """The compiled AbsMax ("amax") / ScaleCast ("cast") kernel for (head_dim, packed, rotate,
+    input dtype), cached (compiles on a machine without a GPU too, for the CPU tests)."""
+    key = (kind, head_dim, packed, rotate, dtype, compile_options)
     if key not in _FUSED_KERNELS:
         import cutlass.cute as cute
         from cutlass.cute.runtime import make_fake_stream
@@ -138,15 +168,16 @@ def _fused_kernel(kind: str, head_dim: int, packed: bool, dtype, device,
         from hopper_attn.common.fp8_quantize import AbsMax, ScaleCast
         x = torch.empty((2, 32, 2, head_dim), dtype=dtype, device=device)
         stats = rt.to_cute_tensor(torch.zeros((2, 2), dtype=torch.float32, device=device))
+        signs = rt.to_cute_tensor(torch.ones(head_dim, dtype=torch.float32, device=device))
         stream = rt.current_stream() if device.type == "cuda" else make_fake_stream()
         if kind == "amax":
-            args = (rt.to_cute_tensor(x), stats)
-            kernel = AbsMax(head_dim)
+            args = (rt.to_cute_tensor(x), stats, signs)
+            kernel = AbsMax(head_dim, rotate=rotate)
         else:
             out = _fp8_output(x, packed)
             args = (rt.to_cute_tensor(x), rt.to_cute_tensor(out, leading_dim=1 if packed else None),
-                    stats)
-            kernel = ScaleCast(head_dim, packed)
+                    stats, signs)
+            kernel = ScaleCast(head_dim, packed, rotate)
         _FUSED_KERNELS[key] = cute.compile(kernel, *args, stream, options=compile_options) \
             if compile_options else cute.compile(kernel, *args, stream)
     return _FUSED_KERNELS[key]
@@ -162,20 +193,25 @@ def _fp8_output(x: torch.Tensor, packed: bool) -> torch.Tensor:
     return buffer.permute(0, 3, 1, 2)
 
 
-def _quantize_on_gpu(x: torch.Tensor, packed: bool):
+def _quantize_on_gpu(x: torch.Tensor, packed: bool, rotate_signs: Optional[torch.Tensor]):
     """(e4m3 copy, scale) with the two kernels; the scale (448 / amax, 1 for an all-zero
     slice) is computed between them by `_scale`'s formula."""
     from hopper_attn.common import cute_runtime as rt
     b, n, h, d = x.shape
+    rotate = rotate_signs is not None
+    signs = (rotate_signs if rotate else torch.ones(d)).to(device=x.device,
+                                                          dtype=torch.float32).contiguous()
+    signs = rt.to_cute_tensor(signs)
     amax = torch.zeros((b, h), dtype=torch.float32, device=x.device)
     stream = rt.current_stream()
     x_cute = rt.to_cute_tensor(x)
-    _fused_kernel("amax", d, False, x.dtype, x.device)(x_cute, rt.to_cute_tensor(amax), stream)
+    _fused_kernel("amax", d, False, rotate, x.dtype, x.device)(
+        x_cute, rt.to_cute_tensor(amax), signs, stream)
     scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
     out = _fp8_output(x, packed)
-    _fused_kernel("cast", d, packed, x.dtype, x.device)(
+    _fused_kernel("cast", d, packed, rotate, x.dtype, x.device)(
         x_cute, rt.to_cute_tensor(out, leading_dim=1 if packed else None),
-        rt.to_cute_tensor(scale), stream)
+        rt.to_cute_tensor(scale), signs, stream)
     return out, scale
 
 

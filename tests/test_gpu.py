@@ -286,6 +286,33 @@ def test_k7_strided_inputs(causal, v_transposed):
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_k7_strided_packed_v(causal):
+    """A packed V that is a view into a larger buffer (its (batch, heads, d, keys) buffer has
+    64 more keys, all e4m3 NaN, and one more head): the same output bits as the packed V in
+    its own buffer."""
+    from hopper_attn import k7
+    from hopper_attn.common.contract import Problem
+    gen = torch.Generator(device="cuda").manual_seed(5 + causal)
+    q, k, v = (torch.randn(2, 333, 3, 128, device="cuda", generator=gen).to(torch.bfloat16)
+               for _ in range(3))
+    q8, k8, v8, dq, dk, dv = k7.prepare_inputs(q, k, v)
+    n16 = v8.shape[1]
+    big = torch.full((2, 4, 128, n16 + 64), 0x7F, dtype=torch.uint8, device="cuda")
+    big[:, 1:, :, :n16] = v8.permute(0, 2, 3, 1).view(torch.uint8)
+    v_view = big[:, 1:, :, :n16].permute(0, 3, 1, 2).view(v8.dtype)
+    assert not v_view.is_contiguous() and v_view.stride(1) == 1
+    handle = k7.compile_kernel(Problem.from_tensor(q, causal))
+    outs = []
+    for v_in in (v_view, v8):
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        k7.run_kernel(handle, q8, k8, v_in, dq, dk, dv, out)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_k7_log_sum_exp(d, causal):
@@ -330,3 +357,27 @@ def test_fused_quantizer_matches_torch(d, dtype, seqlen, pack_v):
     assert fused.shape == plain.shape and fused.stride() == plain.stride()
     assert torch.equal(descale_fused, descale)
     assert torch.equal(fused.view(torch.uint8), plain.view(torch.uint8))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_quantizer_rotation(d, dtype):
+    """quantize_fp8(fused=True, rotate_signs=s) (the fast Walsh-Hadamard transform in the
+    kernels) against the torch path (x @ R in fp32, another summation order): descales equal
+    to fp32 rounding, and all but a few e4m3 values equal (the rest one e4m3 step apart:
+    values that sat within fp32 rounding of a rounding boundary)."""
+    from hopper_attn import k8
+    from hopper_attn.quantize import dequantize_fp8, quantize_fp8
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    x = torch.randn(2, 1000, 3, d, device="cuda", generator=gen).to(dtype)
+    x[..., 5] *= 30.0                                            # an outlier channel
+    signs = k8.signs(d, seed=1)
+    fused, descale_fused = quantize_fp8(x, fused=True, rotate_signs=signs)
+    plain, descale = quantize_fp8(x, rotate_signs=signs)
+    torch.cuda.synchronize()
+    assert torch.allclose(descale_fused, descale, rtol=1e-5, atol=0)
+    differ = fused.view(torch.uint8) != plain.view(torch.uint8)
+    assert differ.sum().item() <= max(4, differ.numel() // 10000)
+    a, b = dequantize_fp8(fused, descale_fused), dequantize_fp8(plain, descale)
+    step = descale.max().item() * 2.0 ** -9           # e4m3's subnormal step, dequantized
+    assert ((a - b).abs() <= 0.13 * b.abs() + step).all()

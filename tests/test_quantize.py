@@ -16,10 +16,10 @@ from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
 pytestmark = pytest.mark.compile
 
 
-def artifacts(kind, d, packed, dtype=torch.bfloat16):
+def artifacts(kind, d, packed, dtype=torch.bfloat16, rotate=False):
     with tempfile.TemporaryDirectory() as dump:
         compiled = quantize._fused_kernel(
-            kind, d, packed, dtype, torch.device("cpu"),
+            kind, d, packed, rotate, dtype, torch.device("cpu"),
             compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}")
         return compiled.__ptx__.rstrip("\0"), bytes(compiled.__cubin__)
 
@@ -60,3 +60,46 @@ def test_fused_refuses_what_it_cannot_do():
     assert "CUDA" in quantize.fused_unsupported(x)
     with pytest.raises(ValueError, match="fused=True"):
         quantize.quantize_fp8(x, fused=True)
+
+
+@pytest.mark.parametrize("kind,d,packed", [("amax", 64, False), ("cast", 128, False),
+                                           ("cast", 256, True)])
+def test_rotation_in_the_kernels(kind, d, packed):
+    """With k8's rotation: per key, 8 values x log2(d / 8) butterfly shuffles between lanes
+    (the rest of the fast Walsh-Hadamard transform stays in the thread); no spills."""
+    ptx, cubin = artifacts(kind, d, packed, rotate=True)
+    for fn in resource_usage(cubin):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    stages = (d // 8).bit_length() - 1
+    assert count(ptx, r"shfl\.sync\.bfly") == 16 * 8 * stages + (5 if kind == "amax" else 0)
+
+
+def fwht_as_the_kernel_does(x, signs):
+    """The kernels' rotation, emulated for one (..., d) tensor: signs, H_8 inside each group
+    of 8 columns, then H_{d/8} across the groups (the lanes), then 1 / sqrt(d)."""
+    d = x.shape[-1]
+    v = (x * signs).reshape(*x.shape[:-1], d // 8, 8).clone()
+    h = 1
+    while h < 8:
+        for i in range(8):
+            if i & h == 0:
+                a, b = v[..., i].clone(), v[..., i + h].clone()
+                v[..., i], v[..., i + h] = a + b, a - b
+        h *= 2
+    m = 1
+    while m < d // 8:
+        lanes = torch.arange(d // 8)
+        other = v[..., lanes ^ m, :]
+        upper = ((lanes // m) % 2 == 1)[:, None]
+        v = torch.where(upper, other - v, other + v)
+        m *= 2
+    return v.reshape(x.shape) * d ** -0.5
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kernel_rotation_order_is_x_times_r(d):
+    from hopper_attn import k8
+    x = torch.randn(5, d, dtype=torch.float64)
+    s = k8.signs(d, seed=3).double()
+    want = x @ quantize.rotation_matrix(s).double()
+    assert torch.allclose(fwht_as_the_kernel_does(x, s), want, atol=1e-12)

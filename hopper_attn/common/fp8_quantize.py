@@ -15,6 +15,11 @@ tensor (batch, seqlen, heads, d):
    nearest with saturation at +-448 is what the torch path's clamp and cast do, so both
    paths give the same bytes.
 
+With `rotate` (k8's incoherent processing, `quantize_fp8(..., rotate_signs=s)`), both kernels
+rotate each key's d values first, x R with R = diag(s) H / sqrt(d), by a fast Walsh-Hadamard
+transform on the values the thread and its neighbouring lanes already hold (`hadamard`): the
+amax is then the rotated tensor's, and nothing but the key's own d values is needed.
+
 Work split (both kernels alike): a thread owns 16 keys x 8 columns of d (one 16-byte load per
 key), so d / 8 lanes cover a key block's d and a warp holds 256 / d key blocks side by side.
 Loads of one key are then contiguous across lanes (d * 2 bytes), and for packed V the 8
@@ -49,12 +54,13 @@ def packed_view(t: cute.Tensor) -> cute.Tensor:
 class _KeyBlocks:
     """The work split shared by both kernels (module docstring)."""
 
-    def __init__(self, head_dim: int, packed: bool = False):
+    def __init__(self, head_dim: int, packed: bool = False, rotate: bool = False):
         if head_dim % VEC or 32 % (head_dim // VEC) or head_dim > 256:
             raise ValueError(f"fused FP8 quantization: head_dim {head_dim} must be 8, 16, 32, "
                              f"64, 128 or 256")
         self.head_dim = head_dim
         self.packed = packed
+        self.rotate = rotate
         self.lanes_per_block = head_dim // VEC
         self.blocks_per_warp = 32 // self.lanes_per_block
         self.keys_per_iteration = WARPS * self.blocks_per_warp * BLOCK_KEYS
@@ -73,8 +79,10 @@ class _KeyBlocks:
         return key_block * BLOCK_KEYS, (lane % self.lanes_per_block) * VEC
 
     @cute.jit
-    def load_row(self, x: cute.Tensor, key, col, head, batch, frag: cute.Tensor):
-        """frag <- x[key, col:col + 8] in fp32 (zeros for a key past the end)."""
+    def load_row(self, x: cute.Tensor, key, col, head, batch, frag: cute.Tensor,
+                 signs: cute.Tensor):
+        """frag <- x[key, col:col + 8] in fp32 (zeros for a key past the end), rotated if
+        asked (`signs`: this thread's 8 random signs, from `my_signs`)."""
         if key < x.shape[0]:
             raw = cute.make_rmem_tensor((VEC,), x.element_type)
             cute.autovec_copy(cute.local_tile(x[key, None, head, batch], (VEC,), (col // VEC,)),
@@ -82,26 +90,68 @@ class _KeyBlocks:
             frag.store(raw.load().to(Float32))
         else:
             frag.fill(0.0)
+        if cutlass.const_expr(self.rotate):
+            self.hadamard(frag, signs)
+
+    @cute.jit
+    def my_signs(self, mSigns: cute.Tensor, col) -> cute.Tensor:
+        """This thread's 8 random signs s[col:col + 8] (unused without rotation)."""
+        signs = cute.make_rmem_tensor((VEC,), Float32)
+        if cutlass.const_expr(self.rotate):
+            for c in cutlass.range_constexpr(VEC):
+                signs[c] = mSigns[col + c]
+        return signs
+
+    @cute.jit
+    def hadamard(self, frag: cute.Tensor, signs: cute.Tensor):
+        """x R for one key, R = diag(s) H / sqrt(d) (k8), on the d values that the
+        lanes_per_block lanes of a key block hold, 8 each: with column i = 8 c + k (c the
+        lane within the block), H_d[i, j] = H_{d/8}[c, c'] H_8[k, k'], so the fast
+        Walsh-Hadamard transform runs its three butterfly stages over k inside the thread and
+        its log2(d / 8) stages over c between lanes (one shuffle per value and stage). Every
+        lane of the warp takes part (keys past the end hold zeros)."""
+        for c in cutlass.range_constexpr(VEC):
+            frag[c] = frag[c] * signs[c]
+        for stage in cutlass.range_constexpr(VEC.bit_length() - 1):   # inside the thread
+            h = 1 << stage
+            for i in cutlass.range_constexpr(VEC):
+                if cutlass.const_expr((i & h) == 0):
+                    a, b = frag[i], frag[i + h]
+                    frag[i] = a + b
+                    frag[i + h] = a - b
+        lane = cute.arch.lane_idx()
+        for stage in cutlass.range_constexpr(self.lanes_per_block.bit_length() - 1):  # lanes
+            m = 1 << stage
+            # the lane of a pair with bit m clear keeps mine + other, the other other - mine
+            sign = Float32(1 - 2 * ((lane // m) % 2))
+            for i in cutlass.range_constexpr(VEC):
+                other = cute.arch.shuffle_sync_bfly(frag[i], offset=m)
+                frag[i] = other + sign * frag[i]
+        for c in cutlass.range_constexpr(VEC):
+            frag[c] = frag[c] * Float32(self.head_dim ** -0.5)
 
 
 class AbsMax(_KeyBlocks):
     """amax[batch, head] = max |x| over the (head, batch) slice (amax zeroed by the caller)."""
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mAmax: cute.Tensor, stream):
+    def __call__(self, mX: cute.Tensor, mAmax: cute.Tensor, mSigns: cute.Tensor, stream):
         x = ndhb_view(mX)                                       # (N, d, H, B)
-        self.kernel(x, mAmax).launch(grid=self.grid(x.shape[0], x.shape[2], x.shape[3]),
-                                     block=[32 * WARPS, 1, 1], stream=stream)
+        self.kernel(x, mAmax, mSigns).launch(
+            grid=self.grid(x.shape[0], x.shape[2], x.shape[3]), block=[32 * WARPS, 1, 1],
+            stream=stream)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, mAmax: cute.Tensor):
+    def kernel(self, x: cute.Tensor, mAmax: cute.Tensor, mSigns: cute.Tensor):
         cta, head, batch = cute.arch.block_idx()
         key0, col = self.my_keys(cta * ITERATIONS)
+        signs = self.my_signs(mSigns, col)
         row = cute.make_rmem_tensor((VEC,), Float32)
         amax = Float32(0.0)
         for it in cutlass.range(ITERATIONS, unroll=1):
             for r in cutlass.range_constexpr(BLOCK_KEYS):
-                self.load_row(x, key0 + it * self.keys_per_iteration + r, col, head, batch, row)
+                self.load_row(x, key0 + it * self.keys_per_iteration + r, col, head, batch, row,
+                              signs)
                 for c in cutlass.range_constexpr(VEC):
                     amax = cute.arch.fmax(amax, cute.math.absf(row[c]))
         amax = cute.arch.warp_reduction_max(amax)
@@ -114,25 +164,31 @@ class ScaleCast(_KeyBlocks):
     """out = e4m3(x * scale[batch, head]), saturating; in x's layout, or packed (V)."""
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, mScale: cute.Tensor, stream):
+    def __call__(self, mX: cute.Tensor, mOut: cute.Tensor, mScale: cute.Tensor,
+                 mSigns: cute.Tensor, stream):
         x = ndhb_view(mX)                                       # (N, d, H, B)
         out = packed_view(mOut) if cutlass.const_expr(self.packed) else ndhb_view(mOut)
-        self.kernel(x, out, mScale).launch(grid=self.grid(out.shape[0], x.shape[2], x.shape[3]),
-                                           block=[32 * WARPS, 1, 1], stream=stream)
+        self.kernel(x, out, mScale, mSigns).launch(
+            grid=self.grid(out.shape[0], x.shape[2], x.shape[3]), block=[32 * WARPS, 1, 1],
+            stream=stream)
 
     @cute.kernel
-    def kernel(self, x: cute.Tensor, out: cute.Tensor, mScale: cute.Tensor):
+    def kernel(self, x: cute.Tensor, out: cute.Tensor, mScale: cute.Tensor,
+               mSigns: cute.Tensor):
         cta, head, batch = cute.arch.block_idx()
         key0, col = self.my_keys(cta * ITERATIONS)
+        signs = self.my_signs(mSigns, col)
         scale = mScale[batch, head]
         block = cute.make_rmem_tensor((BLOCK_KEYS, VEC), Float32)     # [key, column]
         for it in cutlass.range(ITERATIONS, unroll=1):
             first = key0 + it * self.keys_per_iteration
+            # every lane loads (zeros past the end), so that the rotation's shuffles see the
+            # whole warp; only the stores depend on the key
+            for r in cutlass.range_constexpr(BLOCK_KEYS):
+                self.load_row(x, first + r, col, head, batch, block[r, None], signs)
+                for c in cutlass.range_constexpr(VEC):
+                    block[r, c] = block[r, c] * scale
             if first < out.shape[0]:
-                for r in cutlass.range_constexpr(BLOCK_KEYS):
-                    self.load_row(x, first + r, col, head, batch, block[r, None])
-                    for c in cutlass.range_constexpr(VEC):
-                        block[r, c] = block[r, c] * scale
                 if cutlass.const_expr(self.packed):
                     # column c of d: its 16 keys in PERM16 order, one 16-byte store
                     for c in cutlass.range_constexpr(VEC):

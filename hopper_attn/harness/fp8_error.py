@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     from hopper_attn.harness.reference import reference_attention, torch_lowp_attention
     from hopper_attn.harness import registry
     from hopper_attn.harness.timing import benchmark
+    from hopper_attn import k8
     from hopper_attn.quantize import quantize_fp8
 
     ap = argparse.ArgumentParser(description=__doc__,
@@ -92,6 +93,10 @@ def main(argv=None) -> int:
     # k7's inputs through the GPU quantizer (common/fp8_quantize.py) instead of torch's ops
     costs["k7_prepare_fused_ms"] = benchmark(
         lambda: (quantize_fp8(q, k, fused=True), quantize_fp8(v, pack_v=True, fused=True)))["ms"]
+    signs = k8.signs(problem.head_dim)                      # k8's, with the rotation fused
+    costs["k8_prepare_fused_ms"] = benchmark(
+        lambda: (quantize_fp8(q, k, fused=True, rotate_signs=signs),
+                 quantize_fp8(v, pack_v=True, fused=True)))["ms"]
     print("input passes:", json.dumps(costs))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
