@@ -21,8 +21,10 @@ What changes from k6 (docs/k7.md):
   128 x 128 at d = 256 fit (k6: 128 x 128 and 128 x 80).
 * The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
 
-What stays: k6's consumer loop as is (`mainloop`: QK issued before the softmax, PV of the
-previous tile under it in the source; no late PV wait, which costs FP8 2-7%: docs/k7.md),
+What stays: k6's consumer loop (`mainloop`: QK issued before the softmax, PV of the previous
+tile under it; no late PV wait, which costs FP8 2-7%, but a memory fence in front of the PV
+wait, `pin_pv_wait`, so that ptxas keeps the softmax under PV in the same iteration: +1-5%
+measured; docs/k7.md),
 its register split (producer 24, consumers 240), the producer warp's TMA loads, the
 persistent scheduler, tails, causal skipping, the (B, N, H, d) layout of q, k and the output,
 GQA, cross-attention and strided q / k. No ping-pong between the consumer warpgroups (with
@@ -114,7 +116,8 @@ class FlashAttentionK7(FlashAttentionK6):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
                  fma_exp2_every: int = 0, direct_store: bool = False,
-                 wait_pv_late: bool = False, v_transposed: bool = True, **options):
+                 wait_pv_late: bool = False, v_transposed: bool = True,
+                 pin_pv_wait: bool = True, **options):
         tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
         default_m, default_n, default_pingpong, default_stages = tiles[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
@@ -124,7 +127,7 @@ class FlashAttentionK7(FlashAttentionK6):
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          stages=stages or default_stages, wait_pv_late=wait_pv_late,
-                         **options)
+                         pin_pv_wait=pin_pv_wait, **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
         self.fma_exp2_every = fma_exp2_every
         # lazy rescaling lets P reach 2^(p_scale_log2 + threshold) <= 448 (e4m3's largest)
@@ -372,7 +375,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0,
                    direct_store: bool = False, wait_pv_late: bool = False,
                    lazy_rescale: bool = False, v_transposed: bool = True,
-                   exp_turns: bool = False, pin_pv_wait: bool = False,
+                   exp_turns: bool = False, pin_pv_wait: bool = True,
                    spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from hopper_attn import k7
-from hopper_attn.quantize import hadamard, rotation_matrix  # noqa: F401  (hadamard: re-exported)
+from hopper_attn.quantize import hadamard, quantize_fp8, rotation_matrix  # noqa: F401 (hadamard: re-exported)
 
 SPEC = dataclasses.replace(
     k7.SPEC, name="k8",
@@ -51,6 +51,14 @@ def rotation(d: int, device, seed: int = 0) -> torch.Tensor:
     return _ROTATIONS[key]
 
 
+def _signs_on(device, d: int, seed: int) -> torch.Tensor:
+    """`signs` on `device`, cached (a host-to-device copy per call would stall the stream)."""
+    key = ("signs", d, str(device), seed)
+    if key not in _ROTATIONS:
+        _ROTATIONS[key] = signs(d, seed).to(device)
+    return _ROTATIONS[key]
+
+
 @torch.no_grad()
 def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """x R in fp32, for (batch, seqlen, heads, head_dim) x."""
@@ -58,8 +66,12 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
 
 def prepare_inputs(q, k, v, seed: int = 0, v_transposed: bool = True, **_options):
-    """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both)."""
-    return k7.prepare_inputs(rotate(q, seed), rotate(k, seed), v, v_transposed=v_transposed)
+    """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both; on the GPU
+    inside the quantizer's kernels, elsewhere `rotate`'s matmul)."""
+    q8, k8, descale_q, descale_k = quantize_fp8(q, k, rotate_signs=_signs_on(q.device,
+                                                                             q.shape[-1], seed))
+    v8, descale_v = quantize_fp8(v, pack_v=v_transposed)
+    return q8, k8, v8, descale_q, descale_k, descale_v
 
 
 def compile_kernel(problem, *, compile_options: str = "", **options):

@@ -21,6 +21,7 @@ def artifacts(kind, d, packed, dtype=torch.bfloat16, rotate=False):
         compiled = quantize._fused_kernel(
             kind, d, packed, rotate, dtype, torch.device("cpu"),
             compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}")
+        compiled, _ = compiled
         return compiled.__ptx__.rstrip("\0"), bytes(compiled.__cubin__)
 
 

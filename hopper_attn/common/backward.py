@@ -36,7 +36,6 @@ from .contract import LOG2_E, KernelSpec, Problem, check_tensors
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass.cute.runtime import make_fake_stream
 
 from . import tma
 from .layouts import ndhb_view, smem_tile_layout
@@ -86,26 +85,7 @@ def _example(shape, dtype):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def tvm_ffi_available() -> bool:
-    """CuTe DSL's TVM-FFI calling path (apache-tvm-ffi installed): the compiled kernels then
-    take torch tensors directly and launch on torch's current stream, a few microseconds per
-    call instead of ~10 per tensor converted (nine tensors per backward). It compiles
-    against CUDA tensors only, so not on a machine without a GPU."""
-    import importlib.util
-    return torch.cuda.is_available() and importlib.util.find_spec("tvm_ffi") is not None
-
-
-def _compile(fn, *tensors, scalars=(), options: str = "", tvm_ffi: bool = False):
-    if tvm_ffi:
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        options = f"{options} {rt.TVM_FFI}"
-    else:
-        stream = rt.current_stream() if torch.cuda.is_available() else make_fake_stream()
-    args = [rt.to_cute_tensor(t, tvm_ffi) for t in tensors]
-    args += [cutlass.Float32(s) for s in scalars]
-    if options.strip():
-        return cute.compile(fn, *args, stream, options=options.strip())
-    return cute.compile(fn, *args, stream)
+_compile = rt.compile_with_tensors
 
 
 def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], problem: Problem,
@@ -117,7 +97,7 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     options = dict(options or {})
     spec.check(problem)
     d, dt = problem.head_dim, problem.dtype
-    ffi = tvm_ffi_available()
+    ffi = rt.tvm_ffi_available()
     key = (spec.name, kernel_factory, d, problem.causal, dt, tuple(sorted(options.items())),
            compile_options, ffi)
     cached = _COMPILED.get(key)

@@ -93,3 +93,31 @@ def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_option
     if opts:
         return cute.compile(kernel, *args, cutlass.Float32(1.0), stream, options=opts)
     return cute.compile(kernel, *args, cutlass.Float32(1.0), stream)
+
+
+def tvm_ffi_available() -> bool:
+    """CuTe DSL's TVM-FFI calling path (apache-tvm-ffi installed): the compiled kernels then
+    take torch tensors directly and launch on torch's current stream, a few microseconds per
+    call instead of ~10 per tensor converted. It compiles against CUDA tensors only, so not
+    on a machine without a GPU."""
+    import importlib.util
+    return torch.cuda.is_available() and importlib.util.find_spec("tvm_ffi") is not None
+
+
+def compile_with_tensors(fn, *tensors, scalars=(), options: str = "", tvm_ffi: bool = False,
+                         leading_dims: dict | None = None):
+    """cute.compile a @cute.jit callable against example torch tensors (+ fp32 scalars and a
+    stream, its last argument). With `tvm_ffi` the result takes torch tensors (and the
+    scalars) and launches on torch's current stream; otherwise CuTe tensors and a stream.
+    `leading_dims`: {argument index: its contiguous mode} where that is not the last one."""
+    if tvm_ffi:
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        options = f"{options} {TVM_FFI}"
+    else:
+        stream = current_stream() if torch.cuda.is_available() else make_fake_stream()
+    leading_dims = leading_dims or {}
+    args = [to_cute_tensor(t, tvm_ffi, leading_dims.get(i)) for i, t in enumerate(tensors)]
+    args += [cutlass.Float32(s) for s in scalars]
+    if options.strip():
+        return cute.compile(fn, *args, stream, options=options.strip())
+    return cute.compile(fn, *args, stream)

@@ -90,10 +90,16 @@ def main(argv=None) -> int:
         inputs = entry.prepare(q, k, v)
         costs[f"{name}_prepare_ms"] = benchmark(lambda: entry.prepare(q, k, v))["ms"]
         costs[f"{name}_kernel_ms"] = benchmark(lambda: entry.run(handle, *inputs, out))["ms"]
-    # k7's inputs through the GPU quantizer (common/fp8_quantize.py) instead of torch's ops
+    # k7's inputs through torch's ops (quantize_fp8(fused=False), the reference) and
+    # through the GPU quantizer (common/fp8_quantize.py, what prepare_inputs uses on a GPU)
+    costs["k7_prepare_torch_ms"] = benchmark(
+        lambda: (quantize_fp8(q, k, fused=False), quantize_fp8(v, pack_v=True, fused=False)))["ms"]
     costs["k7_prepare_fused_ms"] = benchmark(
         lambda: (quantize_fp8(q, k, fused=True), quantize_fp8(v, pack_v=True, fused=True)))["ms"]
-    signs = k8.signs(problem.head_dim)                      # k8's, with the rotation fused
+    signs = k8.signs(problem.head_dim).cuda()               # k8's, with the rotation fused
+    costs["k8_prepare_torch_ms"] = benchmark(
+        lambda: (quantize_fp8(q, k, fused=False, rotate_signs=signs),
+                 quantize_fp8(v, pack_v=True, fused=False)))["ms"]
     costs["k8_prepare_fused_ms"] = benchmark(
         lambda: (quantize_fp8(q, k, fused=True, rotate_signs=signs),
                  quantize_fp8(v, pack_v=True, fused=True)))["ms"]

@@ -24,6 +24,7 @@ import glob
 import json
 import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,7 +49,8 @@ def workload(args) -> int:
     q, k, v, out = make_inputs(problem, 0)
     cost = {"problem": problem.as_dict()}
     for trace in (0, 1):
-        entry = registry.get(f"{args.kernel}:trace={trace}")
+        sep = "," if ":" in args.kernel else ":"      # a name with options already
+        entry = registry.get(f"{args.kernel}{sep}trace={trace}")
         handle = entry.compile(problem)
         tensors = (*entry.prepare(q, k, v), out)       # k7: its FP8 inputs
         t = benchmark(lambda: entry.run(handle, *tensors), target_ms=50, max_reps=10)
@@ -70,7 +72,8 @@ def record(args) -> int:
     env = dict(os.environ)
     # a separate JIT cache: the traced build must not come from (or go into) the normal cache
     env["CUTE_DSL_CACHE_DIR"] = os.path.join(work, "cache")
-    cost_json = os.path.join(args.out, f"{args.kernel}.cost.json")
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", args.kernel)   # k7:exp_turns=1 -> k7_exp_turns_1
+    cost_json = os.path.join(args.out, f"{stem}.cost.json")
     # -o belongs to iket's top-level parser, before the subcommand
     # --enabled-cluster: only one CTA (a 1x1x1 cluster) of each launch writes its events
     cmd = [sys.executable, "-m", "iket.cli.main", "-o", os.path.join(work, "run"),
@@ -85,12 +88,11 @@ def record(args) -> int:
     for pattern, suffix in (("*.trace.json", ".trace.json"), ("*.pftrace", ".pftrace")):
         found = sorted(glob.glob(os.path.join(work, "run", "**", pattern), recursive=True))
         if found:
-            shutil.copy(max(found, key=os.path.getsize), os.path.join(args.out, args.kernel + suffix))
+            shutil.copy(max(found, key=os.path.getsize), os.path.join(args.out, stem + suffix))
     print("wrote", sorted(os.listdir(args.out)))
-    trace = os.path.join(args.out, args.kernel + ".trace.json")
+    trace = os.path.join(args.out, stem + ".trace.json")
     if os.path.exists(trace):
-        shrink(trace)
-        _outline(_read(trace))
+        _outline(_read(shrink(trace)))
     return rc
 
 
