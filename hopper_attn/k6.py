@@ -88,7 +88,8 @@ class FlashAttentionK6(FlashAttentionK5):
                  pingpong: Optional[bool] = None, persistent: bool = True,
                  dynamic: Optional[bool] = None, wait_pv_late: Optional[bool] = None,
                  lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
-                 exp_turns: bool = False, pin_pv_wait: bool = False, **options):
+                 exp_turns: bool = False, pin_pv_wait: bool = False,
+                 mask_per_row: Optional[bool] = None, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
@@ -97,6 +98,10 @@ class FlashAttentionK6(FlashAttentionK5):
         # a memory fence right before the PV wait keeps ptxas from hoisting the wait above
         # the softmax, in the same iteration (docs/k6.md "What the SASS says")
         self.pin_pv_wait = bool(pin_pv_wait)
+        # one key limit per row in masked tiles (k7's default, common/masking.py): with it
+        # the 192-row d = 64 causal tile compiles without spills (an option until measured)
+        if mask_per_row is not None:
+            self.mask_per_row = bool(mask_per_row)
         self.rescale_threshold_log2 = float(rescale_threshold_log2)
         # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
         # 60 bytes, because P must now stay live under the softmax and the mask adds
@@ -226,7 +231,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    dynamic: Optional[bool] = None, trace: bool = False,
                    uniform_descriptors: Optional[bool] = None,
                    wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
-                   exp_turns: bool = False, pin_pv_wait: bool = False):
+                   exp_turns: bool = False, pin_pv_wait: bool = False,
+                   mask_per_row: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -238,7 +244,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     grew by more than 2^8 (faster, larger error: docs/k6.md); pin_pv_wait: a memory fence
     that keeps ptxas from hoisting the PV wait above the softmax (without wait_pv_late);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
-    docs/k7.md)."""
+    docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's)."""
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there
@@ -256,7 +262,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "wait_pv_late": wait_pv_late,
                               "lazy_rescale": bool(lazy_rescale),
                               "exp_turns": bool(exp_turns),
-                              "pin_pv_wait": bool(pin_pv_wait)},
+                              "pin_pv_wait": bool(pin_pv_wait),
+                              "mask_per_row": mask_per_row},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
