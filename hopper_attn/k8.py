@@ -11,11 +11,12 @@ over all d coordinates, so no coordinate is much larger than the others, and the
 errors of the d products average out instead of one of them dominating
 (FlashAttention-3, section 3.3, after QuIP's "incoherence processing").
 
-R = H diag(s) / sqrt(d): H the d x d Hadamard matrix (entries +-1, Sylvester's
-construction, d a power of two), s random signs. Applied here as a matmul (2 d FLOPs per
-element, a separate pass over Q and K, fused with the quantization; its time is reported by
-bench.py next to the kernel's, not inside it). A fast Walsh-Hadamard transform would need
-d log d instead of d^2 operations; at d <= 256 the matmul is not the cost that matters.
+R = diag(s) H / sqrt(d): H the d x d Hadamard matrix (entries +-1, Sylvester's
+construction, d a power of two), s random signs (`signs`). On the GPU the quantizer applies
+it inside its two kernels, as a fast Walsh-Hadamard transform over the values each thread
+and its neighbouring lanes hold (common/fp8_quantize.py: d log2 d additions per key, no pass
+of its own); elsewhere, and as the reference (`rotate`), as an fp32 matmul. Its time is
+reported next to the kernel's, not inside it (docs/k8.md).
 
 Everything else, including the numbers that describe the kernel, is k7's: docs/k8.md.
 """
