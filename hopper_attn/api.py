@@ -239,3 +239,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     else:                                      # eager: no dispatcher round trip
         out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "")
     return (out, lse) if return_lse else out
+
+
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                  softmax_scale: Optional[float] = None, rotate: bool = False,
+                  return_lse: bool = False):
+    """`attention` computed in FP8: q, k, v (bf16) quantized to e4m3 with one scale per
+    (batch, head) on the GPU (`hopper_attn.quantize.quantize_fp8`, V packed for the kernel),
+    then k7 (both GEMMs on FP8 WGMMA), output bf16. `rotate=True` runs k8 instead: Q and K
+    rotated by a random-sign Hadamard matrix inside the quantizer, less error when a few
+    head-dim channels are much larger than the rest (docs/k8.md).
+
+    Same shapes, masks, GQA / cross-attention and LSE as `attention`; head_dim 64, 128 or
+    256. Expect about 5% RMS error relative to the output (e4m3 keeps 3 mantissa bits;
+    docs/k8.md measures it), against 0.2% in bf16. Forward only: inputs that require
+    gradients are refused (no FP8 backward). ValueError before any launch otherwise.
+    """
+    from hopper_attn import k7, k8
+    from hopper_attn.harness import registry
+    _check(q, k, v)
+    if {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
+        raise ValueError(f"attention_fp8 takes bf16 q, k, v (it quantizes them itself), got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError("attention_fp8 has no backward pass: call it under torch.no_grad() "
+                         "or on tensors that do not require gradients (attention() for "
+                         "training)")
+    problem = Problem.from_tensor(q, bool(causal), k)
+    entry = registry.get("k8" if rotate else "k7")
+    entry.spec.check(problem)            # head dim, dtype (bf16): UnsupportedProblem
+    check_tensors(problem, q, k, v, q, strided=True)     # bf16 on one CUDA device
+    key = (entry.name, problem)
+    handle = _HANDLES.get(key)
+    if handle is None:
+        handle = _HANDLES[key] = entry.compile(problem, compile_options=_compile_options())
+    q8, k8_, v8, *descales = (k8 if rotate else k7).prepare_inputs(q, k, v)
+    out, lse = torch.empty_like(q), _lse_like(q)
+    run_attention(handle, q8, k8_, v8, out, softmax_scale, workspace=[lse],
+                  extra_inputs=tuple(descales))
+    return (out, lse) if return_lse else out

@@ -146,3 +146,20 @@ def test_picks_the_measured_fastest_stage_per_head_dim():
     assert pick(head_dim=128) == "k6" and pick(head_dim=256) == "k6"
     assert pick(dtype=torch.float16) == "k6"                       # k5 runs bf16 only
     assert pick(heads=70000, batch=1) == "k6"                      # k5: one CTA per tile
+
+
+def test_attention_fp8_refuses_before_launching():
+    """attention_fp8: bf16 only, head_dim 64 / 128 / 256, CUDA, no gradients; every refusal
+    is a ValueError raised before anything runs (on this machine nothing could)."""
+    def qkv(d=128, dtype=torch.bfloat16, **kw):
+        return [torch.randn(1, 16, 2, d, **kw).to(dtype) for _ in range(3)]
+    with pytest.raises(ValueError, match="bf16"):
+        hopper_attn.attention_fp8(*qkv(dtype=torch.float16))
+    with pytest.raises(UnsupportedProblem, match="head_dim"):
+        hopper_attn.attention_fp8(*qkv(d=96))
+    with pytest.raises(ValueError, match="CUDA"):
+        hopper_attn.attention_fp8(*qkv())
+    q, k, v = qkv()
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="backward"):
+        hopper_attn.attention_fp8(q, k, v)
