@@ -79,6 +79,8 @@ SPEC = KernelSpec(
 # a 128 x 80 tile fills 225 of the 227 KiB an SM offers, at d = 192 128 x 112 takes 217.
 # Registers per consumer thread (fp32): S block_n / 2, P block_n / 4, O d / 2 (d = 256:
 # 40 + 20 + 128 of 240).
+# d = 64 with a causal mask and a query length of at least this: 192-row tiles (compile_kernel)
+LONG_CAUSAL_D64 = 2048
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
          192: (128, 112, False), 256: (128, 80, False)}
 
@@ -99,13 +101,15 @@ class FlashAttentionK6(FlashAttentionK5):
         # the softmax, in the same iteration (docs/k6.md "What the SASS says")
         self.pin_pv_wait = bool(pin_pv_wait)
         # one key limit per row in masked tiles (k7's default, common/masking.py): with it
-        # the 192-row d = 64 causal tile compiles without spills (an option until measured)
+        # the 192-row d = 64 causal tile compiles without spills (compile_kernel's choice
+        # for long sequences)
         if mask_per_row is not None:
             self.mask_per_row = bool(mask_per_row)
         self.rescale_threshold_log2 = float(rescale_threshold_log2)
-        # d = 64 causal: with three consumer warpgroups (160 registers each) ptxas spills
-        # 60 bytes, because P must now stay live under the softmax and the mask adds
-        # coordinates; two warpgroups of 240 registers (block_m = 128) fit.
+        # d = 64 causal: with three consumer warpgroups (160 registers each) and the
+        # two-compare mask ptxas spills 60 bytes, because P must now stay live under the
+        # softmax and the mask adds coordinates; two warpgroups of 240 registers (block_m =
+        # 128) fit. (compile_kernel picks 192 rows with one limit per row for long sequences.)
         if head_dim == 64 and causal:
             default_m = 128
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
@@ -245,6 +249,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     that keeps ptxas from hoisting the PV wait above the softmax (without wait_pv_late);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
     docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's)."""
+    if (problem.head_dim == 64 and problem.causal and not block_m
+            and problem.seqlen >= LONG_CAUSAL_D64):
+        # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
+        # +13-15% at 16k, but -8% at 1k (fewer work items than SMs x warpgroups), measured
+        # round-robin (results/h100/2026-11-23_k6_d64_causal_192.json, docs/k6.md)
+        block_m = 192
+        mask_per_row = True if mask_per_row is None else mask_per_row
+        wait_pv_late = True if wait_pv_late is None else wait_pv_late
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there

@@ -159,3 +159,12 @@ def test_d64_causal_192_rows_fit_with_one_limit_per_row():
     assert art["kernel"]["block_m"] == 192
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def test_d64_causal_long_sequences_use_192_rows():
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    short = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64 - 1, 64, True))
+    long = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True))
+    assert short.describe()["block_m"] == 128 and long.describe()["block_m"] == 192
+    assert long.options["mask_per_row"] and long.options["wait_pv_late"]
