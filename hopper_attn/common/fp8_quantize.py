@@ -1,7 +1,8 @@
 """bf16 / fp16 / fp32 -> e4m3 with one scale per (batch, head), on the GPU: two small kernels.
 
-`hopper_attn.quantize.quantize_fp8(..., fused=True)` runs these instead of its torch ops
-(several passes over memory: |x|, its maximum, x * scale, the cast, V's packing). Per input
+`hopper_attn.quantize.quantize_fp8` runs these on CUDA tensors (unless `fused=False`) instead
+of its torch ops (several passes over memory: |x|, its maximum, x * scale, the cast, V's
+packing): 4.7x faster for q, k, v at B1 H16 N16k d128 on an H100 (docs/k8.md). Per input
 tensor (batch, seqlen, heads, d):
 
 1. `AbsMax`: each CTA reads a range of keys of one (head, batch) slice, 16-byte loads,
