@@ -91,7 +91,8 @@ class FlashAttentionK6(FlashAttentionK5):
                  dynamic: Optional[bool] = None, wait_pv_late: Optional[bool] = None,
                  lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
                  exp_turns: bool = False, pin_pv_wait: bool = False,
-                 mask_per_row: Optional[bool] = None, **options):
+                 mask_per_row: Optional[bool] = None, convert_early: bool = False,
+                 **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
@@ -100,6 +101,9 @@ class FlashAttentionK6(FlashAttentionK5):
         # a memory fence right before the PV wait keeps ptxas from hoisting the wait above
         # the softmax, in the same iteration (docs/k6.md "What the SASS says")
         self.pin_pv_wait = bool(pin_pv_wait)
+        # P_n converted into operand registers of its own before the PV wait, under PV_{n-1}
+        # (ptxas renames, no copy is left): the wait is then followed by the O rescale only
+        self.convert_early = bool(convert_early)
         # one key limit per row in masked tiles (k7's default, common/masking.py): with it
         # the 192-row d = 64 causal tile compiles without spills (compile_kernel's choice
         # for long sequences)
@@ -213,6 +217,10 @@ class FlashAttentionK6(FlashAttentionK5):
                     p_frag: cute.Tensor, alpha: cute.Tensor, v_state):
         """Tile n's end: wait for PV_{n-1}, release V_{n-1}, rescale O (eager), P_n -> the
         PV operand registers (which PV_{n-1} was reading until now)."""
+        if cutlass.const_expr(self.convert_early):
+            # P_n -> operand registers of its own while PV_{n-1} still reads p_frag
+            p_next = cute.make_rmem_tensor_like(p_frag)
+            self.probs_to_operand(acc_s, p_next)
         phase = self.trace.start("wait_pv")
         if cutlass.const_expr(self.pin_pv_wait):
             cute.arch.fence_acq_rel_cta()               # ptxas keeps the wait below this
@@ -224,7 +232,10 @@ class FlashAttentionK6(FlashAttentionK5):
         phase = self.trace.start("rescale")
         if cutlass.const_expr(not self.lazy_rescale):
             scale_rows(o_rc, alpha)
-        self.probs_to_operand(acc_s, p_frag)
+        if cutlass.const_expr(self.convert_early):
+            p_frag.store(p_next.load())
+        else:
+            self.probs_to_operand(acc_s, p_frag)
         self.trace.end(phase)
         return v_state
 
@@ -236,7 +247,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    uniform_descriptors: Optional[bool] = None,
                    wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
                    exp_turns: bool = False, pin_pv_wait: bool = False,
-                   mask_per_row: Optional[bool] = None):
+                   mask_per_row: Optional[bool] = None, convert_early: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -248,7 +259,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     grew by more than 2^8 (faster, larger error: docs/k6.md); pin_pv_wait: a memory fence
     that keeps ptxas from hoisting the PV wait above the softmax (without wait_pv_late);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
-    docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's)."""
+    docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's);
+    convert_early: P converted for the next PV before the wait for the previous one."""
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -275,7 +287,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "lazy_rescale": bool(lazy_rescale),
                               "exp_turns": bool(exp_turns),
                               "pin_pv_wait": bool(pin_pv_wait),
-                              "mask_per_row": mask_per_row},
+                              "mask_per_row": mask_per_row,
+                              "convert_early": bool(convert_early)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
