@@ -31,7 +31,9 @@ option `lazy_rescale` also skips the O rescale unless a row maximum grew by more
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
 the ping-pong turn per tile, the last tile's PV in one more turn, the epilogue, tiles and
 budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
-warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two.
+warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two, or,
+for queries of 2,048 and more, 192 x 128 with the masked tile's one key limit per row, which
+fits (docs/k6.md).
 
 Second step: head dims 96, 192 and 256 (tiles in TILES, below: shared memory sets the kv
 tile) and fp16 (the element type comes from the tensors).
