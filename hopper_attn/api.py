@@ -136,10 +136,15 @@ def _checked_handle(q, k, v, causal: bool, stage: str):
     entry = _entry_for(problem, stage)
     check_tensors(problem, q, k, v, q,                 # dtype, device, layout: before compiling
                   strided=entry.spec.strided_inputs)
+    return _handle(entry, problem, _compile_options())
+
+
+def _handle(entry, problem: Problem, compile_options: str = ""):
+    """`entry` compiled for `problem`, once per (stage, problem)."""
     key = (entry.name, problem)
     handle = _HANDLES.get(key)
     if handle is None:
-        handle = _HANDLES[key] = entry.compile(problem, compile_options=_compile_options())
+        handle = _HANDLES[key] = entry.compile(problem, compile_options=compile_options)
     return handle
 
 
@@ -170,10 +175,7 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     problem = Problem.from_tensor(q, causal, k)
     entry = _backward_entry(problem, deterministic)
-    key = (entry.name, problem)
-    handle = _HANDLES.get(key)
-    if handle is None:
-        handle = _HANDLES[key] = entry.compile(problem)
+    handle = _handle(entry, problem)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     entry.run(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale)
     return dq, dk, dv
@@ -269,10 +271,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     entry = registry.get("k8" if rotate else "k7")
     entry.spec.check(problem)            # head dim, dtype (bf16): UnsupportedProblem
     check_tensors(problem, q, k, v, q, strided=True)     # bf16 on one CUDA device
-    key = (entry.name, problem)
-    handle = _HANDLES.get(key)
-    if handle is None:
-        handle = _HANDLES[key] = entry.compile(problem, compile_options=_compile_options())
+    handle = _handle(entry, problem, _compile_options())
     q8, k8_, v8, *descales = (k8 if rotate else k7).prepare_inputs(q, k, v)
     out, lse = torch.empty_like(q), _lse_like(q)
     run_attention(handle, q8, k8_, v8, out, softmax_scale, workspace=[lse],

@@ -402,12 +402,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
-def prepare_inputs(q, k, v, v_transposed: bool = True, **_options):
+def prepare_inputs(q, k, v, v_transposed: bool = True, rotate_signs=None, **_options):
     """bf16 q, k, v -> (q8, k8, v8, descale_q, descale_k, descale_v) for `run_kernel`
     (per (batch, head) amax scaling; outside the timed region in bench.py). v8 packed for
     the kernel's V^T ring (`quantize_fp8(v, pack_v=True)`: sequence-major, keys permuted
-    within 16) unless the kernel transposes V itself (`v_transposed=False`)."""
-    q8, k8, descale_q, descale_k = quantize_fp8(q, k)
+    within 16) unless the kernel transposes V itself (`v_transposed=False`).
+    `rotate_signs`: q and k rotated first (k8)."""
+    q8, k8, descale_q, descale_k = quantize_fp8(q, k, rotate_signs=rotate_signs)
     v8, descale_v = quantize_fp8(v, pack_v=v_transposed)
     return q8, k8, v8, descale_q, descale_k, descale_v
 

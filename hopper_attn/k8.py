@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from hopper_attn import k7
-from hopper_attn.quantize import hadamard, quantize_fp8, rotation_matrix  # noqa: F401 (hadamard: re-exported)
+from hopper_attn.quantize import hadamard, rotation_matrix  # noqa: F401 (hadamard: re-exported)
 
 SPEC = dataclasses.replace(
     k7.SPEC, name="k8",
@@ -69,10 +69,8 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
 def prepare_inputs(q, k, v, seed: int = 0, v_transposed: bool = True, **_options):
     """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both; on the GPU
     inside the quantizer's kernels, elsewhere `rotate`'s matmul)."""
-    q8, k8, descale_q, descale_k = quantize_fp8(q, k, rotate_signs=_signs_on(q.device,
-                                                                             q.shape[-1], seed))
-    v8, descale_v = quantize_fp8(v, pack_v=v_transposed)
-    return q8, k8, v8, descale_q, descale_k, descale_v
+    return k7.prepare_inputs(q, k, v, v_transposed,
+                             rotate_signs=_signs_on(q.device, q.shape[-1], seed))
 
 
 def compile_kernel(problem, *, compile_options: str = "", **options):

@@ -29,6 +29,7 @@ dims that divide 256, d contiguous, 16-byte aligned).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -45,7 +46,12 @@ def _scale(x: torch.Tensor) -> torch.Tensor:
     """448 / amax per (batch, head) (1 where a slice is all zeros), fp32."""
     if x.dim() != 4:
         raise ValueError(f"expected (batch, seqlen, heads, head_dim), got {tuple(x.shape)}")
-    amax = x.abs().amax(dim=(1, 3)).float()                  # (batch, heads)
+    return _scale_from_amax(x.abs().amax(dim=(1, 3)).float())    # (batch, heads)
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """448 / amax, 1 where amax is 0: one formula for the torch path and the GPU kernels'
+    (whose bytes must agree)."""
     return torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
 
 
@@ -102,7 +108,7 @@ def quantize_fp8(*tensors: torch.Tensor, pack_v: bool = False, fused: Optional[b
             x8, scale = _quantize_on_gpu(x, pack_v, rotate_signs)
         else:
             if rotate_signs is not None:
-                x = torch.matmul(x.float(), rotation_matrix(rotate_signs).to(x.device))
+                x = torch.matmul(x.float(), rotation_matrix(rotate_signs.to(x.device)))
             x8, scale = _quantize_in_torch(x, pack_v)
         quantized.append(x8)
         descales.append((1.0 / scale).contiguous())
@@ -131,10 +137,17 @@ def hadamard(d: int) -> torch.Tensor:
     return h
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard_on(d: int, device: str) -> torch.Tensor:
+    """`hadamard(d)` on `device`, built and copied once (read only)."""
+    return hadamard(d).to(device)
+
+
 def rotation_matrix(signs: torch.Tensor) -> torch.Tensor:
-    """R = diag(s) H / sqrt(d) (fp32, orthogonal) for a (d,) vector of signs s."""
+    """R = diag(s) H / sqrt(d) (fp32, orthogonal) for a (d,) vector of signs s, on s's
+    device."""
     d = signs.shape[0]
-    return signs.float().cpu()[:, None] * hadamard(d) / math.sqrt(d)
+    return signs.float()[:, None] * _hadamard_on(d, str(signs.device)) / math.sqrt(d)
 
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -222,7 +235,7 @@ def _quantize_on_gpu(x: torch.Tensor, packed: bool, rotate_signs: Optional[torch
             signs = _NO_SIGNS[key] = torch.ones(d, dtype=torch.float32, device=x.device)
     amax = torch.zeros((b, h), dtype=torch.float32, device=x.device)
     _launch(_fused_kernel("amax", d, False, rotate, x.dtype, x.device), x, amax, signs)
-    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
+    scale = _scale_from_amax(amax)
     out = _fp8_output(x, packed)
     _launch(_fused_kernel("cast", d, packed, rotate, x.dtype, x.device), x, out, scale, signs,
             leading_dims={1: 1} if packed else None)

@@ -4,7 +4,6 @@ e4m3x2 conversions with saturation, one atomic max per warp, and for packed V 16
 (one per column of d and 16 keys). Running it (same bytes as the torch path) is a GPU test
 (tests/test_gpu.py::test_fused_quantizer_matches_torch)."""
 
-import re
 import tempfile
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 from hopper_attn import quantize
 from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+from ptx import count
 
 pytestmark = pytest.mark.compile
 
@@ -23,10 +23,6 @@ def artifacts(kind, d, packed, dtype=torch.bfloat16, rotate=False):
             compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}")
         compiled, _ = compiled
         return compiled.__ptx__.rstrip("\0"), bytes(compiled.__cubin__)
-
-
-def count(ptx, pattern):
-    return len(re.findall(pattern, ptx))
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

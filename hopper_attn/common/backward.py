@@ -85,9 +85,6 @@ def _example(shape, dtype):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-_compile = rt.compile_with_tensors
-
-
 def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], problem: Problem,
                      options: Optional[dict] = None, compile_options: str = ""
                      ) -> CompiledBackward:
@@ -115,19 +112,21 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     # kb2: one int32 per (batch, head, query tile), the deterministic mode's turn counters
     sems = [_example((b, h, rows // kernel.block_m), torch.int32)] \
         if getattr(kernel, "takes_semaphores", False) else []
-    main = _compile(kernel, *qkv, *stats, dq_accum, *dkv, *sems, scalars=(1.0, 1.0),
-                    options=compile_options, tvm_ffi=ffi)
+    main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems,
+                                   scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pre_key = ("preprocess", d, dt, kernel.block_m, ffi)
     if pre_key not in _COMPILED:
         lse = _example((b, h, n), torch.float32)
-        _COMPILED[pre_key] = _compile(BackwardPreprocess(d, kernel.block_m), qkv[0], qkv[3],
-                                      lse, *stats, dq_accum, tvm_ffi=ffi)
+        _COMPILED[pre_key] = rt.compile_with_tensors(BackwardPreprocess(d, kernel.block_m),
+                                                     qkv[0], qkv[3], lse, *stats, dq_accum,
+                                                     tvm_ffi=ffi)
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
     post_key = ("postprocess", d, dt, kernel.block_m, fragments, ffi)
     if post_key not in _COMPILED:
         convert = DqConvertFragments(d, kernel.block_m) if fragments else DqConvert(d)
-        _COMPILED[post_key] = _compile(convert, dq_accum, qkv[0], scalars=(1.0,), tvm_ffi=ffi)
+        _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], scalars=(1.0,),
+                                                      tvm_ffi=ffi)
     pre, post = _COMPILED[pre_key], _COMPILED[post_key]
     _COMPILED[key] = (kernel, main, pre, post)
     return CompiledBackward(spec, problem, options, kernel, main, pre, post,
