@@ -24,7 +24,8 @@ Where the wait_group(0) and what follows it (`finish_tile`) sit in the code matt
 schedules the wait as early as its basic block allows, so written right after the softmax
 it lands *before* the softmax, and PV_{j-1} is waited for first after all. k6 therefore
 runs tile j's end at the top of iteration j+1, behind the loop's back edge, where it cannot
-move up (`wait_pv_late`, the default at d >= 96; docs/k6.md "What the SASS says"). The
+move up (`wait_pv_late`, the default at d >= 96; docs/k6.md "What the SASS says"; at
+d >= 192 with a memory fence in front, `pin_pv_wait`: +4-5% at d = 192, measured). The
 option `lazy_rescale` also skips the O rescale unless a row maximum grew by more than 2^8
 (faster, less accurate: docs/k6.md).
 
@@ -92,20 +93,18 @@ class FlashAttentionK6(FlashAttentionK5):
                  pingpong: Optional[bool] = None, persistent: bool = True,
                  dynamic: Optional[bool] = None, wait_pv_late: Optional[bool] = None,
                  lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
-                 exp_turns: bool = False, pin_pv_wait: bool = False,
-                 mask_per_row: Optional[bool] = None, convert_early: bool = False,
-                 **options):
+                 exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
+                 mask_per_row: Optional[bool] = None, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
         self.lazy_rescale = bool(lazy_rescale)
         # a memory fence right before the PV wait keeps ptxas from hoisting the wait above
-        # the softmax, in the same iteration (docs/k6.md "What the SASS says")
-        self.pin_pv_wait = bool(pin_pv_wait)
-        # P_n converted into operand registers of its own before the PV wait, under PV_{n-1}
-        # (ptxas renames, no copy is left): the wait is then followed by the O rescale only
-        self.convert_early = bool(convert_early)
+        # the softmax, in the same iteration (docs/k6.md "What the SASS says"); in front of
+        # the late wait it measured +4-5% at d = 192 without a mask, +0.4-1.6% at d = 256,
+        # a tie at d = 96 (results/h100/2026-11-23_k6_pin_late_fence_*): on at d >= 192
+        self.pin_pv_wait = head_dim >= 192 if pin_pv_wait is None else bool(pin_pv_wait)
         # one key limit per row in masked tiles (k7's default, common/masking.py): with it
         # the 192-row d = 64 causal tile compiles without spills (compile_kernel's choice
         # for long sequences)
@@ -219,10 +218,6 @@ class FlashAttentionK6(FlashAttentionK5):
                     p_frag: cute.Tensor, alpha: cute.Tensor, v_state):
         """Tile n's end: wait for PV_{n-1}, release V_{n-1}, rescale O (eager), P_n -> the
         PV operand registers (which PV_{n-1} was reading until now)."""
-        if cutlass.const_expr(self.convert_early):
-            # P_n -> operand registers of its own while PV_{n-1} still reads p_frag
-            p_next = cute.make_rmem_tensor_like(p_frag)
-            self.probs_to_operand(acc_s, p_next)
         phase = self.trace.start("wait_pv")
         if cutlass.const_expr(self.pin_pv_wait):
             cute.arch.fence_acq_rel_cta()               # ptxas keeps the wait below this
@@ -234,10 +229,7 @@ class FlashAttentionK6(FlashAttentionK5):
         phase = self.trace.start("rescale")
         if cutlass.const_expr(not self.lazy_rescale):
             scale_rows(o_rc, alpha)
-        if cutlass.const_expr(self.convert_early):
-            p_frag.store(p_next.load())
-        else:
-            self.probs_to_operand(acc_s, p_frag)
+        self.probs_to_operand(acc_s, p_frag)
         self.trace.end(phase)
         return v_state
 
@@ -248,8 +240,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    dynamic: Optional[bool] = None, trace: bool = False,
                    uniform_descriptors: Optional[bool] = None,
                    wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
-                   exp_turns: bool = False, pin_pv_wait: bool = False,
-                   mask_per_row: Optional[bool] = None, convert_early: bool = False):
+                   exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
+                   mask_per_row: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -259,10 +251,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     wait_pv_late: a tile's wait for PV (and the O rescale, P conversion) at the top of the
     next iteration (default: at d >= 96); lazy_rescale: rescale O only when a row maximum
     grew by more than 2^8 (faster, larger error: docs/k6.md); pin_pv_wait: a memory fence
-    that keeps ptxas from hoisting the PV wait above the softmax (without wait_pv_late);
+    in front of the PV wait (without wait_pv_late it keeps ptxas from hoisting the wait
+    above the softmax; default: at d >= 192, in front of the late wait);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
-    docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's);
-    convert_early: P converted for the next PV before the wait for the previous one."""
+    docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's)."""
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -288,9 +280,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "wait_pv_late": wait_pv_late,
                               "lazy_rescale": bool(lazy_rescale),
                               "exp_turns": bool(exp_turns),
-                              "pin_pv_wait": bool(pin_pv_wait),
-                              "mask_per_row": mask_per_row,
-                              "convert_early": bool(convert_early)},
+                              "pin_pv_wait": pin_pv_wait,
+                              "mask_per_row": mask_per_row},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

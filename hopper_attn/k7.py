@@ -376,7 +376,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    direct_store: bool = False, wait_pv_late: bool = False,
                    lazy_rescale: bool = False, v_transposed: bool = True,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
-                   convert_early: bool = False, spec: KernelSpec = SPEC):
+                   spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -397,8 +397,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "lazy_rescale": bool(lazy_rescale),
                               "v_transposed": bool(v_transposed),
                               "exp_turns": bool(exp_turns),
-                              "pin_pv_wait": bool(pin_pv_wait),
-                              "convert_early": bool(convert_early)},
+                              "pin_pv_wait": bool(pin_pv_wait)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -184,22 +184,3 @@ def test_exp2_in_turns(d, causal):
         return sum("MUFU.EX2" in ln for ln in lines[sync:arrive])
 
     assert max(exp2_in_turn(i) for i in syncs) >= art["kernel"]["block_n"] // 2
-
-
-@pytest.mark.compile
-def test_p_converted_before_the_pv_wait():
-    """k7:convert_early=1: P's e4m3 conversion (F2FP) moves above the pinned PV wait (the
-    fence, MEMBAR), under the previous PV; after the wait only the O rescale is left."""
-    from hopper_attn.harness.compile_report import sass
-
-    def f2fp_after_the_fence(name):
-        art = compiled(name, 128, False)
-        for fn in resource_usage(art["cubin"]):
-            assert fn["local"] == 0 and fn["stack"] == 0, fn
-        lines = sass(art["cubin"]).splitlines()
-        fence = next(i for i, ln in enumerate(lines) if "MEMBAR" in ln)
-        end = next(i for i in range(fence, len(lines)) if "QGMMA" in lines[i])
-        return sum("F2FP" in ln for ln in lines[fence:end])
-
-    assert f2fp_after_the_fence("k7") == 48              # 96 values per thread, 2 each
-    assert f2fp_after_the_fence("k7:convert_early=1") == 0
