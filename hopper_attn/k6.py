@@ -37,7 +37,8 @@ for queries of 2,048 and more, 192 x 128 with the masked tile's one key limit pe
 fits (docs/k6.md).
 
 Second step: head dims 96, 192 and 256 (tiles in TILES, below: shared memory sets the kv
-tile) and fp16 (the element type comes from the tensors).
+tile; d = 96 without a mask at N >= 2048: three consumer warpgroups on 192 x 96) and fp16
+(the element type comes from the tensors).
 
 Third step: a persistent grid (common/scheduler.py): one CTA per SM loops over work items
 (query tile, head, batch), its K/V rings running on from one to the next and the next K
@@ -84,6 +85,8 @@ SPEC = KernelSpec(
 # 40 + 20 + 128 of 240).
 # d = 64 with a causal mask and a query length of at least this: 192-row tiles (compile_kernel)
 LONG_CAUSAL_D64 = 2048
+# d = 96 without a mask and a query length of at least this: 192 x 96 tiles (compile_kernel)
+LONG_D96 = 2048
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
          192: (128, 112, False), 256: (128, 80, False)}
 
@@ -263,6 +266,17 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         block_m = 192
         mask_per_row = True if mask_per_row is None else mask_per_row
         wait_pv_late = True if wait_pv_late is None else wait_pv_late
+    if problem.head_dim == 96 and not block_m:
+        # measured round-robin against the 128 x 128 ping-pong tile with the late wait
+        # (results/h100/2026-11-23_k6_d96_tiles.json, _k6_pin_pv_wait_d96_256.json, docs/k6.md)
+        if problem.causal:      # the wait pinned in place instead of late: +2-3% (two runs)
+            wait_pv_late = False if wait_pv_late is None else wait_pv_late
+            pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
+        elif problem.seqlen >= LONG_D96:
+            # three consumer warpgroups on 192 x 96, no turns: +2.5-3.7% at N >= 4k, a tie
+            # at 2k, -10% at 1k (fewer work items than SMs x warpgroups)
+            block_m, block_n = 192, block_n or 96
+            pingpong = False if pingpong is None else pingpong
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there

@@ -168,3 +168,24 @@ def test_d64_causal_long_sequences_use_192_rows():
     long = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True))
     assert short.describe()["block_m"] == 128 and long.describe()["block_m"] == 192
     assert long.options["mask_per_row"] and long.options["wait_pv_late"]
+
+
+def test_d96_long_sequences():
+    """d = 96, N >= LONG_D96: three consumer warpgroups on 192 x 96 tiles without turns
+    (no mask), the PV wait pinned in place of the late one (causal); no spills (ptxas
+    spill warnings are errors here)."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS
+
+    def build(seqlen, causal):
+        return k6.compile_kernel(Problem(1, 2, seqlen, 96, causal),
+                                 compile_options=SPILLS_AS_ERRORS)
+
+    short, full, causal = build(k6.LONG_D96 - 1, False), build(k6.LONG_D96, False), \
+        build(k6.LONG_D96, True)
+    assert (short.describe()["block_m"], short.describe()["block_n"]) == (128, 128)
+    kernel = full.describe()
+    assert (kernel["block_m"], kernel["block_n"], kernel["consumer_warpgroups"]) == (192, 96, 3)
+    assert not kernel["named_barriers"]["scheduler"]
+    assert causal.options["wait_pv_late"] is False and causal.options["pin_pv_wait"]
