@@ -37,11 +37,12 @@ from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tens
                                          run_attention)
 
 # Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.02-1.03x k5 at
-# d = 128; k6 alone runs d 96-256 and fp16). At d = 64 k5 leads since its SMEM descriptors
-# are built in uniform registers: 1.06-1.08x k6 without a mask, 1.00-1.13x with one
-# (results/h100/2026-11-23_fwd_uniform_descriptors.json); k6 still takes what k5 refuses.
+# d = 128; k6 alone runs d 96-256 and fp16). At d = 64 without a mask k5 leads or ties
+# (k6 0.97-1.12x k5 over N = 512..16k, results/h100/2026-11-23_bench_k5-k6_d64.json); with
+# a causal mask k6 leads since its 192-row long-sequence tiles (1.01-1.21x k5, same run).
+# k6 still takes what k5 refuses.
 PREFERENCE = ("k6", "k5", "k4")
-PREFERENCE_BY_HEAD_DIM = {64: ("k5", "k6", "k4")}
+PREFERENCE_BY_HEAD_DIM = {(64, False): ("k5", "k6", "k4")}      # (head_dim, causal)
 BACKWARD_PREFERENCE = ("kb2", "kb1")
 
 _HANDLES: dict = {}
@@ -96,8 +97,8 @@ def _entry_for(problem: Problem, stage: str):
         entry = registry.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
         return entry
-    return _first_supporting(PREFERENCE_BY_HEAD_DIM.get(problem.head_dim, PREFERENCE),
-                             problem, "stage")
+    preference = PREFERENCE_BY_HEAD_DIM.get((problem.head_dim, problem.causal), PREFERENCE)
+    return _first_supporting(preference, problem, "stage")
 
 
 # Calls that passed every check once, by everything the checks looked at except the data
