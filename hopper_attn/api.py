@@ -37,10 +37,10 @@ from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tens
                                          run_attention)
 
 # Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.02-1.03x k5 at
-# d = 128; k6 alone runs d 96-256 and fp16). At d = 64 without a mask k5 leads or ties
-# (k6 0.97-1.12x k5 over N = 512..16k, results/h100/2026-11-23_bench_k5-k6_d64.json); with
-# a causal mask k6 leads since its 192-row long-sequence tiles (1.01-1.21x k5, same run).
-# k6 still takes what k5 refuses.
+# d = 128; k6 alone runs d 96-256 and fp16). At d = 64 without a mask k5 leads (1.6-3.1% at
+# N = 1k/4k/16k, round-robin, results/h100/2026-11-23_k5_k6_d64_interleaved.json); with a
+# causal mask k6 leads since its 192-row long-sequence tiles (1.18x / 1.03x / 1.01x k5,
+# same run). k6 still takes what k5 refuses.
 PREFERENCE = ("k6", "k5", "k4")
 PREFERENCE_BY_HEAD_DIM = {(64, False): ("k5", "k6", "k4")}      # (head_dim, causal)
 BACKWARD_PREFERENCE = ("kb2", "kb1")
