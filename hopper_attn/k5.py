@@ -191,7 +191,7 @@ class FlashAttentionK5:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
 
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.with_p_buffer(SharedStorage)
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
@@ -246,8 +246,11 @@ class FlashAttentionK5:
             wg = warp // 4 - 1                              # consumer warpgroup, 0 .. W - 1
 
             # Each consumer warpgroup owns 64 query rows (as in k4, indexed by ctidx).
+            p_layout = self.p_layout()
+            sP = None if cutlass.const_expr(p_layout is None) else \
+                storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
             mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
-                                              self.dtype, self.uniform_descriptors)
+                                              self.dtype, self.uniform_descriptors, sP=sP)
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
@@ -368,8 +371,7 @@ class FlashAttentionK5:
             self.trace.end(phase)
             phase = self.trace.start("mma")
             if n > 0:                                   # O += P_{n-1} V_{n-1}
-                wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
-                           zero_init=False)
+                self.issue_pv(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index])
             wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
                        zero_init=True)                  # S = Q K_n^T
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
@@ -430,6 +432,25 @@ class FlashAttentionK5:
                     mLSE[batch, head, row] = lse[r]
 
     @cute.jit
+    def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag, vt_stage: cute.Tensor):
+        """O += P V as one committed WGMMA batch (k6 can take P from shared memory)."""
+        wgmma.gemm(mma_pv, acc_o, p_frag, vt_stage, zero_init=False)
+
+    def p_layout(self):
+        """SMEM layout of a P buffer, or None: P stays in registers (k6's `p_in_smem`)."""
+        return None
+
+    def with_p_buffer(self, storage):
+        """`storage` (a cute.struct) with a field sP for `p_layout`, if there is one."""
+        layout = self.p_layout()
+        if layout is None:
+            return storage
+        fields = dict(storage._annotations)
+        fields["sP"] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)],
+                                         1024]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    @cute.jit
     def last_pv(self, loads: tma.SplitKVLoads, wg, mma_pv: cute.TiledMma, acc_o: cute.Tensor,
                 p_frag: cute.Tensor, vt_frag: cute.Tensor, v_state):
         """The last tile's O += P V, in one more turn (shared with k6)."""
@@ -440,8 +461,7 @@ class FlashAttentionK5:
         self.pingpong.sync(wg)
         self.trace.end(phase)
         phase = self.trace.start("pv")
-        wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
-                   zero_init=False)
+        self.issue_pv(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index])
         self.pingpong.finish(wg)                        # the next WG's last PV may go
         warpgroup.wait_group(0)
         loads.v_pipe.consumer_release(v_state)

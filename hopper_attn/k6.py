@@ -63,7 +63,7 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
-from hopper_attn.common.layouts import acc_rows_cols
+from hopper_attn.common.layouts import acc_rows_cols, smem_tile_layout
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 
@@ -85,6 +85,9 @@ SPEC = KernelSpec(
 # 40 + 20 + 128 of 240).
 # d = 64 with a causal mask and a query length of at least this: 192-row tiles (compile_kernel)
 LONG_CAUSAL_D64 = 2048
+# named barriers P_STORED_BARRIER + wg: a warpgroup's P is in shared memory (p_in_smem; after
+# the epilogue's 1, the turns' 2-4 and exp_turns' next ids)
+P_STORED_BARRIER = 8
 # d = 96 without a mask and a query length of at least this: 192 x 96 tiles (compile_kernel)
 LONG_D96 = 2048
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
@@ -97,8 +100,12 @@ class FlashAttentionK6(FlashAttentionK5):
                  dynamic: Optional[bool] = None, wait_pv_late: Optional[bool] = None,
                  lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
                  exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
-                 mask_per_row: Optional[bool] = None, **options):
+                 mask_per_row: Optional[bool] = None, p_in_smem: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
+        # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
+        # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
+        # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
+        self.p_in_smem = bool(p_in_smem)
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
@@ -161,8 +168,7 @@ class FlashAttentionK6(FlashAttentionK5):
             wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
                        zero_init=True)                  # S = Q K_n^T, first in the queue
             if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
-                wgmma.gemm(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index],
-                           zero_init=False)
+                self.issue_pv(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index])
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
             if n > 0:
                 warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
@@ -216,6 +222,36 @@ class FlashAttentionK6(FlashAttentionK5):
                 scale_rows(o_rc, softmax.rebase(m_new))
             softmax.exponentiate(s_rc)
 
+    def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
+        p_bytes = -(-block_m * block_n * 2 // 1024) * 1024 if self.p_in_smem else 0
+        return super().smem_estimate(head_dim, block_m, block_n, stages) + p_bytes
+
+    def p_layout(self):
+        return smem_tile_layout(self.dtype, self.block_m, self.block_n) if self.p_in_smem \
+            else None
+
+    @cute.jit
+    def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag, vt_stage: cute.Tensor):
+        if cutlass.const_expr(self.p_in_smem):
+            wgmma.gemm(mma_pv, acc_o, p_frag.frag, vt_stage, zero_init=False)
+        else:
+            wgmma.gemm(mma_pv, acc_o, p_frag, vt_stage, zero_init=False)
+
+    @cute.jit
+    def probs_to_operand(self, acc_s: cute.Tensor, p_frag):
+        """P (fp32, S's registers) -> the PV operand: registers (k5's), or with p_in_smem this
+        thread's places in the P buffer, then fenced for the WGMMA's async proxy and a
+        barrier of the warpgroup (its PV reads all 64 rows)."""
+        if cutlass.const_expr(self.p_in_smem):
+            p = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            p.store(acc_s.load().to(self.dtype))
+            cute.autovec_copy(p, p_frag.store)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
+            cute.arch.barrier(barrier_id=P_STORED_BARRIER + wg, number_of_threads=128)
+        else:
+            FlashAttentionK5.probs_to_operand(self, acc_s, p_frag)
+
     @cute.jit
     def finish_tile(self, loads: tma.SplitKVLoads, n, acc_s: cute.Tensor, o_rc: cute.Tensor,
                     p_frag: cute.Tensor, alpha: cute.Tensor, v_state):
@@ -244,7 +280,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    uniform_descriptors: Optional[bool] = None,
                    wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
                    exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
-                   mask_per_row: Optional[bool] = None):
+                   mask_per_row: Optional[bool] = None, p_in_smem: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -257,7 +293,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     in front of the PV wait (without wait_pv_late it keeps ptxas from hoisting the wait
     above the softmax; default: at d >= 192, in front of the late wait);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
-    docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's)."""
+    docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's);
+    p_in_smem: P to the PV GEMM through shared memory (FlashAttention-4's d = 96 path;
+    compiled and checked on the CPU only, not yet run on a GPU)."""
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -295,7 +333,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "lazy_rescale": bool(lazy_rescale),
                               "exp_turns": bool(exp_turns),
                               "pin_pv_wait": pin_pv_wait,
-                              "mask_per_row": mask_per_row},
+                              "mask_per_row": mask_per_row,
+                              "p_in_smem": bool(p_in_smem)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -90,6 +90,15 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
 
 
 @dataclasses.dataclass(frozen=True)
+class SmemP:
+    """P passed to O += P V through shared memory (k6's `p_in_smem`): `frag`, the PV GEMM's
+    A operand (SMEM descriptors); `store`, this thread's S-accumulator positions in the same
+    buffer (where it writes its P values)."""
+    frag: cute.Tensor
+    store: cute.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionMmas:
     """The two GEMMs of a warpgroup-per-64-rows attention kernel (k4 on), partitioned for
     thread `tidx` (counted from the first thread of the first computing warpgroup).
@@ -107,25 +116,35 @@ class AttentionMmas:
     q_frag: cute.Tensor
     k_frag: cute.Tensor
     vt_frag: cute.Tensor
-    p_frag: cute.Tensor
+    p_frag: object                  # registers (cute.Tensor), or SmemP
     s_coords: cute.Tensor
 
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
                dtype=BFloat16, uniform: bool = True,
-               vt_k_major: bool = False) -> "AttentionMmas":
+               vt_k_major: bool = False, sP=None) -> "AttentionMmas":
+        """`sP`: a (block_m, block_n) SMEM buffer for P (K-major), or None: P in registers."""
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype)
-        mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
+        if sP is None:
+            mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
+        else:
+            mma_pv = smem_mma(warpgroups, 1, head_dim, cute.nvgpu.OperandMajorMode.K,
+                              cute.nvgpu.OperandMajorMode.K if vt_k_major
+                              else cute.nvgpu.OperandMajorMode.MN, dtype)
         wg_qk = warpgroup_slice(mma_qk, tidx, uniform)
         wg_pv = warpgroup_slice(mma_pv, tidx, uniform)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
+        if sP is None:
+            p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n)))
+        else:
+            p_frag = SmemP(wg_pv.make_fragment_A(wg_pv.partition_A(sP)), thr_qk.partition_C(sP))
         return AttentionMmas(
             mma_qk, mma_pv, thr_qk, thr_pv,
             q_frag=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
             k_frag=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
             vt_frag=wg_pv.make_fragment_B(wg_pv.partition_B(sVt)),
-            p_frag=wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n))),
+            p_frag=p_frag,
             s_coords=acc_rows_cols(thr_qk.partition_C(
                 cute.make_identity_tensor((block_m, block_n)))))
 
