@@ -191,8 +191,8 @@ class FlashAttentionK5:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
 
-        self.shared_storage = self.with_p_buffer(SharedStorage)
-        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.shared_storage = self.with_buffers(SharedStorage, q_layout)
+        self.smem_bytes = self.shared_storage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
         self.kernel(*coords, o_coords, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
@@ -220,6 +220,9 @@ class FlashAttentionK5:
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ, sK, sV = qkv_smem(storage, q_layout, kv_layout)    # (bm, d), (bn, d, stage) x 2
+        # O is staged in Q's buffer (k6's option own_o_buffer: a buffer of its own)
+        sO_buffer = storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner) \
+            if cutlass.const_expr(self.own_o_buffer) else sQ
         sVt = transposed(sV)                                                    # (d, bn, stage)
 
         # Warp 0 initialises every mbarrier; the one CTA-wide sync of the kernel publishes
@@ -270,6 +273,9 @@ class FlashAttentionK5:
                     loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
                     mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
                     mmas.s_coords, softmax, k_state, v_state)
+                if cutlass.const_expr(self.own_o_buffer):  # (k6's option) Q is read: the
+                    loads.q_pipe.consumer_release(q_state)  # next one may load under the
+                    q_state.advance()                       # epilogue
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
                 phase = self.trace.start("epilogue")
@@ -281,15 +287,16 @@ class FlashAttentionK5:
                 self.epilogue_barrier.arrive_and_wait()     # every WG's last QK (reads sQ) is done
                 # (the SMEM addresses derive from an opaque thread index so that they are
                 # computed here, not hoisted out of a persistent loop: compiler_hints.py)
-                sO = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sQ)
+                sO = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sO_buffer)
                 cute.autovec_copy(o_out, sO)
                 cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
                 self.epilogue_barrier.arrive_and_wait()
                 if warp == 4:                               # the first consumer warp
-                    o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sQ)
+                    o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_buffer)
                     o_store.store(m_block)                  # returns once SMEM has been read
-                loads.q_pipe.consumer_release(q_state)      # the next Q may overwrite it
-                q_state.advance()
+                if cutlass.const_expr(not self.own_o_buffer):
+                    loads.q_pipe.consumer_release(q_state)  # the next Q may overwrite it
+                    q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
@@ -440,14 +447,22 @@ class FlashAttentionK5:
         """SMEM layout of a P buffer, or None: P stays in registers (k6's `p_in_smem`)."""
         return None
 
-    def with_p_buffer(self, storage):
-        """`storage` (a cute.struct) with a field sP for `p_layout`, if there is one."""
+    # k6's option: O staged in a buffer of its own instead of Q's (False: no code, no SMEM)
+    own_o_buffer = False
+
+    def with_buffers(self, storage, q_layout):
+        """`storage` (a cute.struct) with the buffers k6's options add: sP for `p_layout`,
+        sO (Q's shape) for `own_o_buffer`."""
         layout = self.p_layout()
-        if layout is None:
-            return storage
         fields = dict(storage._annotations)
-        fields["sP"] = cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)],
-                                         1024]
+        if layout is not None:
+            fields["sP"] = cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+        if self.own_o_buffer:
+            fields["sO"] = cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+        if len(fields) == len(storage._annotations):
+            return storage
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit

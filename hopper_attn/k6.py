@@ -100,12 +100,16 @@ class FlashAttentionK6(FlashAttentionK5):
                  dynamic: Optional[bool] = None, wait_pv_late: Optional[bool] = None,
                  lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
                  exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
-                 mask_per_row: Optional[bool] = None, p_in_smem: bool = False, **options):
+                 mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
+                 own_o_buffer: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
         self.p_in_smem = bool(p_in_smem)
+        # O staged in a buffer of its own (as k7 does): Q is released right after the last
+        # QK of a work item, so the next item's Q loads under this one's epilogue
+        self.own_o_buffer = bool(own_o_buffer)
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
@@ -224,7 +228,8 @@ class FlashAttentionK6(FlashAttentionK5):
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         p_bytes = -(-block_m * block_n * 2 // 1024) * 1024 if self.p_in_smem else 0
-        return super().smem_estimate(head_dim, block_m, block_n, stages) + p_bytes
+        o_bytes = -(-block_m * head_dim * 2 // 1024) * 1024 if self.own_o_buffer else 0
+        return super().smem_estimate(head_dim, block_m, block_n, stages) + p_bytes + o_bytes
 
     def p_layout(self):
         return smem_tile_layout(self.dtype, self.block_m, self.block_n) if self.p_in_smem \
@@ -280,7 +285,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    uniform_descriptors: Optional[bool] = None,
                    wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
                    exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
-                   mask_per_row: Optional[bool] = None, p_in_smem: bool = False):
+                   mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
+                   own_o_buffer: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -294,8 +300,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     above the softmax; default: at d >= 192, in front of the late wait);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
     docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's);
-    p_in_smem: P to the PV GEMM through shared memory (FlashAttention-4's d = 96 path;
-    compiled and checked on the CPU only, not yet run on a GPU)."""
+    p_in_smem: P to the PV GEMM through shared memory (FlashAttention-4's d = 96 path);
+    own_o_buffer: O staged in a buffer of its own, so that the next work item's Q loads
+    under the epilogue (both compiled and checked on the CPU only, not yet run on a GPU)."""
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -334,7 +341,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "exp_turns": bool(exp_turns),
                               "pin_pv_wait": pin_pv_wait,
                               "mask_per_row": mask_per_row,
-                              "p_in_smem": bool(p_in_smem)},
+                              "p_in_smem": bool(p_in_smem),
+                              "own_o_buffer": bool(own_o_buffer)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

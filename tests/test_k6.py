@@ -204,3 +204,18 @@ def test_p_in_smem_option():
         assert count(art["ptx"], WGMMA) > 0 and count(art["ptx"], WGMMA_REG_A) == 0
         assert re.search(r"bar\.sync\s+%r\d+,\s*128;", art["ptx"])
         assert art["kernel"]["smem_bytes"] <= 227 * 1024
+
+
+def test_own_o_buffer_option():
+    """k6:own_o_buffer=1 (not yet run on a GPU): O staged in a buffer of its own, Q's size
+    more shared memory, no spills; refused where it does not fit (d = 256)."""
+    for d in (64, 128):
+        plain, own = artifacts(d, True), artifacts(d, True, name="k6:own_o_buffer=1")
+        for fn in resource_usage(own["cubin"]):
+            assert fn["local"] == 0 and fn["stack"] == 0, fn
+        extra = own["kernel"]["block_m"] * d * 2
+        assert own["kernel"]["smem_bytes"] - plain["kernel"]["smem_bytes"] >= extra
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="shared memory"):
+        k6.compile_kernel(Problem(1, 2, 128, 256, False), own_o_buffer=True)
