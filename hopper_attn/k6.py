@@ -244,13 +244,13 @@ class FlashAttentionK6(FlashAttentionK5):
 
     @cute.jit
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag):
-        """P (fp32, S's registers) -> the PV operand: registers (k5's), or with p_in_smem this
-        thread's places in the P buffer, then fenced for the WGMMA's async proxy and a
-        barrier of the warpgroup (its PV reads all 64 rows)."""
+        """P (fp32, S's registers) -> the PV operand: registers (k5's), or with p_in_smem the
+        P buffer (stmatrix), then fenced for the WGMMA's async proxy and a barrier of the
+        warpgroup (its PV reads all 64 rows)."""
         if cutlass.const_expr(self.p_in_smem):
             p = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p.store(acc_s.load().to(self.dtype))
-            cute.autovec_copy(p, p_frag.store)
+            p_frag.store(p)
             cute.arch.fence_proxy("async.shared", space="cta")
             wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
             cute.arch.barrier(barrier_id=P_STORED_BARRIER + wg, number_of_threads=128)

@@ -192,16 +192,17 @@ def test_d96_long_sequences():
 
 
 def test_p_in_smem_option():
-    """k6:p_in_smem=1 (not yet run on a GPU): P goes to O += P V through shared memory, so
-    no WGMMA takes A from registers; a 128-thread barrier per warpgroup orders the P stores
-    before the PV; 192 x 128 at d = 96 then compiles without spills (it spills with P in
-    registers)."""
-    name = "k6:p_in_smem=1,block_m=192,block_n=128,wait_pv_late=0,mask_per_row=1"
+    """k6:p_in_smem=1 (not yet run on a GPU): P goes to O += P V through shared memory
+    (stmatrix), so no WGMMA takes A from registers; a 128-thread barrier per warpgroup
+    orders the P stores before the PV; FlashAttention-4's d = 96 tile, 192 x 144, then
+    compiles without spills (it spills with P in registers)."""
+    name = "k6:p_in_smem=1,block_m=192,block_n=144,wait_pv_late=0,mask_per_row=1"
     for causal in (False, True):
         art = artifacts(96, causal, name=name)
         for fn in resource_usage(art["cubin"]):
             assert fn["local"] == 0 and fn["stack"] == 0, fn
         assert count(art["ptx"], WGMMA) > 0 and count(art["ptx"], WGMMA_REG_A) == 0
+        assert count(art["ptx"], r"stmatrix\.sync\.aligned") > 0
         assert re.search(r"bar\.sync\s+%r\d+,\s*128;", art["ptx"])
         assert art["kernel"]["smem_bytes"] <= 227 * 1024
 

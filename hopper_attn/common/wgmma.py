@@ -92,10 +92,18 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
 @dataclasses.dataclass(frozen=True)
 class SmemP:
     """P passed to O += P V through shared memory (k6's `p_in_smem`): `frag`, the PV GEMM's
-    A operand (SMEM descriptors); `store`, this thread's S-accumulator positions in the same
-    buffer (where it writes its P values)."""
+    A operand (SMEM descriptors); `copy` / `thr_copy` / `dst`, a stmatrix copy from the S
+    accumulator's register layout into the same buffer (four 8 x 8 blocks per warp
+    instruction, as kb2 stores dS^T)."""
     frag: cute.Tensor
-    store: cute.Tensor
+    copy: object
+    thr_copy: object
+    dst: cute.Tensor
+
+    @cute.jit
+    def store(self, p: cute.Tensor):
+        """p: this thread's P values in the S accumulator's layout (16-bit)."""
+        cute.copy(self.copy, self.thr_copy.retile(p), self.dst)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +146,13 @@ class AttentionMmas:
         if sP is None:
             p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n)))
         else:
-            p_frag = SmemP(wg_pv.make_fragment_A(wg_pv.partition_A(sP)), thr_qk.partition_C(sP))
+            store_p = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
+                                                                      num_matrices=4), dtype),
+                mma_qk)
+            thr_store = store_p.get_slice(tidx)
+            p_frag = SmemP(wg_pv.make_fragment_A(wg_pv.partition_A(sP)), store_p, thr_store,
+                           thr_store.partition_D(sP))
         return AttentionMmas(
             mma_qk, mma_pv, thr_qk, thr_pv,
             q_frag=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
