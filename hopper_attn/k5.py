@@ -67,7 +67,7 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                        qkv_smem, smem_tile_layout, transposed)
+                                        qkv_smem, smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
 from hopper_attn.common.scheduler import (ItemQueue, TileScheduler, fetch_next_item, retire,
                                           sm_count)
@@ -147,7 +147,7 @@ class FlashAttentionK5:
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
         (k7 overrides it: FP8 rings, a V^T ring, an output buffer)."""
-        return 1024 + sum(-(-rows * head_dim * 2 // 1024) * 1024
+        return 1024 + sum(smem_bytes(rows * head_dim * 2)
                           for rows in (block_m, stages * block_n, stages * block_n))
 
     def describe(self) -> dict:
@@ -378,7 +378,8 @@ class FlashAttentionK5:
             self.trace.end(phase)
             phase = self.trace.start("mma")
             if n > 0:                                   # O += P_{n-1} V_{n-1}
-                self.issue_pv(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index])
+                wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
+                           vt_frag[None, None, None, v_state.index], zero_init=False)
             wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
                        zero_init=True)                  # S = Q K_n^T
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
@@ -438,11 +439,6 @@ class FlashAttentionK5:
                 if row < seqlen_q:
                     mLSE[batch, head, row] = lse[r]
 
-    @cute.jit
-    def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag, vt_stage: cute.Tensor):
-        """O += P V as one committed WGMMA batch (k6 can take P from shared memory)."""
-        wgmma.gemm(mma_pv, acc_o, p_frag, vt_stage, zero_init=False)
-
     def p_layout(self):
         """SMEM layout of a P buffer, or None: P stays in registers (k6's `p_in_smem`)."""
         return None
@@ -476,7 +472,8 @@ class FlashAttentionK5:
         self.pingpong.sync(wg)
         self.trace.end(phase)
         phase = self.trace.start("pv")
-        self.issue_pv(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index])
+        wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
+                   vt_frag[None, None, None, v_state.index], zero_init=False)
         self.pingpong.finish(wg)                        # the next WG's last PV may go
         warpgroup.wait_group(0)
         loads.v_pipe.consumer_release(v_state)

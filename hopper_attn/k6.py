@@ -63,7 +63,7 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
-from hopper_attn.common.layouts import acc_rows_cols, smem_tile_layout
+from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 
@@ -172,7 +172,8 @@ class FlashAttentionK6(FlashAttentionK5):
             wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
                        zero_init=True)                  # S = Q K_n^T, first in the queue
             if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
-                self.issue_pv(mma_pv, acc_o, p_frag, vt_frag[None, None, None, v_state.index])
+                wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
+                           vt_frag[None, None, None, v_state.index], zero_init=False)
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
             if n > 0:
                 warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
@@ -227,20 +228,13 @@ class FlashAttentionK6(FlashAttentionK5):
             softmax.exponentiate(s_rc)
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
-        p_bytes = -(-block_m * block_n * 2 // 1024) * 1024 if self.p_in_smem else 0
-        o_bytes = -(-block_m * head_dim * 2 // 1024) * 1024 if self.own_o_buffer else 0
+        p_bytes = smem_bytes(block_m * block_n * 2) if self.p_in_smem else 0
+        o_bytes = smem_bytes(block_m * head_dim * 2) if self.own_o_buffer else 0
         return super().smem_estimate(head_dim, block_m, block_n, stages) + p_bytes + o_bytes
 
     def p_layout(self):
         return smem_tile_layout(self.dtype, self.block_m, self.block_n) if self.p_in_smem \
             else None
-
-    @cute.jit
-    def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag, vt_stage: cute.Tensor):
-        if cutlass.const_expr(self.p_in_smem):
-            wgmma.gemm(mma_pv, acc_o, p_frag.frag, vt_stage, zero_init=False)
-        else:
-            wgmma.gemm(mma_pv, acc_o, p_frag, vt_stage, zero_init=False)
 
     @cute.jit
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag):
@@ -255,7 +249,7 @@ class FlashAttentionK6(FlashAttentionK5):
             wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
             cute.arch.barrier(barrier_id=P_STORED_BARRIER + wg, number_of_threads=128)
         else:
-            FlashAttentionK5.probs_to_operand(self, acc_s, p_frag)
+            super().probs_to_operand(acc_s, p_frag)
 
     @cute.jit
     def finish_tile(self, loads: tma.SplitKVLoads, n, acc_s: cute.Tensor, o_rc: cute.Tensor,

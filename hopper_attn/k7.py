@@ -57,7 +57,7 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention)
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
-from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_tile_layout,
+from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
                                         swap_modes, transposed)
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.warp_roles import WarpRoles
@@ -141,11 +141,10 @@ class FlashAttentionK7(FlashAttentionK6):
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """e4m3 Q, K, V and V^T rings, the bf16 output buffer (unless O is stored straight
         from registers), 1 KiB of mbarriers; each buffer 1024-byte aligned."""
-        def kib(n):
-            return -(-n // 1024) * 1024
-        o_bytes = 0 if self.direct_store else kib(block_m * head_dim * 2)
+        o_bytes = 0 if self.direct_store else smem_bytes(block_m * head_dim * 2)
         rings = 2 if self.v_transposed else 3                   # K, V^T (and raw V)
-        return 1024 + kib(block_m * head_dim) + rings * kib(stages * block_n * head_dim) + o_bytes
+        return (1024 + smem_bytes(block_m * head_dim)
+                + rings * smem_bytes(stages * block_n * head_dim) + o_bytes)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,

@@ -43,6 +43,12 @@ def smem_tile_layout(dtype, rows: int, cols: int, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
+def smem_bytes(nbytes: int) -> int:
+    """A shared-memory buffer's footprint: its bytes rounded up to the 1024-byte alignment
+    every swizzled tile buffer gets (for the kernels' SMEM estimates)."""
+    return -(-nbytes // 1024) * 1024
+
+
 def qkv_smem(storage, q_layout, kv_layout):
     """The Q tile and the K and V rings of a SharedStorage (fields sQ, sK, sV) as swizzled
     tensors: (block_m, d), (block_n, d, stage), (block_n, d, stage)."""

@@ -106,6 +106,11 @@ class SmemP:
         cute.copy(self.copy, self.thr_copy.retile(p), self.dst)
 
 
+def pv_operand(p_frag):
+    """What O += P V reads for P: the register fragment, or SmemP's SMEM descriptors."""
+    return p_frag.frag if isinstance(p_frag, SmemP) else p_frag
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionMmas:
     """The two GEMMs of a warpgroup-per-64-rows attention kernel (k4 on), partitioned for
