@@ -165,6 +165,7 @@ class FlashAttentionK5:
                 "consumer_regs": self.roles.consumer_regs,
                 "entry_regs_max": self.roles.entry_regs,
                 "mbarriers": getattr(self, "mbarriers", None),
+                "v_lags_k": self.v_lags_k, "own_o_buffer": self.own_o_buffer,
                 "named_barriers": named}
 
     @cute.jit
@@ -327,22 +328,43 @@ class FlashAttentionK5:
         # mbarriers of this (live) CTA only.
         q_state = tma.producer_state(1)
         produce = tma.producer_state(self.stages)
+        # k6's option v_lags_k: V's ring gets a state of its own, one tile behind K's
+        produce_v = tma.producer_state(self.stages) if self.v_lags_k else None
         item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         while valid:
             n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
             work = loads.at(head, head // group, batch)
-            work.load_k(produce, 0)
-            work.load_q(q_state, m_block)
-            work.load_v(produce, 0)
-            produce.advance()
-            for n in cutlass.range(1, n_count, unroll=1):
-                phase = self.trace.start("load_k")
-                work.load_k(produce, n)
-                self.trace.end(phase)
-                phase = self.trace.start("load_v")
-                work.load_v(produce, n)
-                self.trace.end(phase)
+            if cutlass.const_expr(self.v_lags_k):
+                # K_0, Q, K_1, V_0, K_2, V_1, ..., V_last: a consumer uses K_j one tile
+                # before V_j (S_j = Q K_j^T goes with O += P_{j-1} V_{j-1}), so K_{j+1} no
+                # longer queues behind V_j, whose stage is freed a tile later than K_j's
+                work.load_k(produce, 0)
                 produce.advance()
+                work.load_q(q_state, m_block)
+                for n in cutlass.range(1, n_count, unroll=1):
+                    phase = self.trace.start("load_k")
+                    work.load_k(produce, n)
+                    produce.advance()
+                    self.trace.end(phase)
+                    phase = self.trace.start("load_v")
+                    work.load_v(produce_v, n - 1)
+                    produce_v.advance()
+                    self.trace.end(phase)
+                work.load_v(produce_v, n_count - 1)
+                produce_v.advance()
+            else:
+                work.load_k(produce, 0)
+                work.load_q(q_state, m_block)
+                work.load_v(produce, 0)
+                produce.advance()
+                for n in cutlass.range(1, n_count, unroll=1):
+                    phase = self.trace.start("load_k")
+                    work.load_k(produce, n)
+                    self.trace.end(phase)
+                    phase = self.trace.start("load_v")
+                    work.load_v(produce, n)
+                    self.trace.end(phase)
+                    produce.advance()
             q_state.advance()
             if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
                 tiles = fetch_next_item(mCounter)
@@ -445,6 +467,8 @@ class FlashAttentionK5:
 
     # k6's option: O staged in a buffer of its own instead of Q's (False: no code, no SMEM)
     own_o_buffer = False
+    # k6's option: K_{j+1} loaded before V_j, FlashAttention-4's order (False: no code)
+    v_lags_k = False
 
     def with_buffers(self, storage, q_layout):
         """`storage` (a cute.struct) with the buffers k6's options add: sP for `p_layout`,

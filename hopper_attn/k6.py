@@ -47,6 +47,12 @@ takes items c, c + grid, ... With a causal mask (items of different lengths, the
 first) the producer warp of a CTA takes its next item from a global counter (one atomicAdd)
 and passes it to its consumer warpgroups through shared memory, so items go to whichever
 CTA is free first: docs/k6.md.
+
+Fourth step, two waits outside the GEMMs (LOAD_ORDER, below): the producer loads K_{j+1}
+before V_j (FlashAttention-4's order, `v_lags_k`), so a K tile no longer queues behind a V
+stage that frees a tile later; and O is staged in a buffer of its own (`own_o_buffer`, d <=
+128: Q's 16-32 KiB more SMEM), so the next work item's Q loads under this one's epilogue.
++1.7-7.4% at d = 128, measured round-robin (docs/k6.md).
 """
 
 from __future__ import annotations
@@ -90,6 +96,15 @@ LONG_CAUSAL_D64 = 2048
 P_STORED_BARRIER = 8
 # d = 96 without a mask and a query length of at least this: 192 x 96 tiles (compile_kernel)
 LONG_D96 = 2048
+# (head_dim, causal) -> (v_lags_k, own_o_buffer) defaults, measured round-robin against the
+# k6 before them (x FA4 in the same run; results/h100/2026-11-24_k6_v_lags_k_*.json, docs/k6.md
+# "Loads in FlashAttention-4's order, O in its own buffer"): d = 128 +1.7-7.4%; d = 64 and 96
+# with a mask +0.9-5%; d = 192 / 256 without one, V lagging alone, +1.5-2.2%. Elsewhere the
+# lagging V lost (d = 64 / 96 full -4-5%, d = 192 / 256 causal -0.5-1.7%), and O's buffer does
+# not fit at d >= 192.
+LOAD_ORDER = {(64, True): (True, True), (96, True): (True, True), (128, False): (True, True),
+              (128, True): (True, True), (192, False): (True, False),
+              (256, False): (True, False)}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
          192: (128, 112, False), 256: (128, 80, False)}
 
@@ -101,8 +116,11 @@ class FlashAttentionK6(FlashAttentionK5):
                  lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
                  exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
-                 own_o_buffer: bool = False, **options):
+                 own_o_buffer: bool = False, v_lags_k: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
+        # the producer loads K_{j+1} before V_j (FlashAttention-4's order), and a consumer
+        # waits for V_{j-1} inside its turn, after issuing S_j = Q K_j^T
+        self.v_lags_k = bool(v_lags_k)
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
@@ -162,8 +180,9 @@ class FlashAttentionK6(FlashAttentionK5):
                                                v_state)
             phase = self.trace.start("wait_kv")
             loads.k_pipe.consumer_wait(k_state)
-            if n > 0:
-                loads.v_pipe.consumer_wait(v_state)
+            if cutlass.const_expr(not self.v_lags_k):
+                if n > 0:
+                    loads.v_pipe.consumer_wait(v_state)
             self.trace.end(phase)
             phase = self.trace.start("wait_turn")
             pingpong.sync(wg)                           # --- this WG's turn
@@ -172,6 +191,8 @@ class FlashAttentionK6(FlashAttentionK5):
             wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
                        zero_init=True)                  # S = Q K_n^T, first in the queue
             if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
+                if cutlass.const_expr(self.v_lags_k):   # V_{n-1} was loaded after K_n
+                    loads.v_pipe.consumer_wait(v_state)
                 wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
                            vt_frag[None, None, None, v_state.index], zero_init=False)
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
@@ -280,7 +301,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
                    exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                    mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
-                   own_o_buffer: bool = False):
+                   own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -296,7 +317,15 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's);
     p_in_smem: P to the PV GEMM through shared memory (FlashAttention-4's d = 96 path);
     own_o_buffer: O staged in a buffer of its own, so that the next work item's Q loads
-    under the epilogue (both compiled and checked on the CPU only, not yet run on a GPU)."""
+    under the epilogue; v_lags_k: K_{j+1} loaded before V_j, V waited for inside the turn
+    (FA4's order); None: LOAD_ORDER's choice for the head dim and mask (p_in_smem compiled
+    and checked on the CPU only, not yet run on a GPU)."""
+    # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
+    custom = bool(block_m or block_n or p_in_smem)
+    lags, own = (False, False) if custom else \
+        LOAD_ORDER.get((problem.head_dim, problem.causal), (False, False))
+    v_lags_k = lags if v_lags_k is None else v_lags_k
+    own_o_buffer = own if own_o_buffer is None else own_o_buffer
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -336,7 +365,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "pin_pv_wait": pin_pv_wait,
                               "mask_per_row": mask_per_row,
                               "p_in_smem": bool(p_in_smem),
-                              "own_o_buffer": bool(own_o_buffer)},
+                              "own_o_buffer": bool(own_o_buffer),
+                              "v_lags_k": bool(v_lags_k)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

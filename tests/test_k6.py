@@ -208,10 +208,11 @@ def test_p_in_smem_option():
 
 
 def test_own_o_buffer_option():
-    """k6:own_o_buffer=1 (not yet run on a GPU): O staged in a buffer of its own, Q's size
+    """k6:own_o_buffer=1 (the default at d = 128 and with a mask at d = 64, 96): O staged in a buffer of its own, Q's size
     more shared memory, no spills; refused where it does not fit (d = 256)."""
     for d in (64, 128):
-        plain, own = artifacts(d, True), artifacts(d, True, name="k6:own_o_buffer=1")
+        plain, own = (artifacts(d, True, name="k6:own_o_buffer=0"),
+                      artifacts(d, True, name="k6:own_o_buffer=1"))
         for fn in resource_usage(own["cubin"]):
             assert fn["local"] == 0 and fn["stack"] == 0, fn
         extra = own["kernel"]["block_m"] * d * 2
@@ -220,3 +221,30 @@ def test_own_o_buffer_option():
     from hopper_attn.common.contract import Problem
     with pytest.raises(ValueError, match="shared memory"):
         k6.compile_kernel(Problem(1, 2, 128, 256, False), own_o_buffer=True)
+
+
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, False)])
+def test_v_lags_k_option(d, causal):
+    """k6:v_lags_k=1: the producer loads K_{j+1} before V_j and a consumer waits for V_{j-1}
+    inside its turn, after issuing S_j (FlashAttention-4's order): no spills, and the loop's
+    turn (the first `bar.sync ..., 256` to its `bar.arrive`) holds one mbarrier wait, which
+    the default has before the turn."""
+    name = "k6:v_lags_k=1"
+    art = artifacts(d, causal, name=name)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    if d <= 128:                                    # above 128 the WGs take no turns
+        plain = artifacts(d, causal, name="k6:v_lags_k=0")
+        for ptx, waits in ((art["ptx"], 1), (plain["ptx"], 0)):
+            turn = re.search(r"bar\.sync\s+%r\d+,\s*256;(.*?)bar\.arrive", ptx, re.S)
+            assert count(turn.group(1), r"mbarrier\.try_wait") == waits
+
+
+@pytest.mark.parametrize("d,causal,lags,own", [
+    (128, False, True, True), (128, True, True, True), (64, True, True, True),
+    (64, False, False, False), (96, False, False, False), (256, False, True, False),
+    (256, True, False, False)])
+def test_load_order_defaults(d, causal, lags, own):
+    """compile_kernel's defaults follow k6.LOAD_ORDER (measured round-robin, docs/k6.md)."""
+    kernel = artifacts(d, causal)["kernel"]
+    assert (kernel["v_lags_k"], kernel["own_o_buffer"]) == (lags, own)

@@ -462,7 +462,10 @@ def blocks(folder) -> dict:
               "k7_variants": None, "k7_variants_batch": None, "k7_exp2_fma": None,
               "k7_block_n": None, "k7_d64_stages": None, "k7_direct_store": None,
               "k6_wait_pv_late": None, "k7_lazy_rescale": None,
-              "k7_v_transposed_tiles": None, "k7_tiles_v_packed": None}
+              "k7_v_transposed_tiles": None, "k7_tiles_v_packed": None,
+              "k6_v_lags_k_own_o_d128": None, "k6_v_lags_k_own_o_d64": None,
+              "k6_v_lags_k_own_o_d64_causal": None, "k6_v_lags_k_own_o_d96": None,
+              "k6_v_lags_k_d192_256": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
