@@ -375,14 +375,19 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    direct_store: bool = False, wait_pv_late: bool = False,
                    lazy_rescale: bool = False, v_transposed: bool = True,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
-                   spec: KernelSpec = SPEC):
+                   v_lags_k: Optional[bool] = None, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
     tile units whose ldmatrix the transposing warps issue back to back (1, the default: one at
     a time; more finishes the transpose sooner but slows the consumers' exp2, which share the
-    MIO queue with ldmatrix/stmatrix).
+    MIO queue with ldmatrix/stmatrix); v_lags_k: K_{j+1} loaded before V_j (k6's option;
+    None: on except at d = 256 with a causal mask, measured round-robin: +2.8-3.4% at
+    d = 128, +0.9-1.2% d = 256 full, +0.4-0.7% d = 64, -0.9/+0.5% d = 256 causal;
+    results/h100/2026-11-24_k7_v_lags_k.json).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
+    if v_lags_k is None:
+        v_lags_k = not (problem.head_dim == 256 and problem.causal)
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,
@@ -396,7 +401,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "lazy_rescale": bool(lazy_rescale),
                               "v_transposed": bool(v_transposed),
                               "exp_turns": bool(exp_turns),
-                              "pin_pv_wait": bool(pin_pv_wait)},
+                              "pin_pv_wait": bool(pin_pv_wait),
+                              "v_lags_k": bool(v_lags_k)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

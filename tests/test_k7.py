@@ -184,3 +184,12 @@ def test_exp2_in_turns(d, causal):
         return sum("MUFU.EX2" in ln for ln in lines[sync:arrive])
 
     assert max(exp2_in_turn(i) for i in syncs) >= art["kernel"]["block_n"] // 2
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal,lags", [(128, False, True), (128, True, True),
+                                           (256, False, True), (256, True, False)])
+def test_v_lags_k_default(d, causal, lags):
+    """K_{j+1} loaded before V_j (k6's v_lags_k) by default, except at d = 256 with a mask
+    (measured round-robin, docs/k7.md)."""
+    assert compiled("k7", d, causal)["kernel"]["v_lags_k"] == lags
