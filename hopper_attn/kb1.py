@@ -208,7 +208,7 @@ class FlashAttentionBackwardKB1:
             cute.arch.fence_proxy("async.shared", space="cta")   # visible to the WGMMA unit
             cute.arch.barrier()
             acc_dq = mmas.new_dq_accumulator(bm, d)
-            wgmma.gemm(mmas.mma_dq, acc_dq, mmas.ds_frag[None, None, None, buf], mmas.kt_frag,
+            wgmma.gemm(mmas.mma_dq, acc_dq, *mmas.dq_operands(buf),
                        zero_init=True)
             warpgroup.wait_group(0)
             qdo_pipe.consumer_release(consume)                 # Q, dO of this stage are read

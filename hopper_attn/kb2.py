@@ -26,11 +26,13 @@ What changes from kb1:
   waiting only for dQ; dQ -> SMEM while dK runs. The tensor core always has the next GEMM
   queued behind the current one.
 
-What stays: kb1's tiles (64 queries x 128 keys), the transposed formulation (P^T and dS^T
-from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile
-skipping, GQA and seqlen_k != seqlen_q, the pre/post-processing structure.
+What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
+into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping, GQA and
+seqlen_k != seqlen_q, the pre/post-processing structure. Query tiles: 64 rows at d = 128, 128
+at d = 64 (FlashAttention-3's choice there, `TILES`); 80 rows (dQ computed transposed,
+`dq_swap_ab`) as an option.
 
-Budget (d = 128): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
+Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
 ~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
 S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
@@ -42,6 +44,8 @@ consumer warpgroup, 128 + 32 threads).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -78,10 +82,15 @@ class FlashAttentionBackwardKB2:
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  stages: int = 2, rotate: bool = False, deterministic: bool = False,
-                 stmatrix: bool = True, early_dv=None):
-        if block_m != 64 or block_n != 128:
-            raise ValueError("kb2 runs 64 x 128 tiles (one consumer warpgroup per 64 keys); "
-                             f"got {block_m} x {block_n}")
+                 stmatrix: bool = True, early_dv=None, dp_first: bool = False):
+        if block_m not in (64, 80, 128) or block_n != 128:
+            raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
+                             f"64, 80 or 128 queries; got {block_m} x {block_n}")
+        # dq_swap_ab: 80 query rows are not a multiple of WGMMA's M (64), so dQ is computed
+        # transposed, dQ^T = K^T dS^T, with head_dim split between the warpgroups
+        self.dq_swap_ab = block_m % 64 != 0
+        if self.dq_swap_ab and head_dim != 128:
+            raise ValueError(f"kb2 takes 80-row query tiles at head_dim 128 only, got {head_dim}")
         self.head_dim, self.causal = head_dim, causal
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
         self.warpgroups = block_n // 64                     # consumer warpgroups
@@ -104,7 +113,15 @@ class FlashAttentionBackwardKB2:
         # computed, and it is what makes ptxas keep the exp2 loop ahead of that wait (with
         # dV later, the compiled code waited for dP^T before the first exp2). Default: on at
         # d = 128, off at d = 64, where it measured 1-2% faster and 5% slower
-        self.early_dv = (head_dim == 128) if early_dv is None else bool(early_dv)
+        self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
+            else bool(early_dv)
+        # dp_first: dP^T is issued first and starts from -D (see `consume`), S^T behind it;
+        # the exp2 loop then waits for both. Saves the D registers (what lets 128 x 128
+        # tiles at d = 64 run without spills) but gives up dP^T's overlap with the exp2s
+        self.dp_first = dp_first
+        if dp_first and self.early_dv:
+            raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
+                             "for dP^T before the exp2 loop)")
 
     @cute.jit
     def query_tile(self, it, n_block, m_first, m_count):
@@ -116,7 +133,8 @@ class FlashAttentionBackwardKB2:
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
-                "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
+                "block_n": self.block_n, "dq_swap_ab": self.dq_swap_ab,
+                "stages": self.stages, "threads": self.threads,
                 "producer_regs": self.roles.producer_regs,
                 "consumer_regs": self.roles.consumer_regs}
 
@@ -131,7 +149,9 @@ class FlashAttentionBackwardKB2:
         self.dtype = mQ.element_type
         tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
-        row_layout = cute.make_layout((bm, self.stages))                # lse2 / D rings
+        # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
+        row_stride = -(-bm // 32) * 32
+        row_layout = cute.make_layout((bm, self.stages), stride=(1, row_stride))
         q_tiles, do_tiles, k_tiles, v_tiles, dk_tiles, dv_tiles = tiles.tensors
         tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv = tiles.atoms
         tma_lse, lse_tiles = tma.make_tma_row_load(lse2, bm)
@@ -144,8 +164,8 @@ class FlashAttentionBackwardKB2:
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, bm * self.stages], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, bm * self.stages], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
@@ -268,7 +288,7 @@ class FlashAttentionBackwardKB2:
                 tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, head, batch, warp):
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
-                                         sdSt, dtype)                 # kb1's five GEMMs
+                                         sdSt, dtype, self.dq_swap_ab)  # kb1's five GEMMs
         st_coords = mmas.st_coords
         acc_dk = mmas.new_dkv_accumulator(bn, d)
         acc_dv = mmas.new_dkv_accumulator(bn, d)
@@ -290,19 +310,33 @@ class FlashAttentionBackwardKB2:
             stage = consume.index
             q_pipe.consumer_wait(consume)
             acc_st = mmas.new_st_accumulator(bm, bn)
+            acc_dpt = mmas.new_st_accumulator(bm, bn)
+            st_rc, dpt_rc = acc_rows_cols(acc_st), acc_rows_cols(acc_dpt)
+            cols = cute.size(st_rc, mode=[1])
+            if cutlass.const_expr(self.dp_first):
+                # dP^T - D straight out of the GEMM: it starts from -D instead of zero, so no
+                # D register is held through the tile. A WGMMA whose accumulator was written
+                # by other instructions waits for every earlier WGMMA (ptxas inserts the
+                # wait), so dP^T goes first and S^T queues behind it
+                do_pipe.consumer_wait(consume)
+                for c in cutlass.range_constexpr(cols):
+                    minus_d = -sD[st_coords[0, c][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(dpt_rc, mode=[0])):
+                        dpt_rc[r, c] = minus_d
+                wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag,
+                           mmas.do_frag[None, None, None, stage], zero_init=False)
             wgmma.gemm(mmas.mma_sdp, acc_st, mmas.k_frag, mmas.q_frag[None, None, None, stage],
                        zero_init=True)
-            st_rc = acc_rows_cols(acc_st)
-            cols = cute.size(st_rc, mode=[1])
             # this thread's LSE (and below D) values, loaded while the GEMMs run: read after
             # the wait, their SMEM latency stalled the exp2 loop (ncu: 9% of warp samples)
             lse2 = column_stats(sLSE, st_coords, stage, cols)
-            do_pipe.consumer_wait(consume)
-            acc_dpt = mmas.new_st_accumulator(bm, bn)
-            wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag, mmas.do_frag[None, None, None, stage],
-                       zero_init=True)
-            dpt_rc = acc_rows_cols(acc_dpt)
-            warpgroup.wait_group(1)                                     # S^T has landed
+            if cutlass.const_expr(self.dp_first):
+                warpgroup.wait_group(0)                                 # S^T, dP^T landed
+            else:
+                do_pipe.consumer_wait(consume)
+                wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag,
+                           mmas.do_frag[None, None, None, stage], zero_init=True)
+                warpgroup.wait_group(1)                                 # S^T has landed
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
                             self.causal, causal_offset, transposed=True)
@@ -310,17 +344,21 @@ class FlashAttentionBackwardKB2:
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                     st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2[c],
                                                  fastmath=True)          # P^T
-            dsum = column_stats(sD, st_coords, stage, cols)
+            if cutlass.const_expr(not self.dp_first):
+                dsum = column_stats(sD, st_coords, stage, cols)
             mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
             if cutlass.const_expr(self.early_dv):
                 wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
                            mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
                 warpgroup.wait_group(1)                                 # dP^T has landed
-            else:
+            elif cutlass.const_expr(not self.dp_first):
                 warpgroup.wait_group(0)                                 # dP^T has landed
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
-                    dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum[c])  # dS^T
+                    if cutlass.const_expr(self.dp_first):
+                        dpt_rc[r, c] = st_rc[r, c] * dpt_rc[r, c]               # dS^T
+                    else:
+                        dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum[c])  # dS^T
             mmas.dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
             pin(mmas.dst_frag)                          # one conversion for both readers
             buf = it % 2
@@ -336,7 +374,7 @@ class FlashAttentionBackwardKB2:
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
             ds_written.arrive_and_wait()                         # ... of both warpgroups
             acc_dq = mmas.new_dq_accumulator(bm, d)
-            wgmma.gemm(mmas.mma_dq, acc_dq, mmas.ds_frag[None, None, None, buf], mmas.kt_frag,
+            wgmma.gemm(mmas.mma_dq, acc_dq, *mmas.dq_operands(buf),
                        zero_init=True)
             warpgroup.wait_group(1)                                     # dV is done
             do_pipe.consumer_release(consume)
@@ -386,15 +424,32 @@ def wait_for_turn(turn: cute.Pointer, n_block):
     cute.arch.sync_warp()
 
 
-def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
+# Tiles per (head_dim, causal) where they differ from 64 x 128, chosen round-robin against
+# FA4 (results/h100/2026-11-24_kb2_tiles_*.json, docs/kb2.md): at d = 64 FlashAttention-3's
+# 128-row query tiles, +8-14% without a mask (with dp_first) and +2-7% with one (there the
+# stmatrix dS^T store spills at 240 registers, so the plain store). At d = 128 the 80-row
+# tiles with dQ^T (FA3's and FA4's choice without a mask) spill unless dS^T is stored without
+# stmatrix, and then lose 4-5%: 64 rows stay.
+TILES = {(64, False): {"block_m": 128, "dp_first": True},
+         (64, True): {"block_m": 128, "stmatrix": False}}
+
+
+def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
                    block_n: int = 128, stages: int = 2, rotate: bool = False,
-                   deterministic: bool = False, stmatrix: bool = True, early_dv=None):
+                   deterministic: bool = False, stmatrix: Optional[bool] = None,
+                   early_dv=None, dp_first: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
-    deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower)."""
+    deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
+    block_m, stmatrix, dp_first: None takes `TILES` for the head dim and mask (when block_m
+    is not given), else 64 rows, stmatrix on, dp_first off."""
+    tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
+    pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
-                            {"block_m": block_m, "block_n": block_n, "stages": stages,
-                             "rotate": bool(rotate), "deterministic": bool(deterministic),
-                             "stmatrix": bool(stmatrix),
+                            {"block_m": pick(block_m, "block_m", 64), "block_n": block_n,
+                             "stages": stages, "rotate": bool(rotate),
+                             "deterministic": bool(deterministic),
+                             "stmatrix": bool(pick(stmatrix, "stmatrix", True)),
+                             "dp_first": bool(pick(dp_first, "dp_first", False)),
                              "early_dv": None if early_dv is None else bool(early_dv)},
                             compile_options=compile_options)
 

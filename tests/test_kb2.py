@@ -39,8 +39,9 @@ def test_ptx_shows_the_stage(d, causal):
     # consumer warpgroup (128) and the writer warp (32)
     assert count(ptx, r"bar\.sync\s+1,\s*256;") == 1
     assert count(ptx, r"bar\.(sync|arrive)\s+\S+,\s*160;") == 6
-    # the five GEMMs as in kb1: two SMEM x SMEM, two with A from registers, dQ transposed
-    assert count(ptx, r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*\{") == 2 * (64 // 16)
+    # the five GEMMs as in kb1: two SMEM x SMEM, two with A from registers (one WGMMA per
+    # 16 query rows of the tile), dQ transposed
+    assert count(ptx, r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*\{") == 2 * (kernel["block_m"] // 16)
 
 
 def test_fp16_compiles_to_f16_wgmmas():
@@ -91,3 +92,28 @@ def test_dv_issued_before_waiting_for_dpt_at_d128(d, early):
     dS^T is shared); at d = 64, where that order measured slower, after it."""
     loop = _consumer_loop(compiled("kb2", d, False)["ptx"])
     assert count(loop, r"wgmma\.wait_group\.sync\.aligned\s+0;") == (0 if early else 1)
+
+
+@pytest.mark.parametrize("d,causal,block_m,options", [
+    (64, False, 128, {"dp_first": True, "stmatrix": True}),
+    (64, True, 128, {"dp_first": False, "stmatrix": False}),
+    (128, False, 64, {"dp_first": False, "stmatrix": True}),
+    (128, True, 64, {"dp_first": False, "stmatrix": True})])
+def test_tiles_per_head_dim(d, causal, block_m, options):
+    """kb2.TILES: FlashAttention-3's 128-row query tiles at d = 64 (the variants without
+    spills that measured fastest), 64 rows at d = 128."""
+    art = compiled("kb2", d, causal)
+    assert art["kernel"]["block_m"] == block_m
+    for name, value in options.items():
+        assert art["kernel"]["options"][name] == value
+
+
+def test_80_row_tiles_compute_dq_transposed():
+    """block_m=80 (FA4's tile at d = 128 without a mask): dQ^T = K^T dS^T as 64 x 80
+    WGMMAs with both operands from SMEM; without spills only with the plain dS^T store."""
+    art = compiled("kb2:block_m=80,early_dv=0,stmatrix=0", 128, False)
+    assert art["kernel"]["dq_swap_ab"]
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    smem_smem_n80 = r"wgmma\.mma_async\.sync\.aligned\.m64n80k16\S*\s+\{[^}]*\},\s*%rd"
+    assert count(art["ptx"], smem_smem_n80) == 3 * (128 // 16)          # S^T, dP^T, dQ^T

@@ -38,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from . import tma
-from .layouts import ndhb_view, smem_tile_layout
+from .layouts import ndhb_view, smem_tile_layout, transposed
 from .wgmma import dq_mma
 
 _COMPILED: dict = {}
@@ -122,9 +122,10 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
                                                      tvm_ffi=ffi)
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
-    post_key = ("postprocess", d, dt, kernel.block_m, fragments, ffi)
+    swap_ab = getattr(kernel, "dq_swap_ab", False)
+    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi)
     if post_key not in _COMPILED:
-        convert = DqConvertFragments(d, kernel.block_m) if fragments else DqConvert(d)
+        convert = DqConvertFragments(d, kernel.block_m, swap_ab) if fragments else DqConvert(d)
         _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], scalars=(1.0,),
                                                       tvm_ffi=ffi)
     pre, post = _COMPILED[pre_key], _COMPILED[post_key]
@@ -366,16 +367,16 @@ class DqConvert:
 
 
 class DqConvertFragments:
-    """`DqConvert` for a dq_accum written in fragment order (kb2): each 64-row query tile is
-    one contiguous block of 64 x d floats, warpgroup w's half (columns w d/2 ..) after w's, in
+    """`DqConvert` for a dq_accum written in fragment order (kb2): each query tile is one
+    contiguous block of block_m x d floats, warpgroup 1's half after warpgroup 0's, in
     the order the dQ WGMMA's accumulator registers are laid out, 4 floats per thread at a
     time (what lets kb2 move it with one bulk copy). A CTA of 256 threads re-creates that
-    WGMMA's partition to know which (row, column) each float is, converts, and writes the
-    tile through SMEM (rows padded by 8 elements: conflict-free) so that the global stores
-    are 16-byte row chunks."""
+    WGMMA's partition (`swap_ab`: the one computing dQ^T) to know which (row, column) each
+    float is, converts, and writes the tile through SMEM (rows padded by 8 elements) so
+    that the global stores are 16-byte row chunks."""
 
-    def __init__(self, head_dim: int, block_m: int):
-        self.head_dim, self.block_m = head_dim, block_m
+    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False):
+        self.head_dim, self.block_m, self.swap_ab = head_dim, block_m, swap_ab
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, 256)
 
     @cute.jit
@@ -391,8 +392,9 @@ class DqConvertFragments:
         bm, d = self.block_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        thr = dq_mma(d, self.dtype).get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((bm, d)), Float32)
+        thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((d, bm) if self.swap_ab else (bm, d)),
+                                    Float32)
         src = fragment_slot(acc_all[batch, head, None, None].iterator, m_block, tidx, bm, d,
                             cute.size(acc))
         cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
@@ -401,7 +403,7 @@ class DqConvertFragments:
         smem = cutlass.memory.SmemAllocator()
         tile = smem.allocate_tensor(self.dtype, cute.make_layout((bm, d), stride=(d + CHUNK, 1)),
                                     byte_alignment=16)
-        cute.autovec_copy(converted, thr.partition_C(tile))
+        cute.autovec_copy(converted, thr.partition_C(transposed(tile) if self.swap_ab else tile))
         cute.arch.sync_threads()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
         for p in cutlass.range_constexpr(bm // self.rows_per_pass):

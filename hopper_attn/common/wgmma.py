@@ -57,11 +57,16 @@ def smem_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, a_major, b_major
         tiler_mn=(64, tile_n))
 
 
-def dq_mma(head_dim: int, dtype=BFloat16):
-    """The backward's dQ = dS K for a 64-row query tile: two warpgroups side by side, each
-    64 x d/2 (A = dS and B = K^T, both read MN-major from SMEM)."""
-    return smem_mma(1, 2, head_dim // 2, cute.nvgpu.OperandMajorMode.MN,
-                    cute.nvgpu.OperandMajorMode.MN, dtype)
+def dq_mma(head_dim: int, dtype=BFloat16, swap_ab: bool = False, block_m: int = 64):
+    """The backward's dQ = dS K for a query tile of `block_m` rows (a multiple of 64): two
+    warpgroups side by side, each block_m x d/2 (A = dS and B = K^T, both read MN-major from
+    SMEM). A WGMMA's M is a multiple of 64, so a tile of 80 rows (kb2 at d = 128) computes
+    the transpose instead (`swap_ab`): dQ^T = K^T dS^T, the warpgroups one above the other
+    over head_dim (64 rows each) and the query rows as N."""
+    mn = cute.nvgpu.OperandMajorMode.MN
+    if swap_ab:
+        return smem_mma(head_dim // 64, 1, block_m, mn, mn, dtype)
+    return smem_mma(1, 2, head_dim // 2, mn, mn, dtype)
 
 
 @cute.jit
@@ -187,7 +192,8 @@ class BackwardMmas:
         dV += P^T dO, dK += dS^T Q   mma_dkv: keys x d, A from registers (pt_frag, dst_frag),
                                      B = dO^T, Q^T (the same tiles read MN-major)
         dQ = dS K                    mma_dq: queries x d/2 per warpgroup, A = (dS^T)^T and
-                                     B = K^T, both MN-major from SMEM
+                                     B = K^T, both MN-major from SMEM; with `dq_swap_ab`
+                                     dQ^T = K^T dS^T, 64 of d x queries per warpgroup
 
     sQ and sdO have a stage mode, sdSt (keys x queries) a buffer mode. `st_coords[r, c]` is
     the (key, query) of S^T register [r, c] inside the tile.
@@ -210,18 +216,25 @@ class BackwardMmas:
     ds_frag: cute.Tensor
     kt_frag: cute.Tensor
     st_coords: cute.Tensor
+    dq_swap_ab: bool = False
 
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
-               sdSt: cute.Tensor, dtype=BFloat16) -> "BackwardMmas":
+               sdSt: cute.Tensor, dtype=BFloat16, dq_swap_ab: bool = False) -> "BackwardMmas":
         bm, bn = block_m, block_n
         mma_sdp = qk_mma(warpgroups, 1, bm, dtype)
         wg_sdp, thr_sdp = warpgroup_slice(mma_sdp, tidx), mma_sdp.get_slice(tidx)
         mma_dkv = pv_mma(warpgroups, head_dim, dtype)
         wg_dkv, thr_dkv = warpgroup_slice(mma_dkv, tidx), mma_dkv.get_slice(tidx)
-        mma_dq = dq_mma(head_dim, dtype)
+        mma_dq = dq_mma(head_dim, dtype, dq_swap_ab, bm)
         wg_dq, thr_dq = warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
+        if dq_swap_ab:          # dQ^T = K^T dS^T: K^T is A (d x keys), dS^T is B (queries x keys)
+            ds_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sdSt)))
+            kt_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sK)))
+        else:
+            ds_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt)))
+            kt_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))
         return BackwardMmas(
             mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dkv, thr_dq,
             k_frag=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
@@ -232,9 +245,15 @@ class BackwardMmas:
             qt_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ))),
             pt_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
             dst_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
-            ds_frag=wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt))),
-            kt_frag=wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK))),
-            st_coords=acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm)))))
+            ds_frag=ds_frag, kt_frag=kt_frag,
+            st_coords=acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm)))),
+            dq_swap_ab=dq_swap_ab)
+
+    def dq_operands(self, buf):
+        """(A, B) of the dQ GEMM, dS^T read from SMEM buffer `buf`."""
+        if self.dq_swap_ab:
+            return self.kt_frag, self.ds_frag[None, None, None, buf]
+        return self.ds_frag[None, None, None, buf], self.kt_frag
 
     def new_dkv_accumulator(self, block_n: int, head_dim: int) -> cute.Tensor:
         """dK or dV (fp32, per thread), zeroed."""
@@ -247,4 +266,6 @@ class BackwardMmas:
         return cute.make_rmem_tensor(self.thr_sdp.partition_shape_C((block_n, block_m)), Float32)
 
     def new_dq_accumulator(self, block_m: int, head_dim: int) -> cute.Tensor:
-        return cute.make_rmem_tensor(self.thr_dq.partition_shape_C((block_m, head_dim)), Float32)
+        """dQ (or dQ^T with dq_swap_ab) of a query tile (fp32, per thread)."""
+        shape = (head_dim, block_m) if self.dq_swap_ab else (block_m, head_dim)
+        return cute.make_rmem_tensor(self.thr_dq.partition_shape_C(shape), Float32)

@@ -465,7 +465,9 @@ def blocks(folder) -> dict:
               "k7_v_transposed_tiles": None, "k7_tiles_v_packed": None,
               "k6_v_lags_k_own_o_d128": None, "k6_v_lags_k_own_o_d64": None,
               "k6_v_lags_k_own_o_d64_causal": None, "k6_v_lags_k_own_o_d96": None,
-              "k6_v_lags_k_d192_256": None, "k7_v_lags_k": None}
+              "k6_v_lags_k_d192_256": None, "k7_v_lags_k": None,
+              "kb2_tiles_d128": None, "kb2_tiles_d128_stmatrix": None,
+              "kb2_tiles_d64_defaults": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
