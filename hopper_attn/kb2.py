@@ -319,10 +319,10 @@ class FlashAttentionBackwardKB2:
                 # by other instructions waits for every earlier WGMMA (ptxas inserts the
                 # wait), so dP^T goes first and S^T queues behind it
                 do_pipe.consumer_wait(consume)
+                dsum = column_stats(sD, st_coords, stage, cols)
                 for c in cutlass.range_constexpr(cols):
-                    minus_d = -sD[st_coords[0, c][1], stage]
                     for r in cutlass.range_constexpr(cute.size(dpt_rc, mode=[0])):
-                        dpt_rc[r, c] = minus_d
+                        dpt_rc[r, c] = -dsum[c]
                 wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag,
                            mmas.do_frag[None, None, None, stage], zero_init=False)
             wgmma.gemm(mmas.mma_sdp, acc_st, mmas.k_frag, mmas.q_frag[None, None, None, stage],

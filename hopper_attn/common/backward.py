@@ -39,7 +39,7 @@ from cutlass import Float32
 
 from . import tma
 from .layouts import ndhb_view, smem_tile_layout, transposed
-from .wgmma import dq_mma
+from .wgmma import dq_mma, dq_tile_shape
 
 _COMPILED: dict = {}
 
@@ -393,7 +393,7 @@ class DqConvertFragments:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((d, bm) if self.swap_ab else (bm, d)),
+        acc = cute.make_rmem_tensor(thr.partition_shape_C(dq_tile_shape(bm, d, self.swap_ab)),
                                     Float32)
         src = fragment_slot(acc_all[batch, head, None, None].iterator, m_block, tidx, bm, d,
                             cute.size(acc))

@@ -69,6 +69,12 @@ def dq_mma(head_dim: int, dtype=BFloat16, swap_ab: bool = False, block_m: int = 
     return smem_mma(1, 2, head_dim // 2, mn, mn, dtype)
 
 
+def dq_tile_shape(block_m: int, head_dim: int, swap_ab: bool = False) -> tuple:
+    """The (M, N) tile `dq_mma` computes: dQ (block_m, d), or dQ^T (d, block_m) with swap_ab
+    (what the kernel's accumulator and the postprocess's partition both use)."""
+    return (head_dim, block_m) if swap_ab else (block_m, head_dim)
+
+
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
          zero_init: cutlass.Constexpr[bool]):
@@ -267,5 +273,5 @@ class BackwardMmas:
 
     def new_dq_accumulator(self, block_m: int, head_dim: int) -> cute.Tensor:
         """dQ (or dQ^T with dq_swap_ab) of a query tile (fp32, per thread)."""
-        shape = (head_dim, block_m) if self.dq_swap_ab else (block_m, head_dim)
+        shape = dq_tile_shape(block_m, head_dim, self.dq_swap_ab)
         return cute.make_rmem_tensor(self.thr_dq.partition_shape_C(shape), Float32)
