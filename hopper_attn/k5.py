@@ -98,7 +98,7 @@ class FlashAttentionK5:
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False, pingpong: bool = True,
                  persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False,
-                 uniform_descriptors: bool = True):
+                 uniform_descriptors: bool = True, spin_waits: bool = False):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -127,6 +127,7 @@ class FlashAttentionK5:
                                        dynamic and persistent)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
+        self.spin_waits = bool(spin_waits)                  # tma.wait_full
 
     def item_queue(self, storage, receivers: int):
         """The dynamic schedule's queue of work items from the producer warp to `receivers`
@@ -166,6 +167,7 @@ class FlashAttentionK5:
                 "entry_regs_max": self.roles.entry_regs,
                 "mbarriers": getattr(self, "mbarriers", None),
                 "v_lags_k": self.v_lags_k, "own_o_buffer": self.own_o_buffer,
+                "spin_waits": self.spin_waits,
                 "named_barriers": named}
 
     @cute.jit
@@ -230,7 +232,8 @@ class FlashAttentionK5:
         # them. After the split below nothing may use barrier 0: the producer's warps leave.
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
-                                        (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV))
+                                        (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
+                                        spin_waits=self.spin_waits)
         queue = self.item_queue(storage, roles.consumer_threads)
         tma.barriers_ready()
 
@@ -275,7 +278,7 @@ class FlashAttentionK5:
                     mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
                     mmas.s_coords, softmax, k_state, v_state)
                 if cutlass.const_expr(self.own_o_buffer):  # (k6's option) Q is read: the
-                    loads.q_pipe.consumer_release(q_state)  # next one may load under the
+                    loads.release(loads.q_pipe, q_state)  # next one may load under the
                     q_state.advance()                       # epilogue
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
@@ -296,7 +299,7 @@ class FlashAttentionK5:
                     o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_buffer)
                     o_store.store(m_block)                  # returns once SMEM has been read
                 if cutlass.const_expr(not self.own_o_buffer):
-                    loads.q_pipe.consumer_release(q_state)  # the next Q may overwrite it
+                    loads.release(loads.q_pipe, q_state)  # the next Q may overwrite it
                     q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
@@ -391,9 +394,9 @@ class FlashAttentionK5:
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
         for n in cutlass.range(n_count, unroll=1):
             phase = self.trace.start("wait_kv")
-            loads.k_pipe.consumer_wait(k_state)         # K_n, and V_{n-1} for the PV below
+            loads.wait(loads.k_pipe, k_state)         # K_n, and V_{n-1} for the PV below
             if n > 0:
-                loads.v_pipe.consumer_wait(v_state)
+                loads.wait(loads.v_pipe, v_state)
             self.trace.end(phase)
             phase = self.trace.start("wait_turn")
             pingpong.sync(wg)                           # --- this WG's turn: both GEMMs
@@ -409,9 +412,9 @@ class FlashAttentionK5:
             self.trace.end(phase)
             phase = self.trace.start("release")
             if n > 0:
-                loads.v_pipe.consumer_release(v_state)  # V_{n-1} read: its stage is free
+                loads.release(loads.v_pipe, v_state)  # V_{n-1} read: its stage is free
                 v_state.advance()
-            loads.k_pipe.consumer_release(k_state)      # K_n read: its stage is free
+            loads.release(loads.k_pipe, k_state)      # K_n read: its stage is free
             k_state.advance()
             self.trace.end(phase)
             # --- outside the turn: the other WGs' GEMMs run under this softmax
@@ -490,7 +493,7 @@ class FlashAttentionK5:
                 p_frag: cute.Tensor, vt_frag: cute.Tensor, v_state):
         """The last tile's O += P V, in one more turn (shared with k6)."""
         phase = self.trace.start("wait_kv")
-        loads.v_pipe.consumer_wait(v_state)
+        loads.wait(loads.v_pipe, v_state)
         self.trace.end(phase)
         phase = self.trace.start("wait_turn")
         self.pingpong.sync(wg)
@@ -500,7 +503,7 @@ class FlashAttentionK5:
                    vt_frag[None, None, None, v_state.index], zero_init=False)
         self.pingpong.finish(wg)                        # the next WG's last PV may go
         warpgroup.wait_group(0)
-        loads.v_pipe.consumer_release(v_state)
+        loads.release(loads.v_pipe, v_state)
         v_state.advance()
         self.trace.end(phase)
         return v_state
@@ -515,13 +518,15 @@ def lse_buffer(problem, device) -> list:
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 128, stages: int = 2, trace: bool = False,
-                   uniform_descriptors: bool = True):
+                   uniform_descriptors: bool = True, spin_waits: bool = False):
     """Compile (or fetch from the cache) k5; options: block_m (0: the default for the head
     dim; 64, 128 or 192 = 1-3 consumer warpgroups), block_n, stages (of each of the K and V
-    rings), trace (iket phase ranges, for timelines)."""
+    rings), trace (iket phase ranges, for timelines), spin_waits (the rings' waits spin on
+    `mbarrier.try_wait` instead of sleeping between tries: tma.wait_full)."""
     return compile_attention(SPEC, FlashAttentionK5, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
-                              "trace": trace, "uniform_descriptors": bool(uniform_descriptors)},
+                              "trace": trace, "uniform_descriptors": bool(uniform_descriptors),
+                              "spin_waits": bool(spin_waits)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -53,6 +53,11 @@ before V_j (FlashAttention-4's order, `v_lags_k`), so a K tile no longer queues 
 stage that frees a tile later; and O is staged in a buffer of its own (`own_o_buffer`, d <=
 128: Q's 16-32 KiB more SMEM), so the next work item's Q loads under this one's epilogue.
 +1.7-7.4% at d = 128, measured round-robin (docs/k6.md).
+
+Fifth step, the waits themselves (common/tma.py): a consumer warp hands a stage back from an
+elected lane (the library's lane-0 test made ptxas re-read the thread index before every
+release), and at d = 128 the ring waits spin on `mbarrier.try_wait` instead of sleeping
+between tries: +2.1-2.5% at d = 128, measured round-robin (docs/k6.md "Waits and releases").
 """
 
 from __future__ import annotations
@@ -105,6 +110,10 @@ LONG_D96 = 2048
 LOAD_ORDER = {(64, True): (True, True), (96, True): (True, True), (128, False): (True, True),
               (128, True): (True, True), (192, False): (True, False),
               (256, False): (True, False)}
+# head dims whose K/V/Q waits spin on `mbarrier.try_wait` instead of sleeping between tries
+# (tma.wait_full): at d = 128 +1.1-2.5% in three round-robin runs, at d = 64, 192 and 256
+# 0.3-2.3% slower (results/h100/2026-11-25_k6_spin_waits*.json, docs/k6.md)
+SPIN_WAITS_HEAD_DIMS = (128,)
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
          192: (128, 112, False), 256: (128, 80, False)}
 
@@ -179,10 +188,10 @@ class FlashAttentionK6(FlashAttentionK5):
                     v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
                                                v_state)
             phase = self.trace.start("wait_kv")
-            loads.k_pipe.consumer_wait(k_state)
+            loads.wait(loads.k_pipe, k_state)
             if cutlass.const_expr(not self.v_lags_k):
                 if n > 0:
-                    loads.v_pipe.consumer_wait(v_state)
+                    loads.wait(loads.v_pipe, v_state)
             self.trace.end(phase)
             phase = self.trace.start("wait_turn")
             pingpong.sync(wg)                           # --- this WG's turn
@@ -192,7 +201,7 @@ class FlashAttentionK6(FlashAttentionK5):
                        zero_init=True)                  # S = Q K_n^T, first in the queue
             if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
                 if cutlass.const_expr(self.v_lags_k):   # V_{n-1} was loaded after K_n
-                    loads.v_pipe.consumer_wait(v_state)
+                    loads.wait(loads.v_pipe, v_state)
                 wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
                            vt_frag[None, None, None, v_state.index], zero_init=False)
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
@@ -200,7 +209,7 @@ class FlashAttentionK6(FlashAttentionK5):
                 warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
             else:
                 warpgroup.wait_group(0)
-            loads.k_pipe.consumer_release(k_state)      # K_n read: its stage is free
+            loads.release(loads.k_pipe, k_state)       # K_n read: its stage is free
             k_state.advance()
             self.trace.end(phase)
             # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
@@ -282,7 +291,7 @@ class FlashAttentionK6(FlashAttentionK5):
             cute.arch.fence_acq_rel_cta()               # ptxas keeps the wait below this
         warpgroup.wait_group(0)                         # PV_{n-1} done: O and P are free
         if n > 0:
-            loads.v_pipe.consumer_release(v_state)      # V_{n-1} read: its stage is free
+            loads.release(loads.v_pipe, v_state)        # V_{n-1} read: its stage is free
             v_state.advance()
         self.trace.end(phase)
         phase = self.trace.start("rescale")
@@ -301,7 +310,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
                    exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                    mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
-                   own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None):
+                   own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None,
+                   spin_waits: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -318,8 +328,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     p_in_smem: P to the PV GEMM through shared memory (FlashAttention-4's d = 96 path);
     own_o_buffer: O staged in a buffer of its own, so that the next work item's Q loads
     under the epilogue; v_lags_k: K_{j+1} loaded before V_j, V waited for inside the turn
-    (FA4's order); None: LOAD_ORDER's choice for the head dim and mask (p_in_smem compiled
-    and checked on the CPU only, not yet run on a GPU)."""
+    (FA4's order); None: LOAD_ORDER's choice for the head dim and mask; spin_waits: the
+    rings' waits spin on `mbarrier.try_wait` instead of sleeping (None: SPIN_WAITS_HEAD_DIMS)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -345,6 +355,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             # at 2k, -10% at 1k (fewer work items than SMs x warpgroups)
             block_m, block_n = 192, block_n or 96
             pingpong = False if pingpong is None else pingpong
+    if spin_waits is None:
+        spin_waits = problem.head_dim in SPIN_WAITS_HEAD_DIMS
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there
@@ -366,7 +378,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "mask_per_row": mask_per_row,
                               "p_in_smem": bool(p_in_smem),
                               "own_o_buffer": bool(own_o_buffer),
-                              "v_lags_k": bool(v_lags_k)},
+                              "v_lags_k": bool(v_lags_k),
+                              "spin_waits": bool(spin_waits)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

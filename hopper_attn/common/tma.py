@@ -237,6 +237,44 @@ def barriers_ready():
     pipeline.pipeline_init_wait()
 
 
+def wait_full(pipe, state: pipeline.PipelineState, spin: bool = False):
+    """A consumer's wait until `state`'s stage has landed. The library's `consumer_wait` is
+    a loop of `mbarrier.try_wait` with a suspend-time hint, which ptxas compiles to a
+    `TRYWAIT` followed by `NANOSLEEP.SYNCS` when the try fails: the warp then sleeps until
+    the barrier unit wakes it. `spin`: `try_wait` without the hint, in a loop (the hardware
+    still suspends the warp inside each try, up to its own time limit), never `NANOSLEEP`."""
+    if spin:
+        _spin(pipe.sync_object_full, state.index, state.phase)
+    else:
+        pipe.consumer_wait(state)
+
+
+def acquire_empty(pipe, state: pipeline.PipelineState, spin: bool = False):
+    """The producer's `producer_acquire` (wait until the stage is free, then arm its full
+    barrier with the tile's bytes), its wait compiled as in `wait_full`."""
+    if spin:
+        _spin(pipe.sync_object_empty, state.index, state.phase)
+        pipe.producer_acquire(state, cutlass.Boolean(True))   # True: the wait is done
+    else:
+        pipe.producer_acquire(state)
+
+
+@cute.jit
+def _spin(barriers, index, phase):
+    ready = barriers.try_wait(index, phase)
+    while not ready:
+        ready = barriers.try_wait(index, phase)
+
+
+def release_stage(pipe, state: pipeline.PipelineState):
+    """A consumer warp hands `state`'s stage back to the producer: one arrive per warp on
+    the stage's empty barrier. The library's `consumer_release` arrives from lane 0, a
+    predicate that ptxas recomputes from the thread index (`S2R` + `LOP3`, tens of cycles)
+    before every release of a consumer loop; here one lane is elected (`ELECT`)."""
+    with cute.arch.elect_one():
+        pipe.sync_object_empty.arrive(state.index, pipe.consumer_mask)
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitKVLoads:
     """Q once per work item (a one-stage ring), then K and V tiles through two rings of
@@ -261,18 +299,22 @@ class SplitKVLoads:
     q: TmaTiles = None      # set by `at`
     k: TmaTiles = None
     v: TmaTiles = None
+    spin_waits: bool = False  # every wait spins (`wait_full`, `acquire_empty`)
 
     @staticmethod
     def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
-               atoms, tensors, smem, v_consumer_warps: int = 0) -> "SplitKVLoads":
+               atoms, tensors, smem, v_consumer_warps: int = 0,
+               spin_waits: bool = False) -> "SplitKVLoads":
         """`storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
         Call `barriers_ready()` before the barriers are used. `v_consumer_warps`: the warps
-        that release V's stages, when not the consumers (k7: the warps that transpose V)."""
+        that release V's stages, when not the consumers (k7: the warps that transpose V).
+        `spin_waits`: every wait of the rings spins (`wait_full`, `acquire_empty`)."""
         q_pipe = make_tma_ring(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
         k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
         v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages,
                                v_consumer_warps or consumer_warps, tile_bytes)
-        return SplitKVLoads(q_pipe, k_pipe, v_pipe, tuple(atoms), tuple(tensors), tuple(smem))
+        return SplitKVLoads(q_pipe, k_pipe, v_pipe, tuple(atoms), tuple(tensors), tuple(smem),
+                            spin_waits=bool(spin_waits))
 
     def with_v_pipe(self, v_pipe) -> "SplitKVLoads":
         """The same loads with another ring in V's place (k7's consumers wait on V^T's)."""
@@ -290,18 +332,29 @@ class SplitKVLoads:
     def load_q(self, state: pipeline.PipelineState, m_block):
         """Wait until the consumers are done with the Q buffer (a persistent CTA's previous
         output leaves through it), then load query tile `m_block`."""
-        self.q_pipe.producer_acquire(state)
+        self.acquire(self.q_pipe, state)
         self.q.copy(m_block, self.q_pipe.producer_get_barrier(state))
 
     def load_k(self, state: pipeline.PipelineState, tile_index):
         """Wait until K's stage is free, arm its barrier with the tile's bytes, issue the copy."""
-        self.k_pipe.producer_acquire(state)
+        self.acquire(self.k_pipe, state)
         self.k.copy(tile_index, self.k_pipe.producer_get_barrier(state), state.index)
 
     def load_v(self, state: pipeline.PipelineState, tile_index):
-        self.v_pipe.producer_acquire(state)
+        self.acquire(self.v_pipe, state)
         self.v.copy(tile_index, self.v_pipe.producer_get_barrier(state), state.index)
 
-    # consumer side (every consumer thread; lane 0 of each warp arrives on release)
+    def acquire(self, pipe, state: pipeline.PipelineState):
+        acquire_empty(pipe, state, self.spin_waits)
+
+    # consumer side (every consumer thread; one lane of each warp arrives on release)
+    def wait(self, pipe, state: pipeline.PipelineState):
+        """Wait until `state`'s stage of `pipe` (q_pipe, k_pipe, v_pipe) has landed."""
+        wait_full(pipe, state, self.spin_waits)
+
     def wait_q(self, state: pipeline.PipelineState):
-        self.q_pipe.consumer_wait(state)
+        self.wait(self.q_pipe, state)
+
+    def release(self, pipe, state: pipeline.PipelineState):
+        """This warp is done with `state`'s stage of `pipe` (`release_stage`)."""
+        release_stage(pipe, state)
