@@ -111,8 +111,8 @@ LOAD_ORDER = {(64, True): (True, True), (96, True): (True, True), (128, False): 
               (128, True): (True, True), (192, False): (True, False),
               (256, False): (True, False)}
 # head dims whose K/V/Q waits spin on `mbarrier.try_wait` instead of sleeping between tries
-# (tma.wait_full): at d = 128 +1.1-2.5% in three round-robin runs, at d = 64, 192 and 256
-# 0.3-2.3% slower (results/h100/2026-11-25_k6_spin_waits*.json, docs/k6.md)
+# (tma.wait_full): at d = 128 +1.1-2.3% in three round-robin runs; at d = 64 without a mask,
+# 192 and 256 0.3-2.3% slower (results/h100/2026-11-25_k6_spin_waits*.json, docs/k6.md)
 SPIN_WAITS_HEAD_DIMS = (128,)
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
          192: (128, 112, False), 256: (128, 80, False)}

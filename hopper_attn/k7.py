@@ -117,7 +117,10 @@ class FlashAttentionK7(FlashAttentionK6):
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
                  fma_exp2_every: int = 0, direct_store: bool = False,
                  wait_pv_late: bool = False, v_transposed: bool = True,
-                 pin_pv_wait: bool = True, **options):
+                 pin_pv_wait: bool = True, elect_release: bool = False, **options):
+        # stages released from an elected lane (k5/k6's default, common/tma.py); off here
+        # until measured against the library's lane-0 release in one run (docs/k7.md)
+        self.elect_release = bool(elect_release)
         tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
         default_m, default_n, default_pingpong, default_stages = tiles[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
@@ -230,7 +233,8 @@ class FlashAttentionK7(FlashAttentionK6):
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
-                                        v_consumer_warps=transpose_warps)
+                                        v_consumer_warps=transpose_warps,
+                                        elect_release=self.elect_release)
         vt_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.vt_barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -375,7 +379,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    direct_store: bool = False, wait_pv_late: bool = False,
                    lazy_rescale: bool = False, v_transposed: bool = True,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
-                   v_lags_k: Optional[bool] = None, spec: KernelSpec = SPEC):
+                   v_lags_k: Optional[bool] = None, elect_release: bool = False,
+                   spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -402,7 +407,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "v_transposed": bool(v_transposed),
                               "exp_turns": bool(exp_turns),
                               "pin_pv_wait": bool(pin_pv_wait),
-                              "v_lags_k": bool(v_lags_k)},
+                              "v_lags_k": bool(v_lags_k),
+                              "elect_release": bool(elect_release)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

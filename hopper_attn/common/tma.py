@@ -300,11 +300,12 @@ class SplitKVLoads:
     k: TmaTiles = None
     v: TmaTiles = None
     spin_waits: bool = False  # every wait spins (`wait_full`, `acquire_empty`)
+    elect_release: bool = True  # `release` from an elected lane (False: the library's)
 
     @staticmethod
     def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
                atoms, tensors, smem, v_consumer_warps: int = 0,
-               spin_waits: bool = False) -> "SplitKVLoads":
+               spin_waits: bool = False, elect_release: bool = True) -> "SplitKVLoads":
         """`storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
         Call `barriers_ready()` before the barriers are used. `v_consumer_warps`: the warps
         that release V's stages, when not the consumers (k7: the warps that transpose V).
@@ -314,7 +315,7 @@ class SplitKVLoads:
         v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages,
                                v_consumer_warps or consumer_warps, tile_bytes)
         return SplitKVLoads(q_pipe, k_pipe, v_pipe, tuple(atoms), tuple(tensors), tuple(smem),
-                            spin_waits=bool(spin_waits))
+                            spin_waits=bool(spin_waits), elect_release=bool(elect_release))
 
     def with_v_pipe(self, v_pipe) -> "SplitKVLoads":
         """The same loads with another ring in V's place (k7's consumers wait on V^T's)."""
@@ -357,4 +358,7 @@ class SplitKVLoads:
 
     def release(self, pipe, state: pipeline.PipelineState):
         """This warp is done with `state`'s stage of `pipe` (`release_stage`)."""
-        release_stage(pipe, state)
+        if self.elect_release:
+            release_stage(pipe, state)
+        else:
+            pipe.consumer_release(state)
