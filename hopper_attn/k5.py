@@ -278,7 +278,7 @@ class FlashAttentionK5:
                     mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
                     mmas.s_coords, softmax, k_state, v_state)
                 if cutlass.const_expr(self.own_o_buffer):  # (k6's option) Q is read: the
-                    loads.release(loads.q_pipe, q_state)  # next one may load under the
+                    loads.release(loads.q_pipe, q_state)    # next one may load under the
                     q_state.advance()                       # epilogue
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
@@ -299,7 +299,7 @@ class FlashAttentionK5:
                     o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_buffer)
                     o_store.store(m_block)                  # returns once SMEM has been read
                 if cutlass.const_expr(not self.own_o_buffer):
-                    loads.release(loads.q_pipe, q_state)  # the next Q may overwrite it
+                    loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
@@ -394,7 +394,7 @@ class FlashAttentionK5:
         pingpong.start(wg)                              # consumer WG 0 holds the first turn
         for n in cutlass.range(n_count, unroll=1):
             phase = self.trace.start("wait_kv")
-            loads.wait(loads.k_pipe, k_state)         # K_n, and V_{n-1} for the PV below
+            loads.wait(loads.k_pipe, k_state)           # K_n, and V_{n-1} for the PV below
             if n > 0:
                 loads.wait(loads.v_pipe, v_state)
             self.trace.end(phase)
@@ -412,9 +412,9 @@ class FlashAttentionK5:
             self.trace.end(phase)
             phase = self.trace.start("release")
             if n > 0:
-                loads.release(loads.v_pipe, v_state)  # V_{n-1} read: its stage is free
+                loads.release(loads.v_pipe, v_state)    # V_{n-1} read: its stage is free
                 v_state.advance()
-            loads.release(loads.k_pipe, k_state)      # K_n read: its stage is free
+            loads.release(loads.k_pipe, k_state)        # K_n read: its stage is free
             k_state.advance()
             self.trace.end(phase)
             # --- outside the turn: the other WGs' GEMMs run under this softmax

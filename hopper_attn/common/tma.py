@@ -139,7 +139,7 @@ def tma_bytes(dtype, smem_layout) -> int:
 def make_tma_pipeline(barriers: cute.Pointer, stages: int, consumer_warps: int,
                       bytes_per_stage: int, defer_sync: bool = False) -> pipeline.PipelineTmaAsync:
     """A ring of `stages` full/empty mbarrier pairs: one producer thread, `consumer_warps`
-    warps releasing each stage (lane 0 of each arrives once). Warp 0 initialises the
+    warps releasing each stage (one lane of each arrives once: `release_stage`). Warp 0 initialises the
     mbarriers; unless `defer_sync`, the CTA syncs right away to make them visible."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
