@@ -261,7 +261,8 @@ class FlashAttentionK5:
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
-                                           lanes_per_row=4)
+                                           lanes_per_row=4,
+                                           fma_exp2_every=self.fma_exp2_every)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)   # O in bf16 (fp16)
             q_state = tma.consumer_state(1)
@@ -470,6 +471,8 @@ class FlashAttentionK5:
 
     # k6's option: O staged in a buffer of its own instead of Q's (False: no code, no SMEM)
     own_o_buffer = False
+    # k6's option: every n-th exp2 of the softmax on the FMA pipe (common/softmax.py; 0: none)
+    fma_exp2_every = 0
     # k6's option: K_{j+1} loaded before V_j, FlashAttention-4's order (False: no code)
     v_lags_k = False
 

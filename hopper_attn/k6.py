@@ -58,6 +58,8 @@ Fifth step, the waits themselves (common/tma.py): a consumer warp hands a stage 
 elected lane (the library's lane-0 test made ptxas re-read the thread index before every
 release), and at d = 128 the ring waits spin on `mbarrier.try_wait` instead of sleeping
 between tries: +2.1-2.5% at d = 128, measured round-robin (docs/k6.md "Waits and releases").
+At d = 128 one exp2 in 16 is computed on the FMA pipe (a cubic, `exp2_on_fma`) instead of the
+SFU: +0.8-1.4% without a mask (docs/k6.md "What each part of the softmax costs").
 """
 
 from __future__ import annotations
@@ -114,6 +116,11 @@ LOAD_ORDER = {(64, True): (True, True), (96, True): (True, True), (128, False): 
 # (tma.wait_full): at d = 128 +1.1-2.3% in three round-robin runs; at d = 64 without a mask,
 # 192 and 256 0.3-2.3% slower (results/h100/2026-11-25_k6_spin_waits*.json, docs/k6.md)
 SPIN_WAITS_HEAD_DIMS = (128,)
+# head_dim -> n: every n-th exp2 of the softmax on the FMA pipe (common/softmax.py,
+# `exp2_on_fma`) instead of the SFU. At d = 128 +0.8-1.4% without a mask, +0.0-0.4% with one
+# in three round-robin runs; n = 8 and 4 lose up to 6%, and at d = 64 any n loses 3-15%
+# (results/h100/2026-11-25_k6_fma_exp2_*.json, _k6_p_by_bits_d128.json; docs/k6.md)
+FMA_EXP2_EVERY = {128: 16}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
          192: (128, 112, False), 256: (128, 80, False)}
 
@@ -125,7 +132,8 @@ class FlashAttentionK6(FlashAttentionK5):
                  lazy_rescale: bool = False, rescale_threshold_log2: float = 8.0,
                  exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
-                 own_o_buffer: bool = False, v_lags_k: bool = False, **options):
+                 own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
+                 **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # the producer loads K_{j+1} before V_j (FlashAttention-4's order), and a consumer
         # waits for V_{j-1} inside its turn, after issuing S_j = Q K_j^T
@@ -137,6 +145,8 @@ class FlashAttentionK6(FlashAttentionK5):
         # O staged in a buffer of its own (as k7 does): Q is released right after the last
         # QK of a work item, so the next item's Q loads under this one's epilogue
         self.own_o_buffer = bool(own_o_buffer)
+        # every n-th exp2 on the FMA pipe instead of the SFU (OnlineSoftmax; FMA_EXP2_EVERY)
+        self.fma_exp2_every = int(fma_exp2_every)
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
@@ -311,7 +321,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                    mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                    own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None,
-                   spin_waits: Optional[bool] = None):
+                   spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -329,7 +339,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     own_o_buffer: O staged in a buffer of its own, so that the next work item's Q loads
     under the epilogue; v_lags_k: K_{j+1} loaded before V_j, V waited for inside the turn
     (FA4's order); None: LOAD_ORDER's choice for the head dim and mask; spin_waits: the
-    rings' waits spin on `mbarrier.try_wait` instead of sleeping (None: SPIN_WAITS_HEAD_DIMS)."""
+    rings' waits spin on `mbarrier.try_wait` instead of sleeping (None: SPIN_WAITS_HEAD_DIMS);
+    fma_exp2_every: every n-th exp2 on the FMA pipe instead of the SFU (0: none; None:
+    FMA_EXP2_EVERY)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -357,6 +369,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             pingpong = False if pingpong is None else pingpong
     if spin_waits is None:
         spin_waits = problem.head_dim in SPIN_WAITS_HEAD_DIMS
+    if fma_exp2_every is None:
+        fma_exp2_every = FMA_EXP2_EVERY.get(problem.head_dim, 0)
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there
@@ -379,7 +393,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "p_in_smem": bool(p_in_smem),
                               "own_o_buffer": bool(own_o_buffer),
                               "v_lags_k": bool(v_lags_k),
-                              "spin_waits": bool(spin_waits)},
+                              "spin_waits": bool(spin_waits),
+                              "fma_exp2_every": int(fma_exp2_every)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

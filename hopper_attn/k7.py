@@ -118,8 +118,10 @@ class FlashAttentionK7(FlashAttentionK6):
                  fma_exp2_every: int = 0, direct_store: bool = False,
                  wait_pv_late: bool = False, v_transposed: bool = True,
                  pin_pv_wait: bool = True, elect_release: bool = False, **options):
-        # stages released from an elected lane (k5/k6's default, common/tma.py); off here
-        # until measured against the library's lane-0 release in one run (docs/k7.md)
+        # stages released from an elected lane (k5/k6's default, common/tma.py); off here:
+        # against the library's lane-0 release in one run, -2.4/-2.5% at d = 128 without a
+        # mask, 0 to -0.6% at d = 64 and 128 causal, +0.8/+1.5% only at d = 256 without one
+        # (results/h100/2026-11-25_k7_elect_release_d*.json, docs/k7.md)
         self.elect_release = bool(elect_release)
         tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
         default_m, default_n, default_pingpong, default_stages = tiles[head_dim]

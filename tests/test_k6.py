@@ -75,8 +75,11 @@ def test_softmax_waits_for_qk_only(d, causal):
     assert first_any < first_pv
     # ptxas did not serialize the WGMMAs (a DEPBAR that allows one group in flight), and did
     # not hoist the full wait above the softmax (docs/k6.md: k6 waits behind the loop's back
-    # edge for that reason): the exp2s of a whole tile run between the two waits
-    assert exp2_between_waits(sass(art["cubin"])) >= art["kernel"]["block_n"] // 2
+    # edge for that reason): the exp2s of a whole tile run between the two waits (the SFU's
+    # share of them: every `fma_exp2_every`-th one is FMA-pipe code)
+    per_thread = art["kernel"]["block_n"] // 2
+    every = art["kernel"]["options"].get("fma_exp2_every") or 0
+    assert exp2_between_waits(sass(art["cubin"])) >= per_thread - (per_thread // every if every else 0)
 
 
 def exp2_between_waits(sass_text: str) -> int:
@@ -147,7 +150,7 @@ def test_lazy_rescale_compiles(d, causal):
         assert exp2_between_waits(text) >= art["kernel"]["block_n"] // 2
 
 
-@pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1", "k7"])
+@pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1,fma_exp2_every=0", "k7"])
 def test_a_fence_pins_the_pv_wait(name):
     """Without the late wait, ptxas hoists the PV wait (`DEPBAR 0x0`) above the softmax; a
     memory fence in front of it (MEMBAR.ALL.CTA) keeps it where the source puts it, after
@@ -283,3 +286,15 @@ def test_spinning_waits_at_d128_only():
     assert d128["kernel"]["spin_waits"] and not d64["kernel"]["spin_waits"]
     assert count(d128["ptx"], hint) == 0 and "NANOSLEEP" not in sass(d128["cubin"])
     assert count(d64["ptx"], hint) > 0 and "NANOSLEEP" in sass(d64["cubin"])
+
+
+def test_every_16th_exp2_on_the_fma_pipe_at_d128():
+    """d = 128: one exp2 in 16 of a tile (4 of each thread's 64) is the FMA-pipe cubic
+    (`exp2_on_fma`: a `shl.b32` by 23 per value in the PTX), so the loop's 64 MUFU.EX2 become
+    60 (+2 for the rows' rescale factors); d = 64 keeps all of them on the SFU."""
+    d128, d64 = artifacts(128, False), artifacts(64, False)
+    assert d128["kernel"]["options"]["fma_exp2_every"] == 16
+    assert d64["kernel"]["options"]["fma_exp2_every"] == 0
+    assert count(d128["ptx"], r"shl\.b32\s+tb, tb, 23") == 4     # 2 rows x 32 columns / 16
+    assert count(sass(d128["cubin"]), r"MUFU\.EX2") == 62
+    assert count(d64["ptx"], r"shl\.b32\s+tb, tb, 23") == 0

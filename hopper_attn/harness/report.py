@@ -467,7 +467,7 @@ def blocks(folder) -> dict:
               "k6_v_lags_k_own_o_d64_causal": None, "k6_v_lags_k_own_o_d96": None,
               "k6_v_lags_k_d192_256": None, "k7_v_lags_k": None,
               "kb2_tiles_d128": None, "kb2_tiles_d128_stmatrix": None,
-              "kb2_tiles_d64_defaults": None}
+              "kb2_tiles_d64_defaults": None, "k6_ablate_d128": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
