@@ -110,3 +110,10 @@ def test_bad_sweep_variables_are_reported(monkeypatch):
     monkeypatch.setenv("SEQLEN", "abc")
     with pytest.raises(SystemExit, match="SEQLEN"):
         problems.sweep()
+
+
+def test_an_empty_baseline_list_means_none():
+    """`bench.py --baselines ''` times no baseline (an empty list used to mean all of them)."""
+    from hopper_attn.harness import baselines
+    assert baselines.available([]) == ({}, {})
+    assert baselines.backward_available([]) == ({}, {})

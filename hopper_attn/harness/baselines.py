@@ -120,9 +120,10 @@ BASELINES = {
 
 
 def available(names=None) -> dict:
-    """name -> callable(q, k, v, causal), for the baselines that run here; reasons for the rest."""
+    """name -> callable(q, k, v, causal), for the baselines that run here (None: all of them;
+    [] or `--baselines ""`: none); reasons for the rest."""
     found, missing = {}, {}
-    for name in names or BASELINES:
+    for name in (BASELINES if names is None else names):   # [] means none
         try:
             fn = BASELINES[name]()
             q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
@@ -154,7 +155,7 @@ def _backward_of(forward):
 def backward_available(names=None) -> tuple:
     """name -> make(q, k, v, do, causal) -> callable running one backward; reasons for the rest."""
     found, missing = {}, {}
-    for name in names or BASELINES:
+    for name in (BASELINES if names is None else names):   # [] means none
         try:
             make = _backward_of(BASELINES[name]())
             q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
