@@ -118,7 +118,7 @@ LOAD_ORDER = {(64, True): (True, True), (96, True): (True, True), (128, False): 
 SPIN_WAITS_HEAD_DIMS = (128,)
 # head_dim -> n: every n-th exp2 of the softmax on the FMA pipe (common/softmax.py,
 # `exp2_on_fma`) instead of the SFU. At d = 128 +0.8-1.4% without a mask, +0.0-0.4% with one
-# in three round-robin runs; n = 8 and 4 lose up to 6%, and at d = 64 any n loses 3-15%
+# in three round-robin runs; n = 8 and 4 lose up to 6%, and at d = 64 any n loses 3-17%
 # (results/h100/2026-11-25_k6_fma_exp2_*.json, _k6_p_by_bits_d128.json; docs/k6.md)
 FMA_EXP2_EVERY = {128: 16}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
