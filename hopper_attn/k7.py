@@ -132,9 +132,8 @@ class FlashAttentionK7(FlashAttentionK6):
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          stages=stages or default_stages, wait_pv_late=wait_pv_late,
-                         pin_pv_wait=pin_pv_wait, **options)
+                         pin_pv_wait=pin_pv_wait, fma_exp2_every=fma_exp2_every, **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
-        self.fma_exp2_every = fma_exp2_every
         # lazy rescaling lets P reach 2^(p_scale_log2 + threshold) <= 448 (e4m3's largest)
         self.p_scale_log2 = P_SCALE_LOG2 - 1 if self.lazy_rescale else P_SCALE_LOG2
         self.rescale_threshold_log2 = LAZY_THRESHOLD_LOG2
