@@ -58,6 +58,10 @@ Fifth step, the waits themselves (common/tma.py): a consumer warp hands a stage 
 elected lane (the library's lane-0 test made ptxas re-read the thread index before every
 release), and at d = 128 the ring waits spin on `mbarrier.try_wait` instead of sleeping
 between tries: +2.1-2.5% at d = 128, measured round-robin (docs/k6.md "Waits and releases").
+Spinning pays elsewhere only together with V lagging behind K (whose wait then sits inside the
+turn): at d = 64 on 192-row tiles with uniform-register descriptors as well, +2-3%, and at
+d = 192 / 256 with a mask, +1-2%, where each setting alone lost (docs/k6.md "Three settings
+that pay only together").
 At d = 128 one exp2 in 16 is computed on the FMA pipe (a cubic, `exp2_on_fma`) instead of the
 SFU: +0.8-1.4% without a mask (docs/k6.md "What each part of the softmax costs").
 """
@@ -107,15 +111,19 @@ LONG_D96 = 2048
 # k6 before them (x FA4 in the same run; results/h100/2026-11-24_k6_v_lags_k_*.json, docs/k6.md
 # "Loads in FlashAttention-4's order, O in its own buffer"): d = 128 +1.7-7.4%; d = 64 and 96
 # with a mask +0.9-5%; d = 192 / 256 without one, V lagging alone, +1.5-2.2%. Elsewhere the
-# lagging V lost (d = 64 / 96 full -4-5%, d = 192 / 256 causal -0.5-1.7%), and O's buffer does
-# not fit at d >= 192.
-LOAD_ORDER = {(64, True): (True, True), (96, True): (True, True), (128, False): (True, True),
-              (128, True): (True, True), (192, False): (True, False),
-              (256, False): (True, False)}
-# head dims whose K/V/Q waits spin on `mbarrier.try_wait` instead of sleeping between tries
-# (tma.wait_full): at d = 128 +1.1-2.3% in three round-robin runs; at d = 64 without a mask,
-# 192 and 256 0.3-2.3% slower (results/h100/2026-11-25_k6_spin_waits*.json, docs/k6.md)
-SPIN_WAITS_HEAD_DIMS = (128,)
+# lagging V lost (d = 96 full -4-5%), or lost alone and gains together with spinning waits
+# (SPIN_WAITS): d = 192 / 256 causal -0.5-1.7% alone, +1.0-1.9% together; d = 64 full -4-5%
+# alone, +2% with spinning waits and uniform descriptors (compile_kernel's `three_wg_d64`).
+# O's buffer does not fit at d >= 192.
+LOAD_ORDER = {(64, False): (True, False), (64, True): (True, True), (96, True): (True, True),
+              (128, False): (True, True), (128, True): (True, True), (192, False): (True, False),
+              (192, True): (True, False), (256, False): (True, False), (256, True): (True, False)}
+# (head_dim, causal) whose K/V/Q waits spin on `mbarrier.try_wait` instead of sleeping between
+# tries (tma.wait_full): d = 128 +1.1-2.3% in three round-robin runs; d = 192 and 256 with a
+# mask, together with the lagging V (LOAD_ORDER), +1.0-1.9% in two; without a mask d = 192 and
+# 256 lost 0.3-2.3% or tied (results/h100/2026-11-25_k6_spin_waits*.json,
+# _k6_d192_256_*_options*.json, docs/k6.md); d = 64: compile_kernel's `three_wg_d64`
+SPIN_WAITS = {(128, False), (128, True), (192, True), (256, True)}
 # head_dim -> n: every n-th exp2 of the softmax on the FMA pipe (common/softmax.py,
 # `exp2_on_fma`) instead of the SFU. At d = 128 +0.8-1.4% without a mask, +0.0-0.4% with one
 # in three round-robin runs; n = 8 and 4 lose up to 6%, and at d = 64 any n loses 3-17%
@@ -339,7 +347,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     own_o_buffer: O staged in a buffer of its own, so that the next work item's Q loads
     under the epilogue; v_lags_k: K_{j+1} loaded before V_j, V waited for inside the turn
     (FA4's order); None: LOAD_ORDER's choice for the head dim and mask; spin_waits: the
-    rings' waits spin on `mbarrier.try_wait` instead of sleeping (None: SPIN_WAITS_HEAD_DIMS);
+    rings' waits spin on `mbarrier.try_wait` instead of sleeping (None: SPIN_WAITS, and
+    d = 64 on 192-row tiles);
     fma_exp2_every: every n-th exp2 on the FMA pipe instead of the SFU (0: none; None:
     FMA_EXP2_EVERY)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
@@ -367,15 +376,27 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             # at 2k, -10% at 1k (fewer work items than SMs x warpgroups)
             block_m, block_n = 192, block_n or 96
             pingpong = False if pingpong is None else pingpong
+    # d = 64 on 192-row tiles (three consumer warpgroups: without a mask, and with one from
+    # LONG_CAUSAL_D64 queries on) takes three settings together: K_{j+1} loaded before V_j
+    # (LOAD_ORDER), spinning waits and SMEM descriptors in uniform registers: +2.0-2.3%
+    # without a mask and +3.1-3.3% with one (N = 2k-16k) in two round-robin runs against FA4,
+    # where each alone lost up to 4% without a mask (results/h100/2026-11-25_k6_d64_options*,
+    # docs/k6.md "Three settings that pay only together"); the 128-row causal tile keeps the
+    # old ones (-1.6% there at N = 1k)
+    three_wg_d64 = (not custom and problem.head_dim == 64
+                    and (not problem.causal or block_m == 192))
     if spin_waits is None:
-        spin_waits = problem.head_dim in SPIN_WAITS_HEAD_DIMS
+        # (at d = 192 / 256 only on the default tiles, with the lagging V it was measured with)
+        spin_waits = ((problem.head_dim, problem.causal) in SPIN_WAITS
+                      and (problem.head_dim == 128 or not custom)) or three_wg_d64
     if fma_exp2_every is None:
         fma_exp2_every = FMA_EXP2_EVERY.get(problem.head_dim, 0)
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
-        # +0-1% at d = 128 but -4% at d = 64 without a mask, so off there
-        # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md)
-        uniform_descriptors = problem.head_dim != 64
+        # +0-1% at d = 128 but -4% at d = 64 without a mask on its own, so off there
+        # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md), except with
+        # the other two settings of THREE_WG_D64_SETTINGS
+        uniform_descriptors = problem.head_dim != 64 or three_wg_d64
     if not persistent and max(problem.heads, problem.batch) > MAX_GRID_YZ:
         raise UnsupportedProblem(f"k6 with persistent=False launches one CTA per work item: "
                                  f"heads and batch must be <= {MAX_GRID_YZ}")

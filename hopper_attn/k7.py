@@ -235,7 +235,8 @@ class FlashAttentionK7(FlashAttentionK6):
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
                                         v_consumer_warps=transpose_warps,
-                                        elect_release=self.elect_release)
+                                        elect_release=self.elect_release,
+                                        spin_waits=self.spin_waits)
         vt_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.vt_barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -381,7 +382,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    lazy_rescale: bool = False, v_transposed: bool = True,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
                    v_lags_k: Optional[bool] = None, elect_release: bool = False,
-                   spec: KernelSpec = SPEC):
+                   spin_waits: bool = False, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -390,7 +391,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     MIO queue with ldmatrix/stmatrix); v_lags_k: K_{j+1} loaded before V_j (k6's option;
     None: on except at d = 256 with a causal mask, measured round-robin: +2.8-3.4% at
     d = 128, +0.9-1.2% d = 256 full, +0.4-0.7% d = 64, -0.9/+0.5% d = 256 causal;
-    results/h100/2026-11-24_k7_v_lags_k.json).
+    results/h100/2026-11-24_k7_v_lags_k.json); spin_waits: the rings' waits spin (k6's).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if v_lags_k is None:
         v_lags_k = not (problem.head_dim == 256 and problem.causal)
@@ -409,7 +410,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "exp_turns": bool(exp_turns),
                               "pin_pv_wait": bool(pin_pv_wait),
                               "v_lags_k": bool(v_lags_k),
-                              "elect_release": bool(elect_release)},
+                              "elect_release": bool(elect_release),
+                              "spin_waits": bool(spin_waits)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

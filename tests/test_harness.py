@@ -117,3 +117,11 @@ def test_an_empty_baseline_list_means_none():
     from hopper_attn.harness import baselines
     assert baselines.available([]) == ({}, {})
     assert baselines.backward_available([]) == ({}, {})
+
+
+def test_every_baseline_has_a_report_label():
+    """Each forward baseline bench.py can time (fa4_no_overlap included: FA4 without its
+    intra-warpgroup overlap, k5's design) gets a column label in the generated tables."""
+    from hopper_attn.harness import baselines, report
+    assert "fa4_no_overlap" in baselines.BASELINES
+    assert set(baselines.BASELINES) <= set(report.BASELINE_LABEL)

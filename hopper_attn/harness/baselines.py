@@ -27,6 +27,17 @@ def _fa4():
     return run
 
 
+def _fa4_no_overlap():
+    """FlashAttention-4's sm90 forward without its intra-warpgroup overlap
+    (`intra_wg_overlap=False`): warp specialization, setmaxnreg and ping-pong between two
+    consumer warpgroups, the design of this repository's k5 (docs/k5.md)."""
+    from flash_attn.cute.interface import _flash_attn_fwd   # (raises if absent)
+
+    def run(q, k, v, causal):
+        return _flash_attn_fwd(q, k, v, causal=causal, intra_wg_overlap=False)[0]
+    return run
+
+
 class CudnnFp8:
     """cuDNN's FP8 attention (what TransformerEngine runs on Hopper), through the
     cudnn-frontend Python graph API (`pip install nvidia-cudnn-frontend`; on the GPU host
@@ -115,6 +126,7 @@ BASELINES = {
     "sdpa_flash": lambda: _sdpa("FLASH_ATTENTION"),
     "sdpa_cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
     "fa4": _fa4,
+    "fa4_no_overlap": _fa4_no_overlap,
     "cudnn_fp8": _cudnn_fp8,
 }
 

@@ -27,7 +27,7 @@ STAGES = ["k1", "k2", "k3_1", "k3_2", "k3_3", "k4_qk", "k4", "k5", "k6"]
 BACKWARD_STAGES = ["kb1", "kb2"]          # results/<gpu>/*_backward_*.json
 BASELINES = ["sdpa_flash", "sdpa_cudnn", "fa4"]
 BASELINE_LABEL = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa4": "FA4 (CuTe)",
-                  "cudnn_fp8": "cuDNN FP8"}
+                  "fa4_no_overlap": "FA4 without overlap", "cudnn_fp8": "cuDNN FP8"}
 FP8_STAGES = ["k7", "k8"]                 # results/<gpu>/*_fp8_*.json
 MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(<!-- END GENERATED -->)",
                   re.S)
@@ -157,7 +157,8 @@ def sweep_table(path, title_filter=None, row_filter=None) -> str:
     """A small sweep file (tile sizes, structure): every row at its configs."""
     data = _load(os.path.join(ROOT, path))
     env = data["env"]
-    names = [b for b in BASELINES + ["cudnn_fp8"] if any(r["kernel"] == b for r in data["rows"])]
+    names = [b for b in BASELINES + ["fa4_no_overlap", "cudnn_fp8"]
+             if any(r["kernel"] == b for r in data["rows"])]
     lines = [f"| config | variant | ms | TFLOP/s | vs {' | vs '.join(BASELINE_LABEL[b] for b in names)} |",
              "|---|---|---:|---:|" + "---:|" * len(names)]
     for row in data["rows"]:
@@ -452,7 +453,8 @@ def blocks(folder) -> dict:
             backward, stages=BACKWARD_STAGES, what="backward (10 B H N^2 d FLOPs, half causal) ")
     for stage, profiled in {"k1": ["k1"], "k2": ["k1", "k2"], "k3": ["k2", "k3_3"],
                             "k4_qk": ["k3_3", "k4_qk"], "k4": ["k3_3", "k4_qk", "k4"],
-                            "k5": ["k4", "k5", "fa4"]}.items():
+                            "k5": ["k4", "k5", "fa4"],
+                            "k5-ceiling": ["k5", "fa4_no_overlap", "fa4"]}.items():
         out[f"profile:{stage}:{g}"] = profile_table(folder, profiled)
     sweeps = {"k4_tiles_d128": None, "k4_tiles_d64": None, "k4_tiles_causal_d128": None,
               "k3_structure": None, "scalar_unroll": None, "k6_tiles_d64": None,
@@ -467,7 +469,8 @@ def blocks(folder) -> dict:
               "k6_v_lags_k_own_o_d64_causal": None, "k6_v_lags_k_own_o_d96": None,
               "k6_v_lags_k_d192_256": None, "k7_v_lags_k": None,
               "kb2_tiles_d128": None, "kb2_tiles_d128_stmatrix": None,
-              "kb2_tiles_d64_defaults": None, "k6_ablate_d128": None}
+              "kb2_tiles_d64_defaults": None, "k6_ablate_d128": None,
+              "bench_k5_v_lags_k_spin": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
