@@ -30,8 +30,8 @@ option `lazy_rescale` also skips the O rescale unless a row maximum grew by more
 (faster, less accurate: docs/k6.md).
 
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
-the ping-pong turn per tile, the last tile's PV in one more turn, the epilogue, tiles and
-budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
+the ping-pong turn per tile (measured since: kept at d = 64 without a mask only, see TILES),
+the last tile's PV in one more turn, the epilogue, tiles and budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
 warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two, or,
 for queries of 2,048 and more, 192 x 128 with the masked tile's one key limit per row, which
 fits (docs/k6.md).
@@ -129,7 +129,11 @@ SPIN_WAITS = {(128, False), (128, True), (192, True), (256, True)}
 # in three round-robin runs; n = 8 and 4 lose up to 6%, and at d = 64 any n loses 3-17%
 # (results/h100/2026-11-25_k6_fma_exp2_*.json, _k6_p_by_bits_d128.json; docs/k6.md)
 FMA_EXP2_EVERY = {128: 16}
-TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, True),
+# ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
+# 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
+# (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
+# needs it (-3.7-5.7% without), with a mask see compile_kernel (docs/k6.md)
+TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
 
 
@@ -365,6 +369,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         block_m = 192
         mask_per_row = True if mask_per_row is None else mask_per_row
         wait_pv_late = True if wait_pv_late is None else wait_pv_late
+        # no turns: +1.4-2.0% in two round-robin runs (_k6_d64_d96_pingpong_run*.json)
+        pingpong = False if pingpong is None else pingpong
     if problem.head_dim == 96 and not block_m:
         # measured round-robin against the 128 x 128 ping-pong tile with the late wait
         # (results/h100/2026-11-23_k6_d96_tiles.json, _k6_pin_pv_wait_d96_256.json, docs/k6.md)
