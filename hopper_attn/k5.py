@@ -129,10 +129,11 @@ class FlashAttentionK5:
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
         self.spin_waits = bool(spin_waits)                  # tma.wait_full
-        if v_lags_k:            # K_{j+1} loaded before V_j (k6 sets these before calling here)
-            self.v_lags_k = True
-        if fma_exp2_every:      # every n-th exp2 on the FMA pipe (common/softmax.py)
-            self.fma_exp2_every = int(fma_exp2_every)
+        # the producer loads K_{j+1} before V_j (FlashAttention-4's order), and a consumer
+        # waits for V_{j-1} inside its turn, after issuing S_j = Q K_j^T
+        self.v_lags_k = bool(v_lags_k)
+        # every n-th exp2 on the FMA pipe instead of the SFU (OnlineSoftmax)
+        self.fma_exp2_every = int(fma_exp2_every)
 
     def item_queue(self, storage, receivers: int):
         """The dynamic schedule's queue of work items from the producer warp to `receivers`
@@ -409,20 +410,15 @@ class FlashAttentionK5:
             pingpong.sync(wg)                           # --- this WG's turn: both GEMMs
             self.trace.end(phase)
             phase = self.trace.start("mma")
-            if cutlass.const_expr(self.v_lags_k):
-                # V_{n-1} was loaded after K_n: S = Q K_n^T first, then wait for V_{n-1}
-                wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
-                           zero_init=True)
+            if cutlass.const_expr(not self.v_lags_k):
+                if n > 0:                               # O += P_{n-1} V_{n-1}
+                    self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
+            wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
+                       zero_init=True)                  # S = Q K_n^T
+            if cutlass.const_expr(self.v_lags_k):       # V_{n-1} was loaded after K_n
                 if n > 0:
                     loads.wait(loads.v_pipe, v_state)
-                    wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
-                               vt_frag[None, None, None, v_state.index], zero_init=False)
-            else:
-                if n > 0:                               # O += P_{n-1} V_{n-1}
-                    wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
-                               vt_frag[None, None, None, v_state.index], zero_init=False)
-                wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
-                           zero_init=True)              # S = Q K_n^T
+                    self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
             warpgroup.wait_group(0)
             self.trace.end(phase)
@@ -486,10 +482,6 @@ class FlashAttentionK5:
 
     # k6's option: O staged in a buffer of its own instead of Q's (False: no code, no SMEM)
     own_o_buffer = False
-    # k6's option: every n-th exp2 of the softmax on the FMA pipe (common/softmax.py; 0: none)
-    fma_exp2_every = 0
-    # k6's option: K_{j+1} loaded before V_j, FlashAttention-4's order (False: no code)
-    v_lags_k = False
 
     def with_buffers(self, storage, q_layout):
         """`storage` (a cute.struct) with the buffers k6's options add: sP for `p_layout`,
@@ -507,6 +499,13 @@ class FlashAttentionK5:
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     @cute.jit
+    def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag: cute.Tensor,
+                 vt_frag: cute.Tensor, v_state):
+        """O += P V with V from `v_state`'s stage (shared with k6)."""
+        wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
+                   vt_frag[None, None, None, v_state.index], zero_init=False)
+
+    @cute.jit
     def last_pv(self, loads: tma.SplitKVLoads, wg, mma_pv: cute.TiledMma, acc_o: cute.Tensor,
                 p_frag: cute.Tensor, vt_frag: cute.Tensor, v_state):
         """The last tile's O += P V, in one more turn (shared with k6)."""
@@ -517,8 +516,7 @@ class FlashAttentionK5:
         self.pingpong.sync(wg)
         self.trace.end(phase)
         phase = self.trace.start("pv")
-        wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
-                   vt_frag[None, None, None, v_state.index], zero_init=False)
+        self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
         self.pingpong.finish(wg)                        # the next WG's last PV may go
         warpgroup.wait_group(0)
         loads.release(loads.v_pipe, v_state)
@@ -543,8 +541,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     rings), trace (iket phase ranges, for timelines), spin_waits (the rings' waits spin on
     `mbarrier.try_wait` instead of sleeping between tries: tma.wait_full), v_lags_k (K_{j+1}
     loaded before V_j, V_{j-1} waited for inside the turn), fma_exp2_every (every n-th exp2
-    on the FMA pipe). The defaults: the two load-order options together, +0.6-2.2% at d = 64
-    and 128 (each alone -1.7% to +0.4%), measured round-robin against FlashAttention-4 with
+    on the FMA pipe). The defaults: the two load-order options together, +0.7-2.2% at d = 64
+    and 128 (each alone -2.0% to +0.4%), measured round-robin against FlashAttention-4 with
     and without its overlap (results/h100/2026-11-25_k5_options_d*.json, docs/k5.md)."""
     return compile_attention(SPEC, FlashAttentionK5, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,

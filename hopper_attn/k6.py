@@ -30,8 +30,9 @@ option `lazy_rescale` also skips the O rescale unless a row maximum grew by more
 (faster, less accurate: docs/k6.md).
 
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
-the ping-pong turn per tile (measured since: kept at d = 64 without a mask only, see TILES),
-the last tile's PV in one more turn, the epilogue, tiles and budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
+the ping-pong turn per tile (measured since: kept at d = 64 without a mask and on d = 96's
+128-row tiles only, see TILES), the last tile's PV in one more turn, the epilogue, tiles and
+budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
 warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two, or,
 for queries of 2,048 and more, 192 x 128 with the masked tile's one key limit per row, which
 fits (docs/k6.md).
@@ -147,9 +148,6 @@ class FlashAttentionK6(FlashAttentionK5):
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
                  **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
-        # the producer loads K_{j+1} before V_j (FlashAttention-4's order), and a consumer
-        # waits for V_{j-1} inside its turn, after issuing S_j = Q K_j^T
-        self.v_lags_k = bool(v_lags_k)
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
@@ -157,8 +155,6 @@ class FlashAttentionK6(FlashAttentionK5):
         # O staged in a buffer of its own (as k7 does): Q is released right after the last
         # QK of a work item, so the next item's Q loads under this one's epilogue
         self.own_o_buffer = bool(own_o_buffer)
-        # every n-th exp2 on the FMA pipe instead of the SFU (OnlineSoftmax; FMA_EXP2_EVERY)
-        self.fma_exp2_every = int(fma_exp2_every)
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
@@ -183,7 +179,8 @@ class FlashAttentionK6(FlashAttentionK5):
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          persistent=bool(persistent),
-                         dynamic=causal if dynamic is None else bool(dynamic), **options)
+                         dynamic=causal if dynamic is None else bool(dynamic),
+                         v_lags_k=v_lags_k, fma_exp2_every=fma_exp2_every, **options)
         # exp2 in turns (off by default; an FP8 experiment, docs/k7.md): the consumer
         # warpgroups take turns for the exp2 part of their softmax, on named barriers of
         # their own (after the scheduler's), so that one warpgroup's exp2 has the SFU to itself
@@ -224,8 +221,7 @@ class FlashAttentionK6(FlashAttentionK5):
             if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
                 if cutlass.const_expr(self.v_lags_k):   # V_{n-1} was loaded after K_n
                     loads.wait(loads.v_pipe, v_state)
-                wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
-                           vt_frag[None, None, None, v_state.index], zero_init=False)
+                self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
             pingpong.pass_turn(wg)                      # --- the next WG may issue now
             if n > 0:
                 warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
@@ -392,16 +388,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     three_wg_d64 = (not custom and problem.head_dim == 64
                     and (not problem.causal or block_m == 192))
     if spin_waits is None:
-        # (at d = 192 / 256 only on the default tiles, with the lagging V it was measured with)
-        spin_waits = ((problem.head_dim, problem.causal) in SPIN_WAITS
-                      and (problem.head_dim == 128 or not custom)) or three_wg_d64
+        spin_waits = (problem.head_dim, problem.causal) in SPIN_WAITS or three_wg_d64
     if fma_exp2_every is None:
         fma_exp2_every = FMA_EXP2_EVERY.get(problem.head_dim, 0)
     if uniform_descriptors is None:
         # SMEM descriptors built in uniform registers (wgmma.warpgroup_slice): measured
         # +0-1% at d = 128 but -4% at d = 64 without a mask on its own, so off there
         # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md), except with
-        # the other two settings of THREE_WG_D64_SETTINGS
+        # the other two settings of `three_wg_d64`
         uniform_descriptors = problem.head_dim != 64 or three_wg_d64
     if not persistent and max(problem.heads, problem.batch) > MAX_GRID_YZ:
         raise UnsupportedProblem(f"k6 with persistent=False launches one CTA per work item: "

@@ -157,8 +157,7 @@ def sweep_table(path, title_filter=None, row_filter=None) -> str:
     """A small sweep file (tile sizes, structure): every row at its configs."""
     data = _load(os.path.join(ROOT, path))
     env = data["env"]
-    names = [b for b in BASELINES + ["fa4_no_overlap", "cudnn_fp8"]
-             if any(r["kernel"] == b for r in data["rows"])]
+    names = [b for b in BASELINE_LABEL if any(r["kernel"] == b for r in data["rows"])]
     lines = [f"| config | variant | ms | TFLOP/s | vs {' | vs '.join(BASELINE_LABEL[b] for b in names)} |",
              "|---|---|---:|---:|" + "---:|" * len(names)]
     for row in data["rows"]:
