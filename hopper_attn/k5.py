@@ -99,7 +99,8 @@ class FlashAttentionK5:
                  stages: int = 2, trace: bool = False, pingpong: bool = True,
                  persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False,
                  uniform_descriptors: bool = True, spin_waits: bool = False,
-                 v_lags_k: bool = False, fma_exp2_every: int = 0):
+                 v_lags_k: bool = False, fma_exp2_every: int = 0,
+                 stmatrix_o: bool = True):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -134,6 +135,10 @@ class FlashAttentionK5:
         self.v_lags_k = bool(v_lags_k)
         # every n-th exp2 on the FMA pipe instead of the SFU (OnlineSoftmax)
         self.fma_exp2_every = int(fma_exp2_every)
+        # O to shared memory with `stmatrix` (four 8 x 8 blocks per warp instruction) instead
+        # of one 4-byte store per register pair: +0.0-0.9% in k6, +0.0-0.4% here, measured
+        # round-robin (results/h100/2026-11-25_k6_quad_max_stmatrix_o.json, _k5_stmatrix_o.json)
+        self.stmatrix_o = bool(stmatrix_o)
 
     def item_queue(self, storage, receivers: int):
         """The dynamic schedule's queue of work items from the producer warp to `receivers`
@@ -296,10 +301,7 @@ class FlashAttentionK5:
                 scale_rows(o_rc, inv_sum)
                 o_out.store(acc_o.load().to(self.dtype))
                 self.epilogue_barrier.arrive_and_wait()     # every WG's last QK (reads sQ) is done
-                # (the SMEM addresses derive from an opaque thread index so that they are
-                # computed here, not hoisted out of a persistent loop: compiler_hints.py)
-                sO = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sO_buffer)
-                cute.autovec_copy(o_out, sO)
+                self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO_buffer)
                 cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
                 self.epilogue_barrier.arrive_and_wait()
                 if warp == 4:                               # the first consumer warp
@@ -312,6 +314,23 @@ class FlashAttentionK5:
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
 
+
+    @cute.jit
+    def o_to_smem(self, mma_pv: cute.TiledMma, ctidx, o_out: cute.Tensor, sO: cute.Tensor):
+        """This thread's O (16-bit, in the PV accumulator's layout) -> the SMEM tile the TMA
+        store reads: with `stmatrix` (four 8 x 8 blocks per warp instruction: 4 at d = 64
+        against 16 four-byte stores, and less address arithmetic), or one store per register
+        pair (an 8-bit output, or stmatrix_o=False)."""
+        # (the SMEM addresses derive from an opaque thread index so that they are computed
+        # here, not hoisted out of a persistent loop: compiler_hints.py)
+        if cutlass.const_expr(self.stmatrix_o and o_out.element_type.width == 16):
+            store_o = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(
+                    transpose=False, num_matrices=4), o_out.element_type), mma_pv)
+            thr_store_o = store_o.get_slice(opaque(ctidx))
+            cute.copy(store_o, thr_store_o.retile(o_out), thr_store_o.partition_D(sO))
+        else:
+            cute.autovec_copy(o_out, mma_pv.get_slice(opaque(ctidx)).partition_C(sO))
 
     @cute.jit
     def next_item(self, queue, item_state, tiles, seqlen_q, heads, batch_size):
@@ -535,20 +554,23 @@ def lse_buffer(problem, device) -> list:
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 128, stages: int = 2, trace: bool = False,
                    uniform_descriptors: bool = True, spin_waits: bool = True,
-                   v_lags_k: bool = True, fma_exp2_every: int = 0):
+                   v_lags_k: bool = True, fma_exp2_every: int = 0,
+                   stmatrix_o: bool = True):
     """Compile (or fetch from the cache) k5; options: block_m (0: the default for the head
     dim; 64, 128 or 192 = 1-3 consumer warpgroups), block_n, stages (of each of the K and V
     rings), trace (iket phase ranges, for timelines), spin_waits (the rings' waits spin on
     `mbarrier.try_wait` instead of sleeping between tries: tma.wait_full), v_lags_k (K_{j+1}
     loaded before V_j, V_{j-1} waited for inside the turn), fma_exp2_every (every n-th exp2
-    on the FMA pipe). The defaults: the two load-order options together, +0.7-2.2% at d = 64
-    and 128 (each alone -2.0% to +0.4%), measured round-robin against FlashAttention-4 with
-    and without its overlap (results/h100/2026-11-25_k5_options_d*.json, docs/k5.md)."""
+    on the FMA pipe), stmatrix_o (O to SMEM with `stmatrix`). The defaults: the two
+    load-order options together, +0.7-2.2% at d = 64 and 128 (each alone -2.0% to +0.4%),
+    measured round-robin against FlashAttention-4 with and without its overlap
+    (results/h100/2026-11-25_k5_options_d*.json, docs/k5.md); stmatrix_o +0.0-0.4%."""
     return compile_attention(SPEC, FlashAttentionK5, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "trace": trace, "uniform_descriptors": bool(uniform_descriptors),
                               "spin_waits": bool(spin_waits), "v_lags_k": bool(v_lags_k),
-                              "fma_exp2_every": int(fma_exp2_every)},
+                              "fma_exp2_every": int(fma_exp2_every),
+                              "stmatrix_o": bool(stmatrix_o)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -329,7 +329,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                    mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                    own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None,
-                   spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None):
+                   spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None,
+                   stmatrix_o: bool = True):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -350,7 +351,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     rings' waits spin on `mbarrier.try_wait` instead of sleeping (None: SPIN_WAITS, and
     d = 64 on 192-row tiles);
     fma_exp2_every: every n-th exp2 on the FMA pipe instead of the SFU (0: none; None:
-    FMA_EXP2_EVERY)."""
+    FMA_EXP2_EVERY); stmatrix_o: O to SMEM with `stmatrix` (k5's)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -415,7 +416,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "own_o_buffer": bool(own_o_buffer),
                               "v_lags_k": bool(v_lags_k),
                               "spin_waits": bool(spin_waits),
-                              "fma_exp2_every": int(fma_exp2_every)},
+                              "fma_exp2_every": int(fma_exp2_every),
+                              "stmatrix_o": bool(stmatrix_o)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

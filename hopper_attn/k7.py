@@ -54,7 +54,6 @@ import torch
 from cutlass import Float32
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention)
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
@@ -313,8 +312,7 @@ class FlashAttentionK7(FlashAttentionK6):
                                         seqlen_q)
                 else:
                     self.epilogue_barrier.arrive_and_wait()     # the last store has read sO
-                    o_smem = mmas.mma_pv.get_slice(opaque(ctidx)).partition_C(sO)
-                    cute.autovec_copy(o_out, o_smem)
+                    self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epilogue_barrier.arrive_and_wait()
                     if warp == 4:
@@ -378,6 +376,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 0, pingpong: Optional[bool] = None,
                    persistent: bool = True, dynamic: Optional[bool] = None,
                    trace: bool = False, transpose_batch: int = 1, fma_exp2_every: int = 0,
+                   stmatrix_o: bool = True,
                    direct_store: bool = False, wait_pv_late: bool = False,
                    lazy_rescale: bool = False, v_transposed: bool = True,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
@@ -403,6 +402,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "dynamic": dynamic, "trace": trace,
                               "transpose_batch": transpose_batch,
                               "fma_exp2_every": fma_exp2_every,
+                              "stmatrix_o": bool(stmatrix_o),
                               "direct_store": bool(direct_store),
                               "wait_pv_late": bool(wait_pv_late),
                               "lazy_rescale": bool(lazy_rescale),

@@ -136,7 +136,8 @@ def registry_spec(name):
 def test_lazy_rescale_compiles(d, causal):
     """The option that rescales O only when a row maximum grew by more than 2^8: no spills,
     one warp vote per tile for the decision, and the softmax still under PV."""
-    art = artifacts(d, causal, name="k6:wait_pv_late=1,lazy_rescale=1")
+    # (all exp2s on the SFU: every 16th at d = 128 would otherwise run on the FMA pipe)
+    art = artifacts(d, causal, name="k6:wait_pv_late=1,lazy_rescale=1,fma_exp2_every=0")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert "vote.sync.any" in art["ptx"]
@@ -334,3 +335,16 @@ def test_turns_only_where_they_pay():
         assert not artifacts(128, causal)["kernel"]["named_barriers"]["scheduler"]
     long_causal = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True)).describe()
     assert long_causal["block_m"] == 192 and not long_causal["named_barriers"]["scheduler"]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_row_max_and_epilogue_instructions(d):
+    """Two small instruction savings shared with k5 and k7: the row maximum across a quad
+    of lanes is one `max.f32` per shuffle (common/softmax.py `quad_max`; not the
+    NaN-propagating compare-and-select the library emits for a non-Float32 argument), and
+    O goes to shared memory with `stmatrix` (d / 16 per thread for its 64 x d rows)."""
+    ptx = artifacts(d, False)["ptx"]
+    assert count(ptx, r"setp\.nan\.f32") == 0
+    shuffles = re.findall(r"shfl\.sync\.bfly\.b32\s+(%r\d+).*\n\s*(\S+)\s+%r\d+, %r\d+, \1;", ptx)
+    assert shuffles and all(op == "max.f32" or op == "add.f32" for _, op in shuffles)
+    assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16") == d // 16

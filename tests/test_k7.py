@@ -38,8 +38,9 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
 @pytest.mark.compile
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_v_is_transposed_in_shared_memory(d):
-    """k7:v_transposed=0: plain V, transposed by producer warps 1-2."""
-    art = compiled("k7:v_transposed=0", d, False)
+    """k7:v_transposed=0: plain V, transposed by producer warps 1-2 (the epilogue's O
+    stores without stmatrix, so that every stmatrix counted is a transposer's)."""
+    art = compiled("k7:v_transposed=0,stmatrix_o=0", d, False)
     ptx = art["ptx"]
     units = art["kernel"]["block_n"] // 16 * d // 32 // 2   # 16 x 32 units per warp
     assert count(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16") == units
@@ -73,11 +74,13 @@ def test_quantize_round_trip_and_scales():
 @pytest.mark.compile
 @pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
 def test_v_transposed_in_memory_needs_no_transpose(d, causal):
-    """k7 (V packed in memory): V^T tiles come straight from the TMA (no ldmatrix /
-    stmatrix), and SMEM holds Q, the K and V^T rings and the output buffer, no raw V ring."""
+    """k7 (V packed in memory): V^T tiles come straight from the TMA (no ldmatrix; the only
+    stmatrix are the epilogue's, d / 16 per thread for its 64 x d bf16 rows of O), and SMEM
+    holds Q, the K and V^T rings and the output buffer, no raw V ring."""
     art = compiled("k7", d, causal)
     ptx, kernel = art["ptx"], art["kernel"]
-    assert not re.search(r"ldmatrix|stmatrix", ptx)
+    assert not re.search(r"ldmatrix", ptx)
+    assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16") == d // 16
     assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {kernel["block_n"], d}
     ring_stage = kernel["block_n"] * d                            # bytes, e4m3
     two_rings = kernel["block_m"] * d * 3 + 2 * kernel["stages"] * ring_stage

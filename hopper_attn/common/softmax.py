@@ -101,6 +101,14 @@ class OnlineSoftmax:
         self.row_max.fill(-Float32.inf)
         self.row_sum.fill(0.0)
 
+    def quad_max(self, partial_max):
+        """Max over the `lanes_per_row` lanes that share a row. The partial max is cast to
+        Float32 first: the library's warp_reduction_max picks `fmax` (one `max.f32`,
+        FMNMX) only for a Float32 argument, and a plain reduce() result would get a
+        NaN-propagating compare-and-select (four PTX instructions) at the first step."""
+        return cute.arch.warp_reduction_max(Float32(partial_max),
+                                            threads_in_group=self.lanes_per_row)
+
     @cute.jit
     def step(self, s_rc: cute.Tensor) -> cute.Tensor:
         """Turn the scores in `s_rc` into unnormalized probabilities, in place.
@@ -110,8 +118,7 @@ class OnlineSoftmax:
         alpha = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             row = s_rc[r, None].load()
-            tile_max = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=self.lanes_per_row)
+            tile_max = self.quad_max(row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
             m_old = self.row_max[r]
             m_new = cute.arch.fmax(m_old, tile_max)
             self.row_max[r] = m_new
@@ -120,20 +127,27 @@ class OnlineSoftmax:
             alpha[r] = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
             if cutlass.const_expr(self.p_scale_log2 != 0):
                 m_scaled = m_scaled - Float32(self.p_scale_log2)
-            if cutlass.const_expr(self.fma_exp2_every == 0):
-                p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
-                s_rc[r, None].store(p)
-            else:
-                every = self.fma_exp2_every
-                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                    x = s_rc[r, c] * self.scale_log2 - m_scaled
-                    if cutlass.const_expr(c % every == every - 1):
-                        s_rc[r, c] = exp2_on_fma(x)
-                    else:
-                        s_rc[r, c] = cute.math.exp2(x, fastmath=True)
-                p = s_rc[r, None].load()
+            p = self.exp2_row(s_rc, r, row, m_scaled)
             self.row_sum[r] = self.row_sum[r] * alpha[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
         return alpha
+
+    @cute.jit
+    def exp2_row(self, s_rc: cute.Tensor, r, row, m_scaled):
+        """Row r of S (its scores `row`) -> 2^(s * scale_log2 - m_scaled), in place and
+        returned; every fma_exp2_every-th column on the FMA pipe."""
+        if cutlass.const_expr(self.fma_exp2_every == 0):
+            p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
+            s_rc[r, None].store(p)
+        else:
+            every = self.fma_exp2_every
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                x = s_rc[r, c] * self.scale_log2 - m_scaled
+                if cutlass.const_expr(c % every == every - 1):
+                    s_rc[r, c] = exp2_on_fma(x)
+                else:
+                    s_rc[r, c] = cute.math.exp2(x, fastmath=True)
+            p = s_rc[r, None].load()
+        return p
 
     # --- the same step in three parts, for a loop that rescales O only when it must
     # (k6's `lazy_rescale`): row_max is then a *reference* maximum that may trail the true
@@ -145,8 +159,8 @@ class OnlineSoftmax:
         """max(reference max, this tile's row max), per row; changes nothing."""
         m_new = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            tile_max = s_rc[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            tile_max = cute.arch.warp_reduction_max(tile_max, threads_in_group=self.lanes_per_row)
+            tile_max = self.quad_max(s_rc[r, None].load().reduce(cute.ReductionOp.MAX,
+                                                                  -Float32.inf, 0))
             m_new[r] = cute.arch.fmax(self.row_max[r], tile_max)
         return m_new
 
@@ -180,8 +194,7 @@ class OnlineSoftmax:
             m_scaled = m_safe * self.scale_log2
             if cutlass.const_expr(self.p_scale_log2 != 0):
                 m_scaled = m_scaled - Float32(self.p_scale_log2)
-            p = cute.math.exp2(s_rc[r, None].load() * self.scale_log2 - m_scaled, fastmath=True)
-            s_rc[r, None].store(p)
+            p = self.exp2_row(s_rc, r, s_rc[r, None].load(), m_scaled)
             self.row_sum[r] = self.row_sum[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
 
     @cute.jit
