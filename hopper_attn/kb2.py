@@ -28,9 +28,10 @@ What changes from kb1:
 
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping, GQA and
-seqlen_k != seqlen_q, the pre/post-processing structure. Query tiles: 64 rows at d = 128, 128
-at d = 64 (FlashAttention-3's choice there, `TILES`); 80 rows (dQ computed transposed,
-`dq_swap_ab`) as an option.
+seqlen_k != seqlen_q, the pre/post-processing structure. Query tiles (`TILES`, FlashAttention-3's
+choices): 128 rows at d = 64; at d = 128 80 rows without a mask (dQ computed transposed,
+`dq_swap_ab`; dS^T's SMEM addresses recomputed per tile, or one register spills) and 64 with
+one.
 
 Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
@@ -58,7 +59,7 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
                                          fragment_slot, run_backward, stage_dkv, store_dkv)
-from hopper_attn.common.compiler_hints import pin
+from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
@@ -82,7 +83,8 @@ class FlashAttentionBackwardKB2:
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  stages: int = 2, rotate: bool = False, deterministic: bool = False,
-                 stmatrix: bool = True, early_dv=None, dp_first: bool = False):
+                 stmatrix: bool = True, early_dv=None, dp_first: bool = False,
+                 ds_address_per_tile: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -108,6 +110,11 @@ class FlashAttentionBackwardKB2:
         # stmatrix: dS^T -> SMEM with `stmatrix` (four 8 x 8 blocks per warp instruction)
         # instead of one 4-byte store (and its swizzled address) per register pair
         self.stmatrix = stmatrix
+        # ds_address_per_tile: the stmatrix addresses of dS^T derived from an opaque thread
+        # index inside the loop (compiler_hints.opaque), so they are not held in a register
+        # across it: at 80 query rows that register was spilled (4 bytes) and reloaded every
+        # tile; at 64 rows, which do not spill, recomputing them costs 3-4%
+        self.ds_address_per_tile = bool(ds_address_per_tile)
         # early_dv: issue dV += P^T dO as soon as P^T is in registers, before waiting for
         # dP^T, instead of after dS^T. It gives the tensor core queued work while dS^T is
         # computed, and it is what makes ptxas keep the exp2 loop ahead of that wait (with
@@ -364,8 +371,13 @@ class FlashAttentionBackwardKB2:
             buf = it % 2
             ds_out = operand_a_as_acc(mmas.dst_frag, acc_dpt)         # dS^T, converted once
             if cutlass.const_expr(self.stmatrix):
-                cute.copy(store_ds, thr_store_ds.retile(ds_out),
-                          ds_smem[None, None, None, buf])
+                if cutlass.const_expr(self.ds_address_per_tile):
+                    thr_ds = store_ds.get_slice(opaque(ctidx))
+                    cute.copy(store_ds, thr_ds.retile(ds_out),
+                              thr_ds.partition_D(sdSt)[None, None, None, buf])
+                else:
+                    cute.copy(store_ds, thr_store_ds.retile(ds_out),
+                              ds_smem[None, None, None, buf])
             else:
                 cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
             if cutlass.const_expr(not self.early_dv):
@@ -429,19 +441,25 @@ def wait_for_turn(turn: cute.Pointer, n_block):
 # 128-row query tiles, +8-14% without a mask (with dp_first) and +2-7% with one (there the
 # stmatrix dS^T store spills at 240 registers, so the plain store). At d = 128 the 80-row
 # tiles with dQ^T (FA3's and FA4's choice without a mask) spill unless dS^T is stored without
-# stmatrix, and then lose 4-5%: 64 rows stay.
+# stmatrix, and then lose 4-5%; since 2026-11-25 they do not, with dS^T's stmatrix addresses
+# computed per tile (`ds_address_per_tile`): +2.4-5.4% over 64 rows, 1.00x FA4 at N = 2k-16k
+# (results/h100/2026-11-25_kb2_ds_address_per_tile.json). With a causal mask the 80-row tile
+# still spills (68 bytes): 64 rows there.
 TILES = {(64, False): {"block_m": 128, "dp_first": True},
-         (64, True): {"block_m": 128, "stmatrix": False}}
+         (64, True): {"block_m": 128, "stmatrix": False},
+         (128, False): {"block_m": 80, "ds_address_per_tile": True}}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
                    block_n: int = 128, stages: int = 2, rotate: bool = False,
                    deterministic: bool = False, stmatrix: Optional[bool] = None,
-                   early_dv=None, dp_first: Optional[bool] = None):
+                   early_dv=None, dp_first: Optional[bool] = None,
+                   ds_address_per_tile: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
-    block_m, stmatrix, dp_first: None takes `TILES` for the head dim and mask (when block_m
-    is not given), else 64 rows, stmatrix on, dp_first off."""
+    block_m, stmatrix, dp_first, ds_address_per_tile: None takes `TILES` for the head dim and
+    mask (when block_m is not given), else 64 rows, stmatrix on, dp_first and
+    ds_address_per_tile off."""
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
@@ -450,7 +468,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "deterministic": bool(deterministic),
                              "stmatrix": bool(pick(stmatrix, "stmatrix", True)),
                              "dp_first": bool(pick(dp_first, "dp_first", False)),
-                             "early_dv": None if early_dv is None else bool(early_dv)},
+                             "early_dv": None if early_dv is None else bool(early_dv),
+                             "ds_address_per_tile": bool(pick(ds_address_per_tile,
+                                                              "ds_address_per_tile", False))},
                             compile_options=compile_options)
 
 

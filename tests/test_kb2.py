@@ -63,9 +63,11 @@ def test_deterministic_mode_orders_the_dq_adds():
 
 
 def test_ds_is_stored_with_stmatrix():
-    """dS^T goes to SMEM with stmatrix.x4 (four per thread and tile at d = 128); the
-    kb2:stmatrix=0 variant keeps one 4-byte st.shared per register pair."""
-    assert count(compiled("kb2", 128, False)["ptx"], r"stmatrix\.sync\.aligned") == 4
+    """dS^T goes to SMEM with stmatrix.x4 (per thread and tile: four for 64 query rows, d =
+    128 with a mask; five for 80, without one); the kb2:stmatrix=0 variant keeps one 4-byte
+    st.shared per register pair."""
+    assert count(compiled("kb2", 128, True)["ptx"], r"stmatrix\.sync\.aligned") == 4
+    assert count(compiled("kb2", 128, False)["ptx"], r"stmatrix\.sync\.aligned") == 5
     assert count(compiled("kb2:stmatrix=0", 128, False)["ptx"], r"stmatrix") == 0
     for fn in resource_usage(compiled("kb2:stmatrix=0", 64, True)["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
@@ -86,22 +88,24 @@ def test_lse_read_while_the_gemms_run(d):
     assert count(loop[:first_wait], r"ld\.shared") >= 4
 
 
-@pytest.mark.parametrize("d,early", [(128, True), (64, False)])
-def test_dv_issued_before_waiting_for_dpt_at_d128(d, early):
-    """At d = 128, dV += P^T dO is issued before the wait for dP^T (no wait_group 0 before
-    dS^T is shared); at d = 64, where that order measured slower, after it."""
-    loop = _consumer_loop(compiled("kb2", d, False)["ptx"])
+@pytest.mark.parametrize("d,causal,early", [(128, True, True), (128, False, False),
+                                             (64, False, False)])
+def test_dv_issued_before_waiting_for_dpt_at_d128(d, causal, early):
+    """On d = 128's 64-row tiles (with a mask), dV += P^T dO is issued before the wait for
+    dP^T (no wait_group 0 before dS^T is shared); at d = 64 and on d = 128's 80-row tiles,
+    where that order measured slower, after it."""
+    loop = _consumer_loop(compiled("kb2", d, causal)["ptx"])
     assert count(loop, r"wgmma\.wait_group\.sync\.aligned\s+0;") == (0 if early else 1)
 
 
 @pytest.mark.parametrize("d,causal,block_m,options", [
     (64, False, 128, {"dp_first": True, "stmatrix": True}),
     (64, True, 128, {"dp_first": False, "stmatrix": False}),
-    (128, False, 64, {"dp_first": False, "stmatrix": True}),
-    (128, True, 64, {"dp_first": False, "stmatrix": True})])
+    (128, False, 80, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": True}),
+    (128, True, 64, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": False})])
 def test_tiles_per_head_dim(d, causal, block_m, options):
     """kb2.TILES: FlashAttention-3's 128-row query tiles at d = 64 (the variants without
-    spills that measured fastest), 64 rows at d = 128."""
+    spills that measured fastest); at d = 128 80 rows without a mask, 64 with one."""
     art = compiled("kb2", d, causal)
     assert art["kernel"]["block_m"] == block_m
     for name, value in options.items():
@@ -109,9 +113,11 @@ def test_tiles_per_head_dim(d, causal, block_m, options):
 
 
 def test_80_row_tiles_compute_dq_transposed():
-    """block_m=80 (FA4's tile at d = 128 without a mask): dQ^T = K^T dS^T as 64 x 80
-    WGMMAs with both operands from SMEM; without spills only with the plain dS^T store."""
-    art = compiled("kb2:block_m=80,early_dv=0,stmatrix=0", 128, False)
+    """80-row query tiles (kb2's and FA4's at d = 128 without a mask): dQ^T = K^T dS^T as
+    64 x 80 WGMMAs with both operands from SMEM; without spills with dS^T's stmatrix
+    addresses computed per tile (ds_address_per_tile), 4 bytes spilled without that."""
+    art = compiled("kb2", 128, False)
+    assert art["kernel"]["block_m"] == 80
     assert art["kernel"]["dq_swap_ab"]
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn

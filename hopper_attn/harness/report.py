@@ -469,7 +469,8 @@ def blocks(folder) -> dict:
               "k6_v_lags_k_d192_256": None, "k7_v_lags_k": None,
               "kb2_tiles_d128": None, "kb2_tiles_d128_stmatrix": None,
               "kb2_tiles_d64_defaults": None, "k6_ablate_d128": None,
-              "bench_k5_v_lags_k_spin": None, "k6_quad_max_stmatrix_o": None}
+              "bench_k5_v_lags_k_spin": None, "k6_quad_max_stmatrix_o": None,
+              "kb2_ds_address_per_tile": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
