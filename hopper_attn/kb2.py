@@ -31,7 +31,11 @@ into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skippin
 seqlen_k != seqlen_q, the pre/post-processing structure. Query tiles (`TILES`, FlashAttention-3's
 choices): 128 rows at d = 64; at d = 128 80 rows without a mask (dQ computed transposed,
 `dq_swap_ab`; dS^T's SMEM addresses recomputed per tile, or one register spills) and 64 with
-one.
+one. At d = 128 the prologue is FA4's: K rides on the first Q stage's barrier and V on the
+first dO stage's (S^T of the first tile waits for K and Q only), and the main kernel is a
+programmatic dependent launch of the preprocess (its first loads start before the
+preprocess has finished; lse2, D and the zeroed dQ buffer are read after
+`griddepcontrol.wait`), as is the dQ conversion of the main kernel.
 
 Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
@@ -63,6 +67,7 @@ from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
+from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import WarpRoles
 
 SPEC = KernelSpec(
@@ -84,7 +89,8 @@ class FlashAttentionBackwardKB2:
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  stages: int = 2, rotate: bool = False, deterministic: bool = False,
                  stmatrix: bool = True, early_dv=None, dp_first: bool = False,
-                 ds_address_per_tile: bool = False):
+                 ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
+                 pdl: bool = False, trace: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -126,6 +132,14 @@ class FlashAttentionBackwardKB2:
         # the exp2 loop then waits for both. Saves the D registers (what lets 128 x 128
         # tiles at d = 64 run without spills) but gives up dP^T's overlap with the exp2s
         self.dp_first = dp_first
+        # kv_with_first_tile: K arrives on the first Q stage's barrier and V on the first dO
+        # stage's (FA4's prologue), so S^T of the first tile waits for K and Q only
+        self.kv_with_first_tile = bool(kv_with_first_tile)
+        # pdl: launched as a programmatic dependent of the preprocess (its loads of K, V, Q
+        # and dO start before the preprocess has finished; lse2, D and the zeroed dQ buffer
+        # are read after `griddepcontrol.wait`), and lets the dQ conversion launch early
+        self.pdl = bool(pdl)
+        self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
                              "for dP^T before the exp2 loop)")
@@ -190,6 +204,7 @@ class FlashAttentionBackwardKB2:
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,
+            use_pdl=self.pdl,
         )
 
     @cute.kernel
@@ -202,6 +217,8 @@ class FlashAttentionBackwardKB2:
                q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
                ds_layout: cute.ComposedLayout, row_layout: cute.Layout):
         bm, d = self.block_m, self.head_dim
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()    # the dQ conversion may launch
         tidx, _, _ = cute.arch.thread_idx()
         (n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first,
          m_count) = self.schedule.cta_work(mQ, mK)
@@ -227,12 +244,13 @@ class FlashAttentionBackwardKB2:
             if warp == 0:                                   # every TMA load
                 tma.prefetch_descriptors(tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum,
                                          tma_dk, tma_dv)
-                kv_state = tma.producer_state(1)
-                kv_pipe.producer_acquire(kv_state)
-                tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK).copy(
-                    n_block, kv_pipe.producer_get_barrier(kv_state))
-                tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV).copy(
-                    n_block, kv_pipe.producer_get_barrier(kv_state))
+                k_load = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
+                v_load = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
+                if cutlass.const_expr(not self.kv_with_first_tile):
+                    kv_state = tma.producer_state(1)
+                    kv_pipe.producer_acquire(kv_state)
+                    k_load.copy(n_block, kv_pipe.producer_get_barrier(kv_state))
+                    v_load.copy(n_block, kv_pipe.producer_get_barrier(kv_state))
                 q_load = tma.TmaTiles.partition(tma_q, mQ, head, batch, sQ)
                 do_load = tma.TmaTiles.partition(tma_do, mdO, head, batch, sdO)
                 lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
@@ -240,16 +258,35 @@ class FlashAttentionBackwardKB2:
                 produce = tma.producer_state(self.stages)
                 for it in cutlass.range(m_count, unroll=1):
                     m_block = self.query_tile(it, n_block, m_first, m_count)
+                    phase = self.trace.start("load_q")
                     q_pipe.producer_acquire(produce)
+                    self.trace.end(phase)
                     barrier = q_pipe.producer_get_barrier(produce)
+                    if cutlass.const_expr(self.kv_with_first_tile):
+                        if it == 0:
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_expect_tx(barrier, self.kv_bytes // 2)
+                            k_load.copy(n_block, barrier)
                     q_load.copy(m_block, barrier, produce.index)
+                    if cutlass.const_expr(self.pdl):
+                        if it == 0:
+                            cute.arch.griddepcontrol_wait()     # lse2 and D are written
                     lse_load.copy(m_block, barrier, produce.index)
+                    phase = self.trace.start("load_do")
                     do_pipe.producer_acquire(produce)
+                    self.trace.end(phase)
                     barrier = do_pipe.producer_get_barrier(produce)
+                    if cutlass.const_expr(self.kv_with_first_tile):
+                        if it == 0:
+                            with cute.arch.elect_one():
+                                cute.arch.mbarrier_expect_tx(barrier, self.kv_bytes // 2)
+                            v_load.copy(n_block, barrier)
                     do_load.copy(m_block, barrier, produce.index)
                     dsum_load.copy(m_block, barrier, produce.index)
                     produce.advance()
             if warp == 1:                                   # the dQ writer
+                if cutlass.const_expr(self.pdl):
+                    cute.arch.griddepcontrol_wait()             # the dQ buffer is zeroed
                 dq_accum = mdQacc[batch, head, None, None].iterator
                 for it in cutlass.range(m_count, unroll=1):
                     m_block = self.query_tile(it, n_block, m_first, m_count)
@@ -263,8 +300,10 @@ class FlashAttentionBackwardKB2:
                     if cutlass.const_expr(self.deterministic):
                         wait_for_turn(turn, n_block)       # kv tiles 0 .. n_block - 1 added
                     for wg in cutlass.range_constexpr(self.warpgroups):
+                        phase = self.trace.start("wait_dq_full")
                         cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
                                           number_of_threads=DQ_HANDOFF_THREADS)
+                        self.trace.end(phase)
                         with cute.arch.elect_one():
                             tma.bulk_reduce_add_f32(
                                 storage.sdQ.data_ptr() + wg * dq_block,
@@ -309,13 +348,17 @@ class FlashAttentionBackwardKB2:
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,
                                            num_threads=128 * self.warpgroups)
 
-        kv_pipe.consumer_wait(tma.consumer_state(1))
+        if cutlass.const_expr(not self.kv_with_first_tile):
+            kv_pipe.consumer_wait(tma.consumer_state(1))
         consume = tma.consumer_state(self.stages)
         causal_offset = seqlen_k - seqlen_q
         for it in cutlass.range(m_count, unroll=1):
             m_block = self.query_tile(it, n_block, m_first, m_count)
             stage = consume.index
+            phase = self.trace.start("wait_q")
             q_pipe.consumer_wait(consume)
+            self.trace.end(phase)
+            phase = self.trace.start("s_dp")
             acc_st = mmas.new_st_accumulator(bm, bn)
             acc_dpt = mmas.new_st_accumulator(bm, bn)
             st_rc, dpt_rc = acc_rows_cols(acc_st), acc_rows_cols(acc_dpt)
@@ -338,12 +381,18 @@ class FlashAttentionBackwardKB2:
             # the wait, their SMEM latency stalled the exp2 loop (ncu: 9% of warp samples)
             lse2 = column_stats(sLSE, st_coords, stage, cols)
             if cutlass.const_expr(self.dp_first):
+                self.trace.end(phase)
+                phase = self.trace.start("wait_s")
                 warpgroup.wait_group(0)                                 # S^T, dP^T landed
             else:
                 do_pipe.consumer_wait(consume)
                 wgmma.gemm(mmas.mma_sdp, acc_dpt, mmas.v_frag,
                            mmas.do_frag[None, None, None, stage], zero_init=True)
+                self.trace.end(phase)
+                phase = self.trace.start("wait_s")
                 warpgroup.wait_group(1)                                 # S^T has landed
+            self.trace.end(phase)
+            phase = self.trace.start("exp2")
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
                             self.causal, causal_offset, transposed=True)
@@ -354,12 +403,20 @@ class FlashAttentionBackwardKB2:
             if cutlass.const_expr(not self.dp_first):
                 dsum = column_stats(sD, st_coords, stage, cols)
             mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
+            self.trace.end(phase)
             if cutlass.const_expr(self.early_dv):
+                phase = self.trace.start("dv")
                 wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
                            mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
+                self.trace.end(phase)
+                phase = self.trace.start("wait_dp")
                 warpgroup.wait_group(1)                                 # dP^T has landed
+                self.trace.end(phase)
             elif cutlass.const_expr(not self.dp_first):
+                phase = self.trace.start("wait_dp")
                 warpgroup.wait_group(0)                                 # dP^T has landed
+                self.trace.end(phase)
+            phase = self.trace.start("ds")
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                     if cutlass.const_expr(self.dp_first):
@@ -384,15 +441,27 @@ class FlashAttentionBackwardKB2:
                 wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
                            mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
+            self.trace.end(phase)
+            phase = self.trace.start("ds_barrier")
             ds_written.arrive_and_wait()                         # ... of both warpgroups
+            self.trace.end(phase)
+            phase = self.trace.start("dq_dk")
             acc_dq = mmas.new_dq_accumulator(bm, d)
             wgmma.gemm(mmas.mma_dq, acc_dq, *mmas.dq_operands(buf),
                        zero_init=True)
+            self.trace.end(phase)
+            phase = self.trace.start("wait_dv_dq")
             warpgroup.wait_group(1)                                     # dV is done
+            self.trace.end(phase)
+            phase = self.trace.start("dq_dk")
             do_pipe.consumer_release(consume)
             wgmma.gemm(mmas.mma_dkv, acc_dk, mmas.dst_frag, mmas.qt_frag[None, None, None, stage],
                        zero_init=False)                                  # dK += dS^T Q
+            self.trace.end(phase)
+            phase = self.trace.start("wait_dv_dq")
             warpgroup.wait_group(1)                                     # dQ is done
+            self.trace.end(phase)
+            phase = self.trace.start("dq_store")
             # dQ -> the staging buffer (in register order), once the writer has read the last
             cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg,
                               number_of_threads=DQ_HANDOFF_THREADS)
@@ -401,19 +470,24 @@ class FlashAttentionBackwardKB2:
             cute.arch.fence_proxy("async.shared", space="cta")   # visible to the copy engine
             cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg,
                                      number_of_threads=DQ_HANDOFF_THREADS)
+            self.trace.end(phase)
+            phase = self.trace.start("wait_dk")
             warpgroup.wait_group(0)                                     # dK is done
+            self.trace.end(phase)
             q_pipe.consumer_release(consume)
             consume.advance()
 
         # Epilogue: dK * scale and dV -> dtype -> SMEM (K's and V's buffers) -> TMA stores
         epilogue = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                          num_threads=128 * self.warpgroups)
+        phase = self.trace.start("epilogue")
         acc_dk.store(acc_dk.load() * softmax_scale)
         epilogue.arrive_and_wait()                          # every WGMMA has read K and V
         stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype)
         epilogue.arrive_and_wait()
         if warp == 4:                                       # the first consumer warp
             store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
+        self.trace.end(phase)
 
 
 @cute.jit
@@ -444,22 +518,29 @@ def wait_for_turn(turn: cute.Pointer, n_block):
 # stmatrix, and then lose 4-5%; since 2026-11-25 they do not, with dS^T's stmatrix addresses
 # computed per tile (`ds_address_per_tile`): +2.4-5.4% over 64 rows, 1.00x FA4 at N = 2k-16k
 # (results/h100/2026-11-25_kb2_ds_address_per_tile.json). With a causal mask the 80-row tile
-# still spills (68 bytes): 64 rows there.
+# still spills (68 bytes): 64 rows there. At d = 128 the first Q and dO stages also carry K
+# and V, and the three kernels are chained by programmatic dependent launch (FA4's prologue):
+# +0.2-0.9% with a mask, +0.1-0.4% without, -0.4% at d = 64
+# (results/h100/2026-11-25_kb2_prologue_*.json, _kb2_epilogue_*.json).
 TILES = {(64, False): {"block_m": 128, "dp_first": True},
          (64, True): {"block_m": 128, "stmatrix": False},
-         (128, False): {"block_m": 80, "ds_address_per_tile": True}}
+         (128, False): {"block_m": 80, "ds_address_per_tile": True, "kv_with_first_tile": True,
+                        "pdl": True},
+         (128, True): {"kv_with_first_tile": True, "pdl": True}}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
                    block_n: int = 128, stages: int = 2, rotate: bool = False,
                    deterministic: bool = False, stmatrix: Optional[bool] = None,
                    early_dv=None, dp_first: Optional[bool] = None,
-                   ds_address_per_tile: Optional[bool] = None):
+                   ds_address_per_tile: Optional[bool] = None,
+                   kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
+                   trace: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
-    block_m, stmatrix, dp_first, ds_address_per_tile: None takes `TILES` for the head dim and
-    mask (when block_m is not given), else 64 rows, stmatrix on, dp_first and
-    ds_address_per_tile off."""
+    block_m, stmatrix, dp_first, ds_address_per_tile, kv_with_first_tile, pdl: None takes
+    `TILES` for the head dim and mask (when block_m is not given), else 64 rows, stmatrix on,
+    the others off. trace: iket phase ranges (harness/timeline.py)."""
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
@@ -470,7 +551,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "dp_first": bool(pick(dp_first, "dp_first", False)),
                              "early_dv": None if early_dv is None else bool(early_dv),
                              "ds_address_per_tile": bool(pick(ds_address_per_tile,
-                                                              "ds_address_per_tile", False))},
+                                                              "ds_address_per_tile", False)),
+                             "kv_with_first_tile": bool(pick(kv_with_first_tile,
+                                                             "kv_with_first_tile", False)),
+                             "pdl": bool(pick(pdl, "pdl", False)), "trace": bool(trace)},
                             compile_options=compile_options)
 
 

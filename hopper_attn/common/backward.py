@@ -114,18 +114,20 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
         if getattr(kernel, "takes_semaphores", False) else []
     main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
-    pre_key = ("preprocess", d, dt, kernel.block_m, ffi)
+    pdl = bool(getattr(kernel, "pdl", False))     # programmatic dependent launches (kb2)
+    pre_key = ("preprocess", d, dt, kernel.block_m, ffi, pdl)
     if pre_key not in _COMPILED:
         lse = _example((b, h, n), torch.float32)
-        _COMPILED[pre_key] = rt.compile_with_tensors(BackwardPreprocess(d, kernel.block_m),
+        _COMPILED[pre_key] = rt.compile_with_tensors(BackwardPreprocess(d, kernel.block_m, pdl),
                                                      qkv[0], qkv[3], lse, *stats, dq_accum,
                                                      tvm_ffi=ffi)
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
     swap_ab = getattr(kernel, "dq_swap_ab", False)
-    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi)
+    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl)
     if post_key not in _COMPILED:
-        convert = DqConvertFragments(d, kernel.block_m, swap_ab) if fragments else DqConvert(d)
+        convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl) if fragments \
+            else DqConvert(d)
         _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], scalars=(1.0,),
                                                       tvm_ffi=ffi)
     pre, post = _COMPILED[pre_key], _COMPILED[post_key]
@@ -289,8 +291,8 @@ class BackwardPreprocess:
     lse2 = lse * log2(e), padded; and the tile's block of the fp32 dQ buffer set to 0 (so no
     separate memset). d/8 consecutive lanes share a row: 16-byte loads, then a shuffle sum."""
 
-    def __init__(self, head_dim: int, rows_per_cta: int):
-        self.head_dim, self.rows = head_dim, rows_per_cta
+    def __init__(self, head_dim: int, rows_per_cta: int, pdl: bool = False):
+        self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
 
     @cute.jit
@@ -304,6 +306,10 @@ class BackwardPreprocess:
     @cute.kernel
     def kernel(self, o: cute.Tensor, do: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
                mD: cute.Tensor, mdQacc: cute.Tensor):
+        if cutlass.const_expr(self.pdl):
+            # the main kernel may launch now: it reads what this kernel writes only after
+            # its `griddepcontrol.wait`, which waits for this whole grid
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
@@ -375,8 +381,8 @@ class DqConvertFragments:
     float is, converts, and writes the tile through SMEM (rows padded by 8 elements) so
     that the global stores are 16-byte row chunks."""
 
-    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False):
-        self.head_dim, self.block_m, self.swap_ab = head_dim, block_m, swap_ab
+    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False):
+        self.head_dim, self.block_m, self.swap_ab, self.pdl = head_dim, block_m, swap_ab, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, 256)
 
     @cute.jit
@@ -385,11 +391,13 @@ class DqConvertFragments:
         self.dtype = mdQ.element_type
         self.kernel(mdQacc, dq, scale).launch(
             grid=[cute.ceil_div(dq.shape[0], self.block_m), dq.shape[2], dq.shape[3]],
-            block=[256, 1, 1], stream=stream)
+            block=[256, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, acc_all: cute.Tensor, dq: cute.Tensor, scale: Float32):
         bm, d = self.block_m, self.head_dim
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)

@@ -32,7 +32,13 @@ import tempfile
 
 PHASE_COLORS = {"wait_kv": "#bbbbbb", "wait_k": "#bbbbbb", "wait_v": "#dddddd",
                 "qk": "#1f77b4", "softmax": "#ff7f0e", "pv": "#2ca02c", "release": "#9467bd",
-                "wait_turn": "#e377c2", "mma": "#08306b", "wait_pv": "#98df8a", "rescale": "#d62728", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b", "transpose": "#7f7f7f"}
+                "wait_turn": "#e377c2", "mma": "#08306b", "wait_pv": "#98df8a", "rescale": "#d62728", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b", "transpose": "#7f7f7f",
+                # the backward (kb2)
+                "wait_q": "#bbbbbb", "s_dp": "#1f77b4", "wait_s": "#9ecae1", "exp2": "#ff7f0e",
+                "dv": "#2ca02c", "wait_dp": "#98df8a", "ds": "#d62728", "ds_barrier": "#e377c2",
+                "dq_dk": "#08306b", "wait_dv_dq": "#6baed6", "dq_store": "#8c564b",
+                "wait_dk": "#dddddd", "load_q": "#17becf", "load_do": "#bcbd22",
+                "wait_dq_full": "#7f7f7f"}
 
 
 # ------------------------------------------------------------------------- the workload
@@ -46,13 +52,20 @@ def workload(args) -> int:
     from hopper_attn.harness.timing import benchmark
 
     problem = Problem(args.batch, args.heads, args.seqlen, args.head_dim, args.causal)
-    q, k, v, out = make_inputs(problem, 0)
+    backward = args.kernel.partition(":")[0] in registry.BACKWARD_KERNELS
+    if backward:                                        # kb1, kb2: gradients of one case
+        from hopper_attn.harness.grad_check import BackwardCase
+        case = BackwardCase(problem, 0, reference=False)
+        q, k, v = case.q, case.k, case.v
+    else:
+        q, k, v, out = make_inputs(problem, 0)
     cost = {"problem": problem.as_dict()}
     for trace in (0, 1):
         sep = "," if ":" in args.kernel else ":"      # a name with options already
         entry = registry.get(f"{args.kernel}{sep}trace={trace}")
         handle = entry.compile(problem)
-        tensors = (*entry.prepare(q, k, v), out)       # k7: its FP8 inputs
+        tensors = (case.q, case.k, case.v, case.o, case.do, case.lse, case.dq, case.dk,
+                   case.dv) if backward else (*entry.prepare(q, k, v), out)  # k7: FP8 inputs
         t = benchmark(lambda: entry.run(handle, *tensors), target_ms=50, max_reps=10)
         cost[f"ms_trace{trace}"] = t["ms"]
     torch.cuda.synchronize()
@@ -106,7 +119,8 @@ def shrink(path):
     """Keep only the last launch (the workload's last traced run), xz-compressed: a few
     hundred kB instead of megabytes, small enough to commit."""
     data = _read(path)
-    data["launches"] = data["launches"][-1:]
+    # the last launch with ranges (a backward's dQ conversion, launched after it, has none)
+    data["launches"] = [l for l in data["launches"] if l.get("ranges")][-1:]
     out = path if path.endswith(".xz") else path + ".xz"
     with lzma.open(out, "wt") as f:
         json.dump(data, f, separators=(",", ":"))
