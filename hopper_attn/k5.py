@@ -324,9 +324,7 @@ class FlashAttentionK5:
         # (the SMEM addresses derive from an opaque thread index so that they are computed
         # here, not hoisted out of a persistent loop: compiler_hints.py)
         if cutlass.const_expr(self.stmatrix_o and o_out.element_type.width == 16):
-            store_o = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(
-                    transpose=False, num_matrices=4), o_out.element_type), mma_pv)
+            store_o = wgmma.stmatrix_store(mma_pv, o_out.element_type)
             thr_store_o = store_o.get_slice(opaque(ctidx))
             cute.copy(store_o, thr_store_o.retile(o_out), thr_store_o.partition_D(sO))
         else:

@@ -264,9 +264,7 @@ class FlashAttentionBackwardKB2:
                     barrier = q_pipe.producer_get_barrier(produce)
                     if cutlass.const_expr(self.kv_with_first_tile):
                         if it == 0:
-                            with cute.arch.elect_one():
-                                cute.arch.mbarrier_expect_tx(barrier, self.kv_bytes // 2)
-                            k_load.copy(n_block, barrier)
+                            k_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
                     q_load.copy(m_block, barrier, produce.index)
                     if cutlass.const_expr(self.pdl):
                         if it == 0:
@@ -278,9 +276,7 @@ class FlashAttentionBackwardKB2:
                     barrier = do_pipe.producer_get_barrier(produce)
                     if cutlass.const_expr(self.kv_with_first_tile):
                         if it == 0:
-                            with cute.arch.elect_one():
-                                cute.arch.mbarrier_expect_tx(barrier, self.kv_bytes // 2)
-                            v_load.copy(n_block, barrier)
+                            v_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
                     do_load.copy(m_block, barrier, produce.index)
                     dsum_load.copy(m_block, barrier, produce.index)
                     produce.advance()
@@ -339,10 +335,7 @@ class FlashAttentionBackwardKB2:
         acc_dk = mmas.new_dkv_accumulator(bn, d)
         acc_dv = mmas.new_dkv_accumulator(bn, d)
         if cutlass.const_expr(self.stmatrix):
-            store_ds = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
-                                                                      num_matrices=4), dtype),
-                mmas.mma_sdp)
+            store_ds = wgmma.stmatrix_store(mmas.mma_sdp, dtype)
             thr_store_ds = store_ds.get_slice(ctidx)
             ds_smem = thr_store_ds.partition_D(sdSt)             # (..., buffer)
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,

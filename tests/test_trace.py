@@ -26,36 +26,36 @@ def test_trace_off_emits_no_code():
 
 
 PROBE = """
+import sys
 from hopper_attn.harness import registry
 from hopper_attn.harness.compile_report import compile_artifacts
-print(compile_artifacts(registry.get("k4:trace=1"), 128, False)["ptx"])
+name, d, causal = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+print(compile_artifacts(registry.get(name), d, causal)["ptx"])
 """
+
+
+def _ptx_with_ranges(name: str, d: int, causal: bool) -> str:
+    """The PTX of `name` compiled as `iket profile` does: the JIT told to keep the ranges
+    (read when cutlass is imported, hence a fresh process)."""
+    env = {**os.environ, "CUTE_DSL_COMPILER_OPT": "iket"}
+    return subprocess.run([sys.executable, "-c", PROBE, name, str(d), str(int(causal))],
+                          env=env, capture_output=True, text=True, check=True).stdout
+
+
+def _ranges(ptx: str) -> set:
+    return set(re.findall(r"__iket_range_decl_([a-z_0-9]+?)_\d+_attrs", ptx))
 
 
 def test_trace_on_keeps_one_range_per_phase():
-    # what `iket profile` does: ask the JIT to keep the ranges (read when cutlass is imported)
-    env = {**os.environ, "CUTE_DSL_COMPILER_OPT": "iket"}
-    ptx = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
-                         text=True, check=True).stdout
-    ranges = set(re.findall(r"__iket_range_decl_([a-z_]+?)_\d+_attrs", ptx))
-    assert ranges == {"wait_kv", "qk", "softmax", "pv", "release"}
+    ptx = _ptx_with_ranges("k4:trace=1", 128, False)
+    assert _ranges(ptx) == {"wait_kv", "qk", "softmax", "pv", "release"}
     assert "globaltimer" in ptx
-
-
-KB2_PROBE = """
-from hopper_attn.harness import registry
-from hopper_attn.harness.compile_report import compile_artifacts
-print(compile_artifacts(registry.get("kb2:trace=1"), 128, True)["ptx"])
-"""
 
 
 def test_backward_ranges():
     """kb2 (the backward) records its consumers' phases, the producer's waits for free Q and
     dO stages and the dQ writer's wait for each staged block."""
-    env = {**os.environ, "CUTE_DSL_COMPILER_OPT": "iket"}
-    ptx = subprocess.run([sys.executable, "-c", KB2_PROBE], env=env, capture_output=True,
-                         text=True, check=True).stdout
-    ranges = set(re.findall(r"__iket_range_decl_([a-z_0-9]+?)_\d+_attrs", ptx))
-    assert ranges == {"wait_q", "s_dp", "wait_s", "exp2", "dv", "wait_dp", "ds", "ds_barrier",
-                      "dq_dk", "wait_dv_dq", "dq_store", "wait_dk", "epilogue", "load_q",
-                      "load_do", "wait_dq_full"}
+    ptx = _ptx_with_ranges("kb2:trace=1", 128, True)
+    assert _ranges(ptx) == {"wait_q", "s_dp", "wait_s", "exp2", "dv", "wait_dp", "ds",
+                            "ds_barrier", "dq_dk", "wait_dv_dq", "dq_store", "wait_dk",
+                            "epilogue", "load_q", "load_do", "wait_dq_full"}

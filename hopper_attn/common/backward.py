@@ -127,7 +127,7 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl)
     if post_key not in _COMPILED:
         convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl) if fragments \
-            else DqConvert(d)
+            else DqConvert(d, pdl=pdl)
         _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], scalars=(1.0,),
                                                       tvm_ffi=ffi)
     pre, post = _COMPILED[pre_key], _COMPILED[post_key]
@@ -345,8 +345,8 @@ class DqConvert:
     """dQ = dq_accum * scale in the input dtype, (batch, seqlen, heads, d) layout; d/8 lanes
     per row, 16-byte stores."""
 
-    def __init__(self, head_dim: int, rows_per_cta: int = 64):
-        self.head_dim, self.rows = head_dim, rows_per_cta
+    def __init__(self, head_dim: int, rows_per_cta: int = 64, pdl: bool = False):
+        self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
 
     @cute.jit
@@ -354,10 +354,12 @@ class DqConvert:
         dq = ndhb_view(mdQ)                                    # (N, d, H, B)
         self.kernel(mdQacc, dq, scale).launch(
             grid=[cute.ceil_div(dq.shape[0], self.rows), dq.shape[2], dq.shape[3]],
-            block=[HELPER_THREADS, 1, 1], stream=stream)
+            block=[HELPER_THREADS, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, dq: cute.Tensor, scale: Float32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK

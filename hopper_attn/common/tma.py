@@ -80,6 +80,14 @@ class TmaTiles:
         smem = self.smem if stage is None else self.smem[None, stage]
         cute.copy(self.atom, self.gmem[None, tile_index], smem, tma_bar_ptr=barrier)
 
+    def copy_on_armed(self, tile_index, barrier, nbytes: int):
+        """`copy` on a barrier the producer has already armed for another load (kb2: K with
+        the first Q stage): its expected byte count grows by this tile's `nbytes` first (one
+        lane), before any of the stage's copies can complete the phase."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_expect_tx(barrier, nbytes)
+        self.copy(tile_index, barrier)
+
     def store(self, tile_index):
         """Store the SMEM buffer to global tile `tile_index` and wait until SMEM is read."""
         cute.copy(self.atom, self.smem, self.gmem[None, tile_index])

@@ -100,6 +100,16 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
     return tiled_mma.get_slice(cute.arch.make_warp_uniform(tidx // 128) * 128)
 
 
+def stmatrix_store(tiled_mma: cute.TiledMma, dtype) -> cute.TiledCopy:
+    """A copy from `tiled_mma`'s accumulator layout (converted to the 16-bit `dtype`) to
+    shared memory with `stmatrix`: four 8 x 8 blocks per warp instruction, instead of one
+    4-byte store (and its swizzled address) per register pair. Used for P (k6's p_in_smem),
+    O (k5-k7's epilogue) and dS^T (kb2)."""
+    return cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                            dtype), tiled_mma)
+
+
 @dataclasses.dataclass(frozen=True)
 class SmemP:
     """P passed to O += P V through shared memory (k6's `p_in_smem`): `frag`, the PV GEMM's
@@ -162,10 +172,7 @@ class AttentionMmas:
         if sP is None:
             p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n)))
         else:
-            store_p = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
-                                                                      num_matrices=4), dtype),
-                mma_qk)
+            store_p = stmatrix_store(mma_qk, dtype)
             thr_store = store_p.get_slice(tidx)
             p_frag = SmemP(wg_pv.make_fragment_A(wg_pv.partition_A(sP)), store_p, thr_store,
                            thr_store.partition_D(sP))
