@@ -67,8 +67,6 @@ from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
-from hopper_attn.common.scheduler import (ItemQueue, TileScheduler, fetch_next_item, retire,
-                                          sm_count)
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import WarpRoles
 
@@ -81,21 +79,18 @@ SPEC = KernelSpec(
 )
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
-DQ_DONE_BARRIER = 7                    # persistent: the writer has read a work item's last dQ
 DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer warp
-DQ_DONE_THREADS = 256 + 32             # both consumer warpgroups and the dQ writer warp
 
 
 class FlashAttentionBackwardKB2:
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
-    takes_work_counter = True          # then the persistent schedule's counter (unused if not)
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  stages: int = 2, rotate: bool = False, deterministic: bool = False,
                  stmatrix: bool = True, early_dv=None, dp_first: bool = False,
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
-                 pdl: bool = False, persistent: bool = False, trace: bool = False):
+                 pdl: bool = False, trace: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -144,20 +139,6 @@ class FlashAttentionBackwardKB2:
         # and dO start before the preprocess has finished; lse2, D and the zeroed dQ buffer
         # are read after `griddepcontrol.wait`), and lets the dQ conversion launch early
         self.pdl = bool(pdl)
-        # persistent: one CTA per SM, each running kv tiles (work items) from a global
-        # counter, longest first as the one-CTA-per-tile grid's order (common/scheduler.py);
-        # a CTA's dK / dV leave through dS^T's and dQ's buffers while the next tile's K, V
-        # and first Q / dO load, so the epilogue and the prologue overlap
-        self.persistent = bool(persistent)
-        self.persistent_mode = int(persistent)  # (diagnostic: 2 = one item per CTA, 3 = static)
-        if self.persistent and (deterministic or kv_with_first_tile):
-            raise ValueError("kb2: persistent takes neither deterministic (its turns assume "
-                             "one CTA per kv tile) nor kv_with_first_tile")
-        # one work item per kv tile (n_block, head, batch), n_block fastest; kv tile 0 has the
-        # most query tiles under a causal mask, so the grid's order is longest first already
-        self.scheduler = TileScheduler(block_m=block_n, causal=False, persistent=self.persistent,
-                                       ctas=(1 << 30) if int(persistent) == 2 else sm_count(),
-                                       dynamic=self.persistent and int(persistent) != 3)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -181,8 +162,8 @@ class FlashAttentionBackwardKB2:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mSem: cute.Tensor, mCounter: cute.Tensor,
-                 scale_log2: Float32, softmax_scale: Float32, stream):
+                 mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32,
+                 softmax_scale: Float32, stream):
         lse2, dsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                       for t in (mLSE2, mD)]                                     # (rows, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
@@ -212,19 +193,14 @@ class FlashAttentionBackwardKB2:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
-            item_barriers: cute.struct.MemRange[cutlass.Int64, 4]   # persistent: ItemQueue
-            items: cute.struct.MemRange[Int32, 2]
 
-        if cutlass.const_expr(self.persistent):     # dK and dV staged in dS^T's, dQ's SMEM
-            assert cute.cosize(ds_layout) >= cute.cosize(kv_layout) and \
-                bm * d * 4 >= cute.cosize(kv_layout) * self.dtype.width // 8
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(q_tiles, do_tiles, k_tiles, v_tiles, lse_tiles, dsum_tiles, dk_tiles,
                     dv_tiles, tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv,
-                    mdQacc, mSem, mCounter, scale_log2, softmax_scale, q_layout, kv_layout,
-                    ds_layout, row_layout).launch(
-            grid=self.scheduler.grid(tiles.seqlen_k, tiles.heads, tiles.batch),
+                    mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
+                    row_layout).launch(
+            grid=self.schedule.grid(tiles.seqlen_k, tiles.heads, tiles.batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,
@@ -237,19 +213,16 @@ class FlashAttentionBackwardKB2:
                tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_dsum: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mdQacc: cute.Tensor,
-               mSem: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32,
-               softmax_scale: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, ds_layout: cute.ComposedLayout,
-               row_layout: cute.Layout):
+               mSem: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+               q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
+               ds_layout: cute.ComposedLayout, row_layout: cute.Layout):
         bm, d = self.block_m, self.head_dim
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()    # the dQ conversion may launch
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        seqlen_k, heads, batch_size = mK.shape[0], mQ.shape[2], mQ.shape[3]
-        # the first work item: this CTA's kv tile (one per CTA unless persistent)
-        tiles = self.scheduler.start()
-        n_block, head, batch, valid = self.scheduler.work(tiles, seqlen_k, heads, batch_size)
+        (n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first,
+         m_count) = self.schedule.cta_work(mQ, mK)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout)
@@ -262,13 +235,6 @@ class FlashAttentionBackwardKB2:
                                    self.q_bytes)
         do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.stages,
                                     consumer_warps, self.q_bytes)
-        # persistent: the producer warp hands the next work item to the consumers and the dQ
-        # writer (k6's dynamic schedule: an item goes to the first CTA that asks)
-        queue = None
-        if cutlass.const_expr(self.scheduler.dynamic):
-            queue = ItemQueue.create(storage.item_barriers.data_ptr(),
-                                     storage.items.get_tensor(cute.make_layout(2)),
-                                     128 * self.warpgroups + 32)
         tma.barriers_ready()
         loads = (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum)
         dq_staging = storage.sdQ.data_ptr()
@@ -278,105 +244,41 @@ class FlashAttentionBackwardKB2:
             self.roles.become_producer()
             if warp == 0:                                   # every TMA load
                 tma.prefetch_descriptors(*loads, tma_dk, tma_dv)
-                kv_state = tma.producer_state(1)
-                produce = tma.producer_state(self.stages)
-                if cutlass.const_expr(not self.persistent):
-                    self.load_item(loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE,
-                                   sD, kv_pipe, q_pipe, do_pipe, kv_state, produce, n_block,
-                                   head, batch)
-                else:
-                    item_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, 2)
-                    while valid:
-                        kv_state, produce = self.load_item(
-                            loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD,
-                            kv_pipe, q_pipe, do_pipe, kv_state, produce, n_block, head, batch)
-                        if cutlass.const_expr(self.scheduler.dynamic):
-                            tiles = fetch_next_item(mCounter)       # ask for the next one now
-                            queue.publish(item_state, tiles)
-                            item_state.advance()
-                        else:
-                            tiles = self.scheduler.advance(tiles)
-                        n_block, head, batch, valid = self.scheduler.work(tiles, seqlen_k, heads,
-                                                                          batch_size)
-                    if cutlass.const_expr(self.scheduler.dynamic):
-                        retire(mCounter)
+                self.load(loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD,
+                          kv_pipe, q_pipe, do_pipe, n_block, head, batch, kv_head, m_first,
+                          m_count)
             if warp == 1:                                   # the dQ writer
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()             # the dQ buffer is zeroed
-                if cutlass.const_expr(not self.persistent):
-                    self.write_dq(dq_staging, mQ, mK, mdQacc, mSem, n_block, head, batch)
-                else:
-                    item_state = tma.consumer_state(2)
-                    while valid:
-                        self.write_dq(dq_staging, mQ, mK, mdQacc, mSem, n_block, head, batch)
-                        # the last dQ block has been read: its SMEM may take dK / dV
-                        cute.arch.barrier_arrive(barrier_id=DQ_DONE_BARRIER,
-                                                 number_of_threads=DQ_DONE_THREADS)
-                        tiles, item_state = self.next_item(queue, item_state, tiles)
-                        n_block, head, batch, valid = self.scheduler.work(tiles, seqlen_k, heads,
-                                                                          batch_size)
+                self.write_dq(dq_staging, mdQacc, mSem, n_block, head, batch, m_first, m_count)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             # ---------------- consumer warpgroups ----------------
             self.roles.become_consumer()
             ctidx = tidx - 128                              # 0 .. 255
             wg = warp // 4 - 1
-            kv_state = tma.consumer_state(1)
-            consume = tma.consumer_state(self.stages)
-            epilogue_smem = (sK, sV)
-            if cutlass.const_expr(self.persistent):
-                # dK and dV leave through dS^T's and dQ's buffers, so that the next item's K
-                # and V can load while they are stored
-                epilogue_smem = (storage.sdS.get_tensor(kv_layout.outer, swizzle=kv_layout.inner),
-                                 storage.sdQ.get_tensor(kv_layout.outer, swizzle=kv_layout.inner,
-                                                        dtype=self.dtype))
-            args = (ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
-                    dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv,
-                    epilogue_smem, warp)
-            if cutlass.const_expr(not self.persistent):
-                self.consume(*args, mQ, mK, n_block, head, batch, kv_state, consume)
-            else:
-                item_state = tma.consumer_state(2)
-                while valid:
-                    kv_state, consume = self.consume(*args, mQ, mK, n_block, head, batch,
-                                                     kv_state, consume)
-                    tiles, item_state = self.next_item(queue, item_state, tiles)
-                    n_block, head, batch, valid = self.scheduler.work(tiles, seqlen_k, heads,
-                                                                      batch_size)
-                if warp == 4:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)   # the last dK / dV read
+            self.consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
+                         dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
+                         n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k)
 
     @cute.jit
-    def next_item(self, queue, item_state, tiles):
-        """The consumers' and the dQ writer's next work item (persistent): from the producer
-        warp's queue (dynamic schedule) or the grid-stride step (static)."""
-        if cutlass.const_expr(self.scheduler.dynamic):
-            tiles = queue.receive(item_state)
-            item_state.advance()
-        else:
-            tiles = self.scheduler.advance(tiles)
-        return tiles, item_state
-
-    @cute.jit
-    def load_item(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD,
-                  kv_pipe, q_pipe, do_pipe, kv_state, produce, n_block, head, batch):
+    def load(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD, kv_pipe,
+             q_pipe, do_pipe, n_block, head, batch, kv_head, m_first, m_count):
         """The producer warp: K and V of kv tile `n_block`, then Q with its lse2 row and dO
-        with its D row for every query tile it visits. Returns the ring states."""
+        with its D row for every query tile it visits."""
         tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum = loads
-        _, head, batch, kv_head, _, _, m_first, m_count = self.schedule.item_work(
-            n_block, head, batch, mQ, mK)
         k_load = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
         v_load = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
         if cutlass.const_expr(not self.kv_with_first_tile):
-            kv_pipe.producer_acquire(kv_state)          # the previous item's K and V are read
+            kv_state = tma.producer_state(1)
+            kv_pipe.producer_acquire(kv_state)
             k_load.copy(n_block, kv_pipe.producer_get_barrier(kv_state))
             v_load.copy(n_block, kv_pipe.producer_get_barrier(kv_state))
-            kv_state.advance()
         q_load = tma.TmaTiles.partition(tma_q, mQ, head, batch, sQ)
         do_load = tma.TmaTiles.partition(tma_do, mdO, head, batch, sdO)
         lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
         dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
+        produce = tma.producer_state(self.stages)
         for it in cutlass.range(m_count, unroll=1):
             m_block = self.query_tile(it, n_block, m_first, m_count)
             phase = self.trace.start("load_q")
@@ -388,7 +290,7 @@ class FlashAttentionBackwardKB2:
                     k_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
             q_load.copy(m_block, barrier, produce.index)
             if cutlass.const_expr(self.pdl):
-                if it == 0:         # (returns at once after the first time)
+                if it == 0:
                     cute.arch.griddepcontrol_wait()     # lse2 and D are written
             lse_load.copy(m_block, barrier, produce.index)
             phase = self.trace.start("load_do")
@@ -401,17 +303,14 @@ class FlashAttentionBackwardKB2:
             do_load.copy(m_block, barrier, produce.index)
             dsum_load.copy(m_block, barrier, produce.index)
             produce.advance()
-        return kv_state, produce
 
     @cute.jit
-    def write_dq(self, sdQ: cute.Pointer, mQ, mK, mdQacc: cute.Tensor, mSem: cute.Tensor,
-                 n_block, head, batch):
+    def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
+                 head, batch, m_first, m_count):
         """The dQ writer warp: each consumer warpgroup's dQ block of every query tile of kv
         tile `n_block`, reduce-added from SMEM to the fp32 dQ buffer."""
         bm, d = self.block_m, self.head_dim
         dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
-        _, head, batch, _, _, _, m_first, m_count = self.schedule.item_work(
-            n_block, head, batch, mQ, mK)
         dq_accum = mdQacc[batch, head, None, None].iterator
         for it in cutlass.range(m_count, unroll=1):
             m_block = self.query_tile(it, n_block, m_first, m_count)
@@ -438,8 +337,6 @@ class FlashAttentionBackwardKB2:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
                 with cute.arch.elect_one():
                     cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
-        if cutlass.const_expr(self.persistent):
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume(self, ctidx, wg, kv_pipe: pipeline.PipelineTmaAsync,
@@ -447,13 +344,10 @@ class FlashAttentionBackwardKB2:
                 sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
                 sdSt: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Pointer,
                 scale_log2: Float32, softmax_scale: Float32, mdK: cute.Tensor,
-                mdV: cute.Tensor, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, epilogue_smem,
-                warp, mQ: cute.Tensor, mK: cute.Tensor, n_block, head, batch, kv_state,
-                consume):
+                mdV: cute.Tensor, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, warp,
+                n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k):
         """One consumer warpgroup's work on kv tile `n_block` of (head, batch): every query
-        tile it visits, then dK and dV out. Returns the K/V and Q/dO ring states."""
-        _, head, batch, _, seqlen_q, seqlen_k, m_first, m_count = self.schedule.item_work(
-            n_block, head, batch, mQ, mK)
+        tile it visits, then dK and dV out."""
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
                                          sdSt, dtype, self.dq_swap_ab)  # kb1's five GEMMs
@@ -467,15 +361,9 @@ class FlashAttentionBackwardKB2:
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER,
                                            num_threads=128 * self.warpgroups)
 
-        if cutlass.const_expr(self.persistent):
-            # the previous item's dK / dV have left dS^T's and dQ's buffers (the TMA store
-            # reads them while K and V load, so this costs nothing; inside the loop, at the
-            # first dS^T store, the branch made ptxas serialize the 80-row tile's WGMMAs)
-            if warp == 4:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=128 * self.warpgroups)
         if cutlass.const_expr(not self.kv_with_first_tile):
-            kv_pipe.consumer_wait(kv_state)
+            kv_pipe.consumer_wait(tma.consumer_state(1))
+        consume = tma.consumer_state(self.stages)
         causal_offset = seqlen_k - seqlen_q
         for it in cutlass.range(m_count, unroll=1):
             m_block = self.query_tile(it, n_block, m_first, m_count)
@@ -602,31 +490,18 @@ class FlashAttentionBackwardKB2:
             q_pipe.consumer_release(consume)
             consume.advance()
 
-        # Epilogue: dK * scale and dV -> dtype -> SMEM -> TMA stores
+        # Epilogue: dK * scale and dV -> dtype -> SMEM (K's and V's buffers) -> TMA stores
         epilogue = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                          num_threads=128 * self.warpgroups)
         phase = self.trace.start("epilogue")
         acc_dk.store(acc_dk.load() * softmax_scale)
-        sdK, sdV = epilogue_smem
-        if cutlass.const_expr(not self.persistent):      # through K's and V's buffers
-            epilogue.arrive_and_wait()                      # every WGMMA has read K and V
-            stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sdK, sdV, dtype)
-            epilogue.arrive_and_wait()
-            if warp == 4:                                   # the first consumer warp
-                store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sdK, sdV, n_block)
-        else:                                   # through dS^T's and dQ's: K and V reload now
-            kv_pipe.consumer_release(kv_state)
-            kv_state.advance()
-            # the writer has read the last dQ block, and both warpgroups' dQ GEMMs are done
-            cute.arch.barrier(barrier_id=DQ_DONE_BARRIER, number_of_threads=DQ_DONE_THREADS)
-            # (addresses from an opaque thread index: computed here, not held across items)
-            stage_dkv(mmas.mma_dkv.get_slice(opaque(ctidx)), acc_dk, acc_dv, sdK, sdV, dtype)
-            epilogue.arrive_and_wait()
-            if warp == 4:       # stored while the next item starts (waited for at its dS^T)
-                store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sdK, sdV, n_block,
-                          wait=False)
+        epilogue.arrive_and_wait()                          # every WGMMA has read K and V
+        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype)
+        epilogue.arrive_and_wait()
+        if warp == 4:                                       # the first consumer warp
+            store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
         self.trace.end(phase)
-        return kv_state, consume
+
 
 @cute.jit
 def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
@@ -673,7 +548,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    early_dv=None, dp_first: Optional[bool] = None,
                    ds_address_per_tile: Optional[bool] = None,
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
-                   persistent: bool = False, trace: bool = False):
+                   trace: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, dp_first, ds_address_per_tile, kv_with_first_tile, pdl: None takes
@@ -691,9 +566,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "ds_address_per_tile": bool(pick(ds_address_per_tile,
                                                               "ds_address_per_tile", False)),
                              "kv_with_first_tile": bool(pick(kv_with_first_tile,
-                                                             "kv_with_first_tile", False)
-                                                        and not persistent),
-                             "persistent": int(persistent),
+                                                             "kv_with_first_tile", False)),
                              "pdl": bool(pick(pdl, "pdl", False)), "trace": bool(trace)},
                             compile_options=compile_options)
 

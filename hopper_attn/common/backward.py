@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import cute_runtime as rt    # sets the target architecture before cutlass is imported
-from .contract import LOG2_E, KernelSpec, Problem, check_tensors, work_counter
+from .contract import LOG2_E, KernelSpec, Problem, check_tensors
 
 import cutlass
 import cutlass.cute as cute
@@ -112,8 +112,6 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     # kb2: one int32 per (batch, head, query tile), the deterministic mode's turn counters
     sems = [_example((b, h, rows // kernel.block_m), torch.int32)] \
         if getattr(kernel, "takes_semaphores", False) else []
-    if getattr(kernel, "takes_work_counter", False):   # kb2: the persistent schedule's
-        sems.append(_example((2,), torch.int32))
     main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pdl = bool(getattr(kernel, "pdl", False))     # programmatic dependent launches (kb2)
@@ -177,8 +175,6 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         sems = [torch.zeros(shape, dtype=torch.int32, device=dev)
                 if handle.kernel.deterministic else torch.empty(shape, dtype=torch.int32,
                                                                 device=dev)]
-    if getattr(handle.kernel, "takes_work_counter", False):
-        sems.append(work_counter(dev))
     if handle.tvm_ffi:                  # torch tensors straight in, torch's current stream
         handle.preprocess(o, do, lse, lse2, dsum, dq_accum)
         handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, *sems, scale * LOG2_E,
@@ -259,11 +255,10 @@ def stage_dkv(thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor
 
 
 def store_dkv(tma_dk, tma_dv, mdK: cute.Tensor, mdV: cute.Tensor, head, batch,
-              sK: cute.Tensor, sV: cute.Tensor, n_block, wait: bool = True):
-    """One warp: the staged dK and dV tiles to global memory (rows past the end clipped);
-    `wait`: until SMEM has been read (else the caller waits before reusing it)."""
-    tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK).store(n_block, wait)
-    tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block, wait)
+              sK: cute.Tensor, sV: cute.Tensor, n_block):
+    """One warp: the staged dK and dV tiles to global memory (rows past the end clipped)."""
+    tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK).store(n_block)
+    tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block)
 
 
 CHUNK = 8            # elements per thread and access: 16 bytes of bf16, two 16-byte fp32 halves

@@ -154,11 +154,6 @@ class KVTileSchedule:
         the query tiles it walks: (n_block, head, batch, kv_head, seqlen_q, seqlen_k,
         m_first, m_count). mQ, mK: (rows, d, heads, batch)."""
         n_block, head, batch = cute.arch.block_idx()
-        return self.item_work(n_block, head, batch, mQ, mK)
-
-    @cute.jit
-    def item_work(self, n_block, head, batch, mQ: cute.Tensor, mK: cute.Tensor):
-        """`cta_work` for a given kv tile, head and batch (a persistent CTA's work item)."""
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)

@@ -88,13 +88,11 @@ class TmaTiles:
             cute.arch.mbarrier_expect_tx(barrier, nbytes)
         self.copy(tile_index, barrier)
 
-    def store(self, tile_index, wait: bool = True):
-        """Store the SMEM buffer to global tile `tile_index` and (`wait`) wait until SMEM is
-        read; without, the issuing threads wait later (cp_async_bulk_wait_group)."""
+    def store(self, tile_index):
+        """Store the SMEM buffer to global tile `tile_index` and wait until SMEM is read."""
         cute.copy(self.atom, self.smem, self.gmem[None, tile_index])
         cute.arch.cp_async_bulk_commit_group()
-        if wait:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, head_dim: int,
