@@ -21,10 +21,11 @@ What changes from kb1:
   arrives once the copy engine has read it, the consumers wait before writing the next).
 * The consumer's order (FlashAttention-3's): S^T and dP^T issued back to back (each
   thread's lse2 values read from SMEM meanwhile); P^T while dP^T still runs; dS^T; dS^T ->
-  SMEM (stmatrix) and dV += P^T dO issued (at d = 128 dV goes right after P^T instead:
-  `early_dv`); one barrier; dQ = dS K issued, waiting only for dV; dK += dS^T Q issued,
-  waiting only for dQ; dQ -> SMEM while dK runs. The tensor core always has the next GEMM
-  queued behind the current one.
+  SMEM (stmatrix) and dV += P^T dO issued (with a mask its first 16 queries go right after
+  P^T instead, the rest after the dS^T stores: `early_dv`, `split_dv`); one barrier;
+  dQ = dS K issued, waiting only for dV; dK += dS^T Q issued, waiting only for dQ;
+  dQ -> SMEM while dK runs. The tensor core always has the next GEMM queued behind the
+  current one.
 
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping, GQA and
@@ -90,7 +91,7 @@ class FlashAttentionBackwardKB2:
                  stages: int = 2, rotate: bool = False, deterministic: bool = False,
                  stmatrix: bool = True, early_dv=None, dp_first: bool = False,
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
-                 pdl: bool = False, trace: bool = False):
+                 pdl: bool = False, split_dv: int = 0, trace: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -139,6 +140,13 @@ class FlashAttentionBackwardKB2:
         # and dO start before the preprocess has finished; lse2, D and the zeroed dQ buffer
         # are read after `griddepcontrol.wait`), and lets the dQ conversion launch early
         self.pdl = bool(pdl)
+        # split_dv (with early_dv): only dV's first `split_dv` K blocks (16 queries each) go
+        # early, enough to keep the exp2s ahead of the wait for dP^T; the rest is issued
+        # between the dS^T stores and their fence, FA4's place for dV, so the tensor core has
+        # dV to run while the two warpgroups meet at the dS^T barrier (`TILES`: 1 with a mask)
+        self.split_dv = int(split_dv)
+        if self.split_dv and not self.early_dv:
+            raise ValueError("kb2: split_dv splits the early dV (early_dv)")
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -420,7 +428,8 @@ class FlashAttentionBackwardKB2:
             if cutlass.const_expr(self.early_dv):
                 phase = self.trace.start("dv")
                 wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
-                           mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
+                           mmas.dot_frag[None, None, None, stage], zero_init=False,
+                           k_blocks=(0, self.split_dv) if self.split_dv else None)  # dV += P^T dO
                 self.trace.end(phase)
                 phase = self.trace.start("wait_dp")
                 warpgroup.wait_group(1)                                 # dP^T has landed
@@ -453,6 +462,10 @@ class FlashAttentionBackwardKB2:
             if cutlass.const_expr(not self.early_dv):
                 wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
                            mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
+            elif cutlass.const_expr(self.split_dv > 0):                 # the rest of dV
+                wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
+                           mmas.dot_frag[None, None, None, stage], zero_init=False,
+                           k_blocks=(self.split_dv, cute.size(mmas.pt_frag, mode=[2])))
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
             self.trace.end(phase)
             phase = self.trace.start("ds_barrier")
@@ -534,12 +547,15 @@ def wait_for_turn(turn: cute.Pointer, n_block):
 # still spills (68 bytes): 64 rows there. At d = 128 the first Q and dO stages also carry K
 # and V, and the three kernels are chained by programmatic dependent launch (FA4's prologue):
 # +0.2-0.9% with a mask, +0.1-0.4% without, -0.4% at d = 64
-# (results/h100/2026-11-25_kb2_prologue_*.json, _kb2_epilogue_*.json).
+# (results/h100/2026-11-25_kb2_prologue_*.json, _kb2_epilogue_*.json). With a mask dV is
+# issued in two parts (split_dv, docs/kb2.md): +2.5 / +3.1 / +3.7% at d = 128 (N = 2k / 4k /
+# 16k, results/h100/2026-11-25_kb2_split_dv_causal.json), +1.3% at d = 64
+# (_kb2_split_dv_d64_causal.json).
 TILES = {(64, False): {"block_m": 128, "dp_first": True},
-         (64, True): {"block_m": 128, "stmatrix": False},
+         (64, True): {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1},
          (128, False): {"block_m": 80, "ds_address_per_tile": True, "kv_with_first_tile": True,
                         "pdl": True},
-         (128, True): {"kv_with_first_tile": True, "pdl": True}}
+         (128, True): {"kv_with_first_tile": True, "pdl": True, "split_dv": 1}}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
@@ -548,7 +564,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    early_dv=None, dp_first: Optional[bool] = None,
                    ds_address_per_tile: Optional[bool] = None,
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
-                   trace: bool = False):
+                   split_dv: Optional[int] = None, trace: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, dp_first, ds_address_per_tile, kv_with_first_tile, pdl: None takes
@@ -562,12 +578,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "deterministic": bool(deterministic),
                              "stmatrix": bool(pick(stmatrix, "stmatrix", True)),
                              "dp_first": bool(pick(dp_first, "dp_first", False)),
-                             "early_dv": None if early_dv is None else bool(early_dv),
+                             "early_dv": pick(early_dv, "early_dv", None),
                              "ds_address_per_tile": bool(pick(ds_address_per_tile,
                                                               "ds_address_per_tile", False)),
                              "kv_with_first_tile": bool(pick(kv_with_first_tile,
                                                              "kv_with_first_tile", False)),
-                             "pdl": bool(pick(pdl, "pdl", False)), "trace": bool(trace)},
+                             "pdl": bool(pick(pdl, "pdl", False)),
+                             "split_dv": int(pick(split_dv, "split_dv", 0)),
+                             "trace": bool(trace)},
                             compile_options=compile_options)
 
 

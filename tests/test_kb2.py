@@ -88,14 +88,30 @@ def test_lse_read_while_the_gemms_run(d):
     assert count(loop[:first_wait], r"ld\.shared") >= 4
 
 
-@pytest.mark.parametrize("d,causal,early", [(128, True, True), (128, False, False),
-                                             (64, False, False)])
-def test_dv_issued_before_waiting_for_dpt_at_d128(d, causal, early):
-    """On d = 128's 64-row tiles (with a mask), dV += P^T dO is issued before the wait for
-    dP^T (no wait_group 0 before dS^T is shared); at d = 64 and on d = 128's 80-row tiles,
-    where that order measured slower, after it."""
+@pytest.mark.parametrize("d,causal,early", [(128, True, True), (64, True, True),
+                                             (128, False, False), (64, False, False)])
+def test_dv_issued_before_waiting_for_dpt_with_a_mask(d, causal, early):
+    """With a mask, dV += P^T dO is issued (in part, below) before the wait for dP^T (no
+    wait_group 0 before dS^T is shared); without one, where that order measured slower at
+    d = 64 and does not fit d = 128's 80-row tiles, after it."""
     loop = _consumer_loop(compiled("kb2", d, causal)["ptx"])
     assert count(loop, r"wgmma\.wait_group\.sync\.aligned\s+0;") == (0 if early else 1)
+
+
+@pytest.mark.parametrize("name,d,causal,split", [("kb2", 128, True, True),
+                                                 ("kb2", 64, True, True),
+                                                 ("kb2:split_dv=0", 128, True, False)])
+def test_dv_split_around_the_ds_stores(name, d, causal, split):
+    """split_dv (default with a mask): dV's first K block is committed before dP^T is
+    waited for, the rest after the last dS^T store and before the fence that publishes them
+    (four WGMMA batches up to the dS^T barrier: S^T, dP^T, two of dV); unsplit, dV is one
+    batch before the stores."""
+    loop = _consumer_loop(compiled(name, d, causal)["ptx"])
+    commits = [m.start() for m in re.finditer(r"wgmma\.commit_group", loop)]
+    last_store = max(m.start() for m in re.finditer(r"stmatrix|st\.shared", loop))
+    fence = loop.rindex("fence.proxy.async")
+    assert len(commits) == (4 if split else 3)
+    assert (last_store < commits[-1] < fence) == split
 
 
 @pytest.mark.parametrize("d,causal", CONFIGS)
@@ -115,11 +131,11 @@ def test_prologue_at_d128(d, causal):
 
 @pytest.mark.parametrize("d,causal,block_m,options", [
     (64, False, 128, {"dp_first": True, "stmatrix": True}),
-    (64, True, 128, {"dp_first": False, "stmatrix": False}),
+    (64, True, 128, {"dp_first": False, "stmatrix": False, "early_dv": True, "split_dv": 1}),
     (128, False, 80, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": True,
                       "kv_with_first_tile": True, "pdl": True}),
     (128, True, 64, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": False,
-                     "kv_with_first_tile": True, "pdl": True})])
+                     "kv_with_first_tile": True, "pdl": True, "split_dv": 1})])
 def test_tiles_per_head_dim(d, causal, block_m, options):
     """kb2.TILES: FlashAttention-3's 128-row query tiles at d = 64 (the variants without
     spills that measured fastest); at d = 128 80 rows without a mask, 64 with one."""

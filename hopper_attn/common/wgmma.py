@@ -77,13 +77,15 @@ def dq_tile_shape(block_m: int, head_dim: int, swap_ab: bool = False) -> tuple:
 
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-         zero_init: cutlass.Constexpr[bool]):
-    """Issue acc (+)= A B as one committed WGMMA batch (does not wait)."""
+         zero_init: cutlass.Constexpr[bool], k_blocks=None):
+    """Issue acc (+)= A B as one committed WGMMA batch (does not wait). k_blocks: (first,
+    end) of the K blocks to issue (a part of the product), default all."""
     warpgroup.fence()
     # a fresh atom per call: its ACCUMULATE field is flipped after the first k-slice
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+    first, end = (0, cute.size(a, mode=[2])) if k_blocks is None else k_blocks
+    for k in cutlass.range_constexpr(first, end):
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
