@@ -126,7 +126,8 @@ class FlashAttentionBackwardKB2:
         # dP^T, instead of after dS^T. It gives the tensor core queued work while dS^T is
         # computed, and it is what makes ptxas keep the exp2 loop ahead of that wait (with
         # dV later, the compiled code waited for dP^T before the first exp2). Default: on at
-        # d = 128, off at d = 64, where it measured 1-2% faster and 5% slower
+        # d = 128 on 64-row tiles, off at d = 64, where whole it measured 1-2% faster and 5%
+        # slower; `TILES` turns it on at d = 64 with a mask, split (split_dv below)
         self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
             else bool(early_dv)
         # dp_first: dP^T is issued first and starts from -D (see `consume`), S^T behind it;
