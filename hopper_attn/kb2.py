@@ -430,7 +430,8 @@ class FlashAttentionBackwardKB2:
                 phase = self.trace.start("dv")
                 wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
                            mmas.dot_frag[None, None, None, stage], zero_init=False,
-                           k_blocks=(0, self.split_dv) if self.split_dv else None)  # dV += P^T dO
+                           k_blocks=(0, self.split_dv) if self.split_dv else None)
+                # (dV += P^T dO: all of it, or with split_dv its first K blocks only)
                 self.trace.end(phase)
                 phase = self.trace.start("wait_dp")
                 warpgroup.wait_group(1)                                 # dP^T has landed
