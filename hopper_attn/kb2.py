@@ -126,7 +126,7 @@ class FlashAttentionBackwardKB2:
         # dP^T, instead of after dS^T. It gives the tensor core queued work while dS^T is
         # computed, and it is what makes ptxas keep the exp2 loop ahead of that wait (with
         # dV later, the compiled code waited for dP^T before the first exp2). Default: on at
-        # d = 128 on 64-row tiles, off at d = 64, where whole it measured 1-2% faster and 5%
+        # d = 128 on 64-row tiles (+1-2%), off at d = 64, where all of dV early measured 5%
         # slower; `TILES` turns it on at d = 64 with a mask, split (split_dv below)
         self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
             else bool(early_dv)
@@ -428,10 +428,7 @@ class FlashAttentionBackwardKB2:
             self.trace.end(phase)
             if cutlass.const_expr(self.early_dv):
                 phase = self.trace.start("dv")
-                wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
-                           mmas.dot_frag[None, None, None, stage], zero_init=False,
-                           k_blocks=(0, self.split_dv) if self.split_dv else None)
-                # (dV += P^T dO: all of it, or with split_dv its first K blocks only)
+                self.issue_dv(mmas, acc_dv, stage, 0, self.split_dv or bm // 16)
                 self.trace.end(phase)
                 phase = self.trace.start("wait_dp")
                 warpgroup.wait_group(1)                                 # dP^T has landed
@@ -461,13 +458,8 @@ class FlashAttentionBackwardKB2:
                               ds_smem[None, None, None, buf])
             else:
                 cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
-            if cutlass.const_expr(not self.early_dv):
-                wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
-                           mmas.dot_frag[None, None, None, stage], zero_init=False)  # dV += P^T dO
-            elif cutlass.const_expr(self.split_dv > 0):                 # the rest of dV
-                wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag,
-                           mmas.dot_frag[None, None, None, stage], zero_init=False,
-                           k_blocks=(self.split_dv, cute.size(mmas.pt_frag, mode=[2])))
+            if cutlass.const_expr(not self.early_dv or self.split_dv > 0):
+                self.issue_dv(mmas, acc_dv, stage, self.split_dv, bm // 16)  # (the rest of) dV
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
             self.trace.end(phase)
             phase = self.trace.start("ds_barrier")
@@ -516,6 +508,15 @@ class FlashAttentionBackwardKB2:
         if warp == 4:                                       # the first consumer warp
             store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
         self.trace.end(phase)
+
+
+    @cute.jit
+    def issue_dv(self, mmas, acc_dv: cute.Tensor, stage, first: cutlass.Constexpr,
+                 end: cutlass.Constexpr):
+        """dV += P^T dO over P^T's K blocks (16 queries each) first .. end - 1, as one WGMMA
+        batch: all bm / 16 of them at once, or in the two parts of `split_dv`."""
+        wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
+                   zero_init=False, k_blocks=(first, end))
 
 
 @cute.jit
@@ -569,9 +570,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    split_dv: Optional[int] = None, trace: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
-    block_m, stmatrix, dp_first, ds_address_per_tile, kv_with_first_tile, pdl: None takes
-    `TILES` for the head dim and mask (when block_m is not given), else 64 rows, stmatrix on,
-    the others off. trace: iket phase ranges (harness/timeline.py)."""
+    block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
+    split_dv: None takes `TILES` for the head dim and mask (when block_m is not given), else
+    64 rows, stmatrix on, early_dv by head dim and rows (see the class), the others off.
+    trace: iket phase ranges (harness/timeline.py)."""
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
