@@ -29,7 +29,10 @@ What changes from kb1:
 
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping, GQA and
-seqlen_k != seqlen_q, the pre/post-processing structure. Query tiles (`TILES`, FlashAttention-3's
+seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
+as in kb1; at d = 128 with a causal mask they are launched longest first inside groups of
+heads that share L2 (`longest_first`, masking.KVTileSchedule), so the grid does not end on
+the long CTAs of the last heads. Query tiles (`TILES`, FlashAttention-3's
 choices): 128 rows at d = 64; at d = 128 80 rows without a mask (dQ computed transposed,
 `dq_swap_ab`; dS^T's SMEM addresses recomputed per tile, or one register spills) and 64 with
 one. At d = 128 the prologue is FA4's: K rides on the first Q stage's barrier and V on the
@@ -91,7 +94,8 @@ class FlashAttentionBackwardKB2:
                  stages: int = 2, rotate: bool = False, deterministic: bool = False,
                  stmatrix: bool = True, early_dv=None, dp_first: bool = False,
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
-                 pdl: bool = False, split_dv: int = 0, trace: bool = False):
+                 pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
+                 group_mib: int = 32, trace: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -105,7 +109,15 @@ class FlashAttentionBackwardKB2:
         self.warpgroups = block_n // 64                     # consumer warpgroups
         self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
         self.threads = self.roles.threads
-        self.schedule = KVTileSchedule(block_m, block_n, causal)
+        # longest_first (causal): the CTAs launched in groups of heads whose Q, dO and fp32 dQ
+        # take `group_mib` MiB (N x d x 8 bytes per head; they share L2), and inside a group
+        # kv tile 0 of every head first (its CTA walks the most query tiles), so the grid
+        # does not end on a long CTA (masking.KVTileSchedule). 32 MiB measured best or within
+        # 1% of it at N >= 2k (16-48 MiB on the H100, 12-50 on an H200; docs/kb2.md)
+        self.longest_first = bool(longest_first) and causal
+        self.group_mib = group_mib
+        l2_rows = (group_mib << 20) // (head_dim * 8) if self.longest_first else 0
+        self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows)
         # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
         # one head do not all reduce-add into the same dQ tile at the same time. Off by
         # default: timed round-robin against FA4 it gains nothing without a mask and costs
@@ -553,12 +565,16 @@ def wait_for_turn(turn: cute.Pointer, n_block):
 # (results/h100/2026-11-25_kb2_prologue_*.json, _kb2_epilogue_*.json). With a mask dV is
 # issued in two parts (split_dv, docs/kb2.md): +2.5 / +3.1 / +3.7% at d = 128 (N = 2k / 4k /
 # 16k, results/h100/2026-11-25_kb2_split_dv_causal.json), +1.3% at d = 64
-# (_kb2_split_dv_d64_causal.json).
+# (_kb2_split_dv_d64_causal.json). With a mask at d = 128 the CTAs start longest first in
+# 32 MiB head groups (longest_first, docs/kb2.md "Longest first"): +2.7 / +3.6% at N = 4k / 8k,
+# +0.7% at 2k (results/h100/2026-11-26_kb2_longest_first_causal.json); at d = 64 a tie or a
+# loss (results/h200/2026-11-26_kb2_group_mib_d64.json), so off there.
 TILES = {(64, False): {"block_m": 128, "dp_first": True},
          (64, True): {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1},
          (128, False): {"block_m": 80, "ds_address_per_tile": True, "kv_with_first_tile": True,
                         "pdl": True},
-         (128, True): {"kv_with_first_tile": True, "pdl": True, "split_dv": 1}}
+         (128, True): {"kv_with_first_tile": True, "pdl": True, "split_dv": 1,
+                       "longest_first": True}}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
@@ -567,12 +583,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    early_dv=None, dp_first: Optional[bool] = None,
                    ds_address_per_tile: Optional[bool] = None,
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
-                   split_dv: Optional[int] = None, trace: bool = False):
+                   split_dv: Optional[int] = None, longest_first: Optional[bool] = None,
+                   group_mib: Optional[int] = None, trace: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
-    split_dv: None takes `TILES` for the head dim and mask (when block_m is not given), else
-    64 rows, stmatrix on, early_dv by head dim and rows (see the class), the others off.
+    split_dv, longest_first, group_mib: None takes `TILES` for the head dim and mask (when
+    block_m is not given), else 64 rows, stmatrix on, early_dv by head dim and rows (see the
+    class), group_mib 32, the others off.
     trace: iket phase ranges (harness/timeline.py)."""
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
@@ -589,6 +607,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                              "kv_with_first_tile", False)),
                              "pdl": bool(pick(pdl, "pdl", False)),
                              "split_dv": int(pick(split_dv, "split_dv", 0)),
+                             "longest_first": bool(pick(longest_first, "longest_first", False)),
+                             "group_mib": int(pick(group_mib, "group_mib", 32)),
                              "trace": bool(trace)},
                             compile_options=compile_options)
 

@@ -172,14 +172,33 @@ def test_k6_runs_more_than_65535_heads():
 def test_attention_backward_matches_fp32(d, causal, heads_kv, seqlen_k):
     """attention(...).backward() (k6 forward, kb2 backward) against the fp32 reference
     gradients, within 2x torch's own bf16 backward error on the same inputs."""
+    _backward_matches_fp32(2, 4, heads_kv, 500, seqlen_k or 500, d, causal,
+                           seed=d + 10 * heads_kv + seqlen_k + causal)
+
+
+@pytest.mark.parametrize("batch,heads_q,heads_kv,seqlen_q,seqlen_k", [
+    (5, 7, 7, 2100, 2100),       # 35 heads in groups of 15 after a first group of 5
+    (3, 12, 4, 2500, 2700),      # GQA, seqlen_k > seqlen_q: 36 heads, groups of 13 after 10
+    (2, 10, 10, 5000, 5000),     # 20 heads in groups of 6 after a first group of 2
+    (5, 13, 13, 1000, 1000),     # 8 kv tiles: one head at a time (no reordering)
+])
+def test_kb2_longest_first_visits_every_kv_tile_once(batch, heads_q, heads_kv, seqlen_q,
+                                                    seqlen_k):
+    """With a causal mask at d = 128 kb2's 1-D grid takes heads in groups of 32 MiB of Q,
+    dO and dQ, the first one smaller (masking.KVTileSchedule): a kv tile skipped would
+    leave its dK / dV rows unwritten, one visited twice would add its dQ twice."""
+    _backward_matches_fp32(batch, heads_q, heads_kv, seqlen_q, seqlen_k, 128, True,
+                           seed=batch + heads_q + seqlen_q)
+
+
+def _backward_matches_fp32(batch, heads_q, heads_kv, nq, nk, d, causal, seed):
     import hopper_attn
     from hopper_attn.harness.grad_check import _torch_lowp_grads
     from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse
-    gen = torch.Generator(device="cuda").manual_seed(d + 10 * heads_kv + seqlen_k + causal)
-    nq, nk = 500, seqlen_k or 500
-    q, do = (torch.randn(2, nq, 4, d, device="cuda", generator=gen).to(torch.bfloat16)
-             for _ in range(2))
-    k, v = (torch.randn(2, nk, heads_kv, d, device="cuda", generator=gen).to(torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, do = (torch.randn(batch, nq, heads_q, d, device="cuda", generator=gen)
+             .to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(batch, nk, heads_kv, d, device="cuda", generator=gen).to(torch.bfloat16)
             for _ in range(2))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     hopper_attn.attention(*leaves, causal=causal).backward(do)

@@ -135,7 +135,8 @@ def test_prologue_at_d128(d, causal):
     (128, False, 80, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": True,
                       "kv_with_first_tile": True, "pdl": True}),
     (128, True, 64, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": False,
-                     "kv_with_first_tile": True, "pdl": True, "split_dv": 1})])
+                     "kv_with_first_tile": True, "pdl": True, "split_dv": 1,
+                     "longest_first": True, "group_mib": 32})])
 def test_tiles_per_head_dim(d, causal, block_m, options):
     """kb2.TILES: FlashAttention-3's 128-row query tiles at d = 64 (the variants without
     spills that measured fastest); at d = 128 80 rows without a mask, 64 with one."""
@@ -143,6 +144,18 @@ def test_tiles_per_head_dim(d, causal, block_m, options):
     assert art["kernel"]["block_m"] == block_m
     for name, value in options.items():
         assert art["kernel"]["options"][name] == value
+
+
+@pytest.mark.parametrize("d,causal,longest_first", [(128, True, True), (128, False, False),
+                                                   (64, True, False)])
+def test_longest_first_grid(d, causal, longest_first):
+    """At d = 128 with a mask the grid is 1-D and each CTA derives its (kv tile, head,
+    batch) from its index (masking.KVTileSchedule: L2-sized head groups, kv tile 0 of every
+    head of a group first); elsewhere the grid is (kv tiles, heads, batch)."""
+    ptx = compiled("kb2", d, causal)["ptx"]
+    assert (count(ptx, r"%ctaid\.[yz]") == 0) == longest_first
+    group_rows = (32 << 20) // (d * 8)            # query rows of Q, dO and dQ in 32 MiB
+    assert count(ptx, rf"div\.s32\s+%r\d+,\s*{group_rows},") == (1 if longest_first else 0)
 
 
 def test_80_row_tiles_compute_dq_transposed():

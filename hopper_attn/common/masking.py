@@ -130,14 +130,62 @@ class KVTileSchedule:
     walks the query tiles (block_m rows) that see at least one of its keys. With a causal
     mask (bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q) the query tiles above
     the diagonal are skipped; only the last kv tile (keys past the end) and the tiles the
-    diagonal crosses are masked."""
+    diagonal crosses are masked.
+
+    Launch order. Without `l2_rows` the grid is (kv tiles, heads, batch): the hardware starts
+    CTAs in that order, kv tile fastest, so the CTAs running at one time are the kv tiles of
+    a few heads, which read the same Q and dO tiles and add into the same dQ through L2.
+    With a causal mask kv tile n walks fewer query tiles the larger n is (at N = 4k: 64 for
+    the first, 2 for the last), and a head's longest CTA starts behind the previous head's
+    shortest ones, so the grid ends on long CTAs while other SMs idle. `l2_rows` (causal):
+    a 1-D grid, heads (batch x heads) taken in groups that together hold about `l2_rows`
+    query rows (their Q, dO and dQ partials fit in L2), and inside a group kv tile 0 of
+    every head first, then kv tile 1, ...: the longest CTAs start first, the short ones fill
+    the tail, and a group's CTAs still share L2. The group with fewer heads (batch x heads
+    not a multiple of the group) runs first, so that no long CTA starts last. Every head's
+    kv tile n - 1 still starts before its tile n (the deterministic mode's turns need it).
+    Heads with fewer than 16 kv tiles keep the first order (groups of one head).
+    """
 
     block_m: int
     block_n: int
     causal: bool
+    l2_rows: int = 0
+    # below 16 kv tiles per head the reordering lost on the H100 (kb2, d = 128, N = 1k:
+    # -0.5% to -10% as the group grew from 16 to 48 heads; docs/kb2.md)
+    LONGEST_FIRST_MIN_KV_TILES = 16
 
     def grid(self, seqlen_k, heads, batch):
-        return [cute.ceil_div(seqlen_k, self.block_n), heads, batch]
+        kv_tiles = cute.ceil_div(seqlen_k, self.block_n)
+        if cutlass.const_expr(self.l2_rows > 0):
+            return [kv_tiles * heads * batch, 1, 1]
+        return [kv_tiles, heads, batch]
+
+    @cute.jit
+    def cta_tile(self, seqlen_q, seqlen_k, heads, batch):
+        """(n_block, head, batch) of the calling CTA."""
+        if cutlass.const_expr(self.l2_rows == 0):
+            n_block, head, b = cute.arch.block_idx()
+            return Int32(n_block), Int32(head), Int32(b)
+        cta, _, _ = cute.arch.block_idx()
+        cta = Int32(cta)
+        kv_tiles = cute.ceil_div(seqlen_k, self.block_n)
+        heads_total = heads * batch
+        group = cutlass.min(cutlass.max(self.l2_rows // seqlen_q, 1), heads_total)
+        if kv_tiles < self.LONGEST_FIRST_MIN_KV_TILES:
+            group = 1                           # one head at a time: the (kv tiles, heads,
+                                                # batch) grid's order
+        first = heads_total % group             # heads in the first, smaller group (or 0)
+        n_block, hb = Int32(0), Int32(0)
+        if cta < first * kv_tiles:
+            n_block, hb = cta // first, cta % first
+        else:
+            rest = cta - first * kv_tiles
+            in_group = rest % (group * kv_tiles)
+            n_block = in_group // group
+            hb = first + (rest // (group * kv_tiles)) * group + in_group % group
+        uniform = cute.arch.make_warp_uniform
+        return uniform(n_block), uniform(hb % heads), uniform(hb // heads)
 
     @cute.jit
     def m_block_range(self, n_block, seqlen_q, seqlen_k):
@@ -153,8 +201,8 @@ class KVTileSchedule:
         """This CTA's kv tile, head, batch, k/v head (GQA: the group's), the two lengths and
         the query tiles it walks: (n_block, head, batch, kv_head, seqlen_q, seqlen_k,
         m_first, m_count). mQ, mK: (rows, d, heads, batch)."""
-        n_block, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        n_block, head, batch = self.cta_tile(seqlen_q, seqlen_k, mQ.shape[2], mQ.shape[3])
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         return n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first, m_end - m_first
