@@ -590,7 +590,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
     split_dv, longest_first, group_mib: None takes `TILES` for the head dim and mask (when
     block_m is not given), else 64 rows, stmatrix on, early_dv by head dim and rows (see the
-    class), group_mib 32, the others off.
+    class), group_mib 32, the others off; longest_first is also on with `deterministic`
+    (with a mask its CTAs then wait 1.3-1.8x less for their dQ turns, docs/kb2.md).
     trace: iket phase ranges (harness/timeline.py)."""
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
@@ -607,7 +608,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                              "kv_with_first_tile", False)),
                              "pdl": bool(pick(pdl, "pdl", False)),
                              "split_dv": int(pick(split_dv, "split_dv", 0)),
-                             "longest_first": bool(pick(longest_first, "longest_first", False)),
+                             # the deterministic mode waits far less in this order (below)
+                             "longest_first": bool(pick(longest_first, "longest_first",
+                                                        False) or
+                                                   (longest_first is None and deterministic)),
                              "group_mib": int(pick(group_mib, "group_mib", 32)),
                              "trace": bool(trace)},
                             compile_options=compile_options)

@@ -230,11 +230,16 @@ def test_attention_backward_under_torch_compile():
         assert torch.allclose(eager.float(), traced.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_attention_backward_deterministic_mode_gives_the_same_bits():
+@pytest.mark.parametrize("batch,heads,seqlen,d", [
+    (2, 4, 1000, 128),
+    (5, 7, 2100, 128),      # longest first: 35 heads in groups of 15 after 5
+    (3, 4, 2100, 64),       # longest first (the deterministic mode's order at d = 64 too)
+])
+def test_attention_backward_deterministic_mode_gives_the_same_bits(batch, heads, seqlen, d):
     import hopper_attn
     gen = torch.Generator(device="cuda").manual_seed(5)
-    q, k, v, do = (torch.randn(2, 1000, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
-                   for _ in range(4))
+    q, k, v, do = (torch.randn(batch, seqlen, heads, d, device="cuda", generator=gen)
+                   .to(torch.bfloat16) for _ in range(4))
     grads = []
     for _ in range(3):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

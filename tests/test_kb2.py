@@ -146,13 +146,15 @@ def test_tiles_per_head_dim(d, causal, block_m, options):
         assert art["kernel"]["options"][name] == value
 
 
-@pytest.mark.parametrize("d,causal,longest_first", [(128, True, True), (128, False, False),
-                                                   (64, True, False)])
-def test_longest_first_grid(d, causal, longest_first):
-    """At d = 128 with a mask the grid is 1-D and each CTA derives its (kv tile, head,
-    batch) from its index (masking.KVTileSchedule: L2-sized head groups, kv tile 0 of every
-    head of a group first); elsewhere the grid is (kv tiles, heads, batch)."""
-    ptx = compiled("kb2", d, causal)["ptx"]
+@pytest.mark.parametrize("name,d,causal,longest_first", [
+    ("kb2", 128, True, True), ("kb2", 128, False, False), ("kb2", 64, True, False),
+    ("kb2:deterministic=1", 64, True, True), ("kb2:deterministic=1", 64, False, False)])
+def test_longest_first_grid(name, d, causal, longest_first):
+    """At d = 128 with a mask, and in the deterministic mode with one, the grid is 1-D and
+    each CTA derives its (kv tile, head, batch) from its index (masking.KVTileSchedule:
+    L2-sized head groups, kv tile 0 of every head of a group first); elsewhere the grid is
+    (kv tiles, heads, batch)."""
+    ptx = compiled(name, d, causal)["ptx"]
     assert (count(ptx, r"%ctaid\.[yz]") == 0) == longest_first
     group_rows = (32 << 20) // (d * 8)            # query rows of Q, dO and dQ in 32 MiB
     assert count(ptx, rf"div\.s32\s+%r\d+,\s*{group_rows},") == (1 if longest_first else 0)
