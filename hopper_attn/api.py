@@ -192,9 +192,14 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    # the LSE output has no gradient: without this autograd fills a zero tensor for it on
+    # every backward call (one extra kernel launch)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
+    if dout is None:                        # only the LSE was used: no gradient flows back
+        return None, None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, ctx.causal,
                                                           ctx.softmax_scale, ctx.deterministic)
