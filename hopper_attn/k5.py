@@ -100,7 +100,7 @@ class FlashAttentionK5:
                  persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False,
                  uniform_descriptors: bool = True, spin_waits: bool = False,
                  v_lags_k: bool = False, fma_exp2_every: int = 0,
-                 stmatrix_o: bool = True):
+                 stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -124,9 +124,13 @@ class FlashAttentionK5:
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=self.roles.consumer_threads)
         self.schedule = TileSchedule(block_m, block_n, causal)       # kv tiles, masks
+        # longest_first (k6's dynamic schedule): heads in groups whose K and V take
+        # `group_mib` MiB (N x d x 4 bytes per head), the longest query tile of every head of
+        # a group first (scheduler.head_group_order)
+        l2_rows = (group_mib << 20) // (head_dim * 4) if longest_first else 0
         self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
                                        (persistent_ctas or sm_count()) if persistent else 0,
-                                       dynamic and persistent)
+                                       dynamic and persistent, l2_rows)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
         self.spin_waits = bool(spin_waits)                  # tma.wait_full

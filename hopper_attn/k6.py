@@ -47,7 +47,9 @@ tile loading while the previous output is stored; any batch x heads. Full attent
 takes items c, c + grid, ... With a causal mask (items of different lengths, the longest
 first) the producer warp of a CTA takes its next item from a global counter (one atomicAdd)
 and passes it to its consumer warpgroups through shared memory, so items go to whichever
-CTA is free first: docs/k6.md.
+CTA is free first: docs/k6.md. At the lengths where it measured faster (LONGEST_FIRST) the
+items come head group by head group, the longest query tile of every head of a group first,
+instead of head by head (`longest_first`, docs/k6.md "Longest first, by head group").
 
 Fourth step, two waits outside the GEMMs (LOAD_ORDER, below): the producer loads K_{j+1}
 before V_j (FlashAttention-4's order, `v_lags_k`), so a K tile no longer queues behind a V
@@ -130,6 +132,16 @@ SPIN_WAITS = {(128, False), (128, True), (192, True), (256, True)}
 # in three round-robin runs; n = 8 and 4 lose up to 6%, and at d = 64 any n loses 3-17%
 # (results/h100/2026-11-25_k6_fma_exp2_*.json, _k6_p_by_bits_d128.json; docs/k6.md)
 FMA_EXP2_EVERY = {128: 16}
+# head_dim -> (MiB of K and V per group of heads, shortest and longest query length): with a
+# causal mask the dynamic schedule then hands out work items head group by head group, the
+# longest query tile of every head of a group first (scheduler.head_group_order), instead of
+# head by head, so that the last items are short ones (docs/k6.md "Longest first"). Gain in
+# time, two round-robin runs against FA4 on the H100 (results/h100/2026-11-26_k6_longest_
+# first_*.json), N = 1k / 2k / 4k / 8k / 16k: d = 128 (8 MiB) +0.6 / +1.8-2.0 / +3.7-4.0 /
+# +3.4-3.7 / -0.6-0.9%; d = 256 (32 MiB) -0.6 / +4.2-4.3 / +7.3 / +6.3-6.6 / -2.2-2.5%; d = 64
+# (32 MiB) -11 / -1.4-1.7 / +0.8-1.2 / +1.7-2.1 / +1.7-1.9%. Where the order gains nothing the
+# changed code costs up to 2.5%: on only inside the ranges that gained in both runs
+LONGEST_FIRST = {64: (32, 4096, 16384), 128: (8, 2048, 8192), 256: (32, 2048, 8192)}
 # ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
@@ -330,7 +342,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                    own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None,
                    spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None,
-                   stmatrix_o: bool = True):
+                   stmatrix_o: bool = True, longest_first: Optional[bool] = None,
+                   group_mib: int = 0):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -351,7 +364,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     rings' waits spin on `mbarrier.try_wait` instead of sleeping (None: SPIN_WAITS, and
     d = 64 on 192-row tiles);
     fma_exp2_every: every n-th exp2 on the FMA pipe instead of the SFU (0: none; None:
-    FMA_EXP2_EVERY); stmatrix_o: O to SMEM with `stmatrix` (k5's)."""
+    FMA_EXP2_EVERY); stmatrix_o: O to SMEM with `stmatrix` (k5's); longest_first: the
+    dynamic schedule's items head group by head group, the longest query tiles first (None:
+    with a mask inside LONGEST_FIRST's lengths for the head dim), in groups of `group_mib`
+    MiB of K and V (0: LONGEST_FIRST's)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -398,6 +414,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md), except with
         # the other two settings of `three_wg_d64`
         uniform_descriptors = problem.head_dim != 64 or three_wg_d64
+    tuned_mib, low, high = LONGEST_FIRST.get(problem.head_dim, (32, 0, 0))
+    if longest_first is None:
+        longest_first = problem.causal and low <= problem.seqlen <= high
+    group_mib = group_mib or tuned_mib
     if not persistent and max(problem.heads, problem.batch) > MAX_GRID_YZ:
         raise UnsupportedProblem(f"k6 with persistent=False launches one CTA per work item: "
                                  f"heads and batch must be <= {MAX_GRID_YZ}")
@@ -417,7 +437,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "v_lags_k": bool(v_lags_k),
                               "spin_waits": bool(spin_waits),
                               "fma_exp2_every": int(fma_exp2_every),
-                              "stmatrix_o": bool(stmatrix_o)},
+                              "stmatrix_o": bool(stmatrix_o),
+                              "longest_first": bool(longest_first),
+                              "group_mib": int(group_mib)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

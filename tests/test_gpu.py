@@ -151,6 +151,27 @@ def test_k6_persistent_ctas_run_many_work_items(d, causal, name):
     assert verdict["ok"], verdict
 
 
+@pytest.mark.parametrize("batch,heads,seqlen,d", [
+    (5, 6, 2100, 128),        # 8 MiB of K and V per group: 30 heads in groups of 7 after 2
+    (3, 12, 4100, 64),        # 32 MiB: 36 heads in groups of 31 after 5
+    (4, 5, 3000, 256),        # 32 MiB: 20 heads in groups of 10
+    (3, 7, 2500, 256),        # 21 heads in groups of 13 after 8
+])
+def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
+    """With a causal mask (d = 128 and 256: 2k-8k queries, d = 64: 4k-16k) k6's dynamic
+    schedule hands out work items head group by head group (scheduler.head_group_order):
+    an item skipped would leave NaN rows, one run twice is caught by the reference too;
+    twice, so the work counter must be back at zero after a launch."""
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.common.contract import Problem
+    problem = Problem(batch, heads, seqlen, d, True)
+    entry = registry.get("k6")
+    handle = entry.compile(problem)
+    assert handle.options["longest_first"]
+    verdict = ReferenceCase(problem, seed=d + seqlen).check(entry, handle)
+    assert verdict["ok"], verdict
+
+
 def test_k6_runs_more_than_65535_heads():
     """k5 launches one CTA row per head (gridDim.y <= 65535) and refuses; k6 loops."""
     from hopper_attn.common.contract import Problem

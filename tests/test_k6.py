@@ -348,3 +348,30 @@ def test_row_max_and_epilogue_instructions(d):
     shuffles = re.findall(r"shfl\.sync\.bfly\.b32\s+(%r\d+).*\n\s*(\S+)\s+%r\d+, %r\d+, \1;", ptx)
     assert shuffles and all(op == "max.f32" or op == "add.f32" for _, op in shuffles)
     assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16") == d // 16
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_longest_first_option(d):
+    """k6:longest_first=1 (the dynamic schedule's items head group by head group): no
+    spills, and the group's row budget (LONGEST_FIRST_MIB of K and V) in the PTX."""
+    from hopper_attn import k6
+    art = artifacts(d, True, "k6:longest_first=1")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    rows = (k6.LONGEST_FIRST[d][0] << 20) // (d * 4)
+    assert count(art["ptx"], rf"div\.s32\s+%r\d+,\s*{rows},") >= 1
+    assert count(artifacts(d, True)["ptx"], rf"div\.s32\s+%r\d+,\s*{rows},") == 0
+
+
+def test_longest_first_by_sequence_length():
+    """On by default with a mask inside the query lengths where it was measured to pay
+    (LONGEST_FIRST: 2k-8k at d = 128 and 256, 4k-16k at d = 64); off without a mask and at
+    the head dims not measured."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    on = lambda n, d, causal=True: k6.compile_kernel(Problem(1, 2, n, d, causal)).options[
+        "longest_first"]
+    for d, (_, low, high) in k6.LONGEST_FIRST.items():
+        assert on(low, d) and on(high, d) and not on(low - 1, d) and not on(high + 1, d)
+        assert not on(low, d, causal=False)
+    assert not on(4096, 96) and not on(4096, 192)

@@ -20,6 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from hopper_attn.common.scheduler import head_group_order
+
 
 @dataclasses.dataclass(frozen=True)   # frozen: a compile-time constant inside dynamic loops
 class TileSchedule:
@@ -175,15 +177,7 @@ class KVTileSchedule:
         if kv_tiles < self.LONGEST_FIRST_MIN_KV_TILES:
             group = 1                           # one head at a time: the (kv tiles, heads,
                                                 # batch) grid's order
-        first = heads_total % group             # heads in the first, smaller group (or 0)
-        n_block, hb = Int32(0), Int32(0)
-        if cta < first * kv_tiles:
-            n_block, hb = cta // first, cta % first
-        else:
-            rest = cta - first * kv_tiles
-            in_group = rest % (group * kv_tiles)
-            n_block = in_group // group
-            hb = first + (rest // (group * kv_tiles)) * group + in_group % group
+        n_block, hb = head_group_order(cta, kv_tiles, heads_total, group)
         uniform = cute.arch.make_warp_uniform
         return uniform(n_block), uniform(hb % heads), uniform(hb // heads)
 

@@ -21,6 +21,12 @@ kv tiles it may see (`masking.TileSchedule` says which). Two schedules:
       the consumer warpgroups through `ItemQueue`. So an item goes to the first CTA that
       is free, as the hardware does with one CTA per item; a static assignment (even one
       that alternates direction every round) measured up to a third slower (docs/k6.md).
+    - ``l2_rows`` (dynamic, k6's `longest_first`): item i decoded by `head_group_order`,
+      heads taken in groups (about `l2_rows` query rows each, so their K and V share L2)
+      and the longest query tile of every head of a group first, instead of head by head:
+      a head's long items no longer start behind the previous head's short ones, so the
+      schedule does not end on long items (FlashAttention-4's causal forward orders its
+      tiles this way too; docs/k6.md "Longest first, by head group").
   (cutlass.utils' StaticPersistentTileScheduler walks the same kind of index, but it is
   deprecated in CuTe DSL 4.8 and moving to the examples; the loop here is a few lines.)
 """
@@ -32,6 +38,27 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+
+@cute.jit
+def head_group_order(index, slots, heads_total, group):
+    """(slot, hb) of the `index`-th work item when the heads (hb = batch * heads + head)
+    are taken in groups of `group` heads and, inside a group, slot 0 of every head comes
+    first, then slot 1, ... (a slot is a tile of the head: the longest first when slot 0 is
+    the longest). The group holding the remainder (heads_total % group heads) comes first,
+    so that no long item starts last. Used with a causal mask, where a head's tiles differ
+    in length, so that the long ones start first while a group's heads still share L2
+    (kb2's CTAs, k6's work items)."""
+    first = heads_total % group                 # heads in the first, smaller group (or 0)
+    slot, hb = Int32(0), Int32(0)
+    if index < first * slots:
+        slot, hb = index // first, index % first
+    else:
+        rest = index - first * slots
+        in_group = rest % (group * slots)
+        slot = in_group // group
+        hb = first + (rest // (group * slots)) * group + in_group % group
+    return slot, hb
 
 
 def sm_count() -> int:
@@ -49,6 +76,9 @@ class TileScheduler:
     persistent: bool = False
     ctas: int = 132              # persistent CTAs: one per SM
     dynamic: bool = False        # persistent: work items from a global counter (below)
+    # dynamic (causal): items in groups of heads holding about `l2_rows` query rows, the
+    # longest query tile of every head of a group first (head_group_order); 0: head by head
+    l2_rows: int = 0
 
     def grid(self, seqlen_q, heads, batch):
         """Host side (inside the @cute.jit __call__)."""
@@ -99,6 +129,10 @@ class TileScheduler:
         rest = item // m_blocks
         head = rest % heads
         batch = rest // heads
+        if cutlass.const_expr(self.l2_rows > 0 and self.dynamic):
+            group = cutlass.min(cutlass.max(self.l2_rows // seqlen_q, 1), heads * batch_size)
+            m_block, hb = head_group_order(item, m_blocks, heads * batch_size, group)
+            head, batch = hb % heads, hb // heads
         if cutlass.const_expr(self.causal):             # the longest query tiles first
             m_block = m_blocks - 1 - m_block
         # warp-uniform: ptxas may keep them in uniform registers, off the consumers' budget
