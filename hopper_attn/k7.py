@@ -372,6 +372,14 @@ class FlashAttentionK7(FlashAttentionK6):
         probs_to_fp8_operand(acc_s, p_frag)
 
 
+# head_dim -> (shortest, longest) query length at which the dynamic schedule takes its work
+# items head group by head group, longest first (k6's `longest_first`, 32 MiB groups), with a
+# causal mask: round-robin on the H100 (results/h100/2026-11-26_k7_longest_first_d*.json),
+# N = 2k / 4k / 8k / 16k: d = 128 +1.0 / +3.8 / +3.6 / -0.6%, d = 256 +6.1 / +8.3 / +8.9 /
+# -0.6% (d = 64 not measured: off)
+LONGEST_FIRST = {128: (2048, 8192), 256: (2048, 8192)}
+
+
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    block_n: int = 0, stages: int = 0, pingpong: Optional[bool] = None,
                    persistent: bool = True, dynamic: Optional[bool] = None,
@@ -381,7 +389,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    lazy_rescale: bool = False, v_transposed: bool = True,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
                    v_lags_k: Optional[bool] = None, elect_release: bool = False,
-                   spin_waits: bool = False, spec: KernelSpec = SPEC):
+                   spin_waits: bool = False, longest_first: Optional[bool] = None,
+                   group_mib: int = 32, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -390,8 +399,12 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     MIO queue with ldmatrix/stmatrix); v_lags_k: K_{j+1} loaded before V_j (k6's option;
     None: on except at d = 256 with a causal mask, measured round-robin: +2.8-3.4% at
     d = 128, +0.9-1.2% d = 256 full, +0.4-0.7% d = 64, -0.9/+0.5% d = 256 causal;
-    results/h100/2026-11-24_k7_v_lags_k.json); spin_waits: the rings' waits spin (k6's).
+    results/h100/2026-11-24_k7_v_lags_k.json); spin_waits: the rings' waits spin (k6's);
+    longest_first, group_mib: k6's (None: LONGEST_FIRST's lengths with a mask).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
+    if longest_first is None:
+        low, high = LONGEST_FIRST.get(problem.head_dim, (0, 0))
+        longest_first = problem.causal and low <= problem.seqlen <= high
     if v_lags_k is None:
         v_lags_k = not (problem.head_dim == 256 and problem.causal)
     if v_transposed:
@@ -411,7 +424,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "pin_pv_wait": bool(pin_pv_wait),
                               "v_lags_k": bool(v_lags_k),
                               "elect_release": bool(elect_release),
-                              "spin_waits": bool(spin_waits)},
+                              "spin_waits": bool(spin_waits),
+                              "longest_first": bool(longest_first),
+                              "group_mib": int(group_mib)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -196,3 +196,15 @@ def test_v_lags_k_default(d, causal, lags):
     """K_{j+1} loaded before V_j (k6's v_lags_k) by default, except at d = 256 with a mask
     (measured round-robin, docs/k7.md)."""
     assert compiled("k7", d, causal)["kernel"]["v_lags_k"] == lags
+
+
+def test_longest_first_by_sequence_length():
+    """k6's head-group order, on by default with a mask inside k7.LONGEST_FIRST's lengths."""
+    from hopper_attn import k7
+    from hopper_attn.common.contract import Problem
+    on = lambda n, d, causal=True: k7.compile_kernel(Problem(1, 2, n, d, causal)).options[
+        "longest_first"]
+    for d, (low, high) in k7.LONGEST_FIRST.items():
+        assert on(low, d) and on(high, d) and not on(low - 1, d) and not on(high + 1, d)
+        assert not on(low, d, causal=False)
+    assert not on(4096, 64)
