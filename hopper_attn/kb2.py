@@ -95,7 +95,7 @@ class FlashAttentionBackwardKB2:
                  stmatrix: bool = True, early_dv=None, dp_first: bool = False,
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
                  pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
-                 group_mib: int = 32, trace: bool = False):
+                 group_mib: int = 32, group_heads: int = 0, trace: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -117,7 +117,7 @@ class FlashAttentionBackwardKB2:
         self.longest_first = bool(longest_first) and causal
         self.group_mib = group_mib
         l2_rows = (group_mib << 20) // (head_dim * 8) if self.longest_first else 0
-        self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows)
+        self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads)
         # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
         # one head do not all reduce-add into the same dQ tile at the same time. Off by
         # default: timed round-robin against FA4 it gains nothing without a mask and costs
@@ -577,6 +577,15 @@ TILES = {(64, False): {"block_m": 128, "dp_first": True},
                        "longest_first": True}}
 
 
+# The deterministic mode's head groups (longest first): a fixed number of heads whatever the
+# length, the number a 32 MiB group holds at N = 2k. Its CTAs wait for each other's dQ adds,
+# and in larger groups a kv tile starts later behind the one before it: against 32 MiB
+# groups +17 / +23% at d = 128 N = 8k / 16k, +14 / +19% at d = 64, the same at 2k
+# (results/h100/2026-11-26_kb2_deterministic_group_heads_d*.json; 8 heads at d = 128 and 16 at
+# d = 64 lose 11-15% at 2k and gain less at 8k).
+DETERMINISTIC_GROUP_HEADS = {64: 32, 128: 16}
+
+
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
                    block_n: int = 128, stages: int = 2, rotate: bool = False,
                    deterministic: bool = False, stmatrix: Optional[bool] = None,
@@ -584,14 +593,17 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    ds_address_per_tile: Optional[bool] = None,
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
                    split_dv: Optional[int] = None, longest_first: Optional[bool] = None,
-                   group_mib: Optional[int] = None, trace: bool = False):
+                   group_mib: Optional[int] = None, group_heads: Optional[int] = None,
+                   trace: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
     split_dv, longest_first, group_mib: None takes `TILES` for the head dim and mask (when
     block_m is not given), else 64 rows, stmatrix on, early_dv by head dim and rows (see the
     class), group_mib 32, the others off; longest_first is also on with `deterministic`
-    (with a mask its CTAs then wait 1.3-1.8x less for their dQ turns, docs/kb2.md).
+    (with a mask its CTAs then wait far less for their dQ turns, docs/kb2.md), in groups of
+    group_heads heads (None: DETERMINISTIC_GROUP_HEADS with `deterministic`, else 0: by
+    group_mib).
     trace: iket phase ranges (harness/timeline.py)."""
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
@@ -613,6 +625,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                         False) or
                                                    (longest_first is None and deterministic)),
                              "group_mib": int(pick(group_mib, "group_mib", 32)),
+                             "group_heads": int(DETERMINISTIC_GROUP_HEADS.get(
+                                 problem.head_dim, 0) if group_heads is None and deterministic
+                                 else group_heads or 0),
                              "trace": bool(trace)},
                             compile_options=compile_options)
 

@@ -153,6 +153,7 @@ class KVTileSchedule:
     block_n: int
     causal: bool
     l2_rows: int = 0
+    group_heads: int = 0        # with l2_rows: this many heads per group, whatever the length
     # below 16 kv tiles per head the reordering lost on the H100 (kb2, d = 128, N = 1k:
     # -0.5% to -10% as the group grew from 16 to 48 heads; docs/kb2.md)
     LONGEST_FIRST_MIN_KV_TILES = 16
@@ -174,6 +175,8 @@ class KVTileSchedule:
         kv_tiles = cute.ceil_div(seqlen_k, self.block_n)
         heads_total = heads * batch
         group = cutlass.min(cutlass.max(self.l2_rows // seqlen_q, 1), heads_total)
+        if cutlass.const_expr(self.group_heads > 0):
+            group = cutlass.min(Int32(self.group_heads), heads_total)
         if kv_tiles < self.LONGEST_FIRST_MIN_KV_TILES:
             group = 1                           # one head at a time: the (kv tiles, heads,
                                                 # batch) grid's order
