@@ -146,7 +146,8 @@ class KVTileSchedule:
     the tail, and a group's CTAs still share L2. The group with fewer heads (batch x heads
     not a multiple of the group) runs first, so that no long CTA starts last. Every head's
     kv tile n - 1 still starts before its tile n (the deterministic mode's turns need it).
-    Heads with fewer than 16 kv tiles keep the first order (groups of one head).
+    Heads with fewer than 16 kv tiles keep the first order (groups of one head);
+    `group_heads` fixes the group's size in heads instead (kb2's deterministic mode).
     """
 
     block_m: int

@@ -125,14 +125,15 @@ class TileScheduler:
             grid, _, _ = cute.arch.grid_dim()
             item = tiles * Int32(grid) + Int32(cta)
         valid = item < m_blocks * heads * batch_size
-        m_block = item % m_blocks                       # (query tile, head, batch)
-        rest = item // m_blocks
-        head = rest % heads
-        batch = rest // heads
-        if cutlass.const_expr(self.l2_rows > 0 and self.dynamic):
+        if cutlass.const_expr(self.l2_rows > 0 and self.dynamic):     # by head group
             group = cutlass.min(cutlass.max(self.l2_rows // seqlen_q, 1), heads * batch_size)
             m_block, hb = head_group_order(item, m_blocks, heads * batch_size, group)
             head, batch = hb % heads, hb // heads
+        else:                                           # (query tile, head, batch)
+            m_block = item % m_blocks
+            rest = item // m_blocks
+            head = rest % heads
+            batch = rest // heads
         if cutlass.const_expr(self.causal):             # the longest query tiles first
             m_block = m_blocks - 1 - m_block
         # warp-uniform: ptxas may keep them in uniform registers, off the consumers' budget
