@@ -84,6 +84,7 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
+from hopper_attn.common.scheduler import longest_first_default
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.k5 import FlashAttentionK5, lse_buffer
 
@@ -414,10 +415,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md), except with
         # the other two settings of `three_wg_d64`
         uniform_descriptors = problem.head_dim != 64 or three_wg_d64
-    tuned_mib, low, high = LONGEST_FIRST.get(problem.head_dim, (32, 0, 0))
-    if longest_first is None:
-        longest_first = problem.causal and low <= problem.seqlen <= high
-    group_mib = group_mib or tuned_mib
+    measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
+    longest_first = measured_on if longest_first is None else longest_first
+    group_mib = group_mib or measured_mib
     if not persistent and max(problem.heads, problem.batch) > MAX_GRID_YZ:
         raise UnsupportedProblem(f"k6 with persistent=False launches one CTA per work item: "
                                  f"heads and batch must be <= {MAX_GRID_YZ}")

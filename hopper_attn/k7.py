@@ -58,6 +58,7 @@ from hopper_attn.common.contract import (KernelSpec, compile_attention, run_atte
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
                                         swap_modes, transposed)
+from hopper_attn.common.scheduler import longest_first_default
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.warp_roles import WarpRoles
 from hopper_attn.k5 import lse_buffer
@@ -372,12 +373,12 @@ class FlashAttentionK7(FlashAttentionK6):
         probs_to_fp8_operand(acc_s, p_frag)
 
 
-# head_dim -> (shortest, longest) query length at which the dynamic schedule takes its work
-# items head group by head group, longest first (k6's `longest_first`, 32 MiB groups), with a
-# causal mask: round-robin on the H100 (results/h100/2026-11-26_k7_longest_first_d*.json),
-# N = 2k / 4k / 8k / 16k: d = 128 +1.0 / +3.8 / +3.6 / -0.6%, d = 256 +6.1 / +8.3 / +8.9 /
-# -0.6% (d = 64 not measured: off)
-LONGEST_FIRST = {128: (2048, 8192), 256: (2048, 8192)}
+# head_dim -> (MiB per group by k6's bf16 formula, shortest and longest query length) at which
+# the dynamic schedule takes its work items head group by head group, longest first (k6's
+# `longest_first`), with a causal mask: round-robin on the H100
+# (results/h100/2026-11-26_k7_longest_first_d*.json), N = 2k / 4k / 8k / 16k: d = 128 +1.0 /
+# +3.8 / +3.6 / -0.6%, d = 256 +6.1 / +8.3 / +8.9 / -0.6% (d = 64 not measured: off)
+LONGEST_FIRST = {128: (32, 2048, 8192), 256: (32, 2048, 8192)}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
@@ -390,7 +391,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
                    v_lags_k: Optional[bool] = None, elect_release: bool = False,
                    spin_waits: bool = False, longest_first: Optional[bool] = None,
-                   group_mib: int = 32, spec: KernelSpec = SPEC):
+                   group_mib: int = 0, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -400,11 +401,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     None: on except at d = 256 with a causal mask, measured round-robin: +2.8-3.4% at
     d = 128, +0.9-1.2% d = 256 full, +0.4-0.7% d = 64, -0.9/+0.5% d = 256 causal;
     results/h100/2026-11-24_k7_v_lags_k.json); spin_waits: the rings' waits spin (k6's);
-    longest_first, group_mib: k6's (None: LONGEST_FIRST's lengths with a mask).
+    longest_first, group_mib: k6's (None / 0: LONGEST_FIRST's).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
-    if longest_first is None:
-        low, high = LONGEST_FIRST.get(problem.head_dim, (0, 0))
-        longest_first = problem.causal and low <= problem.seqlen <= high
+    measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
+    longest_first = measured_on if longest_first is None else longest_first
+    group_mib = group_mib or measured_mib
     if v_lags_k is None:
         v_lags_k = not (problem.head_dim == 256 and problem.causal)
     if v_transposed:

@@ -115,7 +115,6 @@ class FlashAttentionBackwardKB2:
         # does not end on a long CTA (masking.KVTileSchedule). 32 MiB measured best or within
         # 1% of it at N >= 2k (16-48 MiB on the H100, 12-50 on an H200; docs/kb2.md)
         self.longest_first = bool(longest_first) and causal
-        self.group_mib = group_mib
         l2_rows = (group_mib << 20) // (head_dim * 8) if self.longest_first else 0
         self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads)
         # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
@@ -605,6 +604,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     group_heads heads (None: DETERMINISTIC_GROUP_HEADS with `deterministic`, else 0: by
     group_mib).
     trace: iket phase ranges (harness/timeline.py)."""
+    if deterministic:     # its CTAs wait for each other's dQ adds, far less in this order
+        longest_first = True if longest_first is None else longest_first
+        group_heads = DETERMINISTIC_GROUP_HEADS.get(problem.head_dim, 0) \
+            if group_heads is None else group_heads
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
@@ -620,14 +623,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                              "kv_with_first_tile", False)),
                              "pdl": bool(pick(pdl, "pdl", False)),
                              "split_dv": int(pick(split_dv, "split_dv", 0)),
-                             # the deterministic mode waits far less in this order (below)
                              "longest_first": bool(pick(longest_first, "longest_first",
-                                                        False) or
-                                                   (longest_first is None and deterministic)),
+                                                        False)),
                              "group_mib": int(pick(group_mib, "group_mib", 32)),
-                             "group_heads": int(DETERMINISTIC_GROUP_HEADS.get(
-                                 problem.head_dim, 0) if group_heads is None and deterministic
-                                 else group_heads or 0),
+                             "group_heads": int(group_heads or 0),
                              "trace": bool(trace)},
                             compile_options=compile_options)
 

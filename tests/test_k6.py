@@ -353,7 +353,7 @@ def test_row_max_and_epilogue_instructions(d):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_longest_first_option(d):
     """k6:longest_first=1 (the dynamic schedule's items head group by head group): no
-    spills, and the group's row budget (LONGEST_FIRST_MIB of K and V) in the PTX."""
+    spills, and the group's row budget (LONGEST_FIRST's MiB of K and V) in the PTX."""
     from hopper_attn import k6
     art = artifacts(d, True, "k6:longest_first=1")
     for fn in resource_usage(art["cubin"]):

@@ -204,7 +204,7 @@ def test_longest_first_by_sequence_length():
     from hopper_attn.common.contract import Problem
     on = lambda n, d, causal=True: k7.compile_kernel(Problem(1, 2, n, d, causal)).options[
         "longest_first"]
-    for d, (low, high) in k7.LONGEST_FIRST.items():
+    for d, (_, low, high) in k7.LONGEST_FIRST.items():
         assert on(low, d) and on(high, d) and not on(low - 1, d) and not on(high + 1, d)
         assert not on(low, d, causal=False)
     assert not on(4096, 64)

@@ -20,7 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from hopper_attn.common.scheduler import head_group_order
+from hopper_attn.common.scheduler import head_group_order, heads_per_group
 
 
 @dataclasses.dataclass(frozen=True)   # frozen: a compile-time constant inside dynamic loops
@@ -175,9 +175,10 @@ class KVTileSchedule:
         cta = Int32(cta)
         kv_tiles = cute.ceil_div(seqlen_k, self.block_n)
         heads_total = heads * batch
-        group = cutlass.min(cutlass.max(self.l2_rows // seqlen_q, 1), heads_total)
         if cutlass.const_expr(self.group_heads > 0):
             group = cutlass.min(Int32(self.group_heads), heads_total)
+        else:
+            group = heads_per_group(self.l2_rows, seqlen_q, heads_total)
         if kv_tiles < self.LONGEST_FIRST_MIN_KV_TILES:
             group = 1                           # one head at a time: the (kv tiles, heads,
                                                 # batch) grid's order

@@ -61,6 +61,20 @@ def head_group_order(index, slots, heads_total, group):
     return slot, hb
 
 
+@cute.jit
+def heads_per_group(rows_budget: int, rows_per_head, heads_total):
+    """How many heads `head_group_order` takes together: as many as hold `rows_budget`
+    rows of `rows_per_head` each (at least one, at most all)."""
+    return cutlass.min(cutlass.max(rows_budget // rows_per_head, 1), heads_total)
+
+
+def longest_first_default(table: dict, problem) -> tuple[bool, int]:
+    """(on, MiB per group) for a stage's measured table {head_dim: (MiB, shortest,
+    longest query length)}: on with a causal mask inside the measured lengths."""
+    mib, low, high = table.get(problem.head_dim, (32, 0, 0))
+    return bool(problem.causal and low <= problem.seqlen <= high), mib
+
+
 def sm_count() -> int:
     """SMs of the current GPU (132 on an H100 SXM or H200; 132 when compiling without one)."""
     import torch
@@ -126,7 +140,7 @@ class TileScheduler:
             item = tiles * Int32(grid) + Int32(cta)
         valid = item < m_blocks * heads * batch_size
         if cutlass.const_expr(self.l2_rows > 0 and self.dynamic):     # by head group
-            group = cutlass.min(cutlass.max(self.l2_rows // seqlen_q, 1), heads * batch_size)
+            group = heads_per_group(self.l2_rows, seqlen_q, heads * batch_size)
             m_block, hb = head_group_order(item, m_blocks, heads * batch_size, group)
             head, batch = hb % heads, hb // heads
         else:                                           # (query tile, head, batch)
