@@ -35,7 +35,7 @@ from .contract import LOG2_E, KernelSpec, Problem, check_tensors
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from . import tma
 from .layouts import ndhb_view, smem_tile_layout, transposed
@@ -109,10 +109,12 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((b, h, rows, d), torch.float32)
     dkv = [_example((b, n, h, d), dt) for _ in range(2)]
-    # kb2: one int32 per (batch, head, query tile), the deterministic mode's turn counters
-    sems = [_example((b, h, rows // kernel.block_m), torch.int32)] \
-        if getattr(kernel, "takes_semaphores", False) else []
-    main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems,
+    # one int32 per (batch, head, query tile), zeroed by the preprocess: kb2's dQ turn or
+    # arrival counters (kb1 has none)
+    counters = _example((b, h, rows // kernel.block_m), torch.int32)
+    sems = [counters] if getattr(kernel, "takes_semaphores", False) else []
+    dq = [_example((b, n, h, d), dt)] if getattr(kernel, "takes_dq", False) else []
+    main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems, *dq,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pdl = bool(getattr(kernel, "pdl", False))     # programmatic dependent launches (kb2)
     pre_key = ("preprocess", d, dt, kernel.block_m, ffi, pdl)
@@ -120,17 +122,20 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
         lse = _example((b, h, n), torch.float32)
         _COMPILED[pre_key] = rt.compile_with_tensors(BackwardPreprocess(d, kernel.block_m, pdl),
                                                      qkv[0], qkv[3], lse, *stats, dq_accum,
-                                                     tvm_ffi=ffi)
-    # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
-    fragments = getattr(kernel, "dq_fragment_order", False)
-    swap_ab = getattr(kernel, "dq_swap_ab", False)
-    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl)
-    if post_key not in _COMPILED:
-        convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl) if fragments \
-            else DqConvert(d, pdl=pdl)
-        _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], scalars=(1.0,),
-                                                      tvm_ffi=ffi)
-    pre, post = _COMPILED[pre_key], _COMPILED[post_key]
+                                                     counters, tvm_ffi=ffi)
+    post = None                   # kb2's `convert_dq`: the main kernel writes dQ itself
+    if not getattr(kernel, "convert_dq", False):
+        # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
+        fragments = getattr(kernel, "dq_fragment_order", False)
+        swap_ab = getattr(kernel, "dq_swap_ab", False)
+        post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl)
+        if post_key not in _COMPILED:
+            convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl) if fragments \
+                else DqConvert(d, pdl=pdl)
+            _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0],
+                                                          scalars=(1.0,), tvm_ffi=ffi)
+        post = _COMPILED[post_key]
+    pre = _COMPILED[pre_key]
     _COMPILED[key] = (kernel, main, pre, post)
     return CompiledBackward(spec, problem, options, kernel, main, pre, post,
                             time.perf_counter() - t0, ffi)
@@ -169,24 +174,25 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         dv_out = torch.empty_like(dk_out)
     else:
         dk_out, dv_out = dk, dv
-    sems = []
-    if getattr(handle.kernel, "takes_semaphores", False):
-        shape = (p.batch, p.heads, rows // handle.block_m)
-        sems = [torch.zeros(shape, dtype=torch.int32, device=dev)
-                if handle.kernel.deterministic else torch.empty(shape, dtype=torch.int32,
-                                                                device=dev)]
+    counters = torch.empty((p.batch, p.heads, rows // handle.block_m), dtype=torch.int32,
+                           device=dev)                   # zeroed by the preprocess
+    sems = [counters] if getattr(handle.kernel, "takes_semaphores", False) else []
+    dq_out = [dq] if getattr(handle.kernel, "takes_dq", False) else []
     if handle.tvm_ffi:                  # torch tensors straight in, torch's current stream
-        handle.preprocess(o, do, lse, lse2, dsum, dq_accum)
-        handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, *sems, scale * LOG2_E,
-                    scale)
-        handle.postprocess(dq_accum, dq, scale)
+        handle.preprocess(o, do, lse, lse2, dsum, dq_accum, counters)
+        handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, *sems, *dq_out,
+                    scale * LOG2_E, scale)
+        if handle.postprocess is not None:
+            handle.postprocess(dq_accum, dq, scale)
     else:
         stream = rt.current_stream()
         t = rt.to_cute_tensor
-        handle.preprocess(t(o), t(do), t(lse), t(lse2), t(dsum), t(dq_accum), stream)
+        handle.preprocess(t(o), t(do), t(lse), t(lse2), t(dsum), t(dq_accum), t(counters),
+                          stream)
         handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out),
-                    t(dv_out), *[t(x) for x in sems], scale * LOG2_E, scale, stream)
-        handle.postprocess(t(dq_accum), t(dq), scale, stream)
+                    t(dv_out), *[t(x) for x in sems + dq_out], scale * LOG2_E, scale, stream)
+        if handle.postprocess is not None:
+            handle.postprocess(t(dq_accum), t(dq), scale, stream)
     if group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
         dk.copy_(dk_out.view(shape).float().sum(3))
@@ -297,15 +303,16 @@ class BackwardPreprocess:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
-                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, stream):
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+                 mCounters: cute.Tensor, stream):
         o, do = ndhb_view(mO), ndhb_view(mdO)                  # (N, d, H, B)
-        self.kernel(o, do, mLSE, mLSE2, mD, mdQacc).launch(
+        self.kernel(o, do, mLSE, mLSE2, mD, mdQacc, mCounters).launch(
             grid=[mLSE2.shape[2] // self.rows, o.shape[2], o.shape[3]],
             block=[HELPER_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, o: cute.Tensor, do: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-               mD: cute.Tensor, mdQacc: cute.Tensor):
+               mD: cute.Tensor, mdQacc: cute.Tensor, mCounters: cute.Tensor):
         if cutlass.const_expr(self.pdl):
             # the main kernel may launch now: it reads what this kernel writes only after
             # its `griddepcontrol.wait`, which waits for this whole grid
@@ -313,25 +320,20 @@ class BackwardPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
-        for p in cutlass.range_constexpr(self.rows // self.rows_per_pass):
-            row = m_block * self.rows + p * self.rows_per_pass + lane_row
-            partial = Float32(0.0)
-            if row < o.shape[0]:
-                o_part = cute.make_rmem_tensor((CHUNK,), o.element_type)
-                do_part = cute.make_rmem_tensor((CHUNK,), o.element_type)
-                cute.autovec_copy(_chunk(o, row, col0, head, batch), o_part)
-                cute.autovec_copy(_chunk(do, row, col0, head, batch), do_part)
-                prod = o_part.load().to(Float32) * do_part.load().to(Float32)
-                partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
-            if tidx % self.lanes == 0:
-                lse2 = Float32.inf
-                if row < o.shape[0]:
-                    lse = mLSE[batch, head, row]
-                    if lse != -Float32.inf:
-                        lse2 = lse * LOG2_E
-                mD[batch, head, row] = dsum
-                mLSE2[batch, head, row] = lse2
+        passes = self.rows // self.rows_per_pass
+        seqlen = o.shape[0]
+        # Every load first, then the stores: a store to mD may alias o or dO as far as the
+        # compiler knows, so loads placed after one wait for it (one memory latency per
+        # pass). Rows past the end read the last row (any valid row) and count as 0 below.
+        o_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
+        do_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
+        lse_rows = cute.make_rmem_tensor((passes,), Float32)
+        for p in cutlass.range_constexpr(passes):
+            row = cutlass.min(m_block * self.rows + p * self.rows_per_pass + lane_row,
+                              seqlen - 1)
+            cute.autovec_copy(_chunk(o, row, col0, head, batch), o_rows[None, p])
+            cute.autovec_copy(_chunk(do, row, col0, head, batch), do_rows[None, p])
+            lse_rows[p] = mLSE[batch, head, row]
         # zero this tile's rows x d floats of the dQ buffer (contiguous in either order)
         block = self.rows * self.head_dim
         base = mdQacc[batch, head, None, None].iterator + m_block * block
@@ -339,6 +341,22 @@ class BackwardPreprocess:
         zeros.fill(0.0)
         for i in cutlass.range_constexpr(block // (4 * HELPER_THREADS)):
             cute.autovec_copy(zeros, _aligned(base + (i * HELPER_THREADS + tidx) * 4, 4))
+        if tidx == 0:
+            mCounters[batch, head, m_block] = Int32(0)
+        for p in cutlass.range_constexpr(passes):
+            row = m_block * self.rows + p * self.rows_per_pass + lane_row
+            prod = o_rows[None, p].load().to(Float32) * do_rows[None, p].load().to(Float32)
+            dsum = cute.arch.warp_reduction_sum(prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                                                threads_in_group=self.lanes)
+            if tidx % self.lanes == 0:
+                lse2 = Float32.inf
+                if row < seqlen:
+                    if lse_rows[p] != -Float32.inf:
+                        lse2 = lse_rows[p] * LOG2_E
+                else:
+                    dsum = Float32(0.0)
+                mD[batch, head, row] = dsum
+                mLSE2[batch, head, row] = lse2
 
 
 class DqConvert:
