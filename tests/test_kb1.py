@@ -65,3 +65,29 @@ def test_backward_contract_checks_tensors_before_launch():
         check_backward_tensors(p, q, q, q, q[:, :5], q, lse, q, q, q)   # o
     with pytest.raises(ValueError, match="head_dim"):
         kb1.compile_kernel(Problem(1, 1, 64, 256))
+
+
+@pytest.mark.parametrize("d,rows", [(64, 128), (128, 64), (128, 80)])
+def test_preprocess_issues_every_load_before_a_store(d, rows, tmp_path):
+    """The shared preprocess (D, lse2, the zeroed dQ buffer and counters) loads all of a
+    thread's O, dO and LSE values before its first store: a store placed before a load
+    makes the load wait for it (the compiler cannot rule out aliasing), one memory
+    latency per row pass."""
+    from hopper_attn.common import cute_runtime as rt
+    from hopper_attn.common.backward import BackwardPreprocess, _example
+    b, n, h = 2, 128, 2
+    od = [_example((b, n, h, d), torch.bfloat16) for _ in range(2)]
+    lse = _example((b, h, n), torch.float32)
+    stats = [_example((b, h, 2 * rows), torch.float32) for _ in range(2)]
+    dq_accum = _example((b, h, 2 * rows, d), torch.float32)
+    counters = _example((b, h, 2), torch.int32)
+    compiled_pre = rt.compile_with_tensors(BackwardPreprocess(d, rows, pdl=True), *od, lse,
+                                           *stats, dq_accum, counters,
+                                           options=f"--keep-ptx --dump-dir={tmp_path}")
+    ptx = compiled_pre.__ptx__
+    body = ptx[ptx.index("griddepcontrol.launch_dependents"):]
+    loads = [m.start() for m in re.finditer(r"ld\.global", body)]
+    stores = [m.start() for m in re.finditer(r"st\.global", body)]
+    passes = rows // (128 // (d // 8))
+    assert len(loads) == 3 * passes                      # O and dO chunks, an LSE per row
+    assert max(loads) < min(stores)
