@@ -69,13 +69,10 @@ from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_b
                                          fragment_slot, run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import KernelSpec
-from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                        operand_a_as_acc)
+from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
-from hopper_attn.common.scheduler import ItemQueue
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import WarpRoles
-from hopper_attn.common.wgmma import dq_mma, dq_tile_shape
 
 SPEC = KernelSpec(
     name="kb2",
@@ -87,23 +84,18 @@ SPEC = KernelSpec(
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
 DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer warp
-# convert_dq: the dQ writer's queue to the converter warps (query tiles, or these two)
-DQ_QUEUE_STAGES, NO_TILE, QUEUE_END = 4, -2, -1
 
 
 class FlashAttentionBackwardKB2:
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
-    takes_dq = True                    # dQ itself, after the counters (written with convert_dq)
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  stages: int = 2, rotate: bool = False, deterministic: bool = False,
                  stmatrix: bool = True, early_dv=None, dp_first: bool = False,
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
                  pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
-                 group_mib: int = 32, group_heads: int = 0, convert_dq: bool = False,
-                 trace: bool = False, convert_ablate: int = 0, convert_lag: int = 2,
-                 count_lane: int = 0, count_sem: int = 0):
+                 group_mib: int = 32, group_heads: int = 0, trace: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -167,19 +159,6 @@ class FlashAttentionBackwardKB2:
         self.split_dv = int(split_dv)
         if self.split_dv and not self.early_dv:
             raise ValueError("kb2: split_dv splits the early dV (early_dv)")
-        # convert_dq: no dQ conversion kernel. The dQ writer counts the kv tiles whose adds
-        # into a query tile have landed (an int32 per query tile, acq_rel); the last one
-        # hands the tile to warps 2-3 of the producer warpgroup, which read it back from L2
-        # and write dQ = scale * dq_accum in the input dtype (convert_tile)
-        self.convert_dq = bool(convert_dq)
-        self.convert_ablate = convert_ablate   # EXPERIMENT
-        self.convert_lag = convert_lag
-        self.count_lane, self.count_sem = count_lane, ["acq_rel", "relaxed", "release"][count_sem]
-        if self.convert_dq and rotate:
-            raise ValueError("kb2: convert_dq walks the query tiles in order (no rotate)")
-        if self.convert_dq and (block_m != 64 or deterministic):
-            raise ValueError("kb2: convert_dq stages a dQ tile in 32 KiB of SMEM, which only "
-                             "the 64-row tiles leave free (and not in the deterministic mode)")
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -203,7 +182,7 @@ class FlashAttentionBackwardKB2:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-                 mdV: cute.Tensor, mSem: cute.Tensor, mdQ: cute.Tensor, scale_log2: Float32,
+                 mdV: cute.Tensor, mSem: cute.Tensor, scale_log2: Float32,
                  softmax_scale: Float32, stream):
         lse2, dsum = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                       for t in (mLSE2, mD)]                                     # (rows, H, B)
@@ -226,10 +205,6 @@ class FlashAttentionBackwardKB2:
             kv_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             q_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             do_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            if cutlass.const_expr(self.convert_dq):     # in the padding before sK
-                dq_queue_barriers: cute.struct.MemRange[cutlass.Int64, 2 * DQ_QUEUE_STAGES]
-                dq_queue: cute.struct.MemRange[Int32, DQ_QUEUE_STAGES]
-                convert_barriers: cute.struct.MemRange[cutlass.Int64, 2]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
@@ -238,15 +213,13 @@ class FlashAttentionBackwardKB2:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
-            if cutlass.const_expr(self.convert_dq):     # 32 KiB: all 227 KiB used
-                sdQconvert: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(q_tiles, do_tiles, k_tiles, v_tiles, lse_tiles, dsum_tiles, dk_tiles,
                     dv_tiles, tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv,
-                    mdQacc, mSem, ndhb_view(mdQ), scale_log2, softmax_scale, q_layout,
-                    kv_layout, ds_layout, row_layout).launch(
+                    mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
+                    row_layout).launch(
             grid=self.schedule.grid(tiles.seqlen_k, tiles.heads, tiles.batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
@@ -260,7 +233,7 @@ class FlashAttentionBackwardKB2:
                tma_q: cute.CopyAtom, tma_do: cute.CopyAtom, tma_k: cute.CopyAtom,
                tma_v: cute.CopyAtom, tma_lse: cute.CopyAtom, tma_dsum: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, mdQacc: cute.Tensor,
-               mSem: cute.Tensor, mdQ: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
+               mSem: cute.Tensor, scale_log2: Float32, softmax_scale: Float32,
                q_layout: cute.ComposedLayout, kv_layout: cute.ComposedLayout,
                ds_layout: cute.ComposedLayout, row_layout: cute.Layout):
         bm, d = self.block_m, self.head_dim
@@ -282,16 +255,6 @@ class FlashAttentionBackwardKB2:
                                    self.q_bytes)
         do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.stages,
                                     consumer_warps, self.q_bytes)
-        dq_queue = None
-        if cutlass.const_expr(self.convert_dq):             # dQ writer -> warps 2-3
-            dq_queue = ItemQueue.create(
-                storage.dq_queue_barriers.data_ptr(),
-                storage.dq_queue.get_tensor(cute.make_layout(DQ_QUEUE_STAGES)), 64,
-                DQ_QUEUE_STAGES)
-            if warp == 0:                       # one per converter warp: its tile landed
-                with cute.arch.elect_one():
-                    for half in cutlass.range_constexpr(2):
-                        cute.arch.mbarrier_init(storage.convert_barriers.data_ptr() + half, 1)
         tma.barriers_ready()
         loads = (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum)
         dq_staging = storage.sdQ.data_ptr()
@@ -307,15 +270,8 @@ class FlashAttentionBackwardKB2:
             if warp == 1:                                   # the dQ writer
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()             # the dQ buffer is zeroed
-                self.write_dq(dq_staging, mdQacc, mSem, dq_queue, n_block, head, batch, m_first,
-                              m_count, seqlen_q, seqlen_k)
+                self.write_dq(dq_staging, mdQacc, mSem, n_block, head, batch, m_first, m_count)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if cutlass.const_expr(self.convert_dq):
-                if warp >= 2:                               # the dQ converters
-                    self.convert_dq_tiles(dq_queue, mdQacc, mdQ, warp - 2, n_block, head,
-                                          batch, m_first, seqlen_q, softmax_scale,
-                                          storage.sdQconvert.data_ptr(),
-                                          storage.convert_barriers.data_ptr())
         else:
             # ---------------- consumer warpgroups ----------------
             self.roles.become_consumer()
@@ -369,18 +325,13 @@ class FlashAttentionBackwardKB2:
             produce.advance()
 
     @cute.jit
-    def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor,
-                 dq_queue, n_block, head, batch, m_first, m_count, seqlen_q,
-                 seqlen_k):
+    def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
+                 head, batch, m_first, m_count):
         """The dQ writer warp: each consumer warpgroup's dQ block of every query tile of kv
-        tile `n_block`, reduce-added from SMEM to the fp32 dQ buffer. With convert_dq it
-        also counts each tile's adds once they have landed and tells the converter warps
-        which tiles are complete (`count_arrival`)."""
+        tile `n_block`, reduce-added from SMEM to the fp32 dQ buffer."""
         bm, d = self.block_m, self.head_dim
         dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
         dq_accum = mdQacc[batch, head, None, None].iterator
-        queue_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
-                                                   DQ_QUEUE_STAGES)
         for it in cutlass.range(m_count, unroll=1):
             m_block = self.query_tile(it, n_block, m_first, m_count)
             # hand each staging buffer back once the copy engine has read it (the
@@ -404,121 +355,8 @@ class FlashAttentionBackwardKB2:
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
-                if cutlass.const_expr(self.convert_dq):
-                    dq_queue.publish(queue_state, self.count_arrival(
-                        turn, m_block, n_block, seqlen_q, seqlen_k))
-                    queue_state.advance()
-                else:
-                    with cute.arch.elect_one():
-                        cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
-            elif cutlass.const_expr(self.convert_dq):
-                # the adds of the tile `convert_lag` tiles back have landed (waiting for the
-                # previous tile's stalls the writer: their completion takes longer than a
-                # tile); tile it - lag is m_first + it - lag (no rotation with convert_dq)
-                lag = self.convert_lag
-                done = Int32(NO_TILE)
-                if it >= lag and cutlass.const_expr(not (self.convert_ablate & 2)):
-                    cute.arch.cp_async_bulk_wait_group(lag * self.warpgroups, read=False)
-                    done = self.count_arrival(mSem[batch, head, None].iterator + m_block - lag,
-                                              m_block - lag, n_block, seqlen_q, seqlen_k)
-                dq_queue.publish(queue_state, done)
-                queue_state.advance()
-        if cutlass.const_expr(self.convert_dq):
-            if cutlass.const_expr(not self.deterministic and not (self.convert_ablate & 2)):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                for it in cutlass.range(cutlass.max(m_count - self.convert_lag, 0), m_count,
-                                        unroll=1):
-                    m_block = m_first + it
-                    dq_queue.publish(queue_state, self.count_arrival(
-                        mSem[batch, head, None].iterator + m_block, m_block, n_block,
-                        seqlen_q, seqlen_k))
-                    queue_state.advance()
-            dq_queue.publish(queue_state, Int32(QUEUE_END))
-
-    @cute.jit
-    def count_arrival(self, counter: cute.Pointer, m_block, n_block, seqlen_q, seqlen_k):
-        """The dQ writer warp, once this kv tile's adds into query tile `m_block` have
-        landed: count them (acq_rel, so the last arrival sees every other kv tile's adds);
-        returns m_block if this was the tile's last kv tile, else NO_TILE."""
-        arrived = Int32(0)
-        if cute.arch.lane_idx() == self.count_lane:
-            arrived = cute.arch.atomic_add(counter, Int32(1), sem=self.count_sem,
-                                           scope="gpu") + 1
-        arrived = cute.arch.shuffle_sync(arrived, self.count_lane)
-        done = Int32(NO_TILE)
-        if arrived == self.schedule.kv_tile_count(m_block, seqlen_q, seqlen_k):
-            done = m_block
-        return cute.arch.make_warp_uniform(done)
-
-    @cute.jit
-    def convert_dq_tiles(self, dq_queue: ItemQueue, mdQacc: cute.Tensor, mdQ: cute.Tensor,
-                         half, n_block, head, batch, m_first, seqlen_q, scale: Float32,
-                         staging: cute.Pointer, barriers: cute.Pointer):
-        """Warps 2-3 of the producer warpgroup (convert_dq): every query tile the dQ writer
-        reports complete, warp `half` converting consumer warpgroup `half`'s part of it.
-        Kv tile 0 also writes the zero rows of the query tiles no kv tile sees (causal with
-        more queries than keys: tiles before its first)."""
-        dq_accum = mdQacc[batch, head, None, None].iterator
-        if cutlass.const_expr(self.causal):
-            if n_block == 0:
-                rows = cutlass.min(m_first * self.block_m, seqlen_q)
-                for row in cutlass.range(half, rows, 2, unroll=1):
-                    for c in cutlass.range_constexpr(self.head_dim // 32):
-                        mdQ[row, c * 32 + cute.arch.lane_idx(), head, batch] = \
-                            mdQ.element_type(0.0)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                             DQ_QUEUE_STAGES)
-        half_floats = self.block_m * self.head_dim // 2
-        staging = staging + half * half_floats              # this warp's 16 KiB
-        landed = barriers + half
-        phase = Int32(0)
-        m_block = dq_queue.receive(state)
-        state.advance()
-        while m_block != QUEUE_END:
-            if m_block >= 0 and cutlass.const_expr(not (self.convert_ablate & 1)):
-                self.convert_tile(dq_accum, mdQ, m_block, half, head, batch, seqlen_q, scale,
-                                  staging, landed, phase)
-                phase = phase ^ 1
-            m_block = dq_queue.receive(state)
-            state.advance()
-
-    @cute.jit
-    def convert_tile(self, dq_accum: cute.Pointer, mdQ: cute.Tensor, m_block, half, head,
-                     batch, seqlen_q, scale: Float32, staging: cute.Pointer,
-                     landed: cute.Pointer, phase):
-        """dQ rows of query tile `m_block` = scale * dq_accum, for consumer warpgroup `half`'s
-        part (64 rows x d/2 columns, 16 KiB of fp32 in fragment order): one bulk copy from
-        L2 into SMEM, then each lane takes the registers of four of that warpgroup's threads
-        (one per warp), 4 floats at a time (one 16-byte SMEM load). In the dQ WGMMA's
-        accumulator, thread t = 32 w + l holds, for each 8-column block j, rows
-        r = 16 w + l / 4 and r + 8 at columns c = 8 j + 2 (l % 4) and c + 1, in the
-        order (r, c), (r, c + 1), (r + 8, c), (r + 8, c + 1): two bf16 pairs to store."""
-        bm, d = self.block_m, self.head_dim
-        half_floats = bm * d // 2
-        with cute.arch.elect_one():
-            cute.arch.fence_proxy("async.global")   # the writer's acquire, then the copy
-            cute.arch.mbarrier_arrive_and_expect_tx(landed, half_floats * 4)
-            tma.bulk_load(staging, dq_accum + (m_block * (bm * d) + half * half_floats),
-                          half_floats * 4, landed)
-        cute.arch.mbarrier_wait(landed, phase)
-        lane = cute.arch.lane_idx()
-        col0 = half * (d // 2) + 2 * (lane % 4)
-        dtype = mdQ.element_type
-        for w in cutlass.range(4, unroll=1):
-            src = staging + (w * 32 + lane) * 4
-            for rh in cutlass.range_constexpr(2):           # rows r and r + 8
-                row = m_block * bm + 16 * w + lane // 4 + 8 * rh
-                if row < seqlen_q:
-                    dst = mdQ[row, None, head, batch].iterator + col0
-                    for j in cutlass.range_constexpr(d // 16):
-                        acc = cute.make_rmem_tensor((2,), Float32)
-                        cute.autovec_copy(_view(src + (j * 512 + 2 * rh), 2, 8), acc)
-                        out = cute.make_rmem_tensor((2,), dtype)
-                        out.store((acc.load() * scale).to(dtype))
-                        cute.autovec_copy(out, _view(dst + 8 * j, 2, 4))
-        # the next bulk copy (async proxy) may overwrite what these generic loads read
-        cute.arch.fence_view_async_shared()
-        cute.arch.sync_warp()
+                with cute.arch.elect_one():
+                    cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def consume(self, ctidx, wg, kv_pipe: pipeline.PipelineTmaAsync,
@@ -702,12 +540,6 @@ def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutla
     return vals
 
 
-def _view(ptr: cute.Pointer, size: int, align: int) -> cute.Tensor:
-    """`size` contiguous elements at `ptr` (same memory space), `align`-byte aligned."""
-    return cute.make_tensor(cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace,
-                                          assumed_align=align), cute.make_layout((size,)))
-
-
 @cute.jit
 def wait_for_turn(turn: cute.Pointer, n_block):
     """Spin (one lane, acquire) until the turn counter reaches `n_block`."""
@@ -741,7 +573,7 @@ TILES = {(64, False): {"block_m": 128, "dp_first": True},
          (128, False): {"block_m": 80, "ds_address_per_tile": True, "kv_with_first_tile": True,
                         "pdl": True},
          (128, True): {"kv_with_first_tile": True, "pdl": True, "split_dv": 1,
-                       "longest_first": True, "convert_dq": True}}
+                       "longest_first": True}}
 
 
 # The deterministic mode's head groups (longest first): a fixed number of heads whatever the
@@ -761,9 +593,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
                    split_dv: Optional[int] = None, longest_first: Optional[bool] = None,
                    group_mib: Optional[int] = None, group_heads: Optional[int] = None,
-                   convert_dq: Optional[bool] = None, trace: bool = False,
-                   convert_ablate: int = 0, convert_lag: int = 2, count_lane: int = 0,
-                   count_sem: int = 0):
+                   trace: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
@@ -776,7 +606,6 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     trace: iket phase ranges (harness/timeline.py)."""
     if deterministic:     # its CTAs wait for each other's dQ adds, far less in this order
         longest_first = True if longest_first is None else longest_first
-        convert_dq = False if convert_dq is None else convert_dq
         group_heads = DETERMINISTIC_GROUP_HEADS.get(problem.head_dim, 0) \
             if group_heads is None else group_heads
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
@@ -798,10 +627,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                         False)),
                              "group_mib": int(pick(group_mib, "group_mib", 32)),
                              "group_heads": int(group_heads or 0),
-                             "convert_dq": bool(pick(convert_dq, "convert_dq", False)),
-                             "trace": bool(trace), "convert_ablate": int(convert_ablate),
-                             "convert_lag": int(convert_lag), "count_lane": count_lane,
-                             "count_sem": count_sem},
+                             "trace": bool(trace)},
                             compile_options=compile_options)
 
 

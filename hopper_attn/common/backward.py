@@ -110,13 +110,11 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((b, h, rows, d), torch.float32)
     dkv = [_example((b, n, h, d), dt) for _ in range(2)]
-    # one int32 per (batch, head, query tile), zeroed by the preprocess: kb2's dQ turn
-    # (deterministic mode) or arrival (convert_dq) counters; kb1 does not read them
+    # one int32 per (batch, head, query tile), zeroed by the preprocess: the turn counters
+    # of kb2's deterministic mode (kb1 and kb2's default mode do not read them)
     counters = _example((b, h, rows // kernel.block_m), torch.int32)
     sems = [counters] if getattr(kernel, "takes_semaphores", False) else []
-    # kb2 takes dQ itself too (written there with convert_dq)
-    dq = [_example((b, n, h, d), dt)] if getattr(kernel, "takes_dq", False) else []
-    main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems, *dq,
+    main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pdl = bool(getattr(kernel, "pdl", False))     # programmatic dependent launches (kb2)
     pre_key = ("preprocess", d, dt, kernel.block_m, ffi, pdl)
@@ -125,19 +123,16 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
         _COMPILED[pre_key] = rt.compile_with_tensors(BackwardPreprocess(d, kernel.block_m, pdl),
                                                      qkv[0], qkv[3], lse, *stats, dq_accum,
                                                      counters, tvm_ffi=ffi)
-    post = None                   # kb2's `convert_dq`: the main kernel writes dQ itself
-    if not getattr(kernel, "convert_dq", False):
-        # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
-        fragments = getattr(kernel, "dq_fragment_order", False)
-        swap_ab = getattr(kernel, "dq_swap_ab", False)
-        post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl)
-        if post_key not in _COMPILED:
-            convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl) if fragments \
-                else DqConvert(d, pdl=pdl)
-            _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0],
-                                                          scalars=(1.0,), tvm_ffi=ffi)
-        post = _COMPILED[post_key]
-    pre = _COMPILED[pre_key]
+    # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
+    fragments = getattr(kernel, "dq_fragment_order", False)
+    swap_ab = getattr(kernel, "dq_swap_ab", False)
+    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl)
+    if post_key not in _COMPILED:
+        convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl) if fragments \
+            else DqConvert(d, pdl=pdl)
+        _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], scalars=(1.0,),
+                                                      tvm_ffi=ffi)
+    pre, post = _COMPILED[pre_key], _COMPILED[post_key]
     _COMPILED[key] = (kernel, main, pre, post)
     return CompiledBackward(spec, problem, options, kernel, main, pre, post,
                             time.perf_counter() - t0, ffi)
@@ -179,13 +174,11 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
     counters = torch.empty((p.batch, p.heads, rows // handle.block_m), dtype=torch.int32,
                            device=dev)                   # zeroed by the preprocess
     sems = [counters] if getattr(handle.kernel, "takes_semaphores", False) else []
-    sems += [dq] if getattr(handle.kernel, "takes_dq", False) else []
     if handle.tvm_ffi:                  # torch tensors straight in, torch's current stream
         handle.preprocess(o, do, lse, lse2, dsum, dq_accum, counters)
         handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, *sems, scale * LOG2_E,
                     scale)
-        if handle.postprocess is not None:
-            handle.postprocess(dq_accum, dq, scale)
+        handle.postprocess(dq_accum, dq, scale)
     else:
         stream = rt.current_stream()
         t = rt.to_cute_tensor
@@ -193,8 +186,7 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
                           stream)
         handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out),
                     t(dv_out), *[t(x) for x in sems], scale * LOG2_E, scale, stream)
-        if handle.postprocess is not None:
-            handle.postprocess(t(dq_accum), t(dq), scale, stream)
+        handle.postprocess(t(dq_accum), t(dq), scale, stream)
     if group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
         dk.copy_(dk_out.view(shape).float().sum(3))

@@ -196,20 +196,6 @@ class KVTileSchedule:
         return first, cute.ceil_div(seqlen_q, self.block_m)
 
     @cute.jit
-    def kv_tile_count(self, m_block, seqlen_q, seqlen_k):
-        """How many kv tiles contribute to query tile `m_block` (the inverse of
-        m_block_range): kv tiles 0 .. count - 1. With a causal mask kv tile n reaches it when
-        n * block_n <= (m_block + 1) * block_m - 1 + seqlen_k - seqlen_q; 0 when even kv
-        tile 0 does not (more queries than keys: the tile's rows see no key)."""
-        count = cute.ceil_div(seqlen_k, self.block_n)
-        if cutlass.const_expr(self.causal):
-            last_key = (m_block + 1) * self.block_m - 1 + seqlen_k - seqlen_q
-            count = cutlass.min(count, last_key // self.block_n + 1)
-            if last_key < 0:
-                count = Int32(0)
-        return count
-
-    @cute.jit
     def cta_work(self, mQ: cute.Tensor, mK: cute.Tensor):
         """This CTA's kv tile, head, batch, k/v head (GQA: the group's), the two lengths and
         the query tiles it walks: (n_block, head, batch, kv_head, seqlen_q, seqlen_k,

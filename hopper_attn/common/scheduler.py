@@ -188,18 +188,16 @@ def retire(counter: cute.Tensor):
 @dataclasses.dataclass(frozen=True)
 class ItemQueue:
     """The producer warp hands each fetched work item to the consumer warpgroups through a
-    ring of `stages` slots (2) in shared memory (full/empty mbarriers:
-    cutlass.pipeline.PipelineAsync). kb2's dQ writer uses one for complete query tiles."""
+    2-slot ring in shared memory (full/empty mbarriers: cutlass.pipeline.PipelineAsync)."""
 
     pipe: object
     slots: cute.Tensor            # Int32 (2,) in SMEM
 
     @staticmethod
-    def create(barriers, slots: cute.Tensor, consumer_threads: int,
-               stages: int = 2) -> "ItemQueue":
+    def create(barriers, slots: cute.Tensor, consumer_threads: int) -> "ItemQueue":
         import cutlass.pipeline as pipeline
         pipe = pipeline.PipelineAsync.create(
-            barrier_storage=barriers, num_stages=stages,
+            barrier_storage=barriers, num_stages=2,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
             defer_sync=True)

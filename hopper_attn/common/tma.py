@@ -118,21 +118,6 @@ def make_tma_row_load(gmem_rows: cute.Tensor, rows: int):
 
 
 @dsl_user_op
-def bulk_load(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int,
-              mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """smem[i] = global[i] for `num_bytes` contiguous bytes, by the copy engine
-    (`cp.async.bulk.shared::cluster.global`; one thread issues it, the bytes count on the
-    mbarrier's transaction count, as a TMA load's do). 16-byte aligned, a multiple of 16."""
-    llvm.inline_asm(
-        None,
-        [smem_ptr.toint(loc=loc, ip=ip).ir_value(), gmem_ptr.llvm_ptr,
-         Int32(num_bytes).ir_value(loc=loc, ip=ip), mbar_ptr.toint(loc=loc, ip=ip).ir_value()],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
 def bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_bytes: int, *,
                         loc=None, ip=None) -> None:
     """global[i] += smem[i] for `num_bytes` of contiguous fp32, by the copy engine
