@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import torch
@@ -52,10 +53,13 @@ def benchmark_interleaved(fns: dict, flush: L2Flush | None = None, *,
                           target_ms: float = 400.0, min_reps: int = 5, max_reps: int = 100,
                           warmup: int = 2) -> dict:
     """Time several callables round-robin: every round runs each once (L2 flushed before
-    each), in an order rotated from round to round. Clock and power drift then hit all of
-    them alike, so their ratios are steadier than those of back-to-back series, which on
-    the H100 host drifted by up to 10-20% between a kernel's fastest and slowest run at long
-    sequences (results/h100/2026-11-23_kb2_noninterleaved.json). Returns {name: benchmark()-style dict}."""
+    each), in an order shuffled from round to round (seeded, so reproducible). Clock and
+    power drift then hit all of them alike, so their ratios are steadier than those of
+    back-to-back series, which on the H100 host drifted by up to 10-20% between a kernel's
+    fastest and slowest run at long sequences (results/h100/2026-11-23_kb2_noninterleaved.json).
+    Shuffled rather than rotated: a rotation keeps each callable's predecessor the same in
+    every round, so whatever one kernel leaves behind (the clock after a hot kernel) always
+    falls on the same next one. Returns {name: benchmark()-style dict}."""
     flush = flush or L2Flush()
     names = list(fns)
     estimate = {}
@@ -74,8 +78,10 @@ def benchmark_interleaved(fns: dict, flush: L2Flush | None = None, *,
         for name in names:
             fns[name]()
     events = []
-    for r in range(reps):
-        order = names[r % len(names):] + names[:r % len(names)]
+    rng = random.Random(0)
+    for _ in range(reps):
+        order = list(names)
+        rng.shuffle(order)
         for name in order:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             flush()
