@@ -60,7 +60,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
@@ -128,6 +128,11 @@ class FlashAttentionK5:
         # `group_mib` MiB (N x d x 4 bytes per head), the longest query tile of every head of
         # a group first (scheduler.head_group_order)
         l2_rows = (group_mib << 20) // (head_dim * 4) if longest_first else 0
+        # in that order the producer warp decodes each item (query tile, head, batch) and
+        # passes it on through the item queue: decoding it in every consumer thread as
+        # well (seven integer divisions) cost 0.5-2% in the consumers' loop
+        # (results/h100/2026-11-26_k6_decode_once_*.json, docs/k6.md)
+        self.decode_once = bool(longest_first)
         self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
                                        (persistent_ctas or sm_count()) if persistent else 0,
                                        dynamic and persistent, l2_rows)
@@ -150,7 +155,7 @@ class FlashAttentionK5:
         if not self.scheduler.dynamic:
             return None
         return ItemQueue.create(storage.item_barriers.data_ptr(),
-                                storage.items.get_tensor(cute.make_layout(2)), receivers)
+                                storage.items.get_tensor(cute.make_layout((4, 2))), receivers)
 
     def first_item(self, mQ: cute.Tensor):
         """(heads, batch size, the scheduler's iterator, and this CTA's first work item:
@@ -204,7 +209,7 @@ class FlashAttentionK5:
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             item_barriers: cute.struct.MemRange[cutlass.Int64, 4]    # k6, dynamic schedule
-            items: cute.struct.MemRange[cutlass.Int32, 2]
+            items: cute.struct.MemRange[cutlass.Int32, 8]          # (4 values, 2 slots)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
@@ -338,6 +343,11 @@ class FlashAttentionK5:
     def next_item(self, queue, item_state, tiles, seqlen_q, heads, batch_size):
         """A consumer's next work item: from the producer warp's queue (dynamic schedule) or
         the grid-stride step (static); returns the iterator, the queue state and the item."""
+        if cutlass.const_expr(self.scheduler.dynamic and self.decode_once):
+            # the producer warp decoded the item (query tile, head, batch, valid)
+            m_block, head, batch, valid_int = queue.receive(item_state, 4)
+            item_state.advance()
+            return tiles, item_state, m_block, head, batch, valid_int != 0
         if cutlass.const_expr(self.scheduler.dynamic):
             tiles = queue.receive(item_state)
             item_state.advance()
@@ -397,13 +407,24 @@ class FlashAttentionK5:
                     self.trace.end(phase)
                     produce.advance()
             q_state.advance()
-            if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
-                tiles = fetch_next_item(mCounter)
-                queue.publish(item_state, tiles)
+            if cutlass.const_expr(scheduler.dynamic and self.decode_once):
+                tiles = fetch_next_item(mCounter)       # ask for the next one now, decode
+                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
+                                                             batch_size)
+                valid_int = Int32(0)
+                if valid:
+                    valid_int = Int32(1)
+                queue.publish(item_state, m_block, head, batch, valid_int)
                 item_state.advance()
             else:
-                tiles = scheduler.advance(tiles)
-            m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+                if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
+                    tiles = fetch_next_item(mCounter)
+                    queue.publish(item_state, tiles)
+                    item_state.advance()
+                else:
+                    tiles = scheduler.advance(tiles)
+                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
+                                                             batch_size)
         if cutlass.const_expr(scheduler.dynamic):
             retire(mCounter)
 

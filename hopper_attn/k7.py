@@ -180,7 +180,7 @@ class FlashAttentionK7(FlashAttentionK6):
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             vt_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             item_barriers: cute.struct.MemRange[cutlass.Int64, 4]
-            items: cute.struct.MemRange[cutlass.Int32, 2]
+            items: cute.struct.MemRange[cutlass.Int32, 8]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, v_elems], 1024]

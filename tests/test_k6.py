@@ -363,10 +363,21 @@ def test_longest_first_option(d):
     assert count(artifacts(d, True)["ptx"], rf"div\.s32\s+%r\d+,\s*{rows},") == 0
 
 
+def test_longest_first_items_decoded_once():
+    """In the head-group order the producer warp decodes each work item and hands (query
+    tile, head, batch, valid) to the consumers in one 16-byte SMEM slot; in the head-by-head
+    order it hands over the item's index, which every consumer decodes itself."""
+    grouped = artifacts(128, True, "k6:longest_first=1")["ptx"]
+    plain = artifacts(128, True, "k6:longest_first=0")["ptx"]
+    assert count(grouped, r"st\.shared\.v4\.b32") == count(grouped, r"ld\.shared\.v4\.b32") == 1
+    assert count(plain, r"st\.shared\.v4\.b32") == count(plain, r"ld\.shared\.v4\.b32") == 0
+    assert count(plain, r"ld\.shared\.b32") == 1
+
+
 def test_longest_first_by_sequence_length():
     """On by default with a mask inside the query lengths where it was measured to pay
-    (LONGEST_FIRST: 2k-8k at d = 128 and 256, 4k-16k at d = 64); off without a mask and at
-    the head dims not measured."""
+    (LONGEST_FIRST: 1k-8k at d = 128, 2k-8k at d = 256, 4k-16k at d = 64); off without a
+    mask and at the head dims not measured."""
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem
     on = lambda n, d, causal=True: k6.compile_kernel(Problem(1, 2, n, d, causal)).options[

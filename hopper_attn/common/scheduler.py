@@ -203,15 +203,18 @@ class ItemQueue:
             defer_sync=True)
         return ItemQueue(pipe, slots)
 
-    def publish(self, state, item):
-        """Producer warp (all lanes)."""
+    def publish(self, state, *values):
+        """Producer warp (all lanes): one or more Int32 values (a slot holds
+        slots.shape[0])."""
         self.pipe.producer_acquire(state)
-        self.slots[state.index] = item
+        for i, value in enumerate(values):
+            self.slots[i, state.index] = value
         self.pipe.producer_commit(state)
 
-    def receive(self, state):
-        """Every consumer thread."""
+    def receive(self, state, count: int = 1):
+        """Every consumer thread: the slot's first `count` values (one: the value itself)."""
         self.pipe.consumer_wait(state)
-        item = self.slots[state.index]
+        values = [self.slots[i, state.index] for i in range(count)]
         self.pipe.consumer_release(state)
-        return cute.arch.make_warp_uniform(item)
+        values = [cute.arch.make_warp_uniform(v) for v in values]
+        return values[0] if count == 1 else tuple(values)
