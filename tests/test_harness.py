@@ -125,3 +125,17 @@ def test_every_baseline_has_a_report_label():
     from hopper_attn.harness import baselines, report
     assert "fa4_no_overlap" in baselines.BASELINES
     assert set(baselines.BASELINES) <= set(report.BASELINE_LABEL)
+
+
+def test_interleaved_rounds_vary_each_kernels_neighbour():
+    """bench.py --interleave shuffles the order every round (seeded): a rotation kept each
+    kernel's predecessor the same in every round, so one kernel always ran after the same
+    other one (kb2 after FA4: docs/profiling.md)."""
+    from hopper_attn.harness.timing import round_orders
+    names = ["sdpa_flash", "sdpa_cudnn", "fa4", "kb2"]
+    orders = round_orders(names, 100)
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert orders == round_orders(names, 100)                    # reproducible
+    before_kb2 = {o[o.index("kb2") - 1] for o in orders if o.index("kb2") > 0}
+    assert before_kb2 == {"sdpa_flash", "sdpa_cudnn", "fa4"}
+    assert len({o.index("kb2") for o in orders}) == len(names)   # every position

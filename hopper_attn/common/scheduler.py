@@ -21,7 +21,8 @@ kv tiles it may see (`masking.TileSchedule` says which). Two schedules:
       the consumer warpgroups through `ItemQueue`. So an item goes to the first CTA that
       is free, as the hardware does with one CTA per item; a static assignment (even one
       that alternates direction every round) measured up to a third slower (docs/k6.md).
-    - ``l2_rows`` (dynamic, k6's `longest_first`): item i decoded by `head_group_order`,
+    - ``l2_rows`` (dynamic, k6's `longest_first`): item i decoded by `head_group_order`
+      (by the producer warp only, which passes the result on through the `ItemQueue`),
       heads taken in groups (about `l2_rows` query rows each, so their K and V share L2)
       and the longest query tile of every head of a group first, instead of head by head:
       a head's long items no longer start behind the previous head's short ones, so the
@@ -188,7 +189,9 @@ def retire(counter: cute.Tensor):
 @dataclasses.dataclass(frozen=True)
 class ItemQueue:
     """The producer warp hands each fetched work item to the consumer warpgroups through a
-    2-slot ring in shared memory (full/empty mbarriers: cutlass.pipeline.PipelineAsync)."""
+    2-slot ring in shared memory (full/empty mbarriers: cutlass.pipeline.PipelineAsync). A
+    slot holds up to slots.shape[0] Int32: the item's index, or (k5's `decode_once`, the
+    head-group order) the decoded (query tile, head, batch, valid)."""
 
     pipe: object
     slots: cute.Tensor            # Int32 (2,) in SMEM

@@ -49,6 +49,17 @@ def benchmark(fn, flush: L2Flush | None = None, *, target_ms: float = 400.0,
     return {"ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
 
 
+def round_orders(names, rounds: int, seed: int = 0) -> list:
+    """The order of `names` in each of `rounds` rounds: shuffled, reproducibly."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def benchmark_interleaved(fns: dict, flush: L2Flush | None = None, *,
                           target_ms: float = 400.0, min_reps: int = 5, max_reps: int = 100,
                           warmup: int = 2) -> dict:
@@ -78,10 +89,7 @@ def benchmark_interleaved(fns: dict, flush: L2Flush | None = None, *,
         for name in names:
             fns[name]()
     events = []
-    rng = random.Random(0)
-    for _ in range(reps):
-        order = list(names)
-        rng.shuffle(order)
+    for order in round_orders(names, reps):
         for name in order:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             flush()
