@@ -127,12 +127,9 @@ class FlashAttentionK5:
         # longest_first (k6's dynamic schedule): heads in groups whose K and V take
         # `group_mib` MiB (N x d x 4 bytes per head), the longest query tile of every head of
         # a group first (scheduler.head_group_order)
+        # (in that order the producer warp alone decodes each item: scheduler.by_head_group,
+        # results/h100/2026-11-26_k6_decode_once_*.json)
         l2_rows = (group_mib << 20) // (head_dim * 4) if longest_first else 0
-        # in that order the producer warp decodes each item (query tile, head, batch) and
-        # passes it on through the item queue: decoding it in every consumer thread as
-        # well (seven integer divisions) cost 0.5-2% in the consumers' loop
-        # (results/h100/2026-11-26_k6_decode_once_*.json, docs/k6.md)
-        self.decode_once = bool(longest_first)
         self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
                                        (persistent_ctas or sm_count()) if persistent else 0,
                                        dynamic and persistent, l2_rows)
@@ -343,7 +340,7 @@ class FlashAttentionK5:
     def next_item(self, queue, item_state, tiles, seqlen_q, heads, batch_size):
         """A consumer's next work item: from the producer warp's queue (dynamic schedule) or
         the grid-stride step (static); returns the iterator, the queue state and the item."""
-        if cutlass.const_expr(self.scheduler.dynamic and self.decode_once):
+        if cutlass.const_expr(self.scheduler.by_head_group):
             # the producer warp decoded the item (query tile, head, batch, valid)
             m_block, head, batch, valid_int = queue.receive(item_state, 4)
             item_state.advance()
@@ -407,24 +404,20 @@ class FlashAttentionK5:
                     self.trace.end(phase)
                     produce.advance()
             q_state.advance()
-            if cutlass.const_expr(scheduler.dynamic and self.decode_once):
-                tiles = fetch_next_item(mCounter)       # ask for the next one now, decode
-                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
-                                                             batch_size)
+            if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
+                tiles = fetch_next_item(mCounter)
+                if cutlass.const_expr(not scheduler.by_head_group):
+                    queue.publish(item_state, tiles)    # each consumer decodes it
+                    item_state.advance()
+            else:
+                tiles = scheduler.advance(tiles)
+            m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+            if cutlass.const_expr(scheduler.by_head_group):   # decoded here, once
                 valid_int = Int32(0)
                 if valid:
                     valid_int = Int32(1)
                 queue.publish(item_state, m_block, head, batch, valid_int)
                 item_state.advance()
-            else:
-                if cutlass.const_expr(scheduler.dynamic):   # ask for the next one now
-                    tiles = fetch_next_item(mCounter)
-                    queue.publish(item_state, tiles)
-                    item_state.advance()
-                else:
-                    tiles = scheduler.advance(tiles)
-                m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads,
-                                                             batch_size)
         if cutlass.const_expr(scheduler.dynamic):
             retire(mCounter)
 

@@ -142,7 +142,7 @@ FMA_EXP2_EVERY = {128: 16}
 # +3.4-3.7 / -0.6-0.9%; d = 256 (32 MiB) -0.6 / +4.2-4.3 / +7.3 / +6.3-6.6 / -2.2-2.5%; d = 64
 # (32 MiB) -11 / -1.4-1.7 / +0.8-1.2 / +1.7-2.1 / +1.7-1.9%. Where the order gains nothing the
 # changed code costs up to 2.5%: on only inside the ranges that gained in both runs. Since
-# the producer warp decodes the items for the consumers (k5's decode_once) the order gains
+# the producer warp decodes the items for the consumers (scheduler.by_head_group) the order gains
 # at d = 128 N = 1k as well: +1.6 / +1.1% over the head-by-head order in two runs, against
 # +0.8 / +0.5% for the decode alone; at 16k still -0.2 / -0.25%
 # (results/h100/2026-11-26_k6_decode_once_*.json)

@@ -95,6 +95,13 @@ class TileScheduler:
     # longest query tile of every head of a group first (head_group_order); 0: head by head
     l2_rows: int = 0
 
+    @property
+    def by_head_group(self) -> bool:
+        """Items decoded by `head_group_order`: then the producer warp decodes each one and
+        passes (query tile, head, batch, valid) on through the `ItemQueue` (seven integer
+        divisions in every consumer thread cost 0.5-2% in k6's loop, docs/k6.md)."""
+        return self.l2_rows > 0 and self.dynamic
+
     def grid(self, seqlen_q, heads, batch):
         """Host side (inside the @cute.jit __call__)."""
         m_blocks = cute.ceil_div(seqlen_q, self.block_m)
@@ -140,7 +147,7 @@ class TileScheduler:
             grid, _, _ = cute.arch.grid_dim()
             item = tiles * Int32(grid) + Int32(cta)
         valid = item < m_blocks * heads * batch_size
-        if cutlass.const_expr(self.l2_rows > 0 and self.dynamic):     # by head group
+        if cutlass.const_expr(self.by_head_group):
             group = heads_per_group(self.l2_rows, seqlen_q, heads * batch_size)
             m_block, hb = head_group_order(item, m_blocks, heads * batch_size, group)
             head, batch = hb % heads, hb // heads
@@ -190,11 +197,11 @@ def retire(counter: cute.Tensor):
 class ItemQueue:
     """The producer warp hands each fetched work item to the consumer warpgroups through a
     2-slot ring in shared memory (full/empty mbarriers: cutlass.pipeline.PipelineAsync). A
-    slot holds up to slots.shape[0] Int32: the item's index, or (k5's `decode_once`, the
-    head-group order) the decoded (query tile, head, batch, valid)."""
+    slot holds up to slots.shape[0] Int32: the item's index, or (TileScheduler's
+    `by_head_group`) the decoded (query tile, head, batch, valid)."""
 
     pipe: object
-    slots: cute.Tensor            # Int32 (2,) in SMEM
+    slots: cute.Tensor            # Int32 (values, 2 slots) in SMEM
 
     @staticmethod
     def create(barriers, slots: cute.Tensor, consumer_threads: int) -> "ItemQueue":
