@@ -95,7 +95,8 @@ class FlashAttentionBackwardKB2:
                  stmatrix: bool = True, early_dv=None, dp_first: bool = False,
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
                  pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
-                 group_mib: int = 32, group_heads: int = 0, trace: bool = False):
+                 group_mib: int = 32, group_heads: int = 0, trace: bool = False,
+                 convert_per_head: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -159,6 +160,13 @@ class FlashAttentionBackwardKB2:
         self.split_dv = int(split_dv)
         if self.split_dv and not self.early_dv:
             raise ValueError("kb2: split_dv splits the early dV (early_dv)")
+        # convert_per_head: at its end each CTA waits for its dQ adds to land and counts
+        # itself in counters[b, h, 0] (release); the dQ conversion, launched early, starts a
+        # head as soon as all its kv tiles have counted (common/backward.DqConvertFragments)
+        self.convert_per_head = bool(convert_per_head)
+        if self.convert_per_head and (deterministic or not pdl):
+            raise ValueError("kb2: convert_per_head needs pdl and not the deterministic mode "
+                             "(whose turns use the same counters)")
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -271,7 +279,13 @@ class FlashAttentionBackwardKB2:
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()             # the dQ buffer is zeroed
                 self.write_dq(dq_staging, mdQacc, mSem, n_block, head, batch, m_first, m_count)
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(self.convert_per_head):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)    # adds landed
+                    with cute.arch.elect_one():
+                        cute.arch.atomic_add(mSem[batch, head, None].iterator, Int32(1),
+                                             sem="release", scope="gpu")
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             # ---------------- consumer warpgroups ----------------
             self.roles.become_consumer()
@@ -567,13 +581,19 @@ def wait_for_turn(turn: cute.Pointer, n_block):
 # (_kb2_split_dv_d64_causal.json). With a mask at d = 128 the CTAs start longest first in
 # 32 MiB head groups (longest_first, docs/kb2.md "Longest first"): +2.7 / +3.6% at N = 4k / 8k,
 # +0.7% at 2k (results/h100/2026-11-26_kb2_longest_first_causal.json); at d = 64 a tie or a
-# loss (results/h200/2026-11-26_kb2_group_mib_d64.json), so off there.
+# loss (results/h200/2026-11-26_kb2_group_mib_d64.json), so off there. Where the dQ
+# conversion launches early (pdl) it waits per head (convert_per_head, docs/kb2.md "dQ
+# converted per head"): +1.4-1.8% at d = 128 N = 2k, causal and not, +1.4% at 4k causal,
+# 0 at 16k (results/h100/2026-11-26_backward_kb2_per_head{,_run2}.json); with a mask at d = 64,
+# with the early launch it needs, +3.6 / +2.6 / +1.5 / +0.4% at N = 1k / 2k / 4k / 16k in two
+# runs, without one +1.7-1.8% at 1k but -0.1 to -1.0% from 4k (_kb2_per_head_d64{,_run2}.json).
 TILES = {(64, False): {"block_m": 128, "dp_first": True},
-         (64, True): {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1},
+         (64, True): {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1,
+                      "pdl": True, "convert_per_head": True},
          (128, False): {"block_m": 80, "ds_address_per_tile": True, "kv_with_first_tile": True,
-                        "pdl": True},
+                        "pdl": True, "convert_per_head": True},
          (128, True): {"kv_with_first_tile": True, "pdl": True, "split_dv": 1,
-                       "longest_first": True}}
+                       "longest_first": True, "convert_per_head": True}}
 
 
 # The deterministic mode's head groups (longest first): a fixed number of heads whatever the
@@ -593,23 +613,29 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
                    split_dv: Optional[int] = None, longest_first: Optional[bool] = None,
                    group_mib: Optional[int] = None, group_heads: Optional[int] = None,
-                   trace: bool = False):
+                   trace: bool = False, convert_per_head: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
-    split_dv, longest_first, group_mib: None takes `TILES` for the head dim and mask (when
-    block_m is not given), else 64 rows, stmatrix on, early_dv by head dim and rows (see the
-    class), group_mib 32, the others off; longest_first is also on with `deterministic`
+    split_dv, longest_first, group_mib, convert_per_head: None takes `TILES` for the head dim
+    and mask (when block_m is not given), else 64 rows, stmatrix on, early_dv by head dim and
+    rows (see the class), group_mib 32, the others off (convert_per_head also off without pdl
+    or with `deterministic`); longest_first is also on with `deterministic`
     (with a mask its CTAs then wait far less for their dQ turns, docs/kb2.md), in groups of
     group_heads heads (None: DETERMINISTIC_GROUP_HEADS with `deterministic`, else 0: by
     group_mib).
     trace: iket phase ranges (harness/timeline.py)."""
     if deterministic:     # its CTAs wait for each other's dQ adds, far less in this order
         longest_first = True if longest_first is None else longest_first
+        # its turns use the per-tile counters that convert_per_head counts heads in
+        convert_per_head = False if convert_per_head is None else convert_per_head
         group_heads = DETERMINISTIC_GROUP_HEADS.get(problem.head_dim, 0) \
             if group_heads is None else group_heads
     tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
     pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
+    pdl = bool(pick(pdl, "pdl", False))
+    if not pdl:              # the early-launched conversion is what waits per head
+        convert_per_head = False if convert_per_head is None else convert_per_head
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
                             {"block_m": pick(block_m, "block_m", 64), "block_n": block_n,
                              "stages": stages, "rotate": bool(rotate),
@@ -621,13 +647,15 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                               "ds_address_per_tile", False)),
                              "kv_with_first_tile": bool(pick(kv_with_first_tile,
                                                              "kv_with_first_tile", False)),
-                             "pdl": bool(pick(pdl, "pdl", False)),
+                             "pdl": pdl,
                              "split_dv": int(pick(split_dv, "split_dv", 0)),
                              "longest_first": bool(pick(longest_first, "longest_first",
                                                         False)),
                              "group_mib": int(pick(group_mib, "group_mib", 32)),
                              "group_heads": int(group_heads or 0),
-                             "trace": bool(trace)},
+                             "trace": bool(trace),
+                             "convert_per_head": bool(pick(convert_per_head,
+                                                           "convert_per_head", False))},
                             compile_options=compile_options)
 
 

@@ -4,6 +4,7 @@ rows next to Q and dO, dQ leaving through SMEM by bulk reduce-add (no per-elemen
 and the named barriers that hand the dQ staging buffers between consumers and the writer."""
 
 import re
+import tempfile
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_deterministic_mode_orders_the_dq_adds():
     assert count(ptx, r"atom\.global\.acquire(\.gpu)?\.add") >= 1
     assert count(ptx, r"atom\.global\.release(\.gpu)?\.add") == 1
     assert count(ptx, r"cp\.async\.bulk\.wait_group\s+0;") >= 1        # not just .read
-    assert count(compiled("kb2", 128, True)["ptx"], r"atom\.global") == 0
+    assert count(compiled("kb2:convert_per_head=0", 128, True)["ptx"], r"atom\.global") == 0
 
 
 def test_ds_is_stored_with_stmatrix():
@@ -120,23 +121,25 @@ def test_prologue_at_d128(d, causal):
     extra expect_tx each, no K/V barrier of their own), and the main kernel is a programmatic
     dependent launch: the producer waits (griddepcontrol.wait) before its first LSE/D load,
     the dQ writer before its first reduce-add, and the dQ conversion may launch at once.
-    At d = 64, where it measured 0.4% slower, none of it."""
+    At d = 64, where it measured 0.4% slower, none of it; except the early launch with a
+    mask, for the conversion that waits per head."""
     ptx = compiled("kb2", d, causal)["ptx"]
-    on = d == 128
+    on, pdl = d == 128, d == 128 or causal
     assert count(ptx, r"mbarrier\.expect_tx") == (2 if on else 0)
     assert count(ptx, r"mbarrier\.arrive\.expect_tx") == (2 if on else 3)
-    assert count(ptx, r"griddepcontrol\.wait") == (2 if on else 0)
-    assert count(ptx, r"griddepcontrol\.launch_dependents") == (1 if on else 0)
+    assert count(ptx, r"griddepcontrol\.wait") == (2 if pdl else 0)
+    assert count(ptx, r"griddepcontrol\.launch_dependents") == (1 if pdl else 0)
 
 
 @pytest.mark.parametrize("d,causal,block_m,options", [
     (64, False, 128, {"dp_first": True, "stmatrix": True}),
-    (64, True, 128, {"dp_first": False, "stmatrix": False, "early_dv": True, "split_dv": 1}),
+    (64, True, 128, {"dp_first": False, "stmatrix": False, "early_dv": True, "split_dv": 1,
+                     "pdl": True, "convert_per_head": True}),
     (128, False, 80, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": True,
-                      "kv_with_first_tile": True, "pdl": True}),
+                      "kv_with_first_tile": True, "pdl": True, "convert_per_head": True}),
     (128, True, 64, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": False,
                      "kv_with_first_tile": True, "pdl": True, "split_dv": 1,
-                     "longest_first": True, "group_mib": 32})])
+                     "longest_first": True, "group_mib": 32, "convert_per_head": True})])
 def test_tiles_per_head_dim(d, causal, block_m, options):
     """kb2.TILES: FlashAttention-3's 128-row query tiles at d = 64 (the variants without
     spills that measured fastest); at d = 128 80 rows without a mask, 64 with one."""
@@ -144,6 +147,43 @@ def test_tiles_per_head_dim(d, causal, block_m, options):
     assert art["kernel"]["block_m"] == block_m
     for name, value in options.items():
         assert art["kernel"]["options"][name] == value
+
+
+@pytest.mark.parametrize("name,d,causal,on", [
+    ("kb2", 128, True, True), ("kb2", 128, False, True), ("kb2:pdl=0", 128, True, False),
+    ("kb2", 64, True, True), ("kb2", 64, False, False)])
+def test_each_cta_counts_its_head_for_the_dq_conversion(name, d, causal, on):
+    """convert_per_head (d = 128, and d = 64 with a mask; needs pdl): the dQ writer waits
+    until its bulk reduce-adds
+    have landed (wait_group without .read) and counts the CTA in its head's counter with one
+    release atomic; without it, it only waits until the adds have read their SMEM."""
+    art = compiled(name, d, causal)
+    ptx = art["ptx"]
+    assert art["kernel"]["options"]["convert_per_head"] == on
+    assert count(ptx, r"atom\.global\.release\.add") == (1 if on else 0)
+    assert count(ptx, r"cp\.async\.bulk\.wait_group\s") == (1 if on else 0)
+
+
+def test_dq_conversion_waits_per_head():
+    """The per-head dQ conversion (common/backward.DqConvertFragments with per_head): one
+    thread polls its head's counter with acquire loads in a loop instead of waiting for the
+    whole main grid at its start; griddepcontrol.wait comes last, so it never completes
+    before the main kernel."""
+    from hopper_attn.common import cute_runtime as rt
+    from hopper_attn.common.backward import DqConvertFragments
+    acc = torch.empty(2, 3, 256, 128, dtype=torch.float32)
+    dq = torch.empty(2, 256, 3, 128, dtype=torch.bfloat16)
+    counters = torch.empty(2, 3, 4, dtype=torch.int32)
+    with tempfile.TemporaryDirectory() as dump:
+        fn = rt.compile_with_tensors(DqConvertFragments(128, 64, False, True, True), acc, dq,
+                                     counters, scalars=(1.0, 1.0),
+                                     options=f"--keep-ptx --dump-dir={dump}")
+        ptx = fn.__ptx__
+    polls = [m.start() for m in re.finditer(r"atom\.global\.acquire\.add", ptx)]
+    assert len(polls) >= 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert count(ptx, r"griddepcontrol\.wait") == 1 and wait > max(polls)
+    assert wait > ptx.rindex("st.global")
 
 
 @pytest.mark.parametrize("name,d,causal,longest_first", [

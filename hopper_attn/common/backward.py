@@ -126,12 +126,16 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
     swap_ab = getattr(kernel, "dq_swap_ab", False)
-    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl)
+    per_head = bool(getattr(kernel, "convert_per_head", False))
+    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl, per_head)
     if post_key not in _COMPILED:
-        convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl) if fragments \
-            else DqConvert(d, pdl=pdl)
-        _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], scalars=(1.0,),
-                                                      tvm_ffi=ffi)
+        if fragments:
+            _COMPILED[post_key] = rt.compile_with_tensors(
+                DqConvertFragments(d, kernel.block_m, swap_ab, pdl, per_head), dq_accum,
+                qkv[0], counters, scalars=(1.0, 1.0), tvm_ffi=ffi)
+        else:
+            _COMPILED[post_key] = rt.compile_with_tensors(DqConvert(d, pdl=pdl), dq_accum,
+                                                          qkv[0], scalars=(1.0,), tvm_ffi=ffi)
     pre, post = _COMPILED[pre_key], _COMPILED[post_key]
     _COMPILED[key] = (kernel, main, pre, post)
     return CompiledBackward(spec, problem, options, kernel, main, pre, post,
@@ -174,11 +178,15 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
     counters = torch.empty((p.batch, p.heads, rows // handle.block_m), dtype=torch.int32,
                            device=dev)                   # zeroed by the preprocess
     sems = [counters] if getattr(handle.kernel, "takes_semaphores", False) else []
+    kv_tiles = -(-p.kv_seqlen // getattr(handle.kernel, "block_n", 128))
     if handle.tvm_ffi:                  # torch tensors straight in, torch's current stream
         handle.preprocess(o, do, lse, lse2, dsum, dq_accum, counters)
         handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, *sems, scale * LOG2_E,
                     scale)
-        handle.postprocess(dq_accum, dq, scale)
+        if getattr(handle.kernel, "dq_fragment_order", False):
+            handle.postprocess(dq_accum, dq, counters, scale, float(kv_tiles))
+        else:
+            handle.postprocess(dq_accum, dq, scale)
     else:
         stream = rt.current_stream()
         t = rt.to_cute_tensor
@@ -186,7 +194,10 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
                           stream)
         handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out),
                     t(dv_out), *[t(x) for x in sems], scale * LOG2_E, scale, stream)
-        handle.postprocess(t(dq_accum), t(dq), scale, stream)
+        if getattr(handle.kernel, "dq_fragment_order", False):
+            handle.postprocess(t(dq_accum), t(dq), t(counters), scale, float(kv_tiles), stream)
+        else:
+            handle.postprocess(t(dq_accum), t(dq), scale, stream)
     if group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
         dk.copy_(dk_out.view(shape).float().sum(3))
@@ -398,25 +409,41 @@ class DqConvertFragments:
     float is, converts, and writes the tile through SMEM (rows padded by 8 elements) so
     that the global stores are 16-byte row chunks."""
 
-    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False):
+    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False,
+                 per_head: bool = False):
         self.head_dim, self.block_m, self.swap_ab, self.pdl = head_dim, block_m, swap_ab, pdl
+        # per_head (kb2's convert_per_head): launched early (PDL) but, instead of waiting
+        # for the whole main grid, each CTA waits until every kv tile of its head has
+        # counted its dQ adds as landed (counters[b, h, 0] == kv_tiles, release/acquire),
+        # so conversions of finished heads run in the main kernel's tail
+        self.per_head = per_head
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, 256)
 
     @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
+                 scale: Float32, kv_tiles: Float32, stream):
         dq = ndhb_view(mdQ)                                    # (N, d, H, B)
         self.dtype = mdQ.element_type
-        self.kernel(mdQacc, dq, scale).launch(
+        self.kernel(mdQacc, dq, mCounters, scale, kv_tiles).launch(
             grid=[cute.ceil_div(dq.shape[0], self.block_m), dq.shape[2], dq.shape[3]],
             block=[256, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
-    def kernel(self, acc_all: cute.Tensor, dq: cute.Tensor, scale: Float32):
+    def kernel(self, acc_all: cute.Tensor, dq: cute.Tensor, mCounters: cute.Tensor,
+               scale: Float32, kv_tiles: Float32):
         bm, d = self.block_m, self.head_dim
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.per_head):
+            if tidx == 0:
+                done = mCounters[batch, head, None].iterator
+                target = Int32(kv_tiles)
+                seen = cute.arch.atomic_add(done, Int32(0), sem="acquire", scope="gpu")
+                while seen < target:
+                    seen = cute.arch.atomic_add(done, Int32(0), sem="acquire", scope="gpu")
+            cute.arch.sync_threads()
+        elif cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
         thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C(dq_tile_shape(bm, d, self.swap_ab)),
                                     Float32)
@@ -438,6 +465,10 @@ class DqConvertFragments:
                 out = cute.make_rmem_tensor((CHUNK,), self.dtype)
                 cute.autovec_copy(_aligned(tile[r, None].iterator + col0, CHUNK), out)
                 cute.autovec_copy(out, _chunk(dq, row, col0, head, batch))
+        if cutlass.const_expr(self.per_head):
+            # do not complete before the main kernel (its dK / dV stores may still run): a
+            # later launch on the stream then waits for both
+            cute.arch.griddepcontrol_wait()
 
 
 def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int, regs: int):
