@@ -67,6 +67,13 @@ d = 192 / 256 with a mask, +1-2%, where each setting alone lost (docs/k6.md "Thr
 that pay only together").
 At d = 128 one exp2 in 16 is computed on the FMA pipe (a cubic, `exp2_on_fma`) instead of the
 SFU: +0.8-1.4% without a mask (docs/k6.md "What each part of the softmax costs").
+
+Sixth step, one branch less: a tile hands V_{n-1}'s stage back after P's conversion, with
+one predicated arrive (none for the first tile, which has no V_{n-1}) instead of an `if`,
+so no branch splits the exp2s from P's conversions; ptxas then spreads the conversions among
+the exp2s as in FlashAttention-4's loop (`v_release_last`, V_RELEASE_LAST): +1.6-2.5% at
+d = 64 without a mask, +0-1.1% at d = 128 without one and at d = 256 (docs/k6.md "One branch
+less").
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 import torch
 from cutlass.cute.nvgpu import warpgroup
 
@@ -147,6 +154,15 @@ FMA_EXP2_EVERY = {128: 16}
 # +0.8 / +0.5% for the decode alone; at 16k still -0.2 / -0.25%
 # (results/h100/2026-11-26_k6_decode_once_*.json)
 LONGEST_FIRST = {64: (32, 4096, 16384), 128: (8, 1024, 8192), 256: (32, 2048, 8192)}
+# (head_dim, causal) whose consumers hand V_{n-1}'s stage back after P's conversion, with a
+# predicated arrive instead of an `if` (`v_release_last`; docs/k6.md "One branch less"); also
+# d = 64 on 192-row tiles. Round-robin against the old order, two runs each, gain in time:
+# d = 64 without a mask +1.6-2.5% (N = 2k-16k), with a mask (192 rows) -0.2 to +0.4%;
+# d = 128 without a mask +0.0-0.7%, with one -0.3 to +0.2% (off); d = 256 (one run of this
+# form, two of a first one that arrived on a spare barrier) +0.7-1.1% without a mask,
+# +0.1-1.0% with one; d = 192 and 96 lost 1-2.6% in the first form: off
+# (results/h100/2026-11-26_k6_v_release_last_*.json)
+V_RELEASE_LAST = {(128, False), (256, False), (256, True)}
 # ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
@@ -163,8 +179,12 @@ class FlashAttentionK6(FlashAttentionK5):
                  exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
-                 **options):
+                 v_release_last: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
+        # V_{n-1}'s stage handed back after O's rescale and P's conversion instead of before:
+        # its `n > 0` test is a branch, and ptxas schedules nothing across one, so before it
+        # the exp2s, O's multiplies and P's conversions of a tile sat in separate blocks
+        self.v_release_last = bool(v_release_last)
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
@@ -325,14 +345,25 @@ class FlashAttentionK6(FlashAttentionK5):
         if cutlass.const_expr(self.pin_pv_wait):
             cute.arch.fence_acq_rel_cta()               # ptxas keeps the wait below this
         warpgroup.wait_group(0)                         # PV_{n-1} done: O and P are free
-        if n > 0:
-            loads.release(loads.v_pipe, v_state)        # V_{n-1} read: its stage is free
-            v_state.advance()
+        if cutlass.const_expr(not self.v_release_last):
+            if n > 0:
+                loads.release(loads.v_pipe, v_state)    # V_{n-1} read: its stage is free
+                v_state.advance()
         self.trace.end(phase)
         phase = self.trace.start("rescale")
         if cutlass.const_expr(not self.lazy_rescale):
             scale_rows(o_rc, alpha)
         self.probs_to_operand(acc_s, p_frag)
+        if cutlass.const_expr(self.v_release_last):
+            # tile 0 has no V_{n-1}: a predicated arrive instead of an `if`, so nothing here
+            # ends the block that holds the exp2s and P's conversions
+            has_previous = Int32(1)
+            if n == 0:
+                has_previous = Int32(0)
+            tma.elected_arrive_if(loads.v_pipe.sync_object_empty.get_barrier(v_state.index),
+                                  has_previous)
+            if n > 0:
+                v_state.advance()
         self.trace.end(phase)
         return v_state
 
@@ -348,7 +379,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None,
                    spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
-                   group_mib: int = 0):
+                   group_mib: int = 0, v_release_last: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -372,7 +403,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     FMA_EXP2_EVERY); stmatrix_o: O to SMEM with `stmatrix` (k5's); longest_first: the
     dynamic schedule's items head group by head group, the longest query tiles first (None:
     with a mask inside LONGEST_FIRST's lengths for the head dim), in groups of `group_mib`
-    MiB of K and V (0: LONGEST_FIRST's)."""
+    MiB of K and V (0: LONGEST_FIRST's); v_release_last: V's stage handed back after P's
+    conversion, without a branch (None: V_RELEASE_LAST, and d = 64 on 192-row tiles)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -419,6 +451,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md), except with
         # the other two settings of `three_wg_d64`
         uniform_descriptors = problem.head_dim != 64 or three_wg_d64
+    if v_release_last is None:
+        v_release_last = (problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
@@ -443,7 +477,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "fma_exp2_every": int(fma_exp2_every),
                               "stmatrix_o": bool(stmatrix_o),
                               "longest_first": bool(longest_first),
-                              "group_mib": int(group_mib)},
+                              "group_mib": int(group_mib),
+                              "v_release_last": bool(v_release_last)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

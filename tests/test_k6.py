@@ -386,3 +386,40 @@ def test_longest_first_by_sequence_length():
         assert on(low, d) and on(high, d) and not on(low - 1, d) and not on(high + 1, d)
         assert not on(low, d, causal=False)
     assert not on(4096, 96) and not on(4096, 192)
+
+
+def _conversions_among_exp2s(text):
+    """F2FP (P's bf16 conversions) between the first and the last MUFU.EX2 of the unmasked
+    loop path's longest exp2 stretch: the SASS lines from the first to the last exp2 of the
+    stretch that holds the most of them."""
+    lines = text.splitlines()
+    exp2 = [i for i, ln in enumerate(lines) if "MUFU.EX2" in ln]
+    runs, start = [], 0                       # stretches of exp2s without a branch between
+    for a, b in zip(exp2, exp2[1:]):
+        if any(" BRA " in ln for ln in lines[a:b]):
+            runs.append((exp2[start], a))
+            start = exp2.index(b)
+    runs.append((exp2[start], exp2[-1]))
+    first, last = max(runs, key=lambda r: sum("MUFU.EX2" in ln for ln in lines[r[0]:r[1]]))
+    return sum("F2FP" in ln for ln in lines[first:last])
+
+
+@pytest.mark.parametrize("name,d,causal,on", [
+    ("k6", 64, False, True), ("k6", 128, False, True), ("k6", 256, False, True),
+    ("k6", 256, True, True), ("k6", 128, True, False), ("k6", 64, True, False),
+    ("k6", 96, False, False), ("k6", 192, False, False)])
+def test_v_released_after_p_without_a_branch(name, d, causal, on):
+    """v_release_last (V_RELEASE_LAST, and d = 64 on 192-row tiles): a tile hands V_{n-1}'s
+    stage back after P's conversion with one predicated arrive (elect.sync and n > 0 as
+    predicates, no `if`), so the exp2s and P's conversions share one basic block; where the
+    PV wait is not late (d = 64), ptxas then spreads the conversions among the exp2s, as in
+    FlashAttention-4's loop."""
+    art = artifacts(d, causal, name=name)
+    assert art["kernel"]["options"]["v_release_last"] == on
+    assert (count(art["ptx"], r"@p mbarrier\.arrive\.shared::cta\.b64") >= 1) == on
+    if d == 64 and not causal:
+        off = artifacts(d, causal, name="k6:v_release_last=0")
+        assert _conversions_among_exp2s(sass(off["cubin"])) == 0
+        assert _conversions_among_exp2s(sass(art["cubin"])) >= 16
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn

@@ -133,6 +133,22 @@ def bulk_reduce_add_f32(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, num_byte
         asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+@dsl_user_op
+def elected_arrive_if(barrier: cute.Pointer, pred, *, loc=None, ip=None) -> None:
+    """One lane of the warp (elect.sync) arrives on the mbarrier at `barrier` where `pred`
+    (an Int32) is nonzero: election, test and arrive as predicates of one PTX block. An
+    `if` around the arrive (or `elect_one` around a predicated one) ends a basic block, and
+    ptxas schedules nothing across one (k6's `v_release_last`)."""
+    llvm.inline_asm(
+        None,
+        [barrier.toint(loc=loc, ip=ip).ir_value(), Int32(pred).ir_value(loc=loc, ip=ip)],
+        "{\n .reg .pred e, p;\n elect.sync _|e, 0xffffffff;\n"
+        " setp.ne.and.b32 p, $1, 0, e;\n"
+        " @p mbarrier.arrive.shared::cta.b64 _, [$0];\n}",
+        "r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def prefetch_descriptors(*atoms):
     """Pull the TMA descriptors into the descriptor cache early (call from one warp)."""
     for atom in atoms:
