@@ -37,6 +37,9 @@ What kb2 changes: warp specialization, dQ through SMEM and TMA reduce-add, regis
 The order of dQ's fp32 additions depends on which CTA gets there first: dQ is not bitwise
 reproducible from run to run (dK and dV are).
 
+At d = 256 two CTAs share a kv tile, each owning 128 of d's columns of dK, dV and dQ (both
+compute S^T and dP^T over all of d), with one Q / dO stage (docs/kb1.md, "d = 256").
+
 Budget: block 64 (queries) x 128 (keys), 256 threads = 2 warpgroups of 64 keys each.
 SMEM (d = 128): K + V 64 KiB, 2 stages x (Q + dO) 64 KiB, 2 dS^T buffers 32 KiB = 160 KiB
 (d = 64: 96 KiB). Registers per thread at d = 128: dK + dV accumulators 128, S^T 32,
@@ -63,10 +66,21 @@ from hopper_attn.common.masking import KVTileSchedule, mask_scores
 SPEC = KernelSpec(
     name="kb1",
     summary="FA2 backward on WGMMA: S^T/dP^T recomputed per kv tile, dQ by fp32 reduce-adds",
-    head_dims=(64, 128),
+    head_dims=(64, 128, 256),
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,
 )
+
+
+@cute.jit
+def column_part(t: cute.Tensor, part, cols: int) -> cute.Tensor:
+    """Columns [part * cols, (part + 1) * cols) of a (rows, d) or (rows, d, stage) SMEM tile
+    (a view: with 64-column swizzle atoms, a part of 128 columns is two whole atoms)."""
+    rows = cute.size(t, mode=[0])
+    tiles = cute.flat_divide(t, (rows, cols))        # (rows, cols, 1, parts[, stage])
+    if cutlass.const_expr(cute.rank(t) == 3):
+        return tiles[None, None, 0, part, None]
+    return tiles[None, None, 0, part]
 
 
 class FlashAttentionBackwardKB1:
@@ -79,11 +93,17 @@ class FlashAttentionBackwardKB1:
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
         self.warpgroups = block_n // 64
         self.threads = 128 * self.warpgroups
-        self.schedule = KVTileSchedule(block_m, block_n, causal)
+        # d = 256: dK and dV of 64 keys x 256 columns would take 256 accumulator registers
+        # per thread. Two CTAs share each kv tile instead, each owning 128 of d's columns of
+        # dK, dV and dQ; both compute all of S^T and dP^T (which contract over the whole of d)
+        self.d_parts = 2 if head_dim > 128 else 1
+        self.d_part = head_dim // self.d_parts
+        self.schedule = KVTileSchedule(block_m, block_n, causal, parts=self.d_parts)
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
-                "block_n": self.block_n, "stages": self.stages, "threads": self.threads}
+                "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
+                "d_parts": self.d_parts}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
@@ -91,7 +111,8 @@ class FlashAttentionBackwardKB1:
                  mdV: cute.Tensor, scale_log2: Float32, softmax_scale: Float32, stream):
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type
-        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages)
+        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
+                                     dkv_cols=self.d_part)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
         self.qdo_bytes = 2 * tma.tma_bytes(self.dtype, q_layout)
         self.kv_bytes = 2 * tma.tma_bytes(self.dtype, kv_layout)
@@ -109,7 +130,8 @@ class FlashAttentionBackwardKB1:
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
         self.kernel(*tiles.tensors, *tiles.atoms, mLSE2, mD, mdQacc,
-                    scale_log2, softmax_scale, q_layout, kv_layout, ds_layout).launch(
+                    scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
+                    tiles.dkv_layout).launch(
             grid=self.schedule.grid(tiles.seqlen_k, tiles.heads, tiles.batch),
             block=[self.threads, 1, 1],
             stream=stream,
@@ -121,8 +143,10 @@ class FlashAttentionBackwardKB1:
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_dk: cute.CopyAtom,
                tma_dv: cute.CopyAtom, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
                scale_log2: Float32, softmax_scale: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, ds_layout: cute.ComposedLayout):
+               kv_layout: cute.ComposedLayout, ds_layout: cute.ComposedLayout,
+               dkv_layout: cute.ComposedLayout):
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
+        d_out = self.d_part                     # dK, dV, dQ columns of this CTA
         tidx, _, _ = cute.arch.thread_idx()
         (n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first,
          m_count) = self.schedule.cta_work(mQ, mK)
@@ -155,11 +179,16 @@ class FlashAttentionBackwardKB1:
 
         # the five GEMMs (common/wgmma.py): S^T, dP^T (keys x queries), dV, dK (keys x d, A
         # from registers), dQ (queries x d/2 per warpgroup)
+        part = self.schedule.part()
+        columns = None
+        if cutlass.const_expr(self.d_parts > 1):
+            columns = (d_out, column_part(sK, part, d_out), column_part(sQ, part, d_out),
+                       column_part(sdO, part, d_out))
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, tidx, sK, sV, sQ, sdO, sdSt,
-                                         dtype)
+                                         dtype, columns=columns)
         st_coords = mmas.st_coords
-        acc_dk = mmas.new_dkv_accumulator(bn, d)
-        acc_dv = mmas.new_dkv_accumulator(bn, d)
+        acc_dk = mmas.new_dkv_accumulator(bn, d_out)
+        acc_dv = mmas.new_dkv_accumulator(bn, d_out)
         dq_accum = mdQacc[batch, head, None, None]                        # (padded rows, d)
 
         kv_pipe.consumer_wait(tma.consumer_state(1))
@@ -207,7 +236,7 @@ class FlashAttentionBackwardKB1:
             cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
             cute.arch.fence_proxy("async.shared", space="cta")   # visible to the WGMMA unit
             cute.arch.barrier()
-            acc_dq = mmas.new_dq_accumulator(bm, d)
+            acc_dq = mmas.new_dq_accumulator(bm, d_out)
             wgmma.gemm(mmas.mma_dq, acc_dq, *mmas.dq_operands(buf),
                        zero_init=True)
             warpgroup.wait_group(0)
@@ -215,7 +244,8 @@ class FlashAttentionBackwardKB1:
             consume.advance()
             if warp == 0 and produce.count < m_count:
                 produce = self.load_q_do(qdo_pipe, q_load, do_load, produce, m_first)
-            dq_part = mmas.thr_dq.partition_C(cute.local_tile(dq_accum, (bm, d), (m_block, 0)))
+            dq_part = mmas.thr_dq.partition_C(cute.local_tile(dq_accum, (bm, d_out),
+                                                              (m_block, part)))
             for i in cutlass.range_constexpr(cute.size(acc_dq)):
                 cute.arch.red(dq_part.iterator + cute.crd2idx(i, dq_part.layout), acc_dq[i],
                               op="add", dtype="f32", sem="relaxed", scope="gpu")
@@ -223,10 +253,15 @@ class FlashAttentionBackwardKB1:
         # Epilogue: dK * scale and dV -> dtype -> SMEM (K's and V's buffers) -> TMA stores
         acc_dk.store(acc_dk.load() * softmax_scale)
         cute.arch.barrier()                                      # every WGMMA has read K, V
-        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype)
+        # staged in K's and V's buffers (from their start, in the store's own layout)
+        sK_out, sV_out = sK, sV
+        if cutlass.const_expr(self.d_parts > 1):
+            sK_out, sV_out = (buf.get_tensor(dkv_layout.outer, swizzle=dkv_layout.inner)
+                              for buf in (storage.sK, storage.sV))
+        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK_out, sV_out, dtype)
         cute.arch.barrier()
         if warp == 0:
-            store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
+            store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK_out, sV_out, n_block, part)
 
     @cute.jit
     def load_q_do(self, qdo_pipe: pipeline.PipelineTmaAsync, q_load: tma.TmaTiles,
@@ -241,8 +276,10 @@ class FlashAttentionBackwardKB1:
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
-                   block_n: int = 128, stages: int = 2):
-    """Compile (or fetch from the cache) kb1 and its pre/post-processing kernels."""
+                   block_n: int = 128, stages: int = 0):
+    """Compile (or fetch from the cache) kb1 and its pre/post-processing kernels. stages:
+    the Q / dO ring (0: 2, and 1 at d = 256, where K and V take 128 KiB of SMEM)."""
+    stages = stages or (1 if problem.head_dim > 128 else 2)
     return compile_backward(SPEC, FlashAttentionBackwardKB1, problem,
                             {"block_m": block_m, "block_n": block_n, "stages": stages},
                             compile_options=compile_options)

@@ -64,7 +64,7 @@ def test_backward_contract_checks_tensors_before_launch():
     with pytest.raises(ValueError, match="shape"):
         check_backward_tensors(p, q, q, q, q[:, :5], q, lse, q, q, q)   # o
     with pytest.raises(ValueError, match="head_dim"):
-        kb1.compile_kernel(Problem(1, 1, 64, 256))
+        kb1.compile_kernel(Problem(1, 1, 64, 96))
 
 
 @pytest.mark.parametrize("d,rows", [(64, 128), (128, 64), (128, 80)])
@@ -91,3 +91,21 @@ def test_preprocess_issues_every_load_before_a_store(d, rows, tmp_path):
     passes = rows // (128 // (d // 8))
     assert len(loads) == 3 * passes                      # O and dO chunks, an LSE per row
     assert max(loads) < min(stores)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_d256_splits_the_columns_over_two_ctas(causal):
+    """At d = 256 two CTAs share a kv tile, each with 128 of d's columns of dK, dV and dQ
+    (their accumulators then fit 240 registers: no spills), one Q / dO stage (K and V take
+    128 KiB); S^T and dP^T still contract over all 256 columns (16 k-steps each)."""
+    art = compiled("kb1", 256, causal)
+    kernel, ptx = art["kernel"], art["ptx"]
+    assert kernel["d_parts"] == 2 and kernel["stages"] == 1
+    assert kernel["smem_bytes"] <= 227 * 1024
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    # S^T and dP^T: 16 k-steps each over d, dQ's 64 of the part's columns per warpgroup:
+    # 8 over the keys; dV and dK: 128 columns (the part), 4 k-steps over the queries
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n64k16") == 2 * 256 // 16 + 8
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n128k16") == 2 * 64 // 16
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n256") == 0

@@ -215,8 +215,9 @@ class BackwardTiles:
 
     q_layout: (block_m, d, stage), the Q and dO rings; kv_layout: (block_n, d), K and V, later
     dK and dV; ds_layout: (block_n, block_m, 2), dS^T (keys x queries, queries contiguous).
-    atoms and tensors: (Q, dO, K, V) loads, then (dK, dV) stores. `kv_tiles`, `heads`,
-    `batch`: the grid's extents (one CTA per kv tile of a head)."""
+    atoms and tensors: (Q, dO, K, V) loads, then (dK, dV) stores, of dkv_cols columns
+    (dkv_layout: (block_n, dkv_cols); kb1 at d = 256 stores half of d per CTA). `kv_tiles`,
+    `heads`, `batch`: the grid's extents (one CTA per kv tile of a head)."""
 
     q_layout: object
     kv_layout: object
@@ -226,21 +227,25 @@ class BackwardTiles:
     seqlen_k: object
     heads: object
     batch: object
+    dkv_layout: object = None
 
     @staticmethod
     def create(mQ, mK, mV, mdO, mdK, mdV, block_m: int, block_n: int, head_dim: int,
-               stages: int) -> "BackwardTiles":
+               stages: int, dkv_cols: int = 0) -> "BackwardTiles":
         q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         bm, bn, d, dtype = block_m, block_n, head_dim, mQ.element_type
+        cols = dkv_cols or d
         q_layout = smem_tile_layout(dtype, bm, d, stages)
         kv_layout = smem_tile_layout(dtype, bn, d)
+        dkv_layout = kv_layout if cols == d else smem_tile_layout(dtype, bn, cols)
         ds_layout = smem_tile_layout(dtype, bn, bm, 2)
         copies = [tma.make_tma_load(q, q_layout, bm, d), tma.make_tma_load(do, q_layout, bm, d),
                   tma.make_tma_load(k, kv_layout, bn, d), tma.make_tma_load(v, kv_layout, bn, d),
-                  tma.make_tma_store(dk, kv_layout, bn, d),
-                  tma.make_tma_store(dv, kv_layout, bn, d)]
+                  tma.make_tma_store(dk, dkv_layout, bn, cols),
+                  tma.make_tma_store(dv, dkv_layout, bn, cols)]
         return BackwardTiles(q_layout, kv_layout, ds_layout, tuple(c[0] for c in copies),
-                             tuple(c[1] for c in copies), k.shape[0], q.shape[2], q.shape[3])
+                             tuple(c[1] for c in copies), k.shape[0], q.shape[2], q.shape[3],
+                             dkv_layout)
 
 
 def backward_smem(storage, q_layout, kv_layout, ds_layout):
@@ -266,10 +271,11 @@ def stage_dkv(thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor
 
 
 def store_dkv(tma_dk, tma_dv, mdK: cute.Tensor, mdV: cute.Tensor, head, batch,
-              sK: cute.Tensor, sV: cute.Tensor, n_block):
-    """One warp: the staged dK and dV tiles to global memory (rows past the end clipped)."""
-    tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK).store(n_block)
-    tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV).store(n_block)
+              sK: cute.Tensor, sV: cute.Tensor, n_block, col_tile=0):
+    """One warp: the staged dK and dV tiles to global memory (rows past the end clipped);
+    `col_tile`: which tile of columns, when a tile holds only part of d."""
+    tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK, col_tile).store(n_block)
+    tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV, col_tile).store(n_block)
 
 
 CHUNK = 8            # elements per thread and access: 16 bytes of bf16, two 16-byte fp32 halves

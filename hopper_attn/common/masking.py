@@ -155,6 +155,9 @@ class KVTileSchedule:
     causal: bool
     l2_rows: int = 0
     group_heads: int = 0        # with l2_rows: this many heads per group, whatever the length
+    # CTAs per kv tile, each owning a part of d's columns (kb1 at d = 256; without l2_rows):
+    # the grid's batch mode counts (batch, part), part fastest
+    parts: int = 1
     # below 16 kv tiles per head the reordering lost on the H100 (kb2, d = 128, N = 1k:
     # -0.5% to -10% as the group grew from 16 to 48 heads; docs/kb2.md)
     LONGEST_FIRST_MIN_KV_TILES = 16
@@ -163,13 +166,15 @@ class KVTileSchedule:
         kv_tiles = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.l2_rows > 0):
             return [kv_tiles * heads * batch, 1, 1]
-        return [kv_tiles, heads, batch]
+        return [kv_tiles, heads, batch * self.parts]
 
     @cute.jit
     def cta_tile(self, seqlen_q, seqlen_k, heads, batch):
         """(n_block, head, batch) of the calling CTA."""
         if cutlass.const_expr(self.l2_rows == 0):
             n_block, head, b = cute.arch.block_idx()
+            if cutlass.const_expr(self.parts > 1):
+                return Int32(n_block), Int32(head), Int32(b) // self.parts
             return Int32(n_block), Int32(head), Int32(b)
         cta, _, _ = cute.arch.block_idx()
         cta = Int32(cta)
@@ -185,6 +190,13 @@ class KVTileSchedule:
         n_block, hb = head_group_order(cta, kv_tiles, heads_total, group)
         uniform = cute.arch.make_warp_uniform
         return uniform(n_block), uniform(hb % heads), uniform(hb // heads)
+
+    def part(self):
+        """Which part of d's columns the calling CTA owns (0 with one part)."""
+        if cutlass.const_expr(self.parts == 1):
+            return Int32(0)
+        _, _, b = cute.arch.block_idx()
+        return cute.arch.make_warp_uniform(Int32(b) % self.parts)
 
     @cute.jit
     def m_block_range(self, n_block, seqlen_q, seqlen_k):

@@ -55,9 +55,12 @@ class TmaTiles:
     smem: cute.Tensor    # (copy, stage) or (copy,)
 
     @staticmethod
-    def partition(atom, tma_tensor: cute.Tensor, head, batch, smem: cute.Tensor) -> "TmaTiles":
+    def partition(atom, tma_tensor: cute.Tensor, head, batch, smem: cute.Tensor,
+                  col_tile=0) -> "TmaTiles":
+        """`col_tile`: the tile of columns (0 where a tile spans all of d)."""
         rows, cols = cute.size(smem, mode=[0]), cute.size(smem, mode=[1])
-        tiles = cute.local_tile(tma_tensor[None, None, head, batch], (rows, cols), (None, 0))
+        tiles = cute.local_tile(tma_tensor[None, None, head, batch], (rows, cols),
+                                (None, col_tile))
         smem_part, gmem_part = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                      cute.group_modes(smem, 0, 2),
                                                      cute.group_modes(tiles, 0, 2))

@@ -236,28 +236,33 @@ class BackwardMmas:
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
-               sdSt: cute.Tensor, dtype=BFloat16, dq_swap_ab: bool = False) -> "BackwardMmas":
+               sdSt: cute.Tensor, dtype=BFloat16, dq_swap_ab: bool = False,
+               columns=None) -> "BackwardMmas":
+        """`columns`: (head_dim part, sK, sQ, sdO views of that part's columns) when this
+        CTA computes dK, dV and dQ for part of d only (S^T and dP^T still contract over all
+        of it); None: all of d."""
         bm, bn = block_m, block_n
+        d_out, sK_out, sQ_out, sdO_out = columns or (head_dim, sK, sQ, sdO)
         mma_sdp = qk_mma(warpgroups, 1, bm, dtype)
         wg_sdp, thr_sdp = warpgroup_slice(mma_sdp, tidx), mma_sdp.get_slice(tidx)
-        mma_dkv = pv_mma(warpgroups, head_dim, dtype)
+        mma_dkv = pv_mma(warpgroups, d_out, dtype)
         wg_dkv, thr_dkv = warpgroup_slice(mma_dkv, tidx), mma_dkv.get_slice(tidx)
-        mma_dq = dq_mma(head_dim, dtype, dq_swap_ab, bm)
+        mma_dq = dq_mma(d_out, dtype, dq_swap_ab, bm)
         wg_dq, thr_dq = warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
         if dq_swap_ab:          # dQ^T = K^T dS^T: K^T is A (d x keys), dS^T is B (queries x keys)
             ds_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sdSt)))
-            kt_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sK)))
+            kt_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sK_out)))
         else:
             ds_frag = wg_dq.make_fragment_A(wg_dq.partition_A(transposed(sdSt)))
-            kt_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK)))
+            kt_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sK_out)))
         return BackwardMmas(
             mma_sdp, mma_dkv, mma_dq, thr_sdp, thr_dkv, thr_dq,
             k_frag=wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)),
             v_frag=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
             q_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
             do_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
-            dot_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO))),
-            qt_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ))),
+            dot_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO_out))),
+            qt_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ_out))),
             pt_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
             dst_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
             ds_frag=ds_frag, kt_frag=kt_frag,
