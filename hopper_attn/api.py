@@ -23,8 +23,8 @@ packed (batch, seqlen, 3, heads, head_dim) QKV tensor: read in place, no copies.
 Gradients: when q, k or v requires grad, the op records what its backward needs (q, k, v,
 the output and the LSE) and `.backward()` runs the first backward stage of
 `BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64 and 128, bf16 and fp16,
-GQA, cross-attention); a problem it does not support is refused in the forward, before any
-launch. The LSE output itself is not differentiable.
+GQA, cross-attention; kb1 the same at head_dim 256); a problem none supports is refused in
+the forward, before any launch. The LSE output itself is not differentiable.
 """
 
 from __future__ import annotations
@@ -229,9 +229,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     combination needs). `stage` picks a stage by name (e.g. "k4", which writes no LSE: NaN)
     instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
     128, 192 or 256 (k6; k5 and k4: 64 and 128, bf16), any sequence length;
-    anything else raises ValueError before a launch. Differentiable (head_dim 64 and 128):
-    the backward runs kb2; with `deterministic`, its dQ additions happen in a fixed order, so
-    the gradients have the same bits on every run (slower: docs/kb2.md).
+    anything else raises ValueError before a launch. Differentiable at head_dim 64 and 128
+    (the backward runs kb2) and 256 (kb1); with `deterministic` (kb2 only: 64 and 128), dQ's
+    additions happen in a fixed order, so the gradients have the same bits on every run
+    (slower: docs/kb2.md).
     """
     try:
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
