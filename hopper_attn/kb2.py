@@ -66,7 +66,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
-                                         fragment_slot, run_backward, stage_dkv, store_dkv)
+                                         fragment_slot, run_backward, stage_dkv, store_dkv,
+                                         wait_for_count)
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
@@ -356,7 +357,9 @@ class FlashAttentionBackwardKB2:
                                          number_of_threads=DQ_HANDOFF_THREADS)
             turn = mSem[batch, head, None].iterator + m_block
             if cutlass.const_expr(self.deterministic):
-                wait_for_turn(turn, n_block)       # kv tiles 0 .. n_block - 1 added
+                if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
+                    wait_for_count(turn, n_block)
+                cute.arch.sync_warp()
             for wg in cutlass.range_constexpr(self.warpgroups):
                 phase = self.trace.start("wait_dq_full")
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
@@ -552,16 +555,6 @@ def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutla
     for c in cutlass.range_constexpr(cols):
         vals[c] = s_rows[st_coords[0, c][1], stage]
     return vals
-
-
-@cute.jit
-def wait_for_turn(turn: cute.Pointer, n_block):
-    """Spin (one lane, acquire) until the turn counter reaches `n_block`."""
-    if cute.arch.lane_idx() == 0:
-        seen = cute.arch.atomic_add(turn, Int32(0), sem="acquire", scope="gpu")
-        while seen != n_block:
-            seen = cute.arch.atomic_add(turn, Int32(0), sem="acquire", scope="gpu")
-    cute.arch.sync_warp()
 
 
 # Tiles per (head_dim, causal) where they differ from 64 x 128, chosen round-robin against

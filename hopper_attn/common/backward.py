@@ -129,13 +129,12 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     per_head = bool(getattr(kernel, "convert_per_head", False))
     post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl, per_head)
     if post_key not in _COMPILED:
-        if fragments:
-            _COMPILED[post_key] = rt.compile_with_tensors(
-                DqConvertFragments(d, kernel.block_m, swap_ab, pdl, per_head), dq_accum,
-                qkv[0], counters, scalars=(1.0, 1.0), tvm_ffi=ffi)
-        else:
-            _COMPILED[post_key] = rt.compile_with_tensors(DqConvert(d, pdl=pdl), dq_accum,
-                                                          qkv[0], scalars=(1.0,), tvm_ffi=ffi)
+        # both conversions take (dq_accum, dq, counters, scale, kv tiles); DqConvert ignores
+        # the counters and the kv tile count (only the per-head wait reads them)
+        convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl, per_head) if fragments \
+            else DqConvert(d, pdl=pdl)
+        _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], counters,
+                                                      scalars=(1.0, 1.0), tvm_ffi=ffi)
     pre, post = _COMPILED[pre_key], _COMPILED[post_key]
     _COMPILED[key] = (kernel, main, pre, post)
     return CompiledBackward(spec, problem, options, kernel, main, pre, post,
@@ -183,10 +182,7 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         handle.preprocess(o, do, lse, lse2, dsum, dq_accum, counters)
         handle.main(q, k, v, do, lse2, dsum, dq_accum, dk_out, dv_out, *sems, scale * LOG2_E,
                     scale)
-        if getattr(handle.kernel, "dq_fragment_order", False):
-            handle.postprocess(dq_accum, dq, counters, scale, float(kv_tiles))
-        else:
-            handle.postprocess(dq_accum, dq, scale)
+        handle.postprocess(dq_accum, dq, counters, scale, float(kv_tiles))
     else:
         stream = rt.current_stream()
         t = rt.to_cute_tensor
@@ -194,10 +190,7 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
                           stream)
         handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out),
                     t(dv_out), *[t(x) for x in sems], scale * LOG2_E, scale, stream)
-        if getattr(handle.kernel, "dq_fragment_order", False):
-            handle.postprocess(t(dq_accum), t(dq), t(counters), scale, float(kv_tiles), stream)
-        else:
-            handle.postprocess(t(dq_accum), t(dq), scale, stream)
+        handle.postprocess(t(dq_accum), t(dq), t(counters), scale, float(kv_tiles), stream)
     if group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
         dk.copy_(dk_out.view(shape).float().sum(3))
@@ -382,7 +375,9 @@ class DqConvert:
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
 
     @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream):
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
+                 scale: Float32, kv_tiles: Float32, stream):
+        """(mCounters and kv_tiles: DqConvertFragments' signature; not read here.)"""
         dq = ndhb_view(mdQ)                                    # (N, d, H, B)
         self.kernel(mdQacc, dq, scale).launch(
             grid=[cute.ceil_div(dq.shape[0], self.rows), dq.shape[2], dq.shape[3]],
@@ -442,11 +437,7 @@ class DqConvertFragments:
         m_block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.per_head):
             if tidx == 0:
-                done = mCounters[batch, head, None].iterator
-                target = Int32(kv_tiles)
-                seen = cute.arch.atomic_add(done, Int32(0), sem="acquire", scope="gpu")
-                while seen < target:
-                    seen = cute.arch.atomic_add(done, Int32(0), sem="acquire", scope="gpu")
+                wait_for_count(mCounters[batch, head, None].iterator, Int32(kv_tiles))
             cute.arch.sync_threads()
         elif cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
@@ -475,6 +466,17 @@ class DqConvertFragments:
             # do not complete before the main kernel (its dK / dV stores may still run): a
             # later launch on the stream then waits for both
             cute.arch.griddepcontrol_wait()
+
+
+@cute.jit
+def wait_for_count(counter: cute.Pointer, target):
+    """The calling thread spins (acquire loads, as atomic adds of 0) until the int32 counter
+    at `counter` reaches `target`; what the threads that counted wrote before their release
+    is then visible to it. Used on the per-tile counters the preprocess zeroes: kb2's
+    deterministic dQ turns and the per-head dQ conversion."""
+    seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
+    while seen < target:
+        seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
 
 
 def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int, regs: int):
