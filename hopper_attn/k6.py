@@ -74,6 +74,13 @@ so no branch splits the exp2s from P's conversions; ptxas then spreads the conve
 the exp2s as in FlashAttention-4's loop (`v_release_last`, V_RELEASE_LAST): +1.6-2.5% at
 d = 64 without a mask, +0-1.1% at d = 128 without one and at d = 256 (docs/k6.md "One branch
 less").
+
+Seventh step, the PV wait among the exp2s (d = 128, PV_WAIT_AFTER): the wait back in the same
+iteration, held below the tile's 7th exp2 by a memory fence (ptxas would hoist it to the row
+maxima), with every row's maximum and alpha computed first, so O's multiplies and P's
+conversions fill the gaps between the remaining exp2s, as in FlashAttention-4's loop, instead
+of running one after the other at the loop's top: +1.9-4.5% without a mask, +3.9-5.1% with one
+from N = 2k (docs/k6.md "The PV wait among the exp2s").
 """
 
 from __future__ import annotations
@@ -163,6 +170,16 @@ LONGEST_FIRST = {64: (32, 4096, 16384), 128: (8, 1024, 8192), 256: (32, 2048, 81
 # +0.1-1.0% with one; d = 192 and 96 lost 1-2.6% in the first form: off
 # (results/h100/2026-11-26_k6_v_release_last_*.json)
 V_RELEASE_LAST = {(128, False), (256, False), (256, True)}
+# (head_dim, causal) -> (n, shortest query length): the PV wait after n of a tile's exp2s, held
+# there by a memory fence, instead of behind the loop's back edge (`pv_wait_after`;
+# docs/k6.md "The PV wait among the exp2s"): O's 64 multiplies and P's 32 conversions then
+# run among the remaining exp2s, as in FlashAttention-4's loop, instead of one after the other
+# at the loop's top. d = 128, round-robin against the late wait: without a mask n = 7
+# +1.9 / +2.9 / +3.7 / +4.3 / +4.5% (N = 1k / 2k / 4k / 8k / 16k), n = 10 +2-3.3%, 4 +2%, 14
+# and 32 lose; with a mask (and V released after P's conversion, which it needs: without
+# that a tie or -1-2%) +3.9 / +4.7 / +5.1 / +3.9% at 2k-16k but -4.6% at 1k; d = 64, 96,
+# 192, 256 lose 1-19% (results/h100/2026-11-26_k6_pv_wait_after_*.json)
+PV_WAIT_AFTER = {(128, False): (7, 0), (128, True): (7, 2048)}
 # ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
@@ -179,7 +196,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
-                 v_release_last: bool = False, **options):
+                 v_release_last: bool = False, pv_wait_after: int = 0, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # V_{n-1}'s stage handed back after O's rescale and P's conversion instead of before:
         # its `n > 0` test is a branch, and ptxas schedules nothing across one, so before it
@@ -195,6 +212,15 @@ class FlashAttentionK6(FlashAttentionK5):
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
+        # the PV wait after this many of a tile's exp2s (0: off): a fence there stops ptxas
+        # from hoisting the wait (written after the softmax) any higher, and the O rescale
+        # and P's conversions that follow it interleave with the remaining exp2s. The row
+        # maxima and alphas of all rows come first then, so that O's multiplies for every
+        # row are free to move among the exp2s (`scores_to_probs_k6`)
+        if pv_wait_after:
+            self.softmax_fence_after = int(pv_wait_after)
+            self.wait_pv_late = False
+            pin_pv_wait = False
         self.lazy_rescale = bool(lazy_rescale)
         # a memory fence right before the PV wait keeps ptxas from hoisting the wait above
         # the softmax, in the same iteration (docs/k6.md "What the SASS says"); in front of
@@ -301,6 +327,10 @@ class FlashAttentionK6(FlashAttentionK5):
             cute.arch.fence_acq_rel_cta()
             if wg != self.warpgroups - 1 or n != n_count - 1:
                 self.exp_turns.pass_turn(wg)
+        elif cutlass.const_expr(self.softmax_fence_after >= 0):
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
+            softmax.exponentiate(s_rc)
         elif cutlass.const_expr(not self.lazy_rescale):
             alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
                                              seqlen_k).load())
@@ -379,7 +409,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None,
                    spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
-                   group_mib: int = 0, v_release_last: Optional[bool] = None):
+                   group_mib: int = 0, v_release_last: Optional[bool] = None,
+                   pv_wait_after: Optional[int] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -451,8 +482,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # (results/h100/2026-11-23_fwd_uniform_descriptors.json, docs/k6.md), except with
         # the other two settings of `three_wg_d64`
         uniform_descriptors = problem.head_dim != 64 or three_wg_d64
+    if pv_wait_after is None:
+        after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
+        pv_wait_after = after if not custom and problem.seqlen >= shortest else 0
     if v_release_last is None:
-        v_release_last = (problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64
+        # with the PV wait among the exp2s always: the release's `if` would end their block
+        v_release_last = ((problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64
+                          or pv_wait_after > 0)
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
@@ -478,7 +514,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "stmatrix_o": bool(stmatrix_o),
                               "longest_first": bool(longest_first),
                               "group_mib": int(group_mib),
-                              "v_release_last": bool(v_release_last)},
+                              "v_release_last": bool(v_release_last),
+                              "pv_wait_after": int(pv_wait_after)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -78,10 +78,13 @@ def test_softmax_waits_for_qk_only(d, causal):
     # ptxas did not serialize the WGMMAs (a DEPBAR that allows one group in flight), and did
     # not hoist the full wait above the softmax (docs/k6.md: k6 waits behind the loop's back
     # edge for that reason): the exp2s of a whole tile run between the two waits (the SFU's
-    # share of them: every `fma_exp2_every`-th one is FMA-pipe code)
+    # share of them: every `fma_exp2_every`-th one is FMA-pipe code), or with pv_wait_after
+    # (d = 128) at least the ones in front of its fence
     per_thread = art["kernel"]["block_n"] // 2
     every = art["kernel"]["options"].get("fma_exp2_every") or 0
-    assert exp2_between_waits(sass(art["cubin"])) >= per_thread - (per_thread // every if every else 0)
+    after = art["kernel"]["options"].get("pv_wait_after") or 0
+    expected = after or per_thread - (per_thread // every if every else 0)
+    assert exp2_between_waits(sass(art["cubin"])) >= expected
 
 
 def exp2_between_waits(sass_text: str) -> int:
@@ -153,12 +156,14 @@ def test_lazy_rescale_compiles(d, causal):
         assert exp2_between_waits(text) >= art["kernel"]["block_n"] // 2
 
 
-@pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1,fma_exp2_every=0", "k7"])
+@pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1,fma_exp2_every=0,pv_wait_after=0",
+                                  "k7"])
 def test_a_fence_pins_the_pv_wait(name):
     """Without the late wait, ptxas hoists the PV wait (`DEPBAR 0x0`) above the softmax; a
     memory fence in front of it (MEMBAR.ALL.CTA) keeps it where the source puts it, after
     every exp2 of the tile, in the same iteration (docs/k6.md "What the SASS says")."""
-    plain = artifacts(128, False, name=name.split(":")[0] + ":wait_pv_late=0,pin_pv_wait=0")
+    plain = artifacts(128, False, name=name.split(":")[0] + ":wait_pv_late=0,pin_pv_wait=0" +
+                      (",pv_wait_after=0" if name.startswith("k6") else ""))
     pinned = artifacts(128, False, name=name)
     assert exp2_between_waits(sass(plain["cubin"])) == 0
     assert exp2_between_waits(sass(pinned["cubin"])) >= pinned["kernel"]["block_n"] // 2
@@ -423,3 +428,44 @@ def test_v_released_after_p_without_a_branch(name, d, causal, on):
         assert _conversions_among_exp2s(sass(art["cubin"])) >= 16
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def _tile_after_pv_wait(text: str):
+    """The SASS lines from the loop's PV wait (the first `DEPBAR 0x0` after the `0x1` one) to
+    the tile's last exp2 (the last MUFU.EX2 before the next HGMMA)."""
+    lines = text.splitlines()
+    wait_qk = next(i for i, ln in enumerate(lines) if re.search(r"DEPBAR\.LE\s+gsb0,\s*0x1", ln))
+    wait_all = next(i for i in range(wait_qk, len(lines))
+                    if re.search(r"DEPBAR\.LE\s+gsb0,\s*0x0", lines[i]))
+    next_mma = next(i for i in range(wait_all, len(lines)) if "HGMMA" in lines[i])
+    last_exp2 = max(i for i in range(wait_all, next_mma) if "MUFU.EX2" in lines[i])
+    return lines[wait_all:last_exp2]
+
+
+def test_pv_wait_among_the_exp2s():
+    """pv_wait_after (PV_WAIT_AFTER: d = 128): a memory fence after the tile's 7th exp2 keeps
+    the PV wait, written after the softmax, from rising above it, and the row maxima come
+    first, so ptxas spreads O's 64 multiplies and P's 32 conversions over the exp2s that
+    follow the wait (FlashAttention-4's order) instead of running them at the loop's top."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    art = artifacts(128, False)
+    assert art["kernel"]["options"]["pv_wait_after"] == 7
+    assert art["kernel"]["options"]["v_release_last"] and not art["kernel"]["options"]["wait_pv_late"]
+    assert count(art["ptx"], r"fence\.acq_rel\.cta") == 1
+    text = sass(art["cubin"])
+    assert exp2_between_waits(text) >= 7
+    tail = _tile_after_pv_wait(text)
+    assert sum("MUFU.EX2" in ln for ln in tail) >= 16
+    assert sum("F2FP" in ln for ln in tail) >= 16
+    assert sum(re.search(r"\bFMUL\b", ln) is not None for ln in tail) >= 48
+    # the late wait (before): the multiplies and conversions follow the last exp2
+    late = _tile_after_pv_wait(sass(artifacts(128, False, name="k6:pv_wait_after=0")["cubin"]))
+    assert sum("F2FP" in ln for ln in late) == 0
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    # with a mask from PV_WAIT_AFTER's shortest query length on, with V released last
+    short = k6.compile_kernel(Problem(1, 2, 2047, 128, True)).options
+    long = k6.compile_kernel(Problem(1, 2, 2048, 128, True)).options
+    assert short["pv_wait_after"] == 0 and not short["v_release_last"]
+    assert long["pv_wait_after"] == 7 and long["v_release_last"]

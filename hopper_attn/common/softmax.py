@@ -81,16 +81,21 @@ class OnlineSoftmax:
     p_scale_log2: int = 0
     # every n-th column's exp2 on the FMA pipe (`exp2_on_fma`) instead of the SFU (0: none)
     fma_exp2_every: int = 0
+    # a memory fence after this many of a tile's exp2s (-1: none). ptxas moves no instruction
+    # across a fence, so a wait the caller writes after the softmax can rise only this far
+    # (k6's `pv_wait_after`: what follows the wait then interleaves with the other exp2s)
+    fence_after: int = -1
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
-               p_scale_log2: int = 0, fma_exp2_every: int = 0) -> "OnlineSoftmax":
+               p_scale_log2: int = 0, fma_exp2_every: int = 0,
+               fence_after: int = -1) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
-                             p_scale_log2, fma_exp2_every)
+                             p_scale_log2, fma_exp2_every, fence_after)
 
     def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
         """The same row state with another score scale (k7: per (batch, head) descales)."""
@@ -135,17 +140,20 @@ class OnlineSoftmax:
     def exp2_row(self, s_rc: cute.Tensor, r, row, m_scaled):
         """Row r of S (its scores `row`) -> 2^(s * scale_log2 - m_scaled), in place and
         returned; every fma_exp2_every-th column on the FMA pipe."""
-        if cutlass.const_expr(self.fma_exp2_every == 0):
+        if cutlass.const_expr(self.fma_exp2_every == 0 and self.fence_after < 0):
             p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
             s_rc[r, None].store(p)
         else:
             every = self.fma_exp2_every
-            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            cols = cute.size(s_rc, mode=[1])
+            for c in cutlass.range_constexpr(cols):
                 x = s_rc[r, c] * self.scale_log2 - m_scaled
-                if cutlass.const_expr(c % every == every - 1):
+                if cutlass.const_expr(every > 0 and c % every == every - 1):
                     s_rc[r, c] = exp2_on_fma(x)
                 else:
                     s_rc[r, c] = cute.math.exp2(x, fastmath=True)
+                if cutlass.const_expr(r * cols + c + 1 == self.fence_after):
+                    cute.arch.fence_acq_rel_cta()
             p = s_rc[r, None].load()
         return p
 
