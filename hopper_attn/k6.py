@@ -217,6 +217,8 @@ class FlashAttentionK6(FlashAttentionK5):
         # and P's conversions that follow it interleave with the remaining exp2s. The row
         # maxima and alphas of all rows come first then, so that O's multiplies for every
         # row are free to move among the exp2s (`scores_to_probs_k6`)
+        if pv_wait_after and (lazy_rescale or exp_turns):
+            raise ValueError("pv_wait_after needs the eager rescale without exp_turns")
         if pv_wait_after:
             self.softmax_fence_after = int(pv_wait_after)
             self.wait_pv_late = False
@@ -484,7 +486,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         uniform_descriptors = problem.head_dim != 64 or three_wg_d64
     if pv_wait_after is None:
         after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
-        pv_wait_after = after if not custom and problem.seqlen >= shortest else 0
+        pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
+                                  and problem.seqlen >= shortest) else 0
     if v_release_last is None:
         # with the PV wait among the exp2s always: the release's `if` would end their block
         v_release_last = ((problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64

@@ -24,7 +24,8 @@ What changes from k6 (docs/k7.md):
 What stays: k6's consumer loop (`mainloop`: QK issued before the softmax, PV of the previous
 tile under it; no late PV wait, which costs FP8 2-7%, but a memory fence in front of the PV
 wait, `pin_pv_wait`, so that ptxas keeps the softmax under PV in the same iteration: +1-5%
-measured; docs/k7.md),
+measured; docs/k7.md; at d = 256 with a mask k6's `pv_wait_after` instead, the wait held after
+the tile's 8th exp2: +3.5-12.9%, PV_WAIT_AFTER below),
 its register split (producer 24, consumers 240), the producer warp's TMA loads, the
 persistent scheduler, tails, causal skipping, the (B, N, H, d) layout of q, k and the output,
 GQA, cross-attention and strided q / k. No ping-pong between the consumer warpgroups (with
@@ -273,7 +274,8 @@ class FlashAttentionK7(FlashAttentionK6):
             o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4, p_scale_log2=self.p_scale_log2,
-                                           fma_exp2_every=self.fma_exp2_every)
+                                           fma_exp2_every=self.fma_exp2_every,
+                                           fence_after=self.softmax_fence_after)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
             # the consumers see V^T's ring where k6 has V's (the TMA's own, when V arrives
@@ -379,6 +381,13 @@ class FlashAttentionK7(FlashAttentionK6):
 # (results/h100/2026-11-26_k7_longest_first_d*.json), N = 2k / 4k / 8k / 16k: d = 128 +1.0 /
 # +3.8 / +3.6 / -0.6%, d = 256 +6.1 / +8.3 / +8.9 / -0.6% (d = 64 not measured: off)
 LONGEST_FIRST = {128: (32, 2048, 8192), 256: (32, 2048, 8192)}
+# (head_dim, causal) -> n: k6's `pv_wait_after` (the PV wait after the tile's n-th exp2, held
+# there by a fence, instead of after all of them behind `pin_pv_wait`'s fence), with V
+# released without a branch. Round-robin against the pinned wait with cuDNN FP8 in the run
+# (results/h100/2026-11-26_k7_pv_wait_after*.json): d = 256 causal, n = 8, +3.5 / +5.7 / +8.4
+# / +9.8 / +12.9% at N = 1k / 2k / 4k / 8k / 16k (n = 12 alike); d = 256 full -0.3-2.3%,
+# d = 128 -1-9%, d = 64 -2-10%: off there
+PV_WAIT_AFTER = {(256, True): 8}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
@@ -391,7 +400,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    exp_turns: bool = False, pin_pv_wait: bool = True,
                    v_lags_k: Optional[bool] = None, elect_release: bool = False,
                    spin_waits: bool = False, longest_first: Optional[bool] = None,
-                   group_mib: int = 0, spec: KernelSpec = SPEC):
+                   group_mib: int = 0, pv_wait_after: Optional[int] = None,
+                   v_release_last: Optional[bool] = None, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -401,13 +411,19 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     None: on except at d = 256 with a causal mask, measured round-robin: +2.8-3.4% at
     d = 128, +0.9-1.2% d = 256 full, +0.4-0.7% d = 64, -0.9/+0.5% d = 256 causal;
     results/h100/2026-11-24_k7_v_lags_k.json); spin_waits: the rings' waits spin (k6's);
-    longest_first, group_mib: k6's (None / 0: LONGEST_FIRST's).
+    longest_first, group_mib: k6's (None / 0: LONGEST_FIRST's); pv_wait_after,
+    v_release_last: k6's (None: PV_WAIT_AFTER's, and V released last with it).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
     if v_lags_k is None:
         v_lags_k = not (problem.head_dim == 256 and problem.causal)
+    if pv_wait_after is None:
+        pv_wait_after = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), 0) \
+            if v_transposed and not (block_m or block_n or lazy_rescale or exp_turns) else 0
+    if v_release_last is None:
+        v_release_last = pv_wait_after > 0      # a release branch would split the exp2s
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,
@@ -427,7 +443,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "elect_release": bool(elect_release),
                               "spin_waits": bool(spin_waits),
                               "longest_first": bool(longest_first),
-                              "group_mib": int(group_mib)},
+                              "group_mib": int(group_mib),
+                              "pv_wait_after": int(pv_wait_after),
+                              "v_release_last": bool(v_release_last)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
