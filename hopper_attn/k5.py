@@ -495,10 +495,19 @@ class FlashAttentionK5:
         return s_rc
 
     @cute.jit
-    def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor):
+    def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor,
+                         reverse: cutlass.Constexpr = False):
         """P (fp32, in S's registers) -> the register A operand of O += P V, in the input
-        dtype (shared with k6; k7's FP8 operand needs a different register order)."""
-        p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+        dtype (shared with k6; k7's FP8 operand needs a different register order).
+        reverse: the operand's k16 slices converted last first (k6's `reverse_p`)."""
+        if cutlass.const_expr(reverse):
+            p_view = acc_as_operand_a(acc_s)
+            slices = cute.size(p_frag, mode=[2])
+            for i in cutlass.range_constexpr(slices):
+                k = slices - 1 - i
+                p_frag[None, None, k].store(p_view[None, None, k].load().to(self.dtype))
+        else:
+            p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
 
     @cute.jit
     def store_lse(self, mLSE: cute.Tensor, lse: cute.Tensor, s_coords: cute.Tensor, ctidx,

@@ -196,12 +196,18 @@ class FlashAttentionK6(FlashAttentionK5):
                  exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
-                 v_release_last: bool = False, pv_wait_after: int = 0, **options):
+                 v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
+                 **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # V_{n-1}'s stage handed back after O's rescale and P's conversion instead of before:
         # its `n > 0` test is a branch, and ptxas schedules nothing across one, so before it
         # the exp2s, O's multiplies and P's conversions of a tile sat in separate blocks
         self.v_release_last = bool(v_release_last)
+        # P's k16 slices converted into the PV operand last first inside the loop: at kv
+        # tiles of 80 or 112 keys ptxas otherwise builds the last slice in other registers and
+        # moves it after the WGMMA fence, which splits the loop's PV into one WGMMA group per
+        # slice, so `wait_group(1)` waited for all but the last of them (docs/k6.md)
+        self.reverse_p = bool(reverse_p)
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
@@ -270,7 +276,7 @@ class FlashAttentionK6(FlashAttentionK5):
             if cutlass.const_expr(self.wait_pv_late):
                 if n > 0:                               # tile n-1's end, after the back edge
                     v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
-                                               v_state)
+                                               v_state, self.reverse_p)
             phase = self.trace.start("wait_kv")
             loads.wait(loads.k_pipe, k_state)
             if cutlass.const_expr(not self.v_lags_k):
@@ -301,7 +307,8 @@ class FlashAttentionK6(FlashAttentionK5):
                                     n_count, seqlen_q, seqlen_k)  # S -> P (fp32), in place
             self.trace.end(phase)
             if cutlass.const_expr(not self.wait_pv_late):
-                v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state)
+                v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
+                                           self.reverse_p)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
@@ -354,7 +361,7 @@ class FlashAttentionK6(FlashAttentionK5):
             else None
 
     @cute.jit
-    def probs_to_operand(self, acc_s: cute.Tensor, p_frag):
+    def probs_to_operand(self, acc_s: cute.Tensor, p_frag, reverse: cutlass.Constexpr = False):
         """P (fp32, S's registers) -> the PV operand: registers (k5's), or with p_in_smem the
         P buffer (stmatrix), then fenced for the WGMMA's async proxy and a barrier of the
         warpgroup (its PV reads all 64 rows)."""
@@ -366,11 +373,12 @@ class FlashAttentionK6(FlashAttentionK5):
             wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4 - 1
             cute.arch.barrier(barrier_id=P_STORED_BARRIER + wg, number_of_threads=128)
         else:
-            super().probs_to_operand(acc_s, p_frag)
+            super().probs_to_operand(acc_s, p_frag, reverse)
 
     @cute.jit
     def finish_tile(self, loads: tma.SplitKVLoads, n, acc_s: cute.Tensor, o_rc: cute.Tensor,
-                    p_frag: cute.Tensor, alpha: cute.Tensor, v_state):
+                    p_frag: cute.Tensor, alpha: cute.Tensor, v_state,
+                    reverse_p: cutlass.Constexpr = False):
         """Tile n's end: wait for PV_{n-1}, release V_{n-1}, rescale O (eager), P_n -> the
         PV operand registers (which PV_{n-1} was reading until now)."""
         phase = self.trace.start("wait_pv")
@@ -385,7 +393,7 @@ class FlashAttentionK6(FlashAttentionK5):
         phase = self.trace.start("rescale")
         if cutlass.const_expr(not self.lazy_rescale):
             scale_rows(o_rc, alpha)
-        self.probs_to_operand(acc_s, p_frag)
+        self.probs_to_operand(acc_s, p_frag, reverse_p)
         if cutlass.const_expr(self.v_release_last):
             # tile 0 has no V_{n-1}: a predicated arrive instead of an `if`, so nothing here
             # ends the block that holds the exp2s and P's conversions
@@ -412,7 +420,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
-                   pv_wait_after: Optional[int] = None):
+                   pv_wait_after: Optional[int] = None, reverse_p: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -518,7 +526,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "longest_first": bool(longest_first),
                               "group_mib": int(group_mib),
                               "v_release_last": bool(v_release_last),
-                              "pv_wait_after": int(pv_wait_after)},
+                              "pv_wait_after": int(pv_wait_after),
+                              "reverse_p": bool(reverse_p)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

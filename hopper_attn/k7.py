@@ -371,8 +371,9 @@ class FlashAttentionK7(FlashAttentionK6):
                     cute.autovec_copy(o_out[(None, rr, v), 0, 0], o_part[(None, rr, v), 0, 0])
 
     @cute.jit
-    def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor):
-        probs_to_fp8_operand(acc_s, p_frag)
+    def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor,
+                         reverse: cutlass.Constexpr = False):
+        probs_to_fp8_operand(acc_s, p_frag)      # (k6's reverse_p: not for the FP8 operand)
 
 
 # head_dim -> (MiB per group by k6's bf16 formula, shortest and longest query length) at which

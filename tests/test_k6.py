@@ -469,3 +469,43 @@ def test_pv_wait_among_the_exp2s():
     long = k6.compile_kernel(Problem(1, 2, 2048, 128, True)).options
     assert short["pv_wait_after"] == 0 and not short["v_release_last"]
     assert long["pv_wait_after"] == 7 and long["v_release_last"]
+
+
+def _pv_groups(text: str) -> list:
+    """Sizes of the WGMMA groups of O += P V in the SASS (HGMMAs with A in registers), in
+    code order: an HGMMA carrying `gsb0` closes a group."""
+    groups, size = [], 0
+    for ln in text.splitlines():
+        m = re.search(r"HGMMA\.\S+ R\d+, (\S+?),", ln)
+        if m and m.group(1).startswith("R"):
+            size += 1
+            if "gsb0" in ln:
+                groups.append(size)
+                size = 0
+    return groups
+
+
+@pytest.mark.parametrize("name,d,causal,split", [
+    ("k6", 64, False, False), ("k6", 96, False, False), ("k6", 128, False, False),
+    ("k6", 128, True, False), ("k6", 192, False, True), ("k6", 256, False, True),
+    ("k6", 256, True, True),
+    ("k6:reverse_p=1,pv_wait_after=8", 256, False, False),
+    ("k6:reverse_p=1,pv_wait_after=8", 256, True, False),
+    ("k6:reverse_p=1,pv_wait_after=10", 192, False, False)])
+def test_pv_wgmma_groups(name, d, causal, split):
+    """O += P V is one WGMMA group (block_n / 16 HGMMAs, one `gsb0`), so that the loop's
+    `wait_group(1)` waits for QK only. With kv tiles of 80 or 112 keys (d = 256, 192) ptxas
+    builds P's last k16 slice in other registers and moves it in after the WGMMA fence, and
+    splits the loop's PV into one group per slice: `wait_group(1)` then waits for all of PV but
+    its last slice (found 2026-11-26 on the CPU, not yet measured). Converting P last slice
+    first (`reverse_p`) with the PV wait in the iteration (`pv_wait_after`) keeps every PV
+    whole (docs/k6.md "One WGMMA group per P slice")."""
+    art = artifacts(d, causal, name=name)
+    slices = art["kernel"]["block_n"] // 16
+    groups = _pv_groups(sass(art["cubin"]))
+    assert sum(groups) % slices == 0 and groups
+    assert (groups[:slices] == [1] * slices) == split
+    if not split:
+        assert all(g == slices for g in groups)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
