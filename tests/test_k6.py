@@ -491,7 +491,9 @@ def _pv_groups(text: str) -> list:
     ("k6", 256, True, True),
     ("k6:reverse_p=1,pv_wait_after=8", 256, False, False),
     ("k6:reverse_p=1,pv_wait_after=8", 256, True, False),
-    ("k6:reverse_p=1,pv_wait_after=10", 192, False, False)])
+    ("k6:reverse_p=1,pv_wait_after=10", 192, False, False),
+    ("k6:block_m=192,block_n=96,pingpong=0", 96, False, True),      # d = 96 from N = 2k
+    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8", 96, False, False)])
 def test_pv_wgmma_groups(name, d, causal, split):
     """O += P V is one WGMMA group (block_n / 16 HGMMAs, one `gsb0`), so that the loop's
     `wait_group(1)` waits for QK only. With kv tiles of 80 or 112 keys (d = 256, 192) ptxas
