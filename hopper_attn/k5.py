@@ -280,7 +280,8 @@ class FlashAttentionK5:
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4,
                                            fma_exp2_every=self.fma_exp2_every,
-                                           fence_after=self.softmax_fence_after)
+                                           fence_after=self.softmax_fence_after,
+                                           opaque_exp2=self.opaque_exp2)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)   # O in bf16 (fp16)
             q_state = tma.consumer_state(1)
@@ -527,8 +528,10 @@ class FlashAttentionK5:
 
     # k6's option: O staged in a buffer of its own instead of Q's (False: no code, no SMEM)
     own_o_buffer = False
-    # k6's option: a memory fence after this many exp2s of a tile (OnlineSoftmax.fence_after)
+    # k6's options: a memory fence after this many exp2s of a tile (OnlineSoftmax.fence_after),
+    # exp2 results the compiler may not recompute (OnlineSoftmax.opaque_exp2)
     softmax_fence_after = -1
+    opaque_exp2 = False
 
     def with_buffers(self, storage, q_layout):
         """`storage` (a cute.struct) with the buffers k6's options add: sP for `p_layout`,

@@ -197,7 +197,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
                  v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
-                 **options):
+                 opaque_p: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # V_{n-1}'s stage handed back after O's rescale and P's conversion instead of before:
         # its `n > 0` test is a branch, and ptxas schedules nothing across one, so before it
@@ -208,6 +208,9 @@ class FlashAttentionK6(FlashAttentionK5):
         # moves it after the WGMMA fence, which splits the loop's PV into one WGMMA group per
         # slice, so `wait_group(1)` waited for all but the last of them (docs/k6.md)
         self.reverse_p = bool(reverse_p)
+        # every exp2 result through an opaque move (OnlineSoftmax.opaque_exp2): with
+        # pv_wait_after on 192-row tiles the compiler recomputes part of P after the fence
+        self.opaque_exp2 = bool(opaque_p)
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
@@ -420,7 +423,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
-                   pv_wait_after: Optional[int] = None, reverse_p: bool = False):
+                   pv_wait_after: Optional[int] = None, reverse_p: bool = False,
+                   opaque_p: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -527,7 +531,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "group_mib": int(group_mib),
                               "v_release_last": bool(v_release_last),
                               "pv_wait_after": int(pv_wait_after),
-                              "reverse_p": bool(reverse_p)},
+                              "reverse_p": bool(reverse_p),
+                              "opaque_p": bool(opaque_p)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

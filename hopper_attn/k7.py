@@ -275,7 +275,8 @@ class FlashAttentionK7(FlashAttentionK6):
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4, p_scale_log2=self.p_scale_log2,
                                            fma_exp2_every=self.fma_exp2_every,
-                                           fence_after=self.softmax_fence_after)
+                                           fence_after=self.softmax_fence_after,
+                                           opaque_exp2=self.opaque_exp2)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
             # the consumers see V^T's ring where k6 has V's (the TMA's own, when V arrives

@@ -511,3 +511,22 @@ def test_pv_wgmma_groups(name, d, causal, split):
         assert all(g == slices for g in groups)
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("name,d,causal", [
+    ("k6:pv_wait_after=7", 64, False),
+    ("k6:pv_wait_after=7,block_m=192,mask_per_row=1,wait_pv_late=0,pingpong=0", 64, True),
+    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8", 96, False)])
+def test_exp2s_computed_once(name, d, causal):
+    """On 192-row tiles, with the fence of pv_wait_after in the softmax, the compiler computes
+    part of P's exp2s a second time for P's conversion after the fence (89 instead of 66
+    `ex2` per tile at d = 64, already in the PTX); `opaque_p` passes each exp2 result through
+    an opaque move and the kernel has one per score again, plus one alpha per row."""
+    plain = artifacts(d, causal, name=name)
+    opaque = artifacts(d, causal, name=name + ",opaque_p=1")
+    once = opaque["kernel"]["block_n"] // 2 + 2
+    assert count(plain["ptx"], r"ex2\.approx") > once
+    assert count(opaque["ptx"], r"ex2\.approx") == once
+    assert sass(opaque["cubin"]).count("MUFU.EX2") == once
+    for fn in resource_usage(opaque["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn

@@ -58,6 +58,16 @@ _EXP2_FMA_PTX = """{
 
 
 @dsl_user_op
+def opaque(x: Float32, *, loc=None, ip=None) -> Float32:
+    """x, through a PTX move the compiler cannot see into: it can no longer recompute the
+    expression behind x where x is used again (OnlineSoftmax.opaque_exp2)."""
+    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
+                                   "mov.b32 $0, $1;", "=f,f", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                   loc=loc, ip=ip))
+
+
+@dsl_user_op
 def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
     """2^x computed with FMA-pipe instructions instead of MUFU.EX2 (see above)."""
     return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
@@ -85,17 +95,21 @@ class OnlineSoftmax:
     # across a fence, so a wait the caller writes after the softmax can rise only this far
     # (k6's `pv_wait_after`: what follows the wait then interleaves with the other exp2s)
     fence_after: int = -1
+    # each exp2 result through `opaque`: with a fence in the tile, the compiler otherwise
+    # recomputes some exp2s for P's conversion after it (23 more per tile on k6's 192-row
+    # d = 64 tile, docs/k6.md "Exp2s computed twice")
+    opaque_exp2: bool = False
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
                p_scale_log2: int = 0, fma_exp2_every: int = 0,
-               fence_after: int = -1) -> "OnlineSoftmax":
+               fence_after: int = -1, opaque_exp2: bool = False) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
-                             p_scale_log2, fma_exp2_every, fence_after)
+                             p_scale_log2, fma_exp2_every, fence_after, opaque_exp2)
 
     def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
         """The same row state with another score scale (k7: per (batch, head) descales)."""
@@ -140,7 +154,8 @@ class OnlineSoftmax:
     def exp2_row(self, s_rc: cute.Tensor, r, row, m_scaled):
         """Row r of S (its scores `row`) -> 2^(s * scale_log2 - m_scaled), in place and
         returned; every fma_exp2_every-th column on the FMA pipe."""
-        if cutlass.const_expr(self.fma_exp2_every == 0 and self.fence_after < 0):
+        if cutlass.const_expr(self.fma_exp2_every == 0 and self.fence_after < 0
+                              and not self.opaque_exp2):
             p = cute.math.exp2(row * self.scale_log2 - m_scaled, fastmath=True)
             s_rc[r, None].store(p)
         else:
@@ -150,6 +165,8 @@ class OnlineSoftmax:
                 x = s_rc[r, c] * self.scale_log2 - m_scaled
                 if cutlass.const_expr(every > 0 and c % every == every - 1):
                     s_rc[r, c] = exp2_on_fma(x)
+                elif cutlass.const_expr(self.opaque_exp2):
+                    s_rc[r, c] = opaque(cute.math.exp2(x, fastmath=True))
                 else:
                     s_rc[r, c] = cute.math.exp2(x, fastmath=True)
                 if cutlass.const_expr(r * cols + c + 1 == self.fence_after):
