@@ -139,3 +139,30 @@ def test_interleaved_rounds_vary_each_kernels_neighbour():
     before_kb2 = {o[o.index("kb2") - 1] for o in orders if o.index("kb2") > 0}
     assert before_kb2 == {"sdpa_flash", "sdpa_cudnn", "fa4"}
     assert len({o.index("kb2") for o in orders}) == len(names)   # every position
+
+
+def test_sass_order_reads_wgmma_groups_and_loops():
+    """harness.sass_order on a hand-written SASS fragment: a group ends at the HGMMA with
+    gsb0; the loop is the backward branch; exp2s between the waits are counted."""
+    from hopper_attn.harness.sass_order import format_groups, loops, wgmma_groups
+    text = """
+.L_x_1:
+        /*0100*/                   WARPGROUP.ARRIVE ;
+        /*0110*/                   HGMMA.64x80x16.F32.BF16 R152, gdesc[UR8], RZ, !UPT ;
+        /*0120*/                   HGMMA.64x80x16.F32.BF16 R152, gdesc[UR16], R152, gsb0 ;
+        /*0130*/                   WARPGROUP.ARRIVE ;
+        /*0140*/                   HGMMA.64x256x16.F32.BF16 R24, R192, gdesc[UR8].tnspB, R24, gsb0 ;
+        /*0150*/                   WARPGROUP.ARRIVE ;
+        /*0160*/                   HGMMA.64x256x16.F32.BF16 R24, R196, gdesc[UR16].tnspB, R24, gsb0 ;
+        /*0170*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0180*/                   MUFU.EX2 R1, R1 ;
+        /*0190*/                   MUFU.EX2 R2, R2 ;
+        /*01a0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*01b0*/                   @P0 BRA `(.L_x_1) ;
+"""
+    groups = wgmma_groups(text)
+    assert groups == [("ss", 80, 2), ("rs", 256, 1), ("rs", 256, 1)]
+    assert format_groups(groups) == "ss N80: 2 | rs N256: 1 1"
+    (start, end, events), = loops(text)
+    assert (start, end) == (0x100, 0x1b0)
+    assert events[-3:] == ["DEPBAR 0x1", "EX2 x2", "DEPBAR 0x0"]

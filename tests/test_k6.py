@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hopper_attn.harness.compile_report import resource_usage, sass
+from hopper_attn.harness.sass_order import wgmma_groups
 from ptx import WGMMA, WGMMA_REG_A, compiled, count
 
 pytestmark = pytest.mark.compile
@@ -472,17 +473,8 @@ def test_pv_wait_among_the_exp2s():
 
 
 def _pv_groups(text: str) -> list:
-    """Sizes of the WGMMA groups of O += P V in the SASS (HGMMAs with A in registers), in
-    code order: an HGMMA carrying `gsb0` closes a group."""
-    groups, size = [], 0
-    for ln in text.splitlines():
-        m = re.search(r"HGMMA\.\S+ R\d+, (\S+?),", ln)
-        if m and m.group(1).startswith("R"):
-            size += 1
-            if "gsb0" in ln:
-                groups.append(size)
-                size = 0
-    return groups
+    """Sizes of the WGMMA groups of O += P V (A in registers) in the SASS, in code order."""
+    return [size for form, _, size in wgmma_groups(text) if form == "rs"]
 
 
 @pytest.mark.parametrize("name,d,causal,split", [

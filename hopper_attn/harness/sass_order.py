@@ -1,0 +1,149 @@
+"""What order the compiled loop runs in: WGMMA groups and waits around the exp2s, from SASS.
+
+The PTX says what a kernel asks for; ptxas decides the order and the grouping. Two facts
+decide whether a warpgroup's softmax runs under its own PV (k6's overlap):
+
+* **WGMMA groups.** `wgmma.commit_group` closes a group in the PTX; in the SASS a group ends
+  at the `HGMMA` that carries `gsb0`. `wait_group(1)` waits until at most one group is in
+  flight, so if ptxas splits PV into one group per k16 slice (each behind a
+  `WARPGROUP.ARRIVE` of its own), "S ready, PV may still run" becomes "all of PV but its last
+  slice done" (docs/k6.md "One WGMMA group per P slice").
+* **Where the waits land among the exp2s.** ptxas moves `WARPGROUP.DEPBAR` up as far as
+  nothing stops it (docs/k6.md "What the SASS says"); the number of `MUFU.EX2` between the
+  `0x1` and the `0x0` wait is the part of the softmax that runs under PV.
+
+    python -m hopper_attn.harness.sass_order k6 256 0          # groups, exp2 counts, loop order
+    python -m hopper_attn.harness.sass_order "k6:reverse_p=1,pv_wait_after=8" 256 1
+
+No GPU needed (compiles for sm_90a). `tools/fa4_sass.py` prints the same for
+FlashAttention-4's sm90 forward.
+"""
+
+from __future__ import annotations
+
+import re
+
+GMMA = re.compile(r"([HQ]GMMA)\.(\d+)x(\d+)x(\d+)\S*\s+R\d+,\s*(\S+?),")
+
+
+def wgmma_groups(sass_text: str) -> list:
+    """[(form, n, hgmmas)] in code order: form "rs" (A in registers, PV) or "ss" (A in shared
+    memory), n the instruction's N, a group closing at an HGMMA with `gsb0`."""
+    groups, size = [], 0
+    for line in sass_text.splitlines():
+        m = GMMA.search(line)
+        if not m:
+            continue
+        size += 1
+        if "gsb0" in line:
+            groups.append(("rs" if m.group(5).startswith("R") else "ss", int(m.group(3)), size))
+            size = 0
+    return groups
+
+
+def format_groups(groups) -> str:
+    """e.g. `ss N80: 16 16 | rs N256: 1 1 1 1 1 5` (runs of the same form and N merged)."""
+    runs = []
+    for form, n, size in groups:
+        label = f"{form} N{n}"
+        if runs and runs[-1][0] == label:
+            runs[-1][1].append(size)
+        else:
+            runs.append((label, [size]))
+    return " | ".join(f"{label}: {' '.join(map(str, sizes))}" for label, sizes in runs)
+
+
+def _instructions(sass_text: str):
+    """[(address, text)] and {label: address of the next instruction}."""
+    found, labels, pending = [], {}, []
+    for line in sass_text.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if not m:
+            continue
+        address = int(m.group(1), 16)
+        for name in pending:
+            labels[name] = address
+        pending = []
+        found.append((address, m.group(2)))
+    return found, labels
+
+
+def _events(instructions) -> list:
+    """exp2s, WGMMA fences, waits and HGMMAs, runs of the same event counted."""
+    events = []
+    for _, text in instructions:
+        m = GMMA.search(text + ";")
+        if "MUFU.EX2" in text:
+            events.append("EX2")
+        elif "WARPGROUP.DEPBAR" in text:
+            events.append("DEPBAR " + text.split(",")[-1].strip())
+        elif "WARPGROUP.ARRIVE" in text:
+            events.append("ARRIVE")
+        elif re.search(r"\bMEMBAR\b", text):
+            events.append("MEMBAR")
+        elif m:
+            events.append(("HGMMA-rs" if m.group(5).startswith("R") else "HGMMA-ss")
+                          + f".N{m.group(3)}" + (" gsb0" if "gsb0" in text else ""))
+    out, previous, run = [], None, 0
+    for event in events + [None]:
+        if event == previous:
+            run += 1
+            continue
+        if previous:
+            out.append(f"{previous} x{run}" if run > 1 else previous)
+        previous, run = event, 1
+    return out
+
+
+def loops(sass_text: str) -> list:
+    """The innermost loops that hold a WGMMA: [(start, end, events)]. A loop is a backward
+    branch; ranges that contain an EXIT are the mbarrier retry stubs ptxas places after the
+    kernel's end, not loops."""
+    instructions, labels = _instructions(sass_text)
+    found = []
+    for address, text in instructions:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), 1 << 60) < address:
+            body = [x for x in instructions if labels[m.group(1)] <= x[0] <= address]
+            events = _events(body)
+            if any("HGMMA" in e for e in events) and \
+                    not any(re.search(r"\bEXIT\b", t) for _, t in body):
+                found.append((labels[m.group(1)], address, events))
+    return [r for r in found if not any(o is not r and o[1] - o[0] < r[1] - r[0]
+                                        and o[0] <= r[1] and r[0] <= o[1] for o in found)]
+
+
+def summary(ptx: str, sass_text: str) -> str:
+    lines = [f"ex2: {ptx.count('ex2.approx')} in the PTX, {sass_text.count('MUFU.EX2')} "
+             f"MUFU.EX2 in the SASS",
+             f"WGMMA groups: {format_groups(wgmma_groups(sass_text))}"]
+    for start, end, events in loops(sass_text):
+        lines.append(f"loop {start:#x}-{end:#x}: " + " ; ".join(events))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import argparse
+
+    import torch
+
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, sass
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", help="a registry name, options allowed (k6:reverse_p=1)")
+    parser.add_argument("head_dim", type=int)
+    parser.add_argument("causal", type=int, choices=(0, 1))
+    args = parser.parse_args(argv)
+    art = compile_artifacts(registry.get(args.kernel), args.head_dim, bool(args.causal),
+                            torch.bfloat16)
+    if not art["ok"]:
+        raise SystemExit(f"compile failed: {art['error']}")
+    print(summary(art["ptx"], sass(art["cubin"])))
+
+
+if __name__ == "__main__":
+    main()

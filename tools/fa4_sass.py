@@ -1,0 +1,108 @@
+"""FlashAttention-4's sm90 forward compiled for sm_90a on a machine without a GPU, and the
+same SASS summary as `hopper_attn.harness.sass_order` prints for this repo's kernels
+(WGMMA groups, exp2 counts, the order of waits and exp2s in each loop).
+
+    ../shared/gpu/pack --with-fa4            # once: .gpu/fa4-*.tar.xz
+    python tools/fa4_sass.py 256:0 256:1 192:0 96:0   # head_dim:causal
+
+FA4 is unpacked from `.gpu/fa4-*.tar.xz` into a temporary folder (or taken from FA4_DIR).
+Its package `__init__` files (flash_attn, flash_attn.cute, quack) are bypassed: they import
+the JIT interface and unrelated kernels; `quack.dsl` is imported for its tensor patches.
+tvm_ffi, which the DSL imports for an option this compile does not use, is stubbed if
+missing. Nothing here runs a kernel. Written 2026-11-26 (docs/k6.md "One WGMMA group per P
+slice": FA4's PV is one group at d = 192 and 256, k6's default was split).
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sys
+import tarfile
+import tempfile
+import types
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# FA4's sm90 forward configuration per head dim (../shared/notes/fa4-sm90-anatomy.md):
+# (tile_m, tile_n, P given to PV from registers, intra-warpgroup overlap); d = 96 causal
+# uses a 128-wide kv tile
+FA4_TILES = {64: (192, 128, True, True), 96: (192, 144, False, True),
+             128: (128, 128, True, True), 192: (128, 112, True, True),
+             256: (128, 80, True, True)}
+
+
+def fa4_dir() -> str:
+    if os.environ.get("FA4_DIR"):
+        return os.environ["FA4_DIR"]
+    archives = sorted(glob.glob(os.path.join(ROOT, ".gpu", "fa4-*.tar.xz")))
+    if not archives:
+        raise SystemExit("no .gpu/fa4-*.tar.xz: run ../shared/gpu/pack --with-fa4, or set FA4_DIR")
+    folder = tempfile.mkdtemp(prefix="fa4-")
+    with tarfile.open(archives[-1]) as tar:
+        tar.extractall(folder)
+    return folder
+
+
+def import_fa4(folder: str):
+    sys.path.insert(0, folder)
+    if "tvm_ffi" not in sys.modules:
+        try:
+            import tvm_ffi  # noqa: F401
+        except ImportError:
+            stub = types.ModuleType("tvm_ffi")
+            stub.dtype = lambda name: name
+            sys.modules["tvm_ffi"] = stub
+    for name in ("quack", "flash_attn", "flash_attn.cute"):
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.join(folder, *name.split("."))]
+        sys.modules[name] = package
+    import quack.dsl  # noqa: F401
+    from flash_attn.cute.cute_dsl_utils import to_cute_tensor
+    from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
+    return FlashAttentionForwardSm90, to_cute_tensor
+
+
+def compile_fa4(kernel_class, to_cute_tensor, head_dim: int, causal: bool):
+    """PTX and cubin of FA4's forward for (B2, N256, H2, head_dim) bf16."""
+    import cutlass
+    import cutlass.cute as cute
+    import torch
+    from cutlass import Float32
+    from cutlass.cute.runtime import make_fake_stream
+    tile_m, tile_n, pv_rs, overlap = FA4_TILES[head_dim]
+    if head_dim == 96 and causal:
+        tile_n = 128
+    fa = kernel_class(cutlass.BFloat16, head_dim, head_dim, 1, is_causal=causal,
+                      is_local=False, pack_gqa=False, tile_m=tile_m, tile_n=tile_n,
+                      num_stages=2, num_threads=384, Q_in_regs=False,
+                      intra_wg_overlap=overlap, mma_pv_is_rs=pv_rs, mask_mod=None,
+                      score_mod=None, has_aux_tensors=False, q_subtile_factor=1,
+                      paged_kv_non_tma=False)
+    tensors = [torch.empty(2, 256, 2, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+    args = [to_cute_tensor(t, enable_tvm_ffi=False) for t in tensors]
+    args.append(to_cute_tensor(torch.empty(2, 2, 256, dtype=torch.float32), assumed_align=4,
+                               enable_tvm_ffi=False))
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = cute.compile(fa, *args, Float32(1.0 / math.sqrt(head_dim)),
+                                *([None] * 9), stream=make_fake_stream(),
+                                options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
+    return compiled.__ptx__.rstrip("\0"), bytes(compiled.__cubin__)
+
+
+def main(specs):
+    from hopper_attn.harness.compile_report import sass
+    from hopper_attn.harness.sass_order import summary
+    kernel_class, to_cute_tensor = import_fa4(fa4_dir())
+    for spec in specs:
+        head_dim, causal = (int(x) for x in spec.split(":"))
+        ptx, cubin = compile_fa4(kernel_class, to_cute_tensor, head_dim, bool(causal))
+        print(f"== FA4 sm90 forward, d = {head_dim}, {'causal' if causal else 'no mask'}")
+        print(summary(ptx, sass(cubin)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["256:0"])
