@@ -197,7 +197,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
                  v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
-                 opaque_p: bool = False, **options):
+                 opaque_p: bool = False, rescale_before_pv: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # V_{n-1}'s stage handed back after O's rescale and P's conversion instead of before:
         # its `n > 0` test is a branch, and ptxas schedules nothing across one, so before it
@@ -211,6 +211,11 @@ class FlashAttentionK6(FlashAttentionK5):
         # every exp2 result through an opaque move (OnlineSoftmax.opaque_exp2): with
         # pv_wait_after on 192-row tiles the compiler recomputes part of P after the fence
         self.opaque_exp2 = bool(opaque_p)
+        # O *= alpha between issuing QK_n and PV_{n-1} (under the QK GEMM, which does not
+        # touch O) instead of in the tile's end, as FlashAttention-4 does at d > 128
+        self.rescale_before_pv = bool(rescale_before_pv)
+        if self.rescale_before_pv and (lazy_rescale or exp_turns):
+            raise ValueError("rescale_before_pv needs the eager rescale without exp_turns")
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
@@ -226,6 +231,9 @@ class FlashAttentionK6(FlashAttentionK5):
         # and P's conversions that follow it interleave with the remaining exp2s. The row
         # maxima and alphas of all rows come first then, so that O's multiplies for every
         # row are free to move among the exp2s (`scores_to_probs_k6`)
+        if rescale_before_pv and not pv_wait_after:
+            # with the late wait ptxas then serializes every WGMMA of the kernel (CPU, SASS)
+            raise ValueError("rescale_before_pv needs pv_wait_after (the PV wait in the iteration)")
         if pv_wait_after and (lazy_rescale or exp_turns):
             raise ValueError("pv_wait_after needs the eager rescale without exp_turns")
         if pv_wait_after:
@@ -293,6 +301,12 @@ class FlashAttentionK6(FlashAttentionK5):
             wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
                        zero_init=True)                  # S = Q K_n^T, first in the queue
             if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
+                if cutlass.const_expr(self.rescale_before_pv):
+                    # (only QK_n is in flight: this wait costs nothing, and it shows ptxas
+                    # that no earlier PV still accumulates into O, so it adds no wait of its
+                    # own for QK before the multiplies)
+                    warpgroup.wait_group(1)
+                    scale_rows(o_rc, alpha)             # O *= alpha_{n-1}, under QK_n
                 if cutlass.const_expr(self.v_lags_k):   # V_{n-1} was loaded after K_n
                     loads.wait(loads.v_pipe, v_state)
                 self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
@@ -314,6 +328,8 @@ class FlashAttentionK6(FlashAttentionK5):
                                            self.reverse_p)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
+        if cutlass.const_expr(self.rescale_before_pv):
+            scale_rows(o_rc, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         return k_state, v_state
 
@@ -394,7 +410,7 @@ class FlashAttentionK6(FlashAttentionK5):
                 v_state.advance()
         self.trace.end(phase)
         phase = self.trace.start("rescale")
-        if cutlass.const_expr(not self.lazy_rescale):
+        if cutlass.const_expr(not self.lazy_rescale and not self.rescale_before_pv):
             scale_rows(o_rc, alpha)
         self.probs_to_operand(acc_s, p_frag, reverse_p)
         if cutlass.const_expr(self.v_release_last):
@@ -424,7 +440,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
                    pv_wait_after: Optional[int] = None, reverse_p: bool = False,
-                   opaque_p: bool = False):
+                   opaque_p: bool = False, rescale_before_pv: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -532,7 +548,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "v_release_last": bool(v_release_last),
                               "pv_wait_after": int(pv_wait_after),
                               "reverse_p": bool(reverse_p),
-                              "opaque_p": bool(opaque_p)},
+                              "opaque_p": bool(opaque_p),
+                              "rescale_before_pv": bool(rescale_before_pv)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

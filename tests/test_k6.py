@@ -485,7 +485,8 @@ def _pv_groups(text: str) -> list:
     ("k6:reverse_p=1,pv_wait_after=8", 256, True, False),
     ("k6:reverse_p=1,pv_wait_after=10", 192, False, False),
     ("k6:block_m=192,block_n=96,pingpong=0", 96, False, True),      # d = 96 from N = 2k
-    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8", 96, False, False)])
+    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8", 96, False, False),
+    ("k6:rescale_before_pv=1,reverse_p=1,pv_wait_after=8", 256, False, False)])
 def test_pv_wgmma_groups(name, d, causal, split):
     """O += P V is one WGMMA group (block_n / 16 HGMMAs, one `gsb0`), so that the loop's
     `wait_group(1)` waits for QK only. With kv tiles of 80 or 112 keys (d = 256, 192) ptxas
@@ -522,3 +523,22 @@ def test_exp2s_computed_once(name, d, causal):
     assert sass(opaque["cubin"]).count("MUFU.EX2") == once
     for fn in resource_usage(opaque["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("d,causal", [(256, False), (256, True), (192, False)])
+def test_o_rescaled_under_qk(d, causal):
+    """rescale_before_pv (with pv_wait_after): O's d / 2 multiplies per thread run between
+    the QK group and the PV issue, as in FlashAttention-4 at d > 128, and the only wait there
+    is the free `wait_group(1)` (QK alone in flight), not one for QK."""
+    art = artifacts(d, causal, name="k6:rescale_before_pv=1,reverse_p=1,pv_wait_after=8")
+    lines = sass(art["cubin"]).splitlines()
+    qk_end = next(i for i, ln in enumerate(lines)
+                  if "HGMMA" in ln and "gsb0" in ln and re.search(r"HGMMA\.\S+ R\d+, gdesc", ln))
+    pv = next(i for i in range(qk_end, len(lines)) if re.search(r"HGMMA\.\S+ R\d+, R", lines[i]))
+    between = lines[qk_end:pv]
+    assert sum(re.search(r"\bFMUL\b", ln) is not None for ln in between) >= d // 2
+    assert not any(re.search(r"DEPBAR\.LE\s+gsb0,\s*0x0", ln) for ln in between)
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="pv_wait_after"):
+        k6.compile_kernel(Problem(1, 2, 128, d, causal), rescale_before_pv=True, pv_wait_after=0)
