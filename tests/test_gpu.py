@@ -172,6 +172,28 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     assert verdict["ok"], verdict
 
 
+@pytest.mark.parametrize("name,d,causal,seqlen", [
+    ("k6", 128, False, 1000),                                   # PV_WAIT_AFTER's defaults
+    ("k6", 128, True, 2049),
+    ("k6:pv_wait_after=7,opaque_p=1", 64, False, 1000),         # prepared, not yet defaults
+    ("k6:pv_wait_after=7,opaque_p=1", 64, True, 2049),
+    ("k6:reverse_p=1,pv_wait_after=14", 256, False, 1000),
+    ("k6:reverse_p=1,pv_wait_after=14,rescale_before_pv=1", 256, True, 1000),
+    ("k6:reverse_p=1,pv_wait_after=10,rescale_before_pv=1", 192, False, 777),
+    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8,opaque_p=1", 96, False,
+     2049)])
+def test_k6_pv_wait_variants_match_fp32(name, d, causal, seqlen):
+    """The PV wait among the exp2s (pv_wait_after) and the options prepared on the CPU for the
+    other head dims (reverse_p, opaque_p, rescale_before_pv; docs/k6.md) against fp32, odd
+    lengths, NaN guards around every tensor."""
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.common.contract import Problem
+    problem = Problem(2, 3, seqlen, d, causal)
+    entry = registry.get(name)
+    verdict = ReferenceCase(problem, seed=d + seqlen).check(entry, entry.compile(problem))
+    assert verdict["ok"], verdict
+
+
 def test_k6_runs_more_than_65535_heads():
     """k5 launches one CTA row per head (gridDim.y <= 65535) and refuses; k6 loops."""
     from hopper_attn.common.contract import Problem
