@@ -231,9 +231,12 @@ class FlashAttentionK6(FlashAttentionK5):
         # and P's conversions that follow it interleave with the remaining exp2s. The row
         # maxima and alphas of all rows come first then, so that O's multiplies for every
         # row are free to move among the exp2s (`scores_to_probs_k6`)
-        if rescale_before_pv and not pv_wait_after:
+        late = (head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)) \
+            and not pv_wait_after
+        if rescale_before_pv and late:
             # with the late wait ptxas then serializes every WGMMA of the kernel (CPU, SASS)
-            raise ValueError("rescale_before_pv needs pv_wait_after (the PV wait in the iteration)")
+            raise ValueError("rescale_before_pv needs the PV wait in the iteration "
+                             "(pv_wait_after, or wait_pv_late=0)")
         if pv_wait_after and (lazy_rescale or exp_turns):
             raise ValueError("pv_wait_after needs the eager rescale without exp_turns")
         if pv_wait_after:

@@ -403,7 +403,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    v_lags_k: Optional[bool] = None, elect_release: bool = False,
                    spin_waits: bool = False, longest_first: Optional[bool] = None,
                    group_mib: int = 0, pv_wait_after: Optional[int] = None,
-                   v_release_last: Optional[bool] = None, spec: KernelSpec = SPEC):
+                   v_release_last: Optional[bool] = None, rescale_before_pv: bool = False,
+                   spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -447,7 +448,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "longest_first": bool(longest_first),
                               "group_mib": int(group_mib),
                               "pv_wait_after": int(pv_wait_after),
-                              "v_release_last": bool(v_release_last)},
+                              "v_release_last": bool(v_release_last),
+                              "rescale_before_pv": bool(rescale_before_pv)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

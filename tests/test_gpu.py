@@ -181,11 +181,14 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k6:reverse_p=1,pv_wait_after=14,rescale_before_pv=1", 256, True, 1000),
     ("k6:reverse_p=1,pv_wait_after=10,rescale_before_pv=1", 192, False, 777),
     ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8,opaque_p=1", 96, False,
-     2049)])
+     2049),
+    ("k7:rescale_before_pv=1", 128, False, 1000),               # FP8: against its emulation
+    ("k7:rescale_before_pv=1", 128, True, 2049),
+    ("k7:rescale_before_pv=1", 256, False, 777)])
 def test_k6_pv_wait_variants_match_fp32(name, d, causal, seqlen):
     """The PV wait among the exp2s (pv_wait_after) and the options prepared on the CPU for the
-    other head dims (reverse_p, opaque_p, rescale_before_pv; docs/k6.md) against fp32, odd
-    lengths, NaN guards around every tensor."""
+    other head dims (reverse_p, opaque_p, rescale_before_pv; docs/k6.md, docs/k7.md) against
+    fp32, odd lengths, NaN guards around every tensor."""
     from hopper_attn.harness.checks import ReferenceCase
     from hopper_attn.common.contract import Problem
     problem = Problem(2, 3, seqlen, d, causal)

@@ -222,3 +222,26 @@ def test_pv_wait_among_the_exp2s_where_measured(d, causal, after):
     assert count(art["ptx"], r"fence\.acq_rel\.cta") == 1    # either fence, never both
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (256, False)])
+def test_o_rescaled_under_qk(d, causal):
+    """k7:rescale_before_pv=1 (k6's option; k7's PV wait is in the iteration, pinned): O's
+    d / 2 multiplies per thread move from behind the pinned PV wait to between the QK and PV
+    issue, under the QK GEMM, with no wait for QK there; what is left behind the PV wait is
+    P's FP8 packing (not yet measured, docs/k7.md)."""
+    from hopper_attn.harness.compile_report import sass
+    from hopper_attn.harness.sass_order import _instructions, loops
+    art = compiled("k7:rescale_before_pv=1", d, causal)
+    text = sass(art["cubin"])
+    start, end, _ = loops(text)[-1]
+    body = [t for address, t in _instructions(text)[0] if start <= address <= end]
+    qk_end = next(i for i, t in enumerate(body) if "gsb0" in t and re.search(r"GMMA\.\S+ R\d+, gdesc", t))
+    pv = next(i for i in range(qk_end, len(body)) if re.search(r"GMMA\.\S+ R\d+, R", body[i]))
+    assert sum(re.search(r"\bFMUL\b", t) is not None for t in body[qk_end:pv]) >= d // 2
+    assert not any("gsb0, 0x0" in t for t in body[qk_end:pv])
+    pinned = max(i for i, t in enumerate(body) if "MEMBAR" in t)
+    assert not any(re.search(r"\bFMUL\b", t) for t in body[pinned:])
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
