@@ -214,8 +214,6 @@ class FlashAttentionK6(FlashAttentionK5):
         # O *= alpha between issuing QK_n and PV_{n-1} (under the QK GEMM, which does not
         # touch O) instead of in the tile's end, as FlashAttention-4 does at d > 128
         self.rescale_before_pv = bool(rescale_before_pv)
-        if self.rescale_before_pv and (lazy_rescale or exp_turns):
-            raise ValueError("rescale_before_pv needs the eager rescale without exp_turns")
         # P handed to O += P V through shared memory (an SS GEMM) instead of registers, as
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
@@ -231,18 +229,17 @@ class FlashAttentionK6(FlashAttentionK5):
         # and P's conversions that follow it interleave with the remaining exp2s. The row
         # maxima and alphas of all rows come first then, so that O's multiplies for every
         # row are free to move among the exp2s (`scores_to_probs_k6`)
-        late = (head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)) \
-            and not pv_wait_after
-        if rescale_before_pv and late:
-            # with the late wait ptxas then serializes every WGMMA of the kernel (CPU, SASS)
-            raise ValueError("rescale_before_pv needs the PV wait in the iteration "
-                             "(pv_wait_after, or wait_pv_late=0)")
-        if pv_wait_after and (lazy_rescale or exp_turns):
-            raise ValueError("pv_wait_after needs the eager rescale without exp_turns")
         if pv_wait_after:
             self.softmax_fence_after = int(pv_wait_after)
             self.wait_pv_late = False
             pin_pv_wait = False
+        if (pv_wait_after or rescale_before_pv) and (lazy_rescale or exp_turns):
+            raise ValueError("pv_wait_after and rescale_before_pv need the eager rescale "
+                             "without exp_turns")
+        if rescale_before_pv and self.wait_pv_late:
+            # with the late wait ptxas then serializes every WGMMA of the kernel (CPU, SASS)
+            raise ValueError("rescale_before_pv needs the PV wait in the iteration "
+                             "(pv_wait_after, or wait_pv_late=0)")
         self.lazy_rescale = bool(lazy_rescale)
         # a memory fence right before the PV wait keeps ptxas from hoisting the wait above
         # the softmax, in the same iteration (docs/k6.md "What the SASS says"); in front of

@@ -232,11 +232,10 @@ def test_o_rescaled_under_qk(d, causal):
     issue, under the QK GEMM, with no wait for QK there; what is left behind the PV wait is
     P's FP8 packing (not yet measured, docs/k7.md)."""
     from hopper_attn.harness.compile_report import sass
-    from hopper_attn.harness.sass_order import _instructions, loops
+    from hopper_attn.harness.sass_order import loop_body, loops
     art = compiled("k7:rescale_before_pv=1", d, causal)
     text = sass(art["cubin"])
-    start, end, _ = loops(text)[-1]
-    body = [t for address, t in _instructions(text)[0] if start <= address <= end]
+    body = loop_body(text, loops(text)[-1])
     qk_end = next(i for i, t in enumerate(body) if "gsb0" in t and re.search(r"GMMA\.\S+ R\d+, gdesc", t))
     pv = next(i for i in range(qk_end, len(body)) if re.search(r"GMMA\.\S+ R\d+, R", body[i]))
     assert sum(re.search(r"\bFMUL\b", t) is not None for t in body[qk_end:pv]) >= d // 2

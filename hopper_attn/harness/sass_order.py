@@ -117,6 +117,12 @@ def loops(sass_text: str) -> list:
                                         and o[0] <= r[1] and r[0] <= o[1] for o in found)]
 
 
+def loop_body(sass_text: str, loop) -> list:
+    """The instructions (text without address) of one of `loops`' results, in code order."""
+    start, end, _ = loop
+    return [text for address, text in _instructions(sass_text)[0] if start <= address <= end]
+
+
 def summary(ptx: str, sass_text: str) -> str:
     lines = [f"ex2: {ptx.count('ex2.approx')} in the PTX, {sass_text.count('MUFU.EX2')} "
              f"MUFU.EX2 in the SASS",
