@@ -25,7 +25,8 @@ What stays: k6's consumer loop (`mainloop`: QK issued before the softmax, PV of 
 tile under it; no late PV wait, which costs FP8 2-7%, but a memory fence in front of the PV
 wait, `pin_pv_wait`, so that ptxas keeps the softmax under PV in the same iteration: +1-5%
 measured; docs/k7.md; at d = 256 with a mask k6's `pv_wait_after` instead, the wait held after
-the tile's 8th exp2: +3.5-12.9%, PV_WAIT_AFTER below),
+the tile's 8th exp2: +3.5-12.9%, PV_WAIT_AFTER below; at d = 256 without one O rescaled
+under the QK GEMM, `rescale_before_pv`: +3.5-4.3%, RESCALE_BEFORE_PV),
 its register split (producer 24, consumers 240), the producer warp's TMA loads, the
 persistent scheduler, tails, causal skipping, the (B, N, H, d) layout of q, k and the output,
 GQA, cross-attention and strided q / k. No ping-pong between the consumer warpgroups (with
@@ -390,6 +391,15 @@ LONGEST_FIRST = {128: (32, 2048, 8192), 256: (32, 2048, 8192)}
 # / +9.8 / +12.9% at N = 1k / 2k / 4k / 8k / 16k (n = 12 alike); d = 256 full -0.3-2.3%,
 # d = 128 -1-9%, d = 64 -2-10%: off there
 PV_WAIT_AFTER = {(256, True): 8}
+# (head_dim, causal) where O is rescaled between the QK and the PV issue, under QK (k6's
+# `rescale_before_pv`; k7's PV wait is pinned in the iteration, so nothing serializes).
+# Round-robin against the default with cuDNN FP8 in the run, H100
+# (results/h100/2026-11-26_k7_rescale_before_pv*.json): d = 256 full +3.5 / +4.3% at N = 4k /
+# 16k, and in a second run +1.8 / +2.9 / +3.7 / +3.8 / +4.2% at 1k / 2k / 4k / 8k / 16k
+# (`_d256_confirm.json`); d = 256 causal (with PV_WAIT_AFTER's wait) -4.4 / -6.4%, d = 128
+# full -1.1 / -1.5%, causal a tie; d = 64 +0.4 / +1.0% full, -0.6 / +0.9% causal (one run,
+# `_d64.json`): off there
+RESCALE_BEFORE_PV = {(256, False)}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
@@ -403,8 +413,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    v_lags_k: Optional[bool] = None, elect_release: bool = False,
                    spin_waits: bool = False, longest_first: Optional[bool] = None,
                    group_mib: int = 0, pv_wait_after: Optional[int] = None,
-                   v_release_last: Optional[bool] = None, rescale_before_pv: bool = False,
-                   spec: KernelSpec = SPEC):
+                   v_release_last: Optional[bool] = None,
+                   rescale_before_pv: Optional[bool] = None, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -415,7 +425,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     d = 128, +0.9-1.2% d = 256 full, +0.4-0.7% d = 64, -0.9/+0.5% d = 256 causal;
     results/h100/2026-11-24_k7_v_lags_k.json); spin_waits: the rings' waits spin (k6's);
     longest_first, group_mib: k6's (None / 0: LONGEST_FIRST's); pv_wait_after,
-    v_release_last: k6's (None: PV_WAIT_AFTER's, and V released last with it).
+    v_release_last: k6's (None: PV_WAIT_AFTER's, and V released last with it);
+    rescale_before_pv: k6's (None: RESCALE_BEFORE_PV's).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
@@ -427,6 +438,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             if v_transposed and not (block_m or block_n or lazy_rescale or exp_turns) else 0
     if v_release_last is None:
         v_release_last = pv_wait_after > 0      # a release branch would split the exp2s
+    if rescale_before_pv is None:
+        rescale_before_pv = ((problem.head_dim, problem.causal) in RESCALE_BEFORE_PV
+                             and v_transposed and not wait_pv_late
+                             and not (block_m or block_n or lazy_rescale or exp_turns))
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,

@@ -225,15 +225,18 @@ def test_pv_wait_among_the_exp2s_where_measured(d, causal, after):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d,causal", [(128, False), (128, True), (256, False)])
-def test_o_rescaled_under_qk(d, causal):
-    """k7:rescale_before_pv=1 (k6's option; k7's PV wait is in the iteration, pinned): O's
-    d / 2 multiplies per thread move from behind the pinned PV wait to between the QK and PV
-    issue, under the QK GEMM, with no wait for QK there; what is left behind the PV wait is
-    P's FP8 packing (not yet measured, docs/k7.md)."""
+@pytest.mark.parametrize("name,d,causal", [("k7:rescale_before_pv=1", 128, False),
+                                           ("k7:rescale_before_pv=1", 128, True),
+                                           ("k7", 256, False)])      # the default there
+def test_o_rescaled_under_qk(name, d, causal):
+    """rescale_before_pv (k6's option; k7's PV wait is in the iteration, pinned): O's d / 2
+    multiplies per thread move from behind the pinned PV wait to between the QK and PV issue,
+    under the QK GEMM, with no wait for QK there; what is left behind the PV wait is P's FP8
+    packing (docs/k7.md "O rescaled under QK"; the default at d = 256 without a mask)."""
     from hopper_attn.harness.compile_report import sass
     from hopper_attn.harness.sass_order import loop_body, loops
-    art = compiled("k7:rescale_before_pv=1", d, causal)
+    art = compiled(name, d, causal)
+    assert art["kernel"]["options"]["rescale_before_pv"]
     text = sass(art["cubin"])
     body = loop_body(text, loops(text)[-1])
     qk_end = next(i for i, t in enumerate(body) if "gsb0" in t and re.search(r"GMMA\.\S+ R\d+, gdesc", t))
