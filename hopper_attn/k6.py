@@ -81,6 +81,12 @@ maxima), with every row's maximum and alpha computed first, so O's multiplies an
 conversions fill the gaps between the remaining exp2s, as in FlashAttention-4's loop, instead
 of running one after the other at the loop's top: +1.9-4.5% without a mask, +3.9-5.1% with one
 from N = 2k (docs/k6.md "The PV wait among the exp2s").
+
+Eighth step, one PV group at d = 192 and 256 (PINNED_IN_ITERATION): with kv tiles of 112 and
+80 keys ptxas issued the loop's PV as one WGMMA group per k16 slice of P, so the softmax
+overlapped only PV's last slice; P's slices converted last first (`reverse_p`) keep PV one
+group when its wait is in the iteration, here after the softmax, pinned by a fence: +3.4-5.5%
+at d = 192, up to +3% at d = 256 (docs/k6.md "One WGMMA group per P slice").
 """
 
 from __future__ import annotations
@@ -180,6 +186,16 @@ V_RELEASE_LAST = {(128, False), (256, False), (256, True)}
 # that a tie or -1-2%) +3.9 / +4.7 / +5.1 / +3.9% at 2k-16k but -4.6% at 1k; d = 64, 96,
 # 192, 256 lose 1-19% (results/h100/2026-11-26_k6_pv_wait_after_*.json)
 PV_WAIT_AFTER = {(128, False): (7, 0), (128, True): (7, 2048)}
+# head dims whose PV wait is back in the iteration, after the whole softmax, pinned there by a
+# memory fence (`wait_pv_late=0, pin_pv_wait=1`), with P's k16 slices converted last first
+# (`reverse_p`) so that the loop's PV is one WGMMA group and `wait_group(1)` no longer waits
+# for all of PV but its last slice (docs/k6.md "One WGMMA group per P slice"). Round-robin
+# against the late pinned wait with FA4 in the run, H100 (results/h100/2026-11-26_k6_pinned_
+# in_iteration_*.json), gain in time: d = 256 without a mask +3.0 / +1.2% (N = 2k), +1.1 /
+# +1.0% (4k), +0.6 / +0.7% (8k), -0.5 / +0.3% (16k); with one +1.2 / +1.3, +0.4 / +0.6,
+# -0.2 / -0.4, +3.3 / +3.0%; d = 192 +5.4 / +5.5% without a mask and +3.4 / +3.9% with one
+# (N = 4k / 16k)
+PINNED_IN_ITERATION = {192, 256}
 # ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
@@ -439,7 +455,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    spin_waits: Optional[bool] = None, fma_exp2_every: Optional[int] = None,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
-                   pv_wait_after: Optional[int] = None, reverse_p: bool = False,
+                   pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
                    opaque_p: bool = False, rescale_before_pv: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
@@ -465,7 +481,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     dynamic schedule's items head group by head group, the longest query tiles first (None:
     with a mask inside LONGEST_FIRST's lengths for the head dim), in groups of `group_mib`
     MiB of K and V (0: LONGEST_FIRST's); v_release_last: V's stage handed back after P's
-    conversion, without a branch (None: V_RELEASE_LAST, and d = 64 on 192-row tiles)."""
+    conversion, without a branch (None: V_RELEASE_LAST, and d = 64 on 192-row tiles);
+    reverse_p: P's slices converted last first, one PV group (None: with the PV wait in the
+    iteration at the head dims of PINNED_IN_ITERATION); opaque_p: each exp2 result through an
+    opaque move (no exp2 computed twice); rescale_before_pv: O rescaled under the QK GEMM
+    (needs the PV wait in the iteration)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -516,6 +536,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
         pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
                                   and problem.seqlen >= shortest) else 0
+    if (problem.head_dim in PINNED_IN_ITERATION and not custom and not pv_wait_after
+            and not lazy_rescale and not exp_turns):
+        wait_pv_late = False if wait_pv_late is None else wait_pv_late
+        pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
+    if reverse_p is None:
+        # one PV group needs the wait in the iteration; behind the late one it does not help
+        reverse_p = (problem.head_dim in PINNED_IN_ITERATION and not custom
+                     and (pv_wait_after > 0 or wait_pv_late is False))
     if v_release_last is None:
         # with the PV wait among the exp2s always: the release's `if` would end their block
         v_release_last = ((problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64

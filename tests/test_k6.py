@@ -479,8 +479,11 @@ def _pv_groups(text: str) -> list:
 
 @pytest.mark.parametrize("name,d,causal,split", [
     ("k6", 64, False, False), ("k6", 96, False, False), ("k6", 128, False, False),
-    ("k6", 128, True, False), ("k6", 192, False, True), ("k6", 256, False, True),
-    ("k6", 256, True, True),
+    ("k6", 128, True, False), ("k6", 192, False, False), ("k6", 192, True, False),
+    ("k6", 256, False, False), ("k6", 256, True, False),           # PINNED_IN_ITERATION
+    ("k6:wait_pv_late=1,reverse_p=0", 192, False, True),            # the defaults before
+    ("k6:wait_pv_late=1,reverse_p=0", 256, False, True),
+    ("k6:wait_pv_late=1,reverse_p=0", 256, True, True),
     ("k6:reverse_p=1,pv_wait_after=8", 256, False, False),
     ("k6:reverse_p=1,pv_wait_after=8", 256, True, False),
     ("k6:reverse_p=1,pv_wait_after=10", 192, False, False),
@@ -492,9 +495,10 @@ def test_pv_wgmma_groups(name, d, causal, split):
     `wait_group(1)` waits for QK only. With kv tiles of 80 or 112 keys (d = 256, 192) ptxas
     builds P's last k16 slice in other registers and moves it in after the WGMMA fence, and
     splits the loop's PV into one group per slice: `wait_group(1)` then waits for all of PV but
-    its last slice (found 2026-11-26 on the CPU, not yet measured). Converting P last slice
-    first (`reverse_p`) with the PV wait in the iteration (`pv_wait_after`) keeps every PV
-    whole (docs/k6.md "One WGMMA group per P slice")."""
+    its last slice. Converting P last slice first (`reverse_p`) with the PV wait in the
+    iteration (`pv_wait_after`, or pinned after the softmax: the default at d = 192 and 256
+    since it measured +0.4-5.5%) keeps every PV whole (docs/k6.md "One WGMMA group per P
+    slice")."""
     art = artifacts(d, causal, name=name)
     slices = art["kernel"]["block_n"] // 16
     groups = _pv_groups(sass(art["cubin"]))
@@ -502,6 +506,9 @@ def test_pv_wgmma_groups(name, d, causal, split):
     assert (groups[:slices] == [1] * slices) == split
     if not split:
         assert all(g == slices for g in groups)
+    if name == "k6" and d >= 192:
+        options = art["kernel"]["options"]
+        assert options["reverse_p"] and not options["wait_pv_late"] and options["pin_pv_wait"]
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
@@ -541,4 +548,5 @@ def test_o_rescaled_under_qk(d, causal):
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem
     with pytest.raises(ValueError, match="pv_wait_after"):
-        k6.compile_kernel(Problem(1, 2, 128, d, causal), rescale_before_pv=True, pv_wait_after=0)
+        k6.compile_kernel(Problem(1, 2, 128, d, causal), rescale_before_pv=True, pv_wait_after=0,
+                          wait_pv_late=True)
