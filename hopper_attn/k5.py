@@ -215,7 +215,7 @@ class FlashAttentionK5:
         self.smem_bytes = self.shared_storage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
-        self.kernel(*coords, o_coords, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
+        self.kernel(*coords, o_coords, o, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
                     kv_layout).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
@@ -225,7 +225,7 @@ class FlashAttentionK5:
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
+               mOut: cute.Tensor, mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout):
@@ -297,9 +297,9 @@ class FlashAttentionK5:
                     loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
                     mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
                     mmas.s_coords, softmax, k_state, v_state)
-                if cutlass.const_expr(self.own_o_buffer):  # (k6's option) Q is read: the
-                    loads.release(loads.q_pipe, q_state)    # next one may load under the
-                    q_state.advance()                       # epilogue
+                if cutlass.const_expr(self.own_o_buffer or self.direct_store):
+                    loads.release(loads.q_pipe, q_state)    # (k6's options) Q is read: the
+                    q_state.advance()                       # next one loads under the epilogue
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
                 phase = self.trace.start("epilogue")
@@ -308,20 +308,41 @@ class FlashAttentionK5:
                                m_block * bm, seqlen_q, head, batch)
                 scale_rows(o_rc, inv_sum)
                 o_out.store(acc_o.load().to(self.dtype))
-                self.epilogue_barrier.arrive_and_wait()     # every WG's last QK (reads sQ) is done
-                self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO_buffer)
-                cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
-                self.epilogue_barrier.arrive_and_wait()
-                if warp == 4:                               # the first consumer warp
-                    o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_buffer)
-                    o_store.store(m_block)                  # returns once SMEM has been read
-                if cutlass.const_expr(not self.own_o_buffer):
+                if cutlass.const_expr(self.direct_store):
+                    self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
+                                        seqlen_q)
+                else:
+                    self.epilogue_barrier.arrive_and_wait()     # every WG's last QK is done
+                    self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO_buffer)
+                    cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA
+                    self.epilogue_barrier.arrive_and_wait()
+                    if warp == 4:                               # the first consumer warp
+                        o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_buffer)
+                        o_store.store(m_block)                  # returns once SMEM is read
+                if cutlass.const_expr(not (self.own_o_buffer or self.direct_store)):
                     loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
 
+
+    @cute.jit
+    def store_o_direct(self, mOut: cute.Tensor, o_out: cute.Tensor, thr_pv, m_block, head,
+                       batch, seqlen_q):
+        """O (bf16 registers) straight to global memory, no SMEM: each thread stores its
+        pairs of neighbouring columns (4 bytes), skipping rows past the sequence's end. Frees
+        the output buffer's SMEM for wider kv tiles; the stores are less coalesced than one
+        TMA store (a quad of lanes writes 16 contiguous bytes per row)."""
+        bm, d = self.block_m, self.head_dim
+        g_o = cute.local_tile(mOut[None, None, head, batch], (bm, d), (m_block, 0))
+        o_part = thr_pv.partition_C(g_o)
+        coords = thr_pv.partition_C(cute.make_identity_tensor((bm, d)))
+        rows_left = seqlen_q - m_block * bm
+        for rr in cutlass.range_constexpr(cute.size(o_out.shape[0][1])):
+            for v in cutlass.range_constexpr(cute.size(o_out.shape[0][2])):
+                if coords[(0, rr, v), 0, 0][0] < rows_left:
+                    cute.autovec_copy(o_out[(None, rr, v), 0, 0], o_part[(None, rr, v), 0, 0])
 
     @cute.jit
     def o_to_smem(self, mma_pv: cute.TiledMma, ctidx, o_out: cute.Tensor, sO: cute.Tensor):
@@ -528,6 +549,8 @@ class FlashAttentionK5:
 
     # k6's option: O staged in a buffer of its own instead of Q's (False: no code, no SMEM)
     own_o_buffer = False
+    # k6's (and k7's) option: O stored from registers straight to global memory, no SMEM
+    direct_store = False
     # k6's options: a memory fence after this many exp2s of a tile (OnlineSoftmax.fence_after),
     # exp2 results the compiler may not recompute (OnlineSoftmax.opaque_exp2)
     softmax_fence_after = -1

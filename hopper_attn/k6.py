@@ -213,8 +213,15 @@ class FlashAttentionK6(FlashAttentionK5):
                  mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
                  v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
-                 opaque_p: bool = False, rescale_before_pv: bool = False, **options):
+                 opaque_p: bool = False, rescale_before_pv: bool = False,
+                 direct_store: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
+        # O stored from registers straight to global memory (k7's option): no staging
+        # buffer, so Q is released after the item's last QK, as with own_o_buffer, also
+        # where that buffer does not fit (d >= 192); the stores are less coalesced
+        if direct_store and own_o_buffer:
+            raise ValueError("direct_store needs no O buffer: own_o_buffer=0")
+        self.direct_store = bool(direct_store)
         # V_{n-1}'s stage handed back after O's rescale and P's conversion instead of before:
         # its `n > 0` test is a branch, and ptxas schedules nothing across one, so before it
         # the exp2s, O's multiplies and P's conversions of a tile sat in separate blocks
@@ -456,7 +463,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
                    pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
-                   opaque_p: bool = False, rescale_before_pv: bool = False):
+                   opaque_p: bool = False, rescale_before_pv: bool = False,
+                   direct_store: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -485,13 +493,15 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     reverse_p: P's slices converted last first, one PV group (None: with the PV wait in the
     iteration at the head dims of PINNED_IN_ITERATION); opaque_p: each exp2 result through an
     opaque move (no exp2 computed twice); rescale_before_pv: O rescaled under the QK GEMM
-    (needs the PV wait in the iteration)."""
+    (needs the PV wait in the iteration); direct_store: O from registers straight to global
+    memory, no staging buffer (Q released after the last QK, where own_o_buffer does not
+    fit)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
         LOAD_ORDER.get((problem.head_dim, problem.causal), (False, False))
     v_lags_k = lags if v_lags_k is None else v_lags_k
-    own_o_buffer = own if own_o_buffer is None else own_o_buffer
+    own_o_buffer = (own and not direct_store) if own_o_buffer is None else own_o_buffer
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -577,7 +587,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "pv_wait_after": int(pv_wait_after),
                               "reverse_p": bool(reverse_p),
                               "opaque_p": bool(opaque_p),
-                              "rescale_before_pv": bool(rescale_before_pv)},
+                              "rescale_before_pv": bool(rescale_before_pv),
+                              "direct_store": bool(direct_store)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

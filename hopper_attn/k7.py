@@ -134,7 +134,8 @@ class FlashAttentionK7(FlashAttentionK6):
         super().__init__(head_dim, causal, block_m or default_m, block_n or default_n,
                          pingpong=default_pingpong if pingpong is None else bool(pingpong),
                          stages=stages or default_stages, wait_pv_late=wait_pv_late,
-                         pin_pv_wait=pin_pv_wait, fma_exp2_every=fma_exp2_every, **options)
+                         pin_pv_wait=pin_pv_wait, fma_exp2_every=fma_exp2_every,
+                         direct_store=direct_store, **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
         # lazy rescaling lets P reach 2^(p_scale_log2 + threshold) <= 448 (e4m3's largest)
         self.p_scale_log2 = P_SCALE_LOG2 - 1 if self.lazy_rescale else P_SCALE_LOG2
@@ -354,23 +355,6 @@ class FlashAttentionK7(FlashAttentionK6):
                 vt_state.advance()
             tiles, item_state, m_block, head, batch, valid = self.next_item(
                 queue, item_state, tiles, seqlen_q, heads, batch_size)
-
-    @cute.jit
-    def store_o_direct(self, mOut: cute.Tensor, o_out: cute.Tensor, thr_pv, m_block, head,
-                       batch, seqlen_q):
-        """O (bf16 registers) straight to global memory, no SMEM: each thread stores its
-        pairs of neighbouring columns (4 bytes), skipping rows past the sequence's end. Frees
-        the output buffer's SMEM for wider kv tiles; the stores are less coalesced than one
-        TMA store (a quad of lanes writes 16 contiguous bytes per row)."""
-        bm, d = self.block_m, self.head_dim
-        g_o = cute.local_tile(mOut[None, None, head, batch], (bm, d), (m_block, 0))
-        o_part = thr_pv.partition_C(g_o)
-        coords = thr_pv.partition_C(cute.make_identity_tensor((bm, d)))
-        rows_left = seqlen_q - m_block * bm
-        for rr in cutlass.range_constexpr(cute.size(o_out.shape[0][1])):
-            for v in cutlass.range_constexpr(cute.size(o_out.shape[0][2])):
-                if coords[(0, rr, v), 0, 0][0] < rows_left:
-                    cute.autovec_copy(o_out[(None, rr, v), 0, 0], o_part[(None, rr, v), 0, 0])
 
     @cute.jit
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor,

@@ -175,7 +175,11 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
 @pytest.mark.parametrize("name,d,causal,seqlen", [
     ("k6", 128, False, 1000),                                   # PV_WAIT_AFTER's defaults
     ("k6", 128, True, 2049),
-    ("k6:pv_wait_after=7,opaque_p=1", 64, False, 1000),         # prepared, not yet defaults
+    ("k6", 192, True, 777),                                     # one PV group (defaults)
+    ("k6", 256, False, 1000),
+    ("k6:direct_store=1", 256, True, 777),                      # O without SMEM (option)
+    ("k6:direct_store=1", 64, False, 1000),
+    ("k6:pv_wait_after=7,opaque_p=1", 64, False, 1000),         # measured, not defaults
     ("k6:pv_wait_after=7,opaque_p=1", 64, True, 2049),
     ("k6:reverse_p=1,pv_wait_after=14", 256, False, 1000),
     ("k6:reverse_p=1,pv_wait_after=14,rescale_before_pv=1", 256, True, 1000),
@@ -186,9 +190,9 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k7:rescale_before_pv=1", 128, True, 2049),
     ("k7:rescale_before_pv=1", 256, False, 777)])
 def test_k6_pv_wait_variants_match_fp32(name, d, causal, seqlen):
-    """The PV wait among the exp2s (pv_wait_after) and the options prepared on the CPU for the
-    other head dims (reverse_p, opaque_p, rescale_before_pv; docs/k6.md, docs/k7.md) against
-    fp32, odd lengths, NaN guards around every tensor."""
+    """The PV wait among the exp2s (pv_wait_after), one PV group at d = 192 / 256 and the
+    options measured beside them (reverse_p, opaque_p, rescale_before_pv, direct_store;
+    docs/k6.md, docs/k7.md) against fp32, odd lengths, NaN guards around every tensor."""
     from hopper_attn.harness.checks import ReferenceCase
     from hopper_attn.common.contract import Problem
     problem = Problem(2, 3, seqlen, d, causal)
