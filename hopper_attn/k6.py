@@ -24,8 +24,10 @@ Where the wait_group(0) and what follows it (`finish_tile`) sit in the code matt
 schedules the wait as early as its basic block allows, so written right after the softmax
 it lands *before* the softmax, and PV_{j-1} is waited for first after all. k6 therefore
 runs tile j's end at the top of iteration j+1, behind the loop's back edge, where it cannot
-move up (`wait_pv_late`, the default at d >= 96; docs/k6.md "What the SASS says"; at
-d >= 192 with a memory fence in front, `pin_pv_wait`: +4-5% at d = 192, measured). The
+move up (`wait_pv_late`, the default at d = 96 and, with a memory fence in front,
+`pin_pv_wait`, was at d >= 192: +4-5% at d = 192, measured; docs/k6.md "What the SASS says";
+d = 128, 192 and 256 have since moved the wait back into the iteration: the seventh and
+eighth steps below). The
 option `lazy_rescale` also skips the O rescale unless a row maximum grew by more than 2^8
 (faster, less accurate: docs/k6.md).
 
