@@ -179,6 +179,8 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k6", 256, False, 1000),
     ("k6:direct_store=1", 256, True, 777),                      # O without SMEM (option)
     ("k6:direct_store=1", 64, False, 1000),
+    ("k6:block_m=192,block_n=96,pingpong=0,wait_pv_late=0,pin_pv_wait=1,reverse_p=1", 96, False,
+     2049),                                                     # d = 96's one PV group (next)
     ("k6:pv_wait_after=7,opaque_p=1", 64, False, 1000),         # measured, not defaults
     ("k6:pv_wait_after=7,opaque_p=1", 64, True, 2049),
     ("k6:reverse_p=1,pv_wait_after=14", 256, False, 1000),

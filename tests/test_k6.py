@@ -506,6 +506,8 @@ def _pv_groups(text: str) -> list:
     ("k6:reverse_p=1,pv_wait_after=10", 192, False, False),
     ("k6:block_m=192,block_n=96,pingpong=0", 96, False, True),      # d = 96 from N = 2k
     ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8", 96, False, False),
+    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,wait_pv_late=0,pin_pv_wait=1", 96,
+     False, False),
     ("k6:rescale_before_pv=1,reverse_p=1,pv_wait_after=8", 256, False, False)])
 def test_pv_wgmma_groups(name, d, causal, split):
     """O += P V is one WGMMA group (block_n / 16 HGMMAs, one `gsb0`), so that the loop's
