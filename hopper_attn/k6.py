@@ -216,11 +216,15 @@ class FlashAttentionK6(FlashAttentionK5):
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
                  v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
                  opaque_p: bool = False, rescale_before_pv: bool = False,
-                 direct_store: bool = False, **options):
+                 direct_store: bool = False, skip_idle_wgs: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # O stored from registers straight to global memory (k7's option): no staging
         # buffer, so Q is released after the item's last QK, as with own_o_buffer, also
         # where that buffer does not fit (d >= 192); the stores are less coalesced
+        # a consumer warpgroup whose 64 query rows all lie past the sequence's end (the last
+        # query tile of a length that is no multiple of block_m) only keeps the rings and the
+        # turns going (`idle_loop`) instead of computing rows nobody stores
+        self.skip_idle_wgs = bool(skip_idle_wgs)
         if direct_store and own_o_buffer:
             raise ValueError("direct_store needs no O buffer: own_o_buffer=0")
         self.direct_store = bool(direct_store)
@@ -295,6 +299,8 @@ class FlashAttentionK6(FlashAttentionK5):
         if exp_turns and self.lazy_rescale:
             raise ValueError("exp_turns needs the eager rescale (lazy_rescale=False)")
         self.exp_turns = dataclasses.replace(self.exp_turns, on=bool(exp_turns))
+        if self.skip_idle_wgs and (exp_turns or self.p_in_smem):
+            raise ValueError("skip_idle_wgs: not with exp_turns or p_in_smem")
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
@@ -302,6 +308,51 @@ class FlashAttentionK6(FlashAttentionK5):
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
                  softmax: OnlineSoftmax, k_state, v_state):
+        if cutlass.const_expr(self.skip_idle_wgs):
+            if m_block * self.block_m + wg * 64 < seqlen_q:
+                k_state, v_state = self.busy_loop(
+                    loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
+                    k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
+            else:
+                k_state, v_state = self.idle_loop(loads, wg, n_count, k_state, v_state)
+        else:
+            k_state, v_state = self.busy_loop(
+                loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
+                k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
+        return k_state, v_state
+
+    @cute.jit
+    def idle_loop(self, loads: tma.SplitKVLoads, wg, n_count, k_state, v_state):
+        """`skip_idle_wgs`: a warpgroup without a valid query row takes every K and V tile
+        (waits until it has landed, hands its stage back) and every turn, as `busy_loop` and
+        `last_pv` do, so that the producer and the other warpgroups see the same arrivals,
+        but issues no GEMM and runs no softmax."""
+        pingpong = self.pingpong
+        pingpong.start(wg)
+        for n in cutlass.range(n_count, unroll=1):
+            loads.wait(loads.k_pipe, k_state)
+            if n > 0:
+                loads.wait(loads.v_pipe, v_state)       # V_{n-1}
+            pingpong.sync(wg)
+            pingpong.pass_turn(wg)
+            loads.release(loads.k_pipe, k_state)
+            k_state.advance()
+            if n > 0:
+                loads.release(loads.v_pipe, v_state)
+                v_state.advance()
+        loads.wait(loads.v_pipe, v_state)               # the last tile's V (last_pv's turn)
+        pingpong.sync(wg)
+        pingpong.finish(wg)
+        loads.release(loads.v_pipe, v_state)
+        v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def busy_loop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
+                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
+                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
+                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
+                  softmax: OnlineSoftmax, k_state, v_state):
         pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
@@ -466,7 +517,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
                    pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
                    opaque_p: bool = False, rescale_before_pv: bool = False,
-                   direct_store: bool = False):
+                   direct_store: bool = False, skip_idle_wgs: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -497,7 +548,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     opaque move (no exp2 computed twice); rescale_before_pv: O rescaled under the QK GEMM
     (needs the PV wait in the iteration); direct_store: O from registers straight to global
     memory, no staging buffer (Q released after the last QK, where own_o_buffer does not
-    fit)."""
+    fit); skip_idle_wgs: a consumer warpgroup whose query rows all lie past the sequence's
+    end keeps only the rings and turns going."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -590,7 +642,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "reverse_p": bool(reverse_p),
                               "opaque_p": bool(opaque_p),
                               "rescale_before_pv": bool(rescale_before_pv),
-                              "direct_store": bool(direct_store)},
+                              "direct_store": bool(direct_store),
+                              "skip_idle_wgs": bool(skip_idle_wgs)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

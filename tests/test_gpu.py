@@ -181,6 +181,10 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k6:direct_store=1", 64, False, 1000),
     ("k6:block_m=192,block_n=96,pingpong=0,wait_pv_late=0,pin_pv_wait=1,reverse_p=1", 96, False,
      2049),                                                     # d = 96's one PV group (next)
+    ("k6:skip_idle_wgs=1", 64, False, 1000),                    # idle warpgroups (next):
+    ("k6:skip_idle_wgs=1", 64, True, 2230),                     # the last tile's third
+    ("k6:skip_idle_wgs=1", 96, False, 2200),                    # (and second) 64 rows empty
+    ("k6:skip_idle_wgs=1", 128, True, 17),
     ("k6:pv_wait_after=7,opaque_p=1", 64, False, 1000),         # measured, not defaults
     ("k6:pv_wait_after=7,opaque_p=1", 64, True, 2049),
     ("k6:reverse_p=1,pv_wait_after=14", 256, False, 1000),
@@ -193,7 +197,8 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k7:rescale_before_pv=1", 256, False, 777)])
 def test_k6_pv_wait_variants_match_fp32(name, d, causal, seqlen):
     """The PV wait among the exp2s (pv_wait_after), one PV group at d = 192 / 256 and the
-    options measured beside them (reverse_p, opaque_p, rescale_before_pv, direct_store;
+    options measured beside them (reverse_p, opaque_p, rescale_before_pv, direct_store,
+    skip_idle_wgs;
     docs/k6.md, docs/k7.md) against fp32, odd lengths, NaN guards around every tensor."""
     from hopper_attn.harness.checks import ReferenceCase
     from hopper_attn.common.contract import Problem

@@ -261,6 +261,25 @@ def test_direct_store_option(d, causal):
         k6.compile_kernel(Problem(1, 2, 128, 128, False), direct_store=True, own_o_buffer=True)
 
 
+@pytest.mark.parametrize("d,causal", [(64, False), (96, False), (128, True)])
+def test_skip_idle_wgs_option(d, causal):
+    """k6:skip_idle_wgs=1: a consumer warpgroup whose rows all lie past the sequence's end
+    runs `idle_loop` (ring waits and releases, turns; no GEMM, no softmax), chosen once per
+    work item, so the compute loop is the default's: the same WGMMA groups and exp2 count,
+    within two instructions, no spills. Refused with exp_turns (not measured yet)."""
+    from hopper_attn.harness.sass_order import loop_body, loops
+    plain, skip = artifacts(d, causal), artifacts(d, causal, name="k6:skip_idle_wgs=1")
+    a, b = sass(plain["cubin"]), sass(skip["cubin"])
+    assert wgmma_groups(a) == wgmma_groups(b) and a.count("MUFU.EX2") == b.count("MUFU.EX2")
+    assert abs(len(loop_body(a, loops(a)[0])) - len(loop_body(b, loops(b)[0]))) <= 2
+    for fn in resource_usage(skip["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="skip_idle_wgs"):
+        k6.compile_kernel(Problem(1, 2, 128, d, causal), skip_idle_wgs=True, exp_turns=True)
+
+
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, False)])
 def test_v_lags_k_option(d, causal):
     """k6:v_lags_k=1: the producer loads K_{j+1} before V_j and a consumer waits for V_{j-1}
