@@ -216,7 +216,8 @@ class FlashAttentionK6(FlashAttentionK5):
                  own_o_buffer: bool = False, v_lags_k: bool = False, fma_exp2_every: int = 0,
                  v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
                  opaque_p: bool = False, rescale_before_pv: bool = False,
-                 direct_store: bool = False, skip_idle_wgs: bool = False, **options):
+                 direct_store: bool = False, skip_idle_wgs: bool = False,
+                 s_ahead: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # O stored from registers straight to global memory (k7's option): no staging
         # buffer, so Q is released after the item's last QK, as with own_o_buffer, also
@@ -225,6 +226,9 @@ class FlashAttentionK6(FlashAttentionK5):
         # query tile of a length that is no multiple of block_m) only keeps the rings and the
         # turns going (`idle_loop`) instead of computing rows nobody stores
         self.skip_idle_wgs = bool(skip_idle_wgs)
+        # QK one tile ahead, into a second S accumulator (`s_ahead_loop`): a warpgroup's
+        # softmax then runs under both of its GEMMs, QK_{n+1} and PV_{n-1}
+        self.s_ahead = bool(s_ahead)
         if direct_store and own_o_buffer:
             raise ValueError("direct_store needs no O buffer: own_o_buffer=0")
         self.direct_store = bool(direct_store)
@@ -301,6 +305,12 @@ class FlashAttentionK6(FlashAttentionK5):
         self.exp_turns = dataclasses.replace(self.exp_turns, on=bool(exp_turns))
         if self.skip_idle_wgs and (exp_turns or self.p_in_smem):
             raise ValueError("skip_idle_wgs: not with exp_turns or p_in_smem")
+        if self.s_ahead and (self.pingpong.enabled or self.wait_pv_late or self.lazy_rescale
+                             or exp_turns or self.p_in_smem or self.rescale_before_pv
+                             or pv_wait_after or self.skip_idle_wgs):
+            raise ValueError("s_ahead: without turns (pingpong=0), the late PV wait, "
+                             "lazy_rescale, exp_turns, p_in_smem, rescale_before_pv, "
+                             "pv_wait_after and skip_idle_wgs")
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
@@ -308,7 +318,11 @@ class FlashAttentionK6(FlashAttentionK5):
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
                  softmax: OnlineSoftmax, k_state, v_state):
-        if cutlass.const_expr(self.skip_idle_wgs):
+        if cutlass.const_expr(self.s_ahead):
+            k_state, v_state = self.s_ahead_loop(
+                loads, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
+                vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
+        elif cutlass.const_expr(self.skip_idle_wgs):
             if m_block * self.block_m + wg * 64 < seqlen_q:
                 k_state, v_state = self.busy_loop(
                     loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
@@ -320,6 +334,98 @@ class FlashAttentionK6(FlashAttentionK5):
                 loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
                 k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
         return k_state, v_state
+
+    @cute.jit
+    def s_ahead_loop(self, loads: tma.SplitKVLoads, m_block, n_count, seqlen_q, seqlen_k,
+                     mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
+                     k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
+                     acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
+                     softmax: OnlineSoftmax, k_state, v_state):
+        """`s_ahead`: QK one tile ahead, S_n and S_{n+1} in two accumulators:
+
+            issue QK_0 -> S_a; wait
+            tile n:  issue QK_{n+1} -> the other S;  issue PV_{n-1}   (S_n is complete)
+                     softmax(S_n) under both;  fence;  wait_group(0);  release V_{n-1}
+                     O *= alpha;  P_n -> operand
+            issue PV_last; wait; release V_last
+
+        Every tile ends with `wait_group(0)`, so a tile starts with nothing in flight and
+        ptxas sees that S_n is complete without counting groups across the loop's back edge
+        (with `wait_group(2)` for S_n instead it serialized every WGMMA, C7514). Register
+        arrays cannot be chosen at run time: two tiles per iteration (S_a, then S_b), the
+        second skipped when n_count is odd."""
+        o_rc = acc_rows_cols(acc_o)
+        alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
+        acc_t = cute.make_rmem_tensor_like(acc_s)
+        k_next = k_state.clone()                        # the next K to wait for
+        loads.wait(loads.k_pipe, k_next)
+        wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_next.index],
+                   zero_init=True)                      # S_0 = Q K_0^T
+        k_next.advance()
+        warpgroup.wait_group(0)
+        for pair in cutlass.range((n_count + 1) // 2, unroll=1):
+            n = 2 * pair
+            k_next, k_state, v_state = self.s_ahead_tile(
+                loads, n, n_count, m_block, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
+                k_frag, vt_frag, p_frag, acc_s, acc_t, acc_o, o_rc, s_coords, softmax, alpha,
+                k_next, k_state, v_state)
+            if n + 1 < n_count:
+                k_next, k_state, v_state = self.s_ahead_tile(
+                    loads, n + 1, n_count, m_block, seqlen_q, seqlen_k, mma_qk, mma_pv,
+                    q_frag, k_frag, vt_frag, p_frag, acc_t, acc_s, acc_o, o_rc, s_coords,
+                    softmax, alpha, k_next, k_state, v_state)
+        loads.wait(loads.v_pipe, v_state)               # the last tile's PV
+        self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
+        warpgroup.wait_group(0)
+        loads.release(loads.v_pipe, v_state)
+        v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
+    def s_ahead_tile(self, loads: tma.SplitKVLoads, n, n_count, m_block, seqlen_q, seqlen_k,
+                     mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
+                     k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
+                     acc_cur: cute.Tensor, acc_next: cute.Tensor, acc_o: cute.Tensor,
+                     o_rc: cute.Tensor, s_coords: cute.Tensor, softmax: OnlineSoftmax,
+                     alpha: cute.Tensor, k_next, k_state, v_state):
+        """One tile of `s_ahead_loop`: S_n complete in `acc_cur`, QK_{n+1} into `acc_next`."""
+        # QK_{n+1} is issued on every tile, so that no branch yields S's registers while a
+        # WGMMA writes them (ptxas would serialize every WGMMA, C7515): on the last tile it
+        # recomputes S_n from K_n's stage into the unused accumulator
+        stage = k_state.index
+        if n + 1 < n_count:
+            loads.wait(loads.k_pipe, k_next)
+            stage = k_next.index
+        wgmma.gemm(mma_qk, acc_next, q_frag, k_frag[None, None, None, stage],
+                   zero_init=True)                      # S_{n+1}
+        if n + 1 < n_count:
+            k_next.advance()
+        if n > 0:
+            loads.wait(loads.v_pipe, v_state)           # V_{n-1}
+            self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)   # O += P_{n-1} V_{n-1}
+        if n + 1 < n_count:
+            loads.release(loads.k_pipe, k_state)        # K_n: QK_n is complete
+            k_state.advance()
+        self.scores_to_probs_k6(acc_cur, o_rc, s_coords, softmax, alpha, 0, m_block, n,
+                                n_count, seqlen_q, seqlen_k)
+        # the wait below every exp2: a fence alone lets ptxas move exp2s past it, so its
+        # predicate reads the row sums, which need them all (never true: a sum of exp2s)
+        total = softmax.row_sum[0]
+        for r in cutlass.range_constexpr(1, cute.size(softmax.row_sum)):
+            total = total + softmax.row_sum[r]
+        if total == Float32(-1.0) - Float32(seqlen_k):
+            cute.arch.fence_acq_rel_cta()
+        cute.arch.fence_acq_rel_cta()
+        warpgroup.wait_group(0)                         # QK_{n+1}, PV_{n-1} done
+        if n + 1 == n_count:
+            loads.release(loads.k_pipe, k_state)        # the last K, after its second read
+            k_state.advance()
+        if n > 0:
+            loads.release(loads.v_pipe, v_state)        # V_{n-1} read
+            v_state.advance()
+        scale_rows(o_rc, alpha)
+        self.probs_to_operand(acc_cur, p_frag)
+        return k_next, k_state, v_state
 
     @cute.jit
     def idle_loop(self, loads: tma.SplitKVLoads, wg, n_count, k_state, v_state):
@@ -517,7 +623,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
                    pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
                    opaque_p: bool = False, rescale_before_pv: bool = False,
-                   direct_store: bool = False, skip_idle_wgs: bool = False):
+                   direct_store: bool = False, skip_idle_wgs: bool = False,
+                   s_ahead: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -549,7 +656,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     (needs the PV wait in the iteration); direct_store: O from registers straight to global
     memory, no staging buffer (Q released after the last QK, where own_o_buffer does not
     fit); skip_idle_wgs: a consumer warpgroup whose query rows all lie past the sequence's
-    end keeps only the rings and turns going."""
+    end keeps only the rings and turns going; s_ahead: QK one tile ahead into a second S
+    accumulator, the softmax under both GEMMs (no turns, the PV wait in the iteration)."""
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \
@@ -643,7 +751,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "opaque_p": bool(opaque_p),
                               "rescale_before_pv": bool(rescale_before_pv),
                               "direct_store": bool(direct_store),
-                              "skip_idle_wgs": bool(skip_idle_wgs)},
+                              "skip_idle_wgs": bool(skip_idle_wgs),
+                              "s_ahead": bool(s_ahead)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -375,6 +375,9 @@ LONGEST_FIRST = {128: (32, 2048, 8192), 256: (32, 2048, 8192)}
 # / +9.8 / +12.9% at N = 1k / 2k / 4k / 8k / 16k (n = 12 alike); d = 256 full -0.3-2.3%,
 # d = 128 -1-9%, d = 64 -2-10%: off there
 PV_WAIT_AFTER = {(256, True): 8}
+# head_dim -> kv tile for `s_ahead` (two S accumulators must fit next to O and P in 240
+# registers: S 2 x 64 at d = 64 and 128, 2 x 32 at d = 256; the default tiles spill)
+S_AHEAD_BLOCK_N = {64: 128, 128: 128, 256: 64}
 # (head_dim, causal) where O is rescaled between the QK and the PV issue, under QK (k6's
 # `rescale_before_pv`; k7's PV wait is pinned in the iteration, so nothing serializes).
 # Round-robin against the default with cuDNN FP8 in the run, H100
@@ -398,7 +401,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    spin_waits: bool = False, longest_first: Optional[bool] = None,
                    group_mib: int = 0, pv_wait_after: Optional[int] = None,
                    v_release_last: Optional[bool] = None,
-                   rescale_before_pv: Optional[bool] = None, spec: KernelSpec = SPEC):
+                   rescale_before_pv: Optional[bool] = None, s_ahead: bool = False,
+                   spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -410,8 +414,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     results/h100/2026-11-24_k7_v_lags_k.json); spin_waits: the rings' waits spin (k6's);
     longest_first, group_mib: k6's (None / 0: LONGEST_FIRST's); pv_wait_after,
     v_release_last: k6's (None: PV_WAIT_AFTER's, and V released last with it);
-    rescale_before_pv: k6's (None: RESCALE_BEFORE_PV's).
+    rescale_before_pv: k6's (None: RESCALE_BEFORE_PV's); s_ahead: k6's (QK one tile ahead
+    into a second S accumulator, the kv tile of S_AHEAD_BLOCK_N; not measured).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
+    if s_ahead and not block_n:
+        block_n = S_AHEAD_BLOCK_N[problem.head_dim]
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
@@ -448,7 +455,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "group_mib": int(group_mib),
                               "pv_wait_after": int(pv_wait_after),
                               "v_release_last": bool(v_release_last),
-                              "rescale_before_pv": bool(rescale_before_pv)},
+                              "rescale_before_pv": bool(rescale_before_pv),
+                              "s_ahead": bool(s_ahead)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

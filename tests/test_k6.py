@@ -280,6 +280,17 @@ def test_skip_idle_wgs_option(d, causal):
         k6.compile_kernel(Problem(1, 2, 128, d, causal), skip_idle_wgs=True, exp_turns=True)
 
 
+def test_s_ahead_needs_its_loop_alone():
+    """k6:s_ahead (QK one tile ahead, two S accumulators; docs/k7.md "QK one tile ahead")
+    replaces the whole loop: refused together with the options that change that loop."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="s_ahead"):
+        k6.compile_kernel(Problem(1, 2, 128, 128, False), s_ahead=True)   # pv_wait_after = 7
+    with pytest.raises(ValueError, match="s_ahead"):
+        k6.compile_kernel(Problem(1, 2, 128, 64, False), s_ahead=True)    # turns at d = 64
+
+
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, False)])
 def test_v_lags_k_option(d, causal):
     """k6:v_lags_k=1: the producer loads K_{j+1} before V_j and a consumer waits for V_{j-1}

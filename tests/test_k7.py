@@ -247,3 +247,30 @@ def test_o_rescaled_under_qk(name, d, causal):
     assert not any(re.search(r"\bFMUL\b", t) for t in body[pinned:])
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", [(64, False), (128, False), (128, True), (256, True)])
+def test_s_ahead_softmax_under_both_gemms(d, causal):
+    """k7:s_ahead=1 (k6's loop option, not measured yet): QK_{n+1} goes into a second S
+    accumulator before tile n's softmax. The loop runs two tiles per iteration, each: QK and
+    PV issued (one group each), then every exp2 of the tile, then the fence pair and the only
+    wait, `wait_group(0)`; no `wait_group(1)`; ptxas did not serialize the WGMMAs (C7514 /
+    C7515 put a wait after each) and nothing spills (docs/k7.md "QK one tile ahead")."""
+    from hopper_attn import k7
+    from hopper_attn.harness.compile_report import sass
+    from hopper_attn.harness.sass_order import loops
+    art = compiled("k7:s_ahead=1", d, causal)
+    assert art["kernel"]["block_n"] == k7.S_AHEAD_BLOCK_N[d]
+    text = sass(art["cubin"])
+    events = loops(text)[-1][2]
+    per_tile = art["kernel"]["block_n"] // 2 + 2               # scores + two alphas per thread
+    waits = [i for i, e in enumerate(events) if e.startswith("DEPBAR")]
+    assert [events[i] for i in waits] == ["DEPBAR 0x0", "DEPBAR 0x0"]
+    for i in waits:
+        assert events[i - 2] == f"EX2 x{per_tile}" and events[i - 1] == "MEMBAR x2"
+        assert events[i - 3].startswith("HGMMA-rs") and "gsb0" in events[i - 3]
+    # the kernel's waits: QK_0, the two tiles', the last PV's (serialized: one per group)
+    assert text.count("WARPGROUP.DEPBAR") <= 6
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
