@@ -198,6 +198,10 @@ PV_WAIT_AFTER = {(128, False): (7, 0), (128, True): (7, 2048)}
 # -0.2 / -0.4, +3.3 / +3.0%; d = 192 +5.4 / +5.5% without a mask and +3.4 / +3.9% with one
 # (N = 4k / 16k)
 PINNED_IN_ITERATION = {192, 256}
+# head_dim -> kv tile for `s_ahead` (QK one tile ahead: two S accumulators next to O and P;
+# wider tiles spill or make ptxas serialize the WGMMAs, and at d = 256 even 64 keys do
+# (`C7512`); 48 splits PV into one group per slice; CPU): not measured
+S_AHEAD_BLOCK_N = {64: 64, 96: 64, 128: 64, 192: 64}
 # ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
@@ -658,6 +662,15 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     fit); skip_idle_wgs: a consumer warpgroup whose query rows all lie past the sequence's
     end keeps only the rings and turns going; s_ahead: QK one tile ahead into a second S
     accumulator, the softmax under both GEMMs (no turns, the PV wait in the iteration)."""
+    if s_ahead:
+        # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
+        if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
+            raise UnsupportedProblem(f"k6 s_ahead: no kv tile fits two S accumulators at "
+                                     f"d = {problem.head_dim} (k7:s_ahead=1 has one)")
+        block_n = block_n or S_AHEAD_BLOCK_N[problem.head_dim]
+        pingpong = False if pingpong is None else pingpong
+        wait_pv_late = False if wait_pv_late is None else wait_pv_late
+        pv_wait_after = 0 if pv_wait_after is None else pv_wait_after
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     lags, own = (False, False) if custom else \

@@ -192,7 +192,11 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k6:reverse_p=1,pv_wait_after=10,rescale_before_pv=1", 192, False, 777),
     ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8,opaque_p=1", 96, False,
      2049),
-    ("k7:s_ahead=1", 128, False, 1000),                         # QK one tile ahead (next)
+    ("k6:s_ahead=1", 64, False, 1000),                          # QK one tile ahead (next)
+    ("k6:s_ahead=1", 128, True, 2049),
+    ("k6:s_ahead=1", 96, True, 113),
+    ("k6:s_ahead=1", 192, False, 17),
+    ("k7:s_ahead=1", 128, False, 1000),
     ("k7:s_ahead=1", 128, True, 2049),
     ("k7:s_ahead=1", 64, True, 777),
     ("k7:s_ahead=1", 256, False, 777),

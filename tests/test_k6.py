@@ -280,15 +280,35 @@ def test_skip_idle_wgs_option(d, causal):
         k6.compile_kernel(Problem(1, 2, 128, d, causal), skip_idle_wgs=True, exp_turns=True)
 
 
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (192, False)])
+def test_s_ahead_loop(d, causal):
+    """k6:s_ahead=1 (QK one tile ahead into a second S accumulator, its own defaults: no
+    turns, 64-key tiles; docs/k7.md "QK one tile ahead"): each tile of the two per iteration
+    issues QK and PV, runs all its exp2s, then its one wait; no serialization, no spills."""
+    art = artifacts(d, causal, name="k6:s_ahead=1")
+    text = sass(art["cubin"])
+    from hopper_attn.harness.sass_order import loops
+    events = loops(text)[-1][2]
+    waits = [i for i, e in enumerate(events) if e.startswith("DEPBAR")]
+    assert [events[i] for i in waits] == ["DEPBAR 0x0", "DEPBAR 0x0"]
+    for i in waits:
+        assert events[i - 2].startswith("EX2 x") and events[i - 1] == "MEMBAR x2"
+    assert text.count("WARPGROUP.DEPBAR") <= 6
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
 def test_s_ahead_needs_its_loop_alone():
-    """k6:s_ahead (QK one tile ahead, two S accumulators; docs/k7.md "QK one tile ahead")
-    replaces the whole loop: refused together with the options that change that loop."""
+    """s_ahead replaces the whole loop: refused with the options that change that loop, and
+    at d = 256, where no kv tile leaves room for a second S."""
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
+    from hopper_attn.common.contract import Problem, UnsupportedProblem
     with pytest.raises(ValueError, match="s_ahead"):
-        k6.compile_kernel(Problem(1, 2, 128, 128, False), s_ahead=True)   # pv_wait_after = 7
+        k6.compile_kernel(Problem(1, 2, 128, 128, False), s_ahead=True, pingpong=True)
     with pytest.raises(ValueError, match="s_ahead"):
-        k6.compile_kernel(Problem(1, 2, 128, 64, False), s_ahead=True)    # turns at d = 64
+        k6.compile_kernel(Problem(1, 2, 128, 64, False), s_ahead=True, lazy_rescale=True)
+    with pytest.raises(UnsupportedProblem, match="s_ahead"):
+        k6.compile_kernel(Problem(1, 2, 128, 256, False), s_ahead=True)
 
 
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, False)])
