@@ -274,3 +274,16 @@ def test_s_ahead_softmax_under_both_gemms(d, causal):
     assert text.count("WARPGROUP.DEPBAR") <= 6
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,d", [("k7", 128), ("k7:s_ahead=1", 128), ("k7:s_ahead=1", 256)])
+def test_no_wgmma_serialization_notes(name, d):
+    """ptxas has no performance note (C7512 / C7514 / C7515: every WGMMA serialized) on the
+    default loop and on `s_ahead`'s (skipped where no CUDA toolkit's ptxas is on PATH, as in
+    CI; the SASS tests above check the same from the waits)."""
+    import shutil
+    if shutil.which("ptxas") is None:
+        pytest.skip("ptxas not on PATH")
+    from hopper_attn.harness.compile_report import ptxas_notes
+    assert ptxas_notes(compiled(name, d, False)["ptx"]) == []

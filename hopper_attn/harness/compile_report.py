@@ -57,6 +57,26 @@ def _cubin_tool(tool: str, cubin: bytes, *args) -> str:
                               check=True).stdout
 
 
+def ptxas_notes(ptx: str, arch: str = "sm_90a") -> list[str]:
+    """ptxas's performance notes on a kernel's PTX (`ptxas -v`, from the CUDA toolkit on
+    PATH), e.g. `(C7514) ... wgmma.mma_async instructions are serialized ...`: the reason
+    when every WGMMA of a kernel is followed by its own wait (docs/k7.md "QK one tile
+    ahead"). [] when ptxas says nothing of the kind."""
+    import shutil
+    path = shutil.which("ptxas")
+    if path is None:
+        raise RuntimeError("ptxas not found on PATH (a CUDA toolkit's bin/)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/kernel.ptx"
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([path, f"-arch={arch}", "-v", src, "-o", f"{tmp}/k.cubin"],
+                              capture_output=True, text=True)
+    return [line.split("in the function")[0].strip()
+            for line in (done.stdout + done.stderr).splitlines()
+            if re.search(r"\(C75\d\d\)|Potential Performance Loss", line)]
+
+
 def resource_usage(cubin: bytes) -> list[dict]:
     """Per-function REG / STACK / SHARED / LOCAL from cuobjdump."""
     out = _cubin_tool("cuobjdump", cubin, "--dump-resource-usage")

@@ -14,6 +14,7 @@ decide whether a warpgroup's softmax runs under its own PV (k6's overlap):
 
     python -m hopper_attn.harness.sass_order k6 256 0          # groups, exp2 counts, loop order
     python -m hopper_attn.harness.sass_order "k6:reverse_p=1,pv_wait_after=8" 256 1
+    python -m hopper_attn.harness.sass_order k7:s_ahead=1 128 0 --ptxas   # + ptxas's notes
 
 No GPU needed (compiles for sm_90a). `tools/fa4_sass.py` prints the same for
 FlashAttention-4's sm90 forward.
@@ -143,12 +144,17 @@ def main(argv=None):
     parser.add_argument("kernel", help="a registry name, options allowed (k6:reverse_p=1)")
     parser.add_argument("head_dim", type=int)
     parser.add_argument("causal", type=int, choices=(0, 1))
+    parser.add_argument("--ptxas", action="store_true",
+                        help="also ptxas's notes (serialized WGMMAs and why; needs ptxas)")
     args = parser.parse_args(argv)
     art = compile_artifacts(registry.get(args.kernel), args.head_dim, bool(args.causal),
                             torch.bfloat16)
     if not art["ok"]:
         raise SystemExit(f"compile failed: {art['error']}")
     print(summary(art["ptx"], sass(art["cubin"])))
+    if args.ptxas:
+        from hopper_attn.harness.compile_report import ptxas_notes
+        print("\n".join(ptxas_notes(art["ptx"])) or "ptxas: no performance notes")
 
 
 if __name__ == "__main__":
