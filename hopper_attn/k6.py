@@ -223,9 +223,6 @@ class FlashAttentionK6(FlashAttentionK5):
                  direct_store: bool = False, skip_idle_wgs: bool = False,
                  s_ahead: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
-        # O stored from registers straight to global memory (k7's option): no staging
-        # buffer, so Q is released after the item's last QK, as with own_o_buffer, also
-        # where that buffer does not fit (d >= 192); the stores are less coalesced
         # a consumer warpgroup whose 64 query rows all lie past the sequence's end (the last
         # query tile of a length that is no multiple of block_m) only keeps the rings and the
         # turns going (`idle_loop`) instead of computing rows nobody stores
@@ -233,6 +230,9 @@ class FlashAttentionK6(FlashAttentionK5):
         # QK one tile ahead, into a second S accumulator (`s_ahead_loop`): a warpgroup's
         # softmax then runs under both of its GEMMs, QK_{n+1} and PV_{n-1}
         self.s_ahead = bool(s_ahead)
+        # O stored from registers straight to global memory (k7's option): no staging
+        # buffer, so Q is released after the item's last QK, as with own_o_buffer, also
+        # where that buffer does not fit (d >= 192); the stores are less coalesced
         if direct_store and own_o_buffer:
             raise ValueError("direct_store needs no O buffer: own_o_buffer=0")
         self.direct_store = bool(direct_store)
@@ -378,11 +378,8 @@ class FlashAttentionK6(FlashAttentionK5):
                     loads, n + 1, n_count, m_block, seqlen_q, seqlen_k, mma_qk, mma_pv,
                     q_frag, k_frag, vt_frag, p_frag, acc_t, acc_s, acc_o, o_rc, s_coords,
                     softmax, alpha, k_next, k_state, v_state)
-        loads.wait(loads.v_pipe, v_state)               # the last tile's PV
-        self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
-        warpgroup.wait_group(0)
-        loads.release(loads.v_pipe, v_state)
-        v_state.advance()
+        # the last tile's PV as in k5 (s_ahead runs without turns: no barrier there)
+        v_state = self.last_pv(loads, 0, mma_pv, acc_o, p_frag, vt_frag, v_state)
         return k_state, v_state
 
     @cute.jit
@@ -396,18 +393,19 @@ class FlashAttentionK6(FlashAttentionK5):
         # QK_{n+1} is issued on every tile, so that no branch yields S's registers while a
         # WGMMA writes them (ptxas would serialize every WGMMA, C7515): on the last tile it
         # recomputes S_n from K_n's stage into the unused accumulator
+        more = n + 1 < n_count
         stage = k_state.index
-        if n + 1 < n_count:
+        if more:
             loads.wait(loads.k_pipe, k_next)
             stage = k_next.index
         wgmma.gemm(mma_qk, acc_next, q_frag, k_frag[None, None, None, stage],
                    zero_init=True)                      # S_{n+1}
-        if n + 1 < n_count:
+        if more:
             k_next.advance()
         if n > 0:
             loads.wait(loads.v_pipe, v_state)           # V_{n-1}
             self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)   # O += P_{n-1} V_{n-1}
-        if n + 1 < n_count:
+        if more:
             loads.release(loads.k_pipe, k_state)        # K_n: QK_n is complete
             k_state.advance()
         self.scores_to_probs_k6(acc_cur, o_rc, s_coords, softmax, alpha, 0, m_block, n,
@@ -421,7 +419,7 @@ class FlashAttentionK6(FlashAttentionK5):
             cute.arch.fence_acq_rel_cta()
         cute.arch.fence_acq_rel_cta()
         warpgroup.wait_group(0)                         # QK_{n+1}, PV_{n-1} done
-        if n + 1 == n_count:
+        if not more:
             loads.release(loads.k_pipe, k_state)        # the last K, after its second read
             k_state.advance()
         if n > 0:

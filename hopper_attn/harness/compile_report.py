@@ -72,6 +72,8 @@ def ptxas_notes(ptx: str, arch: str = "sm_90a") -> list[str]:
             f.write(ptx)
         done = subprocess.run([path, f"-arch={arch}", "-v", src, "-o", f"{tmp}/k.cubin"],
                               capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {done.stderr.strip()[:500]}")
     return [line.split("in the function")[0].strip()
             for line in (done.stdout + done.stderr).splitlines()
             if re.search(r"\(C75\d\d\)|Potential Performance Loss", line)]
