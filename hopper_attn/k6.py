@@ -625,7 +625,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
                    pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
                    opaque_p: bool = False, rescale_before_pv: bool = False,
-                   direct_store: bool = False, skip_idle_wgs: bool = False,
+                   direct_store: bool = False, skip_idle_wgs: Optional[bool] = None,
                    s_ahead: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
@@ -685,17 +685,31 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         wait_pv_late = True if wait_pv_late is None else wait_pv_late
         # no turns: +1.4-2.0% in two round-robin runs (_k6_d64_d96_pingpong_run*.json)
         pingpong = False if pingpong is None else pingpong
+        # the last tile's idle warpgroups skip the math (`skip_idle_wgs`): gain in time +3.1 /
+        # +2.9% (N = 2k), +3.0 / +3.0% (4k), +0.9% (16k) in round-robin runs with FA4; with
+        # turns (d = 64 without a mask) -2.4 to -2.6% (results/h100/2026-11-26_k6_skip_idle_*)
+        skip_idle_wgs = True if skip_idle_wgs is None else skip_idle_wgs
     if problem.head_dim == 96 and not block_m:
         # measured round-robin against the 128 x 128 ping-pong tile with the late wait
         # (results/h100/2026-11-23_k6_d96_tiles.json, _k6_pin_pv_wait_d96_256.json, docs/k6.md)
         if problem.causal:      # the wait pinned in place instead of late: +2-3% (two runs)
             wait_pv_late = False if wait_pv_late is None else wait_pv_late
             pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
+            # P's slices last first (one PV group): +3.4 / +3.2% (N = 4k / 16k) and
+            # +3.0 / +3.4 / +3.2% (2k / 4k / 16k) in two runs (_k6_d96_causal_reverse_p*.json)
+            reverse_p = True if reverse_p is None else reverse_p
         elif problem.seqlen >= LONG_D96:
             # three consumer warpgroups on 192 x 96, no turns: +2.5-3.7% at N >= 4k, a tie
             # at 2k, -10% at 1k (fewer work items than SMs x warpgroups)
             block_m, block_n = 192, block_n or 96
             pingpong = False if pingpong is None else pingpong
+            # and one PV group (PINNED_IN_ITERATION's cure: the wait in the iteration,
+            # pinned, P's slices last first): +6.0 / +6.4 / +6.7% and +6.0 / +6.4 / +6.5%
+            # at N = 2k / 4k / 16k against the late wait in two round-robin runs
+            # (results/h100/2026-11-26_k6_d96_one_pv_group*.json)
+            wait_pv_late = False if wait_pv_late is None else wait_pv_late
+            pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
+            reverse_p = True if reverse_p is None else reverse_p
     # d = 64 on 192-row tiles (three consumer warpgroups: without a mask, and with one from
     # LONG_CAUSAL_D64 queries on) takes three settings together: K_{j+1} loaded before V_j
     # (LOAD_ORDER), spinning waits and SMEM descriptors in uniform registers: +2.0-2.3%
