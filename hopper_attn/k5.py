@@ -312,19 +312,26 @@ class FlashAttentionK5:
                     self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
                                         seqlen_q)
                 else:
+                    if cutlass.const_expr(self.defer_store_wait):
+                        if warp == 4:                   # the last item's store has read sO
+                            tma.store_read_wait()
                     self.epilogue_barrier.arrive_and_wait()     # every WG's last QK is done
                     self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO_buffer)
                     cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA
                     self.epilogue_barrier.arrive_and_wait()
                     if warp == 4:                               # the first consumer warp
                         o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_buffer)
-                        o_store.store(m_block)                  # returns once SMEM is read
+                        # returns once SMEM is read (defer_store_wait: at once)
+                        o_store.store(m_block, wait_read=not self.defer_store_wait)
                 if cutlass.const_expr(not (self.own_o_buffer or self.direct_store)):
                     loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
+            if cutlass.const_expr(self.defer_store_wait):
+                if warp == 4:                           # SMEM stays valid until it is read
+                    tma.store_read_wait()
 
 
     @cute.jit
@@ -551,6 +558,9 @@ class FlashAttentionK5:
     own_o_buffer = False
     # k6's (and k7's) option: O stored from registers straight to global memory, no SMEM
     direct_store = False
+    # k6's option with own_o_buffer: the epilogue's TMA store returns at once; the first
+    # consumer warp waits for it to have read O's buffer before the next item's epilogue
+    defer_store_wait = False
     # k6's options: a memory fence after this many exp2s of a tile (OnlineSoftmax.fence_after),
     # exp2 results the compiler may not recompute (OnlineSoftmax.opaque_exp2)
     softmax_fence_after = -1

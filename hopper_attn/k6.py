@@ -140,8 +140,14 @@ LONG_D96 = 2048
 # lagging V lost (d = 96 full -4-5%), or lost alone and gains together with spinning waits
 # (SPIN_WAITS): d = 192 / 256 causal -0.5-1.7% alone, +1.0-1.9% together; d = 64 full -4-5%
 # alone, +2% with spinning waits and uniform descriptors (compile_kernel's `three_wg_d64`).
-# O's buffer does not fit at d >= 192.
-LOAD_ORDER = {(64, False): (True, False), (64, True): (True, True), (96, True): (True, True),
+# O's buffer does not fit at d >= 192. Measured again with the defaults of 2026-11-26, O's own
+# buffer without a mask, gain in time in two round-robin runs with FA4 (results/h100/2026-11-26_
+# k6_own_o_buffer_*.json): d = 64 +5.5 / +5.5% (N = 1k), +2.5 / +2.5% (2k), +1.2 / +1.1% (4k),
+# +0.1 / +0.1% (16k); d = 96 (192 x 96) +4.2 / +4.3% (2k), +2.3 / +2.2% (4k), +0.5 / +0.5% (16k),
+# and +4.3% at 1k (128 x 128, one run):
+# the shorter the items, the more the next Q's load under the epilogue saves
+LOAD_ORDER = {(64, False): (True, True), (64, True): (True, True), (96, False): (False, True),
+              (96, True): (True, True),
               (128, False): (True, True), (128, True): (True, True), (192, False): (True, False),
               (192, True): (True, False), (256, False): (True, False), (256, True): (True, False)}
 # (head_dim, causal) whose K/V/Q waits spin on `mbarrier.try_wait` instead of sleeping between
@@ -202,6 +208,13 @@ PINNED_IN_ITERATION = {192, 256}
 # wider tiles spill or make ptxas serialize the WGMMAs, and at d = 256 even 64 keys do
 # (`C7512`); 48 splits PV into one group per slice; CPU): not measured
 S_AHEAD_BLOCK_N = {64: 64, 96: 64, 128: 64, 192: 64}
+# (head_dim, causal) whose epilogue does not wait for its TMA store to read O's own buffer
+# until the next item's epilogue (`defer_store_wait`): d = 64 without a mask (192-row tiles,
+# turns) on top of O's own buffer, gain in time in two runs +1.7 / +1.6% (N = 1k), +1.0 / +1.0%
+# (2k), +0.7 / +0.7% (4k), +0.3 / +0.3% (16k); elsewhere it lost (one run): d = 96 full a tie, d = 64 / 128 causal -1.4 to +1.1%, d = 128 full
+# -1.0 / -0.5%, k7 -0.6 to -7% (results/h100/2026-11-26_k6_defer_store_wait_*.json,
+# _k6_own_o_buffer_d64_full_run2.json, _k7_defer_store_wait.json)
+DEFER_STORE_WAIT = {(64, False)}
 # ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
@@ -221,7 +234,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
                  opaque_p: bool = False, rescale_before_pv: bool = False,
                  direct_store: bool = False, skip_idle_wgs: bool = False,
-                 s_ahead: bool = False, **options):
+                 s_ahead: bool = False, defer_store_wait: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # a consumer warpgroup whose 64 query rows all lie past the sequence's end (the last
         # query tile of a length that is no multiple of block_m) only keeps the rings and the
@@ -258,6 +271,11 @@ class FlashAttentionK6(FlashAttentionK5):
         # O staged in a buffer of its own (as k7 does): Q is released right after the last
         # QK of a work item, so the next item's Q loads under this one's epilogue
         self.own_o_buffer = bool(own_o_buffer)
+        # and the epilogue's TMA store not waited for until the next item's epilogue (in
+        # Q's buffer the next Q has to wait for the read anyway)
+        if defer_store_wait and not own_o_buffer:
+            raise ValueError("defer_store_wait needs own_o_buffer=1")
+        self.defer_store_wait = bool(defer_store_wait)
         # the PV wait behind the back edge, measured (docs/k6.md): +2-3% at d = 128, +3-6% at
         # d = 256; at d = 64 -3% without a mask (192 x 128, three consumer WGs), a tie with one
         self.wait_pv_late = head_dim != 64 if wait_pv_late is None else bool(wait_pv_late)
@@ -626,7 +644,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
                    opaque_p: bool = False, rescale_before_pv: bool = False,
                    direct_store: bool = False, skip_idle_wgs: Optional[bool] = None,
-                   s_ahead: bool = False):
+                   s_ahead: bool = False, defer_store_wait: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -659,7 +677,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     memory, no staging buffer (Q released after the last QK, where own_o_buffer does not
     fit); skip_idle_wgs: a consumer warpgroup whose query rows all lie past the sequence's
     end keeps only the rings and turns going; s_ahead: QK one tile ahead into a second S
-    accumulator, the softmax under both GEMMs (no turns, the PV wait in the iteration)."""
+    accumulator, the softmax under both GEMMs (no turns, the PV wait in the iteration);
+    defer_store_wait: with own_o_buffer, the epilogue's TMA store is waited for (its read of
+    O's buffer) only before the next item's epilogue (None: DEFER_STORE_WAIT)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -675,6 +695,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         LOAD_ORDER.get((problem.head_dim, problem.causal), (False, False))
     v_lags_k = lags if v_lags_k is None else v_lags_k
     own_o_buffer = (own and not direct_store) if own_o_buffer is None else own_o_buffer
+    if defer_store_wait is None:
+        defer_store_wait = (own_o_buffer and not custom
+                            and (problem.head_dim, problem.causal) in DEFER_STORE_WAIT)
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -780,7 +803,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "rescale_before_pv": bool(rescale_before_pv),
                               "direct_store": bool(direct_store),
                               "skip_idle_wgs": bool(skip_idle_wgs),
-                              "s_ahead": bool(s_ahead)},
+                              "s_ahead": bool(s_ahead),
+                              "defer_store_wait": bool(defer_store_wait)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

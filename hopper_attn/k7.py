@@ -119,7 +119,8 @@ class FlashAttentionK7(FlashAttentionK6):
                  pingpong: Optional[bool] = None, stages: int = 0, transpose_batch: int = 1,
                  fma_exp2_every: int = 0, direct_store: bool = False,
                  wait_pv_late: bool = False, v_transposed: bool = True,
-                 pin_pv_wait: bool = True, elect_release: bool = False, **options):
+                 pin_pv_wait: bool = True, elect_release: bool = False,
+                 defer_store_wait: bool = False, **options):
         # stages released from an elected lane (k5/k6's default, common/tma.py); off here:
         # against the library's lane-0 release in one run, -2.4/-2.5% at d = 128 without a
         # mask, 0 to -0.6% at d = 64 and 128 causal, +0.8/+1.5% only at d = 256 without one
@@ -137,6 +138,9 @@ class FlashAttentionK7(FlashAttentionK6):
                          pin_pv_wait=pin_pv_wait, fma_exp2_every=fma_exp2_every,
                          direct_store=direct_store, **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
+        # k6's option (O has its own buffer here): the store's read waited for at the next
+        # item's epilogue
+        self.defer_store_wait = bool(defer_store_wait) and not direct_store
         # lazy rescaling lets P reach 2^(p_scale_log2 + threshold) <= 448 (e4m3's largest)
         self.p_scale_log2 = P_SCALE_LOG2 - 1 if self.lazy_rescale else P_SCALE_LOG2
         self.rescale_threshold_log2 = LAZY_THRESHOLD_LOG2
@@ -317,15 +321,21 @@ class FlashAttentionK7(FlashAttentionK6):
                     self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
                                         seqlen_q)
                 else:
+                    if cutlass.const_expr(self.defer_store_wait):
+                        if warp == 4:
+                            tma.store_read_wait()
                     self.epilogue_barrier.arrive_and_wait()     # the last store has read sO
                     self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     self.epilogue_barrier.arrive_and_wait()
                     if warp == 4:
                         o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO)
-                        o_store.store(m_block)
+                        o_store.store(m_block, wait_read=not self.defer_store_wait)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
+            if cutlass.const_expr(self.defer_store_wait):
+                if warp == 4:
+                    tma.store_read_wait()
 
     @cute.jit
     def transpose_loop(self, loads: tma.SplitKVLoads, vt_pipe, queue, storage, kv_layout,
@@ -402,7 +412,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    group_mib: int = 0, pv_wait_after: Optional[int] = None,
                    v_release_last: Optional[bool] = None,
                    rescale_before_pv: Optional[bool] = None, s_ahead: bool = False,
-                   spec: KernelSpec = SPEC):
+                   defer_store_wait: bool = False, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -415,7 +425,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     longest_first, group_mib: k6's (None / 0: LONGEST_FIRST's); pv_wait_after,
     v_release_last: k6's (None: PV_WAIT_AFTER's, and V released last with it);
     rescale_before_pv: k6's (None: RESCALE_BEFORE_PV's); s_ahead: k6's (QK one tile ahead
-    into a second S accumulator, the kv tile of S_AHEAD_BLOCK_N; not measured).
+    into a second S accumulator, the kv tile of S_AHEAD_BLOCK_N; measured slower);
+    defer_store_wait: k6's (the O store's read waited for at the next item's epilogue).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -456,7 +467,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "pv_wait_after": int(pv_wait_after),
                               "v_release_last": bool(v_release_last),
                               "rescale_before_pv": bool(rescale_before_pv),
-                              "s_ahead": bool(s_ahead)},
+                              "s_ahead": bool(s_ahead),
+                              "defer_store_wait": bool(defer_store_wait)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

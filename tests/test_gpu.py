@@ -201,6 +201,9 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k7:s_ahead=1", 64, True, 777),
     ("k7:s_ahead=1", 256, False, 777),
     ("k7:s_ahead=1", 128, False, 17),                           # one kv tile
+    ("k6:own_o_buffer=1,defer_store_wait=1", 128, True, 1000),  # the store's read deferred
+    ("k6:own_o_buffer=1,defer_store_wait=1", 96, False, 2200),
+    ("k7:defer_store_wait=1", 128, False, 1000),
     ("k7:rescale_before_pv=1", 128, False, 1000),               # FP8: against its emulation
     ("k7:rescale_before_pv=1", 128, True, 2049),
     ("k7:rescale_before_pv=1", 256, False, 777)])

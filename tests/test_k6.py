@@ -619,3 +619,30 @@ def test_o_rescaled_under_qk(d, causal):
     with pytest.raises(ValueError, match="pv_wait_after"):
         k6.compile_kernel(Problem(1, 2, 128, d, causal), rescale_before_pv=True, pv_wait_after=0,
                           wait_pv_late=True)
+
+
+def test_defer_store_wait():
+    """O's own buffer without a mask at d = 64 and 96 (LOAD_ORDER, measured 2026-11-26), and
+    at d = 64 the epilogue's TMA store not waited for until the next item's epilogue
+    (`defer_store_wait`): in the PTX the first read-wait comes before the store (the previous
+    item's), the last after the loop; the plain epilogue waits right after its store. Refused
+    without O's own buffer."""
+    import re
+    store = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
+    wait = "cp.async.bulk.wait_group.read"
+    deferred, plain = artifacts(64, False), artifacts(128, False)
+    for art in (deferred, plain, artifacts(96, False)):
+        assert art["kernel"]["options"]["own_o_buffer"], art["kernel"]["options"]
+    assert deferred["kernel"]["options"]["defer_store_wait"]
+    assert not plain["kernel"]["options"]["defer_store_wait"]
+    ptx = deferred["ptx"]
+    first_store = store.search(ptx).start()
+    assert ptx.index(wait) < first_store < ptx.rindex(wait)
+    ptx = plain["ptx"]
+    assert store.search(ptx).start() < ptx.index(wait)
+    for fn in resource_usage(deferred["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="defer_store_wait"):
+        k6.compile_kernel(Problem(1, 2, 128, 256, False), defer_store_wait=True)

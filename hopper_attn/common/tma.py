@@ -91,11 +91,19 @@ class TmaTiles:
             cute.arch.mbarrier_expect_tx(barrier, nbytes)
         self.copy(tile_index, barrier)
 
-    def store(self, tile_index):
-        """Store the SMEM buffer to global tile `tile_index` and wait until SMEM is read."""
+    def store(self, tile_index, wait_read: bool = True):
+        """Store the SMEM buffer to global tile `tile_index` and wait until SMEM is read
+        (wait_read=False: the caller waits, with `store_read_wait`, before it writes the
+        buffer again or exits)."""
         cute.copy(self.atom, self.smem, self.gmem[None, tile_index])
         cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(wait_read):
+            store_read_wait()
+
+
+def store_read_wait():
+    """Wait until this thread's bulk stores have read their shared memory."""
+    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, head_dim: int,
