@@ -330,7 +330,7 @@ def test_v_lags_k_option(d, causal):
 
 @pytest.mark.parametrize("d,causal,lags,own", [
     (128, False, True, True), (128, True, True, True), (64, True, True, True),
-    (64, False, True, False), (96, False, False, False), (256, False, True, False),
+    (64, False, True, True), (96, False, False, True), (256, False, True, False),
     (256, True, True, False), (192, True, True, False)])
 def test_load_order_defaults(d, causal, lags, own):
     """compile_kernel's defaults follow k6.LOAD_ORDER (measured round-robin, docs/k6.md)."""
