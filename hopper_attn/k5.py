@@ -88,6 +88,7 @@ DEFAULT_BLOCK_M = {64: 192, 128: 128}      # k4's tiles (FlashAttention-4's too)
 EPILOGUE_BARRIER = 1
 FIRST_SCHEDULER_BARRIER = 2
 SMEM_PER_CTA = 227 * 1024          # the most dynamic shared memory one CTA may use (sm_90)
+SMEM_PER_SM = 228 * 1024           # what the CTAs on one SM share
 
 
 class FlashAttentionK5:
@@ -100,22 +101,25 @@ class FlashAttentionK5:
                  persistent: bool = False, persistent_ctas: int = 0, dynamic: bool = False,
                  uniform_descriptors: bool = True, spin_waits: bool = False,
                  v_lags_k: bool = False, fma_exp2_every: int = 0,
-                 stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32):
+                 stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32,
+                 ctas_per_sm: int = 1):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
                              f"warpgroups), block_n={block_n} (multiple of 16), "
                              f"stages={stages} (>= 1)")
         smem = self.smem_estimate(head_dim, block_m, block_n, stages)
-        if smem > SMEM_PER_CTA:
+        # (k6's ctas_per_sm: CTAs that share an SM; each also keeps 1 KiB for the system)
+        smem_limit = SMEM_PER_CTA if ctas_per_sm == 1 else SMEM_PER_SM // ctas_per_sm - 1024
+        if smem > smem_limit:
             raise ValueError(f"{block_m} x {block_n} tiles at d = {head_dim} with {stages} "
                              f"stages need {smem} bytes of shared memory; a CTA gets at most "
-                             f"{SMEM_PER_CTA}")
+                             f"{smem_limit} ({ctas_per_sm} per SM)")
         self.head_dim = head_dim
         self.causal = causal
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
         self.warpgroups = block_m // 64                 # consumer warpgroups
-        self.roles = WarpRoles.create(self.warpgroups)
+        self.roles = WarpRoles.create(self.warpgroups, ctas_per_sm=ctas_per_sm)
         self.threads = self.roles.threads               # + the producer warpgroup
         self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=pingpong)
         # turns for the softmax's exp2s (k6's option `exp_turns`, off here)
@@ -131,7 +135,8 @@ class FlashAttentionK5:
         # results/h100/2026-11-26_k6_decode_once_*.json)
         l2_rows = (group_mib << 20) // (head_dim * 4) if longest_first else 0
         self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
-                                       (persistent_ctas or sm_count()) if persistent else 0,
+                                       (persistent_ctas or sm_count() * ctas_per_sm)
+                                       if persistent else 0,
                                        dynamic and persistent, l2_rows)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
@@ -182,6 +187,7 @@ class FlashAttentionK5:
                 "producer_regs": self.roles.producer_regs,
                 "consumer_regs": self.roles.consumer_regs,
                 "entry_regs_max": self.roles.entry_regs,
+                "ctas_per_sm": self.roles.ctas_per_sm,
                 "mbarriers": getattr(self, "mbarriers", None),
                 "v_lags_k": self.v_lags_k, "own_o_buffer": self.own_o_buffer,
                 "spin_waits": self.spin_waits,
@@ -219,7 +225,10 @@ class FlashAttentionK5:
                     kv_layout).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
-            min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
+            # ptxas: 65536 / (threads x CTAs per SM) registers at entry (setmaxnreg)
+            min_blocks_per_mp=self.roles.ctas_per_sm,
+            # (with two CTAs per SM: all of the SM's shared memory, and no device query)
+            **({"preferred_smem_carveout": 100} if self.roles.ctas_per_sm > 1 else {}),
             stream=stream,
         )
 

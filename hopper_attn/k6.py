@@ -644,7 +644,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
                    opaque_p: bool = False, rescale_before_pv: bool = False,
                    direct_store: bool = False, skip_idle_wgs: Optional[bool] = None,
-                   s_ahead: bool = False, defer_store_wait: Optional[bool] = None):
+                   s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
+                   ctas_per_sm: int = 1):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -679,7 +680,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     end keeps only the rings and turns going; s_ahead: QK one tile ahead into a second S
     accumulator, the softmax under both GEMMs (no turns, the PV wait in the iteration);
     defer_store_wait: with own_o_buffer, the epilogue's TMA store is waited for (its read of
-    O's buffer) only before the next item's epilogue (None: DEFER_STORE_WAIT)."""
+    O's buffer) only before the next item's epilogue (None: DEFER_STORE_WAIT); ctas_per_sm: 2
+    runs two CTAs of one consumer warpgroup each (block_m=64) on every SM, so that one CTA's
+    work-item boundary (epilogue, next Q, first QK and softmax) overlaps the other's loop."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -804,7 +807,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "direct_store": bool(direct_store),
                               "skip_idle_wgs": bool(skip_idle_wgs),
                               "s_ahead": bool(s_ahead),
-                              "defer_store_wait": bool(defer_store_wait)},
+                              "defer_store_wait": bool(defer_store_wait),
+                              "ctas_per_sm": int(ctas_per_sm)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -646,3 +646,23 @@ def test_defer_store_wait():
     from hopper_attn.common.contract import Problem
     with pytest.raises(ValueError, match="defer_store_wait"):
         k6.compile_kernel(Problem(1, 2, 128, 256, False), defer_store_wait=True)
+
+
+def test_two_ctas_per_sm():
+    """k6:block_m=64,ctas_per_sm=2: two CTAs of one consumer warpgroup on every SM (128
+    registers a thread at entry, 32 / 224 after setmaxnreg, twice the persistent grid), no
+    spills; refused with more than one consumer warpgroup, or where two CTAs' shared memory
+    does not fit (measured slower: docs/k6.md)."""
+    art = artifacts(64, True, name="k6:block_m=64,ctas_per_sm=2")
+    kernel = art["kernel"]
+    assert (kernel["entry_regs_max"], kernel["producer_regs"], kernel["consumer_regs"]) == \
+        (128, 32, 224)
+    assert kernel["ctas_per_sm"] == 2 and kernel["persistent_ctas"] == 2 * 132
+    for fn in resource_usage(art["cubin"]):
+        assert fn["registers"] <= 128 and fn["local"] == 0 and fn["stack"] == 0, fn
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="consumer warpgroups"):
+        k6.compile_kernel(Problem(1, 2, 128, 64, False), block_m=128, ctas_per_sm=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        k6.compile_kernel(Problem(1, 2, 128, 128, False), block_m=64, ctas_per_sm=2)
