@@ -36,13 +36,12 @@ import torch
 from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tensors,
                                          run_attention)
 
-# Fastest first, by the same-run benchmarks in results/ (2026-11-23: k6 1.02-1.03x k5 at
-# d = 128; k6 alone runs d 96-256 and fp16). At d = 64 without a mask k5 leads (1.6-3.1% at
-# N = 1k/4k/16k, round-robin, results/h100/2026-11-23_k5_k6_d64_interleaved.json); with a
-# causal mask k6 leads since its 192-row long-sequence tiles (1.18x / 1.03x / 1.01x k5,
-# same run). k6 still takes what k5 refuses.
+# Fastest first, by the same-run benchmarks in results/ (k6 alone runs d 96-256 and fp16).
+# k6 leads k5 everywhere since 2026-11-26 (round-robin, results/h100/2026-11-26_bench_k4-k6.json:
+# d = 64 without a mask 1.15 / 1.09 / 1.05 / 1.03 / 1.02 / 1.01x at N = 512 ... 16k, where k5
+# led by 1.6-3.1% on 2026-11-23; with a mask 1.09-1.34x; d = 128 1.13-1.17x, causal 1.13-1.23x).
 PREFERENCE = ("k6", "k5", "k4")
-PREFERENCE_BY_HEAD_DIM = {(64, False): ("k5", "k6", "k4")}      # (head_dim, causal)
+PREFERENCE_BY_HEAD_DIM: dict = {}      # (head_dim, causal) -> another order, where measured
 BACKWARD_PREFERENCE = ("kb2", "kb1")
 
 _HANDLES: dict = {}
