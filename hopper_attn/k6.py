@@ -208,13 +208,15 @@ PINNED_IN_ITERATION = {192, 256}
 # wider tiles spill or make ptxas serialize the WGMMAs, and at d = 256 even 64 keys do
 # (`C7512`); 48 splits PV into one group per slice; CPU): not measured
 S_AHEAD_BLOCK_N = {64: 64, 96: 64, 128: 64, 192: 64}
-# (head_dim, causal) whose epilogue does not wait for its TMA store to read O's own buffer
-# until the next item's epilogue (`defer_store_wait`): d = 64 without a mask (192-row tiles,
-# turns) on top of O's own buffer, gain in time in two runs +1.7 / +1.6% (N = 1k), +1.0 / +1.0%
-# (2k), +0.7 / +0.7% (4k), +0.3 / +0.3% (16k); elsewhere it lost (one run): d = 96 full a tie, d = 64 / 128 causal -1.4 to +1.1%, d = 128 full
-# -1.0 / -0.5%, k7 -0.6 to -7% (results/h100/2026-11-26_k6_defer_store_wait_*.json,
-# _k6_own_o_buffer_d64_full_run2.json, _k7_defer_store_wait.json)
-DEFER_STORE_WAIT = {(64, False)}
+# The epilogue's TMA store not waited for until the next item's epilogue (`defer_store_wait`)
+# pays where O has its own buffer and the consumer warpgroups take turns (a warpgroup that
+# waits for the store holds up the others' turns), so that is compile_kernel's default.
+# Gain in time, two round-robin runs each (results/h100/2026-11-26_k6_defer_store_wait_*.json):
+# with turns d = 64 without a mask (192 rows) +1.7 / +1.6% (N = 1k), +1.0 / +1.0% (2k),
+# +0.7 / +0.7% (4k), +0.3 / +0.3% (16k); d = 64 causal (128 rows) +1.4 / +1.0% (1k), +1.2 /
+# +1.3% (1.5k); d = 96 (128 rows) +2.3 / +2.8% (1k), causal +2.1 / +2.0% (1k), +0.5 / +0.6% (4k).
+# Without turns it loses or ties (one run): d = 64 causal 4k -1.4%, d = 96 192 x 96 -0.3 to
+# +0.1%, d = 128 -0.5 to -1.3%, k7 -0.6 to -7% (_k7_defer_store_wait.json)
 # ping-pong (turns between the consumer warpgroups) off at d = 128 since the waits and loads of
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
@@ -680,7 +682,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     end keeps only the rings and turns going; s_ahead: QK one tile ahead into a second S
     accumulator, the softmax under both GEMMs (no turns, the PV wait in the iteration);
     defer_store_wait: with own_o_buffer, the epilogue's TMA store is waited for (its read of
-    O's buffer) only before the next item's epilogue (None: DEFER_STORE_WAIT); ctas_per_sm: 2
+    O's buffer) only before the next item's epilogue (None: with O's own buffer and turns,
+    as measured; see the comment above TILES); ctas_per_sm: 2
     runs two CTAs of one consumer warpgroup each (block_m=64) on every SM, so that one CTA's
     work-item boundary (epilogue, next Q, first QK and softmax) overlaps the other's loop."""
     if s_ahead:
@@ -698,9 +701,6 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         LOAD_ORDER.get((problem.head_dim, problem.causal), (False, False))
     v_lags_k = lags if v_lags_k is None else v_lags_k
     own_o_buffer = (own and not direct_store) if own_o_buffer is None else own_o_buffer
-    if defer_store_wait is None:
-        defer_store_wait = (own_o_buffer and not custom
-                            and (problem.head_dim, problem.causal) in DEFER_STORE_WAIT)
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
@@ -739,6 +739,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             # idle warpgroups skip the last tile's math: +1.7 / +1.5% (2k), +0.8 / +0.6%
             # (4k), +2.1 / +1.9% (16k) in two runs (_k6_skip_idle_wgs_d96_run2.json)
             skip_idle_wgs = True if skip_idle_wgs is None else skip_idle_wgs
+    if defer_store_wait is None:
+        turns = TILES[problem.head_dim][2] if pingpong is None else pingpong
+        defer_store_wait = bool(own_o_buffer and not custom and turns)
     # d = 64 on 192-row tiles (three consumer warpgroups: without a mask, and with one from
     # LONG_CAUSAL_D64 queries on) takes three settings together: K_{j+1} loaded before V_j
     # (LOAD_ORDER), spinning waits and SMEM descriptors in uniform registers: +2.0-2.3%
