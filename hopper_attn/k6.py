@@ -740,7 +740,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             # (4k), +2.1 / +1.9% (16k) in two runs (_k6_skip_idle_wgs_d96_run2.json)
             skip_idle_wgs = True if skip_idle_wgs is None else skip_idle_wgs
     if defer_store_wait is None:
-        turns = TILES[problem.head_dim][2] if pingpong is None else pingpong
+        turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
         defer_store_wait = bool(own_o_buffer and not custom and turns)
     # d = 64 on 192-row tiles (three consumer warpgroups: without a mask, and with one from
     # LONG_CAUSAL_D64 queries on) takes three settings together: K_{j+1} loaded before V_j
