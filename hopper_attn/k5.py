@@ -321,27 +321,43 @@ class FlashAttentionK5:
                     self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
                                         seqlen_q)
                 else:
-                    if cutlass.const_expr(self.defer_store_wait):
-                        if warp == 4:                   # the last item's store has read sO
-                            tma.store_read_wait()
-                    self.epilogue_barrier.arrive_and_wait()     # every WG's last QK is done
-                    self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO_buffer)
-                    cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA
-                    self.epilogue_barrier.arrive_and_wait()
-                    if warp == 4:                               # the first consumer warp
-                        o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_buffer)
-                        # returns once SMEM is read (defer_store_wait: at once)
-                        o_store.store(m_block, wait_read=not self.defer_store_wait)
+                    self.store_o(mmas.mma_pv, ctidx, warp, o_out, sO_buffer, tma_o, mO,
+                                 m_block, head, batch)
                 if cutlass.const_expr(not (self.own_o_buffer or self.direct_store)):
                     loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
-            if cutlass.const_expr(self.defer_store_wait):
-                if warp == 4:                           # SMEM stays valid until it is read
-                    tma.store_read_wait()
+            self.drain_o_store(warp)
 
+
+    @cute.jit
+    def store_o(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO: cute.Tensor,
+                tma_o: cute.CopyAtom, mO: cute.Tensor, m_block, head, batch):
+        """O (16-bit registers) -> the SMEM tile sO -> one TMA store, issued by the first
+        consumer warp. The first barrier: nobody still reads sO's previous contents (every
+        warpgroup's last QK when sO is Q's buffer; with defer_store_wait the previous item's
+        store, which the first warp waits for just before). The store returns once SMEM is
+        read, or at once with defer_store_wait (then `drain_o_store` before the CTA exits)."""
+        if cutlass.const_expr(self.defer_store_wait):
+            if warp == 4:
+                tma.store_read_wait()
+        self.epilogue_barrier.arrive_and_wait()
+        self.o_to_smem(mma_pv, ctidx, o_out, sO)
+        cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
+        self.epilogue_barrier.arrive_and_wait()
+        if warp == 4:
+            o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO)
+            o_store.store(m_block, wait_read=not self.defer_store_wait)
+
+    @cute.jit
+    def drain_o_store(self, warp):
+        """After the last work item: with defer_store_wait the last TMA store may still be
+        reading sO, which must stay valid until it has."""
+        if cutlass.const_expr(self.defer_store_wait):
+            if warp == 4:
+                tma.store_read_wait()
 
     @cute.jit
     def store_o_direct(self, mOut: cute.Tensor, o_out: cute.Tensor, thr_pv, m_block, head,

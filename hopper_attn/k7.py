@@ -321,21 +321,11 @@ class FlashAttentionK7(FlashAttentionK6):
                     self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
                                         seqlen_q)
                 else:
-                    if cutlass.const_expr(self.defer_store_wait):
-                        if warp == 4:
-                            tma.store_read_wait()
-                    self.epilogue_barrier.arrive_and_wait()     # the last store has read sO
-                    self.o_to_smem(mmas.mma_pv, ctidx, o_out, sO)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    self.epilogue_barrier.arrive_and_wait()
-                    if warp == 4:
-                        o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO)
-                        o_store.store(m_block, wait_read=not self.defer_store_wait)
+                    self.store_o(mmas.mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block,
+                                 head, batch)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
-            if cutlass.const_expr(self.defer_store_wait):
-                if warp == 4:
-                    tma.store_read_wait()
+            self.drain_o_store(warp)
 
     @cute.jit
     def transpose_loop(self, loads: tma.SplitKVLoads, vt_pipe, queue, storage, kv_layout,
