@@ -84,8 +84,8 @@ conversions fill the gaps between the remaining exp2s, as in FlashAttention-4's 
 of running one after the other at the loop's top: +1.9-4.5% without a mask, +3.9-5.1% with one
 from N = 2k (docs/k6.md "The PV wait among the exp2s").
 
-Eighth step, one PV group at d = 192 and 256 (PINNED_IN_ITERATION): with kv tiles of 112 and
-80 keys ptxas issued the loop's PV as one WGMMA group per k16 slice of P, so the softmax
+Eighth step, one PV group at d = 192 and 256, later 96 (PINNED_IN_ITERATION): with kv tiles
+of 112 and 80 keys ptxas issued the loop's PV as one WGMMA group per k16 slice of P, so the softmax
 overlapped only PV's last slice; P's slices converted last first (`reverse_p`) keep PV one
 group when its wait is in the iteration, here after the softmax, pinned by a fence: +3.4-5.5%
 at d = 192, up to +3% at d = 256 (docs/k6.md "One WGMMA group per P slice").
@@ -194,19 +194,24 @@ V_RELEASE_LAST = {(128, False), (256, False), (256, True)}
 # that a tie or -1-2%) +3.9 / +4.7 / +5.1 / +3.9% at 2k-16k but -4.6% at 1k; d = 64, 96,
 # 192, 256 lose 1-19% (results/h100/2026-11-26_k6_pv_wait_after_*.json)
 PV_WAIT_AFTER = {(128, False): (7, 0), (128, True): (7, 2048)}
-# head dims whose PV wait is back in the iteration, after the whole softmax, pinned there by a
-# memory fence (`wait_pv_late=0, pin_pv_wait=1`), with P's k16 slices converted last first
+# (head_dim, causal) -> shortest query length whose PV wait is back in the iteration, after
+# the whole softmax, pinned there by a memory fence (`wait_pv_late=0, pin_pv_wait=1`), with P's k16 slices converted last first
 # (`reverse_p`) so that the loop's PV is one WGMMA group and `wait_group(1)` no longer waits
 # for all of PV but its last slice (docs/k6.md "One WGMMA group per P slice"). Round-robin
 # against the late pinned wait with FA4 in the run, H100 (results/h100/2026-11-26_k6_pinned_
 # in_iteration_*.json), gain in time: d = 256 without a mask +3.0 / +1.2% (N = 2k), +1.1 /
 # +1.0% (4k), +0.6 / +0.7% (8k), -0.5 / +0.3% (16k); with one +1.2 / +1.3, +0.4 / +0.6,
 # -0.2 / -0.4, +3.3 / +3.0%; d = 192 +5.4 / +5.5% without a mask and +3.4 / +3.9% with one
-# (N = 4k / 16k)
-PINNED_IN_ITERATION = {192, 256}
+# (N = 4k / 16k). d = 96: on its 192 x 96 tile (no mask, from LONG_D96) +6.0 / +6.0% (2k),
+# +6.4 / +6.4% (4k), +6.7 / +6.5% (16k) against the late wait (`_k6_d96_one_pv_group*.json`);
+# with a mask, where the pinned wait already was the default (+2-3%), P last slice first
+# +3.0 / +3.4 / +3.2% (2k / 4k / 16k) and +3.4 / +3.2% (4k / 16k; `_k6_d96_causal_reverse_p*`)
+PINNED_IN_ITERATION = {(192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0,
+                       (96, False): LONG_D96, (96, True): 0}
 # head_dim -> kv tile for `s_ahead` (QK one tile ahead: two S accumulators next to O and P;
 # wider tiles spill or make ptxas serialize the WGMMAs, and at d = 256 even 64 keys do
-# (`C7512`); 48 splits PV into one group per slice; CPU): not measured
+# (`C7512`); 48 splits PV into one group per slice; CPU); measured 0.42-0.48x the default
+# loop (results/h100/2026-11-26_k6_s_ahead.json): off
 S_AHEAD_BLOCK_N = {64: 64, 96: 64, 128: 64, 192: 64}
 # The epilogue's TMA store not waited for until the next item's epilogue (`defer_store_wait`)
 # pays where O has its own buffer and the consumer warpgroups take turns (a warpgroup that
@@ -674,7 +679,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     MiB of K and V (0: LONGEST_FIRST's); v_release_last: V's stage handed back after P's
     conversion, without a branch (None: V_RELEASE_LAST, and d = 64 on 192-row tiles);
     reverse_p: P's slices converted last first, one PV group (None: with the PV wait in the
-    iteration at the head dims of PINNED_IN_ITERATION); opaque_p: each exp2 result through an
+    iteration where PINNED_IN_ITERATION has it); opaque_p: each exp2 result through an
     opaque move (no exp2 computed twice); rescale_before_pv: O rescaled under the QK GEMM
     (needs the PV wait in the iteration); direct_store: O from registers straight to global
     memory, no staging buffer (Q released after the last QK, where own_o_buffer does not
@@ -718,24 +723,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     if problem.head_dim == 96 and not block_m:
         # measured round-robin against the 128 x 128 ping-pong tile with the late wait
         # (results/h100/2026-11-23_k6_d96_tiles.json, _k6_pin_pv_wait_d96_256.json, docs/k6.md)
-        if problem.causal:      # the wait pinned in place instead of late: +2-3% (two runs)
-            wait_pv_late = False if wait_pv_late is None else wait_pv_late
-            pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
-            # P's slices last first (one PV group): +3.4 / +3.2% (N = 4k / 16k) and
-            # +3.0 / +3.4 / +3.2% (2k / 4k / 16k) in two runs (_k6_d96_causal_reverse_p*.json)
-            reverse_p = True if reverse_p is None else reverse_p
-        elif problem.seqlen >= LONG_D96:
+        # (with a mask the PV wait pinned in place instead of late, +2-3% in two runs, and
+        # the 192 x 96 tile's one PV group: PINNED_IN_ITERATION)
+        if not problem.causal and problem.seqlen >= LONG_D96:
             # three consumer warpgroups on 192 x 96, no turns: +2.5-3.7% at N >= 4k, a tie
             # at 2k, -10% at 1k (fewer work items than SMs x warpgroups)
             block_m, block_n = 192, block_n or 96
             pingpong = False if pingpong is None else pingpong
-            # and one PV group (PINNED_IN_ITERATION's cure: the wait in the iteration,
-            # pinned, P's slices last first): +6.0 / +6.4 / +6.7% and +6.0 / +6.4 / +6.5%
-            # at N = 2k / 4k / 16k against the late wait in two round-robin runs
-            # (results/h100/2026-11-26_k6_d96_one_pv_group*.json)
-            wait_pv_late = False if wait_pv_late is None else wait_pv_late
-            pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
-            reverse_p = True if reverse_p is None else reverse_p
             # idle warpgroups skip the last tile's math: +1.7 / +1.5% (2k), +0.8 / +0.6%
             # (4k), +2.1 / +1.9% (16k) in two runs (_k6_skip_idle_wgs_d96_run2.json)
             skip_idle_wgs = True if skip_idle_wgs is None else skip_idle_wgs
@@ -765,14 +759,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
         pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
                                   and problem.seqlen >= shortest) else 0
-    if (problem.head_dim in PINNED_IN_ITERATION and not custom and not pv_wait_after
-            and not lazy_rescale and not exp_turns):
+    shortest = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
+    one_pv_group = not custom and shortest is not None and problem.seqlen >= shortest
+    if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns):
         wait_pv_late = False if wait_pv_late is None else wait_pv_late
         pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
     if reverse_p is None:
         # one PV group needs the wait in the iteration; behind the late one it does not help
-        reverse_p = (problem.head_dim in PINNED_IN_ITERATION and not custom
-                     and (pv_wait_after > 0 or wait_pv_late is False))
+        reverse_p = one_pv_group and (pv_wait_after > 0 or wait_pv_late is False)
     if v_release_last is None:
         # with the PV wait among the exp2s always: the release's `if` would end their block
         v_release_last = ((problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64
