@@ -87,6 +87,7 @@ SPEC = KernelSpec(
 DEFAULT_BLOCK_M = {64: 192, 128: 128}      # k4's tiles (FlashAttention-4's too)
 EPILOGUE_BARRIER = 1
 FIRST_SCHEDULER_BARRIER = 2
+WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup (k6's wg_store)
 SMEM_PER_CTA = 227 * 1024          # the most dynamic shared memory one CTA may use (sm_90)
 SMEM_PER_SM = 228 * 1024           # what the CTAs on one SM share
 
@@ -150,6 +151,8 @@ class FlashAttentionK5:
         # of one 4-byte store per register pair: +0.0-0.9% in k6, +0.0-0.4% here, measured
         # round-robin (results/h100/2026-11-25_k6_quad_max_stmatrix_o.json, _k5_stmatrix_o.json)
         self.stmatrix_o = bool(stmatrix_o)
+        self.early_q_release = False            # k6's option (its main loop releases Q)
+        self.wg_store = False                   # k6's option: each warpgroup stores its rows
 
     def item_queue(self, storage, receivers: int):
         """The dynamic schedule's queue of work items from the producer warp to `receivers`
@@ -204,7 +207,10 @@ class FlashAttentionK5:
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d)
         self.tile_bytes = kv_bytes // 2                         # one K (or V) tile
-        tma_o, o_coords = tma.make_tma_store(o, q_layout, bm, d)
+        # (k6's wg_store: each consumer warpgroup stores its own 64 rows)
+        o_rows = 64 if self.wg_store else bm
+        tma_o, o_coords = tma.make_tma_store(o, smem_tile_layout(self.dtype, o_rows, d),
+                                             o_rows, d)
 
         @cute.struct
         class SharedStorage:
@@ -252,6 +258,8 @@ class FlashAttentionK5:
         # O is staged in Q's buffer (k6's option own_o_buffer: a buffer of its own)
         sO_buffer = storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner) \
             if cutlass.const_expr(self.own_o_buffer) else sQ
+        if cutlass.const_expr(self.wg_store):
+            sO_buffer = wg_major_o_buffer(storage, self.dtype, self.warpgroups, self.head_dim)
         sVt = transposed(sV)                                                    # (d, bn, stage)
 
         # Warp 0 initialises every mbarrier; the one CTA-wide sync of the kernel publishes
@@ -301,14 +309,19 @@ class FlashAttentionK5:
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
                 acc_o.fill(0.0)
                 softmax.reset()
+                phase = self.trace.start("wait_q")
                 loads.wait_q(q_state)
+                self.trace.end(phase)
                 k_state, v_state = self.mainloop(
                     loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
                     mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
                     mmas.s_coords, softmax, k_state, v_state)
                 if cutlass.const_expr(self.own_o_buffer or self.direct_store):
-                    loads.release(loads.q_pipe, q_state)    # (k6's options) Q is read: the
-                    q_state.advance()                       # next one loads under the epilogue
+                    # (k6's options) Q is read: the next one loads under the epilogue (with
+                    # early_q_release the main loop handed it back after the last QK)
+                    if cutlass.const_expr(not self.early_q_release):
+                        loads.release(loads.q_pipe, q_state)
+                    q_state.advance()
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
                 phase = self.trace.start("epilogue")
@@ -340,6 +353,9 @@ class FlashAttentionK5:
         warpgroup's last QK when sO is Q's buffer; with defer_store_wait the previous item's
         store, which the first warp waits for just before). The store returns once SMEM is
         read, or at once with defer_store_wait (then `drain_o_store` before the CTA exits)."""
+        if cutlass.const_expr(self.wg_store):
+            self.store_o_wg(mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block, head, batch)
+            return
         if cutlass.const_expr(self.defer_store_wait):
             if warp == 4:
                 tma.store_read_wait()
@@ -352,10 +368,36 @@ class FlashAttentionK5:
             o_store.store(m_block, wait_read=not self.defer_store_wait)
 
     @cute.jit
+    def store_o_wg(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO,
+                   tma_o: cute.CopyAtom, mO: cute.Tensor, m_block, head, batch):
+        """k6's `wg_store`: each consumer warpgroup writes its own 64 rows of O into its own
+        slab of the O buffer and its first warp stores them with a TMA store of 64 rows, on
+        a barrier of the warpgroup's 128 threads: no warpgroup waits for another at the end
+        of a work item, so the turns keep their stagger into the next one. A slab is written
+        again only an item later: its store's read is waited for just before (by the warp
+        that issued it), as with defer_store_wait."""
+        sO_rows, sO_slabs = sO
+        wg = warp // 4 - 1
+        barrier = pipeline.NamedBarrier(barrier_id=WG_EPILOGUE_BARRIER + wg,
+                                        num_threads=128)
+        if warp % 4 == 0:
+            tma.store_read_wait()                       # this slab's previous store
+        barrier.arrive_and_wait()
+        self.o_to_smem(mma_pv, ctidx, o_out, sO_rows)
+        cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
+        barrier.arrive_and_wait()
+        if warp % 4 == 0:
+            o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_slabs[None, None, wg])
+            o_store.store(m_block * self.warpgroups + wg, wait_read=False)
+
+    @cute.jit
     def drain_o_store(self, warp):
-        """After the last work item: with defer_store_wait the last TMA store may still be
-        reading sO, which must stay valid until it has."""
-        if cutlass.const_expr(self.defer_store_wait):
+        """After the last work item: with defer_store_wait (or wg_store) the last TMA store
+        may still be reading sO, which must stay valid until it has."""
+        if cutlass.const_expr(self.wg_store):
+            if warp % 4 == 0:
+                tma.store_read_wait()
+        elif cutlass.const_expr(self.defer_store_wait):
             if warp == 4:
                 tma.store_read_wait()
 
@@ -631,6 +673,20 @@ class FlashAttentionK5:
         v_state.advance()
         self.trace.end(phase)
         return v_state
+
+
+@cute.jit
+def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
+    """O's own buffer as one (64, d) tile per consumer warpgroup, each a 64-row TMA box
+    (k6's wg_store): (a (64 x W, d) view for the stmatrix partition, the (64, d, W) slabs).
+    Both views share the swizzle; every slab is 1024-byte aligned, so it swizzles as a
+    tile of its own."""
+    slabs = smem_tile_layout(dtype, 64, head_dim, warpgroups)
+    outer = slabs.outer
+    rows = cute.make_layout(((outer.shape[0], outer.shape[2]), outer.shape[1]),
+                            stride=((outer.stride[0], outer.stride[2]), outer.stride[1]))
+    return (storage.sO.get_tensor(rows, swizzle=slabs.inner),
+            storage.sO.get_tensor(outer, swizzle=slabs.inner))
 
 
 def lse_buffer(problem, device) -> list:

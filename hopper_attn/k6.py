@@ -228,6 +228,22 @@ S_AHEAD_BLOCK_N = {64: 64, 96: 64, 128: 64, 192: 64}
 # needs it (-3.7-5.7% without), with a mask see compile_kernel (docs/k6.md)
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
+# A work item's end (docs/k6.md "Where a work item ends"): `early_q_release` hands Q's stage
+# back right after the item's last QK, so the next item's Q loads under the last softmax, PV
+# and epilogue; `wg_store` lets each consumer warpgroup store its own 64 rows of O, so that
+# none waits for the others at the item's end. Both need O's own buffer (d <= 128).
+# (head_dim, causal) -> the query lengths below which each is compile_kernel's default.
+# Gain in time, round-robin against the old default with FA4 and cuDNN in the run, H100
+# (results/h100/2026-11-26_k6_item_end_*.json), both together unless said: d = 128 +6.2% (1k),
+# +3.8% (2k), +2.3% (4k), +1.5% (8k), +1.1% (16k); with a mask +8.4, +3.6, +2.3, +0.8,
+# +1.5%; d = 96 +4.2% (1k), +1.1% (4k), with a mask +5.8%, 0.0%; d = 64 with a mask +3.8 /
+# +3.5% (1k), +3.4 / +3.5% (2k), +1.4 / +1.3% (4k), -1.0% (16k); d = 64 without a mask
+# early_q_release alone +2.0 / +2.0% (1k), +1.0 / +1.0% (2k), +0.4 / +0.4% (4k), 0.0% (16k),
+# with wg_store as well +3.8 / +3.9% (1k) but +0.4% (2k), -1.7% (4k), -3.4% (16k)
+ALL_LENGTHS = 1 << 31
+ITEM_END = {(64, False): (ALL_LENGTHS, 2048), (64, True): (8192, 8192),
+            (96, False): (ALL_LENGTHS, ALL_LENGTHS), (96, True): (4096, 4096),
+            (128, False): (ALL_LENGTHS, ALL_LENGTHS), (128, True): (ALL_LENGTHS, ALL_LENGTHS)}
 
 
 class FlashAttentionK6(FlashAttentionK5):
@@ -241,7 +257,8 @@ class FlashAttentionK6(FlashAttentionK5):
                  v_release_last: bool = False, pv_wait_after: int = 0, reverse_p: bool = False,
                  opaque_p: bool = False, rescale_before_pv: bool = False,
                  direct_store: bool = False, skip_idle_wgs: bool = False,
-                 s_ahead: bool = False, defer_store_wait: bool = False, **options):
+                 s_ahead: bool = False, defer_store_wait: bool = False,
+                 early_q_release: bool = False, wg_store: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # a consumer warpgroup whose 64 query rows all lie past the sequence's end (the last
         # query tile of a length that is no multiple of block_m) only keeps the rings and the
@@ -275,8 +292,9 @@ class FlashAttentionK6(FlashAttentionK5):
         # FlashAttention-4 does at d = 96: frees P's registers for wider tiles, costs a P
         # buffer, a store and a warpgroup barrier per tile (read by smem_estimate)
         self.p_in_smem = bool(p_in_smem)
-        # O staged in a buffer of its own (as k7 does): Q is released right after the last
-        # QK of a work item, so the next item's Q loads under this one's epilogue
+        # O staged in a buffer of its own (as k7 does): Q is released after the work item's
+        # loop (with early_q_release right after its last QK), so the next item's Q loads
+        # under this one's epilogue
         self.own_o_buffer = bool(own_o_buffer)
         # and the epilogue's TMA store not waited for until the next item's epilogue (in
         # Q's buffer the next Q has to wait for the read anyway)
@@ -334,6 +352,19 @@ class FlashAttentionK6(FlashAttentionK5):
         self.exp_turns = dataclasses.replace(self.exp_turns, on=bool(exp_turns))
         if self.skip_idle_wgs and (exp_turns or self.p_in_smem):
             raise ValueError("skip_idle_wgs: not with exp_turns or p_in_smem")
+        # Q handed back inside the loop, right after the item's last QK (its stage is
+        # then free while the last softmax, the last PV and the epilogue run), instead of
+        # after the loop: needs O staged elsewhere than in Q's buffer
+        if early_q_release and not (self.own_o_buffer or self.direct_store):
+            raise ValueError("early_q_release needs own_o_buffer=1 or direct_store=1")
+        if early_q_release and self.s_ahead:
+            raise ValueError("early_q_release: not with s_ahead")
+        self.early_q_release = bool(early_q_release)
+        # each consumer warpgroup stores its own 64 rows of O (k5's `store_o_wg`): no barrier
+        # of all consumer warpgroups at the end of a work item
+        if wg_store and not self.own_o_buffer:
+            raise ValueError("wg_store needs own_o_buffer=1")
+        self.wg_store = bool(wg_store)
         if self.s_ahead and (self.pingpong.enabled or self.wait_pv_late or self.lazy_rescale
                              or exp_turns or self.p_in_smem or self.rescale_before_pv
                              or pv_wait_after or self.skip_idle_wgs):
@@ -461,6 +492,8 @@ class FlashAttentionK6(FlashAttentionK5):
         `last_pv` do, so that the producer and the other warpgroups see the same arrivals,
         but issues no GEMM and runs no softmax."""
         pingpong = self.pingpong
+        if cutlass.const_expr(self.early_q_release):
+            self.release_q_if(loads, True)              # this warpgroup never reads Q
         pingpong.start(wg)
         for n in cutlass.range(n_count, unroll=1):
             loads.wait(loads.k_pipe, k_state)
@@ -526,6 +559,8 @@ class FlashAttentionK6(FlashAttentionK5):
                 warpgroup.wait_group(0)
             loads.release(loads.k_pipe, k_state)       # K_n read: its stage is free
             k_state.advance()
+            if cutlass.const_expr(self.early_q_release):
+                self.release_q_if(loads, n == n_count - 1)  # the item's last QK is done
             self.trace.end(phase)
             # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
             phase = self.trace.start("softmax")
@@ -541,6 +576,16 @@ class FlashAttentionK6(FlashAttentionK5):
             scale_rows(o_rc, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         return k_state, v_state
+
+    @cute.jit
+    def release_q_if(self, loads: tma.SplitKVLoads, last):
+        """`early_q_release`: this warp hands Q's one stage back where `last` holds, as a
+        predicated arrive (no branch in the loop). The kernel then only advances its Q
+        state after the loop."""
+        is_last = Int32(0)
+        if last:
+            is_last = Int32(1)
+        tma.elected_arrive_if(loads.q_pipe.sync_object_empty.get_barrier(0), is_last)
 
     @cute.jit
     def scores_to_probs_k6(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
@@ -652,7 +697,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    opaque_p: bool = False, rescale_before_pv: bool = False,
                    direct_store: bool = False, skip_idle_wgs: Optional[bool] = None,
                    s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
-                   ctas_per_sm: int = 1):
+                   ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
+                   wg_store: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -690,7 +736,12 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     O's buffer) only before the next item's epilogue (None: with O's own buffer and turns,
     as measured; see the comment above TILES); ctas_per_sm: 2
     runs two CTAs of one consumer warpgroup each (block_m=64) on every SM, so that one CTA's
-    work-item boundary (epilogue, next Q, first QK and softmax) overlaps the other's loop."""
+    work-item boundary (epilogue, next Q, first QK and softmax) overlaps the other's loop;
+    early_q_release: with O's own buffer (or direct_store), Q's stage handed back right after
+    the item's last QK, inside the loop, instead of after its last PV; wg_store: with O's
+    own buffer, each consumer warpgroup stores its 64 rows itself (a 64-row TMA store on a
+    barrier of the warpgroup), without the epilogue's barrier of all consumers (None, both:
+    ITEM_END's choice for the head dim, mask and length)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -733,9 +784,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             # idle warpgroups skip the last tile's math: +1.7 / +1.5% (2k), +0.8 / +0.6%
             # (4k), +2.1 / +1.9% (16k) in two runs (_k6_skip_idle_wgs_d96_run2.json)
             skip_idle_wgs = True if skip_idle_wgs is None else skip_idle_wgs
+    eqr_below, wg_below = (0, 0) if custom or not own_o_buffer else \
+        ITEM_END.get((problem.head_dim, problem.causal), (0, 0))
+    early_q_release = problem.seqlen < eqr_below if early_q_release is None else early_q_release
+    wg_store = problem.seqlen < wg_below if wg_store is None else wg_store
     if defer_store_wait is None:
+        # (wg_store waits for each warpgroup's store one item later anyway)
         turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
-        defer_store_wait = bool(own_o_buffer and not custom and turns)
+        defer_store_wait = bool(own_o_buffer and not custom and turns and not wg_store)
     # d = 64 on 192-row tiles (three consumer warpgroups: without a mask, and with one from
     # LONG_CAUSAL_D64 queries on) takes three settings together: K_{j+1} loaded before V_j
     # (LOAD_ORDER), spinning waits and SMEM descriptors in uniform registers: +2.0-2.3%
@@ -805,7 +861,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "skip_idle_wgs": bool(skip_idle_wgs),
                               "s_ahead": bool(s_ahead),
                               "defer_store_wait": bool(defer_store_wait),
-                              "ctas_per_sm": int(ctas_per_sm)},
+                              "ctas_per_sm": int(ctas_per_sm),
+                              "early_q_release": bool(early_q_release),
+                              "wg_store": bool(wg_store)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

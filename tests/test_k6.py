@@ -486,8 +486,8 @@ def test_v_released_after_p_without_a_branch(name, d, causal, on):
     stage back after P's conversion with one predicated arrive (elect.sync and n > 0 as
     predicates, no `if`), so the exp2s and P's conversions share one basic block; where the
     PV wait is not late (d = 64), ptxas then spreads the conversions among the exp2s, as in
-    FlashAttention-4's loop."""
-    art = artifacts(d, causal, name=name)
+    FlashAttention-4's loop. (early_q_release off: its Q release is such an arrive too.)"""
+    art = artifacts(d, causal, name=name + ":early_q_release=0")
     assert art["kernel"]["options"]["v_release_last"] == on
     assert (count(art["ptx"], r"@p mbarrier\.arrive\.shared::cta\.b64") >= 1) == on
     if d == 64 and not causal:
@@ -630,12 +630,14 @@ def test_defer_store_wait():
     import re
     store = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
     wait = "cp.async.bulk.wait_group.read"
-    deferred, plain = artifacts(64, False), artifacts(128, False)
+    # (wg_store off: where it is on, each warpgroup defers its own store's wait)
+    deferred = artifacts(64, False, "k6:wg_store=0")
+    plain = artifacts(128, False, "k6:wg_store=0")
     for art in (deferred, plain, artifacts(96, False)):
         assert art["kernel"]["options"]["own_o_buffer"], art["kernel"]["options"]
     assert deferred["kernel"]["options"]["defer_store_wait"]
     assert not plain["kernel"]["options"]["defer_store_wait"]       # no turns at d = 128
-    assert artifacts(64, True)["kernel"]["options"]["defer_store_wait"]   # 128 rows, turns
+    assert artifacts(64, True, "k6:wg_store=0")["kernel"]["options"]["defer_store_wait"]
     ptx = deferred["ptx"]
     first_store = store.search(ptx).start()
     assert ptx.index(wait) < first_store < ptx.rindex(wait)
@@ -667,3 +669,42 @@ def test_two_ctas_per_sm():
         k6.compile_kernel(Problem(1, 2, 128, 64, False), block_m=128, ctas_per_sm=2)
     with pytest.raises(ValueError, match="shared memory"):
         k6.compile_kernel(Problem(1, 2, 128, 128, False), block_m=64, ctas_per_sm=2)
+
+
+def test_item_end_options(monkeypatch):
+    """A work item's end (ITEM_END, measured 2026-11-26, docs/k6.md "Where a work item ends"):
+    with early_q_release the loop hands Q's stage back itself (a third predicated mbarrier
+    arrive in the loop, next to K's and V's); with wg_store each consumer warpgroup stores
+    its own rows on a barrier of its 128 threads, and no barrier of all consumer threads is
+    left. Both are the defaults at short lengths and refused without O's own buffer."""
+    from hopper_attn.harness.sass_order import loop_body, loops
+
+    def loop_arrives(art):
+        text = sass(art["cubin"])
+        return sum("SYNCS.ARRIVE" in line for line in loop_body(text, loops(text)[0]))
+
+    new, old = artifacts(64, False), artifacts(64, False, "k6:early_q_release=0,wg_store=0")
+    assert new["kernel"]["options"]["early_q_release"] and new["kernel"]["options"]["wg_store"]
+    assert loop_arrives(new) == loop_arrives(old) + 1 == 3
+    all_consumers = "bar.sync \t1, 384;"
+    assert all_consumers in old["ptx"] and all_consumers not in new["ptx"]
+    assert re.search(r"bar\.sync \t%r\d+, 128;", new["ptx"])
+    for art in (new, artifacts(128, True), artifacts(96, True)):
+        for fn in resource_usage(art["cubin"]):
+            assert fn["local"] == 0 and fn["stack"] == 0, fn
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    options = {}
+    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    for d, causal, n, on in [(64, False, 1024, (True, True)), (64, False, 4096, (True, False)),
+                             (64, True, 4096, (True, True)), (64, True, 16384, (False, False)),
+                             (96, True, 8192, (False, False)), (128, True, 16384, (True, True)),
+                             (256, False, 1024, (False, False))]:
+        options = k6.compile_kernel(Problem(1, 2, n, d, causal))
+        assert (options["early_q_release"], options["wg_store"]) == on, (d, causal, n)
+        assert not (options["wg_store"] and options["defer_store_wait"])
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="own_o_buffer"):
+        k6.compile_kernel(Problem(1, 2, 128, 256, False), wg_store=True)
+    with pytest.raises(ValueError, match="own_o_buffer"):
+        k6.compile_kernel(Problem(1, 2, 128, 256, False), early_q_release=True)

@@ -14,7 +14,8 @@ in https://ui.perfetto.dev) and ``<kernel>.cost.json``: the kernel's time with a
 the ranges, measured in the same traced process, with the versions it ran with.
 
 `plot` draws one lane per warpgroup (its first warp) of the recorded CTA, a window of a few
-microseconds in the steady state, one panel per trace; `stats` sums the phases.
+microseconds in the steady state, one panel per trace; `stats` sums the phases; `items`
+measures where one work item ends and the next begins (k5-k7's persistent loop).
 """
 
 from __future__ import annotations
@@ -213,6 +214,55 @@ def plot(args) -> int:
     return 0
 
 
+def item_ends(rows) -> dict:
+    """Per consumer warpgroup (its first warp): the steady kv-tile period (softmax start to
+    softmax start inside a work item) and the work item's end (the last softmax start of an
+    item to the first of the next), with the median length of each phase in between, in ns.
+    A work item ends with its `epilogue` range."""
+    import statistics
+    out = {}
+    for wg in sorted({w // 4 for w, *_ in rows if w % 4 == 0 and w >= 4}):
+        ranges = sorted((r for r in rows if r[0] == 4 * wg), key=lambda r: r[2])
+        items, current = [], []
+        for r in ranges:
+            current.append(r)
+            if r[1] == "epilogue":
+                items.append(current)
+                current = []
+        starts = [[r[2] for r in item if r[1] == "softmax"] for item in items]
+        periods = [b - a for s in starts for a, b in zip(s, s[1:])]
+        ends, phases = [], {}
+        for (a, b), (sa, sb) in zip(zip(items, items[1:]), zip(starts, starts[1:])):
+            if not sa or not sb:
+                continue
+            between = [r for r in a + b if sa[-1] <= r[2] < sb[0]]
+            ends.append(sb[0] - sa[-1])
+            for i, r in enumerate(between):
+                phases.setdefault((i, r[1]), []).append(r[3] - r[2])
+            idle = sum(max(0, n[2] - p[3]) for p, n in zip(between, between[1:]))
+            phases.setdefault((len(between), "(no range)"), []).append(idle)
+        if not periods or not ends:
+            continue
+        period, end = statistics.median(periods), statistics.median(ends)
+        out[f"wg{wg}"] = {
+            "items": len(items), "tile_period_ns": period, "item_end_ns": end,
+            "item_end_periods": round(end / period, 2),
+            "phases_ns": [(name, statistics.median(v)) for (i, name), v in sorted(phases.items())
+                          if len(v) >= len(ends) // 2]}
+    return out
+
+
+def items(args) -> int:
+    for path in args.trace:
+        print(path)
+        for wg, entry in item_ends(load_ranges(path)[1]).items():
+            print(f"  {wg}: {entry['items']} items, tile period {entry['tile_period_ns']:.0f} "
+                  f"ns, item end {entry['item_end_ns']:.0f} ns "
+                  f"({entry['item_end_periods']} periods):")
+            print("    " + ", ".join(f"{name} {ns:.0f}" for name, ns in entry["phases_ns"]))
+    return 0
+
+
 def stats(args) -> int:
     out = {}
     for path in args.trace:
@@ -246,8 +296,11 @@ def main(argv=None) -> int:
     p.add_argument("--titles", default="", help="'|'-separated, one per trace")
     p = sub.add_parser("stats", help="count / mean / total time per warpgroup and phase")
     p.add_argument("trace", nargs="+")
+    p = sub.add_parser("items", help="per warpgroup: the tile period and a work item's end")
+    p.add_argument("trace", nargs="+")
     args = ap.parse_args(argv)
-    return {"record": record, "workload": workload, "plot": plot, "stats": stats}[args.cmd](args)
+    return {"record": record, "workload": workload, "plot": plot, "stats": stats,
+            "items": items}[args.cmd](args)
 
 
 if __name__ == "__main__":
