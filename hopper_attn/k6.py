@@ -355,14 +355,14 @@ class FlashAttentionK6(FlashAttentionK5):
         # Q handed back inside the loop, right after the item's last QK (its stage is
         # then free while the last softmax, the last PV and the epilogue run), instead of
         # after the loop: needs O staged elsewhere than in Q's buffer
-        if early_q_release and not (self.own_o_buffer or self.direct_store):
+        if early_q_release and not (self.o_apart_from_q() or self.direct_store):
             raise ValueError("early_q_release needs own_o_buffer=1 or direct_store=1")
         if early_q_release and self.s_ahead:
             raise ValueError("early_q_release: not with s_ahead")
         self.early_q_release = bool(early_q_release)
         # each consumer warpgroup stores its own 64 rows of O (k5's `store_o_wg`): no barrier
         # of all consumer warpgroups at the end of a work item
-        if wg_store and not self.own_o_buffer:
+        if wg_store and not self.o_apart_from_q():
             raise ValueError("wg_store needs own_o_buffer=1")
         self.wg_store = bool(wg_store)
         if self.s_ahead and (self.pingpong.enabled or self.wait_pv_late or self.lazy_rescale
@@ -371,6 +371,10 @@ class FlashAttentionK6(FlashAttentionK5):
             raise ValueError("s_ahead: without turns (pingpong=0), the late PV wait, "
                              "lazy_rescale, exp_turns, p_in_smem, rescale_before_pv, "
                              "pv_wait_after and skip_idle_wgs")
+
+    def o_apart_from_q(self) -> bool:
+        """O staged in a buffer of its own, not in Q's (k7: always)."""
+        return self.own_o_buffer
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,

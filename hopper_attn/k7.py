@@ -63,7 +63,7 @@ from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, sm
 from hopper_attn.common.scheduler import longest_first_default
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.warp_roles import WarpRoles
-from hopper_attn.k5 import lse_buffer
+from hopper_attn.k5 import lse_buffer, wg_major_o_buffer
 from hopper_attn.k6 import FlashAttentionK6
 from hopper_attn.quantize import PERM16, pack_v, quantize_fp8, unpack_v  # noqa: F401
 
@@ -149,6 +149,9 @@ class FlashAttentionK7(FlashAttentionK6):
         if not v_transposed:
             self.roles = WarpRoles.create(self.warpgroups, PRODUCER_CONSUMER_REGS[self.warpgroups])
 
+    def o_apart_from_q(self) -> bool:
+        return not self.direct_store            # O's buffer is always its own here
+
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """e4m3 Q, K, V and V^T rings, the bf16 output buffer (unless O is stored straight
         from registers), 1 KiB of mbarriers; each buffer 1024-byte aligned."""
@@ -169,6 +172,7 @@ class FlashAttentionK7(FlashAttentionK6):
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
         vt_layout = smem_tile_layout(self.dtype, d, bn, self.stages)   # V^T: kv contiguous
         o_layout = smem_tile_layout(self.out_dtype, bm, d)
+        o_rows = 64 if self.wg_store else bm           # k6's wg_store: 64-row stores
         check_row_period(kv_layout, bn, d)
         check_row_period(vt_layout, d, bn)
         # with V given transposed (N contiguous), its (bn, d) boxes land as V^T's (d, bn) tile
@@ -177,7 +181,8 @@ class FlashAttentionK7(FlashAttentionK6):
             v_layout=swap_modes(vt_layout) if self.v_transposed else None)
         self.tile_bytes = kv_bytes // 2
         v_elems = 8 if self.v_transposed else cute.cosize(kv_layout)    # no raw V ring
-        tma_o, o_coords = tma.make_tma_store(o, o_layout, bm, d)
+        tma_o, o_coords = tma.make_tma_store(o, smem_tile_layout(self.out_dtype, o_rows, d),
+                                             o_rows, d)
         o_elems = 8 if self.direct_store else cute.cosize(o_layout)    # no staging buffer
 
         @cute.struct
@@ -235,6 +240,8 @@ class FlashAttentionK7(FlashAttentionK6):
         else:
             sV = storage.sV.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
         sO = storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner)
+        if cutlass.const_expr(self.wg_store):                   # one slab per warpgroup
+            sO = wg_major_o_buffer(storage, self.out_dtype, self.warpgroups, self.head_dim)
 
         # the raw V ring's consumers are the transposing warps; V^T's, the consumer threads
         transpose_warps = 0 if self.v_transposed else TRANSPOSE_WARPS
@@ -305,7 +312,8 @@ class FlashAttentionK7(FlashAttentionK6):
                     consumer_loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
                     mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s,
                     acc_o, mmas.s_coords, item_softmax, k_state, v_state)
-                loads.q_pipe.consumer_release(q_state)      # O has its own buffer
+                if cutlass.const_expr(not self.early_q_release):   # (else: the main loop's)
+                    loads.q_pipe.consumer_release(q_state)  # O has its own buffer
                 q_state.advance()
 
                 # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
@@ -387,6 +395,13 @@ S_AHEAD_BLOCK_N = {64: 128, 128: 128, 256: 64}
 # full -1.1 / -1.5%, causal a tie; d = 64 +0.4 / +1.0% full, -0.6 / +0.9% causal (one run,
 # `_d64.json`): off there
 RESCALE_BEFORE_PV = {(256, False)}
+# k6's `early_q_release` and `wg_store` together (docs/k6.md "Where a work item ends"): on
+# for these (head_dim, causal). Round-robin against the defaults without them, cuDNN FP8 in
+# the run, H100 (results/h100/2026-11-26_k7_item_end*.json), gain in time at N = 1k / 4k /
+# 16k: d = 64 +10.5 / +3.2 / +0.7%, with a mask +12.2 / +6.5 / +1.9%; d = 256 +2.5 / +1.5 /
+# +0.2%, with a mask +7.6 / +3.8 / +1.3%; d = 128 with a mask +2.5 / +2.5 / +0.4%; d = 128
+# without one +1.0 / 0.0 / -1.7%: off there. (early_q_release alone: -1.5 to +2.4%.)
+ITEM_END = {(64, False), (64, True), (128, True), (256, False), (256, True)}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
@@ -402,7 +417,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    group_mib: int = 0, pv_wait_after: Optional[int] = None,
                    v_release_last: Optional[bool] = None,
                    rescale_before_pv: Optional[bool] = None, s_ahead: bool = False,
-                   defer_store_wait: bool = False, spec: KernelSpec = SPEC):
+                   defer_store_wait: bool = False, early_q_release: Optional[bool] = None,
+                   wg_store: Optional[bool] = None, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -416,7 +432,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     v_release_last: k6's (None: PV_WAIT_AFTER's, and V released last with it);
     rescale_before_pv: k6's (None: RESCALE_BEFORE_PV's); s_ahead: k6's (QK one tile ahead
     into a second S accumulator, the kv tile of S_AHEAD_BLOCK_N; measured slower);
-    defer_store_wait: k6's (the O store's read waited for at the next item's epilogue).
+    defer_store_wait: k6's (the O store's read waited for at the next item's epilogue);
+    early_q_release, wg_store: k6's (Q handed back after an item's last QK; each consumer
+    warpgroup stores its own rows; None: both where ITEM_END has them, unless direct_store
+    or s_ahead).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -434,6 +453,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         rescale_before_pv = ((problem.head_dim, problem.causal) in RESCALE_BEFORE_PV
                              and v_transposed and not wait_pv_late
                              and not (block_m or block_n or lazy_rescale or exp_turns))
+    item_end = ((problem.head_dim, problem.causal) in ITEM_END
+                and not (direct_store or s_ahead))
+    early_q_release = item_end if early_q_release is None else early_q_release
+    wg_store = item_end if wg_store is None else wg_store
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,
@@ -458,7 +481,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "v_release_last": bool(v_release_last),
                               "rescale_before_pv": bool(rescale_before_pv),
                               "s_ahead": bool(s_ahead),
-                              "defer_store_wait": bool(defer_store_wait)},
+                              "defer_store_wait": bool(defer_store_wait),
+                              "early_q_release": bool(early_q_release),
+                              "wg_store": bool(wg_store)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

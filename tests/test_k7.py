@@ -287,3 +287,18 @@ def test_no_wgmma_serialization_notes(name, d):
         pytest.skip("ptxas not on PATH")
     from hopper_attn.harness.compile_report import ptxas_notes
     assert ptxas_notes(compiled(name, d, False)["ptx"]) == []
+
+
+@pytest.mark.compile
+def test_item_end_defaults():
+    """k6's early_q_release and wg_store (k7.ITEM_END, measured 2026-11-26): on at d = 64,
+    256 and d = 128 with a mask, each consumer warpgroup storing its own 64 rows (no
+    barrier of all consumer threads after the loop); off at d = 128 without a mask, with
+    direct_store and with s_ahead."""
+    on, off = compiled("k7", 64, False), compiled("k7", 128, False)
+    assert on["kernel"]["options"]["wg_store"] and on["kernel"]["options"]["early_q_release"]
+    assert not (off["kernel"]["options"]["wg_store"] or off["kernel"]["options"]["early_q_release"])
+    assert "bar.sync \t1, 256;" in off["ptx"] and "bar.sync \t1, 256;" not in on["ptx"]
+    assert not compiled("k7:direct_store=1", 64, False)["kernel"]["options"]["wg_store"]
+    for fn in resource_usage(on["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn

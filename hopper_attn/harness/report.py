@@ -472,7 +472,8 @@ def blocks(folder) -> dict:
               "bench_k5_v_lags_k_spin": None, "k6_quad_max_stmatrix_o": None,
               "kb2_ds_address_per_tile": None, "kb2_prologue_causal": None,
               "kb2_split_dv_causal": None, "kb2_longest_first_causal": None,
-              "k7_rescale_before_pv_d256_confirm": None, "k6_item_end_confirm": None}
+              "k7_rescale_before_pv_d256_confirm": None, "k6_item_end_confirm": None,
+              "k7_item_end_confirm": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
