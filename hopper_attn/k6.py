@@ -126,8 +126,11 @@ SPEC = KernelSpec(
 # a 128 x 80 tile fills 225 of the 227 KiB an SM offers, at d = 192 128 x 112 takes 217.
 # Registers per consumer thread (fp32): S block_n / 2, P block_n / 4, O d / 2 (d = 256:
 # 40 + 20 + 128 of 240).
-# d = 64 with a causal mask and a query length of at least this: 192-row tiles (compile_kernel)
-LONG_CAUSAL_D64 = 2048
+# d = 64 with a causal mask and a query length of at least this: 192-row tiles (compile_kernel;
+# 2048 until the item-end options of ITEM_END: then 192 rows gained +4.5% at 768, +1.6 / +1.4%
+# at 1k, +8.7% at 1280, +11.9 / +10.8% at 1536 and tied at 512, round-robin with cuDNN in the
+# run, results/h100/2026-11-26_k6_d64_causal_192_short*.json)
+LONG_CAUSAL_D64 = 768
 # named barriers P_STORED_BARRIER + wg: a warpgroup's P is in shared memory (p_in_smem; after
 # the epilogue's 1, the turns' 2-4 and exp_turns' next ids)
 P_STORED_BARRIER = 8
@@ -764,7 +767,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     if (problem.head_dim == 64 and problem.causal and not block_m
             and problem.seqlen >= LONG_CAUSAL_D64):
         # 192-row tiles, one key limit per row (no spills), the late PV wait: +8% at N = 4k,
-        # +13-15% at 16k, but -8% at 1k (fewer work items than SMs x warpgroups), measured
+        # +13-15% at 16k, but -8% at 1k before ITEM_END (see LONG_CAUSAL_D64), measured
         # round-robin (results/h100/2026-11-23_k6_d64_causal_192.json, docs/k6.md)
         block_m = 192
         mask_per_row = True if mask_per_row is None else mask_per_row
