@@ -154,6 +154,10 @@ class FlashAttentionK5:
         self.early_q_release = False            # k6's option (its main loop releases Q)
         self.wg_store = False                   # k6's option: each warpgroup stores its rows
 
+    def o_apart_from_q(self) -> bool:
+        """O staged in a buffer of its own, not in Q's (k6's own_o_buffer; k7: always)."""
+        return self.own_o_buffer
+
     def item_queue(self, storage, receivers: int):
         """The dynamic schedule's queue of work items from the producer warp to `receivers`
         threads (None with a static schedule, which needs none)."""
@@ -259,7 +263,9 @@ class FlashAttentionK5:
         sO_buffer = storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner) \
             if cutlass.const_expr(self.own_o_buffer) else sQ
         if cutlass.const_expr(self.wg_store):
-            sO_buffer = wg_major_o_buffer(storage, self.dtype, self.warpgroups, self.head_dim)
+            # (each warpgroup's rows: a slab of O's own buffer, or its own rows of Q's)
+            sO_buffer = wg_major_o_buffer(storage, self.dtype, self.warpgroups, self.head_dim) \
+                if cutlass.const_expr(self.o_apart_from_q()) else (sQ, None)
         sVt = transposed(sV)                                                    # (d, bn, stage)
 
         # Warp 0 initialises every mbarrier; the one CTA-wide sync of the kernel publishes
@@ -375,26 +381,32 @@ class FlashAttentionK5:
         a barrier of the warpgroup's 128 threads: no warpgroup waits for another at the end
         of a work item, so the turns keep their stagger into the next one. A slab is written
         again only an item later: its store's read is waited for just before (by the warp
-        that issued it), as with defer_store_wait."""
+        that issued it), as with defer_store_wait. Where O is staged in Q's buffer (d >= 192)
+        a warpgroup writes its own 64 rows of Q (which only its own QK read) and the storing
+        warp waits for the read at once: the kernel then hands Q back."""
         sO_rows, sO_slabs = sO
+        apart = sO_slabs is not None
         wg = warp // 4 - 1
         barrier = pipeline.NamedBarrier(barrier_id=WG_EPILOGUE_BARRIER + wg,
                                         num_threads=128)
-        if warp % 4 == 0:
-            tma.store_read_wait()                       # this slab's previous store
+        if cutlass.const_expr(apart):
+            if warp % 4 == 0:
+                tma.store_read_wait()                   # this slab's previous store
         barrier.arrive_and_wait()
         self.o_to_smem(mma_pv, ctidx, o_out, sO_rows)
         cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
         barrier.arrive_and_wait()
         if warp % 4 == 0:
-            o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, sO_slabs[None, None, wg])
-            o_store.store(m_block * self.warpgroups + wg, wait_read=False)
+            rows = sO_slabs[None, None, wg] if cutlass.const_expr(apart) else \
+                cute.local_tile(sO_rows, (64, self.head_dim), (wg, 0))
+            o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, rows)
+            o_store.store(m_block * self.warpgroups + wg, wait_read=not apart)
 
     @cute.jit
     def drain_o_store(self, warp):
         """After the last work item: with defer_store_wait (or wg_store) the last TMA store
         may still be reading sO, which must stay valid until it has."""
-        if cutlass.const_expr(self.wg_store):
+        if cutlass.const_expr(self.wg_store and self.o_apart_from_q()):
             if warp % 4 == 0:
                 tma.store_read_wait()
         elif cutlass.const_expr(self.defer_store_wait):

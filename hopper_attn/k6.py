@@ -234,7 +234,8 @@ TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
 # A work item's end (docs/k6.md "Where a work item ends"): `early_q_release` hands Q's stage
 # back right after the item's last QK, so the next item's Q loads under the last softmax, PV
 # and epilogue; `wg_store` lets each consumer warpgroup store its own 64 rows of O, so that
-# none waits for the others at the item's end. Both need O's own buffer (d <= 128).
+# none waits for the others at the item's end. early_q_release needs O's own buffer (d <=
+# 128); wg_store without it writes each warpgroup's rows into its own rows of Q's buffer.
 # (head_dim, causal) -> the query lengths below which each is compile_kernel's default.
 # Gain in time, round-robin against the old default with FA4 and cuDNN in the run, H100
 # (results/h100/2026-11-26_k6_item_end_*.json), both together unless said: d = 128 +6.2% (1k),
@@ -242,11 +243,17 @@ TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
 # +1.5%; d = 96 +4.2% (1k), +1.1% (4k), with a mask +5.8%, 0.0%; d = 64 with a mask +3.8 /
 # +3.5% (1k), +3.4 / +3.5% (2k), +1.4 / +1.3% (4k), -1.0% (16k); d = 64 without a mask
 # early_q_release alone +2.0 / +2.0% (1k), +1.0 / +1.0% (2k), +0.4 / +0.4% (4k), 0.0% (16k),
-# with wg_store as well +3.8 / +3.9% (1k) but +0.4% (2k), -1.7% (4k), -3.4% (16k)
+# with wg_store as well +3.8 / +3.9% (1k) but +0.4% (2k), -1.7% (4k), -3.4% (16k).
+# wg_store alone at d = 192 and 256 (O in Q's buffer; _k6_wg_store_q_*.json, two runs):
+# d = 256 +1.7 / +1.5% (1k), +1.5 / +1.3% (4k), +1.6 / +1.9% (16k), with a mask +0.9 / +1.0,
+# +1.4 / +1.3, but -3.9 / -3.7% at 16k; d = 192 +1.8 / +1.7, +0.3 / +0.4, -0.2% (16k), with a
+# mask +2.7 / +2.7, +1.1 / +1.1, +0.5% (16k)
 ALL_LENGTHS = 1 << 31
 ITEM_END = {(64, False): (ALL_LENGTHS, 2048), (64, True): (8192, 8192),
             (96, False): (ALL_LENGTHS, ALL_LENGTHS), (96, True): (4096, 4096),
-            (128, False): (ALL_LENGTHS, ALL_LENGTHS), (128, True): (ALL_LENGTHS, ALL_LENGTHS)}
+            (128, False): (ALL_LENGTHS, ALL_LENGTHS), (128, True): (ALL_LENGTHS, ALL_LENGTHS),
+            (192, False): (0, 8192), (192, True): (0, ALL_LENGTHS),
+            (256, False): (0, ALL_LENGTHS), (256, True): (0, 8192)}
 
 
 class FlashAttentionK6(FlashAttentionK5):
@@ -364,9 +371,10 @@ class FlashAttentionK6(FlashAttentionK5):
             raise ValueError("early_q_release: not with s_ahead")
         self.early_q_release = bool(early_q_release)
         # each consumer warpgroup stores its own 64 rows of O (k5's `store_o_wg`): no barrier
-        # of all consumer warpgroups at the end of a work item
-        if wg_store and not self.o_apart_from_q():
-            raise ValueError("wg_store needs own_o_buffer=1")
+        # of all consumer warpgroups at the end of a work item (O in its own buffer, or in
+        # the warpgroup's own rows of Q's)
+        if wg_store and self.direct_store:
+            raise ValueError("wg_store stores through shared memory: not with direct_store")
         self.wg_store = bool(wg_store)
         if self.s_ahead and (self.pingpong.enabled or self.wait_pv_late or self.lazy_rescale
                              or exp_turns or self.p_in_smem or self.rescale_before_pv
@@ -374,10 +382,6 @@ class FlashAttentionK6(FlashAttentionK5):
             raise ValueError("s_ahead: without turns (pingpong=0), the late PV wait, "
                              "lazy_rescale, exp_turns, p_in_smem, rescale_before_pv, "
                              "pv_wait_after and skip_idle_wgs")
-
-    def o_apart_from_q(self) -> bool:
-        """O staged in a buffer of its own, not in Q's (k7: always)."""
-        return self.own_o_buffer
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
@@ -791,7 +795,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             # idle warpgroups skip the last tile's math: +1.7 / +1.5% (2k), +0.8 / +0.6%
             # (4k), +2.1 / +1.9% (16k) in two runs (_k6_skip_idle_wgs_d96_run2.json)
             skip_idle_wgs = True if skip_idle_wgs is None else skip_idle_wgs
-    eqr_below, wg_below = (0, 0) if custom or not own_o_buffer else \
+    # (measured with LOAD_ORDER's O buffer: a caller's other choice keeps both off)
+    eqr_below, wg_below = (0, 0) if custom or direct_store or own_o_buffer != own else \
         ITEM_END.get((problem.head_dim, problem.causal), (0, 0))
     early_q_release = problem.seqlen < eqr_below if early_q_release is None else early_q_release
     wg_store = problem.seqlen < wg_below if wg_store is None else wg_store

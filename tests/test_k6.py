@@ -676,7 +676,8 @@ def test_item_end_options(monkeypatch):
     with early_q_release the loop hands Q's stage back itself (a third predicated mbarrier
     arrive in the loop, next to K's and V's); with wg_store each consumer warpgroup stores
     its own rows on a barrier of its 128 threads, and no barrier of all consumer threads is
-    left. Both are the defaults at short lengths and refused without O's own buffer."""
+    left (at d >= 192 into its own rows of Q's buffer). Defaults per ITEM_END; early_q_release
+    is refused without O's own buffer, wg_store with direct_store."""
     from hopper_attn.harness.sass_order import loop_body, loops
 
     def loop_arrives(art):
@@ -699,12 +700,17 @@ def test_item_end_options(monkeypatch):
     for d, causal, n, on in [(64, False, 1024, (True, True)), (64, False, 4096, (True, False)),
                              (64, True, 4096, (True, True)), (64, True, 16384, (False, False)),
                              (96, True, 8192, (False, False)), (128, True, 16384, (True, True)),
-                             (256, False, 1024, (False, False))]:
+                             (256, False, 16384, (False, True)), (256, True, 8192, (False, False)),
+                             (192, False, 8192, (False, False))]:
         options = k6.compile_kernel(Problem(1, 2, n, d, causal))
         assert (options["early_q_release"], options["wg_store"]) == on, (d, causal, n)
         assert not (options["wg_store"] and options["defer_store_wait"])
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="own_o_buffer"):
-        k6.compile_kernel(Problem(1, 2, 128, 256, False), wg_store=True)
+    # d >= 192: O staged in Q's buffer, each warpgroup's rows in its own rows of Q
+    d256 = artifacts(256, False)
+    assert d256["kernel"]["options"]["wg_store"] and not d256["kernel"]["options"]["own_o_buffer"]
+    assert "bar.sync \t1, 256;" not in d256["ptx"]
+    with pytest.raises(ValueError, match="direct_store"):
+        k6.compile_kernel(Problem(1, 2, 128, 64, False), wg_store=True, direct_store=True)
     with pytest.raises(ValueError, match="own_o_buffer"):
         k6.compile_kernel(Problem(1, 2, 128, 256, False), early_q_release=True)
