@@ -136,6 +136,16 @@ LONG_CAUSAL_D64 = 768
 P_STORED_BARRIER = 8
 # d = 96 without a mask and a query length of at least this: 192 x 96 tiles (compile_kernel)
 LONG_D96 = 2048
+
+
+def d96_wide_tiles(seqlen: int) -> bool:
+    """d = 96 without a mask: 192 x 96 tiles (three consumer warpgroups, no turns) from
+    LONG_D96 queries, and from 768 where the last 192-row query tile leaves at most one
+    warpgroup idle. Round-robin against the 128 x 128 tile with turns, both with the item-end
+    options, two runs with FA4 (results/h100/2026-11-26_k6_d96_192_short*.json), gain in
+    time: +4.3 / +4.4% at N = 768, +3.2 / +2.9% at 1280 (64 rows idle), +11.0 / +11.1% at
+    1536, but -7.2 / -7.1% at 1024 (two of three warpgroups idle on the last tile)."""
+    return seqlen >= LONG_D96 or (seqlen >= 768 and -seqlen % 192 <= 64)
 # (head_dim, causal) -> (v_lags_k, own_o_buffer) defaults, measured round-robin against the
 # k6 before them (x FA4 in the same run; results/h100/2026-11-24_k6_v_lags_k_*.json, docs/k6.md
 # "Loads in FlashAttention-4's order, O in its own buffer"): d = 128 +1.7-7.4%; d = 64 and 96
@@ -787,7 +797,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # (results/h100/2026-11-23_k6_d96_tiles.json, _k6_pin_pv_wait_d96_256.json, docs/k6.md)
         # (with a mask the PV wait pinned in place instead of late, +2-3% in two runs, and
         # the 192 x 96 tile's one PV group: PINNED_IN_ITERATION)
-        if not problem.causal and problem.seqlen >= LONG_D96:
+        if not problem.causal and d96_wide_tiles(problem.seqlen):
             # three consumer warpgroups on 192 x 96, no turns: +2.5-3.7% at N >= 4k, a tie
             # at 2k, -10% at 1k (fewer work items than SMs x warpgroups)
             block_m, block_n = 192, block_n or 96
@@ -829,6 +839,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                                   and problem.seqlen >= shortest) else 0
     shortest = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
     one_pv_group = not custom and shortest is not None and problem.seqlen >= shortest
+    if (problem.head_dim, problem.causal) == (96, False):
+        one_pv_group = not custom and d96_wide_tiles(problem.seqlen)    # (the 192 x 96 tile's)
     if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns):
         wait_pv_late = False if wait_pv_late is None else wait_pv_late
         pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait

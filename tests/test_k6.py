@@ -210,6 +210,9 @@ def test_d96_long_sequences():
     assert (kernel["block_m"], kernel["block_n"], kernel["consumer_warpgroups"]) == (192, 96, 3)
     assert not kernel["named_barriers"]["scheduler"]
     assert causal.options["wait_pv_late"] is False and causal.options["pin_pv_wait"]
+    # shorter lengths whose last 192-row query tile leaves at most one warpgroup idle too
+    assert [k6.d96_wide_tiles(n) for n in (512, 768, 1024, 1280, 1536, 1792)] == \
+        [False, True, False, True, True, False]
 
 
 def test_p_in_smem_option():
