@@ -59,3 +59,23 @@ def test_backward_ranges():
     assert _ranges(ptx) == {"wait_q", "s_dp", "wait_s", "exp2", "dv", "wait_dp", "ds",
                             "ds_barrier", "dq_dk", "wait_dv_dq", "dq_store", "wait_dk",
                             "epilogue", "load_q", "load_do", "wait_dq_full"}
+
+
+def test_item_ends_from_ranges():
+    """`timeline items` (harness/timeline.py `item_ends`): on synthetic ranges of one consumer
+    warpgroup, two items of three tiles each (period 100 ns) with 250 ns between the last
+    softmax start of the first and the first of the second."""
+    from hopper_attn.harness.timeline import item_ends
+    rows = []
+    for start in (0, 450):                       # item starts (ns)
+        rows.append((4, "wait_q", start - 10, start))
+        for t in range(3):
+            rows.append((4, "qk", start + 100 * t, start + 100 * t + 30))
+            rows.append((4, "softmax", start + 100 * t + 40, start + 100 * t + 90))
+        rows.append((4, "pv", start + 290, start + 310))
+        rows.append((4, "epilogue", start + 320, start + 380))
+    out = item_ends(rows)["wg1"]
+    assert out["items"] == 2 and out["tile_period_ns"] == 100
+    assert out["item_end_ns"] == 450 + 40 - 240 and out["item_end_periods"] == 2.5
+    names = [name for name, _ in out["phases_ns"]]
+    assert names[:3] == ["softmax", "pv", "epilogue"] and names[-1] == "(no range)"
