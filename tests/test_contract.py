@@ -121,3 +121,11 @@ def test_run_attention_passes_workspace_then_the_streams_work_counter(monkeypatc
     assert args[6] == pytest.approx(contract.LOG2_E / 8.0)       # 1/sqrt(64) * log2(e)
     with pytest.raises(ValueError, match="CUDA"):                  # unchecked: CPU tensors fail
         contract.run_attention(handle, q, q, q, q, workspace=[lse])
+
+
+def test_problem_from_tensor_refuses_an_empty_k():
+    """An empty k (no keys or no heads) is an error, not Problem's 0 = "as q"."""
+    q = torch.empty(2, 17, 4, 64, dtype=torch.bfloat16)
+    for shape in ((2, 0, 4, 64), (2, 17, 0, 64)):
+        with pytest.raises(ValueError, match="at least one key"):
+            Problem.from_tensor(q, k=torch.empty(shape, dtype=torch.bfloat16))

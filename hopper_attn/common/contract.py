@@ -76,6 +76,10 @@ class Problem:
                 raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), "
                                  f"got shape {tuple(t.shape)}")
         b, n, h, d = q.shape
+        if k is not None and (k.shape[1] < 1 or k.shape[2] < 1):
+            # (0 in Problem's seqlen_k / heads_kv means "as q": an empty k must not read so)
+            raise ValueError(f"k must have at least one key and one head, got shape "
+                             f"{tuple(k.shape)}")
         if k is None or (k.shape[1] == n and k.shape[2] == h):
             return cls(b, h, n, d, bool(causal), q.dtype)
         return cls(b, h, n, d, bool(causal), q.dtype, heads_kv=k.shape[2], seqlen_k=k.shape[1])
