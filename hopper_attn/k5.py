@@ -158,6 +158,13 @@ class FlashAttentionK5:
         """O staged in a buffer of its own, not in Q's (k6's own_o_buffer; k7: always)."""
         return self.own_o_buffer
 
+    def make_o_store(self, o: cute.Tensor, dtype):
+        """Host side: the TMA store of O's tiles, the whole tile or, with k6's wg_store, one
+        consumer warpgroup's 64 rows."""
+        rows = 64 if self.wg_store else self.block_m
+        return tma.make_tma_store(o, smem_tile_layout(dtype, rows, self.head_dim), rows,
+                                  self.head_dim)
+
     def item_queue(self, storage, receivers: int):
         """The dynamic schedule's queue of work items from the producer warp to `receivers`
         threads (None with a static schedule, which needs none)."""
@@ -211,10 +218,7 @@ class FlashAttentionK5:
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d)
         self.tile_bytes = kv_bytes // 2                         # one K (or V) tile
-        # (k6's wg_store: each consumer warpgroup stores its own 64 rows)
-        o_rows = 64 if self.wg_store else bm
-        tma_o, o_coords = tma.make_tma_store(o, smem_tile_layout(self.dtype, o_rows, d),
-                                             o_rows, d)
+        tma_o, o_coords = self.make_o_store(o, self.dtype)
 
         @cute.struct
         class SharedStorage:

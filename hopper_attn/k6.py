@@ -98,7 +98,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 import torch
 from cutlass.cute.nvgpu import warpgroup
 
@@ -146,6 +146,12 @@ def d96_wide_tiles(seqlen: int) -> bool:
     time: +4.3 / +4.4% at N = 768, +3.2 / +2.9% at 1280 (64 rows idle), +11.0 / +11.1% at
     1536, but -7.2 / -7.1% at 1024 (two of three warpgroups idle on the last tile)."""
     return seqlen >= LONG_D96 or (seqlen >= 768 and -seqlen % 192 <= 64)
+
+
+def any_length(seqlen: int) -> bool:
+    return True
+
+
 # (head_dim, causal) -> (v_lags_k, own_o_buffer) defaults, measured round-robin against the
 # k6 before them (x FA4 in the same run; results/h100/2026-11-24_k6_v_lags_k_*.json, docs/k6.md
 # "Loads in FlashAttention-4's order, O in its own buffer"): d = 128 +1.7-7.4%; d = 64 and 96
@@ -207,20 +213,22 @@ V_RELEASE_LAST = {(128, False), (256, False), (256, True)}
 # that a tie or -1-2%) +3.9 / +4.7 / +5.1 / +3.9% at 2k-16k but -4.6% at 1k; d = 64, 96,
 # 192, 256 lose 1-19% (results/h100/2026-11-26_k6_pv_wait_after_*.json)
 PV_WAIT_AFTER = {(128, False): (7, 0), (128, True): (7, 2048)}
-# (head_dim, causal) -> shortest query length whose PV wait is back in the iteration, after
-# the whole softmax, pinned there by a memory fence (`wait_pv_late=0, pin_pv_wait=1`), with P's k16 slices converted last first
+# (head_dim, causal) -> the query lengths (a rule) whose PV wait is back in the iteration,
+# after the whole softmax, pinned there by a memory fence (`wait_pv_late=0, pin_pv_wait=1`),
+# with P's k16 slices converted last first
 # (`reverse_p`) so that the loop's PV is one WGMMA group and `wait_group(1)` no longer waits
 # for all of PV but its last slice (docs/k6.md "One WGMMA group per P slice"). Round-robin
 # against the late pinned wait with FA4 in the run, H100 (results/h100/2026-11-26_k6_pinned_
 # in_iteration_*.json), gain in time: d = 256 without a mask +3.0 / +1.2% (N = 2k), +1.1 /
 # +1.0% (4k), +0.6 / +0.7% (8k), -0.5 / +0.3% (16k); with one +1.2 / +1.3, +0.4 / +0.6,
 # -0.2 / -0.4, +3.3 / +3.0%; d = 192 +5.4 / +5.5% without a mask and +3.4 / +3.9% with one
-# (N = 4k / 16k). d = 96: on its 192 x 96 tile (no mask, from LONG_D96) +6.0 / +6.0% (2k),
+# (N = 4k / 16k). d = 96: on its 192 x 96 tile (no mask, d96_wide_tiles) +6.0 / +6.0% (2k),
 # +6.4 / +6.4% (4k), +6.7 / +6.5% (16k) against the late wait (`_k6_d96_one_pv_group*.json`);
 # with a mask, where the pinned wait already was the default (+2-3%), P last slice first
 # +3.0 / +3.4 / +3.2% (2k / 4k / 16k) and +3.4 / +3.2% (4k / 16k; `_k6_d96_causal_reverse_p*`)
-PINNED_IN_ITERATION = {(192, False): 0, (192, True): 0, (256, False): 0, (256, True): 0,
-                       (96, False): LONG_D96, (96, True): 0}
+PINNED_IN_ITERATION = {(192, False): any_length, (192, True): any_length,
+                       (256, False): any_length, (256, True): any_length,
+                       (96, False): d96_wide_tiles, (96, True): any_length}
 # head_dim -> kv tile for `s_ahead` (QK one tile ahead: two S accumulators next to O and P;
 # wider tiles spill or make ptxas serialize the WGMMAs, and at d = 256 even 64 keys do
 # (`C7512`); 48 splits PV into one group per slice; CPU); measured 0.42-0.48x the default
@@ -514,7 +522,7 @@ class FlashAttentionK6(FlashAttentionK5):
         but issues no GEMM and runs no softmax."""
         pingpong = self.pingpong
         if cutlass.const_expr(self.early_q_release):
-            self.release_q_if(loads, True)              # this warpgroup never reads Q
+            loads.release_if(loads.q_pipe, 0, True)     # this warpgroup never reads Q
         pingpong.start(wg)
         for n in cutlass.range(n_count, unroll=1):
             loads.wait(loads.k_pipe, k_state)
@@ -581,7 +589,9 @@ class FlashAttentionK6(FlashAttentionK5):
             loads.release(loads.k_pipe, k_state)       # K_n read: its stage is free
             k_state.advance()
             if cutlass.const_expr(self.early_q_release):
-                self.release_q_if(loads, n == n_count - 1)  # the item's last QK is done
+                # Q's one stage, once the item's last QK is done (the kernel then only
+                # advances its Q state)
+                loads.release_if(loads.q_pipe, 0, n == n_count - 1)
             self.trace.end(phase)
             # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
             phase = self.trace.start("softmax")
@@ -597,16 +607,6 @@ class FlashAttentionK6(FlashAttentionK5):
             scale_rows(o_rc, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         return k_state, v_state
-
-    @cute.jit
-    def release_q_if(self, loads: tma.SplitKVLoads, last):
-        """`early_q_release`: this warp hands Q's one stage back where `last` holds, as a
-        predicated arrive (no branch in the loop). The kernel then only advances its Q
-        state after the loop."""
-        is_last = Int32(0)
-        if last:
-            is_last = Int32(1)
-        tma.elected_arrive_if(loads.q_pipe.sync_object_empty.get_barrier(0), is_last)
 
     @cute.jit
     def scores_to_probs_k6(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
@@ -691,11 +691,7 @@ class FlashAttentionK6(FlashAttentionK5):
         if cutlass.const_expr(self.v_release_last):
             # tile 0 has no V_{n-1}: a predicated arrive instead of an `if`, so nothing here
             # ends the block that holds the exp2s and P's conversions
-            has_previous = Int32(1)
-            if n == 0:
-                has_previous = Int32(0)
-            tma.elected_arrive_if(loads.v_pipe.sync_object_empty.get_barrier(v_state.index),
-                                  has_previous)
+            loads.release_if(loads.v_pipe, v_state.index, n > 0)
             if n > 0:
                 v_state.advance()
         self.trace.end(phase)
@@ -837,10 +833,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
         pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
                                   and problem.seqlen >= shortest) else 0
-    shortest = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
-    one_pv_group = not custom and shortest is not None and problem.seqlen >= shortest
-    if (problem.head_dim, problem.causal) == (96, False):
-        one_pv_group = not custom and d96_wide_tiles(problem.seqlen)    # (the 192 x 96 tile's)
+    pinned = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
+    one_pv_group = not custom and pinned is not None and pinned(problem.seqlen)
     if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns):
         wait_pv_late = False if wait_pv_late is None else wait_pv_late
         pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait

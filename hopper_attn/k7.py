@@ -172,7 +172,6 @@ class FlashAttentionK7(FlashAttentionK6):
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
         vt_layout = smem_tile_layout(self.dtype, d, bn, self.stages)   # V^T: kv contiguous
         o_layout = smem_tile_layout(self.out_dtype, bm, d)
-        o_rows = 64 if self.wg_store else bm           # k6's wg_store: 64-row stores
         check_row_period(kv_layout, bn, d)
         check_row_period(vt_layout, d, bn)
         # with V given transposed (N contiguous), its (bn, d) boxes land as V^T's (d, bn) tile
@@ -181,8 +180,7 @@ class FlashAttentionK7(FlashAttentionK6):
             v_layout=swap_modes(vt_layout) if self.v_transposed else None)
         self.tile_bytes = kv_bytes // 2
         v_elems = 8 if self.v_transposed else cute.cosize(kv_layout)    # no raw V ring
-        tma_o, o_coords = tma.make_tma_store(o, smem_tile_layout(self.out_dtype, o_rows, d),
-                                             o_rows, d)
+        tma_o, o_coords = self.make_o_store(o, self.out_dtype)
         o_elems = 8 if self.direct_store else cute.cosize(o_layout)    # no staging buffer
 
         @cute.struct

@@ -397,3 +397,13 @@ class SplitKVLoads:
             release_stage(pipe, state)
         else:
             pipe.consumer_release(state)
+
+    @cute.jit
+    def release_if(self, pipe, stage, cond):
+        """`release` of stage index `stage` where `cond` holds: one predicated arrive of an
+        elected lane (`elected_arrive_if`), no branch in the caller's block (k6: V_{n-1} on
+        every tile but the first, Q after an item's last QK)."""
+        flag = Int32(0)
+        if cond:
+            flag = Int32(1)
+        elected_arrive_if(pipe.sync_object_empty.get_barrier(stage), flag)
