@@ -315,6 +315,9 @@ class FlashAttentionK5:
             k_state = tma.consumer_state(self.stages)
             v_state = tma.consumer_state(self.stages)       # one tile behind k_state
             item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+            has_items = valid            # (a CTA of a persistent grid may have none)
+            if has_items:
+                self.start_turns(wg)
             while valid:
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
                 acc_o.fill(0.0)
@@ -323,37 +326,66 @@ class FlashAttentionK5:
                 loads.wait_q(q_state)
                 self.trace.end(phase)
                 k_state, v_state = self.mainloop(
-                    loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
-                    mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
-                    mmas.s_coords, softmax, k_state, v_state)
+                    loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
+                    mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s,
+                    acc_o, mmas.s_coords, softmax, k_state, v_state)
                 if cutlass.const_expr(self.own_o_buffer or self.direct_store):
-                    # (k6's options) Q is read: the next one loads under the epilogue (with
-                    # early_q_release the main loop handed it back after the last QK)
+                    # (k6's options) Q is read: the next one loads under the epilogue
+                    # (with early_q_release the main loop handed it back after its last QK)
                     if cutlass.const_expr(not self.early_q_release):
                         loads.release(loads.q_pipe, q_state)
                     q_state.advance()
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
                 phase = self.trace.start("epilogue")
-                inv_sum = softmax.finalize()
-                self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
-                               m_block * bm, seqlen_q, head, batch)
+                inv_sum = self.finish_rows(softmax, mmas, ctidx, mLSE, m_block, head,
+                                           batch, seqlen_q)
                 scale_rows(o_rc, inv_sum)
                 o_out.store(acc_o.load().to(self.dtype))
-                if cutlass.const_expr(self.direct_store):
-                    self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
-                                        seqlen_q)
-                else:
-                    self.store_o(mmas.mma_pv, ctidx, warp, o_out, sO_buffer, tma_o, mO,
-                                 m_block, head, batch)
+                self.store_output(mmas, ctidx, warp, o_out, mOut, sO_buffer, tma_o, mO,
+                                  m_block, head, batch, seqlen_q)
                 if cutlass.const_expr(not (self.own_o_buffer or self.direct_store)):
                     loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
+            if has_items:
+                self.drain_turns(wg)
             self.drain_o_store(warp)
 
+
+    @cute.jit
+    def start_turns(self, wg):
+        """Before a CTA's first work item: consumer warpgroup 0 holds the first turn (of the
+        ping-pong, and of k6's exp_turns); the token then lives as long as the CTA."""
+        self.pingpong.start(wg)
+        self.exp_turns.start(wg)
+
+    @cute.jit
+    def drain_turns(self, wg):
+        """After a CTA's last work item: warpgroup 0 takes the tokens back (PingPong)."""
+        self.pingpong.drain(wg)
+        self.exp_turns.drain(wg)
+
+    @cute.jit
+    def finish_rows(self, softmax: OnlineSoftmax, mmas, ctidx, mLSE: cute.Tensor, m_block,
+                    head, batch, seqlen_q):
+        """A work item's rows are complete: their log-sum-exp to mLSE; returns 1/l per row."""
+        inv_sum = softmax.finalize()
+        self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
+                       m_block * self.block_m, seqlen_q, head, batch)
+        return inv_sum
+
+    @cute.jit
+    def store_output(self, mmas, ctidx, warp, o_out: cute.Tensor, mOut: cute.Tensor, sO_buffer,
+                     tma_o: cute.CopyAtom, mO: cute.Tensor, m_block, head, batch, seqlen_q):
+        """O (16-bit registers) of one work item to global memory."""
+        if cutlass.const_expr(self.direct_store):
+            self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch, seqlen_q)
+        else:
+            self.store_o(mmas.mma_pv, ctidx, warp, o_out, sO_buffer, tma_o, mO, m_block, head,
+                         batch)
 
     @cute.jit
     def store_o(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO: cute.Tensor,
@@ -546,7 +578,6 @@ class FlashAttentionK5:
         pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
 
-        pingpong.start(wg)                              # consumer WG 0 holds the first turn
         for n in cutlass.range(n_count, unroll=1):
             phase = self.trace.start("wait_kv")
             loads.wait(loads.k_pipe, k_state)           # K_n, and V_{n-1} for the PV below

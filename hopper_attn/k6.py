@@ -523,7 +523,6 @@ class FlashAttentionK6(FlashAttentionK5):
         pingpong = self.pingpong
         if cutlass.const_expr(self.early_q_release):
             loads.release_if(loads.q_pipe, 0, True)     # this warpgroup never reads Q
-        pingpong.start(wg)
         for n in cutlass.range(n_count, unroll=1):
             loads.wait(loads.k_pipe, k_state)
             if n > 0:
@@ -552,60 +551,74 @@ class FlashAttentionK6(FlashAttentionK5):
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
 
-        pingpong.start(wg)                              # consumer WG 0 holds the first turn
-        self.exp_turns.start(wg)
         for n in cutlass.range(n_count, unroll=1):
-            if cutlass.const_expr(self.wait_pv_late):
-                if n > 0:                               # tile n-1's end, after the back edge
-                    v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
-                                               v_state, self.reverse_p)
-            phase = self.trace.start("wait_kv")
-            loads.wait(loads.k_pipe, k_state)
-            if cutlass.const_expr(not self.v_lags_k):
-                if n > 0:
-                    loads.wait(loads.v_pipe, v_state)
-            self.trace.end(phase)
-            phase = self.trace.start("wait_turn")
-            pingpong.sync(wg)                           # --- this WG's turn
-            self.trace.end(phase)
-            phase = self.trace.start("qk")
-            wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
-                       zero_init=True)                  # S = Q K_n^T, first in the queue
-            if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
-                if cutlass.const_expr(self.rescale_before_pv):
-                    # (only QK_n is in flight: this wait costs nothing, and it shows ptxas
-                    # that no earlier PV still accumulates into O, so it adds no wait of its
-                    # own for QK before the multiplies)
-                    warpgroup.wait_group(1)
-                    scale_rows(o_rc, alpha)             # O *= alpha_{n-1}, under QK_n
-                if cutlass.const_expr(self.v_lags_k):   # V_{n-1} was loaded after K_n
-                    loads.wait(loads.v_pipe, v_state)
-                self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
-            pingpong.pass_turn(wg)                      # --- the next WG may issue now
-            if n > 0:
-                warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
-            else:
-                warpgroup.wait_group(0)
-            loads.release(loads.k_pipe, k_state)       # K_n read: its stage is free
-            k_state.advance()
-            if cutlass.const_expr(self.early_q_release):
-                # Q's one stage, once the item's last QK is done (the kernel then only
-                # advances its Q state)
-                loads.release_if(loads.q_pipe, 0, n == n_count - 1)
-            self.trace.end(phase)
-            # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
-            phase = self.trace.start("softmax")
-            self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block, n,
-                                    n_count, seqlen_q, seqlen_k)  # S -> P (fp32), in place
-            self.trace.end(phase)
-            if cutlass.const_expr(not self.wait_pv_late):
-                v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
-                                           self.reverse_p)
+            k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
+                                            mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
+                                            acc_s, acc_o, o_rc, s_coords, softmax, alpha,
+                                            k_state, v_state)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         if cutlass.const_expr(self.rescale_before_pv):
             scale_rows(o_rc, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
+        return k_state, v_state
+
+    @cute.jit
+    def kv_tile(self, loads: tma.SplitKVLoads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
+                mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
+                k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
+                acc_s: cute.Tensor, acc_o: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
+                softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state):
+        """Tile n of a work item: S_n = Q K_n^T and O += P_{n-1} V_{n-1} in this warpgroup's
+        turn, the softmax of S_n under PV_{n-1}, then (or, with the late wait, at the top of
+        the next tile) tile n's end (`finish_tile`)."""
+        pingpong = self.pingpong
+        if cutlass.const_expr(self.wait_pv_late):
+            if n > 0:                               # tile n-1's end, after the back edge
+                v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
+                                           v_state, self.reverse_p)
+        phase = self.trace.start("wait_kv")
+        loads.wait(loads.k_pipe, k_state)
+        if cutlass.const_expr(not self.v_lags_k):
+            if n > 0:
+                loads.wait(loads.v_pipe, v_state)
+        self.trace.end(phase)
+        phase = self.trace.start("wait_turn")
+        pingpong.sync(wg)                           # --- this WG's turn
+        self.trace.end(phase)
+        phase = self.trace.start("qk")
+        wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
+                   zero_init=True)                  # S = Q K_n^T, first in the queue
+        if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
+            if cutlass.const_expr(self.rescale_before_pv):
+                # (only QK_n is in flight: this wait costs nothing, and it shows ptxas
+                # that no earlier PV still accumulates into O, so it adds no wait of its
+                # own for QK before the multiplies)
+                warpgroup.wait_group(1)
+                scale_rows(o_rc, alpha)             # O *= alpha_{n-1}, under QK_n
+            if cutlass.const_expr(self.v_lags_k):   # V_{n-1} was loaded after K_n
+                loads.wait(loads.v_pipe, v_state)
+            self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
+        pingpong.pass_turn(wg)                      # --- the next WG may issue now
+        if n > 0:
+            warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
+        else:
+            warpgroup.wait_group(0)
+        loads.release(loads.k_pipe, k_state)       # K_n read: its stage is free
+        k_state.advance()
+        if cutlass.const_expr(self.early_q_release):
+            # Q's one stage, once the item's last QK is done (the kernel then only
+            # advances its Q state)
+            loads.release_if(loads.q_pipe, 0, n == n_count - 1)
+        self.trace.end(phase)
+        # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
+        phase = self.trace.start("softmax")
+        self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block, n,
+                                n_count, seqlen_q, seqlen_k)  # S -> P (fp32), in place
+        self.trace.end(phase)
+        if cutlass.const_expr(not self.wait_pv_late):
+            v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
+                                       self.reverse_p)
         return k_state, v_state
 
     @cute.jit
@@ -617,8 +630,7 @@ class FlashAttentionK6(FlashAttentionK5):
         of this warp grew by more than 2^rescale_threshold_log2 (after waiting for PV_{n-1}:
         a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold).
         With exp_turns, the eager step in its parts: row maxima and alpha, then the exp2s
-        and row sums inside this warpgroup's turn (the last warpgroup keeps the token after
-        a work item's last tile: every sync has its arrive, see PingPong)."""
+        and row sums inside this warpgroup's turn (one token per CTA, see PingPong)."""
         if cutlass.const_expr(self.exp_turns.enabled):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
@@ -628,8 +640,7 @@ class FlashAttentionK6(FlashAttentionK5):
             cute.arch.fence_acq_rel_cta()
             softmax.exponentiate(s_rc)
             cute.arch.fence_acq_rel_cta()
-            if wg != self.warpgroups - 1 or n != n_count - 1:
-                self.exp_turns.pass_turn(wg)
+            self.exp_turns.pass_turn(wg)
         elif cutlass.const_expr(self.softmax_fence_after >= 0):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())

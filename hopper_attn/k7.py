@@ -298,6 +298,9 @@ class FlashAttentionK7(FlashAttentionK6):
             k_state = tma.consumer_state(self.stages)
             v_state = tma.consumer_state(self.stages)
             item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+            has_items = valid            # (a CTA of a persistent grid may have none)
+            if has_items:
+                self.start_turns(wg)
             while valid:
                 kv_head = head // group
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
@@ -315,22 +318,19 @@ class FlashAttentionK7(FlashAttentionK6):
                 q_state.advance()
 
                 # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
-                inv_sum = item_softmax.finalize()
-                self.store_lse(mLSE, item_softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
-                               m_block * bm, seqlen_q, head, batch)
+                inv_sum = self.finish_rows(item_softmax, mmas, ctidx, mLSE, m_block, head,
+                                           batch, seqlen_q)
                 descale_v = mDescaleV[batch, kv_head]
                 for r in cutlass.range_constexpr(cute.size(inv_sum)):
                     inv_sum[r] = inv_sum[r] * descale_v
                 scale_rows(o_rc, inv_sum)
                 o_out.store(acc_o.load().to(self.out_dtype))
-                if cutlass.const_expr(self.direct_store):
-                    self.store_o_direct(mOut, o_out, mmas.thr_pv, m_block, head, batch,
-                                        seqlen_q)
-                else:
-                    self.store_o(mmas.mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block,
-                                 head, batch)
+                self.store_output(mmas, ctidx, warp, o_out, mOut, sO, tma_o, mO, m_block, head,
+                                  batch, seqlen_q)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size)
+            if has_items:
+                self.drain_turns(wg)
             self.drain_o_store(warp)
 
     @cute.jit

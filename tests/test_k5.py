@@ -95,7 +95,9 @@ def test_named_barriers_ping_pong_and_epilogue(d, causal):
     sched = r"(%r\d+|[2-9]|1[0-5]),\s*256;"               # ids 0 and 1 are not scheduler ids
     syncs = re.findall(r"bar\.sync\s+" + sched, ptx)
     arrives = re.findall(r"bar\.arrive\s+" + sched, ptx)
-    assert len(syncs) == 2                                # each tile's turn, the last PV's turn
+    # each tile's turn, the last PV's turn, and WG 1's drain (it takes the token back once,
+    # after the CTA's last work item: PingPong)
+    assert len(syncs) == 3
     assert len(arrives) == 3                              # WG 1's start, after each turn, finish
     assert "2" in arrives                                 # the first turn goes to WG 1 (id 2)
     # epilogue: consumer threads only, twice (before writing sQ, before the TMA store)

@@ -102,19 +102,26 @@ class WarpRoles:
 class PingPong:
     """Turn-taking between consumer warpgroups `wg` = 0..W-1 (a run-time, warp-uniform value).
 
-    Protocol used by k5 (per consumer warpgroup, n kv tiles, n >= 1):
+    Protocol (per consumer warpgroup; work items of n kv tiles each, n >= 1):
 
-        start()                      wg 0 only: arrive on its own barrier (the token)
-        sync()                       wait for the first turn
-        for j < n:  QK_j; pass_turn(); ...softmax...; sync(); PV_j
-        finish()                     pass the turn on, except the last warpgroup
+        start()                      once per CTA, wg 0 only: arrive on its own barrier
+                                     (the token)
+        per work item:
+            sync()                   wait for the first turn
+            for j < n:  QK_j; pass_turn(); ...softmax...; sync(); PV_j
+            finish()                 pass the turn on (the last warpgroup: back to wg 0)
+        drain()                      once per CTA, wg 0 only: take the token back
 
-    Counts per barrier b_k (all in units of 128 threads, 256 completes a phase):
-      bar.sync by wg k: 1 + n.
-      bar.arrive on b_k: n from wg k-1 in the loop, + 1 from wg k-1's finish() (k > 0)
-      or + 1 from start() (k = 0; the last warpgroup skips its finish()). 1 + n as well,
-    so every sync completes and no arrival is left pending when the CTA exits. The token
-    exists once, so a barrier never holds more than one pending arrive of 128 threads.
+    Counts per barrier b_k (all in units of 128 threads, 256 completes a phase): bar.sync
+    by wg k: n + 1 per item (+ 1 from drain() for k = 0); bar.arrive on b_k from wg k-1:
+    n + 1 per item (+ 1 from start() for k = 0). So every sync completes and no arrival is
+    left pending when the CTA exits. The token is created once per CTA, so a barrier never
+    holds more than one pending arrive of 128 threads, however far one warpgroup runs ahead
+    of another (a token created per work item could: with k6's wg_store and early_q_release
+    no barrier of all consumer warpgroups separates two items, and warpgroup 0 then passed
+    its next item's first turn while the last warpgroup had not yet taken the last turn of
+    this one: 256 arrivals of one warpgroup completed a phase, and the turns hung, rarely,
+    at 70,000 one-tile items).
     """
 
     warpgroups: int
@@ -148,7 +155,14 @@ class PingPong:
 
     @cute.jit
     def finish(self, wg):
-        """After the last tile: let the next warpgroup take its last turn."""
+        """After a work item's last tile: let the next warpgroup take its last turn (the
+        last warpgroup hands the token back to warpgroup 0, for the next item)."""
+        self.pass_turn(wg)
+
+    @cute.jit
+    def drain(self, wg):
+        """After the CTA's last work item: warpgroup 0 takes the token back, so that no
+        arrive is left pending on its barrier."""
         if cutlass.const_expr(self.enabled):
-            if wg != self.warpgroups - 1:
-                self.pass_turn(wg)
+            if wg == 0:
+                cute.arch.barrier(barrier_id=self.first_barrier, number_of_threads=self.threads)
