@@ -103,7 +103,7 @@ class FlashAttentionK5:
                  uniform_descriptors: bool = True, spin_waits: bool = False,
                  v_lags_k: bool = False, fma_exp2_every: int = 0,
                  stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32,
-                 ctas_per_sm: int = 1):
+                 ctas_per_sm: int = 1, fast_divmod: bool = False):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -138,7 +138,7 @@ class FlashAttentionK5:
         self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
                                        (persistent_ctas or sm_count() * ctas_per_sm)
                                        if persistent else 0,
-                                       dynamic and persistent, l2_rows)
+                                       dynamic and persistent, l2_rows, bool(fast_divmod))
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
         self.spin_waits = bool(spin_waits)                  # tma.wait_full

@@ -273,6 +273,16 @@ ITEM_END = {(64, False): (ALL_LENGTHS, 2048), (64, True): (8192, 8192),
             (192, False): (0, 8192), (192, True): (0, ALL_LENGTHS),
             (256, False): (0, ALL_LENGTHS), (256, True): (0, 8192)}
 
+# (head_dim, causal) -> the query lengths below which the static schedule decodes its work
+# items with FastDivmod (`fast_divmod`, common/scheduler.py) instead of two integer divisions
+# per item. Round-robin against the divisions, two runs with FA4 and cuDNN, H100
+# (results/h100/2026-11-26_k6_fast_divmod_*.json), gain in time: d = 64 without a mask +5.0 /
+# +5.0% (N = 1k, where wg_store is on) but -2.4 / -2.3% (2k) and -3.2% (4k); d = 128 -0.8 /
+# -0.7% (1k), -1.5 / -1.5% (2k); d = 96 0.0% (1k); d = 64 with a mask (dynamic: the consumers
+# decode too) 0.0%. The loops' SASS is the same but for where it starts (docs/k6.md "Where
+# the loop starts"), so the gain is not the divisions' ~100 ns per item alone: on where
+# measured only
+FAST_DIVMOD = {(64, False): 2048}
 
 class FlashAttentionK6(FlashAttentionK5):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
@@ -726,7 +736,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    direct_store: bool = False, skip_idle_wgs: Optional[bool] = None,
                    s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
-                   wg_store: Optional[bool] = None):
+                   wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -769,7 +779,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     the item's last QK, inside the loop, instead of after its last PV; wg_store: with O's
     own buffer, each consumer warpgroup stores its 64 rows itself (a 64-row TMA store on a
     barrier of the warpgroup), without the epilogue's barrier of all consumers (None, both:
-    ITEM_END's choice for the head dim, mask and length)."""
+    ITEM_END's choice for the head dim, mask and length); fast_divmod: the static
+    schedule's work items decoded with FastDivmod (None: FAST_DIVMOD's lengths)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -817,6 +828,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         ITEM_END.get((problem.head_dim, problem.causal), (0, 0))
     early_q_release = problem.seqlen < eqr_below if early_q_release is None else early_q_release
     wg_store = problem.seqlen < wg_below if wg_store is None else wg_store
+    if fast_divmod is None:
+        fast_divmod = not custom and problem.seqlen < FAST_DIVMOD.get(
+            (problem.head_dim, problem.causal), 0)
     if defer_store_wait is None:
         # (wg_store waits for each warpgroup's store one item later anyway)
         turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
@@ -892,7 +906,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "defer_store_wait": bool(defer_store_wait),
                               "ctas_per_sm": int(ctas_per_sm),
                               "early_q_release": bool(early_q_release),
-                              "wg_store": bool(wg_store)},
+                              "wg_store": bool(wg_store),
+                              "fast_divmod": bool(fast_divmod)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

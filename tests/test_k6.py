@@ -717,3 +717,26 @@ def test_item_end_options(monkeypatch):
         k6.compile_kernel(Problem(1, 2, 128, 64, False), wg_store=True, direct_store=True)
     with pytest.raises(ValueError, match="own_o_buffer"):
         k6.compile_kernel(Problem(1, 2, 128, 256, False), early_q_release=True)
+
+
+def test_fast_divmod_decode(monkeypatch):
+    """FAST_DIVMOD (measured 2026-11-26): at d = 64 without a mask below 2k queries the static
+    schedule decodes its work items with the library's FastDivmod (magic numbers computed
+    once per CTA: the two 64-bit divisions), not with integer divisions per item; elsewhere
+    the divisions stay (and the kernel with them)."""
+    fast, plain = artifacts(64, False), artifacts(64, False, "k6:fast_divmod=0")
+    assert fast["kernel"]["options"]["fast_divmod"]
+    assert not plain["kernel"]["options"]["fast_divmod"]
+
+    def divisions(art):
+        return len(re.findall(r"div\.s32\s", art["ptx"])), len(re.findall(r"div\.u64\s", art["ptx"]))
+
+    assert divisions(plain) == (8, 0)
+    assert divisions(fast) == (2, 2)
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    for d, causal, n, on in [(64, False, 1024, True), (64, False, 2048, False),
+                             (64, True, 1024, False), (128, False, 1024, False),
+                             (96, False, 1024, False)]:
+        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["fast_divmod"] == on, (d, causal, n)

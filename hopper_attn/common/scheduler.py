@@ -94,6 +94,10 @@ class TileScheduler:
     # dynamic (causal): items in groups of heads holding about `l2_rows` query rows, the
     # longest query tile of every head of a group first (head_group_order); 0: head by head
     l2_rows: int = 0
+    # the static schedule's item decode with the library's FastDivmod (cute.FastDivmodDivisorV2:
+    # a multiply and a shift per division, the divisors' magic numbers computed once per CTA)
+    # instead of two integer divisions per item (k6's option)
+    fast_divmod: bool = False
 
     @property
     def by_head_group(self) -> bool:
@@ -152,10 +156,14 @@ class TileScheduler:
             m_block, hb = head_group_order(item, m_blocks, heads * batch_size, group)
             head, batch = hb % heads, hb // heads
         else:                                           # (query tile, head, batch)
-            m_block = item % m_blocks
-            rest = item // m_blocks
-            head = rest % heads
-            batch = rest // heads
+            if cutlass.const_expr(self.fast_divmod):
+                rest, m_block = divmod(item, cute.fast_divmod_create_divisor_v2(Int32(m_blocks)))
+                batch, head = divmod(rest, cute.fast_divmod_create_divisor_v2(Int32(heads)))
+            else:
+                m_block = item % m_blocks
+                rest = item // m_blocks
+                head = rest % heads
+                batch = rest // heads
         if cutlass.const_expr(self.causal):             # the longest query tiles first
             m_block = m_blocks - 1 - m_block
         # warp-uniform: ptxas may keep them in uniform registers, off the consumers' budget
