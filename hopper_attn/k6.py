@@ -267,7 +267,10 @@ TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
 # +1.4 / +1.3, but -3.9 / -3.7% at 16k; d = 192 +1.8 / +1.7, +0.3 / +0.4, -0.2% (16k), with a
 # mask +2.7 / +2.7, +1.1 / +1.1, +0.5% (16k)
 ALL_LENGTHS = 1 << 31
-ITEM_END = {(64, False): (ALL_LENGTHS, 2048), (64, True): (8192, 8192),
+# d = 64 without a mask: wg_store at every length together with FAST_DIVMOD (below), +4.3-4.6%
+# (2k), +2.9% (4k), +2.1% (8k), +1.1-1.6% (16k) in three round-robin runs
+# (results/h100/2026-11-26_k6_d64_wg_store_fast_divmod*.json)
+ITEM_END = {(64, False): (ALL_LENGTHS, ALL_LENGTHS), (64, True): (8192, 8192),
             (96, False): (ALL_LENGTHS, ALL_LENGTHS), (96, True): (4096, 4096),
             (128, False): (ALL_LENGTHS, ALL_LENGTHS), (128, True): (ALL_LENGTHS, ALL_LENGTHS),
             (192, False): (0, 8192), (192, True): (0, ALL_LENGTHS),
@@ -277,12 +280,14 @@ ITEM_END = {(64, False): (ALL_LENGTHS, 2048), (64, True): (8192, 8192),
 # items with FastDivmod (`fast_divmod`, common/scheduler.py) instead of two integer divisions
 # per item. Round-robin against the divisions, two runs with FA4 and cuDNN, H100
 # (results/h100/2026-11-26_k6_fast_divmod_*.json), gain in time: d = 64 without a mask +5.0 /
-# +5.0% (N = 1k, where wg_store is on) but -2.4 / -2.3% (2k) and -3.2% (4k); d = 128 -0.8 /
-# -0.7% (1k), -1.5 / -1.5% (2k); d = 96 0.0% (1k); d = 64 with a mask (dynamic: the consumers
-# decode too) 0.0%. The loops' SASS is the same but for where it starts (docs/k6.md "Where
+# +5.0% (N = 1k, where wg_store was on) but -2.4 / -2.3% (2k) and -3.2% (4k) without wg_store;
+# with wg_store at every length (ITEM_END) the pair gains at every length (three runs,
+# _k6_d64_wg_store_fast_divmod*.json); d = 128 -0.8 / -0.7% (1k), -1.5 / -1.5% (2k); d = 96
+# 0.0% (1k); d = 64 with a mask (dynamic: the consumers decode too) 0.0%. The loops' SASS is
+# the same but for where it starts (docs/k6.md "FastDivmod for the static schedule, and where
 # the loop starts"), so the gain is not the divisions' ~100 ns per item alone: on where
 # measured only
-FAST_DIVMOD = {(64, False): 2048}
+FAST_DIVMOD = {(64, False): ALL_LENGTHS}
 
 class FlashAttentionK6(FlashAttentionK5):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,

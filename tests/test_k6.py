@@ -700,7 +700,7 @@ def test_item_end_options(monkeypatch):
     from hopper_attn.common.contract import Problem
     options = {}
     monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
-    for d, causal, n, on in [(64, False, 1024, (True, True)), (64, False, 4096, (True, False)),
+    for d, causal, n, on in [(64, False, 1024, (True, True)), (64, False, 4096, (True, True)),
                              (64, True, 4096, (True, True)), (64, True, 16384, (False, False)),
                              (96, True, 8192, (False, False)), (128, True, 16384, (True, True)),
                              (256, False, 16384, (False, True)), (256, True, 8192, (False, False)),
@@ -720,8 +720,8 @@ def test_item_end_options(monkeypatch):
 
 
 def test_fast_divmod_decode(monkeypatch):
-    """FAST_DIVMOD (measured 2026-11-26): at d = 64 without a mask below 2k queries the static
-    schedule decodes its work items with the library's FastDivmod (magic numbers computed
+    """FAST_DIVMOD (measured 2026-11-26): at d = 64 without a mask the static schedule decodes
+    its work items with the library's FastDivmod (magic numbers computed
     once per CTA: the two 64-bit divisions), not with integer divisions per item; elsewhere
     the divisions stay (and the kernel with them)."""
     fast, plain = artifacts(64, False), artifacts(64, False, "k6:fast_divmod=0")
@@ -736,7 +736,7 @@ def test_fast_divmod_decode(monkeypatch):
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem
     monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
-    for d, causal, n, on in [(64, False, 1024, True), (64, False, 2048, False),
+    for d, causal, n, on in [(64, False, 1024, True), (64, False, 16384, True),
                              (64, True, 1024, False), (128, False, 1024, False),
                              (96, False, 1024, False)]:
         assert k6.compile_kernel(Problem(1, 2, n, d, causal))["fast_divmod"] == on, (d, causal, n)
