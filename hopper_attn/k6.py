@@ -103,6 +103,7 @@ import torch
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
+from hopper_attn.common.compiler_hints import code_padding
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
@@ -301,7 +302,8 @@ class FlashAttentionK6(FlashAttentionK5):
                  opaque_p: bool = False, rescale_before_pv: bool = False,
                  direct_store: bool = False, skip_idle_wgs: bool = False,
                  s_ahead: bool = False, defer_store_wait: bool = False,
-                 early_q_release: bool = False, wg_store: bool = False, **options):
+                 early_q_release: bool = False, wg_store: bool = False,
+                 pad_before_loop: int = 0, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # a consumer warpgroup whose 64 query rows all lie past the sequence's end (the last
         # query tile of a length that is no multiple of block_m) only keeps the rings and the
@@ -409,6 +411,9 @@ class FlashAttentionK6(FlashAttentionK5):
         if wg_store and self.direct_store:
             raise ValueError("wg_store stores through shared memory: not with direct_store")
         self.wg_store = bool(wg_store)
+        # `pad_before_loop` instructions of no effect in front of the main loop, to measure
+        # how its position alone changes the kernel's speed (an experiment; 0 by default)
+        self.pad_before_loop = int(pad_before_loop)
         if self.s_ahead and (self.pingpong.enabled or self.wait_pv_late or self.lazy_rescale
                              or exp_turns or self.p_in_smem or self.rescale_before_pv
                              or pv_wait_after or self.skip_idle_wgs):
@@ -566,6 +571,7 @@ class FlashAttentionK6(FlashAttentionK5):
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
 
+        code_padding(self.pad_before_loop)              # (0: none; moves the loop only)
         for n in cutlass.range(n_count, unroll=1):
             k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
                                             mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
@@ -741,7 +747,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    direct_store: bool = False, skip_idle_wgs: Optional[bool] = None,
                    s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
-                   wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None):
+                   wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None,
+                   pad_before_loop: int = 0):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -785,7 +792,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     own buffer, each consumer warpgroup stores its 64 rows itself (a 64-row TMA store on a
     barrier of the warpgroup), without the epilogue's barrier of all consumers (None, both:
     ITEM_END's choice for the head dim, mask and length); fast_divmod: the static
-    schedule's work items decoded with FastDivmod (None: FAST_DIVMOD's lengths)."""
+    schedule's work items decoded with FastDivmod (None: FAST_DIVMOD's lengths);
+    pad_before_loop: that many no-op instructions (16 bytes each) in front of the main loop,
+    an experiment on where the loop starts."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -912,7 +921,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "ctas_per_sm": int(ctas_per_sm),
                               "early_q_release": bool(early_q_release),
                               "wg_store": bool(wg_store),
-                              "fast_divmod": bool(fast_divmod)},
+                              "fast_divmod": bool(fast_divmod),
+                              "pad_before_loop": int(pad_before_loop)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

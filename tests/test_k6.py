@@ -740,3 +740,20 @@ def test_fast_divmod_decode(monkeypatch):
                              (64, True, 1024, False), (128, False, 1024, False),
                              (96, False, 1024, False)]:
         assert k6.compile_kernel(Problem(1, 2, n, d, causal))["fast_divmod"] == on, (d, causal, n)
+
+
+def test_pad_before_loop_moves_the_loop():
+    """`pad_before_loop` (an experiment on where the main loop starts): n no-op instructions
+    in front of it move its first instruction by 16 bytes each and leave its instruction
+    count alone; 0 (the default) adds nothing."""
+    from hopper_attn.harness.sass_order import loop_body, loops
+
+    def first_loop(art):
+        text = sass(art["cubin"])
+        loop = loops(text)[0]
+        return loop[0], len(loop_body(text, loop))
+
+    start, size = first_loop(artifacts(64, False))
+    assert first_loop(artifacts(64, False, "k6:pad_before_loop=3")) == (start + 48, size)
+    assert artifacts(64, False, "k6:pad_before_loop=3")["ptx"].count("nanosleep.u32 0;") == 3
+    assert "nanosleep.u32 0;" not in artifacts(64, False)["ptx"]
