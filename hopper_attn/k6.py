@@ -595,7 +595,7 @@ class FlashAttentionK6(FlashAttentionK5):
         the next tile) tile n's end (`finish_tile`)."""
         pingpong = self.pingpong
         if cutlass.const_expr(self.wait_pv_late):
-            if n > 0:                               # tile n-1's end, after the back edge
+            if n > 0:                                   # tile n-1's end, after the back edge
                 v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
                                            v_state, self.reverse_p)
         phase = self.trace.start("wait_kv")
@@ -605,27 +605,27 @@ class FlashAttentionK6(FlashAttentionK5):
                 loads.wait(loads.v_pipe, v_state)
         self.trace.end(phase)
         phase = self.trace.start("wait_turn")
-        pingpong.sync(wg)                           # --- this WG's turn
+        pingpong.sync(wg)                               # --- this WG's turn
         self.trace.end(phase)
         phase = self.trace.start("qk")
         wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
-                   zero_init=True)                  # S = Q K_n^T, first in the queue
-        if n > 0:                                   # O += P_{n-1} V_{n-1}, behind it
+                   zero_init=True)                      # S = Q K_n^T, first in the queue
+        if n > 0:                                       # O += P_{n-1} V_{n-1}, behind it
             if cutlass.const_expr(self.rescale_before_pv):
                 # (only QK_n is in flight: this wait costs nothing, and it shows ptxas
                 # that no earlier PV still accumulates into O, so it adds no wait of its
                 # own for QK before the multiplies)
                 warpgroup.wait_group(1)
-                scale_rows(o_rc, alpha)             # O *= alpha_{n-1}, under QK_n
-            if cutlass.const_expr(self.v_lags_k):   # V_{n-1} was loaded after K_n
+                scale_rows(o_rc, alpha)                 # O *= alpha_{n-1}, under QK_n
+            if cutlass.const_expr(self.v_lags_k):       # V_{n-1} was loaded after K_n
                 loads.wait(loads.v_pipe, v_state)
             self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
-        pingpong.pass_turn(wg)                      # --- the next WG may issue now
+        pingpong.pass_turn(wg)                          # --- the next WG may issue now
         if n > 0:
-            warpgroup.wait_group(1)                 # S_n done; PV_{n-1} may still run
+            warpgroup.wait_group(1)                     # S_n done; PV_{n-1} may still run
         else:
             warpgroup.wait_group(0)
-        loads.release(loads.k_pipe, k_state)       # K_n read: its stage is free
+        loads.release(loads.k_pipe, k_state)            # K_n read: its stage is free
         k_state.advance()
         if cutlass.const_expr(self.early_q_release):
             # Q's one stage, once the item's last QK is done (the kernel then only
