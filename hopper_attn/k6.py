@@ -277,9 +277,9 @@ ITEM_END = {(64, False): (ALL_LENGTHS, ALL_LENGTHS), (64, True): (8192, 8192),
             (192, False): (0, 8192), (192, True): (0, ALL_LENGTHS),
             (256, False): (0, ALL_LENGTHS), (256, True): (0, 8192)}
 
-# (head_dim, causal) -> the query lengths below which the static schedule decodes its work
-# items with FastDivmod (`fast_divmod`, common/scheduler.py) instead of two integer divisions
-# per item. Round-robin against the divisions, two runs with FA4 and cuDNN, H100
+# (head_dim, causal) whose static schedule decodes its work items with FastDivmod
+# (`fast_divmod`, common/scheduler.py) instead of two integer divisions per item.
+# Round-robin against the divisions, two runs with FA4 and cuDNN, H100
 # (results/h100/2026-11-26_k6_fast_divmod_*.json), gain in time: d = 64 without a mask +5.0 /
 # +5.0% (N = 1k, where wg_store was on) but -2.4 / -2.3% (2k) and -3.2% (4k) without wg_store;
 # with wg_store at every length (ITEM_END) the pair gains at every length (three runs,
@@ -288,7 +288,7 @@ ITEM_END = {(64, False): (ALL_LENGTHS, ALL_LENGTHS), (64, True): (8192, 8192),
 # the same but for where it starts (docs/k6.md "FastDivmod for the static schedule, and where
 # the loop starts"), so the gain is not the divisions' ~100 ns per item alone: on where
 # measured only
-FAST_DIVMOD = {(64, False): ALL_LENGTHS}
+FAST_DIVMOD = {(64, False)}
 
 class FlashAttentionK6(FlashAttentionK5):
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 0,
@@ -792,7 +792,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     own buffer, each consumer warpgroup stores its 64 rows itself (a 64-row TMA store on a
     barrier of the warpgroup), without the epilogue's barrier of all consumers (None, both:
     ITEM_END's choice for the head dim, mask and length); fast_divmod: the static
-    schedule's work items decoded with FastDivmod (None: FAST_DIVMOD's lengths);
+    schedule's work items decoded with FastDivmod (None: where FAST_DIVMOD has it);
     pad_before_loop: that many no-op instructions (16 bytes each) in front of the main loop,
     an experiment on where the loop starts."""
     if s_ahead:
@@ -843,8 +843,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     early_q_release = problem.seqlen < eqr_below if early_q_release is None else early_q_release
     wg_store = problem.seqlen < wg_below if wg_store is None else wg_store
     if fast_divmod is None:
-        fast_divmod = not custom and problem.seqlen < FAST_DIVMOD.get(
-            (problem.head_dim, problem.causal), 0)
+        fast_divmod = not custom and (problem.head_dim, problem.causal) in FAST_DIVMOD
     if defer_store_wait is None:
         # (wg_store waits for each warpgroup's store one item later anyway)
         turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
