@@ -103,7 +103,6 @@ import torch
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.compiler_hints import code_padding
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
@@ -248,6 +247,17 @@ S_AHEAD_BLOCK_N = {64: 64, 96: 64, 128: 64, 192: 64}
 # 2026-11-25: +0.8-1.0% without a mask, +1.4-1.8% with one, in two round-robin runs
 # (results/h100/2026-11-25_k6_d128_wait_pingpong_run*.json); d = 64 without a mask still
 # needs it (-3.7-5.7% without), with a mask see compile_kernel (docs/k6.md)
+# head_dim -> the query lengths below which, with a causal mask and without turns, each
+# consumer warpgroup stops at the last kv tile its own 64 rows see (`wg_causal_limit`; docs/
+# k6.md "Each warpgroup's own diagonal"). On 192 x 128 tiles (d = 64 from LONG_CAUSAL_D64
+# queries) the top warpgroup skips a kv tile on most items, on 128 x 80 (d = 256) warpgroup
+# 0 on four items of five. Gain in time, two round-robin runs with FA4 and cuDNN (results/
+# h100/2026-11-26_k6_wg_causal_limit*.json): d = 64 +3.6 / +3.7% (N = 1k), +1.8% (1.5k),
+# +0.8 / +0.7% (2k), -0.7 / -0.7% (4k), +0.6% (8k), 0.0 / +0.1% (16k); d = 256 +2.7 / +2.7%
+# (1k), +1.9 / +1.7% (2k), +1.4 / +1.4% (4k), +0.8% (8k), +2.3 / +2.3% (16k). d = 192
+# (128 x 112, one run) +1.3 / +0.5 / -0.2% at 1k / 4k / 16k: left off; d = 96 and 128 (128
+# x 128) skip nothing when queries and keys are as long
+WG_CAUSAL_LIMIT = {64: 4096, 256: 1 << 31}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
 # A work item's end (docs/k6.md "Where a work item ends"): `early_q_release` hands Q's stage
@@ -303,8 +313,14 @@ class FlashAttentionK6(FlashAttentionK5):
                  direct_store: bool = False, skip_idle_wgs: bool = False,
                  s_ahead: bool = False, defer_store_wait: bool = False,
                  early_q_release: bool = False, wg_store: bool = False,
-                 pad_before_loop: int = 0, **options):
+                 wg_causal_limit: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
+        # with a causal mask each consumer warpgroup stops at the last kv tile its own 64
+        # rows see; the tiles after it, which only the warpgroups below need, it takes and
+        # hands back without math (`idle_tiles`): where block_m / 64 rows end at another
+        # kv tile than the tile's first row (192 x 128, 128 x 80), a warpgroup skips a tile
+        # that would be masked out entirely
+        self.wg_causal_limit = bool(wg_causal_limit) and causal
         # a consumer warpgroup whose 64 query rows all lie past the sequence's end (the last
         # query tile of a length that is no multiple of block_m) only keeps the rings and the
         # turns going (`idle_loop`) instead of computing rows nobody stores
@@ -397,6 +413,9 @@ class FlashAttentionK6(FlashAttentionK5):
         self.exp_turns = dataclasses.replace(self.exp_turns, on=bool(exp_turns))
         if self.skip_idle_wgs and (exp_turns or self.p_in_smem):
             raise ValueError("skip_idle_wgs: not with exp_turns or p_in_smem")
+        if self.wg_causal_limit and (self.pingpong.enabled or exp_turns or self.s_ahead):
+            # a warpgroup that stops early would leave its turns to the others
+            raise ValueError("wg_causal_limit: without turns (pingpong=0), exp_turns, s_ahead")
         # Q handed back inside the loop, right after the item's last QK (its stage is
         # then free while the last softmax, the last PV and the epilogue run), instead of
         # after the loop: needs O staged elsewhere than in Q's buffer
@@ -411,9 +430,6 @@ class FlashAttentionK6(FlashAttentionK5):
         if wg_store and self.direct_store:
             raise ValueError("wg_store stores through shared memory: not with direct_store")
         self.wg_store = bool(wg_store)
-        # `pad_before_loop` instructions of no effect in front of the main loop, to measure
-        # how its position alone changes the kernel's speed (an experiment; 0 by default)
-        self.pad_before_loop = int(pad_before_loop)
         if self.s_ahead and (self.pingpong.enabled or self.wait_pv_late or self.lazy_rescale
                              or exp_turns or self.p_in_smem or self.rescale_before_pv
                              or pv_wait_after or self.skip_idle_wgs):
@@ -431,11 +447,21 @@ class FlashAttentionK6(FlashAttentionK5):
             k_state, v_state = self.s_ahead_loop(
                 loads, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
                 vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
-        elif cutlass.const_expr(self.skip_idle_wgs):
-            if m_block * self.block_m + wg * 64 < seqlen_q:
+        elif cutlass.const_expr(self.skip_idle_wgs or self.wg_causal_limit):
+            n_busy = n_count
+            if cutlass.const_expr(self.wg_causal_limit):
+                n_busy = cutlass.min(n_count, self.schedule.n_block_count_rows(
+                    m_block, (wg + 1) * 64, seqlen_q, seqlen_k))
+            busy = True
+            if cutlass.const_expr(self.skip_idle_wgs):
+                busy = m_block * self.block_m + wg * 64 < seqlen_q
+            if busy:
                 k_state, v_state = self.busy_loop(
-                    loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
+                    loads, wg, m_block, n_busy, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
                     k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
+                if cutlass.const_expr(self.wg_causal_limit):
+                    k_state, v_state = self.idle_tiles(loads, n_busy, n_count, k_state,
+                                                       v_state)
             else:
                 k_state, v_state = self.idle_loop(loads, wg, n_count, k_state, v_state)
         else:
@@ -535,6 +561,20 @@ class FlashAttentionK6(FlashAttentionK5):
         return k_next, k_state, v_state
 
     @cute.jit
+    def idle_tiles(self, loads: tma.SplitKVLoads, n_first, n_count, k_state, v_state):
+        """`wg_causal_limit`: kv tiles n_first .. n_count - 1, which this warpgroup's rows do
+        not see, taken (waited for, so that no release runs ahead of the producer's phase)
+        and handed back in the rings' order, without math."""
+        for n in cutlass.range(n_first, n_count, unroll=1):
+            loads.wait(loads.k_pipe, k_state)
+            loads.release(loads.k_pipe, k_state)
+            k_state.advance()
+            loads.wait(loads.v_pipe, v_state)
+            loads.release(loads.v_pipe, v_state)
+            v_state.advance()
+        return k_state, v_state
+
+    @cute.jit
     def idle_loop(self, loads: tma.SplitKVLoads, wg, n_count, k_state, v_state):
         """`skip_idle_wgs`: a warpgroup without a valid query row takes every K and V tile
         (waits until it has landed, hands its stage back) and every turn, as `busy_loop` and
@@ -571,7 +611,6 @@ class FlashAttentionK6(FlashAttentionK5):
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
 
-        code_padding(self.pad_before_loop)              # (0: none; moves the loop only)
         for n in cutlass.range(n_count, unroll=1):
             k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
                                             mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
@@ -748,7 +787,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None,
-                   pad_before_loop: int = 0):
+                   wg_causal_limit: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -793,8 +832,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     barrier of the warpgroup), without the epilogue's barrier of all consumers (None, both:
     ITEM_END's choice for the head dim, mask and length); fast_divmod: the static
     schedule's work items decoded with FastDivmod (None: where FAST_DIVMOD has it);
-    pad_before_loop: that many no-op instructions (16 bytes each) in front of the main loop,
-    an experiment on where the loop starts."""
+    wg_causal_limit: with a causal mask each consumer warpgroup stops at the last kv tile its
+    own rows see and takes the rest of the item's tiles without math (needs pingpong=0;
+    None: WG_CAUSAL_LIMIT's lengths where the turns are off)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -844,6 +884,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     wg_store = problem.seqlen < wg_below if wg_store is None else wg_store
     if fast_divmod is None:
         fast_divmod = not custom and (problem.head_dim, problem.causal) in FAST_DIVMOD
+    if wg_causal_limit is None:
+        turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
+        wg_causal_limit = (problem.causal and not custom and not turns and not exp_turns
+                           and problem.seqlen < WG_CAUSAL_LIMIT.get(problem.head_dim, 0))
     if defer_store_wait is None:
         # (wg_store waits for each warpgroup's store one item later anyway)
         turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
@@ -921,7 +965,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "early_q_release": bool(early_q_release),
                               "wg_store": bool(wg_store),
                               "fast_divmod": bool(fast_divmod),
-                              "pad_before_loop": int(pad_before_loop)},
+                              "wg_causal_limit": bool(wg_causal_limit)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -220,6 +220,34 @@ def test_k6_pv_wait_variants_match_fp32(name, d, causal, seqlen):
     assert verdict["ok"], verdict
 
 
+@pytest.mark.parametrize("name,d", [("k6", 64), ("k6", 256), ("k6:wg_causal_limit=1,pingpong=0", 128),
+                                    ("k6:wg_causal_limit=1", 192)])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 1000), (1000, 300), (1000, 1000),
+                                               (777, 1333), (2049, 2049), (130, 70)])
+def test_k6_wg_causal_limit_matches_fp32(name, d, seqlen_q, seqlen_k):
+    """Each warpgroup's own causal limit (k6's `wg_causal_limit`, the default at d = 64 on
+    192-row tiles and at d = 256): with queries and keys of other lengths the bottom-right
+    diagonal crosses the warpgroups' rows anywhere; against fp32, 2x torch's bf16 error."""
+    from hopper_attn.common.contract import Problem
+    gen = torch.Generator(device="cuda").manual_seed(seqlen_q * 7 + seqlen_k + d)
+    q = torch.randn(2, seqlen_q, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, seqlen_k, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    entry = registry.get(name)
+    problem = Problem.from_tensor(q, True, k)
+    out = torch.full_like(q, float("nan"))
+    entry.run(entry.compile(problem), *entry.prepare(q, k, v), out)
+    ref = _reference(q, k, v, True, d ** -0.5)
+    hidden = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").triu(
+        seqlen_k - seqlen_q + 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=~hidden
+    ).transpose(1, 2).float().nan_to_num(0.0)
+    torch_err = (sdpa - ref).abs().max().item()
+    assert not out.isnan().any()
+    assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
+
+
 def test_k6_runs_more_than_65535_heads():
     """k5 launches one CTA row per head (gridDim.y <= 65535) and refuses; k6 loops."""
     from hopper_attn.common.contract import Problem

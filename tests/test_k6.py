@@ -742,18 +742,41 @@ def test_fast_divmod_decode(monkeypatch):
         assert k6.compile_kernel(Problem(1, 2, n, d, causal))["fast_divmod"] == on, (d, causal, n)
 
 
-def test_pad_before_loop_moves_the_loop():
-    """`pad_before_loop` (an experiment on where the main loop starts): n no-op instructions
-    in front of it move its first instruction by 16 bytes each and leave its instruction
-    count alone; 0 (the default) adds nothing."""
-    from hopper_attn.harness.sass_order import loop_body, loops
+def test_wg_causal_limit(monkeypatch):
+    """WG_CAUSAL_LIMIT (measured 2026-11-26, docs/k6.md "Each warpgroup's own diagonal"): with
+    a causal mask and no turns each consumer warpgroup stops at the last kv tile its own rows
+    see, then takes the item's remaining tiles in a loop of ring waits and releases only
+    (`idle_tiles`: a loop in the SASS without WGMMA or exp2); the compute loop stays
+    the default's, no spills. On at d = 256 and at d = 64 on 192-row tiles below 4k queries;
+    refused with turns."""
+    from hopper_attn.harness import sass_order
 
-    def first_loop(art):
-        text = sass(art["cubin"])
-        loop = loops(text)[0]
-        return loop[0], len(loop_body(text, loop))
+    def math_free_loops(text):
+        """Backward branches whose body has no WGMMA, exp2 or EXIT (retry stubs end in one)."""
+        instructions, labels = sass_order._instructions(text)
+        found = 0
+        for address, line in instructions:
+            m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+            if m and labels.get(m.group(1), 1 << 60) < address:
+                body = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
+                found += not any(re.search(r"HGMMA|MUFU|\bEXIT\b", t) for t in body)
+        return found
 
-    start, size = first_loop(artifacts(64, False))
-    assert first_loop(artifacts(64, False, "k6:pad_before_loop=3")) == (start + 48, size)
-    assert artifacts(64, False, "k6:pad_before_loop=3")["ptx"].count("nanosleep.u32 0;") == 3
-    assert "nanosleep.u32 0;" not in artifacts(64, False)["ptx"]
+    on, off = artifacts(256, True), artifacts(256, True, "k6:wg_causal_limit=0")
+    assert on["kernel"]["options"]["wg_causal_limit"]
+    a, b = sass(on["cubin"]), sass(off["cubin"])
+    assert math_free_loops(a) > math_free_loops(b)          # (and its waits' retries)
+    assert wgmma_groups(a) == wgmma_groups(b) and a.count("MUFU.EX2") == b.count("MUFU.EX2")
+    for fn in resource_usage(on["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="wg_causal_limit"):
+        k6.compile_kernel(Problem(1, 2, 128, 256, True), wg_causal_limit=True, pingpong=True)
+    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    for d, causal, n, want in [(64, True, 1024, True), (64, True, 2048, True),
+                               (64, True, 4096, False), (64, True, 512, False),  # 128 rows, turns
+                               (256, True, 16384, True), (256, False, 1024, False),
+                               (128, True, 1024, False), (192, True, 1024, False)]:
+        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["wg_causal_limit"] == want, \
+            (d, causal, n)

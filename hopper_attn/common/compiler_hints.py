@@ -12,11 +12,6 @@ twice, by an SMEM store and by a register-A WGMMA, was converted twice in the PT
 compiler recomputed the conversion next to the WGMMA (after `wgmma.fence`) instead of
 keeping the packed registers alive. Passing each 32-bit register through `opaque` makes
 the converted value something that cannot be recomputed, so one conversion serves both.
-
-``code_padding(n)``: n instructions that do nothing (`nanosleep 0`, which ptxas keeps),
-to move the code after them by 16 bytes each: k6's `pad_before_loop` places its main loop
-at another address with the loop itself unchanged (docs/k6.md "FastDivmod for the static
-schedule, and where the loop starts").
 """
 
 from __future__ import annotations
@@ -41,12 +36,3 @@ def pin(frag: cute.Tensor):
     packed = cute.recast_tensor(frag, Int32)
     for i in cutlass.range_constexpr(cute.size(packed)):
         packed[i] = opaque(packed[i])
-
-
-@dsl_user_op
-def code_padding(n: int, *, loc=None, ip=None):
-    """`n` SASS instructions of no effect (n is a Python int: 0 emits nothing)."""
-    for _ in range(n):
-        llvm.inline_asm(None, [], "nanosleep.u32 0;", "", has_side_effects=True,
-                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                        loc=loc, ip=ip)

@@ -62,9 +62,16 @@ class TileSchedule:
         query i sees keys j <= i + seqlen_k - seqlen_q. At least one kv tile is visited, so
         that a query tile whose rows see no key at all still runs (fully masked, its rows
         are written as 0)."""
+        return self.n_block_count_rows(m_block, self.block_m, seqlen_q, seqlen_k)
+
+    @cute.jit
+    def n_block_count_rows(self, m_block, rows, seqlen_q, seqlen_k) -> Int32:
+        """`n_block_count_kv` for the first `rows` query rows of tile m_block only (k6's
+        `wg_causal_limit`: a consumer warpgroup's rows end `rows` = 64 (wg + 1) into the tile,
+        and with a causal mask the upper warpgroups may see one kv tile fewer)."""
         count = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.causal):
-            visible = cutlass.max((m_block + 1) * self.block_m + seqlen_k - seqlen_q, 1)
+            visible = cutlass.max(m_block * self.block_m + rows + seqlen_k - seqlen_q, 1)
             count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
         return count
 
