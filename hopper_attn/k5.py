@@ -103,7 +103,7 @@ class FlashAttentionK5:
                  uniform_descriptors: bool = True, spin_waits: bool = False,
                  v_lags_k: bool = False, fma_exp2_every: int = 0,
                  stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32,
-                 ctas_per_sm: int = 1, fast_divmod: bool = False):
+                 ctas_per_sm: int = 1, fast_divmod: bool = False, stream_k: bool = False):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -116,6 +116,11 @@ class FlashAttentionK5:
             raise ValueError(f"{block_m} x {block_n} tiles at d = {head_dim} with {stages} "
                              f"stages need {smem} bytes of shared memory; a CTA gets at most "
                              f"{smem_limit} ({ctas_per_sm} per SM)")
+        if stream_k and (causal or dynamic or not persistent):
+            raise ValueError("stream_k: the static persistent schedule (no mask) only")
+        # k6's option: the static schedule's tail as stream-K (TileScheduler.piece; the
+        # workspace for split items is the kernel's counter argument, `stream_k_words`)
+        self.stream_k = bool(stream_k)
         self.head_dim = head_dim
         self.causal = causal
         self.block_m, self.block_n, self.stages = block_m, block_n, stages
@@ -138,7 +143,8 @@ class FlashAttentionK5:
         self.scheduler = TileScheduler(block_m, causal, persistent,   # work items
                                        (persistent_ctas or sm_count() * ctas_per_sm)
                                        if persistent else 0,
-                                       dynamic and persistent, l2_rows, bool(fast_divmod))
+                                       dynamic and persistent, l2_rows, bool(fast_divmod),
+                                       bool(stream_k), block_n)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
         self.spin_waits = bool(spin_waits)                  # tma.wait_full
@@ -173,13 +179,13 @@ class FlashAttentionK5:
         return ItemQueue.create(storage.item_barriers.data_ptr(),
                                 storage.items.get_tensor(cute.make_layout((4, 2))), receivers)
 
-    def first_item(self, mQ: cute.Tensor):
+    def first_item(self, mQ: cute.Tensor, seqlen_k=None):
         """(heads, batch size, the scheduler's iterator, and this CTA's first work item:
         query tile, head, batch, valid)."""
         heads, batch_size = mQ.shape[2], mQ.shape[3]
         tiles = self.scheduler.start()
         return (heads, batch_size, tiles,
-                *self.scheduler.work(tiles, mQ.shape[0], heads, batch_size))
+                *self.scheduler.work(tiles, mQ.shape[0], heads, batch_size, seqlen_k))
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
@@ -252,7 +258,7 @@ class FlashAttentionK5:
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout):
-        schedule, roles = self.schedule, self.roles
+        schedule, roles, scheduler = self.schedule, self.roles, self.scheduler
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -283,7 +289,7 @@ class FlashAttentionK5:
 
         # Every role walks the same work items (one per CTA here; k6: a persistent loop),
         # each with its own iterator. A work item: query tile m_block of (head, batch).
-        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ)
+        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ, seqlen_k)
         if warp < 4:
             # ---------------- producer warpgroup ----------------
             roles.become_producer()
@@ -320,15 +326,24 @@ class FlashAttentionK5:
                 self.start_turns(wg)
             while valid:
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+                k0, k1 = 0, n_count                     # (stream_k: a piece of the item)
+                if cutlass.const_expr(self.stream_k):
+                    _, _, k0, k1 = scheduler.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
                 acc_o.fill(0.0)
                 softmax.reset()
                 phase = self.trace.start("wait_q")
                 loads.wait_q(q_state)
                 self.trace.end(phase)
-                k_state, v_state = self.mainloop(
-                    loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
-                    mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s,
-                    acc_o, mmas.s_coords, softmax, k_state, v_state)
+                if cutlass.const_expr(self.stream_k):
+                    k_state, v_state = self.mainloop(
+                        loads, wg, m_block, k1 - k0, seqlen_q, seqlen_k, mmas.mma_qk,
+                        mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag,
+                        acc_s, acc_o, mmas.s_coords, softmax, k_state, v_state, n_base=k0)
+                else:
+                    k_state, v_state = self.mainloop(
+                        loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
+                        mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag,
+                        acc_s, acc_o, mmas.s_coords, softmax, k_state, v_state)
                 if cutlass.const_expr(self.own_o_buffer or self.direct_store):
                     # (k6's options) Q is read: the next one loads under the epilogue
                     # (with early_q_release the main loop handed it back after its last QK)
@@ -338,18 +353,33 @@ class FlashAttentionK5:
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
                 phase = self.trace.start("epilogue")
-                inv_sum = self.finish_rows(softmax, mmas, ctidx, mLSE, m_block, head,
-                                           batch, seqlen_q)
-                scale_rows(o_rc, inv_sum)
-                o_out.store(acc_o.load().to(self.dtype))
-                self.store_output(mmas, ctidx, warp, o_out, mOut, sO_buffer, tma_o, mO,
-                                  m_block, head, batch, seqlen_q)
+                if cutlass.const_expr(self.stream_k):
+                    # a piece that begins an item leaves its raw state for the next CTA;
+                    # one that ends an item merges the previous CTA's, then stores O
+                    if k1 < n_count:
+                        self.save_partial(mCounter, ctidx, wg, acc_o, softmax)
+                    else:
+                        if k0 > 0:
+                            self.merge_partial(mCounter, ctidx, wg, acc_o, softmax)
+                        inv_sum = self.finish_rows(softmax, mmas, ctidx, mLSE, m_block, head,
+                                                   batch, seqlen_q)
+                        scale_rows(o_rc, inv_sum)
+                        o_out.store(acc_o.load().to(self.dtype))
+                        self.store_output(mmas, ctidx, warp, o_out, mOut, sO_buffer, tma_o,
+                                          mO, m_block, head, batch, seqlen_q)
+                else:
+                    inv_sum = self.finish_rows(softmax, mmas, ctidx, mLSE, m_block, head,
+                                               batch, seqlen_q)
+                    scale_rows(o_rc, inv_sum)
+                    o_out.store(acc_o.load().to(self.dtype))
+                    self.store_output(mmas, ctidx, warp, o_out, mOut, sO_buffer, tma_o, mO,
+                                      m_block, head, batch, seqlen_q)
                 if cutlass.const_expr(not (self.own_o_buffer or self.direct_store)):
                     loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
                 self.trace.end(phase)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
-                    queue, item_state, tiles, seqlen_q, heads, batch_size)
+                    queue, item_state, tiles, seqlen_q, heads, batch_size, seqlen_k)
             if has_items:
                 self.drain_turns(wg)
             self.drain_o_store(warp)
@@ -482,7 +512,7 @@ class FlashAttentionK5:
             cute.autovec_copy(o_out, mma_pv.get_slice(opaque(ctidx)).partition_C(sO))
 
     @cute.jit
-    def next_item(self, queue, item_state, tiles, seqlen_q, heads, batch_size):
+    def next_item(self, queue, item_state, tiles, seqlen_q, heads, batch_size, seqlen_k=None):
         """A consumer's next work item: from the producer warp's queue (dynamic schedule) or
         the grid-stride step (static); returns the iterator, the queue state and the item."""
         if cutlass.const_expr(self.scheduler.by_head_group):
@@ -495,7 +525,8 @@ class FlashAttentionK5:
             item_state.advance()
         else:
             tiles = self.scheduler.advance(tiles)
-        m_block, head, batch, valid = self.scheduler.work(tiles, seqlen_q, heads, batch_size)
+        m_block, head, batch, valid = self.scheduler.work(tiles, seqlen_q, heads, batch_size,
+                                                          seqlen_k)
         return tiles, item_state, m_block, head, batch, valid
 
     @cute.jit
@@ -516,36 +547,41 @@ class FlashAttentionK5:
         item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         while valid:
             n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
+            first = 0                                   # (stream_k: the piece's kv tiles)
+            if cutlass.const_expr(self.stream_k):
+                _, _, first, k1 = scheduler.piece(tiles, seqlen_q, seqlen_k, heads,
+                                                  batch_size)
+                n_count = k1 - first
             work = loads.at(head, head // group, batch)
             if cutlass.const_expr(self.v_lags_k):
                 # K_0, Q, K_1, V_0, K_2, V_1, ..., V_last: a consumer uses K_j one tile
                 # before V_j (S_j = Q K_j^T goes with O += P_{j-1} V_{j-1}), so K_{j+1} no
                 # longer queues behind V_j, whose stage is freed a tile later than K_j's
-                work.load_k(produce, 0)
+                work.load_k(produce, first)
                 produce.advance()
                 work.load_q(q_state, m_block)
                 for n in cutlass.range(1, n_count, unroll=1):
                     phase = self.trace.start("load_k")
-                    work.load_k(produce, n)
+                    work.load_k(produce, first + n)
                     produce.advance()
                     self.trace.end(phase)
                     phase = self.trace.start("load_v")
-                    work.load_v(produce_v, n - 1)
+                    work.load_v(produce_v, first + n - 1)
                     produce_v.advance()
                     self.trace.end(phase)
-                work.load_v(produce_v, n_count - 1)
+                work.load_v(produce_v, first + n_count - 1)
                 produce_v.advance()
             else:
-                work.load_k(produce, 0)
+                work.load_k(produce, first)
                 work.load_q(q_state, m_block)
-                work.load_v(produce, 0)
+                work.load_v(produce, first)
                 produce.advance()
                 for n in cutlass.range(1, n_count, unroll=1):
                     phase = self.trace.start("load_k")
-                    work.load_k(produce, n)
+                    work.load_k(produce, first + n)
                     self.trace.end(phase)
                     phase = self.trace.start("load_v")
-                    work.load_v(produce, n)
+                    work.load_v(produce, first + n)
                     self.trace.end(phase)
                     produce.advance()
             q_state.advance()
@@ -556,7 +592,8 @@ class FlashAttentionK5:
                     item_state.advance()
             else:
                 tiles = scheduler.advance(tiles)
-            m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size)
+            m_block, head, batch, valid = scheduler.work(tiles, seqlen_q, heads, batch_size,
+                                                         seqlen_k)
             if cutlass.const_expr(scheduler.by_head_group):   # decoded here, once
                 valid_int = Int32(0)
                 if valid:

@@ -89,6 +89,13 @@ of 112 and 80 keys ptxas issued the loop's PV as one WGMMA group per k16 slice o
 overlapped only PV's last slice; P's slices converted last first (`reverse_p`) keep PV one
 group when its wait is in the iteration, here after the softmax, pinned by a fence: +3.4-5.5%
 at d = 192, up to +3% at d = 256 (docs/k6.md "One WGMMA group per P slice").
+
+Ninth step, the schedule's edges: with a causal mask each consumer warpgroup stops at the
+last kv tile its own rows see (`wg_causal_limit`, WG_CAUSAL_LIMIT: +1.4-2.7% at d = 256,
++3.6% at d = 64 N = 1k), and without one, at d = 128 from 8k queries, the static schedule's
+last rounds run as stream-K, an item split across two CTAs and merged (`stream_k`,
+STREAM_K, TileScheduler.piece: +0.7-1.0%) (docs/k6.md "Each warpgroup's own diagonal", "The
+static schedule's tail as stream-K").
 """
 
 from __future__ import annotations
@@ -98,7 +105,8 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
 import torch
 from cutlass.cute.nvgpu import warpgroup
 
@@ -106,9 +114,9 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
-from hopper_attn.common.scheduler import longest_first_default
+from hopper_attn.common.scheduler import longest_first_default, sm_count
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
-from hopper_attn.k5 import FlashAttentionK5, lse_buffer
+from hopper_attn.k5 import WG_EPILOGUE_BARRIER, FlashAttentionK5, lse_buffer
 
 SPEC = KernelSpec(
     name="k6",
@@ -258,6 +266,14 @@ S_AHEAD_BLOCK_N = {64: 64, 96: 64, 128: 64, 192: 64}
 # (128 x 112, one run) +1.3 / +0.5 / -0.2% at 1k / 4k / 16k: left off; d = 96 and 128 (128
 # x 128) skip nothing when queries and keys are as long
 WG_CAUSAL_LIMIT = {64: 4096, 256: 1 << 31}
+# head_dim -> the shortest query length (no mask) at which the static schedule ends in
+# stream-K (`stream_k`; docs/k6.md "The static schedule's tail as stream-K"): its last one to
+# two rounds of items spread evenly over the CTAs, an item split across two of them. Gain in
+# time, two round-robin runs with FA4 (results/h100/2026-11-26_k6_stream_k_*.json): d = 128
+# -1.4 / -1.3% (N = 1k), -0.2% (2k), +0.4 / +0.3% (4k), +0.8% (8k), +1.0 / +1.0% (16k);
+# d = 256 -3.5 / -0.3 / -0.1% (1k / 4k / 16k), -1.1 / -0.3 / -0.2% (2k / 4k / 16k);
+# d = 192 +1.7 / +1.5% (4k / 16k, one run); d = 96 -3.4 / -1.7%, d = 64 -0.3 / -1.8%
+STREAM_K = {128: 8192}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
 # A work item's end (docs/k6.md "Where a work item ends"): `early_q_release` hands Q's stage
@@ -442,7 +458,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                 softmax: OnlineSoftmax, k_state, v_state):
+                 softmax: OnlineSoftmax, k_state, v_state, n_base=0):
         if cutlass.const_expr(self.s_ahead):
             k_state, v_state = self.s_ahead_loop(
                 loads, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
@@ -458,7 +474,8 @@ class FlashAttentionK6(FlashAttentionK5):
             if busy:
                 k_state, v_state = self.busy_loop(
                     loads, wg, m_block, n_busy, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
-                    k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
+                    k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state,
+                    n_base)
                 if cutlass.const_expr(self.wg_causal_limit):
                     k_state, v_state = self.idle_tiles(loads, n_busy, n_count, k_state,
                                                        v_state)
@@ -467,7 +484,8 @@ class FlashAttentionK6(FlashAttentionK5):
         else:
             k_state, v_state = self.busy_loop(
                 loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
-                k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state)
+                k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state,
+                n_base)
         return k_state, v_state
 
     @cute.jit
@@ -560,6 +578,94 @@ class FlashAttentionK6(FlashAttentionK5):
         self.probs_to_operand(acc_cur, p_frag)
         return k_next, k_state, v_state
 
+    # ---- stream_k: an item split across two CTAs (TileScheduler.piece) ----
+    # The workspace (the kernel's counter argument): int32 words [0, 4) unused, then a flag
+    # per slot and consumer warpgroup, then per slot the raw state of each consumer thread
+    # (O's fp32 fragment, row maxima, per-thread row sums) as fp32, element-major so that
+    # the threads of a warp touch consecutive words. Slot c: the item split between CTAs
+    # c - 1 and c.
+    STREAM_K_FLAGS = 4
+    STREAM_K_SLOTS = 1024
+
+    def stream_k_floats(self) -> int:
+        """fp32 values one consumer thread leaves: O's 64 x d / 128, two row maxima and sums."""
+        return self.head_dim // 2 + 4
+
+    def stream_k_words(self) -> int:
+        """The workspace's size in int32 words (0 without stream_k)."""
+        if not self.stream_k:
+            return 0
+        slots = sm_count() + 1
+        assert slots <= self.STREAM_K_SLOTS
+        return (self.STREAM_K_FLAGS + self.STREAM_K_SLOTS * self.warpgroups
+                + slots * self.stream_k_floats() * self.roles.consumer_threads)
+
+    @cute.jit
+    def partial_state(self, mWork: cute.Tensor, slot, ctidx, acc_o: cute.Tensor):
+        """The workspace as fp32, the index of this consumer thread's first value in `slot`
+        (then O's values row by row, the row maxima, the row sums, each `stride` apart: the
+        consumer threads interleaved, so that a warp's accesses are contiguous), and O as
+        [row, col]."""
+        data = cute.recast_tensor(mWork, Float32)
+        o_rc = acc_rows_cols(acc_o)
+        stride = self.roles.consumer_threads
+        base = self.STREAM_K_FLAGS + self.STREAM_K_SLOTS * self.warpgroups
+        at = base + slot * self.stream_k_floats() * stride + ctidx
+        return data, o_rc, stride, at
+
+    @cute.jit
+    def save_partial(self, mWork: cute.Tensor, ctidx, wg, acc_o: cute.Tensor,
+                     softmax: OnlineSoftmax):
+        """A piece that begins an item: this thread's raw state to slot (CTA + 1), then, once
+        the warpgroup's 128 threads have written theirs, the slot's flag (release)."""
+        cta, _, _ = cute.arch.block_idx()
+        slot = Int32(cta) + 1
+        data, o_rc, stride, at = self.partial_state(mWork, slot, ctidx, acc_o)
+        rows, cols = cute.size(o_rc, mode=[0]), cute.size(o_rc, mode=[1])
+        for r in cutlass.range_constexpr(rows):
+            for c in cutlass.range_constexpr(cols):
+                data[at + (r * cols + c) * stride] = o_rc[r, c]
+            data[at + (rows * cols + r) * stride] = softmax.row_max[r]
+            data[at + (rows * cols + rows + r) * stride] = softmax.row_sum[r]
+        cute.arch.fence_acq_rel_gpu()
+        pipeline.NamedBarrier(barrier_id=WG_EPILOGUE_BARRIER + wg,
+                              num_threads=128).arrive_and_wait()
+        if ctidx % 128 == 0:
+            cute.arch.store(mWork.iterator + self.STREAM_K_FLAGS + slot * self.warpgroups + wg,
+                            Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def merge_partial(self, mWork: cute.Tensor, ctidx, wg, acc_o: cute.Tensor,
+                      softmax: OnlineSoftmax):
+        """A piece that ends an item: wait for slot CTA's flag (acquire; the previous CTA
+        wrote it about an item and a half earlier), reset it for the next launch, and merge
+        the other piece's state into this one's: m = max, each side scaled by
+        2^(m_side - m), O and the row sums added."""
+        cta, _, _ = cute.arch.block_idx()
+        slot = Int32(cta)
+        if ctidx % 128 == 0:
+            flag = mWork.iterator + self.STREAM_K_FLAGS + slot * self.warpgroups + wg
+            ready = Int32(0)
+            while ready == 0:
+                ready = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            cute.arch.store(flag, Int32(0))
+        pipeline.NamedBarrier(barrier_id=WG_EPILOGUE_BARRIER + wg,
+                              num_threads=128).arrive_and_wait()
+        data, o_rc, stride, at = self.partial_state(mWork, slot, ctidx, acc_o)
+        rows, cols = cute.size(o_rc, mode=[0]), cute.size(o_rc, mode=[1])
+        for r in cutlass.range_constexpr(rows):
+            m_other = data[at + (rows * cols + r) * stride]
+            l_other = data[at + (rows * cols + rows + r) * stride]
+            m_own = softmax.row_max[r]
+            m_new = cute.arch.fmax(m_own, m_other)
+            m_safe = 0.0 if m_new == -Float32.inf else m_new
+            a_other = cute.math.exp2((m_other - m_safe) * softmax.scale_log2, fastmath=True)
+            a_own = cute.math.exp2((m_own - m_safe) * softmax.scale_log2, fastmath=True)
+            softmax.row_max[r] = m_new
+            softmax.row_sum[r] = softmax.row_sum[r] * a_own + l_other * a_other
+            for c in cutlass.range_constexpr(cols):
+                o_rc[r, c] = o_rc[r, c] * a_own + data[at + (r * cols + c) * stride] * a_other
+
     @cute.jit
     def idle_tiles(self, loads: tma.SplitKVLoads, n_first, n_count, k_state, v_state):
         """`wg_causal_limit`: kv tiles n_first .. n_count - 1, which this warpgroup's rows do
@@ -606,7 +712,7 @@ class FlashAttentionK6(FlashAttentionK5):
                   mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                   k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                   acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                  softmax: OnlineSoftmax, k_state, v_state):
+                  softmax: OnlineSoftmax, k_state, v_state, n_base=0):
         pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
@@ -615,7 +721,7 @@ class FlashAttentionK6(FlashAttentionK5):
             k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
                                             mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
                                             acc_s, acc_o, o_rc, s_coords, softmax, alpha,
-                                            k_state, v_state)
+                                            k_state, v_state, n_base)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         if cutlass.const_expr(self.rescale_before_pv):
@@ -628,8 +734,9 @@ class FlashAttentionK6(FlashAttentionK5):
                 mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                 k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                 acc_s: cute.Tensor, acc_o: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
-                softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state):
-        """Tile n of a work item: S_n = Q K_n^T and O += P_{n-1} V_{n-1} in this warpgroup's
+                softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state, n_base=0):
+        """Tile n of a work item (kv tile n_base + n: stream_k's pieces start inside an item):
+        S_n = Q K_n^T and O += P_{n-1} V_{n-1} in this warpgroup's
         turn, the softmax of S_n under PV_{n-1}, then (or, with the late wait, at the top of
         the next tile) tile n's end (`finish_tile`)."""
         pingpong = self.pingpong
@@ -673,8 +780,8 @@ class FlashAttentionK6(FlashAttentionK5):
         self.trace.end(phase)
         # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
         phase = self.trace.start("softmax")
-        self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block, n,
-                                n_count, seqlen_q, seqlen_k)  # S -> P (fp32), in place
+        self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block,
+                                n_base + n, n_count, seqlen_q, seqlen_k)  # S -> P, in place
         self.trace.end(phase)
         if cutlass.const_expr(not self.wait_pv_late):
             v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
@@ -787,7 +894,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None,
-                   wg_causal_limit: Optional[bool] = None):
+                   wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -834,7 +941,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     schedule's work items decoded with FastDivmod (None: where FAST_DIVMOD has it);
     wg_causal_limit: with a causal mask each consumer warpgroup stops at the last kv tile its
     own rows see and takes the rest of the item's tiles without math (needs pingpong=0;
-    None: WG_CAUSAL_LIMIT's lengths where the turns are off)."""
+    None: WG_CAUSAL_LIMIT's lengths where the turns are off); stream_k: without a mask, the
+    static schedule's last rounds as stream-K, items split across two CTAs and merged
+    through a workspace (None: STREAM_K's lengths)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -884,6 +993,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     wg_store = problem.seqlen < wg_below if wg_store is None else wg_store
     if fast_divmod is None:
         fast_divmod = not custom and (problem.head_dim, problem.causal) in FAST_DIVMOD
+    if stream_k is None:
+        stream_k = (not problem.causal and not custom and persistent and not dynamic
+                    and problem.seqlen >= STREAM_K.get(problem.head_dim, 1 << 31))
     if wg_causal_limit is None:
         turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
         wg_causal_limit = (problem.causal and not custom and not turns and not exp_turns
@@ -965,7 +1077,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "early_q_release": bool(early_q_release),
                               "wg_store": bool(wg_store),
                               "fast_divmod": bool(fast_divmod),
-                              "wg_causal_limit": bool(wg_causal_limit)},
+                              "wg_causal_limit": bool(wg_causal_limit),
+                              "stream_k": bool(stream_k)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

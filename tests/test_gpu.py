@@ -248,6 +248,21 @@ def test_k6_wg_causal_limit_matches_fp32(name, d, seqlen_q, seqlen_k):
     assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
 
 
+@pytest.mark.parametrize("d,heads,seqlen", [(128, 17, 2049), (256, 17, 1000), (64, 17, 2049),
+                                             (128, 67, 333), (96, 5, 4100)])
+def test_k6_stream_k_matches_fp32(d, heads, seqlen):
+    """k6's `stream_k` (the static schedule's tail spread over all CTAs, an item split across
+    two of them and merged): shapes whose item count is no multiple of the grid, so that
+    items are split; against fp32 with NaN guards, and the same bits on a second run (the
+    split items' flags are reset for the next launch)."""
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.common.contract import Problem
+    problem = Problem(4, heads, seqlen, d, False)
+    entry = registry.get("k6:stream_k=1")
+    verdict = ReferenceCase(problem, seed=d + seqlen).check(entry, entry.compile(problem))
+    assert verdict["ok"], verdict
+
+
 def test_k6_runs_more_than_65535_heads():
     """k5 launches one CTA row per head (gridDim.y <= 65535) and refuses; k6 loops."""
     from hopper_attn.common.contract import Problem

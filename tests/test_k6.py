@@ -780,3 +780,29 @@ def test_wg_causal_limit(monkeypatch):
                                (128, True, 1024, False), (192, True, 1024, False)]:
         assert k6.compile_kernel(Problem(1, 2, n, d, causal))["wg_causal_limit"] == want, \
             (d, causal, n)
+
+
+def test_stream_k(monkeypatch):
+    """STREAM_K (measured 2026-11-26, docs/k6.md "The static schedule's tail as stream-K"):
+    without a mask, at d = 128 from 8k queries, the static schedule's last rounds are
+    pieces of items; a split item's first piece leaves its state in the workspace (the
+    kernel's counter argument, `stream_k_words` int32) and raises a flag with a release
+    store, the last piece waits for it with acquire loads and merges. No spills; refused
+    with a mask."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    art = artifacts(128, False, "k6:stream_k=1")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert "st.release.gpu" in art["ptx"] and "ld.acquire.gpu" in art["ptx"]
+    assert "st.release.gpu" not in artifacts(128, False)["ptx"]
+    kernel = k6.FlashAttentionK6(128, False, persistent=True, stream_k=True)
+    assert kernel.stream_k_words() > 133 * 256 * (64 + 4)
+    assert k6.FlashAttentionK6(128, False, persistent=True).stream_k_words() == 0
+    with pytest.raises(ValueError, match="stream_k"):
+        k6.compile_kernel(Problem(1, 2, 128, 128, True), stream_k=True)
+    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    for d, causal, n, want in [(128, False, 8192, True), (128, False, 16384, True),
+                               (128, False, 4096, False), (128, True, 16384, False),
+                               (256, False, 16384, False), (64, False, 16384, False)]:
+        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["stream_k"] == want, (d, causal, n)

@@ -278,6 +278,24 @@ def work_counter(device) -> torch.Tensor:
     return counter
 
 
+_STREAM_K: dict[tuple, torch.Tensor] = {}
+
+
+def stream_k_workspace(device, words: int) -> torch.Tensor:
+    """`work_counter`'s place for a kernel with k6's `stream_k`: int32 [2 (unused), a flag
+    per split item and consumer warpgroup, the split items' partial results], zero between
+    launches where it counts (each flag is reset by the CTA that consumed it). One per
+    stream and size, as the counter: launches on two streams never share one."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index), words)
+    buffer = _STREAM_K.get(key)
+    if buffer is None:
+        buffer = _STREAM_K[key] = torch.zeros(words, dtype=torch.int32, device=device)
+    return buffer
+
+
 # --------------------------------------------------------------------------------------------
 # Compilation and launch (CuTe DSL). Imported lazily so that the checks above work without it.
 # --------------------------------------------------------------------------------------------
@@ -380,7 +398,9 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
             handle.workspace = handle.workspace_fn(problem, q.device)
         workspace = handle.workspace
     if handle.spec.takes_work_counter:
-        workspace = [*workspace, work_counter(q.device)]
+        words = getattr(handle.kernel, "stream_k_words", lambda: 0)()
+        workspace = [*workspace, stream_k_workspace(q.device, words) if words
+                     else work_counter(q.device)]
     scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
     if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
         handle.compiled(q, k, v, out, *extra_inputs, *workspace, scale * LOG2_E)

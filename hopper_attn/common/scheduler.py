@@ -98,6 +98,11 @@ class TileScheduler:
     # a multiply and a shift per division, the divisors' magic numbers computed once per CTA)
     # instead of two integer divisions per item (k6's option)
     fast_divmod: bool = False
+    # the static schedule's last one to two rounds as stream-K: their kv tiles spread evenly
+    # over the CTAs, an item split across two neighbouring CTAs at most (k6's option; needs
+    # no mask: every item has the same ceil(seqlen_k / block_n) kv tiles). See `piece`.
+    stream_k: bool = False
+    block_n: int = 0             # (stream_k: the kv tile)
 
     @property
     def by_head_group(self) -> bool:
@@ -135,9 +140,49 @@ class TileScheduler:
         return cute.arch.make_warp_uniform(tiles + 1)
 
     @cute.jit
-    def work(self, tiles, seqlen_q, heads, batch_size):
-        """(query tile, head, batch, valid) of the current work item."""
+    def piece(self, tiles, seqlen_q, seqlen_k, heads, batch_size):
+        """`stream_k`: (work item, valid, first kv tile k0, end k1) of this CTA's piece
+        `tiles`. With T items of n kv tiles on G CTAs (T >= G: the grid is min(T, SMs)),
+        pieces 0 .. R - 1 are whole items of R = T // G - 1 rounds as in the static schedule;
+        the S = T - R G items left (G <= S < 2G) are S n kv-tile steps, CTA c owning the
+        steps [c S n // G, (c + 1) S n // G), at least n of them: an item is split across two
+        neighbouring CTAs at most, and no piece is cut at both ends. Each CTA walks its steps
+        backwards, so the piece that begins an item (k1 < n: it leaves its partial result for
+        the next CTA) comes first, and the one that ends an item (k0 > 0: it merges that
+        partial) last, in the CTA with the higher index."""
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        c, g = Int32(cta), Int32(grid)
+        n = cute.ceil_div(seqlen_k, self.block_n)
+        total = cute.ceil_div(seqlen_q, self.block_m) * heads * batch_size
+        rounds = total // g - 1
+        item = tiles * g + c
+        k0, k1 = Int32(0), Int32(n)
+        valid = tiles < rounds
+        if tiles >= rounds:
+            steps = (total - rounds * g) * n
+            lo = c * steps // g
+            hi = (c + 1) * steps // g
+            tail = (hi - 1) // n - (tiles - rounds)      # the tail item, counted from 0
+            valid = tail >= 0 and (tail + 1) * n > lo
+            item = rounds * g + tail
+            k0 = cutlass.max(lo - tail * n, 0)
+            k1 = cutlass.min(hi - tail * n, n)
+        uniform = cute.arch.make_warp_uniform
+        return uniform(item), valid, uniform(k0), uniform(k1)
+
+    @cute.jit
+    def work(self, tiles, seqlen_q, heads, batch_size, seqlen_k=None):
+        """(query tile, head, batch, valid) of the current work item (stream_k: of the
+        current piece; then seqlen_k is needed)."""
         m_blocks = cute.ceil_div(seqlen_q, self.block_m)
+        if cutlass.const_expr(self.stream_k):
+            item, valid, _, _ = self.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
+            m_block = item % m_blocks
+            rest = item // m_blocks
+            uniform = cute.arch.make_warp_uniform
+            return (uniform(Int32(m_block)), uniform(Int32(rest % heads)),
+                    uniform(Int32(rest // heads)), valid)
         if cutlass.const_expr(not self.persistent):
             bx, head, batch = cute.arch.block_idx()
             m_block = bx
