@@ -114,7 +114,7 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
-from hopper_attn.common.scheduler import longest_first_default, sm_count
+from hopper_attn.common.scheduler import longest_first_default
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.k5 import WG_EPILOGUE_BARRIER, FlashAttentionK5, lse_buffer
 
@@ -595,8 +595,9 @@ class FlashAttentionK6(FlashAttentionK5):
         """The workspace's size in int32 words (0 without stream_k)."""
         if not self.stream_k:
             return 0
-        slots = sm_count() + 1
-        assert slots <= self.STREAM_K_SLOTS
+        slots = self.scheduler.ctas + 1                 # slot c: between CTAs c - 1 and c
+        if slots > self.STREAM_K_SLOTS:
+            raise ValueError(f"stream_k: at most {self.STREAM_K_SLOTS - 1} persistent CTAs")
         return (self.STREAM_K_FLAGS + self.STREAM_K_SLOTS * self.warpgroups
                 + slots * self.stream_k_floats() * self.roles.consumer_threads)
 

@@ -296,6 +296,13 @@ def stream_k_workspace(device, words: int) -> torch.Tensor:
     return buffer
 
 
+def kernel_counter(handle, device) -> torch.Tensor:
+    """The counter argument of a kernel that takes one: the stream's work counter, or with
+    k6's `stream_k` the stream's workspace of the kernel's size."""
+    words = getattr(handle.kernel, "stream_k_words", lambda: 0)()
+    return stream_k_workspace(device, words) if words else work_counter(device)
+
+
 # --------------------------------------------------------------------------------------------
 # Compilation and launch (CuTe DSL). Imported lazily so that the checks above work without it.
 # --------------------------------------------------------------------------------------------
@@ -398,9 +405,7 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
             handle.workspace = handle.workspace_fn(problem, q.device)
         workspace = handle.workspace
     if handle.spec.takes_work_counter:
-        words = getattr(handle.kernel, "stream_k_words", lambda: 0)()
-        workspace = [*workspace, stream_k_workspace(q.device, words) if words
-                     else work_counter(q.device)]
+        workspace = [*workspace, kernel_counter(handle, q.device)]
     scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
     if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
         handle.compiled(q, k, v, out, *extra_inputs, *workspace, scale * LOG2_E)

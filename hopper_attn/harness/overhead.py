@@ -104,13 +104,13 @@ def breakdown(args) -> int:
     and attention() replayed from a CUDA graph."""
     import hopper_attn
     from hopper_attn import api
-    from hopper_attn.common.contract import LOG2_E, work_counter
+    from hopper_attn.common.contract import LOG2_E, kernel_counter
     from hopper_attn.harness.env import environment
     q, k, v = (torch.randn(1, 128, 16, 128, device="cuda").to(torch.bfloat16) for _ in range(3))
     tiny = torch.zeros(16, device="cuda")
     out, lse = hopper_attn.attention(q, k, v, return_lse=True)
     handle = next(iter(api._FAST.values()))
-    extra = [work_counter(q.device)] if handle.spec.takes_work_counter else []
+    extra = [kernel_counter(handle, q.device)] if handle.spec.takes_work_counter else []
     scale = handle.problem.softmax_scale * LOG2_E
     direct = ((lambda: handle.compiled(q, k, v, out, lse, *extra, scale)) if handle.tvm_ffi
               else None)
