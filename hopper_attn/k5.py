@@ -309,7 +309,6 @@ class FlashAttentionK5:
             mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
                                               self.dtype, self.uniform_descriptors, sP=sP)
             acc_o = mmas.new_o_accumulator(bm, d)
-            o_rc = acc_rows_cols(acc_o)
             softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4,
                                            fma_exp2_every=self.fma_exp2_every,
@@ -334,16 +333,10 @@ class FlashAttentionK5:
                 phase = self.trace.start("wait_q")
                 loads.wait_q(q_state)
                 self.trace.end(phase)
-                if cutlass.const_expr(self.stream_k):
-                    k_state, v_state = self.mainloop(
-                        loads, wg, m_block, k1 - k0, seqlen_q, seqlen_k, mmas.mma_qk,
-                        mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag,
-                        acc_s, acc_o, mmas.s_coords, softmax, k_state, v_state, n_base=k0)
-                else:
-                    k_state, v_state = self.mainloop(
-                        loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
-                        mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag,
-                        acc_s, acc_o, mmas.s_coords, softmax, k_state, v_state)
+                k_state, v_state = self.mainloop(
+                    loads, wg, m_block, k1 - k0, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
+                    mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
+                    mmas.s_coords, softmax, k_state, v_state, n_base=k0)
                 if cutlass.const_expr(self.own_o_buffer or self.direct_store):
                     # (k6's options) Q is read: the next one loads under the epilogue
                     # (with early_q_release the main loop handed it back after its last QK)
@@ -361,19 +354,11 @@ class FlashAttentionK5:
                     else:
                         if k0 > 0:
                             self.merge_partial(mCounter, ctidx, wg, acc_o, softmax)
-                        inv_sum = self.finish_rows(softmax, mmas, ctidx, mLSE, m_block, head,
-                                                   batch, seqlen_q)
-                        scale_rows(o_rc, inv_sum)
-                        o_out.store(acc_o.load().to(self.dtype))
-                        self.store_output(mmas, ctidx, warp, o_out, mOut, sO_buffer, tma_o,
-                                          mO, m_block, head, batch, seqlen_q)
+                        self.write_output(softmax, mmas, ctidx, warp, acc_o, o_out, mLSE, mOut,
+                                          sO_buffer, tma_o, mO, m_block, head, batch, seqlen_q)
                 else:
-                    inv_sum = self.finish_rows(softmax, mmas, ctidx, mLSE, m_block, head,
-                                               batch, seqlen_q)
-                    scale_rows(o_rc, inv_sum)
-                    o_out.store(acc_o.load().to(self.dtype))
-                    self.store_output(mmas, ctidx, warp, o_out, mOut, sO_buffer, tma_o, mO,
-                                      m_block, head, batch, seqlen_q)
+                    self.write_output(softmax, mmas, ctidx, warp, acc_o, o_out, mLSE, mOut,
+                                      sO_buffer, tma_o, mO, m_block, head, batch, seqlen_q)
                 if cutlass.const_expr(not (self.own_o_buffer or self.direct_store)):
                     loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
@@ -397,6 +382,17 @@ class FlashAttentionK5:
         """After a CTA's last work item: warpgroup 0 takes the tokens back (PingPong)."""
         self.pingpong.drain(wg)
         self.exp_turns.drain(wg)
+
+    @cute.jit
+    def write_output(self, softmax: OnlineSoftmax, mmas, ctidx, warp, acc_o: cute.Tensor,
+                     o_out: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor, sO_buffer,
+                     tma_o: cute.CopyAtom, mO: cute.Tensor, m_block, head, batch, seqlen_q):
+        """A work item's epilogue: its rows' log-sum-exp, O / l -> 16 bits -> global memory."""
+        inv_sum = self.finish_rows(softmax, mmas, ctidx, mLSE, m_block, head, batch, seqlen_q)
+        scale_rows(acc_rows_cols(acc_o), inv_sum)
+        o_out.store(acc_o.load().to(self.dtype))
+        self.store_output(mmas, ctidx, warp, o_out, mOut, sO_buffer, tma_o, mO, m_block, head,
+                          batch, seqlen_q)
 
     @cute.jit
     def finish_rows(self, softmax: OnlineSoftmax, mmas, ctidx, mLSE: cute.Tensor, m_block,
@@ -608,10 +604,10 @@ class FlashAttentionK5:
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                 softmax: OnlineSoftmax, k_state, v_state):
+                 softmax: OnlineSoftmax, k_state, v_state, n_base=0):
         """One consumer warpgroup's loop over the kv tiles of a work item: O and the
         softmax state are updated in place; returns the K and V ring states (k6 overrides
-        this method)."""
+        this method; n_base, the first kv tile, is k6's stream_k's: always 0 here)."""
         pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
 

@@ -261,39 +261,34 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
 _COUNTERS: dict = {}
 
 
-def work_counter(device) -> torch.Tensor:
-    """The global work counter of `device`'s current stream (k6's dynamic persistent
-    schedule): int32 [next work item, CTAs done], zero between launches (the last CTA of each
-    launch resets it). One per stream, so that launches on different streams never share
-    one; launches on one stream run in order."""
+def _per_stream(device, words: int) -> torch.Tensor:
+    """A zeroed int32 buffer of `words` for `device`'s current stream, made once and kept
+    (the kernels leave what must be zero at zero). One per stream, so that launches on
+    different streams never share one; launches on one stream run in order."""
     if isinstance(device, str):
         device = torch.device(device)
     cuda = device.type == "cuda"
     index = (device.index if device.index is not None else torch.cuda.current_device()) \
         if cuda else -1
-    key = (index, torch._C._cuda_getCurrentRawStream(index) if cuda else 0)
-    counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return counter
+    key = (index, torch._C._cuda_getCurrentRawStream(index) if cuda else 0, words)
+    buffer = _COUNTERS.get(key)
+    if buffer is None:
+        buffer = _COUNTERS[key] = torch.zeros(words, dtype=torch.int32, device=device)
+    return buffer
 
 
-_STREAM_K: dict[tuple, torch.Tensor] = {}
+def work_counter(device) -> torch.Tensor:
+    """The global work counter of `device`'s current stream (k6's dynamic persistent
+    schedule): int32 [next work item, CTAs done], zero between launches (the last CTA of each
+    launch resets it)."""
+    return _per_stream(device, 2)
 
 
 def stream_k_workspace(device, words: int) -> torch.Tensor:
-    """`work_counter`'s place for a kernel with k6's `stream_k`: int32 [2 (unused), a flag
-    per split item and consumer warpgroup, the split items' partial results], zero between
-    launches where it counts (each flag is reset by the CTA that consumed it). One per
-    stream and size, as the counter: launches on two streams never share one."""
-    if isinstance(device, str):
-        device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index), words)
-    buffer = _STREAM_K.get(key)
-    if buffer is None:
-        buffer = _STREAM_K[key] = torch.zeros(words, dtype=torch.int32, device=device)
-    return buffer
+    """`work_counter`'s place for a kernel with k6's `stream_k`: int32 [4 unused, a flag per
+    slot and consumer warpgroup, the split items' partial results], the flags zero between
+    launches (each is reset by the CTA that consumed it)."""
+    return _per_stream(device, words)
 
 
 def kernel_counter(handle, device) -> torch.Tensor:

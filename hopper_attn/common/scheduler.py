@@ -176,26 +176,22 @@ class TileScheduler:
         """(query tile, head, batch, valid) of the current work item (stream_k: of the
         current piece; then seqlen_k is needed)."""
         m_blocks = cute.ceil_div(seqlen_q, self.block_m)
-        if cutlass.const_expr(self.stream_k):
-            item, valid, _, _ = self.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
-            m_block = item % m_blocks
-            rest = item // m_blocks
-            uniform = cute.arch.make_warp_uniform
-            return (uniform(Int32(m_block)), uniform(Int32(rest % heads)),
-                    uniform(Int32(rest // heads)), valid)
         if cutlass.const_expr(not self.persistent):
             bx, head, batch = cute.arch.block_idx()
             m_block = bx
             if cutlass.const_expr(self.causal):
                 m_block = m_blocks - 1 - bx
             return Int32(m_block), Int32(head), Int32(batch), tiles == 0
-        if cutlass.const_expr(self.dynamic):
-            item = tiles                                # the work item's index itself
-        else:                                           # round `tiles`: CTA c takes item
-            cta, _, _ = cute.arch.block_idx()           # tiles * grid + c
-            grid, _, _ = cute.arch.grid_dim()
-            item = tiles * Int32(grid) + Int32(cta)
-        valid = item < m_blocks * heads * batch_size
+        if cutlass.const_expr(self.stream_k):           # the item of piece `tiles`
+            item, valid, _, _ = self.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
+        else:
+            if cutlass.const_expr(self.dynamic):
+                item = tiles                            # the work item's index itself
+            else:                                       # round `tiles`: CTA c takes item
+                cta, _, _ = cute.arch.block_idx()       # tiles * grid + c
+                grid, _, _ = cute.arch.grid_dim()
+                item = tiles * Int32(grid) + Int32(cta)
+            valid = item < m_blocks * heads * batch_size
         if cutlass.const_expr(self.by_head_group):
             group = heads_per_group(self.l2_rows, seqlen_q, heads * batch_size)
             m_block, hb = head_group_order(item, m_blocks, heads * batch_size, group)
