@@ -103,7 +103,8 @@ class FlashAttentionK5:
                  uniform_descriptors: bool = True, spin_waits: bool = False,
                  v_lags_k: bool = False, fma_exp2_every: int = 0,
                  stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32,
-                 ctas_per_sm: int = 1, fast_divmod: bool = False, stream_k: bool = False):
+                 ctas_per_sm: int = 1, fast_divmod: bool = False, stream_k: bool = False,
+                 kv_tail: bool = True):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -133,7 +134,9 @@ class FlashAttentionK5:
                                   on=False)
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER,
                                                       num_threads=self.roles.consumer_threads)
-        self.schedule = TileSchedule(block_m, block_n, causal)       # kv tiles, masks
+        # kv tiles, masks (kv_tail=False: k6's kernels for a key length that is a multiple of
+        # block_n, whose loop then tests no tile for the tail mask)
+        self.schedule = TileSchedule(block_m, block_n, causal, kv_tail)
         # longest_first (k6's dynamic schedule): heads in groups whose K and V take
         # `group_mib` MiB (N x d x 4 bytes per head), the longest query tile of every head of
         # a group first (scheduler.head_group_order)

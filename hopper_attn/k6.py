@@ -92,10 +92,12 @@ at d = 192, up to +3% at d = 256 (docs/k6.md "One WGMMA group per P slice").
 
 Ninth step, the schedule's edges: with a causal mask each consumer warpgroup stops at the
 last kv tile its own rows see (`wg_causal_limit`, WG_CAUSAL_LIMIT: +1.4-2.7% at d = 256,
-+3.6% at d = 64 N = 1k), and without one, at d = 128 from 8k queries, the static schedule's
-last rounds run as stream-K, an item split across two CTAs and merged (`stream_k`,
-STREAM_K, TileScheduler.piece: +0.7-1.0%) (docs/k6.md "Each warpgroup's own diagonal", "The
-static schedule's tail as stream-K").
++3.6% at d = 64 N = 1k), and without one, at d = 128 from 8k queries and d = 192 from 4k,
+the static schedule's last rounds run as stream-K, an item split across two CTAs and merged
+(`stream_k`, STREAM_K, TileScheduler.piece: +0.7-1.0% and +1.2-1.7%); at d = 256 a key
+length that is a multiple of the kv tile compiles a loop without the tail test (`kv_tail`,
+NO_TAIL_TEST: +1.9-2.9%) (docs/k6.md "Each warpgroup's own diagonal", "The static
+schedule's tail as stream-K", "A loop without the tail test").
 """
 
 from __future__ import annotations
@@ -272,8 +274,16 @@ WG_CAUSAL_LIMIT = {64: 4096, 256: 1 << 31}
 # time, two round-robin runs with FA4 (results/h100/2026-11-26_k6_stream_k_*.json): d = 128
 # -1.4 / -1.3% (N = 1k), -0.2% (2k), +0.4 / +0.3% (4k), +0.8% (8k), +1.0 / +1.0% (16k);
 # d = 256 -3.5 / -0.3 / -0.1% (1k / 4k / 16k), -1.1 / -0.3 / -0.2% (2k / 4k / 16k);
-# d = 192 +1.7 / +1.5% (4k / 16k, one run); d = 96 -3.4 / -1.7%, d = 64 -0.3 / -1.8%
-STREAM_K = {128: 8192}
+# d = 192 +1.7 / +1.5% (4k / 16k) in one run, +0.3 / +1.7 / +1.2 / +1.2% (2k / 4k / 8k / 16k)
+# in another (_k6_stream_k_d192_run2.json); d = 96 -3.4 / -1.7%, d = 64 -0.3 / -1.8%
+STREAM_K = {128: 8192, 192: 4096}
+# head dims whose kernel for a key length that is a multiple of the kv tile (no mask) has
+# no tail test in its loop (`kv_tail=0`; the test is a branch ptxas schedules nothing
+# across). Round-robin against the test, H100 (results/h100/2026-11-26_k6_kvt_*.json), gain
+# in time: d = 256 +2.9 / +2.3% (N = 4000 / 16000); d = 128 -0.2 / -0.6%, d = 96 +0.1 / -0.4%
+# (4096 / 16384); d = 64 -5.1 / -5.0% (ptxas then waits for PV later in the softmax); k7
+# d = 128 -1.4 / -2.2% (4032 / 16128)
+NO_TAIL_TEST = {256}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
 # A work item's end (docs/k6.md "Where a work item ends"): `early_q_release` hands Q's stage
@@ -895,7 +905,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None,
-                   wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None):
+                   wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None,
+                   kv_tail: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -944,7 +955,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     own rows see and takes the rest of the item's tiles without math (needs pingpong=0;
     None: WG_CAUSAL_LIMIT's lengths where the turns are off); stream_k: without a mask, the
     static schedule's last rounds as stream-K, items split across two CTAs and merged
-    through a workspace (None: STREAM_K's lengths)."""
+    through a workspace (None: STREAM_K's lengths); kv_tail: the loop tests each kv tile
+    for the key length's tail (None: only where the key length is no multiple of the kv
+    tile: a kernel for whole tiles tests none without a causal mask)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1040,6 +1053,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # with the PV wait among the exp2s always: the release's `if` would end their block
         v_release_last = ((problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64
                           or pv_wait_after > 0)
+    tile_n = block_n or TILES.get(problem.head_dim, (0, 1))[1]
+    whole_tiles = problem.kv_seqlen % tile_n == 0
+    if kv_tail is None:
+        kv_tail = not (whole_tiles and problem.head_dim in NO_TAIL_TEST and not problem.causal)
+    if not kv_tail and not whole_tiles:
+        raise UnsupportedProblem(f"k6 kv_tail=0: the key length ({problem.kv_seqlen}) must be "
+                                 f"a multiple of the kv tile ({tile_n})")
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
@@ -1079,7 +1099,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "wg_store": bool(wg_store),
                               "fast_divmod": bool(fast_divmod),
                               "wg_causal_limit": bool(wg_causal_limit),
-                              "stream_k": bool(stream_k)},
+                              "stream_k": bool(stream_k),
+                              "kv_tail": bool(kv_tail)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -56,7 +56,8 @@ import torch
 from cutlass import Float32
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.contract import (KernelSpec, compile_attention, run_attention)
+from hopper_attn.common.contract import (KernelSpec, UnsupportedProblem, compile_attention,
+                                         run_attention)
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
                                         swap_modes, transposed)
@@ -417,7 +418,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    rescale_before_pv: Optional[bool] = None, s_ahead: bool = False,
                    defer_store_wait: bool = False, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, wg_causal_limit: bool = False,
-                   spec: KernelSpec = SPEC):
+                   kv_tail: bool = True, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -435,7 +436,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     early_q_release, wg_store: k6's (Q handed back after an item's last QK; each consumer
     warpgroup stores its own rows; None: both where ITEM_END has them, unless direct_store
     or s_ahead); wg_causal_limit: k6's (each consumer warpgroup stops at the last kv tile
-    its rows see; off: measured -1.4 to +2.2%, docs/k6.md "Each warpgroup's own diagonal").
+    its rows see; off: measured -1.4 to +2.2%, docs/k6.md "Each warpgroup's own diagonal");
+    kv_tail: k6's (False: no tail test in the loop, for key lengths that are a multiple of
+    the kv tile; measured -1.4 / -2.2% at d = 128, so on).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -457,6 +460,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                 and not (direct_store or s_ahead))
     early_q_release = item_end if early_q_release is None else early_q_release
     wg_store = item_end if wg_store is None else wg_store
+    tile_n = block_n or (TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE).get(
+        problem.head_dim, (0, 1))[1]
+    if not kv_tail and problem.kv_seqlen % tile_n:
+        raise UnsupportedProblem(f"k7 kv_tail=0: the key length ({problem.kv_seqlen}) must be "
+                                 f"a multiple of the kv tile ({tile_n})")
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,
@@ -484,7 +492,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "defer_store_wait": bool(defer_store_wait),
                               "early_q_release": bool(early_q_release),
                               "wg_store": bool(wg_store),
-                              "wg_causal_limit": bool(wg_causal_limit)},
+                              "wg_causal_limit": bool(wg_causal_limit),
+                              "kv_tail": bool(kv_tail)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

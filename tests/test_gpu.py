@@ -249,7 +249,8 @@ def test_k6_wg_causal_limit_matches_fp32(name, d, seqlen_q, seqlen_k):
 
 
 @pytest.mark.parametrize("d,heads,seqlen", [(128, 17, 2049), (256, 17, 1000), (64, 17, 2049),
-                                             (128, 67, 333), (96, 5, 4100)])
+                                             (128, 67, 333), (96, 5, 4100),
+                                             (192, 17, 1000)])
 def test_k6_stream_k_matches_fp32(d, heads, seqlen):
     """k6's `stream_k` (the static schedule's tail spread over all CTAs, an item split across
     two of them and merged): shapes whose item count is no multiple of the grid, so that
@@ -261,6 +262,41 @@ def test_k6_stream_k_matches_fp32(d, heads, seqlen):
     entry = registry.get("k6:stream_k=1")
     verdict = ReferenceCase(problem, seed=d + seqlen).check(entry, entry.compile(problem))
     assert verdict["ok"], verdict
+
+
+@pytest.mark.parametrize("name,d,seqlen_q,seqlen_k,causal", [
+    ("k6", 256, 4000, 4000, False), ("k6", 256, 1000, 1600, False), ("k6", 256, 77, 160, False),
+    ("k6:kv_tail=0", 256, 1600, 1600, True), ("k6:kv_tail=0", 128, 333, 1024, False),
+    ("k6:kv_tail=0", 64, 1024, 1024, True), ("k6:kv_tail=0,stream_k=1", 192, 2016, 2016, False)])
+def test_k6_whole_kv_tiles_matches_fp32(name, d, seqlen_q, seqlen_k, causal):
+    """A loop without the tail test (`kv_tail=0`, the default at d = 256 for key lengths
+    that are multiples of the kv tile), queries and keys of the same and other lengths:
+    against fp32 within 2x torch's bf16 error, every element written, same bits twice."""
+    from hopper_attn.common.contract import Problem
+    gen = torch.Generator(device="cuda").manual_seed(seqlen_q * 7 + seqlen_k + d)
+    q = torch.randn(2, seqlen_q, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, seqlen_k, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    entry = registry.get(name)
+    handle = entry.compile(Problem.from_tensor(q, causal, k))
+    assert not handle.describe()["options"]["kv_tail"]
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        entry.run(handle, *entry.prepare(q, k, v), out)
+        outs.append(out)
+    ref = _reference(q, k, v, causal, d ** -0.5)
+    mask = None
+    if causal:
+        mask = ~torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").triu(
+            seqlen_k - seqlen_q + 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+    ).transpose(1, 2).float().nan_to_num(0.0)
+    torch_err = (sdpa - ref).abs().max().item()
+    assert not outs[0].isnan().any()
+    assert (outs[0].float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
 def test_k6_runs_more_than_65535_heads():

@@ -784,7 +784,7 @@ def test_wg_causal_limit(monkeypatch):
 
 def test_stream_k(monkeypatch):
     """STREAM_K (measured 2026-11-26, docs/k6.md "The static schedule's tail as stream-K"):
-    without a mask, at d = 128 from 8k queries, the static schedule's last rounds are
+    without a mask, at d = 128 from 8k queries and d = 192 from 4k, the static schedule's last rounds are
     pieces of items; a split item's first piece leaves its state in the workspace (the
     kernel's counter argument, `stream_k_words` int32) and raises a flag with a release
     store, the last piece waits for it with acquire loads and merges. No spills; refused
@@ -804,5 +804,45 @@ def test_stream_k(monkeypatch):
     monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
     for d, causal, n, want in [(128, False, 8192, True), (128, False, 16384, True),
                                (128, False, 4096, False), (128, True, 16384, False),
-                               (256, False, 16384, False), (64, False, 16384, False)]:
+                               (256, False, 16384, False), (64, False, 16384, False),
+                               (192, False, 4096, True), (192, False, 2048, False)]:
         assert k6.compile_kernel(Problem(1, 2, n, d, causal))["stream_k"] == want, (d, causal, n)
+
+
+def test_no_tail_test_for_whole_kv_tiles(monkeypatch):
+    """NO_TAIL_TEST (measured 2026-11-26, docs/k6.md "A loop without the tail test"): at
+    d = 256 without a mask, for a key length that is a multiple of the kv tile (80) the loop
+    has no mask code (no `FSEL ... -INF`) and no test for it, with the default's GEMMs,
+    waits and exp2s; other lengths and head dims keep the test; kv_tail=0 on a length with a
+    tail is refused."""
+    import tempfile
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem, UnsupportedProblem
+    from hopper_attn.harness import registry, sass_order
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS
+
+    def loop(name, n):
+        with tempfile.TemporaryDirectory() as dump:
+            handle = registry.get(name).compile(
+                Problem(2, 2, n, 256, False), compile_options=f"--keep-cubin --dump-dir={dump} "
+                                                              f"{SPILLS_AS_ERRORS}")
+            assert handle.describe()["options"]["kv_tail"] == (name != "k6")
+            text = sass(bytes(handle.compiled.__cubin__))
+        (found,) = sass_order.loops(text)
+        return found[2], sass_order.loop_body(text, found)
+
+    events, body = loop("k6", 4000)
+    events_tail, body_tail = loop("k6:kv_tail=1", 4000)
+    assert events == events_tail
+    masks = [sum(bool(re.match(r"FSEL\b.*-INF", t)) for t in b) for b in (body, body_tail)]
+    assert masks[0] == 0 and masks[1] >= 32, masks        # 40 scores a thread
+    assert len(body) < len(body_tail)
+    with pytest.raises(UnsupportedProblem, match="multiple of the kv tile"):
+        k6.compile_kernel(Problem(1, 2, 4096, 256, False), kv_tail=False)
+    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    for d, causal, n, nk, want in [(256, False, 4000, 0, False), (256, False, 4096, 0, True),
+                                   (256, False, 1000, 16000, False), (256, True, 4000, 0, True),
+                                   (128, False, 4096, 0, True), (64, False, 4096, 0, True),
+                                   (192, False, 4032, 0, True)]:
+        problem = Problem(1, 2, n, d, causal, seqlen_k=nk)
+        assert k6.compile_kernel(problem)["kv_tail"] == want, (d, causal, n, nk)

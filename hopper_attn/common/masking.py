@@ -28,6 +28,9 @@ class TileSchedule:
     block_m: int
     block_n: int
     causal: bool
+    # False: every kv tile is whole (seqlen_k a multiple of block_n, known when compiling):
+    # no tail mask, so without a causal mask the loop has no mask test at all (k6's kv_tail)
+    kv_tail: bool = True
 
     def grid(self, seqlen, heads, batch):
         return [cute.ceil_div(seqlen, self.block_m), heads, batch]
@@ -79,6 +82,10 @@ class TileSchedule:
     def needs_mask_kv(self, m_block, n_block, seqlen_q, seqlen_k):
         """`needs_mask` with the bottom-right causal diagonal of `n_block_count_kv`."""
         last_col = (n_block + 1) * self.block_n - 1
+        if cutlass.const_expr(not self.kv_tail):
+            if cutlass.const_expr(not self.causal):
+                return False
+            return last_col > m_block * self.block_m + seqlen_k - seqlen_q
         needs = last_col >= seqlen_k
         if cutlass.const_expr(self.causal):
             needs = needs or last_col > m_block * self.block_m + seqlen_k - seqlen_q
