@@ -96,8 +96,10 @@ last kv tile its own rows see (`wg_causal_limit`, WG_CAUSAL_LIMIT: +1.4-2.7% at 
 the static schedule's last rounds run as stream-K, an item split across two CTAs and merged
 (`stream_k`, STREAM_K, TileScheduler.piece: +0.7-1.0% and +1.2-1.7%); at d = 256 a key
 length that is a multiple of the kv tile compiles a loop without the tail test (`kv_tail`,
-NO_TAIL_TEST: +1.9-2.9%) (docs/k6.md "Each warpgroup's own diagonal", "The static
-schedule's tail as stream-K", "A loop without the tail test").
+NO_TAIL_TEST: +1.9-2.9%), and at d = 192 and 256 an item's first kv tile runs before the
+loop, which then has no `n > 0` tests (`peel_first`, PEEL_FIRST: +2.1-3.5% at d = 256)
+(docs/k6.md "Each warpgroup's own diagonal", "The static schedule's tail as stream-K", "A
+loop without the tail test", "The first kv tile before the loop").
 """
 
 from __future__ import annotations
@@ -284,6 +286,16 @@ STREAM_K = {128: 8192, 192: 4096}
 # (4096 / 16384); d = 64 -5.1 / -5.0% (ptxas then waits for PV later in the softmax); k7
 # d = 128 -1.4 / -2.2% (4032 / 16128)
 NO_TAIL_TEST = {256}
+# head dims whose items run their first kv tile before the loop (`peel_first`), so that the
+# loop's `n > 0` tests (branches, like the tail test above) fold away. Round-robin against the
+# loop with them, H100, FA4 in the run (results/h100/2026-11-26_k6_peel_*.json), gain in
+# time: d = 256 +2.5 / +2.1 / +2.5 / +2.5% (N = 2k / 4k / 8k / 16k), with a mask +2.2 / +3.5 /
+# +0.6% (2k / 4k / 16k), but -0.5% at 4000 (whole kv tiles: no tail test, NO_TAIL_TEST);
+# d = 192 +1.1 / +1.5%, with a mask +0.5 / +0.9% (4k / 16k); d = 96 -0.5 to -1.6%. Again
+# (_run2): d = 256 +2.4 / +2.9 / +2.2 / +2.2% (1k / 2k / 4k / 16k), with a mask +2.6 / +2.2 /
+# +3.4 / +2.3 / +0.7% (1k-16k); d = 192 +1.6 / +1.0 / +1.2%, with a mask +1.6 / +0.7 / +0.9%
+# (2k / 4k / 16k). At d = 64 and 128 ptxas then serializes every WGMMA (a wait after each)
+PEEL_FIRST = {192, 256}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
 # A work item's end (docs/k6.md "Where a work item ends"): `early_q_release` hands Q's stage
@@ -339,7 +351,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  direct_store: bool = False, skip_idle_wgs: bool = False,
                  s_ahead: bool = False, defer_store_wait: bool = False,
                  early_q_release: bool = False, wg_store: bool = False,
-                 wg_causal_limit: bool = False, **options):
+                 wg_causal_limit: bool = False, peel_first: bool = False, **options):
         default_m, default_n, default_pingpong = TILES[head_dim]
         # with a causal mask each consumer warpgroup stops at the last kv tile its own 64
         # rows see; the tiles after it, which only the warpgroups below need, it takes and
@@ -347,6 +359,9 @@ class FlashAttentionK6(FlashAttentionK5):
         # kv tile than the tile's first row (192 x 128, 128 x 80), a warpgroup skips a tile
         # that would be masked out entirely
         self.wg_causal_limit = bool(wg_causal_limit) and causal
+        # the first kv tile of an item before the loop, as FlashAttention-4 has it (its
+        # `n > 0` tests then leave the loop)
+        self.peel_first = bool(peel_first)
         # a consumer warpgroup whose 64 query rows all lie past the sequence's end (the last
         # query tile of a length that is no multiple of block_m) only keeps the rings and the
         # turns going (`idle_loop`) instead of computing rows nobody stores
@@ -728,11 +743,24 @@ class FlashAttentionK6(FlashAttentionK5):
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
 
-        for n in cutlass.range(n_count, unroll=1):
-            k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
-                                            mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
-                                            acc_s, acc_o, o_rc, s_coords, softmax, alpha,
-                                            k_state, v_state, n_base)
+        if cutlass.const_expr(self.peel_first):
+            # tile 0 before the loop (its `n > 0` tests folded away), then a loop that knows
+            # n > 0: no branch left for them in it
+            k_state, v_state = self.kv_tile(loads, wg, m_block, Int32(0), n_count, seqlen_q,
+                                            seqlen_k, mma_qk, mma_pv, q_frag, k_frag, vt_frag,
+                                            p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
+                                            alpha, k_state, v_state, n_base)
+            for n in cutlass.range(1, n_count, unroll=1):
+                k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q,
+                                                seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
+                                                vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords,
+                                                softmax, alpha, k_state, v_state, n_base, True)
+        else:
+            for n in cutlass.range(n_count, unroll=1):
+                k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q,
+                                                seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
+                                                vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords,
+                                                softmax, alpha, k_state, v_state, n_base)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         if cutlass.const_expr(self.rescale_before_pv):
@@ -740,25 +768,31 @@ class FlashAttentionK6(FlashAttentionK5):
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         return k_state, v_state
 
+    def after_first(self, n, later: bool):
+        """n > 0, or True where the caller knows it (`peel_first`'s loop)."""
+        return True if later else n > 0
+
     @cute.jit
     def kv_tile(self, loads: tma.SplitKVLoads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
                 mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                 k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                 acc_s: cute.Tensor, acc_o: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
-                softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state, n_base=0):
-        """Tile n of a work item (kv tile n_base + n: stream_k's pieces start inside an item):
+                softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state, n_base=0,
+                later: cutlass.Constexpr = False):
+        """Tile n of a work item (kv tile n_base + n: stream_k's pieces start inside an item;
+        later: n > 0 is known, `peel_first`'s loop):
         S_n = Q K_n^T and O += P_{n-1} V_{n-1} in this warpgroup's
         turn, the softmax of S_n under PV_{n-1}, then (or, with the late wait, at the top of
         the next tile) tile n's end (`finish_tile`)."""
         pingpong = self.pingpong
         if cutlass.const_expr(self.wait_pv_late):
-            if n > 0:                                   # tile n-1's end, after the back edge
+            if self.after_first(n, later):      # tile n-1's end, after the back edge
                 v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
                                            v_state, self.reverse_p)
         phase = self.trace.start("wait_kv")
         loads.wait(loads.k_pipe, k_state)
         if cutlass.const_expr(not self.v_lags_k):
-            if n > 0:
+            if self.after_first(n, later):
                 loads.wait(loads.v_pipe, v_state)
         self.trace.end(phase)
         phase = self.trace.start("wait_turn")
@@ -767,7 +801,7 @@ class FlashAttentionK6(FlashAttentionK5):
         phase = self.trace.start("qk")
         wgmma.gemm(mma_qk, acc_s, q_frag, k_frag[None, None, None, k_state.index],
                    zero_init=True)                      # S = Q K_n^T, first in the queue
-        if n > 0:                                       # O += P_{n-1} V_{n-1}, behind it
+        if self.after_first(n, later):          # O += P_{n-1} V_{n-1}, behind it
             if cutlass.const_expr(self.rescale_before_pv):
                 # (only QK_n is in flight: this wait costs nothing, and it shows ptxas
                 # that no earlier PV still accumulates into O, so it adds no wait of its
@@ -778,7 +812,7 @@ class FlashAttentionK6(FlashAttentionK5):
                 loads.wait(loads.v_pipe, v_state)
             self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
         pingpong.pass_turn(wg)                          # --- the next WG may issue now
-        if n > 0:
+        if self.after_first(n, later):
             warpgroup.wait_group(1)                     # S_n done; PV_{n-1} may still run
         else:
             warpgroup.wait_group(0)
@@ -796,7 +830,7 @@ class FlashAttentionK6(FlashAttentionK5):
         self.trace.end(phase)
         if cutlass.const_expr(not self.wait_pv_late):
             v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
-                                       self.reverse_p)
+                                       self.reverse_p, later)
         return k_state, v_state
 
     @cute.jit
@@ -861,7 +895,7 @@ class FlashAttentionK6(FlashAttentionK5):
     @cute.jit
     def finish_tile(self, loads: tma.SplitKVLoads, n, acc_s: cute.Tensor, o_rc: cute.Tensor,
                     p_frag: cute.Tensor, alpha: cute.Tensor, v_state,
-                    reverse_p: cutlass.Constexpr = False):
+                    reverse_p: cutlass.Constexpr = False, later: cutlass.Constexpr = False):
         """Tile n's end: wait for PV_{n-1}, release V_{n-1}, rescale O (eager), P_n -> the
         PV operand registers (which PV_{n-1} was reading until now)."""
         phase = self.trace.start("wait_pv")
@@ -869,7 +903,7 @@ class FlashAttentionK6(FlashAttentionK5):
             cute.arch.fence_acq_rel_cta()               # ptxas keeps the wait below this
         warpgroup.wait_group(0)                         # PV_{n-1} done: O and P are free
         if cutlass.const_expr(not self.v_release_last):
-            if n > 0:
+            if self.after_first(n, later):
                 loads.release(loads.v_pipe, v_state)    # V_{n-1} read: its stage is free
                 v_state.advance()
         self.trace.end(phase)
@@ -880,8 +914,9 @@ class FlashAttentionK6(FlashAttentionK5):
         if cutlass.const_expr(self.v_release_last):
             # tile 0 has no V_{n-1}: a predicated arrive instead of an `if`, so nothing here
             # ends the block that holds the exp2s and P's conversions
-            loads.release_if(loads.v_pipe, v_state.index, n > 0)
-            if n > 0:
+            loads.release_if(loads.v_pipe, v_state.index,
+                              self.after_first(n, later))
+            if self.after_first(n, later):
                 v_state.advance()
         self.trace.end(phase)
         return v_state
@@ -906,7 +941,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None,
                    wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None,
-                   kv_tail: Optional[bool] = None):
+                   kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -957,7 +992,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     static schedule's last rounds as stream-K, items split across two CTAs and merged
     through a workspace (None: STREAM_K's lengths); kv_tail: the loop tests each kv tile
     for the key length's tail (None: only where the key length is no multiple of the kv
-    tile: a kernel for whole tiles tests none without a causal mask)."""
+    tile: a kernel for whole tiles tests none without a causal mask); peel_first: an item's
+    first kv tile before the loop, whose `n > 0` tests then fold away (None: PEEL_FIRST's
+    head dims, on the default tiles, where the loop keeps a mask test)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1060,6 +1097,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     if not kv_tail and not whole_tiles:
         raise UnsupportedProblem(f"k6 kv_tail=0: the key length ({problem.kv_seqlen}) must be "
                                  f"a multiple of the kv tile ({tile_n})")
+    if peel_first is None:
+        peel_first = (problem.head_dim in PEEL_FIRST and not custom and not s_ahead
+                      and (kv_tail or problem.causal))
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
@@ -1100,7 +1140,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "fast_divmod": bool(fast_divmod),
                               "wg_causal_limit": bool(wg_causal_limit),
                               "stream_k": bool(stream_k),
-                              "kv_tail": bool(kv_tail)},
+                              "kv_tail": bool(kv_tail),
+                              "peel_first": bool(peel_first)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

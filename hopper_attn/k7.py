@@ -418,7 +418,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    rescale_before_pv: Optional[bool] = None, s_ahead: bool = False,
                    defer_store_wait: bool = False, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, wg_causal_limit: bool = False,
-                   kv_tail: bool = True, spec: KernelSpec = SPEC):
+                   kv_tail: bool = True, peel_first: bool = False, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -438,7 +438,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     or s_ahead); wg_causal_limit: k6's (each consumer warpgroup stops at the last kv tile
     its rows see; off: measured -1.4 to +2.2%, docs/k6.md "Each warpgroup's own diagonal");
     kv_tail: k6's (False: no tail test in the loop, for key lengths that are a multiple of
-    the kv tile; measured -1.4 / -2.2% at d = 128, so on).
+    the kv tile; measured -1.4 / -2.2% at d = 128, so on); peel_first: k6's (an item's first
+    kv tile before the loop).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -493,7 +494,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "early_q_release": bool(early_q_release),
                               "wg_store": bool(wg_store),
                               "wg_causal_limit": bool(wg_causal_limit),
-                              "kv_tail": bool(kv_tail)},
+                              "kv_tail": bool(kv_tail),
+                              "peel_first": bool(peel_first)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

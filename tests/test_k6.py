@@ -551,9 +551,10 @@ def _pv_groups(text: str) -> list:
     ("k6", 64, False, False), ("k6", 96, False, False), ("k6", 128, False, False),
     ("k6", 128, True, False), ("k6", 192, False, False), ("k6", 192, True, False),
     ("k6", 256, False, False), ("k6", 256, True, False),           # PINNED_IN_ITERATION
-    ("k6:wait_pv_late=1,reverse_p=0", 192, False, True),            # the defaults before
-    ("k6:wait_pv_late=1,reverse_p=0", 256, False, True),
-    ("k6:wait_pv_late=1,reverse_p=0", 256, True, True),
+    ("k6:wait_pv_late=1,reverse_p=0,peel_first=0", 192, False, True),  # the defaults before
+    ("k6:wait_pv_late=1,reverse_p=0,peel_first=0", 256, False, True),
+    ("k6:wait_pv_late=1,reverse_p=0,peel_first=0", 256, True, True),
+    ("k6:wait_pv_late=1,reverse_p=0", 256, False, False),           # peel_first keeps PV whole
     ("k6:reverse_p=1,pv_wait_after=8", 256, False, False),
     ("k6:reverse_p=1,pv_wait_after=8", 256, True, False),
     ("k6:reverse_p=1,pv_wait_after=10", 192, False, False),
@@ -609,7 +610,8 @@ def test_o_rescaled_under_qk(d, causal):
     """rescale_before_pv (with pv_wait_after): O's d / 2 multiplies per thread run between
     the QK group and the PV issue, as in FlashAttention-4 at d > 128, and the only wait there
     is the free `wait_group(1)` (QK alone in flight), not one for QK."""
-    art = artifacts(d, causal, name="k6:rescale_before_pv=1,reverse_p=1,pv_wait_after=8")
+    art = artifacts(d, causal,
+                    name="k6:rescale_before_pv=1,reverse_p=1,pv_wait_after=8,peel_first=0")
     lines = sass(art["cubin"]).splitlines()
     qk_end = next(i for i, ln in enumerate(lines)
                   if "HGMMA" in ln and "gsb0" in ln and re.search(r"HGMMA\.\S+ R\d+, gdesc", ln))
@@ -832,7 +834,7 @@ def test_no_tail_test_for_whole_kv_tiles(monkeypatch):
         return found[2], sass_order.loop_body(text, found)
 
     events, body = loop("k6", 4000)
-    events_tail, body_tail = loop("k6:kv_tail=1", 4000)
+    events_tail, body_tail = loop("k6:kv_tail=1,peel_first=0", 4000)
     assert events == events_tail
     masks = [sum(bool(re.match(r"FSEL\b.*-INF", t)) for t in b) for b in (body, body_tail)]
     assert masks[0] == 0 and masks[1] >= 32, masks        # 40 scores a thread
@@ -846,3 +848,37 @@ def test_no_tail_test_for_whole_kv_tiles(monkeypatch):
                                    (192, False, 4032, 0, True)]:
         problem = Problem(1, 2, n, d, causal, seqlen_k=nk)
         assert k6.compile_kernel(problem)["kv_tail"] == want, (d, causal, n, nk)
+
+
+def test_first_kv_tile_peeled(monkeypatch):
+    """PEEL_FIRST (measured 2026-11-26, docs/k6.md "The first kv tile before the loop"): at
+    d = 192 and 256 an item's first kv tile runs before the loop, whose `n > 0` tests fold
+    away: the loop keeps its GEMM groups and exp2s but loses a branch and the first tile's
+    `wait_group(0)`, the kernel gains a second copy of the QK GEMM, nothing is
+    serialized (one WGMMA fence per group), no spills. Not at d = 64 / 128 (ptxas then waits
+    after every WGMMA) nor where the loop has no tail test (NO_TAIL_TEST's whole tiles)."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness import sass_order
+    on, off = artifacts(256, False), artifacts(256, False, "k6:peel_first=0")
+    assert on["kernel"]["options"]["peel_first"] and not off["kernel"]["options"]["peel_first"]
+    a, b = sass(on["cubin"]), sass(off["cubin"])
+    (loop_on,), (loop_off,) = sass_order.loops(a), sass_order.loops(b)
+    body_on, body_off = sass_order.loop_body(a, loop_on), sass_order.loop_body(b, loop_off)
+    assert [e for e in loop_on[2] if "DEPBAR" not in e] == \
+        [e for e in loop_off[2] if "DEPBAR" not in e]
+    branches = [sum(t.split()[0 if t[0] != "@" else 1].startswith("BRA") for t in body)
+                for body in (body_on, body_off)]
+    assert branches[0] < branches[1], branches
+    assert a.count("HGMMA") == b.count("HGMMA") + 16        # tile 0's QK (it has no PV)
+    assert a.count("WARPGROUP.ARRIVE") <= b.count("WARPGROUP.ARRIVE") + 2
+    for fn in resource_usage(on["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    for d, causal, n, want in [(256, False, 4096, True), (256, True, 4096, True),
+                               (256, True, 4000, True), (256, False, 4000, False),
+                               (192, False, 4096, True), (192, True, 1024, True),
+                               (128, False, 4096, False), (64, True, 4096, False),
+                               (96, False, 4096, False)]:
+        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["peel_first"] == want, \
+            (d, causal, n)
