@@ -295,6 +295,8 @@ NO_TAIL_TEST = {256}
 # (_run2): d = 256 +2.4 / +2.9 / +2.2 / +2.2% (1k / 2k / 4k / 16k), with a mask +2.6 / +2.2 /
 # +3.4 / +2.3 / +0.7% (1k-16k); d = 192 +1.6 / +1.0 / +1.2%, with a mask +1.6 / +0.7 / +0.9%
 # (2k / 4k / 16k). At d = 64 and 128 ptxas then serializes every WGMMA (a wait after each)
+# unless P is converted last slice first (reverse_p), and with it measured d = 128 -0.8 to
+# +0.4%, d = 64 -4.6 / -5.1% (_k6_peel_reverse_p_*.json)
 PEEL_FIRST = {192, 256}
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
