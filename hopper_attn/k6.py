@@ -205,7 +205,10 @@ FMA_EXP2_EVERY = {128: 16}
 # at d = 128 N = 1k as well: +1.6 / +1.1% over the head-by-head order in two runs, against
 # +0.8 / +0.5% for the decode alone; at 16k still -0.2 / -0.25%
 # (results/h100/2026-11-26_k6_decode_once_*.json)
-LONGEST_FIRST = {64: (32, 4096, 16384), 128: (8, 1024, 8192), 256: (32, 2048, 8192)}
+# At d = 256 since the first kv tile runs before the loop (PEEL_FIRST) the order pays at 16k
+# as well, together with each warpgroup's store (ITEM_END): +1.7 / +1.8% over neither, in two
+# runs (results/h100/2026-11-26_k6_causal_long_d256_peel*.json)
+LONGEST_FIRST = {64: (32, 4096, 16384), 128: (8, 1024, 8192), 256: (32, 2048, 16384)}
 # (head_dim, causal) whose consumers hand V_{n-1}'s stage back after P's conversion, with a
 # predicated arrive instead of an `if` (`v_release_last`; docs/k6.md "One branch less"); also
 # d = 64 on 192-row tiles. Round-robin against the old order, two runs each, gain in time:
@@ -316,7 +319,8 @@ TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
 # wg_store alone at d = 192 and 256 (O in Q's buffer; _k6_wg_store_q_*.json, two runs):
 # d = 256 +1.7 / +1.5% (1k), +1.5 / +1.3% (4k), +1.6 / +1.9% (16k), with a mask +0.9 / +1.0,
 # +1.4 / +1.3, but -3.9 / -3.7% at 16k; d = 192 +1.8 / +1.7, +0.3 / +0.4, -0.2% (16k), with a
-# mask +2.7 / +2.7, +1.1 / +1.1, +0.5% (16k)
+# mask +2.7 / +2.7, +1.1 / +1.1, +0.5% (16k). With PEEL_FIRST, d = 256 with a mask gains at 8k
+# and 16k too: +1.4 / +1.3% (8k), +0.9 / +0.6 / +0.6% (16k; _k6_causal*_d256_peel*.json)
 ALL_LENGTHS = 1 << 31
 # d = 64 without a mask: wg_store at every length together with FAST_DIVMOD (below), +4.3-4.6%
 # (2k), +2.9% (4k), +2.1% (8k), +1.1-1.6% (16k) in three round-robin runs
@@ -325,7 +329,7 @@ ITEM_END = {(64, False): (ALL_LENGTHS, ALL_LENGTHS), (64, True): (8192, 8192),
             (96, False): (ALL_LENGTHS, ALL_LENGTHS), (96, True): (4096, 4096),
             (128, False): (ALL_LENGTHS, ALL_LENGTHS), (128, True): (ALL_LENGTHS, ALL_LENGTHS),
             (192, False): (0, 8192), (192, True): (0, ALL_LENGTHS),
-            (256, False): (0, ALL_LENGTHS), (256, True): (0, 8192)}
+            (256, False): (0, ALL_LENGTHS), (256, True): (0, ALL_LENGTHS)}
 
 # (head_dim, causal) whose static schedule decodes its work items with FastDivmod
 # (`fast_divmod`, common/scheduler.py) instead of two integer divisions per item.

@@ -452,7 +452,7 @@ def test_longest_first_items_decoded_once():
 
 def test_longest_first_by_sequence_length():
     """On by default with a mask inside the query lengths where it was measured to pay
-    (LONGEST_FIRST: 1k-8k at d = 128, 2k-8k at d = 256, 4k-16k at d = 64); off without a
+    (LONGEST_FIRST: 1k-8k at d = 128, 2k-16k at d = 256, 4k-16k at d = 64); off without a
     mask and at the head dims not measured."""
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem
@@ -705,7 +705,7 @@ def test_item_end_options(monkeypatch):
     for d, causal, n, on in [(64, False, 1024, (True, True)), (64, False, 4096, (True, True)),
                              (64, True, 4096, (True, True)), (64, True, 16384, (False, False)),
                              (96, True, 8192, (False, False)), (128, True, 16384, (True, True)),
-                             (256, False, 16384, (False, True)), (256, True, 8192, (False, False)),
+                             (256, False, 16384, (False, True)), (256, True, 16384, (False, True)),
                              (192, False, 8192, (False, False))]:
         options = k6.compile_kernel(Problem(1, 2, n, d, causal))
         assert (options["early_q_release"], options["wg_store"]) == on, (d, causal, n)
