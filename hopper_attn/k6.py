@@ -749,24 +749,20 @@ class FlashAttentionK6(FlashAttentionK5):
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
 
+        n_first = 0
         if cutlass.const_expr(self.peel_first):
-            # tile 0 before the loop (its `n > 0` tests folded away), then a loop that knows
-            # n > 0: no branch left for them in it
+            # tile 0 before the loop (its `n > 0` tests fold away), then a loop that knows
+            # n > 0 (`later`): no branch left for them in it
             k_state, v_state = self.kv_tile(loads, wg, m_block, Int32(0), n_count, seqlen_q,
                                             seqlen_k, mma_qk, mma_pv, q_frag, k_frag, vt_frag,
                                             p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
                                             alpha, k_state, v_state, n_base)
-            for n in cutlass.range(1, n_count, unroll=1):
-                k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q,
-                                                seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
-                                                vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords,
-                                                softmax, alpha, k_state, v_state, n_base, True)
-        else:
-            for n in cutlass.range(n_count, unroll=1):
-                k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q,
-                                                seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
-                                                vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords,
-                                                softmax, alpha, k_state, v_state, n_base)
+            n_first = 1
+        for n in cutlass.range(n_first, n_count, unroll=1):
+            k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
+                                            mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
+                                            acc_s, acc_o, o_rc, s_coords, softmax, alpha,
+                                            k_state, v_state, n_base, self.peel_first)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         if cutlass.const_expr(self.rescale_before_pv):
