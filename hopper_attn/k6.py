@@ -116,7 +116,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
-                                         compile_attention, run_attention)
+                                         check_whole_kv_tiles, compile_attention,
+                                         run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
 from hopper_attn.common.scheduler import longest_first_default
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
@@ -686,15 +687,8 @@ class FlashAttentionK6(FlashAttentionK5):
         data, o_rc, stride, at = self.partial_state(mWork, slot, ctidx, acc_o)
         rows, cols = cute.size(o_rc, mode=[0]), cute.size(o_rc, mode=[1])
         for r in cutlass.range_constexpr(rows):
-            m_other = data[at + (rows * cols + r) * stride]
-            l_other = data[at + (rows * cols + rows + r) * stride]
-            m_own = softmax.row_max[r]
-            m_new = cute.arch.fmax(m_own, m_other)
-            m_safe = 0.0 if m_new == -Float32.inf else m_new
-            a_other = cute.math.exp2((m_other - m_safe) * softmax.scale_log2, fastmath=True)
-            a_own = cute.math.exp2((m_own - m_safe) * softmax.scale_log2, fastmath=True)
-            softmax.row_max[r] = m_new
-            softmax.row_sum[r] = softmax.row_sum[r] * a_own + l_other * a_other
+            a_own, a_other = softmax.merge_row(r, data[at + (rows * cols + r) * stride],
+                                               data[at + (rows * cols + rows + r) * stride])
             for c in cutlass.range_constexpr(cols):
                 o_rc[r, c] = o_rc[r, c] * a_own + data[at + (r * cols + c) * stride] * a_other
 
@@ -1096,9 +1090,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     whole_tiles = problem.kv_seqlen % tile_n == 0
     if kv_tail is None:
         kv_tail = not (whole_tiles and problem.head_dim in NO_TAIL_TEST and not problem.causal)
-    if not kv_tail and not whole_tiles:
-        raise UnsupportedProblem(f"k6 kv_tail=0: the key length ({problem.kv_seqlen}) must be "
-                                 f"a multiple of the kv tile ({tile_n})")
+    if not kv_tail:
+        check_whole_kv_tiles("k6", problem, tile_n)
     if peel_first is None:
         peel_first = (problem.head_dim in PEEL_FIRST and not custom and not s_ahead
                       and (kv_tail or problem.causal))

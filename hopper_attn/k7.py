@@ -56,7 +56,7 @@ import torch
 from cutlass import Float32
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.contract import (KernelSpec, UnsupportedProblem, compile_attention,
+from hopper_attn.common.contract import (KernelSpec, check_whole_kv_tiles, compile_attention,
                                          run_attention)
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
@@ -464,9 +464,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     wg_store = item_end if wg_store is None else wg_store
     tile_n = block_n or (TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE).get(
         problem.head_dim, (0, 1))[1]
-    if not kv_tail and problem.kv_seqlen % tile_n:
-        raise UnsupportedProblem(f"k7 kv_tail=0: the key length ({problem.kv_seqlen}) must be "
-                                 f"a multiple of the kv tile ({tile_n})")
+    if not kv_tail:
+        check_whole_kv_tiles("k7", problem, tile_n)
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,

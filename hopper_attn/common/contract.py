@@ -363,6 +363,14 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
                              tvm_ffi=rt.TVM_FFI in compile_options)
 
 
+def check_whole_kv_tiles(stage: str, problem: Problem, block_n: int) -> None:
+    """A kernel compiled without the tail test (k6 / k7 `kv_tail=0`) masks no key past the
+    end: refuse a key length that is no multiple of its kv tile."""
+    if problem.kv_seqlen % block_n:
+        raise UnsupportedProblem(f"{stage} kv_tail=0: the key length ({problem.kv_seqlen}) "
+                                 f"must be a multiple of the kv tile ({block_n})")
+
+
 def check_descales(problem: Problem, descales) -> None:
     """k7's per-(batch, head) fp32 descales: q's (batch, heads), k's and v's (batch, heads_kv)."""
     for name, t, heads in zip(("descale_q", "descale_k", "descale_v"), descales,

@@ -211,6 +211,20 @@ class OnlineSoftmax:
         return alpha
 
     @cute.jit
+    def merge_row(self, r, m_other, l_other):
+        """Row r of another partial softmax over other keys (its maximum and raw sum) merged
+        into this one: both rebased to the larger maximum; returns (this side's factor, the
+        other's), by which the caller scales the two partial O rows before adding them."""
+        m_own = self.row_max[r]
+        m_new = cute.arch.fmax(m_own, m_other)
+        m_safe = 0.0 if m_new == -Float32.inf else m_new
+        a_other = cute.math.exp2((m_other - m_safe) * self.scale_log2, fastmath=True)
+        a_own = cute.math.exp2((m_own - m_safe) * self.scale_log2, fastmath=True)
+        self.row_max[r] = m_new
+        self.row_sum[r] = self.row_sum[r] * a_own + l_other * a_other
+        return a_own, a_other
+
+    @cute.jit
     def exponentiate(self, s_rc: cute.Tensor):
         """S -> P = 2^(s * scale_log2 - reference max (+ p_scale_log2)) in place; l += sums."""
         for r in cutlass.range_constexpr(self.num_rows):
