@@ -71,7 +71,7 @@ from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_vi
 from hopper_attn.common.masking import TileSchedule, mask_scores
 from hopper_attn.common.scheduler import (ItemQueue, TileScheduler, fetch_next_item, retire,
                                           sm_count)
-from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.softmax import OnlineSoftmax, ScoreSource, scale_rows
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import PingPong, WarpRoles
 
@@ -96,6 +96,8 @@ class FlashAttentionK5:
     # masked tiles: one key limit per row instead of two compares per element
     # (common/masking.py; k7 turns it on)
     mask_per_row = False
+    # k6's option: P before the tile's row maxima (the kernel then hands q and k in memory on)
+    exp_first = False
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False, pingpong: bool = True,
@@ -245,7 +247,7 @@ class FlashAttentionK5:
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
         self.kernel(*coords, o_coords, o, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
-                    kv_layout).launch(
+                    kv_layout, q, k).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             # ptxas: 65536 / (threads x CTAs per SM) registers at entry (setmaxnreg)
@@ -260,7 +262,7 @@ class FlashAttentionK5:
                mOut: cute.Tensor, mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout):
+               kv_layout: cute.ComposedLayout, q_mem: cute.Tensor, k_mem: cute.Tensor):
         schedule, roles, scheduler = self.schedule, self.roles, self.scheduler
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -336,10 +338,13 @@ class FlashAttentionK5:
                 phase = self.trace.start("wait_q")
                 loads.wait_q(q_state)
                 self.trace.end(phase)
+                scores = None                           # (k6's exp_first: q and k in memory)
+                if cutlass.const_expr(self.exp_first):
+                    scores = ScoreSource(q_mem, k_mem, head, head // group, batch)
                 k_state, v_state = self.mainloop(
                     loads, wg, m_block, k1 - k0, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
                     mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
-                    mmas.s_coords, softmax, k_state, v_state, n_base=k0)
+                    mmas.s_coords, softmax, k_state, v_state, n_base=k0, scores=scores)
                 if cutlass.const_expr(self.own_o_buffer or self.direct_store):
                     # (k6's options) Q is read: the next one loads under the epilogue
                     # (with early_q_release the main loop handed it back after its last QK)
@@ -607,10 +612,11 @@ class FlashAttentionK5:
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                 softmax: OnlineSoftmax, k_state, v_state, n_base=0):
+                 softmax: OnlineSoftmax, k_state, v_state, n_base=0, scores=None):
         """One consumer warpgroup's loop over the kv tiles of a work item: O and the
         softmax state are updated in place; returns the K and V ring states (k6 overrides
-        this method; n_base, the first kv tile, is k6's stream_k's: always 0 here)."""
+        this method; n_base, the first kv tile, is k6's stream_k's: always 0 here; scores,
+        k6's exp_first's: unused)."""
         pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
 

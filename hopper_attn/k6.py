@@ -120,7 +120,8 @@ from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedPro
                                          run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
 from hopper_attn.common.scheduler import longest_first_default
-from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.softmax import (EXP_FIRST_OVERFLOW, EXP_FIRST_UNDERFLOW, OnlineSoftmax,
+                                        ScoreSource, scale_rows)
 from hopper_attn.k5 import WG_EPILOGUE_BARRIER, FlashAttentionK5, lse_buffer
 
 SPEC = KernelSpec(
@@ -358,7 +359,16 @@ class FlashAttentionK6(FlashAttentionK5):
                  direct_store: bool = False, skip_idle_wgs: bool = False,
                  s_ahead: bool = False, defer_store_wait: bool = False,
                  early_q_release: bool = False, wg_store: bool = False,
-                 wg_causal_limit: bool = False, peel_first: bool = False, **options):
+                 wg_causal_limit: bool = False, peel_first: bool = False,
+                 exp_first: bool = False, **options):
+        # P from the reference maxima before the tile's maxima are known (lazy rescaling's
+        # reference, here with `rescale_threshold_log2`); a rare branch corrects P (and O)
+        self.exp_first = bool(exp_first)
+        if exp_first:
+            if lazy_rescale or exp_turns or pv_wait_after or rescale_before_pv:
+                raise ValueError("exp_first: not with lazy_rescale, exp_turns, pv_wait_after "
+                                 "or rescale_before_pv")
+            lazy_rescale = True                 # (finish_tile: O rescaled by the step)
         default_m, default_n, default_pingpong = TILES[head_dim]
         # with a causal mask each consumer warpgroup stops at the last kv tile its own 64
         # rows see; the tiles after it, which only the warpgroups below need, it takes and
@@ -490,7 +500,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                 softmax: OnlineSoftmax, k_state, v_state, n_base=0):
+                 softmax: OnlineSoftmax, k_state, v_state, n_base=0, scores=None):
         if cutlass.const_expr(self.s_ahead):
             k_state, v_state = self.s_ahead_loop(
                 loads, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag, k_frag,
@@ -507,7 +517,7 @@ class FlashAttentionK6(FlashAttentionK5):
                 k_state, v_state = self.busy_loop(
                     loads, wg, m_block, n_busy, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
                     k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state,
-                    n_base)
+                    n_base, scores)
                 if cutlass.const_expr(self.wg_causal_limit):
                     k_state, v_state = self.idle_tiles(loads, n_busy, n_count, k_state,
                                                        v_state)
@@ -517,7 +527,7 @@ class FlashAttentionK6(FlashAttentionK5):
             k_state, v_state = self.busy_loop(
                 loads, wg, m_block, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
                 k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state,
-                n_base)
+                n_base, scores)
         return k_state, v_state
 
     @cute.jit
@@ -738,7 +748,7 @@ class FlashAttentionK6(FlashAttentionK5):
                   mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                   k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                   acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                  softmax: OnlineSoftmax, k_state, v_state, n_base=0):
+                  softmax: OnlineSoftmax, k_state, v_state, n_base=0, scores=None):
         pingpong = self.pingpong
         o_rc = acc_rows_cols(acc_o)
         alpha = cute.make_rmem_tensor((cute.size(softmax.row_max),), Float32)
@@ -750,13 +760,14 @@ class FlashAttentionK6(FlashAttentionK5):
             k_state, v_state = self.kv_tile(loads, wg, m_block, Int32(0), n_count, seqlen_q,
                                             seqlen_k, mma_qk, mma_pv, q_frag, k_frag, vt_frag,
                                             p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
-                                            alpha, k_state, v_state, n_base)
+                                            alpha, k_state, v_state, n_base, scores=scores)
             n_first = 1
         for n in cutlass.range(n_first, n_count, unroll=1):
             k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
                                             mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
                                             acc_s, acc_o, o_rc, s_coords, softmax, alpha,
-                                            k_state, v_state, n_base, self.peel_first)
+                                            k_state, v_state, n_base, self.peel_first,
+                                            scores)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         if cutlass.const_expr(self.rescale_before_pv):
@@ -774,7 +785,7 @@ class FlashAttentionK6(FlashAttentionK5):
                 k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                 acc_s: cute.Tensor, acc_o: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
                 softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state, n_base=0,
-                later: cutlass.Constexpr = False):
+                later: cutlass.Constexpr = False, scores=None):
         """Tile n of a work item (kv tile n_base + n: stream_k's pieces start inside an item;
         later: n > 0 is known, `peel_first`'s loop):
         S_n = Q K_n^T and O += P_{n-1} V_{n-1} in this warpgroup's
@@ -822,7 +833,8 @@ class FlashAttentionK6(FlashAttentionK5):
         # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
         phase = self.trace.start("softmax")
         self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block,
-                                n_base + n, n_count, seqlen_q, seqlen_k)  # S -> P, in place
+                                n_base + n, n_count, seqlen_q, seqlen_k,   # S -> P, in place
+                                scores)
         self.trace.end(phase)
         if cutlass.const_expr(not self.wait_pv_late):
             v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
@@ -832,7 +844,7 @@ class FlashAttentionK6(FlashAttentionK5):
     @cute.jit
     def scores_to_probs_k6(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
                            softmax: OnlineSoftmax, alpha: cute.Tensor, wg, m_block, n, n_count,
-                           seqlen_q, seqlen_k):
+                           seqlen_q, seqlen_k, scores=None):
         """Mask, then the online-softmax step. Eager: every tile's factor alpha goes to
         `finish_tile`, which rescales O. Lazy: O is rescaled here, and only when a row maximum
         of this warp grew by more than 2^rescale_threshold_log2 (after waiting for PV_{n-1}:
@@ -853,6 +865,9 @@ class FlashAttentionK6(FlashAttentionK5):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
             softmax.exponentiate(s_rc)
+        elif cutlass.const_expr(self.exp_first):
+            self.exp_first_step(acc_s, o_rc, s_coords, softmax, m_block, n, seqlen_q,
+                                seqlen_k, scores)
         elif cutlass.const_expr(not self.lazy_rescale):
             alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
                                              seqlen_k).load())
@@ -863,6 +878,38 @@ class FlashAttentionK6(FlashAttentionK5):
                 warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
                 scale_rows(o_rc, softmax.rebase(m_new))
             softmax.exponentiate(s_rc)
+
+    @cute.jit
+    def exp_first_step(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
+                       softmax: OnlineSoftmax, m_block, n, seqlen_q, seqlen_k,
+                       scores: ScoreSource):
+        """`exp_first`: the exp2s do not wait for the tile's row maxima. P = 2^(s - m_ref)
+        from the reference maxima (0 for a row's first tile), the maxima found beside the
+        exp2s (they read S before P overwrites it). Then, if a maximum of the warp's rows
+        grew by more than 2^threshold (on an item's first tile, and now and then later), the
+        warp waits for PV_{n-1} and moves to the new maxima: P, O and l times
+        2^(m_ref - m_new). If a maximum moved so far that an exp2 may have overflowed (or, on
+        a first tile, underflowed), S is computed again from q and k in memory
+        (`ScoreSource`)."""
+        s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+        m_new = softmax.running_max(s_rc)
+        sums = cute.make_rmem_tensor_like(softmax.row_sum)
+        sums.store(softmax.row_sum.load())
+        softmax.exponentiate(s_rc)
+        hi, lo, first = softmax.growth(m_new)
+        if cute.arch.vote_any_sync(hi > self.rescale_threshold_log2 or first):
+            warpgroup.wait_group(0)                     # PV_{n-1} done: O may change
+            if cute.arch.vote_any_sync(hi >= EXP_FIRST_OVERFLOW or lo <= EXP_FIRST_UNDERFLOW):
+                scores.recompute(s_rc, s_coords, m_block * self.block_m, n * self.block_n,
+                                 seqlen_q, seqlen_k)
+                s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+                softmax.row_sum.store(sums.load())
+                scale_rows(o_rc, softmax.rebase(m_new))
+                softmax.exponentiate(s_rc)
+            else:
+                alpha = softmax.rebase(m_new, from_zero=True)   # l = (l + sum P) * alpha
+                scale_rows(o_rc, alpha)
+                scale_rows(s_rc, alpha)                 # P * alpha = 2^(s - m_new)
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         p_bytes = smem_bytes(block_m * block_n * 2) if self.p_in_smem else 0
@@ -937,7 +984,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None,
                    wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None,
-                   kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None):
+                   kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None,
+                   exp_first: bool = False, exp_first_threshold: float = 8.0):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -990,7 +1038,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     for the key length's tail (None: only where the key length is no multiple of the kv
     tile: a kernel for whole tiles tests none without a causal mask); peel_first: an item's
     first kv tile before the loop, whose `n > 0` tests then fold away (None: PEEL_FIRST's
-    head dims, on the default tiles, where the loop keeps a mask test)."""
+    head dims, on the default tiles, where the loop keeps a mask test); exp_first: P from
+    the reference row maxima before the tile's maxima are known, corrected in a rare branch
+    where one grew by more than 2^exp_first_threshold (docs/k6.md "The exp2s before the row
+    maximum": d = 64 +2.0-4.9% with 8, but 1.4-1.9x torch's error as lazy_rescale; 1.0x
+    and -2.7..+0.8% with 1; d = 128 -9..-12%: off)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1073,10 +1125,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     if pv_wait_after is None:
         after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
         pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
-                                  and problem.seqlen >= shortest) else 0
+                                  and not exp_first and problem.seqlen >= shortest) else 0
     pinned = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
     one_pv_group = not custom and pinned is not None and pinned(problem.seqlen)
-    if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns):
+    if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns or exp_first):
         wait_pv_late = False if wait_pv_late is None else wait_pv_late
         pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
     if reverse_p is None:
@@ -1136,7 +1188,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "wg_causal_limit": bool(wg_causal_limit),
                               "stream_k": bool(stream_k),
                               "kv_tail": bool(kv_tail),
-                              "peel_first": bool(peel_first)},
+                              "peel_first": bool(peel_first),
+                              "exp_first": bool(exp_first),
+                              **({"rescale_threshold_log2": float(exp_first_threshold)}
+                                 if exp_first else {})},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -264,28 +264,19 @@ def test_k6_stream_k_matches_fp32(d, heads, seqlen):
     assert verdict["ok"], verdict
 
 
-@pytest.mark.parametrize("name,d,seqlen_q,seqlen_k,causal", [
-    ("k6", 256, 4000, 4000, False), ("k6", 256, 1000, 1600, False), ("k6", 256, 77, 160, False),
-    ("k6:kv_tail=0", 256, 1600, 1600, True), ("k6:kv_tail=0", 128, 333, 1024, False),
-    ("k6:kv_tail=0", 64, 1024, 1024, True), ("k6:kv_tail=0,stream_k=1", 192, 2016, 2016, False)])
-def test_k6_whole_kv_tiles_matches_fp32(name, d, seqlen_q, seqlen_k, causal):
-    """A loop without the tail test (`kv_tail=0`, the default at d = 256 for key lengths
-    that are multiples of the kv tile), queries and keys of the same and other lengths:
-    against fp32 within 2x torch's bf16 error, every element written, same bits twice."""
+def _run_twice_against_fp32(name, q, k, v, causal):
+    """Run kernel `name` twice into NaN-filled outputs: no NaN left, within 2x torch's bf16
+    error of the fp32 reference (+ 2^-10), the same bits both times; returns the handle."""
     from hopper_attn.common.contract import Problem
-    gen = torch.Generator(device="cuda").manual_seed(seqlen_q * 7 + seqlen_k + d)
-    q = torch.randn(2, seqlen_q, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn(2, seqlen_k, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
-            for _ in range(2))
     entry = registry.get(name)
     handle = entry.compile(Problem.from_tensor(q, causal, k))
-    assert not handle.describe()["options"]["kv_tail"]
     outs = []
     for _ in range(2):
         out = torch.full_like(q, float("nan"))
         entry.run(handle, *entry.prepare(q, k, v), out)
         outs.append(out)
-    ref = _reference(q, k, v, causal, d ** -0.5)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    ref = _reference(q, k, v, causal, q.shape[3] ** -0.5)
     mask = None
     if causal:
         mask = ~torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").triu(
@@ -297,6 +288,51 @@ def test_k6_whole_kv_tiles_matches_fp32(name, d, seqlen_q, seqlen_k, causal):
     assert not outs[0].isnan().any()
     assert (outs[0].float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    return handle
+
+
+@pytest.mark.parametrize("name,d,seqlen_q,seqlen_k,causal", [
+    ("k6", 256, 4000, 4000, False), ("k6", 256, 1000, 1600, False), ("k6", 256, 77, 160, False),
+    ("k6:kv_tail=0", 256, 1600, 1600, True), ("k6:kv_tail=0", 128, 333, 1024, False),
+    ("k6:kv_tail=0", 64, 1024, 1024, True), ("k6:kv_tail=0,stream_k=1", 192, 2016, 2016, False)])
+def test_k6_whole_kv_tiles_matches_fp32(name, d, seqlen_q, seqlen_k, causal):
+    """A loop without the tail test (`kv_tail=0`, the default at d = 256 for key lengths
+    that are multiples of the kv tile), queries and keys of the same and other lengths:
+    against fp32 within 2x torch's bf16 error, every element written, same bits twice."""
+    gen = torch.Generator(device="cuda").manual_seed(seqlen_q * 7 + seqlen_k + d)
+    q = torch.randn(2, seqlen_q, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, seqlen_k, 3, d, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    handle = _run_twice_against_fp32(name, q, k, v, causal)
+    assert not handle.describe()["options"]["kv_tail"]
+
+
+@pytest.mark.parametrize("name,d,seqlen_q,seqlen_k,causal,keys", [
+    ("k6:exp_first=1", 64, 2000, 2000, False, "outliers"),
+    ("k6:exp_first=1", 64, 2000, 2000, True, "outliers"),
+    ("k6:exp_first=1,exp_first_threshold=1", 64, 1000, 1601, False, "growing"),
+    ("k6:exp_first=1,exp_first_threshold=0", 64, 1000, 1601, True, "growing"),
+    ("k6:exp_first=1", 64, 777, 777, True, "plain"),
+    ("k6:exp_first=1", 128, 1500, 1500, False, "outliers"),
+    ("k6:exp_first=1,stream_k=1", 64, 4096, 4096, False, "outliers")])
+def test_k6_exp_first_matches_fp32(name, d, seqlen_q, seqlen_k, causal, keys):
+    """`exp_first` (P from the reference maxima before the tile's maxima are known, then
+    corrected where a maximum grew by more than 2^threshold, 8 by default): keys whose scores
+    jump far above every earlier maximum (x 40 at a few positions: exp2s overflow, and the
+    scores are computed again from memory) or grow along the sequence (P and O corrected,
+    often with thresholds 1 and 0), so that both rare branches run; against fp32 within 2x
+    torch's bf16 error, every element written, same bits twice."""
+    gen = torch.Generator(device="cuda").manual_seed(seqlen_q * 5 + seqlen_k + d)
+    q = torch.randn(2, seqlen_q, 3, d, device="cuda", generator=gen)
+    k, v = (torch.randn(2, seqlen_k, 3, d, device="cuda", generator=gen) for _ in range(2))
+    if keys == "outliers":
+        for j in (seqlen_k // 7, seqlen_k // 3, seqlen_k - 5):
+            k[:, j] *= 40.0
+    elif keys == "growing":
+        k *= torch.linspace(1.0, 4.0, seqlen_k, device="cuda")[None, :, None, None]
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    handle = _run_twice_against_fp32(name, q, k, v, causal)
+    assert handle.describe()["options"]["exp_first"]
 
 
 def test_k6_runs_more_than_65535_heads():

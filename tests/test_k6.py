@@ -882,3 +882,46 @@ def test_first_kv_tile_peeled(monkeypatch):
                                (96, False, 4096, False)]:
         assert k6.compile_kernel(Problem(1, 2, n, d, causal))["peel_first"] == want, \
             (d, causal, n)
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False)])
+def test_exp_first_exp2s_do_not_wait_for_the_row_max(d, causal):
+    """`exp_first` (measured 2026-11-26, docs/k6.md "The exp2s before the row maximum"; off
+    by default): in the main loop the first MUFU.EX2 comes before the row maxima's quad
+    shuffles (SHFL.BFLY), where the default's come after them; no WGMMA serialized (as many
+    fences, one or two more waits), no spills; the rare recomputation of S reads q and k from
+    global memory (LDG)."""
+    from hopper_attn.harness import sass_order
+    art, base = artifacts(d, causal, "k6:exp_first=1"), artifacts(d, causal)
+    assert art["kernel"]["options"]["exp_first"]
+
+    def first_exp2_and_shuffle(cubin):
+        text = sass(cubin)
+        bodies = [sass_order.loop_body(text, found) for found in sass_order.loops(text)]
+        body = max(bodies, key=lambda b: sum("MUFU.EX2" in t for t in b))
+        return (next(i for i, t in enumerate(body) if "MUFU.EX2" in t),
+                next(i for i, t in enumerate(body) if "SHFL.BFLY" in t))
+
+    exp2, shuffle = first_exp2_and_shuffle(art["cubin"])
+    assert exp2 < shuffle, (exp2, shuffle)
+    exp2, shuffle = first_exp2_and_shuffle(base["cubin"])
+    assert shuffle < exp2, (exp2, shuffle)
+    a, b = sass(art["cubin"]), sass(base["cubin"])
+    assert a.count("WARPGROUP.ARRIVE") == b.count("WARPGROUP.ARRIVE")
+    assert a.count("WARPGROUP.DEPBAR") <= b.count("WARPGROUP.DEPBAR") + 2
+    assert a.count("LDG") > b.count("LDG") + 64
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def test_exp_first_options():
+    """`exp_first` takes lazy rescaling's place (its reference maxima): not with lazy_rescale,
+    exp_turns, pv_wait_after or rescale_before_pv; its threshold reaches the kernel."""
+    from hopper_attn.k6 import FlashAttentionK6
+    for clash in ({"lazy_rescale": True}, {"exp_turns": True}, {"pv_wait_after": 7},
+                  {"rescale_before_pv": True}):
+        with pytest.raises(ValueError, match="exp_first"):
+            FlashAttentionK6(64, False, exp_first=True, **clash)
+    kernel = FlashAttentionK6(64, False, exp_first=True, rescale_threshold_log2=1.0)
+    assert kernel.exp_first and kernel.lazy_rescale and kernel.rescale_threshold_log2 == 1.0
+

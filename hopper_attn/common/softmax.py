@@ -24,7 +24,7 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -199,13 +199,34 @@ class OnlineSoftmax:
         return cute.arch.vote_any_sync(grew)
 
     @cute.jit
-    def rebase(self, m_new: cute.Tensor) -> cute.Tensor:
+    def growth(self, m_new: cute.Tensor):
+        """How far the maxima `m_new` of this thread's rows moved from the references that
+        `exponentiate` subtracted (0 for a row without a finite maximum yet), in exp2 units:
+        (largest step, smallest step, whether a row has its first finite maximum); rows
+        still without one do not count (k6's `exp_first`)."""
+        hi = Float32(0.0)
+        lo = Float32(0.0)
+        first = False
+        for r in cutlass.range_constexpr(self.num_rows):
+            ref = 0.0 if self.row_max[r] == -Float32.inf else self.row_max[r]
+            step = 0.0 if m_new[r] == -Float32.inf else (m_new[r] - ref) * self.scale_log2
+            hi = cute.arch.fmax(hi, step)
+            lo = cutlass.min(lo, step)
+            first = first or (self.row_max[r] == -Float32.inf and m_new[r] != -Float32.inf)
+        return hi, lo, first
+
+    @cute.jit
+    def rebase(self, m_new: cute.Tensor, from_zero: cutlass.Constexpr = False) -> cute.Tensor:
         """Move the reference maxima to `m_new`: l *= alpha; returns alpha, by which the
-        caller rescales O."""
+        caller rescales O. from_zero: a row without a finite maximum yet moves from 0, the
+        reference `exponentiate` used for it (k6's `exp_first` rescales such P as well)."""
         alpha = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             m_safe = 0.0 if m_new[r] == -Float32.inf else m_new[r]
-            alpha[r] = cute.math.exp2((self.row_max[r] - m_safe) * self.scale_log2, fastmath=True)
+            m_old = self.row_max[r]
+            if cutlass.const_expr(from_zero):
+                m_old = 0.0 if m_old == -Float32.inf else m_old
+            alpha[r] = cute.math.exp2((m_old - m_safe) * self.scale_log2, fastmath=True)
             self.row_max[r] = m_new[r]
             self.row_sum[r] = self.row_sum[r] * alpha[r]
         return alpha
@@ -265,3 +286,38 @@ def scale_rows(o_rc: cute.Tensor, factor: cute.Tensor):
     """o[r, :] *= factor[r] for a [row, col] register view."""
     for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
         o_rc[r, None].store(o_rc[r, None].load() * factor[r])
+
+
+# `exp_first`: past this growth of a row maximum (exp2 units) an exp2 taken from the old
+# reference may have overflowed fp32 (2^128), and below this first maximum (a row's first
+# tile, taken from 0) the largest P may have been flushed: the tile's scores are computed
+# again, from q and k in memory
+EXP_FIRST_OVERFLOW = 120.0
+EXP_FIRST_UNDERFLOW = -100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreSource:
+    """Where a work item's scores come from, for `exp_first`'s rare recomputation: q and k
+    in memory as (N, d, H, B) views, and the item's head, k/v head and batch."""
+    q: cute.Tensor
+    k: cute.Tensor
+    head: Int32
+    kv_head: Int32
+    batch: Int32
+
+    @cute.jit
+    def recompute(self, s_rc: cute.Tensor, coords_rc: cute.Tensor, row0, col0, seqlen_q,
+                  seqlen_k):
+        """s_rc[r, c] = q_row . k_col in fp32 on the CUDA cores (rows or keys past the end: 0;
+        the caller masks them again). Slow, and only for scores that jumped by 2^120."""
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                row = coords_rc[r, c][0] + row0
+                col = coords_rc[r, c][1] + col0
+                dot = Float32(0.0)
+                if row < seqlen_q and col < seqlen_k:
+                    for i in cutlass.range(cute.size(self.q, mode=[1]), unroll=1):
+                        dot = dot + (Float32(self.q[row, i, self.head, self.batch])
+                                     * Float32(self.k[col, i, self.kv_head, self.batch]))
+                s_rc[r, c] = dot
