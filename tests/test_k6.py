@@ -925,3 +925,19 @@ def test_exp_first_options():
     kernel = FlashAttentionK6(64, False, exp_first=True, rescale_threshold_log2=1.0)
     assert kernel.exp_first and kernel.lazy_rescale and kernel.rescale_threshold_log2 == 1.0
 
+
+
+def test_stale_reference_error_emulation():
+    """tools/stale_max_error.py (docs/k6.md "The exp2s before the row maximum"): on the CPU,
+    a reference maximum up to 2^8 stale costs the online softmax 1.5x and more of the eager
+    step's error on keys that grow along the sequence, as on the GPU, and summing l from the
+    bf16-rounded P (the values O adds) takes most of it back."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "stale_max_error.py"
+    spec = importlib.util.spec_from_file_location("stale_max_error", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    ratios = tool.error_ratios("growing", thresholds=(0.0, 8.0))
+    assert ratios[0.0][0] < 1.05
+    assert ratios[8.0][0] > 1.5 and ratios[8.0][1] < 1.3, ratios
