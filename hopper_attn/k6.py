@@ -29,7 +29,9 @@ move up (`wait_pv_late`, the default at d = 96 and, with a memory fence in front
 d = 128, 192 and 256 have since moved the wait back into the iteration: the seventh and
 eighth steps below). The
 option `lazy_rescale` also skips the O rescale unless a row maximum grew by more than 2^8
-(faster, less accurate: docs/k6.md).
+(faster, less accurate: docs/k6.md); the option `exp_first` does so with the exp2s started
+before the tile's row maxima are known (d = 64 +2-5%, with the same accuracy cost; docs/k6.md
+"The exp2s before the row maximum").
 
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
 the ping-pong turn per tile (measured since: kept at d = 64 without a mask and on d = 96's
