@@ -122,8 +122,7 @@ from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedPro
                                          run_attention)
 from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
 from hopper_attn.common.scheduler import longest_first_default
-from hopper_attn.common.softmax import (EXP_FIRST_OVERFLOW, EXP_FIRST_UNDERFLOW, OnlineSoftmax,
-                                        ScoreSource, scale_rows)
+from hopper_attn.common.softmax import OnlineSoftmax, ScoreSource, scale_rows
 from hopper_attn.k5 import WG_EPILOGUE_BARRIER, FlashAttentionK5, lse_buffer
 
 SPEC = KernelSpec(
@@ -305,6 +304,12 @@ NO_TAIL_TEST = {256}
 # unless P is converted last slice first (reverse_p), and with it measured d = 128 -0.8 to
 # +0.4%, d = 64 -4.6 / -5.1% (_k6_peel_reverse_p_*.json)
 PEEL_FIRST = {192, 256}
+# `exp_first`: past this growth of a row maximum (exp2 units) an exp2 taken from the old
+# reference may have overflowed fp32 (2^128), and below this first maximum (a row's first
+# tile, taken from 0) the largest P may have been flushed: the tile's scores are computed
+# again, from q and k in memory (ScoreSource)
+EXP_FIRST_OVERFLOW = 120.0
+EXP_FIRST_UNDERFLOW = -100.0
 TILES = {64: (192, 128, True), 96: (128, 128, True), 128: (128, 128, False),
          192: (128, 112, False), 256: (128, 80, False)}
 # A work item's end (docs/k6.md "Where a work item ends"): `early_q_release` hands Q's stage

@@ -288,14 +288,6 @@ def scale_rows(o_rc: cute.Tensor, factor: cute.Tensor):
         o_rc[r, None].store(o_rc[r, None].load() * factor[r])
 
 
-# `exp_first`: past this growth of a row maximum (exp2 units) an exp2 taken from the old
-# reference may have overflowed fp32 (2^128), and below this first maximum (a row's first
-# tile, taken from 0) the largest P may have been flushed: the tile's scores are computed
-# again, from q and k in memory
-EXP_FIRST_OVERFLOW = 120.0
-EXP_FIRST_UNDERFLOW = -100.0
-
-
 @dataclasses.dataclass(frozen=True)
 class ScoreSource:
     """Where a work item's scores come from, for `exp_first`'s rare recomputation: q and k
