@@ -721,6 +721,9 @@ class FlashAttentionK5:
     # exp2 results the compiler may not recompute (OnlineSoftmax.opaque_exp2)
     softmax_fence_after = -1
     opaque_exp2 = False
+    # k6's option: the item's last kv tile holds at most this many keys (0: a whole tile);
+    # its softmax and its PV take only those columns (k6's `tail_n`)
+    tail_n = 0
 
     def with_buffers(self, storage, q_layout):
         """`storage` (a cute.struct) with the buffers k6's options add: sP for `p_layout`,
@@ -739,10 +742,15 @@ class FlashAttentionK5:
 
     @cute.jit
     def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag: cute.Tensor,
-                 vt_frag: cute.Tensor, v_state):
-        """O += P V with V from `v_state`'s stage (shared with k6)."""
+                 vt_frag: cute.Tensor, v_state, keys: cutlass.Constexpr = 0):
+        """O += P V with V from `v_state`'s stage (shared with k6); keys: only the tile's
+        first `keys` (k6's tail_n; 0: all of them)."""
+        k_blocks = None
+        if cutlass.const_expr(keys):
+            k_blocks = (0, keys * cute.size(p_frag, mode=[2]) // self.block_n)
         wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
-                   vt_frag[None, None, None, v_state.index], zero_init=False)
+                   vt_frag[None, None, None, v_state.index], zero_init=False,
+                   k_blocks=k_blocks)
 
     @cute.jit
     def last_pv(self, loads: tma.SplitKVLoads, wg, mma_pv: cute.TiledMma, acc_o: cute.Tensor,
@@ -755,7 +763,7 @@ class FlashAttentionK5:
         self.pingpong.sync(wg)
         self.trace.end(phase)
         phase = self.trace.start("pv")
-        self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
+        self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state, self.tail_n)
         self.pingpong.finish(wg)                        # the next WG's last PV may go
         warpgroup.wait_group(0)
         loads.release(loads.v_pipe, v_state)

@@ -120,7 +120,9 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          check_whole_kv_tiles, compile_attention,
                                          run_attention)
-from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
+from hopper_attn.common.layouts import (acc_rows_cols, first_columns, smem_bytes,
+                                        smem_tile_layout)
+from hopper_attn.common.masking import mask_scores
 from hopper_attn.common.scheduler import longest_first_default
 from hopper_attn.common.softmax import OnlineSoftmax, ScoreSource, scale_rows
 from hopper_attn.k5 import WG_EPILOGUE_BARRIER, FlashAttentionK5, lse_buffer
@@ -367,7 +369,7 @@ class FlashAttentionK6(FlashAttentionK5):
                  s_ahead: bool = False, defer_store_wait: bool = False,
                  early_q_release: bool = False, wg_store: bool = False,
                  wg_causal_limit: bool = False, peel_first: bool = False,
-                 exp_first: bool = False, **options):
+                 exp_first: bool = False, tail_n: int = 0, **options):
         # P from the reference maxima before the tile's maxima are known (lazy rescaling's
         # reference, here with `rescale_threshold_log2`); a rare branch corrects P (and O)
         self.exp_first = bool(exp_first)
@@ -501,6 +503,19 @@ class FlashAttentionK6(FlashAttentionK5):
             raise ValueError("s_ahead: without turns (pingpong=0), the late PV wait, "
                              "lazy_rescale, exp_turns, p_in_smem, rescale_before_pv, "
                              "pv_wait_after and skip_idle_wgs")
+        # the item's last kv tile narrowed to its first tail_n keys (the key length's
+        # remainder: compile_kernel checks it): that tile's softmax and PV skip the columns
+        # past them. Only the default eager loop without a mask: there the last tile is the
+        # only one the key length cuts
+        if tail_n and (causal or tail_n % 32 or not 0 < tail_n < self.block_n
+                       or self.s_ahead or self.lazy_rescale or exp_turns or pv_wait_after
+                       or self.p_in_smem or self.stream_k or self.wait_pv_late
+                       or self.peel_first or self.skip_idle_wgs):
+            raise ValueError("tail_n: a multiple of 32 below block_n, without a mask, "
+                             "lazy_rescale, exp_first, exp_turns, pv_wait_after, p_in_smem, "
+                             "s_ahead, stream_k, peel_first, skip_idle_wgs or the late PV "
+                             "wait")
+        self.tail_n = int(tail_n)
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
@@ -769,12 +784,19 @@ class FlashAttentionK6(FlashAttentionK5):
                                             p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
                                             alpha, k_state, v_state, n_base, scores=scores)
             n_first = 1
-        for n in cutlass.range(n_first, n_count, unroll=1):
+        # (tail_n: the item's last kv tile after the loop, narrowed; the loop is unchanged)
+        n_loop = n_count - 1 if cutlass.const_expr(self.tail_n) else n_count
+        for n in cutlass.range(n_first, n_loop, unroll=1):
             k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
                                             mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
                                             acc_s, acc_o, o_rc, s_coords, softmax, alpha,
                                             k_state, v_state, n_base, self.peel_first,
                                             scores)
+        if cutlass.const_expr(self.tail_n):
+            k_state, v_state = self.kv_tile(loads, wg, m_block, n_count - 1, n_count, seqlen_q,
+                                            seqlen_k, mma_qk, mma_pv, q_frag, k_frag, vt_frag,
+                                            p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
+                                            alpha, k_state, v_state, n_base, tail=True)
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         if cutlass.const_expr(self.rescale_before_pv):
@@ -792,9 +814,10 @@ class FlashAttentionK6(FlashAttentionK5):
                 k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                 acc_s: cute.Tensor, acc_o: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
                 softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state, n_base=0,
-                later: cutlass.Constexpr = False, scores=None):
+                later: cutlass.Constexpr = False, scores=None, tail: cutlass.Constexpr = False):
         """Tile n of a work item (kv tile n_base + n: stream_k's pieces start inside an item;
-        later: n > 0 is known, `peel_first`'s loop):
+        later: n > 0 is known, `peel_first`'s loop; tail: the item's last tile, narrowed
+        to its first tail_n keys):
         S_n = Q K_n^T and O += P_{n-1} V_{n-1} in this warpgroup's
         turn, the softmax of S_n under PV_{n-1}, then (or, with the late wait, at the top of
         the next tile) tile n's end (`finish_tile`)."""
@@ -839,9 +862,12 @@ class FlashAttentionK6(FlashAttentionK5):
         self.trace.end(phase)
         # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
         phase = self.trace.start("softmax")
-        self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block,
-                                n_base + n, n_count, seqlen_q, seqlen_k,   # S -> P, in place
-                                scores)
+        if cutlass.const_expr(tail):
+            self.tail_probs(acc_s, s_coords, softmax, alpha, m_block, n, seqlen_k)
+        else:
+            self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block,
+                                    n_base + n, n_count, seqlen_q, seqlen_k,   # S -> P, in place
+                                    scores)
         self.trace.end(phase)
         if cutlass.const_expr(not self.wait_pv_late):
             v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
@@ -885,6 +911,17 @@ class FlashAttentionK6(FlashAttentionK5):
                 warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
                 scale_rows(o_rc, softmax.rebase(m_new))
             softmax.exponentiate(s_rc)
+
+    @cute.jit
+    def tail_probs(self, acc_s: cute.Tensor, s_coords: cute.Tensor, softmax: OnlineSoftmax,
+                   alpha: cute.Tensor, m_block, n, seqlen_k):
+        """`tail_n`: the eager step on the first tail_n columns of the item's last tile,
+        masked past the key length (the columns after them are neither exponentiated nor
+        read by its PV)."""
+        s_tail = first_columns(acc_rows_cols(acc_s), self.tail_n)
+        mask_scores(s_tail, first_columns(s_coords, self.tail_n), m_block * self.block_m,
+                    n * self.block_n, seqlen_k, False, per_row_limit=self.mask_per_row)
+        alpha.store(softmax.step(s_tail).load())
 
     @cute.jit
     def exp_first_step(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,

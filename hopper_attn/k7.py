@@ -21,6 +21,11 @@ What changes from k6 (docs/k7.md):
   128 x 128 at d = 256 fit (k6: 128 x 128 and 128 x 80).
 * The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
 
+* A narrow last kv tile (`tail_n`, TAIL_N): at d = 128 without a mask, below 8k keys, where
+  the 192-wide tile cuts the key length (4k: 21 1/3 tiles), an item's last tile runs after
+  the loop with its softmax and its PV on only the keys there are: +5-6% at 1k, +1.2-1.4%
+  at 4k (docs/k7.md "Where the phases line up, and a narrow last kv tile").
+
 What stays: k6's consumer loop (`mainloop`: QK issued before the softmax, PV of the previous
 tile under it; no late PV wait, which costs FP8 2-7%, but a memory fence in front of the PV
 wait, `pin_pv_wait`, so that ptxas keeps the softmax under PV in the same iteration: +1-5%
@@ -56,7 +61,8 @@ import torch
 from cutlass import Float32
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.contract import (KernelSpec, check_whole_kv_tiles, compile_attention,
+from hopper_attn.common.contract import (KernelSpec, check_tail_keys, check_whole_kv_tiles,
+                                         compile_attention, narrow_tail,
                                          run_attention)
 from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_operand
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
@@ -401,6 +407,17 @@ RESCALE_BEFORE_PV = {(256, False)}
 # +0.2%, with a mask +7.6 / +3.8 / +1.3%; d = 128 with a mask +2.5 / +2.5 / +0.4%; d = 128
 # without one +1.0 / 0.0 / -1.7%: off there. (early_q_release alone: -1.5 to +2.4%.)
 ITEM_END = {(64, False), (64, True), (128, True), (256, False), (256, True)}
+# head_dim -> the key length from which an item no longer ends in a narrow kv tile (k6's
+# `tail_n`, without a mask): below it, where the key length is no multiple of the kv tile,
+# the item's last tile (after the loop) exponentiates and multiplies into O only the keys
+# there are, rounded up to 32. Only d = 128's 192-wide tile leaves a partial tile at the
+# usual lengths (4k: 21 1/3 tiles). Round-robin against the whole last tile, H100, two runs
+# (results/h100/2026-11-26_k7_tail_n*.json), gain in time at N = 1k / 2k / 4k / 8k / 16k:
+# +5.7 / +0.3 / +1.2 / -1.0 / -1.0% and +5.3 / +1.0 / +1.3 / -1.0 / -1.0%. Its QK narrowed
+# too (a WGMMA of N = tail_n into S's first registers): -7.6 / -19.1 / -22.0% at 1k / 4k / 16k,
+# not kept; narrowing inside the loop (a branch on the last tile): +3.9 / -0.2 / -2.9 / -7.8
+# / -5.7%, not kept
+TAIL_N = {128: 8192}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
@@ -418,7 +435,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    rescale_before_pv: Optional[bool] = None, s_ahead: bool = False,
                    defer_store_wait: bool = False, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, wg_causal_limit: bool = False,
-                   kv_tail: bool = True, peel_first: bool = False, spec: KernelSpec = SPEC):
+                   kv_tail: bool = True, peel_first: bool = False,
+                   tail_n: Optional[int] = None,
+                   spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -440,7 +459,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     kv_tail: k6's (False: no tail test in the loop, for key lengths that are a multiple of
     the kv tile; measured -1.4 / -2.2% at d = 128, so on); peel_first: k6's (an item's first
     kv tile before the loop; measured -2.4 / -3.0% at d = 128 and -1.7 / -1.8% at d = 256
-    without a mask, 4k / 16k, results/h100/2026-11-26_k7_peel_first*.json: off).
+    without a mask, 4k / 16k, results/h100/2026-11-26_k7_peel_first*.json: off); tail_n:
+    the item's last kv tile after the loop, its softmax and PV on its first tail_n keys
+    (None: TAIL_N's rule, the key length's remainder rounded up to 32; 0: the whole tile).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -466,6 +487,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         problem.head_dim, (0, 1))[1]
     if not kv_tail:
         check_whole_kv_tiles("k7", problem, tile_n)
+    if tail_n is None:
+        tail_n = narrow_tail(problem, tile_n) if (
+            problem.kv_seqlen < TAIL_N.get(problem.head_dim, 0) and not problem.causal
+            and v_transposed
+            and not (block_m or block_n or s_ahead or lazy_rescale or exp_turns
+                     or wait_pv_late or pv_wait_after or peel_first)) else 0
+    if tail_n:
+        check_tail_keys("k7", problem, tile_n, tail_n)
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
     return compile_attention(spec, FlashAttentionK7, problem,
@@ -495,7 +524,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "wg_store": bool(wg_store),
                               "wg_causal_limit": bool(wg_causal_limit),
                               "kv_tail": bool(kv_tail),
-                              "peel_first": bool(peel_first)},
+                              "peel_first": bool(peel_first),
+                              "tail_n": int(tail_n)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -543,6 +543,38 @@ def test_k7_log_sum_exp(d, causal):
     assert (lse - ref).abs().max().item() < 2e-3
 
 
+@pytest.mark.parametrize("seqlen,tail_n", [(1, 32), (4096, 64), (2049, 160), (4000, 160)])
+def test_k7_narrow_last_tile(seqlen, tail_n):
+    """k7's narrow last kv tile (k6's tail_n, the default at d = 128 without a mask below
+    k7.TAIL_N): the same output as with the whole last tile, within the FP8 emulation's
+    error of the fp32 reference, no NaN, and the same bits twice."""
+    from hopper_attn import k7
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.quantize import dequantize_fp8
+    gen = torch.Generator(device="cuda").manual_seed(seqlen)
+    q, k, v = (torch.randn(1, seqlen, 3, 128, device="cuda", generator=gen).to(torch.bfloat16)
+               for _ in range(3))
+    inputs = k7.prepare_inputs(q, k, v)
+    problem = Problem.from_tensor(q, False)
+    narrow = k7.compile_kernel(problem)
+    assert narrow.options["tail_n"] == tail_n
+    outs = []
+    for handle in (narrow, narrow, k7.compile_kernel(problem, tail_n=0)):
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        k7.run_kernel(handle, *inputs, out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    deq = [dequantize_fp8(t, s) for t, s in zip(k7.logical_inputs(*inputs[:3]), inputs[3:])]
+    ref = _reference(*deq, False, 128 ** -0.5)
+    emulated = _reference_fp8(*deq, False, 128 ** -0.5)
+    limit = 2 * (emulated - ref).abs().max().item() + 2 ** -10
+    for out in (outs[0], outs[2]):
+        assert (out.float() - ref).abs().max().item() <= limit
+    assert (outs[0].float() - outs[2].float()).abs().max().item() <= limit / 2
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("seqlen", [1, 17, 1000])

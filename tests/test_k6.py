@@ -168,7 +168,9 @@ def test_a_fence_pins_the_pv_wait(name):
     pinned = artifacts(128, False, name=name)
     assert exp2_between_waits(sass(plain["cubin"])) == 0
     assert exp2_between_waits(sass(pinned["cubin"])) >= pinned["kernel"]["block_n"] // 2
-    assert count(pinned["ptx"], r"fence\.acq_rel\.cta") == 1
+    # (k7 at this length: once more in the narrow last tile after the loop, tail_n)
+    tiles = 1 + bool(pinned["kernel"]["options"].get("tail_n"))
+    assert count(pinned["ptx"], r"fence\.acq_rel\.cta") == tiles
     for fn in resource_usage(pinned["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 

@@ -29,8 +29,10 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
     # S = Q K^T (n = block_n) and O += P V (n = d), nothing in 16 bits
     assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {block_n, d}
     assert not re.search(r"wgmma\S*\.(bf16|f16)", ptx)
-    # P -> e4m3 pairs in registers (block_n / 2 fp32 per thread, two per conversion)
-    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == block_n // 4
+    # P -> e4m3 pairs in registers (block_n / 2 fp32 per thread, two per conversion; in the
+    # loop, and again in the item's narrow last tile after it where there is one: tail_n)
+    tiles = 2 if art["kernel"]["options"]["tail_n"] else 1
+    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == block_n // 4 * tiles
     # the PV WGMMA takes A from registers: {...} list right after the accumulators
     assert re.search(r"wgmma\.mma_async\S*k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)
 
@@ -219,7 +221,8 @@ def test_pv_wait_among_the_exp2s_where_measured(d, causal, after):
     art = compiled("k7", d, causal)
     options = art["kernel"]["options"]
     assert options["pv_wait_after"] == after and options["v_release_last"] == (after > 0)
-    assert count(art["ptx"], r"fence\.acq_rel\.cta") == 1    # either fence, never both
+    # either fence, never both (twice with the narrow last tile after the loop: tail_n)
+    assert count(art["ptx"], r"fence\.acq_rel\.cta") == 1 + bool(options["tail_n"])
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
@@ -301,4 +304,39 @@ def test_item_end_defaults():
     assert "bar.sync \t1, 256;" in off["ptx"] and "bar.sync \t1, 256;" not in on["ptx"]
     assert not compiled("k7:direct_store=1", 64, False)["kernel"]["options"]["wg_store"]
     for fn in resource_usage(on["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def test_narrow_last_tile_lengths():
+    """k6's tail_n as k7 picks it (TAIL_N): the key length's remainder in the 192-wide tile,
+    rounded up to 32; none for whole tiles, a remainder that rounds to the whole tile, a
+    causal mask, or from TAIL_N's length on; a handle refuses lengths it cannot serve."""
+    from hopper_attn import k7
+    from hopper_attn.common.contract import UnsupportedProblem, check_tail_keys, narrow_tail
+    tail = lambda n: narrow_tail(Problem(1, 1, n, 128), 192)
+    assert [tail(n) for n in (1, 17, 64, 113, 1000, 2048, 2049, 4032, 4096, 190)] == \
+        [32, 32, 64, 128, 64, 128, 160, 0, 64, 0]
+    check_tail_keys("k7", Problem(1, 1, 4096, 128), 192, 64)
+    for n in (4032, 4100):
+        with pytest.raises(UnsupportedProblem, match="tail_n"):
+            check_tail_keys("k7", Problem(1, 1, n, 128), 192, 64)
+    assert k7.TAIL_N == {128: 8192}
+
+
+@pytest.mark.compile
+def test_narrow_last_tile_in_sass():
+    """The item's last kv tile after the loop, narrowed to its keys (N = 128: all 128 of the
+    192-wide tile's columns there are): its softmax exponentiates tail_n / 2 scores per
+    thread instead of block_n / 2, and the last PV multiplies tail_n / 32 k-blocks
+    instead of block_n / 32 (against the same kernel with the whole last tile)."""
+    from hopper_attn.harness.compile_report import sass
+    narrow, whole = compiled("k7", 128, False), compiled("k7:tail_n=0", 128, False)
+    tail_n, block_n = narrow["kernel"]["options"]["tail_n"], narrow["kernel"]["block_n"]
+    assert (tail_n, block_n, whole["kernel"]["options"]["tail_n"]) == (128, 192, 0)
+    ops = [sass(art["cubin"]) for art in (narrow, whole)]
+    exp2 = [text.count("MUFU.EX2") for text in ops]
+    assert exp2[0] - exp2[1] == tail_n // 2 + 2         # + the tile's two alphas
+    pv = [text.count("QGMMA.64x128x32") for text in ops]
+    assert pv[0] - pv[1] == tail_n // 32               # one more PV_{n-1} batch, a short last PV
+    for fn in resource_usage(narrow["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
