@@ -145,6 +145,9 @@ class FlashAttentionK7(FlashAttentionK6):
                          pin_pv_wait=pin_pv_wait, fma_exp2_every=fma_exp2_every,
                          direct_store=direct_store, **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
+        if self.stream_k and not v_transposed:
+            raise ValueError("stream_k: with V packed (v_transposed=1) only; the transposing "
+                             "warps walk whole items")
         # k6's option (O has its own buffer here): the store's read waited for at the next
         # item's epilogue
         self.defer_store_wait = bool(defer_store_wait) and not direct_store
@@ -267,7 +270,7 @@ class FlashAttentionK7(FlashAttentionK6):
         queue = self.item_queue(storage, roles.consumer_threads + 32 * transpose_warps)
         tma.barriers_ready()
 
-        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ)
+        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ, seqlen_k)
         if warp < 4:
             # ---------------- producer warpgroup ----------------
             roles.become_producer()
@@ -311,31 +314,45 @@ class FlashAttentionK7(FlashAttentionK6):
             while valid:
                 kv_head = head // group
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+                k0, k1 = 0, n_count                     # (stream_k: a piece of the item)
+                if cutlass.const_expr(self.stream_k):
+                    _, _, k0, k1 = self.scheduler.piece(tiles, seqlen_q, seqlen_k, heads,
+                                                        batch_size)
                 acc_o.fill(0.0)
                 softmax.reset()
                 item_softmax = softmax.with_scale(
                     scale_log2 * mDescaleQ[batch, head] * mDescaleK[batch, kv_head])
                 loads.wait_q(q_state)
                 k_state, v_state = self.mainloop(
-                    consumer_loads, wg, m_block, n_count, seqlen_q, seqlen_k, mmas.mma_qk,
+                    consumer_loads, wg, m_block, k1 - k0, seqlen_q, seqlen_k, mmas.mma_qk,
                     mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s,
-                    acc_o, mmas.s_coords, item_softmax, k_state, v_state)
+                    acc_o, mmas.s_coords, item_softmax, k_state, v_state, n_base=k0)
                 if cutlass.const_expr(not self.early_q_release):   # (else: the main loop's)
                     loads.q_pipe.consumer_release(q_state)  # O has its own buffer
                 q_state.advance()
 
-                # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
-                inv_sum = self.finish_rows(item_softmax, mmas, ctidx, mLSE, m_block, head,
-                                           batch, seqlen_q)
-                descale_v = mDescaleV[batch, kv_head]
-                for r in cutlass.range_constexpr(cute.size(inv_sum)):
-                    inv_sum[r] = inv_sum[r] * descale_v
-                scale_rows(o_rc, inv_sum)
-                o_out.store(acc_o.load().to(self.out_dtype))
-                self.store_output(mmas, ctidx, warp, o_out, mOut, sO, tma_o, mO, m_block, head,
-                                  batch, seqlen_q)
+                ends_item = True
+                if cutlass.const_expr(self.stream_k):
+                    # k6's: a piece that begins an item leaves its raw state for the next
+                    # CTA; one that ends an item merges the previous CTA's, then stores O
+                    ends_item = k1 == n_count
+                    if k1 < n_count:
+                        self.save_partial(mCounter, ctidx, wg, acc_o, item_softmax)
+                    elif k0 > 0:
+                        self.merge_partial(mCounter, ctidx, wg, acc_o, item_softmax)
+                if ends_item:
+                    # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
+                    inv_sum = self.finish_rows(item_softmax, mmas, ctidx, mLSE, m_block, head,
+                                               batch, seqlen_q)
+                    descale_v = mDescaleV[batch, kv_head]
+                    for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                        inv_sum[r] = inv_sum[r] * descale_v
+                    scale_rows(o_rc, inv_sum)
+                    o_out.store(acc_o.load().to(self.out_dtype))
+                    self.store_output(mmas, ctidx, warp, o_out, mOut, sO, tma_o, mO, m_block,
+                                      head, batch, seqlen_q)
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
-                    queue, item_state, tiles, seqlen_q, heads, batch_size)
+                    queue, item_state, tiles, seqlen_q, heads, batch_size, seqlen_k)
             if has_items:
                 self.drain_turns(wg)
             self.drain_o_store(warp)
@@ -436,7 +453,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    defer_store_wait: bool = False, early_q_release: Optional[bool] = None,
                    wg_store: Optional[bool] = None, wg_causal_limit: bool = False,
                    kv_tail: bool = True, peel_first: bool = False,
-                   tail_n: Optional[int] = None,
+                   tail_n: Optional[int] = None, stream_k: bool = False,
                    spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
@@ -461,7 +478,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     kv tile before the loop; measured -2.4 / -3.0% at d = 128 and -1.7 / -1.8% at d = 256
     without a mask, 4k / 16k, results/h100/2026-11-26_k7_peel_first*.json: off); tail_n:
     the item's last kv tile after the loop, its softmax and PV on its first tail_n keys
-    (None: TAIL_N's rule, the key length's remainder rounded up to 32; 0: the whole tile).
+    (None: TAIL_N's rule, the key length's remainder rounded up to 32; 0: the whole tile);
+    stream_k: k6's (the static schedule's last rounds spread evenly over the CTAs, an item
+    split across two of them; without a mask, V packed; measured round-robin at d = 128,
+    H100: -1.7% at 4k, -0.2 / +0.1% at 8k / 16k, so off; docs/k7.md).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -492,7 +512,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             problem.kv_seqlen < TAIL_N.get(problem.head_dim, 0) and not problem.causal
             and v_transposed
             and not (block_m or block_n or s_ahead or lazy_rescale or exp_turns
-                     or wait_pv_late or pv_wait_after or peel_first)) else 0
+                     or wait_pv_late or pv_wait_after or peel_first or stream_k)) else 0
     if tail_n:
         check_tail_keys("k7", problem, tile_n, tail_n)
     if v_transposed:
@@ -525,7 +545,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "wg_causal_limit": bool(wg_causal_limit),
                               "kv_tail": bool(kv_tail),
                               "peel_first": bool(peel_first),
-                              "tail_n": int(tail_n)},
+                              "tail_n": int(tail_n),
+                              "stream_k": bool(stream_k)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

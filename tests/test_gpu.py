@@ -264,6 +264,21 @@ def test_k6_stream_k_matches_fp32(d, heads, seqlen):
     assert verdict["ok"], verdict
 
 
+@pytest.mark.parametrize("heads,seqlen", [(17, 2049), (67, 333), (5, 4100)])
+def test_k7_stream_k_matches_fp32(heads, seqlen):
+    """k6's `stream_k` in k7 (an option, measured no faster, off): items
+    split across two CTAs and merged, in FP8, against the fp32 reference on the dequantized
+    inputs (ref_check's FP8 case: NaN guards, the same bits on a second run)."""
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.common.contract import Problem
+    problem = Problem(4, heads, seqlen, 128, False)
+    entry = registry.get("k7:stream_k=1")
+    handle = entry.compile(problem)
+    assert handle.options["stream_k"] and not handle.options["tail_n"]
+    verdict = ReferenceCase(problem, seed=seqlen).check(entry, handle)
+    assert verdict["ok"], verdict
+
+
 def _run_twice_against_fp32(name, q, k, v, causal):
     """Run kernel `name` twice into NaN-filled outputs: no NaN left, within 2x torch's bf16
     error of the fp32 reference (+ 2^-10), the same bits both times; returns the handle."""

@@ -340,3 +340,19 @@ def test_narrow_last_tile_in_sass():
     assert pv[0] - pv[1] == tail_n // 32               # one more PV_{n-1} batch, a short last PV
     for fn in resource_usage(narrow["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+def test_stream_k_option():
+    """k6's stream_k in k7 (an option, off: measured no faster at d = 128): the kernel keeps
+    a workspace for the split items' state, compiles without spills and with whole last kv
+    tiles (no tail_n beside it); the default schedule has no workspace."""
+    from hopper_attn import k7
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS
+    compile = lambda n, **kw: k7.compile_kernel(Problem(1, 2, n, 128, False),
+                                                compile_options=SPILLS_AS_ERRORS, **kw)
+    on, plain = compile(2049, stream_k=True), compile(16384)
+    assert on.options["stream_k"] and not on.options["tail_n"] and not plain.options["stream_k"]
+    assert on.kernel.stream_k_words() > 0 and plain.kernel.stream_k_words() == 0
+    with pytest.raises(ValueError, match="stream_k"):
+        compile(2049, stream_k=True, v_transposed=False)
