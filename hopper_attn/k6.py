@@ -863,7 +863,7 @@ class FlashAttentionK6(FlashAttentionK5):
         # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
         phase = self.trace.start("softmax")
         if cutlass.const_expr(tail):
-            self.tail_probs(acc_s, s_coords, softmax, alpha, m_block, n, seqlen_k)
+            self.tail_probs(acc_s, s_coords, softmax, alpha, m_block, n_base + n, seqlen_k)
         else:
             self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block,
                                     n_base + n, n_count, seqlen_q, seqlen_k,   # S -> P, in place

@@ -20,7 +20,6 @@ What changes from k6 (docs/k7.md):
 * Wider kv tiles (TILES): with only K and V^T rings in SMEM, 128 x 192 at d = 128 and
   128 x 128 at d = 256 fit (k6: 128 x 128 and 128 x 80).
 * The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
-
 * A narrow last kv tile (`tail_n`, TAIL_N): at d = 128 without a mask, below 8k keys, where
   the 192-wide tile cuts the key length (4k: 21 1/3 tiles), an item's last tile runs after
   the loop with its softmax and its PV on only the keys there are: +5-6% at 1k, +1.2-1.4%
@@ -424,13 +423,14 @@ RESCALE_BEFORE_PV = {(256, False)}
 # +0.2%, with a mask +7.6 / +3.8 / +1.3%; d = 128 with a mask +2.5 / +2.5 / +0.4%; d = 128
 # without one +1.0 / 0.0 / -1.7%: off there. (early_q_release alone: -1.5 to +2.4%.)
 ITEM_END = {(64, False), (64, True), (128, True), (256, False), (256, True)}
-# head_dim -> the key length from which an item no longer ends in a narrow kv tile (k6's
-# `tail_n`, without a mask): below it, where the key length is no multiple of the kv tile,
+# head_dim -> the key length from which an item no longer ends in a narrow kv tile (`tail_n`,
+# an option of k6's loop; without a mask): below it, where the key length is no multiple of the kv tile,
 # the item's last tile (after the loop) exponentiates and multiplies into O only the keys
 # there are, rounded up to 32. Only d = 128's 192-wide tile leaves a partial tile at the
 # usual lengths (4k: 21 1/3 tiles). Round-robin against the whole last tile, H100, two runs
 # (results/h100/2026-11-26_k7_tail_n*.json), gain in time at N = 1k / 2k / 4k / 8k / 16k:
-# +5.7 / +0.3 / +1.2 / -1.0 / -1.0% and +5.3 / +1.0 / +1.3 / -1.0 / -1.0%. Its QK narrowed
+# +5.7 / +0.3 / +1.2 / -1.0 / -1.0% and +5.3 / +1.0 / +1.3 / -1.0 / -1.0%; a third run with
+# cuDNN FP8 (_vs_cudnn_fp8.json) +6.4 / +0.8 / +1.4% at 1k / 2k / 4k. Its QK narrowed
 # too (a WGMMA of N = tail_n into S's first registers): -7.6 / -19.1 / -22.0% at 1k / 4k / 16k,
 # not kept; narrowing inside the loop (a branch on the last tile): +3.9 / -0.2 / -2.9 / -7.8
 # / -5.7%, not kept
