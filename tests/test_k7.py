@@ -356,3 +356,17 @@ def test_stream_k_option():
     assert on.kernel.stream_k_words() > 0 and plain.kernel.stream_k_words() == 0
     with pytest.raises(ValueError, match="stream_k"):
         compile(2049, stream_k=True, v_transposed=False)
+
+
+@pytest.mark.compile
+def test_exp2s_paced_at_the_sfu_rate():
+    """ptxas paces k7's exp2s itself (docs/k7.md "Where the phases line up"): in the loop,
+    the control bits put 8 cycles between one MUFU.EX2 and the next (a stall of 7 on the
+    row-sum FADD between them), the rate one SM sub-partition's SFU takes them at, so a warp
+    alone needs 8 cycles per exp2 whatever else it has to issue."""
+    from hopper_attn.harness.compile_report import sass
+    from hopper_attn.harness.sass_order import control_bits, exp2_gaps
+    text = sass(compiled("k7", 128, False)["cubin"], encoding=True)
+    assert len(control_bits(text)) > 1000
+    gaps = max(exp2_gaps(text), key=len)                 # the loop of whole tiles
+    assert len(gaps) + 1 >= 96 and set(gaps) == {8}

@@ -92,9 +92,10 @@ def resource_usage(cubin: bytes) -> list[dict]:
     return rows
 
 
-def sass(cubin: bytes) -> str:
-    """Disassembly (nvdisasm) of a cubin."""
-    return _cubin_tool("nvdisasm", cubin)
+def sass(cubin: bytes, encoding: bool = False) -> str:
+    """Disassembly (nvdisasm) of a cubin; `encoding`: with each instruction's two 64-bit
+    words (`-hex`), which hold its control bits (sass_order.control_bits)."""
+    return _cubin_tool("nvdisasm", cubin, *(["-hex"] if encoding else []))
 
 
 def report(entries, head_dims=(64, 128), causals=(False, True),

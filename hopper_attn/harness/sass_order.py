@@ -15,6 +15,7 @@ decide whether a warpgroup's softmax runs under its own PV (k6's overlap):
     python -m hopper_attn.harness.sass_order k6 256 0          # groups, exp2 counts, loop order
     python -m hopper_attn.harness.sass_order "k6:reverse_p=1,pv_wait_after=8" 256 1
     python -m hopper_attn.harness.sass_order k7:s_ahead=1 128 0 --ptxas   # + ptxas's notes
+    python -m hopper_attn.harness.sass_order k7 128 0 --stalls   # + cycles between exp2s
 
 No GPU needed (compiles for sm_90a). `tools/fa4_sass.py` prints the same for
 FlashAttention-4's sm90 forward.
@@ -124,6 +125,40 @@ def loop_body(sass_text: str, loop) -> list:
     return [text for address, text in _instructions(sass_text)[0] if start <= address <= end]
 
 
+# `nvdisasm -hex`: each instruction's two 64-bit words, the second on the next line
+_ENCODED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* 0x[0-9a-f]{16} \*/\s*\n"
+                      r"\s*/\* 0x([0-9a-f]{16}) \*/")
+
+
+def control_bits(sass_hex: str) -> list:
+    """[(address, text, stall, write_sb, read_sb, wait_mask)] per instruction, from
+    `compile_report.sass(cubin, encoding=True)`. Since Volta each instruction carries its
+    schedule in bits 105-125: `stall`, the cycles the warp waits before it issues its next
+    instruction (set by ptxas for fixed-latency dependencies and for pacing a pipe);
+    `write_sb` / `read_sb`, the scoreboard a variable-latency result (MUFU, loads) sets
+    (7: none); `wait_mask`, the scoreboards this instruction waits for."""
+    out = []
+    for m in _ENCODED.finditer(sass_hex):
+        ctrl = int(m.group(3), 16) >> 41
+        out.append((int(m.group(1), 16), m.group(2), ctrl & 0xF, (ctrl >> 5) & 7,
+                    (ctrl >> 8) & 7, (ctrl >> 11) & 0x3F))
+    return out
+
+
+def exp2_gaps(sass_hex: str) -> list:
+    """Per innermost loop: the static issue cycles between consecutive `MUFU.EX2` (the
+    stall counts from one to the next), i.e. how fast one warp alone could issue its exp2s
+    as ptxas scheduled them (docs/k7.md "Where the phases line up": 8 cycles each in k7's
+    loop, the SFU rate of one SM sub-partition)."""
+    coded = control_bits(sass_hex)
+    result = []
+    for start, end, _ in loops(sass_hex):
+        body = [c for c in coded if start <= c[0] <= end]
+        at = [i for i, c in enumerate(body) if "MUFU.EX2" in c[1]]
+        result.append([sum(c[2] for c in body[a:b]) for a, b in zip(at, at[1:])])
+    return result
+
+
 def summary(ptx: str, sass_text: str) -> str:
     lines = [f"ex2: {ptx.count('ex2.approx')} in the PTX, {sass_text.count('MUFU.EX2')} "
              f"MUFU.EX2 in the SASS",
@@ -146,12 +181,21 @@ def main(argv=None):
     parser.add_argument("causal", type=int, choices=(0, 1))
     parser.add_argument("--ptxas", action="store_true",
                         help="also ptxas's notes (serialized WGMMAs and why; needs ptxas)")
+    parser.add_argument("--stalls", action="store_true",
+                        help="also the static cycles between the loops' exp2s (control bits)")
     args = parser.parse_args(argv)
     art = compile_artifacts(registry.get(args.kernel), args.head_dim, bool(args.causal),
                             torch.bfloat16)
     if not art["ok"]:
         raise SystemExit(f"compile failed: {art['error']}")
     print(summary(art["ptx"], sass(art["cubin"])))
+    if args.stalls:
+        for i, gaps in enumerate(exp2_gaps(sass(art["cubin"], encoding=True))):
+            if gaps:
+                ordered = sorted(gaps)
+                print(f"loop {i}: {len(gaps) + 1} exp2s, static cycles between two: median "
+                      f"{ordered[len(ordered) // 2]}, min {ordered[0]}, max {ordered[-1]}; "
+                      f"{sum(gaps)} from the first to the last")
     if args.ptxas:
         from hopper_attn.harness.compile_report import ptxas_notes
         print("\n".join(ptxas_notes(art["ptx"])) or "ptxas: no performance notes")
