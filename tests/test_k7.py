@@ -308,9 +308,10 @@ def test_item_end_defaults():
 
 
 def test_narrow_last_tile_lengths():
-    """k6's tail_n as k7 picks it (TAIL_N): the key length's remainder in the 192-wide tile,
-    rounded up to 32; none for whole tiles, a remainder that rounds to the whole tile, a
-    causal mask, or from TAIL_N's length on; a handle refuses lengths it cannot serve."""
+    """k6's tail_n as k7 picks it (TAIL_N: d = 128, below 8k keys): the key length's
+    remainder in the 192-wide tile, rounded up to 32; none for whole tiles or a remainder
+    that rounds to the whole tile; a kernel compiled for one refuses lengths it cannot
+    serve."""
     from hopper_attn import k7
     from hopper_attn.common.contract import UnsupportedProblem, check_tail_keys, narrow_tail
     tail = lambda n: narrow_tail(Problem(1, 1, n, 128), 192)
