@@ -66,8 +66,9 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
-from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view,
-                                        qkv_smem, smem_bytes, smem_tile_layout, transposed)
+from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, first_columns,
+                                        ndhb_view, qkv_smem, smem_bytes, smem_tile_layout,
+                                        transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
 from hopper_attn.common.scheduler import (ItemQueue, TileScheduler, fetch_next_item, retire,
                                           sm_count)
@@ -670,10 +671,13 @@ class FlashAttentionK5:
 
     @cute.jit
     def masked_scores(self, acc_s: cute.Tensor, s_coords: cute.Tensor, m_block, n, seqlen_q,
-                      seqlen_k) -> cute.Tensor:
+                      seqlen_k, cols: cutlass.Constexpr = 0) -> cute.Tensor:
         """kv tile n's scores as a [row, col] view, -inf where the tail or the causal
-        diagonal hides them (only tiles that need it run the mask code)."""
+        diagonal hides them (only tiles that need it run the mask code); cols: the tile's
+        first `cols` columns only (k6's narrow last tile, `tail_n`; 0: all)."""
         s_rc = acc_rows_cols(acc_s)
+        if cutlass.const_expr(cols):
+            s_rc, s_coords = first_columns(s_rc, cols), first_columns(s_coords, cols)
         if self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
             mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n, seqlen_k,
                         self.causal, seqlen_k - seqlen_q, per_row_limit=self.mask_per_row)

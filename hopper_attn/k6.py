@@ -120,9 +120,7 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          check_whole_kv_tiles, compile_attention,
                                          run_attention)
-from hopper_attn.common.layouts import (acc_rows_cols, first_columns, smem_bytes,
-                                        smem_tile_layout)
-from hopper_attn.common.masking import mask_scores
+from hopper_attn.common.layouts import acc_rows_cols, smem_bytes, smem_tile_layout
 from hopper_attn.common.scheduler import longest_first_default
 from hopper_attn.common.softmax import OnlineSoftmax, ScoreSource, scale_rows
 from hopper_attn.k5 import WG_EPILOGUE_BARRIER, FlashAttentionK5, lse_buffer
@@ -725,6 +723,20 @@ class FlashAttentionK6(FlashAttentionK5):
                 o_rc[r, c] = o_rc[r, c] * a_own + data[at + (r * cols + c) * stride] * a_other
 
     @cute.jit
+    def end_piece(self, mWork: cute.Tensor, ctidx, wg, acc_o: cute.Tensor,
+                  softmax: OnlineSoftmax, k0, k1, n_count):
+        """After a piece's kv tiles [k0, k1): one that begins an item leaves its raw state
+        for the next CTA (`save_partial`), one that ends an item after another CTA's start
+        merges that (`merge_partial`); returns whether the item ends here (its epilogue
+        follows). k7's consumer loop; k5's keeps the two branches inline (folding them
+        changes the stream-K kernels' SASS, measured there)."""
+        if k1 < n_count:
+            self.save_partial(mWork, ctidx, wg, acc_o, softmax)
+        elif k0 > 0:
+            self.merge_partial(mWork, ctidx, wg, acc_o, softmax)
+        return k1 == n_count
+
+    @cute.jit
     def idle_tiles(self, loads: tma.SplitKVLoads, n_first, n_count, k_state, v_state):
         """`wg_causal_limit`: kv tiles n_first .. n_count - 1, which this warpgroup's rows do
         not see, taken (waited for, so that no release runs ahead of the producer's phase)
@@ -863,7 +875,10 @@ class FlashAttentionK6(FlashAttentionK5):
         # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
         phase = self.trace.start("softmax")
         if cutlass.const_expr(tail):
-            self.tail_probs(acc_s, s_coords, softmax, alpha, m_block, n_base + n, seqlen_k)
+            # the eager step on the first tail_n columns only (masked past the key length):
+            # the columns after them are neither exponentiated nor read by the last PV
+            alpha.store(softmax.step(self.masked_scores(
+                acc_s, s_coords, m_block, n_base + n, seqlen_q, seqlen_k, self.tail_n)).load())
         else:
             self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block,
                                     n_base + n, n_count, seqlen_q, seqlen_k,   # S -> P, in place
@@ -911,17 +926,6 @@ class FlashAttentionK6(FlashAttentionK5):
                 warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
                 scale_rows(o_rc, softmax.rebase(m_new))
             softmax.exponentiate(s_rc)
-
-    @cute.jit
-    def tail_probs(self, acc_s: cute.Tensor, s_coords: cute.Tensor, softmax: OnlineSoftmax,
-                   alpha: cute.Tensor, m_block, n, seqlen_k):
-        """`tail_n`: the eager step on the first tail_n columns of the item's last tile,
-        masked past the key length (the columns after them are neither exponentiated nor
-        read by its PV)."""
-        s_tail = first_columns(acc_rows_cols(acc_s), self.tail_n)
-        mask_scores(s_tail, first_columns(s_coords, self.tail_n), m_block * self.block_m,
-                    n * self.block_n, seqlen_k, False, per_row_limit=self.mask_per_row)
-        alpha.store(softmax.step(s_tail).load())
 
     @cute.jit
     def exp_first_step(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,

@@ -331,14 +331,9 @@ class FlashAttentionK7(FlashAttentionK6):
                 q_state.advance()
 
                 ends_item = True
-                if cutlass.const_expr(self.stream_k):
-                    # k6's: a piece that begins an item leaves its raw state for the next
-                    # CTA; one that ends an item merges the previous CTA's, then stores O
-                    ends_item = k1 == n_count
-                    if k1 < n_count:
-                        self.save_partial(mCounter, ctidx, wg, acc_o, item_softmax)
-                    elif k0 > 0:
-                        self.merge_partial(mCounter, ctidx, wg, acc_o, item_softmax)
+                if cutlass.const_expr(self.stream_k):       # (k6's split items)
+                    ends_item = self.end_piece(mCounter, ctidx, wg, acc_o, item_softmax, k0,
+                                               k1, n_count)
                 if ends_item:
                     # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
                     inv_sum = self.finish_rows(item_softmax, mmas, ctidx, mLSE, m_block, head,
