@@ -321,7 +321,9 @@ class FlashAttentionK7(FlashAttentionK6):
                 softmax.reset()
                 item_softmax = softmax.with_scale(
                     scale_log2 * mDescaleQ[batch, head] * mDescaleK[batch, kv_head])
+                phase = self.trace.start("wait_q")
                 loads.wait_q(q_state)
+                self.trace.end(phase)
                 k_state, v_state = self.mainloop(
                     consumer_loads, wg, m_block, k1 - k0, seqlen_q, seqlen_k, mmas.mma_qk,
                     mmas.mma_pv, mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s,
@@ -334,6 +336,7 @@ class FlashAttentionK7(FlashAttentionK6):
                 if cutlass.const_expr(self.stream_k):       # (k6's split items)
                     ends_item = self.end_piece(mCounter, ctidx, wg, acc_o, item_softmax, k0,
                                                k1, n_count)
+                phase = self.trace.start("epilogue")
                 if ends_item:
                     # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
                     inv_sum = self.finish_rows(item_softmax, mmas, ctidx, mLSE, m_block, head,
@@ -345,8 +348,11 @@ class FlashAttentionK7(FlashAttentionK6):
                     o_out.store(acc_o.load().to(self.out_dtype))
                     self.store_output(mmas, ctidx, warp, o_out, mOut, sO, tma_o, mO, m_block,
                                       head, batch, seqlen_q)
+                self.trace.end(phase)
+                phase = self.trace.start("next_item")
                 tiles, item_state, m_block, head, batch, valid = self.next_item(
                     queue, item_state, tiles, seqlen_q, heads, batch_size, seqlen_k)
+                self.trace.end(phase)
             if has_items:
                 self.drain_turns(wg)
             self.drain_o_store(warp)

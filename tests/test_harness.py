@@ -166,3 +166,17 @@ def test_sass_order_reads_wgmma_groups_and_loops():
     (start, end, events), = loops(text)
     assert (start, end) == (0x100, 0x1b0)
     assert events[-3:] == ["DEPBAR 0x1", "EX2 x2", "DEPBAR 0x0"]
+
+
+def test_power_survey_summary():
+    """harness/power.py: the benchmark's shapes, and nvidia-smi samples reduced to the
+    medians of their settled part (the first third dropped, malformed lines skipped)."""
+    from hopper_attn.harness.power import shape, summarize
+    assert shape(16384, 128) == (1, 16) and shape(4096, 64) == (4, 32)
+    assert shape(16384, 256) == (1, 8)
+    hot = ["1650, 699.5, 0x0000000000000004", "1635, 700.1, 0x0000000000000004",
+           "1665, 698.0, 0x0000000000000004"]
+    out = summarize(["1980, 300.0, 0x0000000000000000"] * 3 + hot * 2 + ["[N/A]", ""])
+    assert out["clock_mhz"] == 1650 and out["power_w"] == 699.5
+    assert out["reasons"] == ["0x0000000000000004"] and out["samples"] == 6
+    assert summarize([])["clock_mhz"] is None

@@ -35,7 +35,7 @@ PHASE_COLORS = {"wait_kv": "#bbbbbb", "wait_k": "#bbbbbb", "wait_v": "#dddddd",
                 "qk": "#1f77b4", "softmax": "#ff7f0e", "pv": "#2ca02c", "release": "#9467bd",
                 "wait_turn": "#e377c2", "mma": "#08306b", "wait_pv": "#98df8a", "rescale": "#d62728", "load_k": "#17becf", "load_v": "#bcbd22", "epilogue": "#8c564b", "transpose": "#7f7f7f",
                 # the backward (kb2)
-                "wait_q": "#bbbbbb", "s_dp": "#1f77b4", "wait_s": "#9ecae1", "exp2": "#ff7f0e",
+                "wait_q": "#bbbbbb", "next_item": "#c49c94", "s_dp": "#1f77b4", "wait_s": "#9ecae1", "exp2": "#ff7f0e",
                 "dv": "#2ca02c", "wait_dp": "#98df8a", "ds": "#d62728", "ds_barrier": "#e377c2",
                 "dq_dk": "#08306b", "wait_dv_dq": "#6baed6", "dq_store": "#8c564b",
                 "wait_dk": "#dddddd", "load_q": "#17becf", "load_do": "#bcbd22",
