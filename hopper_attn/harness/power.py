@@ -10,8 +10,8 @@ before each), so its numbers sit a few percent above these. Under a sustained lo
 SXM stays at its 700 W limit for every kernel of this repository, FA4 and cuDNN alike, and
 the clock settles where the kernel's power meets it (1455-1830 MHz on 2026-11-26,
 docs/k7.md "At the power limit"): TFLOP/s per GHz says what a kernel does per clock, the
-clock what its work costs in power. Shapes as the benchmark's: batch = 16384 / N, heads =
-2048 / d (8 at d = 256).
+clock what its work costs in power. Shapes as the benchmark's sweep (harness/problems.py:
+16k tokens, hidden size 2048).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ SMI_FIELDS = "clocks.sm,power.draw,clocks_event_reasons.active"
 
 def shape(seqlen: int, head_dim: int) -> tuple:
     """(batch, heads) of the benchmark's sweep for this length and head dim."""
-    return max(1, 16384 // seqlen), (8 if head_dim == 256 else 2048 // head_dim)
+    from hopper_attn.harness.problems import HIDDEN, TOKENS
+    return max(1, TOKENS // seqlen), max(1, HIDDEN // head_dim)
 
 
 def summarize(lines: list, skip_fraction: float = 1 / 3) -> dict:
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     from hopper_attn.harness import baselines
     from hopper_attn.harness.env import environment
     from hopper_attn.harness.registry import KERNELS
+    from hopper_attn.harness.timing import tflops as to_tflops
 
     wanted = [n for n in args.names if n.partition(":")[0] not in KERNELS]
     found, missing = baselines.available(wanted)
@@ -114,12 +116,11 @@ def main(argv=None) -> int:
             q, k, v = (torch.randn(batch, n, heads, d, device="cuda").to(torch.bfloat16)
                        for _ in range(3))
             problem = Problem.from_tensor(q, args.causal)
-            flop = 4 * batch * heads * n * n * d / (2 if args.causal else 1)
             for name in args.names:
                 if name in missing:
                     continue
                 ms, smi = sustained(make_run(name, problem, q, k, v, found), args.seconds)
-                tflops = flop / ms / 1e9
+                tflops = to_tflops(problem.flops, ms)
                 row = {"name": name, "batch": batch, "heads": heads, "seqlen": n,
                        "head_dim": d, "causal": args.causal, "ms": ms, "tflops": tflops,
                        "tflops_per_ghz": tflops / smi["clock_mhz"] * 1e3
