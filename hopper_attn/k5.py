@@ -107,7 +107,7 @@ class FlashAttentionK5:
                  v_lags_k: bool = False, fma_exp2_every: int = 0,
                  stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32,
                  ctas_per_sm: int = 1, fast_divmod: bool = False, stream_k: bool = False,
-                 kv_tail: bool = True):
+                 kv_tail: bool = True, cluster: int = 1):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -122,6 +122,14 @@ class FlashAttentionK5:
                              f"{smem_limit} ({ctas_per_sm} per SM)")
         if stream_k and (causal or dynamic or not persistent):
             raise ValueError("stream_k: the static persistent schedule (no mask) only")
+        # k6's option: CTAs in clusters of two that share each K/V tile, loaded once from L2
+        # and multicast into both (TileScheduler's and SplitKVLoads' `cluster`); the static
+        # schedule only, where both query tiles of a cluster's item see the same kv tiles
+        if cluster not in (1, 2) or (cluster > 1 and (causal or dynamic or stream_k
+                                                       or not persistent or ctas_per_sm > 1)):
+            raise ValueError("cluster: 1, or 2 with the static persistent schedule (no mask, "
+                             "no stream_k, one CTA per SM)")
+        self.cluster = int(cluster)
         # k6's option: the static schedule's tail as stream-K (TileScheduler.piece; the
         # workspace for split items is the kernel's counter argument, `stream_k_words`)
         self.stream_k = bool(stream_k)
@@ -150,7 +158,7 @@ class FlashAttentionK5:
                                        (persistent_ctas or sm_count() * ctas_per_sm)
                                        if persistent else 0,
                                        dynamic and persistent, l2_rows, bool(fast_divmod),
-                                       bool(stream_k), block_n)
+                                       bool(stream_k), block_n, self.cluster)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         self.uniform_descriptors = uniform_descriptors      # wgmma.warpgroup_slice
         self.spin_waits = bool(spin_waits)                  # tma.wait_full
@@ -165,6 +173,10 @@ class FlashAttentionK5:
         self.stmatrix_o = bool(stmatrix_o)
         self.early_q_release = False            # k6's option (its main loop releases Q)
         self.wg_store = False                   # k6's option: each warpgroup stores its rows
+
+    def cluster_launch(self) -> dict:
+        """The launch's cluster shape (k6's option `cluster`), if any."""
+        return {"cluster": [self.cluster, 1, 1]} if self.cluster > 1 else {}
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k6's own_o_buffer; k7: always)."""
@@ -214,6 +226,7 @@ class FlashAttentionK5:
                 "consumer_regs": self.roles.consumer_regs,
                 "entry_regs_max": self.roles.entry_regs,
                 "ctas_per_sm": self.roles.ctas_per_sm,
+                "cluster": self.cluster,
                 "mbarriers": getattr(self, "mbarriers", None),
                 "v_lags_k": self.v_lags_k, "own_o_buffer": self.own_o_buffer,
                 "spin_waits": self.spin_waits,
@@ -228,7 +241,7 @@ class FlashAttentionK5:
         q_layout = smem_tile_layout(self.dtype, bm, d)          # also O's staging buffer
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
-            q, k, v, q_layout, kv_layout, bm, bn, d)
+            q, k, v, q_layout, kv_layout, bm, bn, d, multicast=self.cluster)
         self.tile_bytes = kv_bytes // 2                         # one K (or V) tile
         tma_o, o_coords = self.make_o_store(o, self.dtype)
 
@@ -255,6 +268,7 @@ class FlashAttentionK5:
             min_blocks_per_mp=self.roles.ctas_per_sm,
             # (with two CTAs per SM: all of the SM's shared memory, and no device query)
             **({"preferred_smem_carveout": 100} if self.roles.ctas_per_sm > 1 else {}),
+            **self.cluster_launch(),
             stream=stream,
         )
 
@@ -289,9 +303,9 @@ class FlashAttentionK5:
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
-                                        spin_waits=self.spin_waits)
+                                        spin_waits=self.spin_waits, cluster=self.cluster)
         queue = self.item_queue(storage, roles.consumer_threads)
-        tma.barriers_ready()
+        tma.barriers_ready(self.cluster)
 
         # Every role walks the same work items (one per CTA here; k6: a persistent loop),
         # each with its own iterator. A work item: query tile m_block of (head, batch).
@@ -541,10 +555,10 @@ class FlashAttentionK5:
         schedule, scheduler = self.schedule, self.scheduler
         # Per work item K_0, Q, V_0, then K_j and V_j for every further kv tile. Each
         # acquire waits until every consumer warp has released that stage; Q's waits
-        # for the previous output to leave its buffer, so K_0 goes first. No
-        # producer_tail: every tile loaded here is waited on by the consumers, so no
-        # copy is in flight when the CTA ends, and the last releases arrive on
-        # mbarriers of this (live) CTA only.
+        # for the previous output to leave its buffer, so K_0 goes first. Every tile
+        # loaded here is waited on by the consumers, so no copy is in flight when the CTA
+        # ends; in a cluster (k6's option) the other CTA's consumers still release stages
+        # of this one's rings, and `loads.tail` waits for that before the warp exits.
         q_state = tma.producer_state(1)
         produce = tma.producer_state(self.stages)
         # k6's option v_lags_k: V's ring gets a state of its own, one tile behind K's
@@ -605,6 +619,10 @@ class FlashAttentionK5:
                     valid_int = Int32(1)
                 queue.publish(item_state, m_block, head, batch, valid_int)
                 item_state.advance()
+        if cutlass.const_expr(self.v_lags_k):
+            loads.tail(produce, produce_v)
+        else:
+            loads.tail(produce)
         if cutlass.const_expr(scheduler.dynamic):
             retire(mCounter)
 

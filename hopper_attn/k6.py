@@ -1033,7 +1033,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wg_store: Optional[bool] = None, fast_divmod: Optional[bool] = None,
                    wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None,
                    kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None,
-                   exp_first: bool = False, exp_first_threshold: float = 8.0):
+                   exp_first: bool = False, exp_first_threshold: float = 8.0,
+                   cluster: int = 1):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -1090,7 +1091,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     the reference row maxima before the tile's maxima are known, corrected in a rare branch
     where one grew by more than 2^exp_first_threshold (docs/k6.md "The exp2s before the row
     maximum": d = 64 +2.0-4.9% with 8, but 1.4-1.9x torch's error as lazy_rescale; 1.0x
-    and -2.7..+0.8% with 1; d = 128 -9..-12%: off)."""
+    and -2.7..+0.8% with 1; d = 128 -9..-12%: off); cluster: 2 puts the CTAs in clusters
+    of two that take neighbouring query tiles of one head and multicast each K/V tile into
+    both (half the L2 reads; without a mask only, ignored with one; stream-K off with it;
+    measured 3-5% higher clocks at the power limit but 1.6-4.9% less work per clock: -1.0 to
+    -5.9% in the bench, off; docs/k6.md "K and V multicast to two CTAs")."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1142,6 +1147,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         fast_divmod = not custom and (problem.head_dim, problem.causal) in FAST_DIVMOD
     if stream_k is None:
         stream_k = (not problem.causal and not custom and persistent and not dynamic
+                    and cluster == 1
                     and problem.seqlen >= STREAM_K.get(problem.head_dim, 1 << 31))
     if wg_causal_limit is None:
         turns = TILES.get(problem.head_dim, (0, 0, False))[2] if pingpong is None else pingpong
@@ -1238,6 +1244,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "kv_tail": bool(kv_tail),
                               "peel_first": bool(peel_first),
                               "exp_first": bool(exp_first),
+                              "cluster": 1 if problem.causal else int(cluster),
                               **({"rescale_threshold_log2": float(exp_first_threshold)}
                                  if exp_first else {})},
                              workspace_fn=lse_buffer, compile_options=compile_options)

@@ -144,6 +144,8 @@ class FlashAttentionK7(FlashAttentionK6):
                          pin_pv_wait=pin_pv_wait, fma_exp2_every=fma_exp2_every,
                          direct_store=direct_store, **options)
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
+        if self.cluster > 1 and not v_transposed:
+            raise ValueError("cluster: with V packed (v_transposed=1) only")
         if self.stream_k and not v_transposed:
             raise ValueError("stream_k: with V packed (v_transposed=1) only; the transposing "
                              "warps walk whole items")
@@ -186,7 +188,8 @@ class FlashAttentionK7(FlashAttentionK6):
         # with V given transposed (N contiguous), its (bn, d) boxes land as V^T's (d, bn) tile
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d,
-            v_layout=swap_modes(vt_layout) if self.v_transposed else None)
+            v_layout=swap_modes(vt_layout) if self.v_transposed else None,
+            multicast=self.cluster)
         self.tile_bytes = kv_bytes // 2
         v_elems = 8 if self.v_transposed else cute.cosize(kv_layout)    # no raw V ring
         tma_o, o_coords = self.make_o_store(o, self.out_dtype)
@@ -217,6 +220,7 @@ class FlashAttentionK7(FlashAttentionK6):
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,
+            **self.cluster_launch(),
             stream=stream,
         )
 
@@ -257,7 +261,7 @@ class FlashAttentionK7(FlashAttentionK6):
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
                                         v_consumer_warps=transpose_warps,
                                         elect_release=self.elect_release,
-                                        spin_waits=self.spin_waits)
+                                        spin_waits=self.spin_waits, cluster=self.cluster)
         vt_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.vt_barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -267,7 +271,7 @@ class FlashAttentionK7(FlashAttentionK6):
             defer_sync=True)
         # the transposing warps walk the work items too
         queue = self.item_queue(storage, roles.consumer_threads + 32 * transpose_warps)
-        tma.barriers_ready()
+        tma.barriers_ready(self.cluster)
 
         heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ, seqlen_k)
         if warp < 4:
@@ -455,7 +459,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wg_store: Optional[bool] = None, wg_causal_limit: bool = False,
                    kv_tail: bool = True, peel_first: bool = False,
                    tail_n: Optional[int] = None, stream_k: bool = False,
-                   spec: KernelSpec = SPEC):
+                   cluster: int = 1, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -482,7 +486,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     (None: TAIL_N's rule, the key length's remainder rounded up to 32; 0: the whole tile);
     stream_k: k6's (the static schedule's last rounds spread evenly over the CTAs, an item
     split across two of them; without a mask, V packed; measured round-robin at d = 128,
-    H100: -1.7% at 4k, -0.2 / +0.1% at 8k / 16k, so off; docs/k7.md).
+    H100: -1.7% at 4k, -0.2 / +0.1% at 8k / 16k, so off; docs/k7.md); cluster: k6's (K and
+    V^T multicast to two CTAs of a cluster; d = 128: +1.5-4.1% clock at the power limit,
+    0.2-2.2% less work per clock, -0.8 to +0.4% in the bench: off; docs/k7.md "K and V
+    multicast to two CTAs").
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -547,7 +554,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "kv_tail": bool(kv_tail),
                               "peel_first": bool(peel_first),
                               "tail_n": int(tail_n),
-                              "stream_k": bool(stream_k)},
+                              "stream_k": bool(stream_k),
+                              "cluster": 1 if problem.causal else int(cluster)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -279,6 +279,25 @@ def test_k7_stream_k_matches_fp32(heads, seqlen):
     assert verdict["ok"], verdict
 
 
+@pytest.mark.parametrize("name,d,heads,seqlen", [("k6", 128, 3, 1000), ("k6", 64, 5, 2049),
+                                                  ("k6", 256, 3, 1000), ("k6", 128, 67, 333),
+                                                  ("k7", 128, 3, 1000), ("k7", 256, 5, 1000),
+                                                  ("k7", 64, 17, 2049)])
+def test_cluster_matches_fp32(name, d, heads, seqlen):
+    """k6's option `cluster=2` (K/V multicast to the two CTAs of a cluster): odd numbers of
+    query tiles per head (one CTA of a pair computes a tile past the end), more kv tiles than
+    ring stages (a stage refilled only after both CTAs released it), more items than
+    clusters; against fp32 with NaN guards, the same bits on a second run."""
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.common.contract import Problem
+    problem = Problem(2, heads, seqlen, d, False)
+    entry = registry.get(f"{name}:cluster=2")
+    handle = entry.compile(problem)
+    assert handle.options["cluster"] == 2
+    verdict = ReferenceCase(problem, seed=d + seqlen).check(entry, handle)
+    assert verdict["ok"], verdict
+
+
 def _run_twice_against_fp32(name, q, k, v, causal):
     """Run kernel `name` twice into NaN-filled outputs: no NaN left, within 2x torch's bf16
     error of the fp32 reference (+ 2^-10), the same bits both times; returns the handle."""

@@ -943,3 +943,36 @@ def test_stale_reference_error_emulation():
     ratios = tool.error_ratios("growing", thresholds=(0.0, 8.0))
     assert ratios[0.0][0] < 1.05
     assert ratios[8.0][0] > 1.5 and ratios[8.0][1] < 1.3, ratios
+
+
+def test_cluster_multicast(monkeypatch):
+    """k6's option `cluster=2` (docs/k6.md "K and V multicast to two CTAs"): without a mask,
+    two CTAs of a cluster take neighbouring query tiles of one head and each loads half of
+    every K/V tile, multicast into both shared memories (`multicast::cluster` TMA loads, no
+    plain ones for K/V); a stage is released into both CTAs' empty barriers (`mapa` +
+    remote `mbarrier.arrive`); barrier.cluster publishes the barriers' init. No spills.
+    With a mask the option is ignored (cluster 1), stream-K is off with it, and other
+    schedules refuse it."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    multicast = (r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S*"
+                 r"\.multicast::cluster")
+    art = artifacts(128, False, "k6:cluster=2")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert count(art["ptx"], multicast) >= 4
+    assert count(art["ptx"], r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global") == 2  # Q
+    assert "mapa.shared::cluster" in art["ptx"] and "barrier.cluster.arrive" in art["ptx"]
+    assert re.search(r"mbarrier\.arrive\S*\.shared::cluster\.b64", art["ptx"])
+    assert art["kernel"]["cluster"] == 2
+    assert count(artifacts(128, False)["ptx"], multicast) == 0
+    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    assert k6.compile_kernel(Problem(1, 2, 4096, 128, True), cluster=2)["cluster"] == 1
+    opts = k6.compile_kernel(Problem(1, 2, 16384, 128, False), cluster=2)
+    assert opts["cluster"] == 2 and not opts["stream_k"]
+    for bad in ({"cluster": 3}, {"cluster": 2, "stream_k": True},
+                {"cluster": 2, "persistent": False}):
+        with pytest.raises(ValueError, match="cluster"):
+            k6.FlashAttentionK6(128, False, **bad)
+    with pytest.raises(ValueError, match="cluster"):
+        k6.FlashAttentionK6(128, True, cluster=2)

@@ -38,6 +38,25 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("d", [128, 256])
+def test_cluster_multicast(d):
+    """k6's option `cluster=2` in k7 (docs/k7.md "K and V^T multicast to two CTAs"): K and
+    V^T tiles are multicast TMA loads, both GEMMs stay e4m3, no spills; with V transposed
+    in the kernel the option is refused."""
+    art = compiled("k7:cluster=2", d, False)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    ptx = art["ptx"]
+    assert count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S*"
+                      r"\.multicast::cluster") >= 2
+    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {art["kernel"]["block_n"], d}
+    assert re.search(r"mbarrier\.arrive\S*\.shared::cluster\.b64", ptx)
+    from hopper_attn.k7 import FlashAttentionK7
+    with pytest.raises(ValueError, match="cluster"):
+        FlashAttentionK7(d, False, v_transposed=False, cluster=2)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_v_is_transposed_in_shared_memory(d):
     """k7:v_transposed=0: plain V, transposed by producer warps 1-2 (the epilogue's O

@@ -95,3 +95,42 @@ def test_stream_k_pieces(grid):
             assert len(parts) <= 2
             if len(parts) == 2:
                 assert parts[1][0] == parts[0][0] + 1                    # CTA c, then c + 1
+
+
+def cluster_items(cta: int, grid: int, m_blocks: int, heads: int, batch: int,
+                  cluster: int = 2) -> list:
+    """A model of TileScheduler.work with `cluster` (k6's option): the (query tile, head,
+    batch) items of one CTA in order; the grid is whole clusters."""
+    m_pairs = -(-m_blocks // cluster)
+    out, tiles = [], 0
+    while True:
+        item = tiles * (grid // cluster) + cta // cluster
+        if item >= m_pairs * heads * batch:
+            return out
+        rest = item // m_pairs
+        out.append(((item % m_pairs) * cluster + cta % cluster, rest % heads, rest // heads))
+        tiles += 1
+
+
+@pytest.mark.parametrize("m_blocks,heads,batch,ctas", [(1, 1, 1, 132), (7, 3, 2, 132),
+                                                       (128, 16, 1, 132), (22, 32, 4, 132),
+                                                       (5, 1, 1, 7)])
+def test_cluster_pairs(m_blocks, heads, batch, ctas):
+    """The CTAs of a cluster take query tiles 2p and 2p + 1 of one (head, batch) at the same
+    step (they share each K/V tile), every query tile of every head exactly once, and where
+    a head has an odd number of tiles one CTA computes the tile past the end (stores
+    nothing); the grid (TileScheduler.grid) is whole clusters, at most `ctas` CTAs."""
+    pairs = -(-m_blocks // 2) * heads * batch
+    grid = min(pairs, ctas // 2) * 2
+    runs = {cta: cluster_items(cta, grid, m_blocks, heads, batch) for cta in range(grid)}
+    seen = []
+    for cta in range(0, grid, 2):
+        a, b = runs[cta], runs[cta + 1]
+        assert len(a) == len(b)
+        for (ma, ha, ba), (mb, hb, bb) in zip(a, b):
+            assert (ha, ba) == (hb, bb) and ma % 2 == 0 and mb == ma + 1
+        seen += a + b
+    real = [s for s in seen if s[0] < m_blocks]
+    assert sorted(real) == sorted((m, h, b) for m in range(m_blocks) for h in range(heads)
+                                  for b in range(batch))
+    assert len(seen) - len(real) == (m_blocks % 2) * heads * batch
