@@ -107,7 +107,7 @@ class FlashAttentionK5:
                  v_lags_k: bool = False, fma_exp2_every: int = 0,
                  stmatrix_o: bool = True, longest_first: bool = False, group_mib: int = 32,
                  ctas_per_sm: int = 1, fast_divmod: bool = False, stream_k: bool = False,
-                 kv_tail: bool = True, cluster: int = 1):
+                 kv_tail: bool = True, cluster: int = 1, multicast: bool = True):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
@@ -130,6 +130,9 @@ class FlashAttentionK5:
             raise ValueError("cluster: 1, or 2 with the static persistent schedule (no mask, "
                              "no stream_k, one CTA per SM)")
         self.cluster = int(cluster)
+        # (multicast=False: the clusters' schedule and launch, but each CTA loads its own K/V
+        # tiles: a control that separates what the pairing costs from what sharing does)
+        self.kv_multicast = self.cluster if multicast else 1
         # k6's option: the static schedule's tail as stream-K (TileScheduler.piece; the
         # workspace for split items is the kernel's counter argument, `stream_k_words`)
         self.stream_k = bool(stream_k)
@@ -226,7 +229,7 @@ class FlashAttentionK5:
                 "consumer_regs": self.roles.consumer_regs,
                 "entry_regs_max": self.roles.entry_regs,
                 "ctas_per_sm": self.roles.ctas_per_sm,
-                "cluster": self.cluster,
+                "cluster": self.cluster, "kv_multicast": self.kv_multicast,
                 "mbarriers": getattr(self, "mbarriers", None),
                 "v_lags_k": self.v_lags_k, "own_o_buffer": self.own_o_buffer,
                 "spin_waits": self.spin_waits,
@@ -241,7 +244,7 @@ class FlashAttentionK5:
         q_layout = smem_tile_layout(self.dtype, bm, d)          # also O's staging buffer
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
-            q, k, v, q_layout, kv_layout, bm, bn, d, multicast=self.cluster)
+            q, k, v, q_layout, kv_layout, bm, bn, d, multicast=self.kv_multicast)
         self.tile_bytes = kv_bytes // 2                         # one K (or V) tile
         tma_o, o_coords = self.make_o_store(o, self.dtype)
 
@@ -303,7 +306,8 @@ class FlashAttentionK5:
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
-                                        spin_waits=self.spin_waits, cluster=self.cluster)
+                                        spin_waits=self.spin_waits,
+                                        cluster=self.kv_multicast)
         queue = self.item_queue(storage, roles.consumer_threads)
         tma.barriers_ready(self.cluster)
 

@@ -1034,7 +1034,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None,
                    kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None,
                    exp_first: bool = False, exp_first_threshold: float = 8.0,
-                   cluster: int = 1):
+                   cluster: int = 1, multicast: bool = True):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -1095,7 +1095,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     of two that take neighbouring query tiles of one head and multicast each K/V tile into
     both (half the L2 reads; without a mask only, ignored with one; stream-K off with it;
     measured 3-5% higher clocks at the power limit but 1.6-4.9% less work per clock: -1.0 to
-    -5.9% in the bench, off; docs/k6.md "K and V multicast to two CTAs")."""
+    -5.9% in the bench, off; docs/k6.md "K and V multicast to two CTAs"); multicast: False
+    keeps the clusters' launch and pairing but has each CTA load its own K/V (a control)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1245,6 +1246,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "peel_first": bool(peel_first),
                               "exp_first": bool(exp_first),
                               "cluster": 1 if problem.causal else int(cluster),
+                              "multicast": bool(multicast),
                               **({"rescale_threshold_log2": float(exp_first_threshold)}
                                  if exp_first else {})},
                              workspace_fn=lse_buffer, compile_options=compile_options)

@@ -189,7 +189,7 @@ class FlashAttentionK7(FlashAttentionK6):
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d,
             v_layout=swap_modes(vt_layout) if self.v_transposed else None,
-            multicast=self.cluster)
+            multicast=self.kv_multicast)
         self.tile_bytes = kv_bytes // 2
         v_elems = 8 if self.v_transposed else cute.cosize(kv_layout)    # no raw V ring
         tma_o, o_coords = self.make_o_store(o, self.out_dtype)
@@ -261,7 +261,8 @@ class FlashAttentionK7(FlashAttentionK6):
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
                                         v_consumer_warps=transpose_warps,
                                         elect_release=self.elect_release,
-                                        spin_waits=self.spin_waits, cluster=self.cluster)
+                                        spin_waits=self.spin_waits,
+                                        cluster=self.kv_multicast)
         vt_pipe = pipeline.PipelineAsync.create(
             barrier_storage=storage.vt_barriers.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -459,7 +460,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wg_store: Optional[bool] = None, wg_causal_limit: bool = False,
                    kv_tail: bool = True, peel_first: bool = False,
                    tail_n: Optional[int] = None, stream_k: bool = False,
-                   cluster: int = 1, spec: KernelSpec = SPEC):
+                   cluster: int = 1, multicast: bool = True, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
@@ -555,7 +556,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "peel_first": bool(peel_first),
                               "tail_n": int(tail_n),
                               "stream_k": bool(stream_k),
-                              "cluster": 1 if problem.causal else int(cluster)},
+                              "cluster": 1 if problem.causal else int(cluster),
+                              "multicast": bool(multicast)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -966,6 +966,9 @@ def test_cluster_multicast(monkeypatch):
     assert re.search(r"mbarrier\.arrive\S*\.shared::cluster\.b64", art["ptx"])
     assert art["kernel"]["cluster"] == 2
     assert count(artifacts(128, False)["ptx"], multicast) == 0
+    control = artifacts(128, False, "k6:cluster=2,multicast=0")      # clusters, no sharing
+    assert count(control["ptx"], multicast) == 0 and "barrier.cluster.arrive" in control["ptx"]
+    assert control["kernel"]["cluster"] == 2 and control["kernel"]["kv_multicast"] == 1
     monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
     assert k6.compile_kernel(Problem(1, 2, 4096, 128, True), cluster=2)["cluster"] == 1
     opts = k6.compile_kernel(Problem(1, 2, 16384, 128, False), cluster=2)
