@@ -213,6 +213,9 @@ def make_tma_pipeline(barriers: cute.Pointer, stages: int, consumer_warps: int,
     0 .. cluster - 1 arrive on the stage's empty barrier in CTA 0 .. cluster - 1 (the
     library's `consumer_release`), and each empty barrier counts cluster x consumer_warps."""
     if cluster > 1:
+        # the CTAs differ in the layout's m mode, so in the library's terms they share a
+        # B-like operand: multicast mode (0, 1). (With (1, 0) it counts and signals this CTA
+        # only, and a producer refills a stage the other CTA still reads.)
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers, num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
