@@ -102,8 +102,7 @@ def profile(entries, args, backward: bool = False) -> int:
         makers, _ = baselines.backward_available(names)
         found = {b: make(q, k, v, case.do, problem.causal) for b, make in makers.items()}
     else:
-        found = {b: (fn.prepare(q, k, v, problem.causal) if hasattr(fn, "prepare")
-                     else (lambda fn=fn: fn(q, k, v, problem.causal)))
+        found = {b: baselines.runner(fn, q, k, v, problem.causal)
                  for b, fn in baselines.available(names)[0].items()}
     for bname, fn in found.items():
         for _ in range(3):
@@ -157,14 +156,12 @@ def run(entries, args, backward: bool = False) -> int:
         for name, fn in found.items():
             if backward:
                 calls[name] = fn(q, k, v, case.do, problem.causal)
-            elif hasattr(fn, "prepare"):            # cudnn_fp8: quantized here, untimed
-                calls[name] = fn.prepare(q, k, v, problem.causal)
-                if check:
+            else:                          # (cudnn_fp8: quantized here, untimed)
+                calls[name] = baselines.runner(fn, q, k, v, problem.causal)
+                if check and hasattr(fn, "prepare"):
                     calls[name]()
                     torch.cuda.synchronize()
                     baseline_errors[name] = fp8_baseline_error(fn, case)
-            else:
-                calls[name] = (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v, problem.causal))
             if not args.interleave:
                 with _nvtx_range(f"{name}__{problems.config_name(problem)}"):
                     timed[name] = benchmark(calls.pop(name), flush)

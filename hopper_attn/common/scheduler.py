@@ -201,7 +201,8 @@ class TileScheduler:
             rest = item // m_pairs
             uniform = cute.arch.make_warp_uniform
             return (uniform(m_pair * self.cluster + Int32(cta) % self.cluster),
-                    uniform(rest % heads), uniform(rest // heads), item < m_pairs * heads * batch_size)
+                    uniform(rest % heads), uniform(rest // heads),
+                    item < m_pairs * heads * batch_size)
         if cutlass.const_expr(self.stream_k):           # the item of piece `tiles`
             item, valid, _, _ = self.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
         else:

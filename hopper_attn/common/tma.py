@@ -212,24 +212,23 @@ def make_tma_pipeline(barriers: cute.Pointer, stages: int, consumer_warps: int,
     free when the consumer warps of all of them have released it: each warp's lanes
     0 .. cluster - 1 arrive on the stage's empty barrier in CTA 0 .. cluster - 1 (the
     library's `consumer_release`), and each empty barrier counts cluster x consumer_warps."""
-    if cluster > 1:
-        # the CTAs differ in the layout's m mode, so in the library's terms they share a
-        # B-like operand: multicast mode (0, 1). (With (1, 0) it counts and signals this CTA
-        # only, and a producer refills a stage the other CTA still reads.)
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=barriers, num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * consumer_warps),
-            tx_count=bytes_per_stage,
-            cta_layout_vmnk=cute.make_layout((1, cluster, 1, 1)), mcast_mode_mn=(0, 1),
-            enable_multicast_signaling=True, defer_sync=defer_sync)
+    # consumers as the library counts them: warps here (one elected arrive each); in a
+    # cluster it takes threads and works out the arrivals itself. The CTAs differ in the
+    # layout's m mode, so in its terms they share a B-like operand: multicast mode (0, 1).
+    # (With (1, 0) it counts and signals this CTA only, and a producer refills a stage the
+    # other CTA still reads.)
+    multicast = {} if cluster == 1 else {
+        "cta_layout_vmnk": cute.make_layout((1, cluster, 1, 1)), "mcast_mode_mn": (0, 1),
+        "enable_multicast_signaling": True}
+    consumers = consumer_warps if cluster == 1 else 32 * consumer_warps
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
         tx_count=bytes_per_stage,
         defer_sync=defer_sync,
+        **multicast,
     )
 
 

@@ -131,6 +131,15 @@ BASELINES = {
 }
 
 
+def runner(fn, q, k, v, causal):
+    """A callable without arguments that runs baseline `fn` once on (q, k, v): what its
+    `prepare` returns where it has one (cudnn_fp8 quantizes there, outside the timing), else
+    the plain call."""
+    if hasattr(fn, "prepare"):
+        return fn.prepare(q, k, v, causal)
+    return lambda: fn(q, k, v, causal)
+
+
 def available(names=None) -> dict:
     """name -> callable(q, k, v, causal), for the baselines that run here (None: all of them;
     [] or `--baselines ""`: none); reasons for the rest."""
@@ -139,10 +148,7 @@ def available(names=None) -> dict:
         try:
             fn = BASELINES[name]()
             q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
-            if hasattr(fn, "prepare"):
-                fn.prepare(q, q, q, False)()
-            else:
-                fn(q, q, q, False)
+            runner(fn, q, q, q, False)()
             torch.cuda.synchronize()
             found[name] = fn
         except Exception as exc:  # noqa: BLE001 - any failure means "not available here"

@@ -76,9 +76,8 @@ def make_run(name: str, problem, q, k, v, found: dict):
     """A callable that runs kernel `name` (a registry name) or baseline `name` once."""
     import torch
     if name in found:
-        fn = found[name]
-        return fn.prepare(q, k, v, problem.causal) if hasattr(fn, "prepare") \
-            else (lambda: fn(q, k, v, problem.causal))
+        from hopper_attn.harness.baselines import runner
+        return runner(found[name], q, k, v, problem.causal)
     from hopper_attn.harness import registry
     entry = registry.get(name)
     handle = entry.compile(problem)
