@@ -623,10 +623,7 @@ class FlashAttentionK5:
                     valid_int = Int32(1)
                 queue.publish(item_state, m_block, head, batch, valid_int)
                 item_state.advance()
-        if cutlass.const_expr(self.v_lags_k):
-            loads.tail(produce, produce_v)
-        else:
-            loads.tail(produce)
+        loads.tail(produce, produce_v)
         if cutlass.const_expr(scheduler.dynamic):
             retire(mCounter)
 

@@ -423,16 +423,15 @@ class SplitKVLoads:
                 for a, t, s in zip(self.atoms[1:], self.tensors[1:], self.smem[1:]))
         return dataclasses.replace(self, q=q, k=k, v=v)
 
-    def tail(self, *states):
+    def tail(self, k_state, v_state=None):
         """Producer, after its last load: with a cluster, wait until every CTA's consumers
-        have released every K and V stage (`states`: K's producer state, then V's where it
-        has one of its own), so that no other CTA still arrives on this CTA's barriers when
-        it exits. Without one nothing is left in flight (every load is waited on here)."""
+        have released every K and V stage (`v_state`: V's producer state where it has one of
+        its own, else K's serves both), so that no other CTA still arrives on this CTA's
+        barriers when it exits. Without one nothing is left in flight (every load is waited
+        on here)."""
         if cutlass.const_expr(self.cluster > 1):
-            pipes = (self.k_pipe, self.v_pipe)
-            if cutlass.const_expr(len(states) == 1):
-                states = (states[0], states[0])
-            for pipe, state in zip(pipes, states):
+            v_state = k_state if v_state is None else v_state
+            for pipe, state in ((self.k_pipe, k_state), (self.v_pipe, v_state)):
                 pipe.producer_tail(state.clone())
 
     # producer side (one warp)
