@@ -87,7 +87,7 @@ def profile(entries, args, backward: bool = False) -> int:
             print(f"skip {entry.name}: {reason}")
             continue
         handle = entry.compile(problem)
-        args_ = tensors if backward else (*entry.prepare(q, k, v), out)
+        args_ = tensors if backward else (*entry.prepare(q, k, v), entry.output_for(handle, out))
         for _ in range(3):                      # warm-up outside the range
             entry.run(handle, *args_)
         torch.cuda.synchronize()
@@ -182,7 +182,7 @@ def run(entries, args, backward: bool = False) -> int:
                     if not verdict["ok"]:
                         failures.append((entry.name, problem.label(), verdict))
                 if not backward:        # k7's FP8 inputs: quantized here, outside the timing
-                    tensors = (*entry.prepare(q, k, v), out)
+                    tensors = (*entry.prepare(q, k, v), entry.output_for(handle, out))
                 call = (lambda entry=entry, handle=handle, tensors=tensors:
                         entry.run(handle, *tensors))
                 if args.interleave:

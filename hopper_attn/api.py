@@ -251,7 +251,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   softmax_scale: Optional[float] = None, rotate: bool = False,
-                  return_lse: bool = False):
+                  return_lse: bool = False, out_dtype: torch.dtype = torch.bfloat16):
     """`attention` computed in FP8: q, k, v (bf16) quantized to e4m3 with one scale per
     (batch, head) on the GPU (`hopper_attn.quantize.quantize_fp8`, V packed for the kernel),
     then k7 (both GEMMs on FP8 WGMMA), output bf16. `rotate=True` runs k8 instead: Q and K
@@ -262,6 +262,11 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     256. Expect about 5% RMS error relative to the output (e4m3 keeps 3 mantissa bits;
     docs/k8.md measures it), against 0.2% in bf16. Forward only: inputs that require
     gradients are refused (no FP8 backward). ValueError before any launch otherwise.
+
+    `out_dtype=torch.float8_e4m3fn`: the output in e4m3 too, returned as `(out8, descale_o)`
+    with out = out8 * descale_o[:, None, :, None] (descale_o: fp32 (batch, heads), v's
+    descale: the kernel keeps O in v8's units, which e4m3's range always holds); with
+    `return_lse`, `(out8, descale_o, lse)`.
     """
     from hopper_attn import k7, k8
     from hopper_attn.harness import registry
@@ -273,13 +278,19 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         raise ValueError("attention_fp8 has no backward pass: call it under torch.no_grad() "
                          "or on tensors that do not require gradients (attention() for "
                          "training)")
+    if out_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"attention_fp8 writes bf16 or float8_e4m3fn, not {out_dtype}")
+    fp8_out = out_dtype == torch.float8_e4m3fn
     problem = Problem.from_tensor(q, bool(causal), k)
-    entry = registry.get("k8" if rotate else "k7")
+    entry = registry.get(("k8" if rotate else "k7") + (":out_fp8=1" if fp8_out else ""))
     entry.spec.check(problem)            # head dim, dtype (bf16): UnsupportedProblem
     check_tensors(problem, q, k, v, q, strided=True)     # bf16 on one CUDA device
     handle = _handle(entry, problem, _compile_options())
     q8, k8_, v8, *descales = (k8 if rotate else k7).prepare_inputs(q, k, v)
-    out, lse = torch.empty_like(q), _lse_like(q)
+    out, lse = torch.empty_like(q, dtype=out_dtype), _lse_like(q)
     run_attention(handle, q8, k8_, v8, out, softmax_scale, workspace=[lse],
                   extra_inputs=tuple(descales))
+    if fp8_out:
+        out = (out, k7.output_descale(descales[-1], problem.heads))
+        return (*out, lse) if return_lse else out
     return (out, lse) if return_lse else out

@@ -19,7 +19,9 @@ What changes from k6 (docs/k7.md):
   changes in the producer.
 * Wider kv tiles (TILES): with only K and V^T rings in SMEM, 128 x 192 at d = 128 and
   128 x 128 at d = 256 fit (k6: 128 x 128 and 128 x 80).
-* The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size).
+* The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size). Option
+  `out_fp8`: an e4m3 output instead, O / l in v8's units (descale_o = descale_v; no scale
+  to choose: a convex combination of v8's rows stays within e4m3's range).
 * A narrow last kv tile (`tail_n`, TAIL_N): at d = 128 without a mask, below 8k keys, where
   the 192-wide tile cuts the key length (4k: 21 1/3 tiles), an item's last tile runs after
   the loop with its softmax and its PV on only the keys there are: +5-6% at 1k, +1.2-1.4%
@@ -343,12 +345,16 @@ class FlashAttentionK7(FlashAttentionK6):
                                                k1, n_count)
                 phase = self.trace.start("epilogue")
                 if ends_item:
-                    # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store.
+                    # Epilogue: O * descale_v / l -> bf16 -> SMEM -> one TMA store. An e4m3
+                    # output (out_fp8) stays in v8's units, O / l: |O / l| <= max |v8| = 448
+                    # (a convex combination of v8's rows; cvt saturates what P's rounding
+                    # adds), and its descale is descale_v's (`output_descale`).
                     inv_sum = self.finish_rows(item_softmax, mmas, ctidx, mLSE, m_block, head,
                                                batch, seqlen_q)
-                    descale_v = mDescaleV[batch, kv_head]
-                    for r in cutlass.range_constexpr(cute.size(inv_sum)):
-                        inv_sum[r] = inv_sum[r] * descale_v
+                    if cutlass.const_expr(self.out_dtype.width == 16):
+                        descale_v = mDescaleV[batch, kv_head]
+                        for r in cutlass.range_constexpr(cute.size(inv_sum)):
+                            inv_sum[r] = inv_sum[r] * descale_v
                     scale_rows(o_rc, inv_sum)
                     o_out.store(acc_o.load().to(self.out_dtype))
                     self.store_output(mmas, ctidx, warp, o_out, mOut, sO, tma_o, mO, m_block,
@@ -460,8 +466,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wg_store: Optional[bool] = None, wg_causal_limit: bool = False,
                    kv_tail: bool = True, peel_first: bool = False,
                    tail_n: Optional[int] = None, stream_k: bool = False,
-                   cluster: int = 1, multicast: bool = True, spec: KernelSpec = SPEC):
-    """Compile (or fetch from the cache) k7; options as k6's (0 / None: TILES' default for
+                   cluster: int = 1, multicast: bool = True, out_fp8: bool = False,
+                   spec: KernelSpec = SPEC):
+    """Compile (or fetch from the cache) k7; out_fp8: the output in e4m3 instead of bf16
+    (O / descale_v, so that `output_descale` gives its descale; `run_kernel` then takes an
+    e4m3 `out`); the other options as k6's (0 / None: TILES' default for
     the head dim), v_transposed (True: V comes packed from `prepare_inputs`; False: the
     kernel transposes plain V itself), and, for the in-kernel transpose, transpose_batch: V
     tile units whose ldmatrix the transposing warps issue back to back (1, the default: one at
@@ -526,6 +535,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         check_tail_keys("k7", problem, tile_n, tail_n)
     if v_transposed:
         spec = dataclasses.replace(spec, v_seq_major=True)
+    if out_fp8:
+        spec = dataclasses.replace(spec, output_dtype=FP8)
     return compile_attention(spec, FlashAttentionK7, problem,
                              {"block_m": block_m, "block_n": block_n, "stages": stages,
                               "pingpong": pingpong, "persistent": persistent,
@@ -575,6 +586,13 @@ def prepare_inputs(q, k, v, v_transposed: bool = True, rotate_signs=None, **_opt
 def logical_inputs(q8, k8, v8, v_transposed: bool = True, **_options):
     """The inverse of `prepare_inputs`' packing: q8, k8, v8 as (batch, seqlen, heads, d)."""
     return q8, k8, unpack_v(v8, k8.shape[1]) if v_transposed else v8
+
+
+def output_descale(descale_v: torch.Tensor, heads: int) -> torch.Tensor:
+    """The (batch, heads) descale of an e4m3 output (`out_fp8`): O = out8 * descale_o.
+    The kernel writes O / descale_v, so it is v's descale, repeated over each k/v head's
+    group of query heads."""
+    return descale_v.repeat_interleave(heads // descale_v.shape[1], dim=1)
 
 
 def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):

@@ -80,3 +80,4 @@ def compile_kernel(problem, *, compile_options: str = "", **options):
 
 run_kernel = k7.run_kernel          # same inputs: (q8, k8, v8, descales..., out)
 logical_inputs = k7.logical_inputs  # V unpacked, for references
+output_descale = k7.output_descale  # out_fp8: v's descale

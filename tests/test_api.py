@@ -160,6 +160,8 @@ def test_attention_fp8_refuses_before_launching():
         hopper_attn.attention_fp8(*qkv(d=96))
     with pytest.raises(ValueError, match="CUDA"):
         hopper_attn.attention_fp8(*qkv())
+    with pytest.raises(ValueError, match="bf16 or float8_e4m3fn"):
+        hopper_attn.attention_fp8(*qkv(), out_dtype=torch.float16)
     q, k, v = qkv()
     q.requires_grad_(True)
     with pytest.raises(ValueError, match="backward"):

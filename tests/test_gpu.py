@@ -657,6 +657,47 @@ def test_fused_quantizer_rotation(d, dtype):
     assert ((a - b).abs() <= 0.13 * b.abs() + step).all()
 
 
+@pytest.mark.parametrize("name,d,causal,seqlen", [
+    ("k7:out_fp8=1", 128, False, 1000), ("k7:out_fp8=1", 128, True, 2049),
+    ("k7:out_fp8=1", 64, True, 17), ("k7:out_fp8=1", 64, False, 4100),
+    ("k7:out_fp8=1", 256, False, 113), ("k7:out_fp8=1", 256, True, 1000),
+    ("k8:out_fp8=1", 128, False, 777)])
+def test_k7_fp8_output_matches_its_emulation(name, d, causal, seqlen):
+    """An e4m3 output (out_fp8): read through v's descale, within 2x the error of the FP8
+    emulation with its output rounded to e4m3 likewise; NaN guards around out (one byte per
+    element), the same bits twice."""
+    from hopper_attn.harness.checks import ReferenceCase
+    from hopper_attn.common.contract import Problem
+    problem = Problem(2, 3, seqlen, d, causal)
+    entry = registry.get(name)
+    verdict = ReferenceCase(problem, seed=d + seqlen).check(entry, entry.compile(problem))
+    assert verdict["ok"], verdict
+
+
+def test_attention_fp8_e4m3_output():
+    """attention_fp8(out_dtype=e4m3): (out8, descale_o) whose product is the bf16-output
+    kernel's result rounded to e4m3 (within one e4m3 step: the two round from fp32 and from
+    bf16), GQA; other dtypes refused."""
+    import hopper_attn
+    from hopper_attn.quantize import dequantize_fp8
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(2, 700, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(2, 700, 2, 128, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    out = hopper_attn.attention_fp8(q, k, v, causal=True)
+    out8, descale_o, lse = hopper_attn.attention_fp8(q, k, v, causal=True, return_lse=True,
+                                                     out_dtype=torch.float8_e4m3fn)
+    assert out8.dtype == torch.float8_e4m3fn and descale_o.shape == (2, 4)
+    assert torch.equal(lse, hopper_attn.attention_fp8(q, k, v, causal=True,
+                                                      return_lse=True)[1])
+    units = out.float() / descale_o[:, None, :, None]                # out in v8's units
+    step = torch.maximum(units.abs(), torch.tensor(2.0 ** -6, device="cuda")) * 2.0 ** -3
+    assert ((dequantize_fp8(out8, descale_o).float() / descale_o[:, None, :, None]
+             - units).abs() <= step * 1.01).all()
+    with pytest.raises(ValueError, match="float16"):
+        hopper_attn.attention_fp8(q, k, v, out_dtype=torch.float16)
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_fp8(rotate, causal):

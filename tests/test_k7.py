@@ -13,7 +13,7 @@ import torch
 
 from hopper_attn.common.contract import Problem, check_descales, check_tensors
 from hopper_attn.harness.compile_report import resource_usage
-from ptx import compiled, count
+from ptx import TMA_STORE, compiled, count
 
 CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
 E4M3_WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3"
@@ -35,6 +35,34 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
     assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == block_n // 4 * tiles
     # the PV WGMMA takes A from registers: {...} list right after the accumulators
     assert re.search(r"wgmma\.mma_async\S*k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False), (256, False)])
+def test_fp8_output(d, causal):
+    """k7:out_fp8=1: O / l converted to e4m3 pairs (saturating) and stored through SMEM by
+    TMA as the bf16 output is, no spills; v's descale is not read (it becomes the output's
+    descale)."""
+    art = compiled("k7:out_fp8=1", d, causal)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    ptx, block_n = art["ptx"], art["kernel"]["block_n"]
+    tiles = 2 if art["kernel"]["options"]["tail_n"] else 1
+    # P's conversions as in the bf16-output kernel, plus d / 4 (O's d / 2 fp32 per thread)
+    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == block_n // 4 * tiles + d // 4
+    assert not re.search(r"cvt\S*\.bf16x2\.f32", ptx)
+    # the TMA store's 128-byte boxes: half as many as for bf16 rows of 256 bytes or more
+    bf16_out = compiled("k7", d, causal)["ptx"]
+    assert count(ptx, TMA_STORE) == count(bf16_out, TMA_STORE) // (2 if d >= 128 else 1)
+    assert count(ptx, r"st\.global") == count(bf16_out, r"st\.global")   # (the LSE's)
+    descale_loads = r"ld\.global\.b32"           # q's, k's (and for bf16, v's) per item
+    assert count(ptx, descale_loads) == count(bf16_out, descale_loads) - 1
+
+
+def test_fp8_output_descale():
+    from hopper_attn.k7 import output_descale
+    descale_v = torch.tensor([[1.0, 2.0], [3.0, 4.0]])          # (batch 2, kv heads 2)
+    assert output_descale(descale_v, 6).tolist() == [[1, 1, 1, 2, 2, 2], [3, 3, 3, 4, 4, 4]]
 
 
 @pytest.mark.compile
@@ -144,6 +172,9 @@ def test_inputs_must_be_fp8_with_descales():
     with pytest.raises(ValueError, match="sequence-major"):      # k7's default wants V packed
         check_tensors(p32, *plain, torch.empty(p32.shape, dtype=torch.bfloat16),
                       input_dtype=torch.float8_e4m3fn, v_seq_major=True)
+    with pytest.raises(ValueError, match=r"out has dtype .*bfloat16, expected .*e4m3"):
+        check_tensors(p, q, k, v, out, input_dtype=torch.float8_e4m3fn,   # k7:out_fp8=1
+                      output_dtype=torch.float8_e4m3fn)
     good = [torch.ones(2, 3) for _ in range(3)]
     with pytest.raises(ValueError, match=r"descale_k .*\(2, 3\)"):
         check_descales(p, [good[0], torch.ones(3, 2), good[2]])

@@ -170,6 +170,8 @@ class KernelSpec:
     # head_dim, seqlen) buffer seen as (batch, seqlen, heads, head_dim)), seqlen padded to a
     # multiple of 16: k7's default (made by quantize_fp8(v, pack_v=True) or k7.pack_v)
     v_seq_major: bool = False
+    # the dtype `out` has when not the problem's (k7 `out_fp8=1`: e4m3, O / descale_v)
+    output_dtype: Optional[torch.dtype] = None
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -207,7 +209,8 @@ class KernelSpec:
 
 
 def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
-                  input_dtype: Optional[torch.dtype] = None, v_seq_major: bool = False) -> None:
+                  input_dtype: Optional[torch.dtype] = None, v_seq_major: bool = False,
+                  output_dtype: Optional[torch.dtype] = None) -> None:
     """Raise ValueError unless q, k, v, out match `problem` and the layout contract:
     contiguous, or with `strided` (stages that read through TMA with runtime strides, k5 on)
     any strides with the last dim contiguous and the others multiples of 16 bytes, e.g. q, k,
@@ -219,7 +222,7 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-        want_dtype = input_dtype if input_dtype is not None and name != "out" else problem.dtype
+        want_dtype = (output_dtype if name == "out" else input_dtype) or problem.dtype
         if t.dtype != want_dtype:
             raise ValueError(f"{name} has dtype {t.dtype}, expected {want_dtype}")
         want = problem.kv_shape if name in ("k", "v") else problem.shape
@@ -344,7 +347,7 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
     spec.check(problem)
     rt = _cute()
     key = (spec.name, kernel_factory, problem.head_dim, problem.causal, problem.dtype,
-           tuple(sorted(options.items())), compile_options)
+           spec.output_dtype, tuple(sorted(options.items())), compile_options)
     cached = _COMPILED.get(key) if use_cache else None
     if cached is None:
         kernel = kernel_factory(problem.head_dim, problem.causal, **options)
@@ -352,7 +355,7 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
         compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options,
                                            problem.dtype, spec.takes_work_counter,
                                            spec.input_dtype, spec.extra_inputs,
-                                           spec.v_seq_major)
+                                           spec.v_seq_major, spec.output_dtype)
         seconds = time.perf_counter() - t0
         if use_cache:
             _COMPILED[key] = (compiled, kernel)
@@ -414,7 +417,8 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
     problem = handle.problem
     if not checked:
         check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs,
-                      input_dtype=handle.spec.input_dtype, v_seq_major=handle.spec.v_seq_major)
+                      input_dtype=handle.spec.input_dtype, v_seq_major=handle.spec.v_seq_major,
+                      output_dtype=handle.spec.output_dtype)
         if handle.spec.extra_inputs is not None:
             check_descales(problem, extra_inputs)
     rt = _cute()

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import guards_intact, make_inputs
-from hopper_attn.quantize import dequantize_fp8
+from hopper_attn.quantize import E4M3_MAX, dequantize_fp8
 
-from .inputs import guarded_like
+from .inputs import guarded_empty, guarded_like, guards_intact, make_inputs
 from .reference import error_stats, judge, reference_attention, torch_lowp_attention
 
 
@@ -46,7 +45,9 @@ class ReferenceCase:
         against the fp32 reference on the *dequantized* inputs and judged against the error
         of an FP8 emulation in torch on the same inputs (P rounded to e4m3 as the kernel
         does, everything else fp32): at most ERROR_RATIO_LIMIT x that. The error against the
-        bf16-input reference (end to end: input quantization included) is reported too."""
+        bf16-input reference (end to end: input quantization included) is reported too. An
+        e4m3 output (k7:out_fp8=1) is read through its descale, and the emulation's output
+        rounded to e4m3 the same way."""
         q8, k8, v8, *descales = entry.prepare(self.q, self.k, self.v)
         views, buffers = [], list(self.buffers[3:])          # out's guards stay checked
         for t in (q8, k8, v8):
@@ -58,17 +59,29 @@ class ReferenceCase:
         causal = self.problem.causal
         ref = reference_attention(*deq, causal)
         emulated = reference_attention(*deq, causal, fp8_probs=True).to(self.out.dtype).float()
+        out = self.out
+        if handle.spec.output_dtype is not None:     # an e4m3 output (k7:out_fp8=1) ...
+            out_buffer, out = guarded_empty(self.problem.shape, handle.spec.output_dtype,
+                                            self.out.device)
+            buffers[0] = out_buffer
+            # ... emulated too: rounded to e4m3 in the descale's units (at most 448: O is
+            # a convex combination of v8's rows)
+            descale_o = entry.load().output_descale(descales[-1], self.problem.heads)
+            emulated = dequantize_fp8((emulated / descale_o[:, None, :, None]).clamp(
+                -E4M3_MAX, E4M3_MAX).to(out.dtype), descale_o)
         runs = []
         for _ in range(2):
-            self.out.fill_(float("nan"))
-            entry.run(handle, *views, *descales, self.out)
+            out.view(torch.uint8).fill_(0x7F) if out.element_size() == 1 \
+                else out.fill_(float("nan"))
+            entry.run(handle, *views, *descales, out)
             torch.cuda.synchronize()
-            runs.append(self.out.clone())
-        verdict = judge(error_stats(runs[0], ref), error_stats(emulated, ref), ref)
-        verdict["end_to_end"] = error_stats(runs[0], self.ref)           # vs bf16 inputs
+            runs.append(out.clone())
+        result = entry.output_as_float(runs[0], descales)
+        verdict = judge(error_stats(result, ref), error_stats(emulated, ref), ref)
+        verdict["end_to_end"] = error_stats(result, self.ref)            # vs bf16 inputs
         verdict["torch_bf16_max_abs"] = self.torch_err["max_abs"]
-        verdict["same_bits"] = bool(torch.equal(runs[0].view(torch.int16),
-                                                runs[1].view(torch.int16)))
+        verdict["same_bits"] = bool(torch.equal(runs[0].view(torch.uint8),
+                                                runs[1].view(torch.uint8)))
         verdict["guards_intact"] = all(guards_intact(b) for b in buffers)
         verdict["ok"] = verdict["ok"] and verdict["same_bits"] and verdict["guards_intact"]
         return verdict

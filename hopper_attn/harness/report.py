@@ -289,7 +289,7 @@ def fp8_error_table(path) -> str:
     to end (input quantization included), per head dim, mask and outlier factor."""
     data = _load(os.path.join(ROOT, path))
     methods = [("torch_bf16", "torch bf16"), ("k7", "k7"), ("k8", "k8 (rotated)"),
-               ("cudnn_fp8", "cuDNN FP8")]
+               ("k7:out_fp8=1", "k7, e4m3 output"), ("cudnn_fp8", "cuDNN FP8 (e4m3 output)")]
     methods = [(m, label) for m, label in methods if any(m in r for r in data["rows"])]
     lines = ["| d | mask | outlier channels | " + " | ".join(label for _, label in methods)
              + " |", "|---:|---|---:|" + "---:|" * len(methods)]
@@ -479,6 +479,13 @@ def blocks(folder) -> dict:
         if hits:
             out[f"sweep:{name}:{g}"] = sweep_table(os.path.relpath(hits[-1], ROOT),
                                                    row_filter=row_filter)
+    return {**out, **measured_blocks(folder, g)}
+
+
+def measured_blocks(folder, g) -> dict:
+    """The blocks of a GPU's folder that need no bf16 sweep (`*_bench_*.json`): FP8, FP8
+    error, ref_check, plots."""
+    out = {}
     fp8 = sorted(glob.glob(os.path.join(folder, "*_fp8_k7*.json")))
     if fp8:
         out[f"fp8:{g}"] = fp8_table(os.path.relpath(fp8[-1], ROOT))
@@ -511,6 +518,8 @@ def render(root=ROOT, check=False, write_plots=True) -> list[str]:
             generated.update(blocks(folder))
             if write_plots and not check:
                 plots(Results(folder), os.path.join(root, "docs", "img"))
+        elif os.path.isdir(folder):            # (e.g. an H200 with only FP8 runs so far)
+            generated.update(measured_blocks(folder, os.path.basename(folder)))
     changed = []
     for path in markdown_files(root):
         with open(path) as f:
