@@ -455,6 +455,13 @@ def blocks(folder) -> dict:
                             "k5": ["k4", "k5", "fa4"],
                             "k5-ceiling": ["k5", "fa4_no_overlap", "fa4"]}.items():
         out[f"profile:{stage}:{g}"] = profile_table(folder, profiled)
+    return {**out, **measured_blocks(folder, g)}
+
+
+def measured_blocks(folder, g) -> dict:
+    """The blocks of a GPU's folder that need no bf16 sweep (`*_bench_*.json`): named
+    sweeps, FP8, FP8 error, ref_check, plots."""
+    out = {}
     sweeps = {"k4_tiles_d128": None, "k4_tiles_d64": None, "k4_tiles_causal_d128": None,
               "k3_structure": None, "scalar_unroll": None, "k6_tiles_d64": None,
               "kb2_variants": None, "kb2_deterministic": None, "kb2_cuts": None,
@@ -473,19 +480,13 @@ def blocks(folder) -> dict:
               "kb2_ds_address_per_tile": None, "kb2_prologue_causal": None,
               "kb2_split_dv_causal": None, "kb2_longest_first_causal": None,
               "k7_rescale_before_pv_d256_confirm": None, "k6_item_end_confirm": None,
-              "k7_item_end_confirm": None}
+              "k7_item_end_confirm": None,
+              "k6_fa4": None, "k6_fa4_long_causal": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
             out[f"sweep:{name}:{g}"] = sweep_table(os.path.relpath(hits[-1], ROOT),
                                                    row_filter=row_filter)
-    return {**out, **measured_blocks(folder, g)}
-
-
-def measured_blocks(folder, g) -> dict:
-    """The blocks of a GPU's folder that need no bf16 sweep (`*_bench_*.json`): FP8, FP8
-    error, ref_check, plots."""
-    out = {}
     fp8 = sorted(glob.glob(os.path.join(folder, "*_fp8_k7*.json")))
     if fp8:
         out[f"fp8:{g}"] = fp8_table(os.path.relpath(fp8[-1], ROOT))
