@@ -82,7 +82,7 @@ def make_run(name: str, problem, q, k, v, found: dict):
     entry = registry.get(name)
     handle = entry.compile(problem)
     inputs = entry.prepare(q, k, v)
-    out = torch.empty_like(q)
+    out = entry.output_for(handle, torch.empty_like(q))      # (k7:out_fp8=1: e4m3)
     return lambda: entry.run(handle, *inputs, out)
 
 
