@@ -60,7 +60,10 @@ def test_fp8_output(d, causal):
 
 
 def test_fp8_output_descale():
+    from hopper_attn import k7
     from hopper_attn.k7 import output_descale
+    with pytest.raises(ValueError, match="direct_store"):
+        k7.compile_kernel(Problem(1, 2, 256, 128), out_fp8=True, direct_store=True)
     descale_v = torch.tensor([[1.0, 2.0], [3.0, 4.0]])          # (batch 2, kv heads 2)
     assert output_descale(descale_v, 6).tolist() == [[1, 1, 1, 2, 2, 2], [3, 3, 3, 4, 4, 4]]
 
