@@ -290,7 +290,6 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     out, lse = torch.empty_like(q, dtype=out_dtype), _lse_like(q)
     run_attention(handle, q8, k8_, v8, out, softmax_scale, workspace=[lse],
                   extra_inputs=tuple(descales))
-    if fp8_out:
-        out = (out, k7.output_descale(descales[-1], problem.heads))
-        return (*out, lse) if return_lse else out
-    return (out, lse) if return_lse else out
+    result = (out, k7.output_descale(descales[-1], problem.heads)) if fp8_out else (out,)
+    result += (lse,) if return_lse else ()
+    return result[0] if len(result) == 1 else result

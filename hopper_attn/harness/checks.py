@@ -71,8 +71,10 @@ class ReferenceCase:
                 -E4M3_MAX, E4M3_MAX).to(out.dtype), descale_o)
         runs = []
         for _ in range(2):
-            out.view(torch.uint8).fill_(0x7F) if out.element_size() == 1 \
-                else out.fill_(float("nan"))
+            if out.element_size() == 1:
+                out.view(torch.uint8).fill_(0x7F)              # e4m3's NaN
+            else:
+                out.fill_(float("nan"))
             entry.run(handle, *views, *descales, out)
             torch.cuda.synchronize()
             runs.append(out.clone())
