@@ -180,3 +180,28 @@ def test_power_survey_summary():
     assert out["clock_mhz"] == 1650 and out["power_w"] == 699.5
     assert out["reasons"] == ["0x0000000000000004"] and out["samples"] == 6
     assert summarize([])["clock_mhz"] is None
+
+
+def test_output_for_and_output_as_float():
+    """The harness allocates what the compiled kernel writes: `out` itself for a 16-bit
+    output, a NaN-poisoned e4m3 tensor of out's shape inside guards for k7:out_fp8=1, and
+    reads an e4m3 output back through v's descale (k7.output_descale)."""
+    import types
+    from hopper_attn.harness.inputs import GUARD
+    entry = registry.get("k7:out_fp8=1")
+    out = torch.empty(2, 5, 4, 64, dtype=torch.bfloat16)
+    plain = types.SimpleNamespace(spec=types.SimpleNamespace(output_dtype=None))
+    assert entry.output_for(plain, out) is out
+    fp8 = types.SimpleNamespace(spec=types.SimpleNamespace(output_dtype=torch.float8_e4m3fn))
+    out8 = entry.output_for(fp8, out)
+    assert out8.dtype == torch.float8_e4m3fn and out8.shape == out.shape
+    raw = out8.view(torch.uint8)
+    assert bool((raw == 0x7F).all())                           # e4m3's NaN, unwritten
+    base = out8.untyped_storage().nbytes()
+    assert base == out8.numel() + 2 * GUARD                    # guards on both sides
+    values = torch.full(out.shape, 2.0).to(torch.float8_e4m3fn)
+    descale_v = torch.tensor([[0.5, 0.25], [1.0, 2.0]])        # (batch, kv heads)
+    got = entry.output_as_float(values, (None, None, descale_v))
+    want = 2.0 * descale_v.repeat_interleave(2, dim=1)[:, None, :, None].expand(out.shape)
+    assert torch.equal(got, want)
+    assert torch.equal(entry.output_as_float(out.fill_(1.5), ()), out.float())
