@@ -14,14 +14,22 @@ from hopper_attn.common.contract import Problem
 GUARD = 8192
 
 
+E4M3_NAN_BYTE = 0x7F                  # e4m3's NaN (torch has no NaN fill for fp8)
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill t with NaN, byte-wise for e4m3; returns t."""
+    if t.dtype == torch.float8_e4m3fn:
+        t.view(torch.uint8).fill_(E4M3_NAN_BYTE)
+    else:
+        t.fill_(float("nan"))
+    return t
+
+
 def guarded_empty(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, view): a contiguous `shape` view in the middle of a NaN-filled buffer."""
     numel = math.prod(shape)
-    if dtype == torch.float8_e4m3fn:                  # 0x7f: e4m3's NaN (no fill for fp8)
-        buffer = torch.full((numel + 2 * GUARD,), 0x7F, dtype=torch.uint8,
-                            device=device).view(dtype)
-    else:
-        buffer = torch.full((numel + 2 * GUARD,), float("nan"), dtype=dtype, device=device)
+    buffer = poison(torch.empty((numel + 2 * GUARD,), dtype=dtype, device=device))
     return buffer, buffer[GUARD:GUARD + numel].view(shape)
 
 
@@ -37,7 +45,8 @@ def guards_intact(buffer: torch.Tensor) -> bool:
     """True if the NaN guards around the tensor in `buffer` are untouched."""
     if buffer.dtype == torch.float8_e4m3fn:
         raw = buffer.view(torch.uint8)
-        return bool((raw[:GUARD] == 0x7F).all() and (raw[-GUARD:] == 0x7F).all())
+        return bool((raw[:GUARD] == E4M3_NAN_BYTE).all() and
+                    (raw[-GUARD:] == E4M3_NAN_BYTE).all())
     return bool(buffer[:GUARD].isnan().all() and buffer[-GUARD:].isnan().all())
 
 
