@@ -102,6 +102,12 @@ NO_TAIL_TEST: +1.9-2.9%), and at d = 192 and 256 an item's first kv tile runs be
 loop, which then has no `n > 0` tests (`peel_first`, PEEL_FIRST: +2.1-3.5% at d = 256)
 (docs/k6.md "Each warpgroup's own diagonal", "The static schedule's tail as stream-K", "A
 loop without the tail test", "The first kv tile before the loop").
+
+Tenth step, d = 64 (2026-11-28, H200): without a mask the PV wait is pinned before the
+tile's exp2s, right after its row maxima, by a memory fence (`pv_wait_first`, PV_WAIT_FIRST),
+so whole kv tiles can drop the tail test there too: +2.1-3.7% at N = 1k-16k, level with FA4
+at 16k; with a mask, below N = 4k, the wait back in the iteration: +2.9-4.2% at 1k-3k
+(docs/k6.md "The PV wait before the exp2s").
 """
 
 from __future__ import annotations
@@ -291,7 +297,16 @@ STREAM_K = {128: 8192, 192: 4096}
 # in time: d = 256 +2.9 / +2.3% (N = 4000 / 16000); d = 128 -0.2 / -0.6%, d = 96 +0.1 / -0.4%
 # (4096 / 16384); d = 64 -5.1 / -5.0% (ptxas then waits for PV later in the softmax); k7
 # d = 128 -1.4 / -2.2% (4032 / 16128)
-NO_TAIL_TEST = {256}
+NO_TAIL_TEST = {64, 256}
+# (head_dim, causal) whose PV wait is pinned before the tile's exp2s, right after its row
+# maxima (`pv_wait_first=1`; docs/k6.md "The PV wait before the exp2s"). d = 64 without a mask,
+# round-robin against the wait where ptxas puts it, H200, FA4 in the run
+# (results/h200/2026-11-28_k6_pv_wait_first_*.json), gain in time: with the tail test
+# +1.1 / +1.4 / +1.5 / +1.5 / +1.5% (N = 1k / 2k / 4k / 8k / 16k); without it (whole kv tiles,
+# NO_TAIL_TEST, which alone loses 5%: ptxas then waits after 18 of the 66 exp2s) +2.1 /
+# +3.1 / +3.4 / +3.6 / +3.7%. d = 64 causal -1.6 to -2.8%, d = 128 -12%, d = 256 -6%, k7
+# d = 128 -0.2 to -0.7%: off there
+PV_WAIT_FIRST = {(64, False)}
 # head dims whose items run their first kv tile before the loop (`peel_first`), so that the
 # loop's `n > 0` tests (branches, like the tail test above) fold away. Round-robin against the
 # loop with them, H100, FA4 in the run (results/h100/2026-11-26_k6_peel_*.json), gain in
@@ -367,7 +382,19 @@ class FlashAttentionK6(FlashAttentionK5):
                  s_ahead: bool = False, defer_store_wait: bool = False,
                  early_q_release: bool = False, wg_store: bool = False,
                  wg_causal_limit: bool = False, peel_first: bool = False,
-                 exp_first: bool = False, tail_n: int = 0, **options):
+                 exp_first: bool = False, tail_n: int = 0, pv_wait_first: int = 0,
+                 **options):
+        # the PV wait pinned before the tile's exp2s (`pv_wait_first`): wait_group(0) and a
+        # memory fence right after the row maxima (1) or before them (2), so that ptxas
+        # moves neither the wait nor an exp2 across (docs/k6.md "The PV wait before the
+        # exp2s")
+        if pv_wait_first not in (0, 1, 2):
+            raise ValueError("pv_wait_first: 0 (off), 1 (after the row maxima) or 2 (before)")
+        if pv_wait_first and (lazy_rescale or exp_turns or exp_first or pv_wait_after
+                              or s_ahead):
+            raise ValueError("pv_wait_first: not with lazy_rescale, exp_turns, exp_first, "
+                             "pv_wait_after or s_ahead")
+        self.pv_wait_first = int(pv_wait_first)
         # P from the reference maxima before the tile's maxima are known (lazy rescaling's
         # reference, here with `rescale_threshold_log2`); a rare branch corrects P (and O)
         self.exp_first = bool(exp_first)
@@ -909,6 +936,17 @@ class FlashAttentionK6(FlashAttentionK5):
             softmax.exponentiate(s_rc)
             cute.arch.fence_acq_rel_cta()
             self.exp_turns.pass_turn(wg)
+        elif cutlass.const_expr(self.pv_wait_first == 2):
+            warpgroup.wait_group(0)                     # PV_{n-1} done, before the maxima
+            cute.arch.fence_acq_rel_cta()               # ptxas moves nothing across this
+            alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
+                                             seqlen_k).load())
+        elif cutlass.const_expr(self.pv_wait_first == 1):
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
+            warpgroup.wait_group(0)                     # PV_{n-1} done, after the maxima
+            cute.arch.fence_acq_rel_cta()               # and before any exp2
+            softmax.exponentiate(s_rc)
         elif cutlass.const_expr(self.softmax_fence_after >= 0):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
@@ -1034,7 +1072,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    wg_causal_limit: Optional[bool] = None, stream_k: Optional[bool] = None,
                    kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None,
                    exp_first: bool = False, exp_first_threshold: float = 8.0,
-                   cluster: int = 1, multicast: bool = True):
+                   cluster: int = 1, multicast: bool = True,
+                   pv_wait_first: Optional[int] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -1096,7 +1135,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     both (half the L2 reads; without a mask only, ignored with one; stream-K off with it;
     measured 3-5% higher clocks at the power limit but 1.6-4.9% less work per clock: -1.0 to
     -5.9% in the bench, off; docs/k6.md "K and V multicast to two CTAs"); multicast: False
-    keeps the clusters' launch and pairing but has each CTA load its own K/V (a control)."""
+    keeps the clusters' launch and pairing but has each CTA load its own K/V (a control);
+    pv_wait_first: the PV wait and a memory fence right after the tile's row maxima (1) or
+    before them (2), ahead of every exp2 (None: PV_WAIT_FIRST's, 1 at d = 64 without a mask,
+    where whole kv tiles then also drop the tail test; docs/k6.md "The PV wait before the
+    exp2s")."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1119,7 +1162,12 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # round-robin (results/h100/2026-11-23_k6_d64_causal_192.json, docs/k6.md)
         block_m = 192
         mask_per_row = True if mask_per_row is None else mask_per_row
-        wait_pv_late = True if wait_pv_late is None else wait_pv_late
+        # but below WG_CAUSAL_LIMIT's length (each warpgroup stopping at its own diagonal)
+        # the wait in the iteration: gain in time +4.2 / +3.6 / +3.2 / +2.9% at N = 1k /
+        # 1.5k / 2k / 3k, and from there the late one: -4.4% at 4k, -4.9% at 16k without it
+        # (H200, round-robin with FA4 and cuDNN, results/h200/2026-11-28_k6_d64_causal_*.json)
+        if wait_pv_late is None:
+            wait_pv_late = problem.seqlen >= WG_CAUSAL_LIMIT[64]
         # no turns: +1.4-2.0% in two round-robin runs (_k6_d64_d96_pingpong_run*.json)
         pingpong = False if pingpong is None else pingpong
         # the last tile's idle warpgroups skip the math (`skip_idle_wgs`): gain in time +3.1 /
@@ -1193,10 +1241,16 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # with the PV wait among the exp2s always: the release's `if` would end their block
         v_release_last = ((problem.head_dim, problem.causal) in V_RELEASE_LAST or three_wg_d64
                           or pv_wait_after > 0)
+    if pv_wait_first is None:
+        pv_wait_first = int((problem.head_dim, problem.causal) in PV_WAIT_FIRST and not custom
+                            and not (lazy_rescale or exp_turns or exp_first or pv_wait_after
+                                     or s_ahead))
     tile_n = block_n or TILES.get(problem.head_dim, (0, 1))[1]
     whole_tiles = problem.kv_seqlen % tile_n == 0
     if kv_tail is None:
-        kv_tail = not (whole_tiles and problem.head_dim in NO_TAIL_TEST and not problem.causal)
+        # (at d = 64 only with the PV wait pinned before the exp2s: -5% without it)
+        kv_tail = not (whole_tiles and problem.head_dim in NO_TAIL_TEST and not problem.causal
+                       and (problem.head_dim != 64 or pv_wait_first))
     if not kv_tail:
         check_whole_kv_tiles("k6", problem, tile_n)
     if peel_first is None:
@@ -1229,6 +1283,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "group_mib": int(group_mib),
                               "v_release_last": bool(v_release_last),
                               "pv_wait_after": int(pv_wait_after),
+                              "pv_wait_first": int(pv_wait_first),
                               "reverse_p": bool(reverse_p),
                               "opaque_p": bool(opaque_p),
                               "rescale_before_pv": bool(rescale_before_pv),

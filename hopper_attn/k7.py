@@ -467,7 +467,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    kv_tail: bool = True, peel_first: bool = False,
                    tail_n: Optional[int] = None, stream_k: bool = False,
                    cluster: int = 1, multicast: bool = True, out_fp8: bool = False,
-                   spec: KernelSpec = SPEC):
+                   pv_wait_first: int = 0, spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; out_fp8: the output in e4m3 instead of bf16
     (O / descale_v, so that `output_descale` gives its descale; `run_kernel` then takes an
     e4m3 `out`); the other options as k6's (0 / None: TILES' default for
@@ -499,7 +499,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     H100: -1.7% at 4k, -0.2 / +0.1% at 8k / 16k, so off; docs/k7.md); cluster: k6's (K and
     V^T multicast to two CTAs of a cluster; d = 128: +1.5-4.1% clock at the power limit,
     0.2-2.2% less work per clock, -0.8 to +0.4% in the bench: off; docs/k7.md "K and V
-    multicast to two CTAs").
+    multicast to two CTAs"); pv_wait_first: k6's (the PV wait pinned before the tile's
+    exp2s; measured with pin_pv_wait=0 at d = 128 without a mask, H200: -0.7 / -0.2% at 4k /
+    16k, results/h200/2026-11-28_k7_pv_wait_first_d128.json: off).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -558,6 +560,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "longest_first": bool(longest_first),
                               "group_mib": int(group_mib),
                               "pv_wait_after": int(pv_wait_after),
+                              "pv_wait_first": int(pv_wait_first),
                               "v_release_last": bool(v_release_last),
                               "rescale_before_pv": bool(rescale_before_pv),
                               "s_ahead": bool(s_ahead),

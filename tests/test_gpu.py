@@ -328,10 +328,13 @@ def _run_twice_against_fp32(name, q, k, v, causal):
 @pytest.mark.parametrize("name,d,seqlen_q,seqlen_k,causal", [
     ("k6", 256, 4000, 4000, False), ("k6", 256, 1000, 1600, False), ("k6", 256, 77, 160, False),
     ("k6:kv_tail=0", 256, 1600, 1600, True), ("k6:kv_tail=0", 128, 333, 1024, False),
-    ("k6:kv_tail=0", 64, 1024, 1024, True), ("k6:kv_tail=0,stream_k=1", 192, 2016, 2016, False)])
+    ("k6:kv_tail=0", 64, 1024, 1024, True), ("k6:kv_tail=0,stream_k=1", 192, 2016, 2016, False),
+    ("k6", 64, 2048, 2048, False), ("k6", 64, 1000, 1536, False), ("k6", 64, 77, 128, False),
+    ("k6:pv_wait_first=2,kv_tail=0", 64, 1024, 1024, False)])
 def test_k6_whole_kv_tiles_matches_fp32(name, d, seqlen_q, seqlen_k, causal):
-    """A loop without the tail test (`kv_tail=0`, the default at d = 256 for key lengths
-    that are multiples of the kv tile), queries and keys of the same and other lengths:
+    """A loop without the tail test (`kv_tail=0`, the default at d = 64 and 256 for key
+    lengths that are multiples of the kv tile; at d = 64 with the PV wait before the exp2s,
+    `pv_wait_first`), queries and keys of the same and other lengths:
     against fp32 within 2x torch's bf16 error, every element written, same bits twice."""
     gen = torch.Generator(device="cuda").manual_seed(seqlen_q * 7 + seqlen_k + d)
     q = torch.randn(2, seqlen_q, 3, d, device="cuda", generator=gen).to(torch.bfloat16)

@@ -189,8 +189,12 @@ def test_d64_causal_long_sequences_use_192_rows():
     from hopper_attn.common.contract import Problem
     short = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64 - 1, 64, True))
     long = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True))
+    longer = k6.compile_kernel(Problem(1, 2, k6.WG_CAUSAL_LIMIT[64], 64, True))
     assert short.describe()["block_m"] == 128 and long.describe()["block_m"] == 192
-    assert long.options["mask_per_row"] and long.options["wait_pv_late"]
+    # the PV wait in the iteration where each warpgroup stops at its own diagonal, late
+    # from there (measured 2026-11-28, docs/k6.md "The PV wait before the exp2s")
+    assert long.options["mask_per_row"] and not long.options["wait_pv_late"]
+    assert longer.options["mask_per_row"] and longer.options["wait_pv_late"]
 
 
 def test_d96_long_sequences():
@@ -846,10 +850,43 @@ def test_no_tail_test_for_whole_kv_tiles(monkeypatch):
     monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
     for d, causal, n, nk, want in [(256, False, 4000, 0, False), (256, False, 4096, 0, True),
                                    (256, False, 1000, 16000, False), (256, True, 4000, 0, True),
-                                   (128, False, 4096, 0, True), (64, False, 4096, 0, True),
+                                   (128, False, 4096, 0, True), (64, False, 4096, 0, False),
+                                   (64, False, 4000, 0, True), (64, True, 4096, 0, True),
                                    (192, False, 4032, 0, True)]:
         problem = Problem(1, 2, n, d, causal, seqlen_k=nk)
         assert k6.compile_kernel(problem)["kv_tail"] == want, (d, causal, n, nk)
+
+
+def _exp2s(events):
+    """How many MUFU.EX2 a list of `sass_order` loop events holds ('EX2 x64' is 64)."""
+    return sum(int(e.split(" x")[1]) if " x" in e else 1 for e in events if e.startswith("EX2"))
+
+
+def test_pv_wait_before_the_exp2s_at_d64():
+    """PV_WAIT_FIRST (d = 64 without a mask, docs/k6.md "The PV wait before the exp2s"): the
+    wait for PV_{n-1} and a memory fence right after the row maxima, so the tile's exp2s of P
+    (block_n / 2 a thread) all run after it; only the two rows' alphas may come first. The
+    default at whole kv tiles drops the tail test with it. Without the fence, and without the
+    test's branch, ptxas waits among the exp2s (what made the loop without the test 5% slower
+    alone)."""
+    from hopper_attn.harness import sass_order
+    art = artifacts(64, False)
+    options, per_thread = art["kernel"]["options"], art["kernel"]["block_n"] // 2
+    assert options["pv_wait_first"] == 1 and not options["kv_tail"]
+    (loop,) = sass_order.loops(sass(art["cubin"]))
+    events = loop[2]
+    fence = events.index("MEMBAR")
+    assert any(e.startswith("DEPBAR 0x0") for e in events[events.index("DEPBAR 0x1"):fence])
+    assert _exp2s(events[:fence]) <= 2 and _exp2s(events[fence:]) == per_thread
+    plain = artifacts(64, False, "k6:pv_wait_first=0,kv_tail=0")
+    (loop,) = sass_order.loops(sass(plain["cubin"]))
+    events = loop[2]
+    last_wait = max(i for i, e in enumerate(events) if e.startswith("DEPBAR 0x0"))
+    assert "MEMBAR" not in events and _exp2s(events[:last_wait]) > 2
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="pv_wait_first: not with lazy_rescale"):
+        k6.compile_kernel(Problem(1, 2, 128, 64), pv_wait_first=1, lazy_rescale=True)
 
 
 def test_first_kv_tile_peeled(monkeypatch):

@@ -481,7 +481,8 @@ def measured_blocks(folder, g) -> dict:
               "kb2_split_dv_causal": None, "kb2_longest_first_causal": None,
               "k7_rescale_before_pv_d256_confirm": None, "k6_item_end_confirm": None,
               "k7_item_end_confirm": None,
-              "k6_fa4": None, "k6_fa4_long_causal": None, "fp8_interleaved": None}
+              "k6_fa4": None, "k6_fa4_long_causal": None, "fp8_interleaved": None,
+              "k6_d64_ab": None, "k6_d64_causal_ab": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
