@@ -682,22 +682,29 @@ class FlashAttentionK5:
 
     @cute.jit
     def scores_to_probs(self, acc_s: cute.Tensor, s_coords: cute.Tensor,
-                        softmax: OnlineSoftmax, m_block, n, seqlen_q, seqlen_k):
+                        softmax: OnlineSoftmax, m_block, n, seqlen_q, seqlen_k,
+                        mask: cutlass.Constexpr = None):
         """Mask kv tile n's scores where needed (tails, the causal diagonal), then the
         online-softmax step: S -> P (fp32, unnormalized) in place; returns alpha (shared
-        with k6)."""
-        return softmax.step(self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k))
+        with k6; mask as in `masked_scores`)."""
+        return softmax.step(self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
+                                               mask=mask))
 
     @cute.jit
     def masked_scores(self, acc_s: cute.Tensor, s_coords: cute.Tensor, m_block, n, seqlen_q,
-                      seqlen_k, cols: cutlass.Constexpr = 0) -> cute.Tensor:
+                      seqlen_k, cols: cutlass.Constexpr = 0,
+                      mask: cutlass.Constexpr = None) -> cute.Tensor:
         """kv tile n's scores as a [row, col] view, -inf where the tail or the causal
         diagonal hides them (only tiles that need it run the mask code); cols: the tile's
-        first `cols` columns only (k6's narrow last tile, `tail_n`; 0: all)."""
+        first `cols` columns only (k6's narrow last tile, `tail_n`; 0: all); mask: whether
+        the tile needs the mask, where the caller knows (k6's `split_mask` loops; None:
+        tested here)."""
         s_rc = acc_rows_cols(acc_s)
         if cutlass.const_expr(cols):
             s_rc, s_coords = first_columns(s_rc, cols), first_columns(s_coords, cols)
-        if self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
+        needs = self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k) \
+            if cutlass.const_expr(mask is None) else mask
+        if needs:
             mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n, seqlen_k,
                         self.causal, seqlen_k - seqlen_q, per_row_limit=self.mask_per_row)
         return s_rc

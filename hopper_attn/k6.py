@@ -383,7 +383,12 @@ class FlashAttentionK6(FlashAttentionK5):
                  early_q_release: bool = False, wg_store: bool = False,
                  wg_causal_limit: bool = False, peel_first: bool = False,
                  exp_first: bool = False, tail_n: int = 0, pv_wait_first: int = 0,
-                 **options):
+                 split_mask: bool = False, **options):
+        # an item's kv tiles in two loops, the ones that need no mask first (`split_mask`):
+        # neither loop tests its tiles for the mask (a branch ptxas schedules nothing across)
+        if split_mask and (exp_first or s_ahead):
+            raise ValueError("split_mask: not with exp_first or s_ahead")
+        self.split_mask = bool(split_mask)
         # the PV wait pinned before the tile's exp2s (`pv_wait_first`): wait_group(0) and a
         # memory fence right after the row maxima (1) or before them (2), so that ptxas
         # moves neither the wait nor an exp2 across (docs/k6.md "The PV wait before the
@@ -825,12 +830,26 @@ class FlashAttentionK6(FlashAttentionK5):
             n_first = 1
         # (tail_n: the item's last kv tile after the loop, narrowed; the loop is unchanged)
         n_loop = n_count - 1 if cutlass.const_expr(self.tail_n) else n_count
-        for n in cutlass.range(n_first, n_loop, unroll=1):
-            k_state, v_state = self.kv_tile(loads, wg, m_block, n, n_count, seqlen_q, seqlen_k,
-                                            mma_qk, mma_pv, q_frag, k_frag, vt_frag, p_frag,
-                                            acc_s, acc_o, o_rc, s_coords, softmax, alpha,
-                                            k_state, v_state, n_base, self.peel_first,
-                                            scores)
+        if cutlass.const_expr(self.split_mask):
+            # the tiles left of the diagonal and before the key length's tail, then the rest
+            n_plain = self.schedule.n_block_count_unmasked(m_block, seqlen_q, seqlen_k) - n_base
+            n_plain = cutlass.max(cutlass.min(n_plain, n_loop), n_first)
+            for n in cutlass.range(n_first, n_plain, unroll=1):
+                k_state, v_state = self.kv_tile(
+                    loads, wg, m_block, n, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
+                    q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
+                    alpha, k_state, v_state, n_base, self.peel_first, scores, mask=False)
+            for n in cutlass.range(n_plain, n_loop, unroll=1):
+                k_state, v_state = self.kv_tile(
+                    loads, wg, m_block, n, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
+                    q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
+                    alpha, k_state, v_state, n_base, self.peel_first, scores, mask=True)
+        else:
+            for n in cutlass.range(n_first, n_loop, unroll=1):
+                k_state, v_state = self.kv_tile(
+                    loads, wg, m_block, n, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
+                    q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
+                    alpha, k_state, v_state, n_base, self.peel_first, scores)
         if cutlass.const_expr(self.tail_n):
             k_state, v_state = self.kv_tile(loads, wg, m_block, n_count - 1, n_count, seqlen_q,
                                             seqlen_k, mma_qk, mma_pv, q_frag, k_frag, vt_frag,
@@ -853,10 +872,11 @@ class FlashAttentionK6(FlashAttentionK5):
                 k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                 acc_s: cute.Tensor, acc_o: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
                 softmax: OnlineSoftmax, alpha: cute.Tensor, k_state, v_state, n_base=0,
-                later: cutlass.Constexpr = False, scores=None, tail: cutlass.Constexpr = False):
+                later: cutlass.Constexpr = False, scores=None, tail: cutlass.Constexpr = False,
+                mask: cutlass.Constexpr = None):
         """Tile n of a work item (kv tile n_base + n: stream_k's pieces start inside an item;
         later: n > 0 is known, `peel_first`'s loop; tail: the item's last tile, narrowed
-        to its first tail_n keys):
+        to its first tail_n keys; mask: whether it needs the mask, where the caller knows):
         S_n = Q K_n^T and O += P_{n-1} V_{n-1} in this warpgroup's
         turn, the softmax of S_n under PV_{n-1}, then (or, with the late wait, at the top of
         the next tile) tile n's end (`finish_tile`)."""
@@ -909,7 +929,7 @@ class FlashAttentionK6(FlashAttentionK5):
         else:
             self.scores_to_probs_k6(acc_s, o_rc, s_coords, softmax, alpha, wg, m_block,
                                     n_base + n, n_count, seqlen_q, seqlen_k,   # S -> P, in place
-                                    scores)
+                                    scores, mask)
         self.trace.end(phase)
         if cutlass.const_expr(not self.wait_pv_late):
             v_state = self.finish_tile(loads, n, acc_s, o_rc, p_frag, alpha, v_state,
@@ -919,7 +939,7 @@ class FlashAttentionK6(FlashAttentionK5):
     @cute.jit
     def scores_to_probs_k6(self, acc_s: cute.Tensor, o_rc: cute.Tensor, s_coords: cute.Tensor,
                            softmax: OnlineSoftmax, alpha: cute.Tensor, wg, m_block, n, n_count,
-                           seqlen_q, seqlen_k, scores=None):
+                           seqlen_q, seqlen_k, scores=None, mask: cutlass.Constexpr = None):
         """Mask, then the online-softmax step. Eager: every tile's factor alpha goes to
         `finish_tile`, which rescales O. Lazy: O is rescaled here, and only when a row maximum
         of this warp grew by more than 2^rescale_threshold_log2 (after waiting for PV_{n-1}:
@@ -927,7 +947,8 @@ class FlashAttentionK6(FlashAttentionK5):
         With exp_turns, the eager step in its parts: row maxima and alpha, then the exp2s
         and row sums inside this warpgroup's turn (one token per CTA, see PingPong)."""
         if cutlass.const_expr(self.exp_turns.enabled):
-            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
+                                      mask=mask)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
             self.exp_turns.sync(wg)
             # ptxas moves ALU and SFU instructions across named barriers, but not across a
@@ -940,15 +961,17 @@ class FlashAttentionK6(FlashAttentionK5):
             warpgroup.wait_group(0)                     # PV_{n-1} done, before the maxima
             cute.arch.fence_acq_rel_cta()               # ptxas moves nothing across this
             alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
-                                             seqlen_k).load())
+                                             seqlen_k, mask).load())
         elif cutlass.const_expr(self.pv_wait_first == 1):
-            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
+                                      mask=mask)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
             warpgroup.wait_group(0)                     # PV_{n-1} done, after the maxima
             cute.arch.fence_acq_rel_cta()               # and before any exp2
             softmax.exponentiate(s_rc)
         elif cutlass.const_expr(self.softmax_fence_after >= 0):
-            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
+                                      mask=mask)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
             softmax.exponentiate(s_rc)
         elif cutlass.const_expr(self.exp_first):
@@ -956,9 +979,10 @@ class FlashAttentionK6(FlashAttentionK5):
                                 seqlen_k, scores)
         elif cutlass.const_expr(not self.lazy_rescale):
             alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
-                                             seqlen_k).load())
+                                             seqlen_k, mask).load())
         else:
-            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
+            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
+                                      mask=mask)
             m_new = softmax.running_max(s_rc)
             if softmax.needs_rescale(m_new, self.rescale_threshold_log2):
                 warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
@@ -1073,7 +1097,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None,
                    exp_first: bool = False, exp_first_threshold: float = 8.0,
                    cluster: int = 1, multicast: bool = True,
-                   pv_wait_first: Optional[int] = None):
+                   pv_wait_first: Optional[int] = None, split_mask: bool = False):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -1139,7 +1163,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     pv_wait_first: the PV wait and a memory fence right after the tile's row maxima (1) or
     before them (2), ahead of every exp2 (None: PV_WAIT_FIRST's, 1 at d = 64 without a mask,
     where whole kv tiles then also drop the tail test; docs/k6.md "The PV wait before the
-    exp2s")."""
+    exp2s"); split_mask: an item's kv tiles in two loops, first those that need no mask
+    (left of the causal diagonal, before the key length's tail), then the rest, so that
+    neither loop tests its tiles (FlashAttention-4 runs its masked tiles apart too)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1284,6 +1310,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "v_release_last": bool(v_release_last),
                               "pv_wait_after": int(pv_wait_after),
                               "pv_wait_first": int(pv_wait_first),
+                              "split_mask": bool(split_mask),
                               "reverse_p": bool(reverse_p),
                               "opaque_p": bool(opaque_p),
                               "rescale_before_pv": bool(rescale_before_pv),

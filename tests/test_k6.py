@@ -889,6 +889,27 @@ def test_pv_wait_before_the_exp2s_at_d64():
         k6.compile_kernel(Problem(1, 2, 128, 64), pv_wait_first=1, lazy_rescale=True)
 
 
+def test_split_mask_loops(tmp_path):
+    """`split_mask` (measured 2026-11-28, off): an item's kv tiles in two loops, the first
+    without any mask code or test, the second masking every tile; the same WGMMA groups
+    (one per GEMM) and exp2s in both, no spills."""
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness import registry, sass_order
+    from hopper_attn.harness.compile_report import resource_usage
+    handle = registry.get("k6:split_mask=1").compile(
+        Problem(1, 2, 16384, 64, True), compile_options=f"--keep-cubin --dump-dir={tmp_path}")
+    assert handle.describe()["options"]["split_mask"]
+    cubin = bytes(handle.compiled.__cubin__)
+    for fn in resource_usage(cubin):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    text = sass(cubin)
+    plain, masked = sass_order.loops(text)
+    assert plain[2] == masked[2]
+    masks = [sum(bool(re.match(r"FSEL\b.*-INF", t)) for t in sass_order.loop_body(text, lp))
+             for lp in (plain, masked)]
+    assert masks[0] == 0 and masks[1] >= 64, masks
+
+
 def test_first_kv_tile_peeled(monkeypatch):
     """PEEL_FIRST (measured 2026-11-26, docs/k6.md "The first kv tile before the loop"): at
     d = 192 and 256 an item's first kv tile runs before the loop, whose `n > 0` tests fold
