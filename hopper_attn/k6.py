@@ -296,14 +296,15 @@ STREAM_K = {128: 8192, 192: 4096}
 # across). Round-robin against the test, H100 (results/h100/2026-11-26_k6_kvt_*.json), gain
 # in time: d = 256 +2.9 / +2.3% (N = 4000 / 16000); d = 128 -0.2 / -0.6%, d = 96 +0.1 / -0.4%
 # (4096 / 16384); d = 64 -5.1 / -5.0% (ptxas then waits for PV later in the softmax); k7
-# d = 128 -1.4 / -2.2% (4032 / 16128)
-NO_TAIL_TEST = {64, 256}
+# d = 128 -1.4 / -2.2% (4032 / 16128). Also wherever the PV wait is pinned before the exp2s
+# (`pv_wait_first`, PV_WAIT_FIRST: d = 64), with which the loop without the test pays
+NO_TAIL_TEST = {256}
 # (head_dim, causal) whose PV wait is pinned before the tile's exp2s, right after its row
 # maxima (`pv_wait_first=1`; docs/k6.md "The PV wait before the exp2s"). d = 64 without a mask,
 # round-robin against the wait where ptxas puts it, H200, FA4 in the run
 # (results/h200/2026-11-28_k6_pv_wait_first_*.json), gain in time: with the tail test
 # +1.1 / +1.4 / +1.5 / +1.5 / +1.5% (N = 1k / 2k / 4k / 8k / 16k); without it (whole kv tiles,
-# NO_TAIL_TEST, which alone loses 5%: ptxas then waits after 18 of the 66 exp2s) +2.1 /
+# which alone loses 5%: ptxas then waits after 18 of the 66 exp2s) +2.1 /
 # +3.1 / +3.4 / +3.6 / +3.7%. d = 64 causal -1.6 to -2.8%, d = 128 -12%, d = 256 -6%, k7
 # d = 128 -0.2 to -0.7%: off there
 PV_WAIT_FIRST = {(64, False)}
@@ -830,26 +831,20 @@ class FlashAttentionK6(FlashAttentionK5):
             n_first = 1
         # (tail_n: the item's last kv tile after the loop, narrowed; the loop is unchanged)
         n_loop = n_count - 1 if cutlass.const_expr(self.tail_n) else n_count
+        # (first, end, mask) per loop: one loop whose tiles test for the mask, or with
+        # split_mask the tiles left of the diagonal and before the key length's tail without
+        # it, then the rest with it (a Python list: one compiled loop per entry)
+        loops = [(n_first, n_loop, None)]
         if cutlass.const_expr(self.split_mask):
-            # the tiles left of the diagonal and before the key length's tail, then the rest
             n_plain = self.schedule.n_block_count_unmasked(m_block, seqlen_q, seqlen_k) - n_base
             n_plain = cutlass.max(cutlass.min(n_plain, n_loop), n_first)
-            for n in cutlass.range(n_first, n_plain, unroll=1):
+            loops = [(n_first, n_plain, False), (n_plain, n_loop, True)]
+        for first, end, mask in loops:
+            for n in cutlass.range(first, end, unroll=1):
                 k_state, v_state = self.kv_tile(
                     loads, wg, m_block, n, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
                     q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
-                    alpha, k_state, v_state, n_base, self.peel_first, scores, mask=False)
-            for n in cutlass.range(n_plain, n_loop, unroll=1):
-                k_state, v_state = self.kv_tile(
-                    loads, wg, m_block, n, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
-                    q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
-                    alpha, k_state, v_state, n_base, self.peel_first, scores, mask=True)
-        else:
-            for n in cutlass.range(n_first, n_loop, unroll=1):
-                k_state, v_state = self.kv_tile(
-                    loads, wg, m_block, n, n_count, seqlen_q, seqlen_k, mma_qk, mma_pv,
-                    q_frag, k_frag, vt_frag, p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
-                    alpha, k_state, v_state, n_base, self.peel_first, scores)
+                    alpha, k_state, v_state, n_base, self.peel_first, scores, mask=mask)
         if cutlass.const_expr(self.tail_n):
             k_state, v_state = self.kv_tile(loads, wg, m_block, n_count - 1, n_count, seqlen_q,
                                             seqlen_k, mma_qk, mma_pv, q_frag, k_frag, vt_frag,
@@ -946,6 +941,9 @@ class FlashAttentionK6(FlashAttentionK5):
         a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold).
         With exp_turns, the eager step in its parts: row maxima and alpha, then the exp2s
         and row sums inside this warpgroup's turn (one token per CTA, see PingPong)."""
+        if cutlass.const_expr(self.pv_wait_first == 2):
+            warpgroup.wait_group(0)                     # PV_{n-1} done, before the maxima
+            cute.arch.fence_acq_rel_cta()               # ptxas moves nothing across this
         if cutlass.const_expr(self.exp_turns.enabled):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
                                       mask=mask)
@@ -957,22 +955,13 @@ class FlashAttentionK6(FlashAttentionK5):
             softmax.exponentiate(s_rc)
             cute.arch.fence_acq_rel_cta()
             self.exp_turns.pass_turn(wg)
-        elif cutlass.const_expr(self.pv_wait_first == 2):
-            warpgroup.wait_group(0)                     # PV_{n-1} done, before the maxima
-            cute.arch.fence_acq_rel_cta()               # ptxas moves nothing across this
-            alpha.store(self.scores_to_probs(acc_s, s_coords, softmax, m_block, n, seqlen_q,
-                                             seqlen_k, mask).load())
-        elif cutlass.const_expr(self.pv_wait_first == 1):
+        elif cutlass.const_expr(self.softmax_fence_after >= 0 or self.pv_wait_first == 1):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
                                       mask=mask)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
-            warpgroup.wait_group(0)                     # PV_{n-1} done, after the maxima
-            cute.arch.fence_acq_rel_cta()               # and before any exp2
-            softmax.exponentiate(s_rc)
-        elif cutlass.const_expr(self.softmax_fence_after >= 0):
-            s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k,
-                                      mask=mask)
-            alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
+            if cutlass.const_expr(self.pv_wait_first == 1):
+                warpgroup.wait_group(0)                 # PV_{n-1} done, after the maxima
+                cute.arch.fence_acq_rel_cta()           # and before any exp2
             softmax.exponentiate(s_rc)
         elif cutlass.const_expr(self.exp_first):
             self.exp_first_step(acc_s, o_rc, s_coords, softmax, m_block, n, seqlen_q,
@@ -1274,9 +1263,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     tile_n = block_n or TILES.get(problem.head_dim, (0, 1))[1]
     whole_tiles = problem.kv_seqlen % tile_n == 0
     if kv_tail is None:
-        # (at d = 64 only with the PV wait pinned before the exp2s: -5% without it)
-        kv_tail = not (whole_tiles and problem.head_dim in NO_TAIL_TEST and not problem.causal
-                       and (problem.head_dim != 64 or pv_wait_first))
+        kv_tail = not (whole_tiles and not problem.causal
+                       and (problem.head_dim in NO_TAIL_TEST or pv_wait_first))
     if not kv_tail:
         check_whole_kv_tiles("k6", problem, tile_n)
     if peel_first is None:
