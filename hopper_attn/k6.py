@@ -107,7 +107,10 @@ Tenth step, d = 64 (2026-11-28, H200): without a mask the PV wait is pinned befo
 tile's exp2s, right after its row maxima, by a memory fence (`pv_wait_first`, PV_WAIT_FIRST),
 so whole kv tiles can drop the tail test there too: +2.1-3.7% at N = 1k-16k, level with FA4
 at 16k; with a mask, below N = 4k, the wait back in the iteration: +2.9-4.2% at 1k-3k
-(docs/k6.md "The PV wait before the exp2s").
+(docs/k6.md "The PV wait before the exp2s"). From 4k with a mask the warpgroups take turns
+again, with the PV wait after 4 of a tile's exp2s (PV_WAIT_AFTER, P through opaque moves)
+and ITEM_END's Q release and per-warpgroup stores: +3.8 / +3.7 / +2.6% at 4k / 8k / 16k,
+level with FA4 at 16k (docs/k6.md "Turns again at d = 64 with a mask").
 """
 
 from __future__ import annotations
@@ -235,8 +238,14 @@ V_RELEASE_LAST = {(128, False), (256, False), (256, True)}
 # +1.9 / +2.9 / +3.7 / +4.3 / +4.5% (N = 1k / 2k / 4k / 8k / 16k), n = 10 +2-3.3%, 4 +2%, 14
 # and 32 lose; with a mask (and V released after P's conversion, which it needs: without
 # that a tie or -1-2%) +3.9 / +4.7 / +5.1 / +3.9% at 2k-16k but -4.6% at 1k; d = 64, 96,
-# 192, 256 lose 1-19% (results/h100/2026-11-26_k6_pv_wait_after_*.json)
-PV_WAIT_AFTER = {(128, False): (7, 0), (128, True): (7, 2048)}
+# 192, 256 lose 1-19% (results/h100/2026-11-26_k6_pv_wait_after_*.json). d = 64 with a
+# mask from 4k (192-row tiles), with turns and every exp2 through an opaque move (`opaque_p`:
+# else ptxas computes a third of P twice), against the late wait without turns, H200, FA4 in
+# the run (results/h200/2026-11-28_k6_d64_causal_turns*.json): n = 4 +3.8 / +1.9 / +1.4%
+# (N = 4k / 8k / 16k), n = 2 and 8 within 0.5% of it; +0.7% at 3k, +0.3% at 2k, -3.8% at 1k
+# (against each warpgroup stopping at its own diagonal, which turns rule out); with ITEM_END's
+# change, final A/B +3.8 / +3.7 / +2.6% (_turns_ab_4k.json, _turns_ab_long.json)
+PV_WAIT_AFTER = {(128, False): (7, 0), (128, True): (7, 2048), (64, True): (4, 4096)}
 # (head_dim, causal) -> the query lengths (a rule) whose PV wait is back in the iteration,
 # after the whole softmax, pinned there by a memory fence (`wait_pv_late=0, pin_pv_wait=1`),
 # with P's k16 slices converted last first
@@ -350,7 +359,10 @@ ALL_LENGTHS = 1 << 31
 # d = 64 without a mask: wg_store at every length together with FAST_DIVMOD (below), +4.3-4.6%
 # (2k), +2.9% (4k), +2.1% (8k), +1.1-1.6% (16k) in three round-robin runs
 # (results/h100/2026-11-26_k6_d64_wg_store_fast_divmod*.json)
-ITEM_END = {(64, False): (ALL_LENGTHS, ALL_LENGTHS), (64, True): (8192, 8192),
+# d = 64 with a mask, since its long tiles take turns with the PV wait among the exp2s
+# (PV_WAIT_AFTER): both at 8k and 16k too, +1.7 / +0.7% (results/h200/
+# 2026-11-28_k6_d64_causal_turns_options.json)
+ITEM_END = {(64, False): (ALL_LENGTHS, ALL_LENGTHS), (64, True): (ALL_LENGTHS, ALL_LENGTHS),
             (96, False): (ALL_LENGTHS, ALL_LENGTHS), (96, True): (4096, 4096),
             (128, False): (ALL_LENGTHS, ALL_LENGTHS), (128, True): (ALL_LENGTHS, ALL_LENGTHS),
             (192, False): (0, 8192), (192, True): (0, ALL_LENGTHS),
@@ -1077,7 +1089,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    stmatrix_o: bool = True, longest_first: Optional[bool] = None,
                    group_mib: int = 0, v_release_last: Optional[bool] = None,
                    pv_wait_after: Optional[int] = None, reverse_p: Optional[bool] = None,
-                   opaque_p: bool = False, rescale_before_pv: bool = False,
+                   opaque_p: Optional[bool] = None, rescale_before_pv: bool = False,
                    direct_store: bool = False, skip_idle_wgs: Optional[bool] = None,
                    s_ahead: bool = False, defer_store_wait: Optional[bool] = None,
                    ctas_per_sm: int = 1, early_q_release: Optional[bool] = None,
@@ -1114,7 +1126,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     conversion, without a branch (None: V_RELEASE_LAST, and d = 64 on 192-row tiles);
     reverse_p: P's slices converted last first, one PV group (None: with the PV wait in the
     iteration where PINNED_IN_ITERATION has it); opaque_p: each exp2 result through an
-    opaque move (no exp2 computed twice); rescale_before_pv: O rescaled under the QK GEMM
+    opaque move (no exp2 computed twice; None: with the PV wait among the exp2s on 192-row
+    tiles, where ptxas would compute part of P again after the fence); rescale_before_pv: O rescaled under the QK GEMM
     (needs the PV wait in the iteration); direct_store: O from registers straight to global
     memory, no staging buffer (Q released after the last QK, where own_o_buffer does not
     fit); skip_idle_wgs: a consumer warpgroup whose query rows all lie past the sequence's
@@ -1177,14 +1190,19 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # round-robin (results/h100/2026-11-23_k6_d64_causal_192.json, docs/k6.md)
         block_m = 192
         mask_per_row = True if mask_per_row is None else mask_per_row
-        # but below WG_CAUSAL_LIMIT's length (each warpgroup stopping at its own diagonal)
-        # the wait in the iteration: gain in time +4.2 / +3.6 / +3.2 / +2.9% at N = 1k /
-        # 1.5k / 2k / 3k, and from there the late one: -4.4% at 4k, -4.9% at 16k without it
-        # (H200, round-robin with FA4 and cuDNN, results/h200/2026-11-28_k6_d64_causal_*.json)
-        if wait_pv_late is None:
-            wait_pv_late = problem.seqlen >= WG_CAUSAL_LIMIT[64]
-        # no turns: +1.4-2.0% in two round-robin runs (_k6_d64_d96_pingpong_run*.json)
-        pingpong = False if pingpong is None else pingpong
+        # the PV wait in the iteration: below WG_CAUSAL_LIMIT's length (each warpgroup
+        # stopping at its own diagonal) after the softmax, +4.2 / +3.6 / +3.2 / +2.9% at
+        # N = 1k / 1.5k / 2k / 3k against the late one (H200, round-robin with FA4 and cuDNN,
+        # results/h200/2026-11-28_k6_d64_causal_*.json); from there among the exp2s
+        # (PV_WAIT_AFTER), with turns
+        wait_pv_late = False if wait_pv_late is None else wait_pv_late
+        # turns only with the PV wait among the exp2s: with the late wait no turns measured
+        # +1.4-2.0% (H100, _k6_d64_d96_pingpong_run*.json), turns with it on the H200
+        # (results/h200/2026-11-28_k6_d64_causal_turns.json: -3.4 / -3.6% at 8k / 16k)
+        if pingpong is None:
+            among_exp2s = (problem.seqlen >= PV_WAIT_AFTER[(64, True)][1]
+                           if pv_wait_after is None else pv_wait_after > 0)
+            pingpong = among_exp2s
         # the last tile's idle warpgroups skip the math (`skip_idle_wgs`): gain in time +3.1 /
         # +2.9% (N = 2k), +3.0 / +3.0% (4k), +0.9% (16k) in round-robin runs with FA4; with
         # turns (d = 64 without a mask) -2.4 to -2.6% (results/h100/2026-11-26_k6_skip_idle_*)
@@ -1244,6 +1262,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
         pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
                                   and not exp_first and problem.seqlen >= shortest) else 0
+    if opaque_p is None:
+        opaque_p = pv_wait_after > 0 and (block_m or TILES[problem.head_dim][0]) == 192
     pinned = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
     one_pv_group = not custom and pinned is not None and pinned(problem.seqlen)
     if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns or exp_first):

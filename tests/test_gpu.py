@@ -177,6 +177,8 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k6", 128, True, 2049),
     ("k6", 192, True, 777),                                     # one PV group (defaults)
     ("k6", 256, False, 1000),
+    ("k6", 64, True, 4097),                                     # turns, the wait among the
+    ("k6", 64, True, 6000),                                     # exp2s, opaque P (defaults)
     ("k6:direct_store=1", 256, True, 777),                      # O without SMEM (option)
     ("k6:direct_store=1", 64, False, 1000),
     ("k6:block_m=192,block_n=96,pingpong=0,wait_pv_late=0,pin_pv_wait=1,reverse_p=1", 96, False,

@@ -191,10 +191,35 @@ def test_d64_causal_long_sequences_use_192_rows():
     long = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True))
     longer = k6.compile_kernel(Problem(1, 2, k6.WG_CAUSAL_LIMIT[64], 64, True))
     assert short.describe()["block_m"] == 128 and long.describe()["block_m"] == 192
-    # the PV wait in the iteration where each warpgroup stops at its own diagonal, late
-    # from there (measured 2026-11-28, docs/k6.md "The PV wait before the exp2s")
+    # the PV wait in the iteration where each warpgroup stops at its own diagonal, after the
+    # softmax (measured 2026-11-28, docs/k6.md "The PV wait before the exp2s"); from there
+    # among the exp2s, with turns (2026-11-28, "Turns again at d = 64 with a mask")
     assert long.options["mask_per_row"] and not long.options["wait_pv_late"]
-    assert longer.options["mask_per_row"] and longer.options["wait_pv_late"]
+    assert long.options["wg_causal_limit"] and not long.options["pingpong"]
+    assert long.options["pv_wait_after"] == 0
+    assert longer.options["mask_per_row"] and not longer.options["wait_pv_late"]
+    assert not longer.options["wg_causal_limit"] and longer.options["pingpong"]
+    assert longer.options["pv_wait_after"] == k6.PV_WAIT_AFTER[(64, True)][0] == 4
+    assert longer.options["opaque_p"]
+
+
+def test_d64_causal_long_loop_waits_for_pv_among_the_exp2s(tmp_path):
+    """From 4k queries (192-row tiles, turns): ptxas keeps the PV wait a few exp2s into the
+    tile, not before the first nor after the last, and computes each exp2 once (66 per tile:
+    64 of P, two alphas)."""
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.sass_order import loops
+    handle = registry.get("k6").compile(Problem(1, 2, 4096, 64, True),
+                                        compile_options=f"--keep-cubin --dump-dir={tmp_path}")
+    (_, _, events), = loops(sass(bytes(handle.compiled.__cubin__)))
+    exp2s = [int(e.split(" x")[1]) if " x" in e else 1 for e in events if e.startswith("EX2")]
+    assert sum(exp2s) == 66
+    fence = events.index("MEMBAR")
+    wait = events.index("DEPBAR 0x0", fence)
+    before = sum(int(e.split(" x")[1]) if " x" in e else 1
+                 for e in events[:wait] if e.startswith("EX2"))
+    assert 8 <= before <= 24, events
 
 
 def test_d96_long_sequences():
@@ -409,7 +434,8 @@ def test_turns_only_where_they_pay():
     """Ping-pong between the consumer warpgroups (named-barrier turns) only where it measured
     faster: d = 64 without a mask (3.7-5.7% slower without); not at d = 128 (0.8-1.8% faster
     without, since the waits and loads of 2026-11-25) nor on d = 64's 192-row causal tiles
-    (1.4-2.0% faster without)."""
+    below 4k (1.4-2.0% faster without, with the PV wait late or after the softmax); from 4k,
+    where those wait among the exp2s, turns again."""
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem
     assert artifacts(64, False)["kernel"]["named_barriers"]["scheduler"]
@@ -417,6 +443,9 @@ def test_turns_only_where_they_pay():
         assert not artifacts(128, causal)["kernel"]["named_barriers"]["scheduler"]
     long_causal = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True)).describe()
     assert long_causal["block_m"] == 192 and not long_causal["named_barriers"]["scheduler"]
+    # from 4k, with the PV wait among the exp2s, turns again (+1.4-3.8% on the H200)
+    longer = k6.compile_kernel(Problem(1, 2, k6.WG_CAUSAL_LIMIT[64], 64, True)).describe()
+    assert longer["block_m"] == 192 and longer["named_barriers"]["scheduler"]
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -600,9 +629,11 @@ def test_exp2s_computed_once(name, d, causal):
     """On 192-row tiles, with the fence of pv_wait_after in the softmax, the compiler computes
     part of P's exp2s a second time for P's conversion after the fence (89 instead of 66
     `ex2` per tile at d = 64, already in the PTX); `opaque_p` passes each exp2 result through
-    an opaque move and the kernel has one per score again, plus one alpha per row."""
-    plain = artifacts(d, causal, name=name)
-    opaque = artifacts(d, causal, name=name + ",opaque_p=1")
+    an opaque move and the kernel has one per score again, plus one alpha per row (the
+    default there since 2026-11-28)."""
+    plain = artifacts(d, causal, name=name + ",opaque_p=0")
+    opaque = artifacts(d, causal, name=name)
+    assert opaque["kernel"]["options"]["opaque_p"]
     once = opaque["kernel"]["block_n"] // 2 + 2
     assert count(plain["ptx"], r"ex2\.approx") > once
     assert count(opaque["ptx"], r"ex2\.approx") == once
@@ -709,7 +740,7 @@ def test_item_end_options(monkeypatch):
     options = {}
     monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
     for d, causal, n, on in [(64, False, 1024, (True, True)), (64, False, 4096, (True, True)),
-                             (64, True, 4096, (True, True)), (64, True, 16384, (False, False)),
+                             (64, True, 4096, (True, True)), (64, True, 16384, (True, True)),
                              (96, True, 8192, (False, False)), (128, True, 16384, (True, True)),
                              (256, False, 16384, (False, True)), (256, True, 16384, (False, True)),
                              (192, False, 8192, (False, False))]:

@@ -22,9 +22,11 @@ from hopper_attn.common.contract import DTYPE_NAMES, Problem
 SPILLS_AS_ERRORS = "--ptxas-options='--warn-on-spills --warning-as-error'"
 
 
-def compile_artifacts(entry, head_dim: int, causal: bool, dtype=torch.bfloat16) -> dict:
-    """Fresh compile (no cache) with PTX and cubin kept in memory."""
-    problem = Problem(2, 2, 128, head_dim, causal, dtype)
+def compile_artifacts(entry, head_dim: int, causal: bool, dtype=torch.bfloat16,
+                      seqlen: int = 128) -> dict:
+    """Fresh compile (no cache) with PTX and cubin kept in memory (k6's defaults depend on
+    the length: `seqlen` picks which)."""
+    problem = Problem(2, 2, seqlen, head_dim, causal, dtype)
     with tempfile.TemporaryDirectory() as dump:
         opts = f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"
         t0 = time.perf_counter()

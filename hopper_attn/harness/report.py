@@ -482,7 +482,9 @@ def measured_blocks(folder, g) -> dict:
               "k7_rescale_before_pv_d256_confirm": None, "k6_item_end_confirm": None,
               "k7_item_end_confirm": None,
               "k6_fa4": None, "k6_fa4_long_causal": None, "fp8_interleaved": None,
-              "k6_d64_ab": None, "k6_d64_causal_ab": None}
+              "k6_d64_ab": None, "k6_d64_causal_ab": None,
+              "k6_d64_causal_turns_pv_wait_after": None, "k6_d64_causal_turns_ab_4k": None,
+              "k6_d64_causal_turns_ab_long": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:

@@ -16,6 +16,7 @@ decide whether a warpgroup's softmax runs under its own PV (k6's overlap):
     python -m hopper_attn.harness.sass_order "k6:reverse_p=1,pv_wait_after=8" 256 1
     python -m hopper_attn.harness.sass_order k7:s_ahead=1 128 0 --ptxas   # + ptxas's notes
     python -m hopper_attn.harness.sass_order k7 128 0 --stalls   # + cycles between exp2s
+    python -m hopper_attn.harness.sass_order k6 64 1 --seqlen 16384   # the default there
 
 No GPU needed (compiles for sm_90a). `tools/fa4_sass.py` prints the same for
 FlashAttention-4's sm90 forward.
@@ -179,13 +180,15 @@ def main(argv=None):
     parser.add_argument("kernel", help="a registry name, options allowed (k6:reverse_p=1)")
     parser.add_argument("head_dim", type=int)
     parser.add_argument("causal", type=int, choices=(0, 1))
+    parser.add_argument("--seqlen", type=int, default=128,
+                        help="the length compiled for (k6's defaults depend on it)")
     parser.add_argument("--ptxas", action="store_true",
                         help="also ptxas's notes (serialized WGMMAs and why; needs ptxas)")
     parser.add_argument("--stalls", action="store_true",
                         help="also the static cycles between the loops' exp2s (control bits)")
     args = parser.parse_args(argv)
     art = compile_artifacts(registry.get(args.kernel), args.head_dim, bool(args.causal),
-                            torch.bfloat16)
+                            torch.bfloat16, seqlen=args.seqlen)
     if not art["ok"]:
         raise SystemExit(f"compile failed: {art['error']}")
     print(summary(art["ptx"], sass(art["cubin"])))
