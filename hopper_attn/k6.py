@@ -34,9 +34,9 @@ before the tile's row maxima are known (d = 64 +2-5%, with the same accuracy cos
 "The exp2s before the row maximum").
 
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
-the ping-pong turn per tile (measured since: kept at d = 64 without a mask and on d = 96's
-128-row tiles only, see TILES), the last tile's PV in one more turn, the epilogue, tiles and
-budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
+the ping-pong turn per tile (measured since: kept at d = 64 without a mask, with one from 4k
+queries, and on d = 96's 128-row tiles only, see TILES and compile_kernel), the last tile's
+PV in one more turn, the epilogue, tiles and budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
 warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two, or,
 for queries of 2,048 and more, 192 x 128 with the masked tile's one key limit per row, which
 fits (docs/k6.md).
