@@ -36,10 +36,10 @@ before the tile's row maxima are known (d = 64 +2-5%, with the same accuracy cos
 What stays: everything else of k5 (producer warpgroup, setmaxnreg, separate K/V rings,
 the ping-pong turn per tile (measured since: kept at d = 64 without a mask, with one from 4k
 queries, and on d = 96's 128-row tiles only, see TILES and compile_kernel), the last tile's
-PV in one more turn, the epilogue, tiles and budgets), except at d = 64 causal, where 192 x 128 with three 160-register consumer
-warpgroups spills (P now stays live under the softmax) and k6 uses 128 x 128 with two, or,
-for queries of 2,048 and more, 192 x 128 with the masked tile's one key limit per row, which
-fits (docs/k6.md).
+PV in one more turn, the epilogue, tiles and budgets), except at d = 64 causal, where
+192 x 128 with three 160-register consumer warpgroups spills (P now stays live under the
+softmax) and k6 uses 128 x 128 with two, or, for queries of 2,048 and more, 192 x 128 with
+the masked tile's one key limit per row, which fits (docs/k6.md).
 
 Second step: head dims 96, 192 and 256 (tiles in TILES, below: shared memory sets the kv
 tile; d = 96 without a mask at N >= 2048: three consumer warpgroups on 192 x 96) and fp16
@@ -1127,12 +1127,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     reverse_p: P's slices converted last first, one PV group (None: with the PV wait in the
     iteration where PINNED_IN_ITERATION has it); opaque_p: each exp2 result through an
     opaque move (no exp2 computed twice; None: with the PV wait among the exp2s on 192-row
-    tiles, where ptxas would compute part of P again after the fence); rescale_before_pv: O rescaled under the QK GEMM
-    (needs the PV wait in the iteration); direct_store: O from registers straight to global
-    memory, no staging buffer (Q released after the last QK, where own_o_buffer does not
-    fit); skip_idle_wgs: a consumer warpgroup whose query rows all lie past the sequence's
-    end keeps only the rings and turns going; s_ahead: QK one tile ahead into a second S
-    accumulator, the softmax under both GEMMs (no turns, the PV wait in the iteration);
+    tiles, where ptxas would compute part of P again after the fence); rescale_before_pv: O
+    rescaled under the QK GEMM (needs the PV wait in the iteration); direct_store: O from
+    registers straight to global memory, no staging buffer (Q released after the last QK,
+    where own_o_buffer does not fit); skip_idle_wgs: a consumer warpgroup whose query rows
+    all lie past the sequence's end keeps only the rings and turns going; s_ahead: QK one
+    tile ahead into a second S accumulator, the softmax under both GEMMs (no turns, the PV
+    wait in the iteration);
     defer_store_wait: with own_o_buffer, the epilogue's TMA store is waited for (its read of
     O's buffer) only before the next item's epilogue (None: with O's own buffer and turns,
     as measured; see the comment above TILES); ctas_per_sm: 2
@@ -1200,9 +1201,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         # +1.4-2.0% (H100, _k6_d64_d96_pingpong_run*.json), turns with it on the H200
         # (results/h200/2026-11-28_k6_d64_causal_turns.json: -3.4 / -3.6% at 8k / 16k)
         if pingpong is None:
-            among_exp2s = (problem.seqlen >= PV_WAIT_AFTER[(64, True)][1]
-                           if pv_wait_after is None else pv_wait_after > 0)
-            pingpong = among_exp2s
+            pingpong = (problem.seqlen >= PV_WAIT_AFTER[(64, True)][1]
+                        if pv_wait_after is None else pv_wait_after > 0)
         # the last tile's idle warpgroups skip the math (`skip_idle_wgs`): gain in time +3.1 /
         # +2.9% (N = 2k), +3.0 / +3.0% (4k), +0.9% (16k) in round-robin runs with FA4; with
         # turns (d = 64 without a mask) -2.4 to -2.6% (results/h100/2026-11-26_k6_skip_idle_*)
@@ -1263,7 +1263,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
                                   and not exp_first and problem.seqlen >= shortest) else 0
     if opaque_p is None:
-        opaque_p = pv_wait_after > 0 and (block_m or TILES[problem.head_dim][0]) == 192
+        tile_m = block_m or TILES.get(problem.head_dim, (0,))[0]
+        opaque_p = pv_wait_after > 0 and tile_m == 192
     pinned = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
     one_pv_group = not custom and pinned is not None and pinned(problem.seqlen)
     if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns or exp_first):
