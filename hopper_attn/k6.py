@@ -29,7 +29,8 @@ move up (`wait_pv_late`, the default at d = 96 and, with a memory fence in front
 d = 128, 192 and 256 have since moved the wait back into the iteration: the seventh and
 eighth steps below). The
 option `lazy_rescale` also skips the O rescale unless a row maximum grew by more than 2^8
-(faster, less accurate: docs/k6.md); the option `exp_first` does so with the exp2s started
+(the default at d = 256, with P's row sums rounded: the eleventh step below); the option
+`exp_first` does so with the exp2s started
 before the tile's row maxima are known (d = 64 +2-5%, with the same accuracy cost; docs/k6.md
 "The exp2s before the row maximum").
 
@@ -111,6 +112,13 @@ at 16k; with a mask, below N = 4k, the wait back in the iteration: +2.9-4.2% at 
 again, with the PV wait after 4 of a tile's exp2s (PV_WAIT_AFTER, P through opaque moves)
 and ITEM_END's Q release and per-warpgroup stores: +3.8 / +3.7 / +2.6% at 4k / 8k / 16k,
 level with FA4 at 16k (docs/k6.md "Turns again at d = 64 with a mask").
+
+Eleventh step, d = 256 (2026-11-28, H200): O is rescaled only where a row maximum grew by
+more than 2^8 (`lazy_rescale`, LAZY_RESCALE), in PINNED_IN_ITERATION's loop, with P rounded
+to the input type before the row sums (`round_p_sums`), so that l adds what the PV GEMM
+multiplies: +1.0-1.9% without a mask, -0.1 to +2.4% with one; the error 1.00-1.16x torch's
+in bf16 (up to 1.55x in fp16), RMS 1-8% above the eager step's (docs/k6.md "Lazy rescaling
+with rounded sums").
 """
 
 from __future__ import annotations
@@ -329,6 +337,17 @@ PV_WAIT_FIRST = {(64, False)}
 # unless P is converted last slice first (reverse_p), and with it measured d = 128 -0.8 to
 # +0.4%, d = 64 -4.6 / -5.1% (_k6_peel_reverse_p_*.json)
 PEEL_FIRST = {192, 256}
+# head dims whose O is rescaled only when a row maximum grew by more than 2^8 (`lazy_rescale`,
+# FlashAttention-4's Blackwell rule), with P rounded to the input type before the row sums
+# (`round_p_sums`: l then adds what the PV GEMM multiplies, which takes the stale maximum's
+# error away) and the PV wait pinned in the iteration (PINNED_IN_ITERATION's loop). d = 256,
+# round-robin against the eager step with FA4 and cuDNN in the run, two runs, H200
+# (results/h200/2026-11-28_k6_d256_lazy_round*.json), gain in time: without a mask +1.2 /
+# +1.0 / +1.8, +1.9 / +1.5 / +1.2, +1.1% (N = 1k / 2k / 4k / 8k / 16k), with one -0.1 /
+# +0.7 / +1.6, +1.4 / +2.0 / +2.4, +2.4%; error (max abs, x torch's on the same inputs,
+# 1,601 keys: random, x 4, growing, outlier keys) at most 1.16x in bf16 and 1.55x in fp16,
+# the eager step 1.00x (lazy without the rounded sums up to 1.96x at d = 256, 2.13x at 192)
+LAZY_RESCALE = {256}
 # `exp_first`: past this growth of a row maximum (exp2 units) an exp2 taken from the old
 # reference may have overflowed fp32 (2^128), and below this first maximum (a row's first
 # tile, taken from 0) the largest P may have been flushed: the tile's scores are computed
@@ -396,12 +415,16 @@ class FlashAttentionK6(FlashAttentionK5):
                  early_q_release: bool = False, wg_store: bool = False,
                  wg_causal_limit: bool = False, peel_first: bool = False,
                  exp_first: bool = False, tail_n: int = 0, pv_wait_first: int = 0,
-                 split_mask: bool = False, **options):
+                 split_mask: bool = False, round_p_sums: bool = False, **options):
         # an item's kv tiles in two loops, the ones that need no mask first (`split_mask`):
         # neither loop tests its tiles for the mask (a branch ptxas schedules nothing across)
         if split_mask and (exp_first or s_ahead):
             raise ValueError("split_mask: not with exp_first or s_ahead")
         self.split_mask = bool(split_mask)
+        # P rounded to the input type before the row sums (OnlineSoftmax.round_p): l then
+        # adds what the PV GEMM multiplies, which keeps lazy rescaling as accurate as the
+        # eager step
+        self.round_p_sums = bool(round_p_sums)
         # the PV wait pinned before the tile's exp2s (`pv_wait_first`): wait_group(0) and a
         # memory fence right after the row maxima (1) or before them (2), so that ptxas
         # moves neither the wait nor an exp2 across (docs/k6.md "The PV wait before the
@@ -1081,7 +1104,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    persistent: bool = True, persistent_ctas: int = 0,
                    dynamic: Optional[bool] = None, trace: bool = False,
                    uniform_descriptors: Optional[bool] = None,
-                   wait_pv_late: Optional[bool] = None, lazy_rescale: bool = False,
+                   wait_pv_late: Optional[bool] = None, lazy_rescale: Optional[bool] = None,
                    exp_turns: bool = False, pin_pv_wait: Optional[bool] = None,
                    mask_per_row: Optional[bool] = None, p_in_smem: bool = False,
                    own_o_buffer: Optional[bool] = None, v_lags_k: Optional[bool] = None,
@@ -1098,7 +1121,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    kv_tail: Optional[bool] = None, peel_first: Optional[bool] = None,
                    exp_first: bool = False, exp_first_threshold: float = 8.0,
                    cluster: int = 1, multicast: bool = True,
-                   pv_wait_first: Optional[int] = None, split_mask: bool = False):
+                   pv_wait_first: Optional[int] = None, split_mask: bool = False,
+                   round_p_sums: Optional[bool] = None):
     """Compile (or fetch from the cache) k6; options as k5's, 0 / None meaning the default
     of TILES for the head dim (pingpong: turn-taking between consumer warpgroups;
     persistent: a grid of one CTA per SM looping over work items (False: one CTA per work
@@ -1107,7 +1131,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     causal mask, whose work items differ in length) instead of every grid-th one;
     wait_pv_late: a tile's wait for PV (and the O rescale, P conversion) at the top of the
     next iteration (default: at d >= 96); lazy_rescale: rescale O only when a row maximum
-    grew by more than 2^8 (faster, larger error: docs/k6.md); pin_pv_wait: a memory fence
+    grew by more than 2^8, P's row sums rounded as P (round_p_sums) (None: LAZY_RESCALE's
+    head dims; docs/k6.md "Lazy rescaling with rounded sums"); pin_pv_wait: a memory fence
     in front of the PV wait (without wait_pv_late it keeps ptxas from hoisting the wait
     above the softmax; default: at d >= 192, in front of the late wait);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
@@ -1168,7 +1193,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     where whole kv tiles then also drop the tail test; docs/k6.md "The PV wait before the
     exp2s"); split_mask: an item's kv tiles in two loops, first those that need no mask
     (left of the causal diagonal, before the key length's tail), then the rest, so that
-    neither loop tests its tiles (FlashAttention-4 runs its masked tiles apart too)."""
+    neither loop tests its tiles (FlashAttention-4 runs its masked tiles apart too);
+    round_p_sums: P rounded to the input type before the row sums, so that l adds the
+    weights the PV GEMM multiplies (None: with lazy_rescale, whose error it takes away)."""
     if s_ahead:
         # its own loop: no turns, the PV wait in it, and a kv tile with room for a second S
         if problem.head_dim not in S_AHEAD_BLOCK_N and not block_n:
@@ -1180,6 +1207,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         pv_wait_after = 0 if pv_wait_after is None else pv_wait_after
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
+    if lazy_rescale is None:
+        lazy_rescale = (problem.head_dim in LAZY_RESCALE and not custom
+                        and not (exp_first or exp_turns or s_ahead or rescale_before_pv
+                                 or pv_wait_after or pv_wait_first))
     lags, own = (False, False) if custom else \
         LOAD_ORDER.get((problem.head_dim, problem.causal), (False, False))
     v_lags_k = lags if v_lags_k is None else v_lags_k
@@ -1267,7 +1298,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         opaque_p = pv_wait_after > 0 and tile_m == 192
     pinned = PINNED_IN_ITERATION.get((problem.head_dim, problem.causal))
     one_pv_group = not custom and pinned is not None and pinned(problem.seqlen)
-    if one_pv_group and not (pv_wait_after or lazy_rescale or exp_turns or exp_first):
+    if one_pv_group and not (pv_wait_after or exp_turns or exp_first):
         wait_pv_late = False if wait_pv_late is None else wait_pv_late
         pin_pv_wait = True if pin_pv_wait is None else pin_pv_wait
     if reverse_p is None:
@@ -1291,6 +1322,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     if peel_first is None:
         peel_first = (problem.head_dim in PEEL_FIRST and not custom and not s_ahead
                       and (kv_tail or problem.causal))
+    if round_p_sums is None:
+        round_p_sums = bool(lazy_rescale)
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
@@ -1320,6 +1353,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "pv_wait_after": int(pv_wait_after),
                               "pv_wait_first": int(pv_wait_first),
                               "split_mask": bool(split_mask),
+                              "round_p_sums": bool(round_p_sums),
                               "reverse_p": bool(reverse_p),
                               "opaque_p": bool(opaque_p),
                               "rescale_before_pv": bool(rescale_before_pv),

@@ -394,6 +394,34 @@ def test_k6_exp_first_matches_fp32(name, d, seqlen_q, seqlen_k, causal, keys):
     assert handle.describe()["options"]["exp_first"]
 
 
+@pytest.mark.parametrize("name,d,causal,dtype,keys", [
+    ("k6", 256, False, torch.bfloat16, "growing"), ("k6", 256, True, torch.bfloat16, "growing"),
+    ("k6", 256, False, torch.float16, "x4"), ("k6", 256, True, torch.float16, "outliers"),
+    ("k6:lazy_rescale=1", 192, True, torch.bfloat16, "growing"),
+    ("k6:lazy_rescale=1", 128, False, torch.float16, "growing")])
+def test_k6_lazy_rescale_rounded_sums_match_fp32(name, d, causal, dtype, keys):
+    """Lazy rescaling (O rescaled only where a row maximum grew by more than 2^8; the default
+    at d = 256) with P rounded to the input type before the row sums: on keys that grow along
+    the sequence (the reference maxima trail the true ones on most tiles), larger scores and
+    outlier keys, against fp32 within 2x torch's error in the same dtype, every element
+    written, same bits twice."""
+    gen = torch.Generator(device="cuda").manual_seed(d * 3 + causal)
+    n = 1601
+    q = torch.randn(2, n, 3, d, device="cuda", generator=gen)
+    k, v = (torch.randn(2, n, 3, d, device="cuda", generator=gen) for _ in range(2))
+    if keys == "growing":
+        k *= torch.linspace(1.0, 4.0, n, device="cuda")[None, :, None, None]
+    elif keys == "x4":
+        q, k = q * 2.0, k * 2.0
+    elif keys == "outliers":
+        for j in (n // 7, n // 3, n - 5):
+            k[:, j] *= 40.0
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    handle = _run_twice_against_fp32(name, q, k, v, causal)
+    options = handle.describe()["options"]
+    assert options["lazy_rescale"] and options["round_p_sums"]
+
+
 def test_k6_runs_more_than_65535_heads():
     """k5 launches one CTA row per head (gridDim.y <= 65535) and refuses; k6 loops."""
     from hopper_attn.common.contract import Problem

@@ -141,7 +141,9 @@ def test_lazy_rescale_compiles(d, causal):
     """The option that rescales O only when a row maximum grew by more than 2^8: no spills,
     one warp vote per tile for the decision, and the softmax still under PV."""
     # (all exp2s on the SFU: every 16th at d = 128 would otherwise run on the FMA pipe)
-    art = artifacts(d, causal, name="k6:wait_pv_late=1,lazy_rescale=1,fma_exp2_every=0")
+    # (the loop's shape with P's sums unrounded: the rounding's conversions are the next test's)
+    art = artifacts(d, causal,
+                    name="k6:wait_pv_late=1,lazy_rescale=1,fma_exp2_every=0,round_p_sums=0")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert "vote.sync.any" in art["ptx"]
@@ -155,6 +157,38 @@ def test_lazy_rescale_compiles(d, causal):
         assert sum("MUFU.EX2" in ln for ln in lines[wait_qk:fenced]) >= art["kernel"]["block_n"] // 2
     else:
         assert exp2_between_waits(text) >= art["kernel"]["block_n"] // 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_d256_rescales_lazily_with_rounded_sums(dtype):
+    """d = 256's default (LAZY_RESCALE): O rescaled only where a row maximum grew by more than
+    2^8 (one warp vote per tile), with P rounded to the input type before the row sums
+    (`round_p_sums`): in the steady loop one more pair conversion per pair of P (the row sums'
+    next to the PV operand's), widened back by a shift and a mask in bf16; the O rescale's
+    multiplies only in the rare branch; no spills."""
+    from hopper_attn.harness.sass_order import loop_body, loops
+    art = artifacts(256, False, dtype=dtype)
+    plain = artifacts(256, False, name="k6:round_p_sums=0", dtype=dtype)
+    options = art["kernel"]["options"]
+    assert options["lazy_rescale"] and options["round_p_sums"]
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert "vote.sync.any" in art["ptx"]
+    t = "bf16" if dtype == torch.bfloat16 else "f16"
+    pairs = count(art["ptx"], rf"cvt\.rn\.{t}x2\.f32")
+    assert pairs > count(plain["ptx"], rf"cvt\.rn\.{t}x2\.f32")
+    if t == "bf16":                     # a bf16 widened: the pair's halves moved into place
+        assert count(art["ptx"], r"shl\.b32 %r\d+, p, 16;") == \
+            count(art["ptx"], r"and\.b32 %r\d+, p, 0xffff0000;") > 0
+    else:
+        assert count(art["ptx"], r"cvt\.f32\.f16") > count(plain["ptx"], r"cvt\.f32\.f16")
+
+    def steady_f2fp(a):
+        text = sass(a["cubin"])
+        body = loop_body(text, max(loops(text), key=lambda lp: lp[1] - lp[0]))
+        return sum("F2FP" in ln for ln in body)
+    # 128 x 80 tiles: 40 probabilities a thread, 20 pairs per tile for PV, 20 for the sums
+    assert steady_f2fp(plain) == 20 and steady_f2fp(art) == 40
 
 
 @pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1,fma_exp2_every=0,pv_wait_after=0",

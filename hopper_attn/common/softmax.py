@@ -76,6 +76,41 @@ def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
                                    loc=loc, ip=ip))
 
 
+# a pair of fp32 values rounded to the 16-bit type P is converted to for the PV GEMM, and
+# widened back: what the tensor cores will multiply V by, exactly (cvt.rn.*x2 packs $3 into
+# the upper half, $2 into the lower). A bf16 is the upper half of an fp32, so widening is a
+# shift and a mask (ptxas turns cvt.f32.bf16 into a byte permute and a shift per value)
+_ROUND_PAIR_PTX = {
+    "bf16": """{
+ .reg .b32 p;
+ cvt.rn.bf16x2.f32 p, $3, $2;
+ shl.b32 $0, p, 16;
+ and.b32 $1, p, 0xffff0000;
+}""",
+    "f16": """{
+ .reg .b32 p;
+ .reg .b16 lo, hi;
+ cvt.rn.f16x2.f32 p, $3, $2;
+ mov.b32 {lo, hi}, p;
+ cvt.f32.f16 $0, lo;
+ cvt.f32.f16 $1, hi;
+}""",
+}
+
+
+@dsl_user_op
+def round_pair(a: Float32, b: Float32, to: str, *, loc=None, ip=None):
+    """(a, b) rounded to `to` ("bf16" or "f16") and back to fp32 (OnlineSoftmax.round_p)."""
+    pair = llvm.inline_asm(llvm.StructType.get_literal([Float32.mlir_type, Float32.mlir_type]),
+                           [Float32(a).ir_value(loc=loc, ip=ip),
+                            Float32(b).ir_value(loc=loc, ip=ip)],
+                           _ROUND_PAIR_PTX[to], "=f,=f,f,f", has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                           loc=loc, ip=ip)
+    return (Float32(llvm.extractvalue(Float32.mlir_type, pair, [0], loc=loc, ip=ip)),
+            Float32(llvm.extractvalue(Float32.mlir_type, pair, [1], loc=loc, ip=ip)))
+
+
 @dataclasses.dataclass(frozen=True)   # frozen: register arrays are updated in place, never rebound
 class OnlineSoftmax:
     num_rows: int
@@ -99,17 +134,25 @@ class OnlineSoftmax:
     # recomputes some exp2s for P's conversion after it (23 more per tile on k6's 192-row
     # d = 64 tile, docs/k6.md "Exp2s computed twice")
     opaque_exp2: bool = False
+    # `exponentiate` rounds P to the PV operand's type ("bf16" or "f16"; "": no) before the
+    # row sums, so that l adds the weights the tensor cores multiply V by. With a reference
+    # maximum that trails the true one (lazy rescaling), a row's largest P is no longer
+    # exactly 1 and is rounded like the others; summed unrounded, l and P V disagree by up
+    # to that rounding in rows that a few keys dominate (docs/k6.md "Lazy rescaling with
+    # rounded sums")
+    round_p: str = ""
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
                p_scale_log2: int = 0, fma_exp2_every: int = 0,
-               fence_after: int = -1, opaque_exp2: bool = False) -> "OnlineSoftmax":
+               fence_after: int = -1, opaque_exp2: bool = False,
+               round_p: str = "") -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
-                             p_scale_log2, fma_exp2_every, fence_after, opaque_exp2)
+                             p_scale_log2, fma_exp2_every, fence_after, opaque_exp2, round_p)
 
     def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
         """The same row state with another score scale (k7: per (batch, head) descales)."""
@@ -255,6 +298,11 @@ class OnlineSoftmax:
             if cutlass.const_expr(self.p_scale_log2 != 0):
                 m_scaled = m_scaled - Float32(self.p_scale_log2)
             p = self.exp2_row(s_rc, r, s_rc[r, None].load(), m_scaled)
+            if cutlass.const_expr(self.round_p != ""):
+                for c in cutlass.range_constexpr(0, cute.size(s_rc, mode=[1]), 2):
+                    s_rc[r, c], s_rc[r, c + 1] = round_pair(s_rc[r, c], s_rc[r, c + 1],
+                                                            self.round_p)
+                p = s_rc[r, None].load()
             self.row_sum[r] = self.row_sum[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
 
     @cute.jit
