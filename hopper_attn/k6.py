@@ -29,7 +29,8 @@ move up (`wait_pv_late`, the default at d = 96 and, with a memory fence in front
 d = 128, 192 and 256 have since moved the wait back into the iteration: the seventh and
 eighth steps below). The
 option `lazy_rescale` also skips the O rescale unless a row maximum grew by more than 2^8
-(the default at d = 256, with P's row sums rounded: the eleventh step below); the option
+(the default at d = 256 and 192 without a mask, with P's row sums rounded: the eleventh step
+below); the option
 `exp_first` does so with the exp2s started
 before the tile's row maxima are known (d = 64 +2-5%, with the same accuracy cost; docs/k6.md
 "The exp2s before the row maximum").
@@ -113,12 +114,13 @@ again, with the PV wait after 4 of a tile's exp2s (PV_WAIT_AFTER, P through opaq
 and ITEM_END's Q release and per-warpgroup stores: +3.8 / +3.7 / +2.6% at 4k / 8k / 16k,
 level with FA4 at 16k (docs/k6.md "Turns again at d = 64 with a mask").
 
-Eleventh step, d = 256 (2026-11-28, H200): O is rescaled only where a row maximum grew by
-more than 2^8 (`lazy_rescale`, LAZY_RESCALE), in PINNED_IN_ITERATION's loop, with P rounded
-to the input type before the row sums (`round_p_sums`), so that l adds what the PV GEMM
-multiplies: +1.0-1.9% without a mask, -0.1 to +2.4% with one; the error 1.00-1.16x torch's
-in bf16 (up to 1.55x in fp16), RMS 1-8% above the eager step's (docs/k6.md "Lazy rescaling
-with rounded sums").
+Eleventh step, d = 256 and d = 192 without a mask (2026-11-28, H200): O is rescaled only
+where a row maximum grew by more than 2^8 (`lazy_rescale`, LAZY_RESCALE), in
+PINNED_IN_ITERATION's loop, with P rounded to the input type before the row sums
+(`round_p_sums`), so that l adds what the PV GEMM multiplies: d = 256 +1.0-1.9% without a
+mask, -0.1 to +2.4% with one, d = 192 +1.8-6.1%; the error 1.00-1.16x torch's in bf16 (up to
+1.55x in fp16), RMS 1-8% above the eager step's (docs/k6.md "Lazy rescaling with rounded
+sums").
 """
 
 from __future__ import annotations
@@ -337,7 +339,7 @@ PV_WAIT_FIRST = {(64, False)}
 # unless P is converted last slice first (reverse_p), and with it measured d = 128 -0.8 to
 # +0.4%, d = 64 -4.6 / -5.1% (_k6_peel_reverse_p_*.json)
 PEEL_FIRST = {192, 256}
-# head dims whose O is rescaled only when a row maximum grew by more than 2^8 (`lazy_rescale`,
+# (head_dim, causal) whose O is rescaled only when a row maximum grew by more than 2^8 (`lazy_rescale`,
 # FlashAttention-4's Blackwell rule), with P rounded to the input type before the row sums
 # (`round_p_sums`: l then adds what the PV GEMM multiplies, which takes the stale maximum's
 # error away) and the PV wait pinned in the iteration (PINNED_IN_ITERATION's loop). d = 256,
@@ -346,8 +348,11 @@ PEEL_FIRST = {192, 256}
 # +1.0 / +1.8, +1.9 / +1.5 / +1.2, +1.1% (N = 1k / 2k / 4k / 8k / 16k), with one -0.1 /
 # +0.7 / +1.6, +1.4 / +2.0 / +2.4, +2.4%; error (max abs, x torch's on the same inputs,
 # 1,601 keys: random, x 4, growing, outlier keys) at most 1.16x in bf16 and 1.55x in fp16,
-# the eager step 1.00x (lazy without the rounded sums up to 1.96x at d = 256, 2.13x at 192)
-LAZY_RESCALE = {256}
+# the eager step 1.00x (lazy without the rounded sums up to 1.96x at d = 256, 2.13x at 192).
+# d = 192 without a mask, two runs: +1.8% (1k), +4.3 / +4.6% (4k), +6.0 / +6.1% (16k); with a
+# mask +0.3 / +3.6 / -0.1% (1k / 4k / 16k) and +1.1% at 16k before: eager there
+# (results/h200/2026-11-28_k6_d192_lazy_round*.json)
+LAZY_RESCALE = {(192, False), (256, False), (256, True)}
 # `exp_first`: past this growth of a row maximum (exp2 units) an exp2 taken from the old
 # reference may have overflowed fp32 (2^128), and below this first maximum (a row's first
 # tile, taken from 0) the largest P may have been flushed: the tile's scores are computed
@@ -1132,7 +1137,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     wait_pv_late: a tile's wait for PV (and the O rescale, P conversion) at the top of the
     next iteration (default: at d >= 96); lazy_rescale: rescale O only when a row maximum
     grew by more than 2^8, P's row sums rounded as P (round_p_sums) (None: LAZY_RESCALE's
-    head dims; docs/k6.md "Lazy rescaling with rounded sums"); pin_pv_wait: a memory fence
+    head dims and masks; docs/k6.md "Lazy rescaling with rounded sums"); pin_pv_wait: a memory fence
     in front of the PV wait (without wait_pv_late it keeps ptxas from hoisting the wait
     above the softmax; default: at d >= 192, in front of the late wait);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
@@ -1208,7 +1213,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     # measured on the default tiles only: a tile or P buffer of the caller's keeps both off
     custom = bool(block_m or block_n or p_in_smem)
     if lazy_rescale is None:
-        lazy_rescale = (problem.head_dim in LAZY_RESCALE and not custom
+        lazy_rescale = ((problem.head_dim, problem.causal) in LAZY_RESCALE and not custom
                         and not (exp_first or exp_turns or s_ahead or rescale_before_pv
                                  or pv_wait_after or pv_wait_first))
     lags, own = (False, False) if custom else \
