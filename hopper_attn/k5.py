@@ -760,6 +760,7 @@ class FlashAttentionK5:
         if not self.round_p_sums:
             return ""
         return "bf16" if self.dtype == cutlass.BFloat16 else "f16"
+
     # k6's option: the item's last kv tile holds at most this many keys (0: a whole tile);
     # its softmax and its PV take only those columns (k6's `tail_n`)
     tail_n = 0
