@@ -338,7 +338,8 @@ class FlashAttentionK5:
                                            fma_exp2_every=self.fma_exp2_every,
                                            fence_after=self.softmax_fence_after,
                                            opaque_exp2=self.opaque_exp2,
-                                           round_p=self.round_p_to())
+                                           round_p=self.dtype if self.round_p_sums
+                                           else None)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)   # O in bf16 (fp16)
             q_state = tma.consumer_state(1)
@@ -754,13 +755,6 @@ class FlashAttentionK5:
     opaque_exp2 = False
     # k6's option: P rounded to the input type before the row sums (OnlineSoftmax.round_p)
     round_p_sums = False
-
-    def round_p_to(self) -> str:
-        """OnlineSoftmax.round_p for this kernel's P ("": P's sums unrounded)."""
-        if not self.round_p_sums:
-            return ""
-        return "bf16" if self.dtype == cutlass.BFloat16 else "f16"
-
     # k6's option: the item's last kv tile holds at most this many keys (0: a whole tile);
     # its softmax and its PV take only those columns (k6's `tail_n`)
     tail_n = 0

@@ -30,8 +30,7 @@ d = 128, 192 and 256 have since moved the wait back into the iteration: the seve
 eighth steps below). The
 option `lazy_rescale` also skips the O rescale unless a row maximum grew by more than 2^8
 (the default at d = 256 and 192 without a mask, with P's row sums rounded: the eleventh step
-below); the option
-`exp_first` does so with the exp2s started
+below); the option `exp_first` does so with the exp2s started
 before the tile's row maxima are known (d = 64 +2-5%, with the same accuracy cost; docs/k6.md
 "The exp2s before the row maximum").
 
@@ -339,19 +338,19 @@ PV_WAIT_FIRST = {(64, False)}
 # unless P is converted last slice first (reverse_p), and with it measured d = 128 -0.8 to
 # +0.4%, d = 64 -4.6 / -5.1% (_k6_peel_reverse_p_*.json)
 PEEL_FIRST = {192, 256}
-# (head_dim, causal) whose O is rescaled only when a row maximum grew by more than 2^8 (`lazy_rescale`,
-# FlashAttention-4's Blackwell rule), with P rounded to the input type before the row sums
-# (`round_p_sums`: l then adds what the PV GEMM multiplies, which takes the stale maximum's
-# error away) and the PV wait pinned in the iteration (PINNED_IN_ITERATION's loop). d = 256,
-# round-robin against the eager step with FA4 and cuDNN in the run, two runs, H200
-# (results/h200/2026-11-28_k6_d256_lazy_round*.json), gain in time: without a mask +1.2 /
-# +1.0 / +1.8, +1.9 / +1.5 / +1.2, +1.1% (N = 1k / 2k / 4k / 8k / 16k), with one -0.1 /
-# +0.7 / +1.6, +1.4 / +2.0 / +2.4, +2.4%; error (max abs, x torch's on the same inputs,
-# 1,601 keys: random, x 4, growing, outlier keys) at most 1.16x in bf16 and 1.55x in fp16,
-# the eager step 1.00x (lazy without the rounded sums up to 1.96x at d = 256, 2.13x at 192).
-# d = 192 without a mask, two runs: +1.8% (1k), +4.3 / +4.6% (4k), +6.0 / +6.1% (16k); with a
-# mask +0.3 / +3.6 / -0.1% (1k / 4k / 16k) and +1.1% at 16k before: eager there
-# (results/h200/2026-11-28_k6_d192_lazy_round*.json)
+# (head_dim, causal) whose O is rescaled only when a row maximum grew by more than 2^8
+# (`lazy_rescale`, FlashAttention-4's Blackwell rule), with P rounded to the input type
+# before the row sums (`round_p_sums`: l then adds what the PV GEMM multiplies, which takes
+# the stale maximum's error away) and the PV wait pinned in the iteration
+# (PINNED_IN_ITERATION's loop). d = 256, round-robin against the eager step with FA4 and
+# cuDNN in the run, two runs, H200 (results/h200/2026-11-28_k6_d256_lazy_round*.json), gain
+# in time: without a mask +1.2 / +1.0 / +1.8, +1.9 / +1.5 / +1.2, +1.1% (N = 1k / 2k / 4k /
+# 8k / 16k), with one -0.1 / +0.7 / +1.6, +1.4 / +2.0 / +2.4, +2.4%; error (max abs, x
+# torch's on the same inputs, 1,601 keys: random, x 4, growing, outlier keys) at most 1.16x
+# in bf16 and 1.55x in fp16, the eager step 1.00x (lazy without the rounded sums up to 1.96x
+# at d = 256, 2.13x at 192). d = 192 without a mask, two runs: +1.8% (1k), +4.3 / +4.6% (4k),
+# +6.0 / +6.1% (16k); with a mask +0.3 / +3.6 / -0.1% (1k / 4k / 16k) and +1.1% at 16k
+# before: eager there (results/h200/2026-11-28_k6_d192_lazy_round*.json)
 LAZY_RESCALE = {(192, False), (256, False), (256, True)}
 # `exp_first`: past this growth of a row maximum (exp2 units) an exp2 taken from the old
 # reference may have overflowed fp32 (2^128), and below this first maximum (a row's first
@@ -1137,8 +1136,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     wait_pv_late: a tile's wait for PV (and the O rescale, P conversion) at the top of the
     next iteration (default: at d >= 96); lazy_rescale: rescale O only when a row maximum
     grew by more than 2^8, P's row sums rounded as P (round_p_sums) (None: LAZY_RESCALE's
-    head dims and masks; docs/k6.md "Lazy rescaling with rounded sums"); pin_pv_wait: a memory fence
-    in front of the PV wait (without wait_pv_late it keeps ptxas from hoisting the wait
+    head dims and masks; docs/k6.md "Lazy rescaling with rounded sums"); pin_pv_wait: a
+    memory fence in front of the PV wait (without wait_pv_late it keeps ptxas from hoisting the wait
     above the softmax; default: at d >= 192, in front of the late wait);
     exp_turns: the consumer warpgroups take turns for their exp2s (an FP8 experiment,
     docs/k7.md); mask_per_row: one key limit per row in masked tiles (None: the class's);

@@ -24,7 +24,7 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -99,12 +99,14 @@ _ROUND_PAIR_PTX = {
 
 
 @dsl_user_op
-def round_pair(a: Float32, b: Float32, to: str, *, loc=None, ip=None):
-    """(a, b) rounded to `to` ("bf16" or "f16") and back to fp32 (OnlineSoftmax.round_p)."""
+def round_pair(a: Float32, b: Float32, dtype, *, loc=None, ip=None):
+    """(a, b) rounded to `dtype` (BFloat16 or Float16) and back to fp32
+    (OnlineSoftmax.round_p)."""
     pair = llvm.inline_asm(llvm.StructType.get_literal([Float32.mlir_type, Float32.mlir_type]),
                            [Float32(a).ir_value(loc=loc, ip=ip),
                             Float32(b).ir_value(loc=loc, ip=ip)],
-                           _ROUND_PAIR_PTX[to], "=f,=f,f,f", has_side_effects=False,
+                           _ROUND_PAIR_PTX["bf16" if dtype == BFloat16 else "f16"],
+                           "=f,=f,f,f", has_side_effects=False,
                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                            loc=loc, ip=ip)
     return (Float32(llvm.extractvalue(Float32.mlir_type, pair, [0], loc=loc, ip=ip)),
@@ -134,19 +136,19 @@ class OnlineSoftmax:
     # recomputes some exp2s for P's conversion after it (23 more per tile on k6's 192-row
     # d = 64 tile, docs/k6.md "Exp2s computed twice")
     opaque_exp2: bool = False
-    # `exponentiate` rounds P to the PV operand's type ("bf16" or "f16"; "": no) before the
-    # row sums, so that l adds the weights the tensor cores multiply V by. With a reference
+    # `exponentiate` rounds P to the PV operand's type (BFloat16 or Float16; None: no)
+    # before the row sums, so that l adds the weights the tensor cores multiply V by. With a reference
     # maximum that trails the true one (lazy rescaling), a row's largest P is no longer
     # exactly 1 and is rounded like the others; summed unrounded, l and P V disagree by up
     # to that rounding in rows that a few keys dominate (docs/k6.md "Lazy rescaling with
     # rounded sums")
-    round_p: str = ""
+    round_p: object = None
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
                p_scale_log2: int = 0, fma_exp2_every: int = 0,
                fence_after: int = -1, opaque_exp2: bool = False,
-               round_p: str = "") -> "OnlineSoftmax":
+               round_p=None) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
@@ -298,7 +300,7 @@ class OnlineSoftmax:
             if cutlass.const_expr(self.p_scale_log2 != 0):
                 m_scaled = m_scaled - Float32(self.p_scale_log2)
             p = self.exp2_row(s_rc, r, s_rc[r, None].load(), m_scaled)
-            if cutlass.const_expr(self.round_p != ""):
+            if cutlass.const_expr(self.round_p is not None):
                 for c in cutlass.range_constexpr(0, cute.size(s_rc, mode=[1]), 2):
                     s_rc[r, c], s_rc[r, c + 1] = round_pair(s_rc[r, c], s_rc[r, c + 1],
                                                             self.round_p)
