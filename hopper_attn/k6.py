@@ -1296,7 +1296,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     if pv_wait_after is None:
         after, shortest = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), (0, 0))
         pv_wait_after = after if (not custom and not lazy_rescale and not exp_turns
-                                  and not exp_first and problem.seqlen >= shortest) else 0
+                                  and not exp_first and not pv_wait_first
+                                  and problem.seqlen >= shortest) else 0
     if opaque_p is None:
         tile_m = block_m or TILES.get(problem.head_dim, (0,))[0]
         opaque_p = pv_wait_after > 0 and tile_m == 192

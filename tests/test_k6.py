@@ -213,6 +213,17 @@ def test_lazy_rescale_defaults():
     assert not o["lazy_rescale"] and not o["round_p_sums"]
 
 
+def test_pv_wait_first_given_keeps_pv_wait_after_off():
+    """A caller's pv_wait_first turns PV_WAIT_AFTER's default off (the two cannot combine):
+    d = 64 with a mask from 4k, where the default waits among the exp2s."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import Problem
+    problem = Problem(1, 2, 4096, 64, True)
+    assert k6.compile_kernel(problem).describe()["options"]["pv_wait_after"] > 0
+    o = k6.compile_kernel(problem, pv_wait_first=1, wait_pv_late=False).describe()["options"]
+    assert o["pv_wait_first"] == 1 and o["pv_wait_after"] == 0
+
+
 @pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1,fma_exp2_every=0,pv_wait_after=0",
                                   "k7"])
 def test_a_fence_pins_the_pv_wait(name):

@@ -119,13 +119,18 @@ def provenance(res: Results, kernels) -> str:
             f"baselines timed in the same run (>1 = faster). Source: {files}.")
 
 
-def summary_table(res: Results, n: int = 4096, stages=None, what: str = "") -> str:
-    """README: every stage at N = n, both head dims, full and causal, one row per kernel."""
+def summary_table(res: Results, n: int = 4096, stages=None, what: str = "",
+                  head_dims=(128, 64, 256)) -> str:
+    """README: every stage measured at N = n, per head dim (those with a config at n),
+    full and causal, one row per kernel."""
     stages = STAGES if stages is None else stages
-    cols = [(128, False), (128, True), (64, False), (64, True)]
+    cols = [(d, c) for d in head_dims for c in (False, True)
+            if any(k[2] == n for k in res.configs(d, c))]
     head = " | ".join(f"d={d} {'causal' if c else 'full'}" for d, c in cols)
     lines = [f"| kernel | {head} |", "|---|" + "---:|" * len(cols)]
     for kname in stages:
+        if not any(res.get(kname, k) for d, c in cols for k in res.configs(d, c) if k[2] == n):
+            continue                            # a stage not run on this GPU
         cells = []
         for d, causal in cols:
             keys = [k for k in res.configs(d, causal) if k[2] == n]
@@ -179,22 +184,23 @@ def sweep_table(path, title_filter=None, row_filter=None) -> str:
 def ref_check_table(paths) -> str:
     lines = ["| kernel | cases | passed | worst error / torch bf16 error | worst max abs error |",
              "|---|---:|---:|---:|---:|"]
-    newest = {}
-    envs = []
+    newest = {}                 # kernel -> (date, rows, path, env): the newest run counts
     for path in paths:
         data = _load(os.path.join(ROOT, path))
-        envs.append(data["env"])
         by_kernel = {}
         for r in data["rows"]:
             if r.get("skipped"):
                 continue
             by_kernel.setdefault(r["kernel"], []).append(r)
         for k, rows in by_kernel.items():
-            newest[k] = (rows, path)
+            if k not in newest or newest[k][0] <= data["env"]["date_utc"]:
+                newest[k] = (data["env"]["date_utc"], rows, path, data["env"])
+    used = []
     for k in STAGES + FP8_STAGES + BACKWARD_STAGES:
         if k not in newest:
             continue
-        rows, path = newest[k]
+        _, rows, path, env = newest[k]
+        used.append((path, env))
         ok = sum(1 for r in rows if r.get("ok"))
         worst = max(r.get("error_ratio", 0.0) for r in rows)
         # backward rows: one verdict per gradient (dq, dk, dv)
@@ -203,9 +209,11 @@ def ref_check_table(paths) -> str:
                         for r in rows)
         label = f"{k} (FP8: / its emulation's error)" if k in FP8_STAGES else k
         lines.append(f"| {label} | {len(rows)} | {ok} | {worst:.2f} | {worst_abs:.2e} |")
-    srcs = ", ".join(f"`{p}`" for p in paths)
-    return "\n".join(lines) + (f"\n\nMeasured on {envs[0]['gpu']} ({envs[0]['date_utc'][:10]}); "
-                               f"for each kernel the newest file counts. Source: {srcs}.")
+    srcs = ", ".join(f"`{p}`" for p in sorted({p for p, _ in used}))
+    dates = ", ".join(sorted({e["date_utc"][:10] for _, e in used}))
+    gpu = used[0][1]["gpu"] if used else "-"
+    return "\n".join(lines) + (f"\n\nMeasured on {gpu} ({dates}); for each kernel the newest "
+                               f"run counts. Source: {srcs}.")
 
 
 def fp8_table(path, bf16_stage="k6") -> str:
@@ -449,7 +457,8 @@ def blocks(folder) -> dict:
                                 + "\n\n" + provenance(backward, BACKWARD_STAGES))
         out[f"profile:backward:{g}"] = profile_table(folder, ["kb2", "fa4_bwd"])
         out[f"summary-backward:{g}"] = summary_table(
-            backward, stages=BACKWARD_STAGES, what="backward (10 B H N^2 d FLOPs, half causal) ")
+            backward, stages=BACKWARD_STAGES, what="backward (10 B H N^2 d FLOPs, half causal) ",
+            head_dims=(128, 64))
     for stage, profiled in {"k1": ["k1"], "k2": ["k1", "k2"], "k3": ["k2", "k3_3"],
                             "k4_qk": ["k3_3", "k4_qk"], "k4": ["k3_3", "k4_qk", "k4"],
                             "k5": ["k4", "k5", "fa4"],
@@ -486,7 +495,7 @@ def measured_blocks(folder, g) -> dict:
               "k6_d64_causal_turns_pv_wait_after": None, "k6_d64_causal_turns_ab_4k": None,
               "k6_d64_causal_turns_ab_long": None, "k6_fa4_end": None,
               "k6_fa4_end_long_causal": None, "k6_d256_lazy_round_lengths": None,
-              "k6_fa4_final": None}
+              "k6_fa4_final": None, "k6_closing": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
