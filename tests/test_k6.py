@@ -192,19 +192,19 @@ def test_d256_rescales_lazily_with_rounded_sums(dtype):
 
 
 def test_lazy_rescale_defaults():
-    """LAZY_RESCALE: d = 256 (both masks) and d = 192 without one rescale lazily with rounded
-    sums in the pinned loop; d = 192 with a mask and d <= 128 keep the eager step; an option
-    that needs the eager step (exp_first, pv_wait_after, ...) turns the default off."""
+    """LAZY_RESCALE: d = 192 and 256 (both masks) rescale lazily with rounded sums in the
+    pinned loop; d <= 128 keeps the eager step; an option that needs the eager step
+    (exp_first, pv_wait_after, ...) turns the default off."""
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem
 
     def options(d, causal, **kw):
         return k6.compile_kernel(Problem(1, 2, 1000, d, causal), **kw).describe()["options"]
-    for d, causal in ((256, False), (256, True), (192, False)):
+    for d, causal in ((256, False), (256, True), (192, False), (192, True)):
         o = options(d, causal)
         assert o["lazy_rescale"] and o["round_p_sums"] and o["reverse_p"], (d, causal)
         assert not o["wait_pv_late"] and o["pin_pv_wait"], (d, causal)
-    for d, causal in ((192, True), (128, False), (64, True)):
+    for d, causal in ((128, True), (128, False), (64, True)):
         o = options(d, causal)
         assert not o["lazy_rescale"] and not o["round_p_sums"], (d, causal)
     o = options(256, False, pv_wait_after=14, reverse_p=True)
