@@ -119,8 +119,8 @@ PINNED_IN_ITERATION's loop, with P rounded to the input type before the row sums
 (`round_p_sums`), so that l adds what the PV GEMM multiplies: d = 256 +1.0-1.9% without a
 mask, -0.1 to +2.4% with one, d = 192 +1.8-6.1%; the error 1.00-1.16x torch's in bf16 (up to
 1.55x in fp16), RMS 1-8% above the eager step's (docs/k6.md "Lazy rescaling with rounded
-sums"); with a mask at d = 192 too since the closing runs: +0.3 / +2.0 / +3.6 / +3.0%
-at 1k / 2k / 4k / 8k, -0.1 / +0.5% at 16k, docs/k6.md "Issue 9's closing runs").
+sums"). Since issue 9's closing runs also d = 192 with a mask: +0.3 / +2.0 / +3.6 / +3.0% at
+1k / 2k / 4k / 8k, -0.1 / +0.5% at 16k (docs/k6.md "Issue 9's closing runs").
 """
 
 from __future__ import annotations

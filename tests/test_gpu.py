@@ -401,10 +401,10 @@ def test_k6_exp_first_matches_fp32(name, d, seqlen_q, seqlen_k, causal, keys):
     ("k6:lazy_rescale=1", 128, False, torch.float16, "growing")])
 def test_k6_lazy_rescale_rounded_sums_match_fp32(name, d, causal, dtype, keys):
     """Lazy rescaling (O rescaled only where a row maximum grew by more than 2^8; the default
-    at d = 192 and 256) with P rounded to the input type before the row sums: on keys that grow along
-    the sequence (the reference maxima trail the true ones on most tiles), larger scores and
-    outlier keys, against fp32 within 2x torch's error in the same dtype, every element
-    written, same bits twice."""
+    at d = 192 and 256) with P rounded to the input type before the row sums: on keys that
+    grow along the sequence (the reference maxima trail the true ones on most tiles), larger
+    scores and outlier keys, against fp32 within 2x torch's error in the same dtype, every
+    element written, same bits twice."""
     gen = torch.Generator(device="cuda").manual_seed(d * 3 + causal)
     n = 1601
     q = torch.randn(2, n, 3, d, device="cuda", generator=gen)
