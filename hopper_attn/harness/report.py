@@ -184,23 +184,24 @@ def sweep_table(path, title_filter=None, row_filter=None) -> str:
 def ref_check_table(paths) -> str:
     lines = ["| kernel | cases | passed | worst error / torch bf16 error | worst max abs error |",
              "|---|---:|---:|---:|---:|"]
-    newest = {}                 # kernel -> (date, rows, path, env): the newest run counts
+    # every case (kernel, problem, input scale) counts once, with its newest result: a quick
+    # run after a change updates its cases, the full sweep before it still covers the rest
+    newest = {}                 # case -> (date, row, path, env)
     for path in paths:
         data = _load(os.path.join(ROOT, path))
-        by_kernel = {}
         for r in data["rows"]:
             if r.get("skipped"):
                 continue
-            by_kernel.setdefault(r["kernel"], []).append(r)
-        for k, rows in by_kernel.items():
-            if k not in newest or newest[k][0] <= data["env"]["date_utc"]:
-                newest[k] = (data["env"]["date_utc"], rows, path, data["env"])
+            case = (r["kernel"], json.dumps(r["config"], sort_keys=True), r.get("input_scale"))
+            if case not in newest or newest[case][0] <= data["env"]["date_utc"]:
+                newest[case] = (data["env"]["date_utc"], r, path, data["env"])
     used = []
     for k in STAGES + FP8_STAGES + BACKWARD_STAGES:
-        if k not in newest:
+        cases = [v for (kname, _, _), v in newest.items() if kname == k]
+        if not cases:
             continue
-        _, rows, path, env = newest[k]
-        used.append((path, env))
+        rows = [row for _, row, _, _ in cases]
+        used += [(path, env) for _, _, path, env in cases]
         ok = sum(1 for r in rows if r.get("ok"))
         worst = max(r.get("error_ratio", 0.0) for r in rows)
         # backward rows: one verdict per gradient (dq, dk, dv)
@@ -212,8 +213,8 @@ def ref_check_table(paths) -> str:
     srcs = ", ".join(f"`{p}`" for p in sorted({p for p, _ in used}))
     dates = ", ".join(sorted({e["date_utc"][:10] for _, e in used}))
     gpu = used[0][1]["gpu"] if used else "-"
-    return "\n".join(lines) + (f"\n\nMeasured on {gpu} ({dates}); for each kernel the newest "
-                               f"run counts. Source: {srcs}.")
+    return "\n".join(lines) + (f"\n\nMeasured on {gpu} ({dates}); each case counts once, with "
+                               f"its newest result. Source: {srcs}.")
 
 
 def fp8_table(path, bf16_stage="k6") -> str:
