@@ -24,7 +24,7 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -81,13 +81,13 @@ def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
 # the upper half, $2 into the lower). A bf16 is the upper half of an fp32, so widening is a
 # shift and a mask (ptxas turns cvt.f32.bf16 into a byte permute and a shift per value)
 _ROUND_PAIR_PTX = {
-    "bf16": """{
+    BFloat16: """{
  .reg .b32 p;
  cvt.rn.bf16x2.f32 p, $3, $2;
  shl.b32 $0, p, 16;
  and.b32 $1, p, 0xffff0000;
 }""",
-    "f16": """{
+    Float16: """{
  .reg .b32 p;
  .reg .b16 lo, hi;
  cvt.rn.f16x2.f32 p, $3, $2;
@@ -105,7 +105,7 @@ def round_pair(a: Float32, b: Float32, dtype, *, loc=None, ip=None):
     pair = llvm.inline_asm(llvm.StructType.get_literal([Float32.mlir_type, Float32.mlir_type]),
                            [Float32(a).ir_value(loc=loc, ip=ip),
                             Float32(b).ir_value(loc=loc, ip=ip)],
-                           _ROUND_PAIR_PTX["bf16" if dtype == BFloat16 else "f16"],
+                           _ROUND_PAIR_PTX[dtype],
                            "=f,=f,f,f", has_side_effects=False,
                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                            loc=loc, ip=ip)
@@ -137,8 +137,8 @@ class OnlineSoftmax:
     # d = 64 tile, docs/k6.md "Exp2s computed twice")
     opaque_exp2: bool = False
     # `exponentiate` rounds P to the PV operand's type (BFloat16 or Float16; None: no)
-    # before the row sums, so that l adds the weights the tensor cores multiply V by. With a reference
-    # maximum that trails the true one (lazy rescaling), a row's largest P is no longer
+    # before the row sums, so that l adds the weights the tensor cores multiply V by. With a
+    # reference maximum that trails the true one (lazy rescaling), a row's largest P is no longer
     # exactly 1 and is rounded like the others; summed unrounded, l and P V disagree by up
     # to that rounding in rows that a few keys dominate (docs/k6.md "Lazy rescaling with
     # rounded sums")

@@ -124,17 +124,17 @@ def summary_table(res: Results, n: int = 4096, stages=None, what: str = "",
     """README: every stage measured at N = n, per head dim (those with a config at n),
     full and causal, one row per kernel."""
     stages = STAGES if stages is None else stages
-    cols = [(d, c) for d in head_dims for c in (False, True)
-            if any(k[2] == n for k in res.configs(d, c))]
+    # the config at N = n of each (head dim, mask) measured there
+    cols = {(d, c): keys[0] for d in head_dims for c in (False, True)
+            if (keys := [k for k in res.configs(d, c) if k[2] == n])}
     head = " | ".join(f"d={d} {'causal' if c else 'full'}" for d, c in cols)
     lines = [f"| kernel | {head} |", "|---|" + "---:|" * len(cols)]
     for kname in stages:
-        if not any(res.get(kname, k) for d, c in cols for k in res.configs(d, c) if k[2] == n):
+        if not any(res.get(kname, key) for key in cols.values()):
             continue                            # a stage not run on this GPU
         cells = []
-        for d, causal in cols:
-            keys = [k for k in res.configs(d, causal) if k[2] == n]
-            got = res.get(kname, keys[0]) if keys else None
+        for key in cols.values():
+            got = res.get(kname, key)
             if not got:
                 cells.append("-")
                 continue
