@@ -286,7 +286,10 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     entry.spec.check(problem)            # head dim, dtype (bf16): UnsupportedProblem
     check_tensors(problem, q, k, v, q, strided=True)     # bf16 on one CUDA device
     handle = _handle(entry, problem, _compile_options())
-    q8, k8_, v8, *descales = (k8 if rotate else k7).prepare_inputs(q, k, v)
+    # (the quantizer makes the scores' factor, softmax scale x descales, a power of two
+    # for k7's fp16 scores: it needs the scale the kernel runs with)
+    q8, k8_, v8, *descales = (k8 if rotate else k7).prepare_inputs(
+        q, k, v, softmax_scale=softmax_scale)
     out, lse = torch.empty_like(q, dtype=out_dtype), _lse_like(q)
     run_attention(handle, q8, k8_, v8, out, softmax_scale, workspace=[lse],
                   extra_inputs=tuple(descales))

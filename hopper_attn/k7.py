@@ -22,7 +22,17 @@ What changes from k6 (docs/k7.md):
 * The output is staged in its own bf16 buffer (Q's FP8 buffer is half the size). Option
   `out_fp8`: an e4m3 output instead, O / l in v8's units (descale_o = descale_v; no scale
   to choose: a convex combination of v8's rows stays within e4m3's range).
-* A narrow last kv tile (`tail_n`, TAIL_N): at d = 128 without a mask, below 8k keys, where
+* Scores in fp16 (`s_f16`, S_F16: d = 128, and d = 256 without a mask): the QK WGMMA
+  accumulates S in fp16 (same rate), two scores per register, and the softmax runs on pairs
+  (common/softmax.py `OnlineSoftmaxF16`: HMNMX2, HADD2 / HFMA2, ex2.approx.f16x2, HADD2
+  row sums): about a third fewer instructions between the QK wait and the PV issue, and
+  half of S's registers, which at d = 128 pay for 256-wide kv tiles (TILES_S_F16). The
+  quantizer must keep every q8 . k8 within fp16's range and make the scores' factor a power
+  of two (`prepare_inputs` does, `quantize.quantize_qk_f16_scores`); q and k scaled to 448
+  by `quantize_fp8` alone would overflow: run those with `s_f16=0` (docs/k7.md "Scores in
+  fp16").
+* A narrow last kv tile (`tail_n`, TAIL_N; fp32 scores only): at d = 128 without a mask,
+  below 8k keys, where
   the 192-wide tile cuts the key length (4k: 21 1/3 tiles), an item's last tile runs after
   the loop with its softmax and its PV on only the keys there are: +5-6% at 1k, +1.2-1.4%
   at 4k (docs/k7.md "Where the phases line up, and a narrow last kv tile").
@@ -44,22 +54,24 @@ byte permutes, stmatrix) from a raw V ring into the V^T ring; 56 / 224 registers
 smaller tiles of TILES_IN_KERNEL_TRANSPOSE; 6-44% slower at d = 128 and 256 (the in-kernel
 transpose is what limited d = 256).
 
-Budget, d = 128 (128 x 192 tiles, 3 stages): 384 threads; SMEM = Q 16 KiB + K and V^T rings
-2 x 3 x 24 KiB + O 32 KiB = 192 KiB (+ barriers). Registers per consumer thread: S 96 +
-P 24 + O 64 fp32. d = 64: 128 x 256, 3 stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256:
+Budget, d = 128 (fp16 scores, 128 x 256 tiles, 2 stages): 384 threads; SMEM = Q 16 KiB + K
+and V^T rings 2 x 2 x 32 KiB + O 32 KiB = 176 KiB (+ barriers). Registers per consumer
+thread: S 64 (128 fp16 scores) + P 32 + O 64 fp32. With fp32 scores (`s_f16=0`, 128 x 192,
+3 stages): Q 16 + 2 x 3 x 24 + O 32 = 192 KiB; S 96 + P 24 + O 64. d = 64: 128 x 256, 3 stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256:
 128 x 128, 2 stages: Q 32 + 2 x 2 x 32 + O 64 = 224 KiB.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import torch
-from cutlass import Float32
+from cutlass import Float16, Float32
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (KernelSpec, check_tail_keys, check_whole_kv_tiles,
@@ -69,11 +81,12 @@ from hopper_attn.common.fp8 import VTranspose, check_row_period, probs_to_fp8_op
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
                                         swap_modes, transposed)
 from hopper_attn.common.scheduler import longest_first_default
-from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.softmax import OnlineSoftmax, OnlineSoftmaxF16, scale_rows
 from hopper_attn.common.warp_roles import WarpRoles
 from hopper_attn.k5 import lse_buffer, wg_major_o_buffer
 from hopper_attn.k6 import FlashAttentionK6
-from hopper_attn.quantize import PERM16, pack_v, quantize_fp8, unpack_v  # noqa: F401
+from hopper_attn.quantize import (PERM16, pack_v, quantize_fp8,  # noqa: F401
+                                  quantize_qk_f16_scores, unpack_v)
 
 FP8 = torch.float8_e4m3fn
 
@@ -116,6 +129,16 @@ TILES = {64: (128, 256, False, 3), 128: (128, 192, False, 3), 256: (128, 128, Fa
 TILES_IN_KERNEL_TRANSPOSE = {64: (128, 256, False, 3), 128: (128, 128, False, 3),
                              256: (128, 64, False, 2)}
 PRODUCER_CONSUMER_REGS = {1: (56, 256), 2: (56, 224), 3: (32, 160)}   # after setmaxnreg
+# (head_dim, causal) where S is accumulated in fp16 and its softmax runs in fp16 pairs
+# (`s_f16`; docs/k7.md "Scores in fp16"), with the kv tiles of TILES_S_F16: S takes half the
+# registers, so d = 128 affords 256-wide kv tiles (2 stages to fit SMEM). Round-robin against
+# the fp32 default with cuDNN FP8 in the run, H200 (results/h200/2026-11-28_k7_s_f16_*.json),
+# gain in time at N = 1k / 2k / 4k / 8k / 16k: d = 128 full +10.3 / +7.6 / +6.2 / +4.1 / +3.6%,
+# causal +5.3 / +4.4 / +5.0 / +4.6 / +3.9%; d = 256 full +5.0 / +5.1% at 4k / 16k (default
+# tiles). Off: d = 64 (-5 / -5% full, -2 / -3% causal: its 256-wide tile already has the
+# registers) and d = 256 causal (-7 / -11%: it gives up PV_WAIT_AFTER's fence).
+S_F16 = {(128, False), (128, True), (256, False)}
+TILES_S_F16 = {128: (128, 256, False, 2)}
 
 
 class FlashAttentionK7(FlashAttentionK6):
@@ -128,13 +151,15 @@ class FlashAttentionK7(FlashAttentionK6):
                  fma_exp2_every: int = 0, direct_store: bool = False,
                  wait_pv_late: bool = False, v_transposed: bool = True,
                  pin_pv_wait: bool = True, elect_release: bool = False,
-                 defer_store_wait: bool = False, **options):
+                 defer_store_wait: bool = False, s_f16: bool = False, **options):
         # stages released from an elected lane (k5/k6's default, common/tma.py); off here:
         # against the library's lane-0 release in one run, -2.4/-2.5% at d = 128 without a
         # mask, 0 to -0.6% at d = 64 and 128 causal, +0.8/+1.5% only at d = 256 without one
         # (results/h100/2026-11-25_k7_elect_release_d*.json, docs/k7.md)
         self.elect_release = bool(elect_release)
         tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
+        if s_f16:
+            tiles = {**tiles, **TILES_S_F16}
         default_m, default_n, default_pingpong, default_stages = tiles[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
         # V arrives transposed in global memory (sequence-major, from prepare_inputs): the
@@ -157,6 +182,15 @@ class FlashAttentionK7(FlashAttentionK6):
         # lazy rescaling lets P reach 2^(p_scale_log2 + threshold) <= 448 (e4m3's largest)
         self.p_scale_log2 = P_SCALE_LOG2 - 1 if self.lazy_rescale else P_SCALE_LOG2
         self.rescale_threshold_log2 = LAZY_THRESHOLD_LOG2
+        # S accumulated in fp16 and its softmax in fp16 pairs (OnlineSoftmaxF16); the
+        # one-step softmax only (no lazy rescaling, exp2s on the FMA pipe or fences in it)
+        self.s_f16 = bool(s_f16)
+        if self.s_f16 and (self.lazy_rescale or fma_exp2_every or self.softmax_fence_after >= 0
+                           or self.opaque_exp2 or self.s_ahead or self.pv_wait_first
+                           or self.exp_first or self.exp_turns.enabled):
+            raise ValueError("s_f16: with the one-step softmax only (no lazy_rescale, "
+                             "fma_exp2_every, pv_wait_after, pv_wait_first, exp_first, "
+                             "exp_turns or s_ahead)")
         # the transposing warps need more than k6's 24 registers (ptxas spills at 24); with
         # V transposed in memory there are none, and k6's split (24 / 240) applies
         if not v_transposed:
@@ -296,10 +330,11 @@ class FlashAttentionK7(FlashAttentionK6):
             wg = warp // 4 - 1
             mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
                                               self.dtype, self.uniform_descriptors,
-                                              vt_k_major=True)
+                                              vt_k_major=True,
+                                              s_dtype=Float16 if self.s_f16 else Float32)
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
-            softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
+            softmax = (OnlineSoftmaxF16 if self.s_f16 else OnlineSoftmax).create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4, p_scale_log2=self.p_scale_log2,
                                            fma_exp2_every=self.fma_exp2_every,
                                            fence_after=self.softmax_fence_after,
@@ -467,7 +502,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    kv_tail: bool = True, peel_first: bool = False,
                    tail_n: Optional[int] = None, stream_k: bool = False,
                    cluster: int = 1, multicast: bool = True, out_fp8: bool = False,
-                   pv_wait_first: int = 0, spec: KernelSpec = SPEC):
+                   pv_wait_first: int = 0, s_f16: Optional[bool] = None,
+                   spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; out_fp8: the output in e4m3 instead of bf16
     (O / descale_v, so that `output_descale` gives its descale; `run_kernel` then takes an
     e4m3 `out`); the other options as k6's (0 / None: TILES' default for
@@ -501,10 +537,16 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     0.2-2.2% less work per clock, -0.8 to +0.4% in the bench: off; docs/k7.md "K and V
     multicast to two CTAs"); pv_wait_first: k6's (the PV wait pinned before the tile's
     exp2s; measured with pin_pv_wait=0 at d = 128 without a mask, H200: -0.7 / -0.2% at 4k /
-    16k, results/h200/2026-11-28_k7_pv_wait_first_d128.json: off).
+    16k, results/h200/2026-11-28_k7_pv_wait_first_d128.json: off); s_f16: S accumulated in
+    fp16 and the softmax on fp16 pairs (None: S_F16's configurations, with the kv tiles of
+    TILES_S_F16; needs q and k quantized by `prepare_inputs` / `quantize_qk_f16_scores`).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
+    if s_f16 is None:
+        s_f16 = ((problem.head_dim, problem.causal) in S_F16 and v_transposed
+                 and not (lazy_rescale or exp_turns or s_ahead or fma_exp2_every
+                          or pv_wait_after or pv_wait_first))
     measured_on, measured_mib = longest_first_default(LONGEST_FIRST, problem)
     longest_first = measured_on if longest_first is None else longest_first
     group_mib = group_mib or measured_mib
@@ -512,7 +554,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
         v_lags_k = not (problem.head_dim == 256 and problem.causal)
     if pv_wait_after is None:
         pv_wait_after = PV_WAIT_AFTER.get((problem.head_dim, problem.causal), 0) \
-            if v_transposed and not (block_m or block_n or lazy_rescale or exp_turns) else 0
+            if v_transposed and not (block_m or block_n or lazy_rescale or exp_turns or s_f16) \
+            else 0
     if v_release_last is None:
         v_release_last = pv_wait_after > 0      # a release branch would split the exp2s
     if rescale_before_pv is None:
@@ -523,7 +566,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                 and not (direct_store or s_ahead))
     early_q_release = item_end if early_q_release is None else early_q_release
     wg_store = item_end if wg_store is None else wg_store
-    tile_n = block_n or (TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE).get(
+    tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
+    tile_n = block_n or ({**tiles, **TILES_S_F16} if s_f16 else tiles).get(
         problem.head_dim, (0, 1))[1]
     if not kv_tail:
         check_whole_kv_tiles("k7", problem, tile_n)
@@ -532,7 +576,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
             problem.kv_seqlen < TAIL_N.get(problem.head_dim, 0) and not problem.causal
             and v_transposed
             and not (block_m or block_n or s_ahead or lazy_rescale or exp_turns
-                     or wait_pv_late or pv_wait_after or peel_first or stream_k)) else 0
+                     or wait_pv_late or pv_wait_after or peel_first or stream_k or s_f16)) \
+            else 0       # (s_f16's 256-wide tile with a narrow one after the loop spills)
     if tail_n:
         check_tail_keys("k7", problem, tile_n, tail_n)
     if v_transposed:
@@ -574,17 +619,30 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "tail_n": int(tail_n),
                               "stream_k": bool(stream_k),
                               "cluster": 1 if problem.causal else int(cluster),
-                              "multicast": bool(multicast)},
+                              "multicast": bool(multicast),
+                              "s_f16": bool(s_f16)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
-def prepare_inputs(q, k, v, v_transposed: bool = True, rotate_signs=None, **_options):
+def prepare_inputs(q, k, v, v_transposed: bool = True, rotate_signs=None,
+                   s_f16: Optional[bool] = None, softmax_scale: Optional[float] = None,
+                   **_options):
     """bf16 q, k, v -> (q8, k8, v8, descale_q, descale_k, descale_v) for `run_kernel`
     (per (batch, head) amax scaling; outside the timed region in bench.py). v8 packed for
     the kernel's V^T ring (`quantize_fp8(v, pack_v=True)`: sequence-major, keys permuted
     within 16) unless the kernel transposes V itself (`v_transposed=False`).
-    `rotate_signs`: q and k rotated first (k8)."""
-    q8, k8, descale_q, descale_k = quantize_fp8(q, k, rotate_signs=rotate_signs)
+    `rotate_signs`: q and k rotated first (k8). `s_f16` (None: at the head dims S_F16 has):
+    q and k scaled for fp16 scores (`quantize_qk_f16_scores`; the kernels without s_f16 take
+    them too), for `softmax_scale` (None: 1 / sqrt(head_dim))."""
+    d = q.shape[-1]
+    if s_f16 is None:
+        s_f16 = d in {dim for dim, _ in S_F16}
+    if s_f16:
+        scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+        q8, k8, descale_q, descale_k = quantize_qk_f16_scores(q, k, scale,
+                                                              rotate_signs=rotate_signs)
+    else:
+        q8, k8, descale_q, descale_k = quantize_fp8(q, k, rotate_signs=rotate_signs)
     v8, descale_v = quantize_fp8(v, pack_v=v_transposed)
     return q8, k8, v8, descale_q, descale_k, descale_v
 
@@ -602,4 +660,7 @@ def output_descale(descale_v: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):
+    """out = attention of the dequantized inputs. With fp16 scores (`handle.options["s_f16"]`,
+    the default at d = 128 and 256) q8 and k8 must come from `prepare_inputs` or
+    `quantize.quantize_qk_f16_scores`: q and k scaled to e4m3's full range overflow fp16."""
     run_attention(handle, q8, k8, v8, out, extra_inputs=(descale_q, descale_k, descale_v))

@@ -224,22 +224,39 @@ _NO_SIGNS: dict = {}
 def _quantize_on_gpu(x: torch.Tensor, packed: bool, rotate_signs: Optional[torch.Tensor]):
     """(e4m3 copy, scale) with the two kernels; the scale (448 / amax, 1 for an all-zero
     slice) is computed between them by `_scale`'s formula."""
+    scale = _scale_from_amax(_amax_on_gpu(x, rotate_signs))
+    return _cast_on_gpu(x, scale, packed, rotate_signs), scale
+
+
+def _signs_for(x: torch.Tensor, rotate_signs: Optional[torch.Tensor]) -> torch.Tensor:
+    """The kernels' signs argument: the rotation's, or ones (not read; one per (d, device))."""
+    if rotate_signs is not None:
+        return rotate_signs.to(device=x.device, dtype=torch.float32).contiguous()
+    key = (x.shape[-1], x.device)
+    signs = _NO_SIGNS.get(key)
+    if signs is None:
+        signs = _NO_SIGNS[key] = torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+    return signs
+
+
+def _amax_on_gpu(x: torch.Tensor, rotate_signs: Optional[torch.Tensor]) -> torch.Tensor:
+    """amax per (batch, head) of x (rotated first with rotate_signs), fp32, by AbsMax."""
     b, n, h, d = x.shape
-    rotate = rotate_signs is not None
-    if rotate:
-        signs = rotate_signs.to(device=x.device, dtype=torch.float32).contiguous()
-    else:                                       # not read by the kernels; one per (d, device)
-        key = (d, x.device)
-        signs = _NO_SIGNS.get(key)
-        if signs is None:
-            signs = _NO_SIGNS[key] = torch.ones(d, dtype=torch.float32, device=x.device)
     amax = torch.zeros((b, h), dtype=torch.float32, device=x.device)
-    _launch(_fused_kernel("amax", d, False, rotate, x.dtype, x.device), x, amax, signs)
-    scale = _scale_from_amax(amax)
+    _launch(_fused_kernel("amax", d, False, rotate_signs is not None, x.dtype, x.device), x,
+            amax, _signs_for(x, rotate_signs))
+    return amax
+
+
+def _cast_on_gpu(x: torch.Tensor, scale: torch.Tensor, packed: bool,
+                 rotate_signs: Optional[torch.Tensor]) -> torch.Tensor:
+    """x (rotated first with rotate_signs) times scale per (batch, head), to e4m3, by
+    ScaleCast."""
     out = _fp8_output(x, packed)
-    _launch(_fused_kernel("cast", d, packed, rotate, x.dtype, x.device), x, out, scale, signs,
+    _launch(_fused_kernel("cast", x.shape[-1], packed, rotate_signs is not None, x.dtype,
+                          x.device), x, out, scale, _signs_for(x, rotate_signs),
             leading_dims={1: 1} if packed else None)
-    return out, scale
+    return out
 
 
 def pack_v(v8: torch.Tensor) -> torch.Tensor:
@@ -262,3 +279,58 @@ def unpack_v(packed: torch.Tensor, seqlen: int) -> torch.Tensor:
 def dequantize_fp8(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """fp32 x8 * descale (the values the kernel computes with)."""
     return x8.float() * descale[:, None, :, None]
+
+
+# k7's `s_f16` (S = Q K^T accumulated in fp16): every partial sum of q8 . k8 must stay within
+# fp16's range (65,504). By Cauchy-Schwarz a partial sum is at most |q8 row| |k8 row|; the
+# limit leaves a factor 2 of headroom and e4m3's rounding (each element up to 1/16 larger).
+F16_SCORE_LIMIT = 2.0 ** 15 / (1.0 + 1.0 / 16) ** 2
+F16_SMALLEST_NORMAL = 2.0 ** -14
+
+
+@torch.no_grad()
+def quantize_qk_f16_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: float,
+                           rotate_signs: Optional[torch.Tensor] = None,
+                           fused: Optional[bool] = None):
+    """(q8, k8, descale_q, descale_k) for k7's fp16 scores (`s_f16`).
+
+    Per (batch, head) as `quantize_fp8`, but with two more constraints: the largest row norms
+    of q8 and k8 multiply to at most F16_SCORE_LIMIT (no fp16 overflow in the WGMMA), and
+    softmax_scale * log2(e) * descale_q * descale_k, the factor the kernel multiplies fp16
+    scores by, is a power of two in fp16's normal range (exact in fp16). k takes up to the
+    square root of the limit (or 448 / amax); each q head the rest, then rounds its scale
+    down to make the factor a power of two (at most one bit of e4m3's range). On the GPU the
+    amax and cast passes are `quantize_fp8`'s kernels (`fused` as there); the row norms are
+    one torch reduction each (a rotation leaves them unchanged)."""
+    rotate = rotate_signs is not None
+    reasons = [fused_unsupported(x, rotate) for x in (q, k)] if fused is not False else ["off"]
+    reason = next((r for r in reasons if r), None)
+    if fused and reason:
+        raise ValueError(f"quantize_qk_f16_scores(fused=True): {reason}")
+    if reason and rotate:
+        r = rotation_matrix(rotate_signs.to(q.device))
+        q, k = torch.matmul(q.float(), r), torch.matmul(k.float(), r)
+    if reason:
+        amax_q, amax_k = q.abs().amax(dim=(1, 3)).float(), k.abs().amax(dim=(1, 3)).float()
+    else:
+        amax_q, amax_k = _amax_on_gpu(q, rotate_signs), _amax_on_gpu(k, rotate_signs)
+    norm_q, norm_k = [torch.linalg.vector_norm(x, dim=3, dtype=torch.float32).amax(dim=1)
+                      for x in (q, k)]                                # (B, H), (B, Hkv)
+    group = q.shape[2] // k.shape[2]
+    tiny = torch.finfo(torch.float32).tiny
+    scale_k = torch.minimum(E4M3_MAX / amax_k.clamp_min(tiny),
+                            math.sqrt(F16_SCORE_LIMIT) / norm_k.clamp_min(tiny))
+    scale_k_q = scale_k.repeat_interleave(group, dim=1)                # k's, per q head
+    norm_k8 = (norm_k * scale_k).repeat_interleave(group, dim=1)
+    scale_q = torch.minimum(E4M3_MAX / amax_q.clamp_min(tiny),
+                            F16_SCORE_LIMIT / (norm_k8 * norm_q).clamp_min(tiny))
+    scale_log2 = softmax_scale * math.log2(math.e)
+    factor = torch.exp2(torch.ceil(torch.log2(scale_log2 / (scale_q * scale_k_q))))
+    scale_q = scale_log2 / (factor.clamp_min(F16_SMALLEST_NORMAL) * scale_k_q)
+    if reason:
+        q8, k8 = [(x.float() * sc[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+                  .to(torch.float8_e4m3fn) for x, sc in ((q, scale_q), (k, scale_k))]
+    else:
+        q8, k8 = [_cast_on_gpu(x, sc, False, rotate_signs)
+                  for x, sc in ((q, scale_q), (k, scale_k))]
+    return q8, k8, (1.0 / scale_q).contiguous(), (1.0 / scale_k).contiguous()

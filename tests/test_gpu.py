@@ -527,15 +527,17 @@ def test_attention_backward_deterministic_mode_gives_the_same_bits(batch, heads,
 @pytest.mark.parametrize("v_transposed", [False, True])
 def test_k7_gqa_and_cross_attention(heads_q, heads_kv, seqlen_k, causal, v_transposed):
     """GQA and cross-attention in FP8, against the fp32 reference on the dequantized inputs,
-    within 2x the FP8 emulation's error (also with V given sequence-major)."""
+    within 2x the FP8 emulation's error (also with V given sequence-major). q and k scaled
+    for fp16 scores (k7's default at d = 128; one k descale per group of query heads)."""
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
-    from hopper_attn.quantize import dequantize_fp8, quantize_fp8
+    from hopper_attn.quantize import dequantize_fp8, quantize_fp8, quantize_qk_f16_scores
     gen = torch.Generator(device="cuda").manual_seed(heads_kv * 7 + seqlen_k + causal)
     q = torch.randn(2, 300, heads_q, 128, device="cuda", generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(2, seqlen_k, heads_kv, 128, device="cuda", generator=gen)
             .to(torch.bfloat16) for _ in range(2))
-    q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
+    q8, k8, dq, dk = quantize_qk_f16_scores(q, k, 128 ** -0.5)
+    v8, dv = quantize_fp8(v)
     problem = Problem.from_tensor(q, causal, k=k)
     handle = k7.compile_kernel(problem, v_transposed=v_transposed)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -557,11 +559,10 @@ def test_k7_strided_inputs(causal, v_transposed):
     inputs made contiguous, bit for bit."""
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
-    from hopper_attn.quantize import quantize_fp8
     gen = torch.Generator(device="cuda").manual_seed(11 + causal)
     q, k, v = (torch.randn(2, 333, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
                for _ in range(3))
-    q8, k8, v8, dq, dk, dv = quantize_fp8(q, k, v)
+    q8, k8, v8, dq, dk, dv = k7.prepare_inputs(q, k, v, v_transposed=False)
     packed = torch.full((2, 333, 4, 4, 128), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
     for i, t in enumerate((q8, k8, v8)):
         packed[:, :, i] = t.view(torch.uint8)
@@ -630,11 +631,26 @@ def test_k7_log_sum_exp(d, causal):
     assert (lse - ref).abs().max().item() < 2e-3
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_quantize_qk_f16_scores_fused_matches_torch(d):
+    """quantize_qk_f16_scores through the GPU quantizer's amax and cast kernels: the bytes
+    and descales of its torch path (GQA: 6 query heads, 2 k/v heads)."""
+    from hopper_attn.quantize import quantize_qk_f16_scores
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q = torch.randn(2, 333, 6, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(2, 200, 2, d, device="cuda", generator=gen).to(torch.bfloat16)
+    fused = quantize_qk_f16_scores(q, k, d ** -0.5, fused=True)
+    plain = quantize_qk_f16_scores(q, k, d ** -0.5, fused=False)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)
+
+
 @pytest.mark.parametrize("seqlen,tail_n", [(1, 32), (4096, 64), (2049, 160), (4000, 160)])
 def test_k7_narrow_last_tile(seqlen, tail_n):
     """k7's narrow last kv tile (k6's tail_n, the default at d = 128 without a mask below
-    k7.TAIL_N): the same output as with the whole last tile, within the FP8 emulation's
-    error of the fp32 reference, no NaN, and the same bits twice."""
+    k7.TAIL_N, with fp32 scores): the same output as with the whole last tile, within the FP8
+    emulation's error of the fp32 reference, no NaN, and the same bits twice."""
     from hopper_attn import k7
     from hopper_attn.common.contract import Problem
     from hopper_attn.quantize import dequantize_fp8
@@ -643,10 +659,10 @@ def test_k7_narrow_last_tile(seqlen, tail_n):
                for _ in range(3))
     inputs = k7.prepare_inputs(q, k, v)
     problem = Problem.from_tensor(q, False)
-    narrow = k7.compile_kernel(problem)
+    narrow = k7.compile_kernel(problem, s_f16=False)
     assert narrow.options["tail_n"] == tail_n
     outs = []
-    for handle in (narrow, narrow, k7.compile_kernel(problem, tail_n=0)):
+    for handle in (narrow, narrow, k7.compile_kernel(problem, tail_n=0, s_f16=False)):
         out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
         k7.run_kernel(handle, *inputs, out)
         outs.append(out)

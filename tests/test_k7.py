@@ -16,7 +16,15 @@ from hopper_attn.harness.compile_report import resource_usage
 from ptx import TMA_STORE, compiled, count
 
 CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
-E4M3_WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f32\.e4m3\.e4m3"
+# an e4m3 WGMMA's N; its accumulator: fp32, or fp16 for S with `s_f16`
+E4M3_WGMMA = r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32\.f(?:32|16)\.e4m3\.e4m3"
+
+
+def p_conversions(art) -> int:
+    """P's e4m3 pair conversions in the PTX: from fp32 pairs, or from fp16 pairs with fp16
+    scores (`s_f16`)."""
+    source = "f16x2" if art["kernel"]["options"]["s_f16"] else "f32"
+    return count(art["ptx"], rf"cvt\.rn\.satfinite\.e4m3x2\.{source}")
 
 
 @pytest.mark.compile
@@ -26,13 +34,19 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     ptx, block_n = art["ptx"], art["kernel"]["block_n"]
-    # S = Q K^T (n = block_n) and O += P V (n = d), nothing in 16 bits
+    # S = Q K^T (n = block_n) and O += P V (n = d), no 16-bit operands; S accumulated in
+    # fp16 where S_F16 has the configuration (d = 128, d = 256 without a mask), else fp32
     assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {block_n, d}
-    assert not re.search(r"wgmma\S*\.(bf16|f16)", ptx)
-    # P -> e4m3 pairs in registers (block_n / 2 fp32 per thread, two per conversion; in the
+    assert not re.search(r"wgmma\S*\.(bf16|f16)\.(bf16|f16)", ptx)
+    s_f16 = art["kernel"]["options"]["s_f16"]
+    assert s_f16 == (d == 128 or (d == 256 and not causal))
+    s_acc = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k32\.(f\d+)\.", ptx)
+    assert set(s_acc) == {"f16" if s_f16 else "f32"}
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{d}k32\.f32\.", ptx)
+    # P -> e4m3 pairs in registers (block_n / 2 scores per thread, two per conversion; in the
     # loop, and again in the item's narrow last tile after it where there is one: tail_n)
     tiles = 2 if art["kernel"]["options"]["tail_n"] else 1
-    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == block_n // 4 * tiles
+    assert p_conversions(art) == block_n // 4 * tiles
     # the PV WGMMA takes A from registers: {...} list right after the accumulators
     assert re.search(r"wgmma\.mma_async\S*k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)
 
@@ -49,7 +63,11 @@ def test_fp8_output(d, causal):
     ptx, block_n = art["ptx"], art["kernel"]["block_n"]
     tiles = 2 if art["kernel"]["options"]["tail_n"] else 1
     # P's conversions as in the bf16-output kernel, plus d / 4 (O's d / 2 fp32 per thread)
-    assert count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32") == block_n // 4 * tiles + d // 4
+    o_conversions = count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32")
+    if art["kernel"]["options"]["s_f16"]:
+        assert p_conversions(art) == block_n // 4 * tiles and o_conversions == d // 4
+    else:
+        assert o_conversions == block_n // 4 * tiles + d // 4
     assert not re.search(r"cvt\S*\.bf16x2\.f32", ptx)
     # the TMA store's 128-byte boxes: half as many as for bf16 rows of 256 bytes or more
     bf16_out = compiled("k7", d, causal)["ptx"]
@@ -382,9 +400,13 @@ def test_narrow_last_tile_in_sass():
     """The item's last kv tile after the loop, narrowed to its keys (N = 128: all 128 of the
     192-wide tile's columns there are): its softmax exponentiates tail_n / 2 scores per
     thread instead of block_n / 2, and the last PV multiplies tail_n / 32 k-blocks
-    instead of block_n / 32 (against the same kernel with the whole last tile)."""
+    instead of block_n / 32 (against the same kernel with the whole last tile). With fp32
+    scores: with fp16 ones (s_f16, the default at d = 128) the kv tile is 256 wide and the
+    narrow tile is off (it would spill)."""
     from hopper_attn.harness.compile_report import sass
-    narrow, whole = compiled("k7", 128, False), compiled("k7:tail_n=0", 128, False)
+    assert compiled("k7", 128, False)["kernel"]["options"]["tail_n"] == 0
+    narrow, whole = compiled("k7:s_f16=0", 128, False), compiled("k7:s_f16=0,tail_n=0", 128,
+                                                                 False)
     tail_n, block_n = narrow["kernel"]["options"]["tail_n"], narrow["kernel"]["block_n"]
     assert (tail_n, block_n, whole["kernel"]["options"]["tail_n"]) == (128, 192, 0)
     ops = [sass(art["cubin"]) for art in (narrow, whole)]
@@ -417,10 +439,39 @@ def test_exp2s_paced_at_the_sfu_rate():
     """ptxas paces k7's exp2s itself (docs/k7.md "Where the phases line up"): in the loop,
     the control bits put 8 cycles between one MUFU.EX2 and the next (a stall of 7 on the
     row-sum FADD between them), the rate one SM sub-partition's SFU takes them at, so a warp
-    alone needs 8 cycles per exp2 whatever else it has to issue."""
+    alone needs 8 cycles per exp2 whatever else it has to issue. (fp32 scores; fp16 ones:
+    test_fp16_scores.)"""
     from hopper_attn.harness.compile_report import sass
     from hopper_attn.harness.sass_order import control_bits, exp2_gaps
-    text = sass(compiled("k7", 128, False)["cubin"], encoding=True)
+    text = sass(compiled("k7:s_f16=0", 128, False)["cubin"], encoding=True)
     assert len(control_bits(text)) > 1000
     gaps = max(exp2_gaps(text), key=len)                 # the loop of whole tiles
     assert len(gaps) + 1 >= 96 and set(gaps) == {8}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [128, 256])
+def test_fp16_scores(d):
+    """`s_f16` (the default at d = 128, and d = 256 without a mask; docs/k7.md "Scores in
+    fp16"): S = Q K^T accumulates in fp16 and the softmax runs on fp16 pairs: per thread and
+    tile (block_n / 2 scores, block_n / 4 pairs) one sub.f16x2 (s - m), one mul and add
+    (HFMA2 in the SASS), one ex2.approx.f16x2 (two MUFU.EX2.F16) and one add.f16x2 for the
+    row sums per pair; fp32 exp2s only for the two rows' alphas; P converted from fp16 pairs.
+    No spills; the options it cannot combine with are refused."""
+    from hopper_attn.harness.compile_report import sass
+    from hopper_attn.k7 import FlashAttentionK7
+    art = compiled("k7", d, False)
+    kernel, ptx = art["kernel"], art["ptx"]
+    assert kernel["options"]["s_f16"]
+    pairs = kernel["block_n"] // 4
+    assert count(ptx, r"ex2\.approx\.f16x2") == pairs
+    assert count(ptx, r"sub\.f16x2") == pairs and count(ptx, r"mul\.f16x2") == pairs
+    assert count(ptx, r"add\.f16x2") >= 2 * pairs
+    assert count(ptx, r"ex2\.approx\.ftz\.f32") == 2
+    assert p_conversions(art) == pairs
+    assert sass(art["cubin"]).count("MUFU.EX2.F16") == 2 * pairs
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    for option in ({"lazy_rescale": True}, {"pv_wait_after": 4}, {"fma_exp2_every": 4}):
+        with pytest.raises(ValueError, match="s_f16"):
+            FlashAttentionK7(d, False, s_f16=True, **option)

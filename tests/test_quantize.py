@@ -100,3 +100,53 @@ def test_kernel_rotation_order_is_x_times_r(d):
     s = k8.signs(d, seed=3).double()
     want = x @ quantize.rotation_matrix(s).double()
     assert torch.allclose(fwht_as_the_kernel_does(x, s), want, atol=1e-12)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("magnitude", [0.01, 1.0, 30.0])
+def test_f16_scores_fit_and_factor_is_a_power_of_two(d, magnitude):
+    """quantize_qk_f16_scores (k7's `s_f16`): every score q8 . k8, and every partial sum of
+    one (by Cauchy-Schwarz, at most the product of the row norms), fits fp16 with room to
+    spare; the factor the kernel multiplies fp16 scores by, softmax_scale log2(e) dq dk, is
+    a power of two in fp16's normal range; the descales give q and k back (GQA: k's descale
+    is shared by the query heads of its group), and e4m3's range is respected."""
+    import math
+    gen = torch.Generator().manual_seed(d)
+    q = torch.randn(2, 200, 4, d, generator=gen) * magnitude
+    k = torch.randn(2, 300, 2, d, generator=gen) * magnitude
+    q[:, :, 1, :3] *= 50.0                               # outlier channels in one head
+    k[0, 7] *= 20.0                                      # one loud key
+    scale = 1.0 / math.sqrt(d)
+    q8, k8, dq, dk = quantize.quantize_qk_f16_scores(q.to(torch.bfloat16),
+                                                     k.to(torch.bfloat16), scale)
+    assert q8.dtype == k8.dtype == torch.float8_e4m3fn
+    assert dq.shape == (2, 4) and dk.shape == (2, 2)
+    norms_q = q8.float().norm(dim=3).amax(dim=1)
+    norms_k = k8.float().norm(dim=3).amax(dim=1).repeat_interleave(2, dim=1)
+    assert (norms_q * norms_k).max() <= 2.0 ** 15
+    factor = scale * math.log2(math.e) * dq * dk.repeat_interleave(2, dim=1)
+    exponent = torch.log2(factor)
+    assert torch.allclose(exponent, exponent.round(), atol=1e-5)
+    assert (factor >= 2.0 ** -14 * (1 - 1e-6)).all()
+    for x, x8, descale in ((q, q8, dq), (k, k8, dk)):
+        assert (x8.float().abs() <= quantize.E4M3_MAX).all()
+        back = quantize.dequantize_fp8(x8, descale)
+        amax = x.abs().amax(dim=(1, 3))[:, None, :, None]
+        err = (back - x.to(torch.bfloat16).float()).abs() / amax
+        assert err.max() <= 2.0 ** -4 * 8       # at most a few bits of e4m3 range given up
+
+
+def test_f16_scores_with_rotation_keep_scores():
+    """With k8's rotation the same constraints hold, and the dequantized scores are those of
+    the unrotated inputs (R is orthogonal) up to e4m3's rounding."""
+    import math
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 64, 2, 128, generator=gen), torch.randn(1, 64, 2, 128, generator=gen)
+    signs = torch.randint(0, 2, (128,), generator=gen).float() * 2 - 1
+    q8, k8, dq, dk = quantize.quantize_qk_f16_scores(q, k, 1 / math.sqrt(128),
+                                                     rotate_signs=signs)
+    s = torch.einsum("bnhd,bmhd->bhnm", quantize.dequantize_fp8(q8, dq),
+                     quantize.dequantize_fp8(k8, dk))
+    ref = torch.einsum("bnhd,bmhd->bhnm", q, k)
+    assert (s - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (q8.float().norm(dim=3).amax() * k8.float().norm(dim=3).amax()) <= 2.0 ** 15

@@ -133,6 +133,7 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
     measured on k6 (docs/k7.md): a tie at d = 128 and 256, 3-4% slower at d = 64, so only k7
     uses it.
     """
+    minus_inf = s_rc.element_type(-Float32.inf)        # (fp32, or k7's fp16 scores)
     if cutlass.const_expr(per_row_limit and not transposed):
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             limit = seqlen
@@ -140,7 +141,7 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                 limit = cutlass.min(limit, coords_rc[r, 0][0] + row0 + causal_offset + 1)
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                 if coords_rc[r, c][1] + col0 >= limit:
-                    s_rc[r, c] = -Float32.inf
+                    s_rc[r, c] = minus_inf
     else:
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
@@ -151,7 +152,7 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                 if cutlass.const_expr(causal):
                     hidden = hidden or key > query + causal_offset
                 if hidden:
-                    s_rc[r, c] = -Float32.inf
+                    s_rc[r, c] = minus_inf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -363,3 +363,73 @@ class ScoreSource:
                         dot = dot + (Float32(self.q[row, i, self.head, self.batch])
                                      * Float32(self.k[col, i, self.kv_head, self.batch]))
                 s_rc[r, c] = dot
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSoftmaxF16(OnlineSoftmax):
+    """The online softmax on fp16 scores (k7's `s_f16`: S = Q K^T accumulated in fp16, two
+    scores per register), in fp16 pairs: the row maxima by HMNMX2, s * c - b by HFMA2, the
+    exp2s by ex2.approx.f16x2 (two MUFU.EX2.F16), a tile's row sums by HADD2 (then added to
+    l in fp32).
+
+    |S| must fit fp16 (the quantizer bounds |q8| |k8|), and c (`scale_log2`, the descales
+    folded in) should be exact in fp16 (the quantizer makes it a power of two; otherwise it
+    is rounded, a relative change of at most 2^-11 to every logit). `row_ref` holds each
+    row's m c - p_scale_log2 in fp32 (exact: m is an fp16 value and c a power of two), which
+    alpha and the LSE use."""
+    row_ref: cute.Tensor = None
+
+    @staticmethod
+    def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
+               p_scale_log2: int = 0, **_unused) -> "OnlineSoftmaxF16":
+        base = OnlineSoftmax.create(num_rows, scale_log2, lanes_per_row, p_scale_log2)
+        row_ref = cute.make_rmem_tensor((num_rows,), Float32)
+        row_ref.fill(-Float32.inf)
+        return OnlineSoftmaxF16(base.num_rows, base.lanes_per_row, base.scale_log2,
+                                base.row_max, base.row_sum, p_scale_log2, row_ref=row_ref)
+
+    def reset(self):
+        super().reset()
+        self.row_ref.fill(-Float32.inf)
+
+    @cute.jit
+    def step(self, s_rc: cute.Tensor) -> cute.Tensor:
+        alpha = cute.make_rmem_tensor((self.num_rows,), Float32)
+        c = Float16(self.scale_log2)
+        c_exact = Float32(c)                # what the fp16 products use
+        cols = cute.size(s_rc, mode=[1])
+        for r in cutlass.range_constexpr(self.num_rows):
+            row = s_rc[r, None].load()
+            tile_max = self.quad_max(Float32(row.reduce(cute.ReductionOp.MAX,
+                                                        Float16(-Float32.inf), 0)))
+            m_new = cute.arch.fmax(self.row_max[r], tile_max)
+            self.row_max[r] = m_new
+            m_safe = 0.0 if m_new == -Float32.inf else m_new     # an fp16 value, exactly
+            ref = m_safe * c_exact - Float32(self.p_scale_log2)
+            alpha[r] = cute.math.exp2(self.row_ref[r] - ref, fastmath=True)
+            self.row_ref[r] = ref
+            # (s - m) c + p_scale_log2 (HADD2, HFMA2): exactly p_scale_log2 at the row's
+            # maximum, so that its P is exactly 2^p_scale_log2 as in fp32 (one HFMA2 with
+            # m c - p_scale_log2 folded would round that offset to fp16)
+            s_rc[r, None].store((row - Float16(m_safe)) * c + Float16(self.p_scale_log2))
+            # columns j, j + 1 share a register: exp2 and the sums go by pairs, the sums in
+            # two chains (HADD2)
+            sums = [(Float16(0.0), Float16(0.0)), (Float16(0.0), Float16(0.0))]
+            for j in cutlass.range_constexpr(0, cols, 2):
+                p = cute.arch.exp2_packed_f16x2((s_rc[r, j], s_rc[r, j + 1]))
+                s_rc[r, j], s_rc[r, j + 1] = p
+                sums[(j // 2) % 2] = cute.arch.add_packed_f16x2(sums[(j // 2) % 2], p)
+            total = cute.arch.add_packed_f16x2(sums[0], sums[1])
+            self.row_sum[r] = (self.row_sum[r] * alpha[r] + Float32(total[0])
+                               + Float32(total[1]))
+        return alpha
+
+    @cute.jit
+    def log_sum_exp(self, inv: cute.Tensor) -> cute.Tensor:
+        """As OnlineSoftmax's, from the rounded offsets P was computed with."""
+        lse = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            lse[r] = -Float32.inf
+            if inv[r] != 0.0:
+                lse[r] = (self.row_ref[r] - cute.math.log2(inv[r], fastmath=True)) * LN_2
+        return lse

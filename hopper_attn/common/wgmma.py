@@ -25,15 +25,16 @@ from cutlass.cute.nvgpu import warpgroup
 from .layouts import acc_rows_cols, transposed
 
 
-def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, dtype=BFloat16):
+def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, dtype=BFloat16,
+           acc_dtype=Float32):
     """S = Q K^T: Q (M x d) and K (N x d) both K-major (head_dim contiguous) in SMEM.
 
     Each warpgroup computes 64 rows x tile_n columns; warpgroups are stacked
-    `warpgroups_m` down and `warpgroups_n` across.
-    """
+    `warpgroups_m` down and `warpgroups_n` across. `acc_dtype`: S's type (fp32; k7's
+    `s_f16`: fp16, two scores per register)."""
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-        Float32, (warpgroups_m, warpgroups_n, 1), tiler_mn=(64, tile_n))
+        acc_dtype, (warpgroups_m, warpgroups_n, 1), tiler_mn=(64, tile_n))
 
 
 def pv_mma(warpgroups_m: int, head_dim: int, dtype=BFloat16, vt_k_major: bool = False):
@@ -154,14 +155,16 @@ class AttentionMmas:
     vt_frag: cute.Tensor
     p_frag: object                  # registers (cute.Tensor), or SmemP
     s_coords: cute.Tensor
+    s_dtype: object = Float32       # S's accumulator type
 
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
                dtype=BFloat16, uniform: bool = True,
-               vt_k_major: bool = False, sP=None) -> "AttentionMmas":
-        """`sP`: a (block_m, block_n) SMEM buffer for P (K-major), or None: P in registers."""
-        mma_qk = qk_mma(warpgroups, 1, block_n, dtype)
+               vt_k_major: bool = False, sP=None, s_dtype=Float32) -> "AttentionMmas":
+        """`sP`: a (block_m, block_n) SMEM buffer for P (K-major), or None: P in registers;
+        `s_dtype`: S's accumulator type."""
+        mma_qk = qk_mma(warpgroups, 1, block_n, dtype, s_dtype)
         if sP is None:
             mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
         else:
@@ -185,7 +188,8 @@ class AttentionMmas:
             vt_frag=wg_pv.make_fragment_B(wg_pv.partition_B(sVt)),
             p_frag=p_frag,
             s_coords=acc_rows_cols(thr_qk.partition_C(
-                cute.make_identity_tensor((block_m, block_n)))))
+                cute.make_identity_tensor((block_m, block_n)))),
+            s_dtype=s_dtype)
 
     def new_o_accumulator(self, block_m: int, head_dim: int) -> cute.Tensor:
         """O (fp32, per thread), zeroed."""
@@ -194,7 +198,8 @@ class AttentionMmas:
         return acc_o
 
     def new_s_accumulator(self, block_m: int, block_n: int) -> cute.Tensor:
-        return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((block_m, block_n)), Float32)
+        return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((block_m, block_n)),
+                                     self.s_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
