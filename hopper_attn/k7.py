@@ -25,8 +25,9 @@ What changes from k6 (docs/k7.md):
 * Scores in fp16 (`s_f16`, S_F16: d = 128, and d = 256 without a mask): the QK WGMMA
   accumulates S in fp16 (same rate), two scores per register, and the softmax runs on pairs
   (common/softmax.py `OnlineSoftmaxF16`: HMNMX2, HADD2 / HFMA2, ex2.approx.f16x2, HADD2
-  row sums): about a third fewer instructions between the QK wait and the PV issue, and
-  half of S's registers, which at d = 128 pay for 256-wide kv tiles (TILES_S_F16). The
+  row sums). Per score about as many instructions as in fp32 (each packed exp2 pair needs a
+  PRMT), but half of S's registers, which at d = 128 pay for 256-wide kv tiles
+  (TILES_S_F16): +3.6-10.3% there, +5% at d = 256. The
   quantizer must keep every q8 . k8 within fp16's range and make the scores' factor a power
   of two (`prepare_inputs` does, `quantize.quantize_qk_f16_scores`); q and k scaled to 448
   by `quantize_fp8` alone would overflow: run those with `s_f16=0` (docs/k7.md "Scores in
@@ -57,8 +58,9 @@ transpose is what limited d = 256).
 Budget, d = 128 (fp16 scores, 128 x 256 tiles, 2 stages): 384 threads; SMEM = Q 16 KiB + K
 and V^T rings 2 x 2 x 32 KiB + O 32 KiB = 176 KiB (+ barriers). Registers per consumer
 thread: S 64 (128 fp16 scores) + P 32 + O 64 fp32. With fp32 scores (`s_f16=0`, 128 x 192,
-3 stages): Q 16 + 2 x 3 x 24 + O 32 = 192 KiB; S 96 + P 24 + O 64. d = 64: 128 x 256, 3 stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256:
-128 x 128, 2 stages: Q 32 + 2 x 2 x 32 + O 64 = 224 KiB.
+3 stages): Q 16 + 2 x 3 x 24 + O 32 = 192 KiB; S 96 + P 24 + O 64. d = 64: 128 x 256, 3
+stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256: 128 x 128, 2 stages: Q 32 + 2 x 2 x 32 +
+O 64 = 224 KiB.
 """
 
 from __future__ import annotations
@@ -334,7 +336,8 @@ class FlashAttentionK7(FlashAttentionK6):
                                               s_dtype=Float16 if self.s_f16 else Float32)
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
-            softmax = (OnlineSoftmaxF16 if self.s_f16 else OnlineSoftmax).create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
+            softmax_class = OnlineSoftmaxF16 if self.s_f16 else OnlineSoftmax
+            softmax = softmax_class.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                            lanes_per_row=4, p_scale_log2=self.p_scale_log2,
                                            fma_exp2_every=self.fma_exp2_every,
                                            fence_after=self.softmax_fence_after,

@@ -475,3 +475,22 @@ def test_fp16_scores(d):
     for option in ({"lazy_rescale": True}, {"pv_wait_after": 4}, {"fma_exp2_every": 4}):
         with pytest.raises(ValueError, match="s_f16"):
             FlashAttentionK7(d, False, s_f16=True, **option)
+
+
+def test_prepare_inputs_scales_for_the_scores_type():
+    """k7.prepare_inputs scales q and k for fp16 scores at the head dims S_F16 has (the
+    scores' factor softmax_scale log2(e) dq dk a power of two, row norms bounded), and to
+    e4m3's full range (448 per head) at d = 64; `softmax_scale` reaches the factor."""
+    import math
+    from hopper_attn import k7
+    gen = torch.Generator().manual_seed(3)
+    for d, f16 in ((64, False), (128, True), (256, True)):
+        q, k, v = (torch.randn(1, 64, 2, d, generator=gen).to(torch.bfloat16) for _ in range(3))
+        for scale in (None, 0.05):
+            q8, k8, _, dq, dk, _ = k7.prepare_inputs(q, k, v, softmax_scale=scale)
+            factor = (d ** -0.5 if scale is None else scale) * math.log2(math.e) * dq * dk
+            power_of_two = torch.allclose(torch.log2(factor), torch.log2(factor).round(),
+                                          atol=1e-5)
+            assert power_of_two == f16, (d, scale)
+            top = q8.float().abs().amax(dim=(1, 3))
+            assert (top < 448).all() if f16 else (top == 448).all()

@@ -368,9 +368,10 @@ class ScoreSource:
 @dataclasses.dataclass(frozen=True)
 class OnlineSoftmaxF16(OnlineSoftmax):
     """The online softmax on fp16 scores (k7's `s_f16`: S = Q K^T accumulated in fp16, two
-    scores per register), in fp16 pairs: the row maxima by HMNMX2, s * c - b by HFMA2, the
-    exp2s by ex2.approx.f16x2 (two MUFU.EX2.F16), a tile's row sums by HADD2 (then added to
-    l in fp32).
+    scores per register), in fp16 pairs: the row maxima by HMNMX2, (s - m) c + p_scale_log2
+    by HADD2 and HFMA2, the exp2s by ex2.approx.f16x2 (two MUFU.EX2.F16), a tile's row sums
+    by HADD2 (then added to l in fp32). Only the one-step `step` (no lazy rescaling, no
+    fence among the exp2s).
 
     |S| must fit fp16 (the quantizer bounds |q8| |k8|), and c (`scale_log2`, the descales
     folded in) should be exact in fp16 (the quantizer makes it a power of two; otherwise it
@@ -426,7 +427,7 @@ class OnlineSoftmaxF16(OnlineSoftmax):
 
     @cute.jit
     def log_sum_exp(self, inv: cute.Tensor) -> cute.Tensor:
-        """As OnlineSoftmax's, from the rounded offsets P was computed with."""
+        """As OnlineSoftmax's, from the offsets `row_ref` (m c - p_scale_log2 per row)."""
         lse = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             lse[r] = -Float32.inf
