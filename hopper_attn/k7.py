@@ -665,5 +665,6 @@ def output_descale(descale_v: torch.Tensor, heads: int) -> torch.Tensor:
 def run_kernel(handle, q8, k8, v8, descale_q, descale_k, descale_v, out):
     """out = attention of the dequantized inputs. With fp16 scores (`handle.options["s_f16"]`,
     the default at d = 128 and 256) q8 and k8 must come from `prepare_inputs` or
-    `quantize.quantize_qk_f16_scores`: q and k scaled to e4m3's full range overflow fp16."""
+    `quantize.quantize_qk_f16_scores`: q and k scaled to e4m3's full range overflow fp16
+    (`quantize.check_f16_scores` checks FP8 inputs made elsewhere, once: it syncs)."""
     run_attention(handle, q8, k8, v8, out, extra_inputs=(descale_q, descale_k, descale_v))

@@ -334,3 +334,29 @@ def quantize_qk_f16_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: floa
         q8, k8 = [_cast_on_gpu(x, sc, False, rotate_signs)
                   for x, sc in ((q, scale_q), (k, scale_k))]
     return q8, k8, (1.0 / scale_q).contiguous(), (1.0 / scale_k).contiguous()
+
+
+@torch.no_grad()
+def check_f16_scores(q8: torch.Tensor, k8: torch.Tensor, descale_q: torch.Tensor,
+                     descale_k: torch.Tensor, softmax_scale: float) -> None:
+    """Raise ValueError unless e4m3 q8, k8 (batch, seqlen, heads, head_dim) and their
+    descales are fit for k7's fp16 scores (`s_f16`): every partial sum of q8 . k8 within
+    fp16's range (the product of the largest row norms of a q head and its k head at most
+    2^15, half of fp16's largest value) and softmax_scale log2(e) dq dk a power of two at
+    least 2^-14. `quantize_qk_f16_scores` guarantees both; for FP8 inputs made elsewhere this
+    is the check to run once (it reads q8 and k8 and waits for the GPU)."""
+    group = q8.shape[2] // k8.shape[2]
+    norm_q = torch.linalg.vector_norm(q8.float(), dim=3).amax(dim=1)            # (B, H)
+    norm_k = torch.linalg.vector_norm(k8.float(), dim=3).amax(dim=1)
+    worst = (norm_q * norm_k.repeat_interleave(group, dim=1)).max().item()
+    if worst > 2.0 ** 15:
+        raise ValueError(f"q8 . k8 may reach {worst:.0f} (row norms), past fp16's safe 2^15: "
+                         "quantize q and k with quantize_qk_f16_scores, or run k7 with "
+                         "s_f16=False")
+    factor = (softmax_scale * math.log2(math.e) * descale_q.float()
+              * descale_k.float().repeat_interleave(group, dim=1))
+    exponent = torch.log2(factor)
+    if not (torch.allclose(exponent, exponent.round(), atol=1e-5)
+            and (factor >= F16_SMALLEST_NORMAL * (1 - 1e-6)).all()):
+        raise ValueError("softmax_scale * log2(e) * descale_q * descale_k must be a power of "
+                         "two >= 2^-14 for fp16 scores (quantize_qk_f16_scores makes it one)")

@@ -150,3 +150,20 @@ def test_f16_scores_with_rotation_keep_scores():
     ref = torch.einsum("bnhd,bmhd->bhnm", q, k)
     assert (s - ref).abs().max() < 0.1 * ref.abs().max()
     assert (q8.float().norm(dim=3).amax() * k8.float().norm(dim=3).amax()) <= 2.0 ** 15
+
+
+def test_check_f16_scores():
+    """quantize.check_f16_scores accepts what quantize_qk_f16_scores makes and refuses q and
+    k scaled to e4m3's full range (448 per head: scores far past fp16's range)."""
+    import math
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 100, 4, 128, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 100, 2, 128, generator=gen).to(torch.bfloat16)
+    scale = 1 / math.sqrt(128)
+    quantize.check_f16_scores(*quantize.quantize_qk_f16_scores(q, k, scale), scale)
+    q8, k8, dq, dk = quantize.quantize_fp8(q, k)
+    with pytest.raises(ValueError, match="fp16"):
+        quantize.check_f16_scores(q8, k8, dq, dk, scale)
+    q8, k8, dq, dk = quantize.quantize_qk_f16_scores(q, k, scale)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize.check_f16_scores(q8, k8, dq * 1.5, dk, scale)
