@@ -2,6 +2,11 @@
 
     q8, k8, v8, descale_q, descale_k, descale_v = quantize_fp8(q, k, v)
     v8_packed, descale_v = quantize_fp8(v, pack_v=True)     # V as k7's kernel loads it
+    q8, k8, descale_q, descale_k = quantize_qk_f16_scores(q, k, softmax_scale)
+
+The last form is what k7 with fp16 scores (its default at head_dim 128, and 256 without a
+mask) needs for q and k: scales that keep every q8 . k8 within fp16's range and make the
+scores' factor a power of two (`quantize_qk_f16_scores`, `check_f16_scores`, at the end).
 
 Each (batch, head) slice of a (batch, seqlen, heads, head_dim) tensor is scaled so that its
 largest magnitude maps to e4m3's largest finite value, 448, then rounded to nearest
