@@ -143,6 +143,13 @@ S_F16 = {(128, False), (128, True), (256, False)}
 TILES_S_F16 = {128: (128, 256, False, 2)}
 
 
+def default_tiles(v_transposed: bool, s_f16: bool) -> dict:
+    """head_dim -> (block_m, block_n, ping-pong, stages) for V packed in memory or transposed
+    in the kernel, with fp32 or fp16 scores."""
+    tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
+    return {**tiles, **TILES_S_F16} if s_f16 else tiles
+
+
 class FlashAttentionK7(FlashAttentionK6):
     # the masked tile with one key limit per row: without it the 128-wide kv tile at d = 256
     # spills 76 bytes with a causal mask (docs/k7.md)
@@ -159,10 +166,8 @@ class FlashAttentionK7(FlashAttentionK6):
         # mask, 0 to -0.6% at d = 64 and 128 causal, +0.8/+1.5% only at d = 256 without one
         # (results/h100/2026-11-25_k7_elect_release_d*.json, docs/k7.md)
         self.elect_release = bool(elect_release)
-        tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
-        if s_f16:
-            tiles = {**tiles, **TILES_S_F16}
-        default_m, default_n, default_pingpong, default_stages = tiles[head_dim]
+        default_m, default_n, default_pingpong, default_stages = \
+            default_tiles(v_transposed, s_f16)[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
         # V arrives transposed in global memory (sequence-major, from prepare_inputs): the
         # TMA loads V^T tiles straight into the V^T ring and no warp transposes
@@ -569,9 +574,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                 and not (direct_store or s_ahead))
     early_q_release = item_end if early_q_release is None else early_q_release
     wg_store = item_end if wg_store is None else wg_store
-    tiles = TILES if v_transposed else TILES_IN_KERNEL_TRANSPOSE
-    tile_n = block_n or ({**tiles, **TILES_S_F16} if s_f16 else tiles).get(
-        problem.head_dim, (0, 1))[1]
+    tile_n = block_n or default_tiles(v_transposed, s_f16).get(problem.head_dim, (0, 1))[1]
     if not kv_tail:
         check_whole_kv_tiles("k7", problem, tile_n)
     if tail_n is None:

@@ -51,7 +51,23 @@ def _scale(x: torch.Tensor) -> torch.Tensor:
     """448 / amax per (batch, head) (1 where a slice is all zeros), fp32."""
     if x.dim() != 4:
         raise ValueError(f"expected (batch, seqlen, heads, head_dim), got {tuple(x.shape)}")
-    return _scale_from_amax(x.abs().amax(dim=(1, 3)).float())    # (batch, heads)
+    return _scale_from_amax(_amax_in_torch(x))
+
+
+def _amax_in_torch(x: torch.Tensor) -> torch.Tensor:
+    """amax per (batch, head), fp32 (batch, heads)."""
+    return x.abs().amax(dim=(1, 3)).float()
+
+
+def _cast_in_torch(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x times scale per (batch, head), clamped to e4m3's range, rounded to e4m3."""
+    return (x * scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _max_row_norm(x: torch.Tensor) -> torch.Tensor:
+    """The largest row norm (over head_dim) per (batch, head), fp32 (batch, heads)."""
+    x = x.float() if x.element_size() == 1 else x          # (no fp32 accumulation for e4m3)
+    return torch.linalg.vector_norm(x, dim=3, dtype=torch.float32).amax(dim=1)
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
@@ -124,8 +140,7 @@ def _quantize_in_torch(x: torch.Tensor, pack_v: bool):
     """(e4m3 copy, scale) with torch ops."""
     scale = _scale(x)
     if not pack_v:
-        scaled = (x * scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # fp32
-        return scaled.to(torch.float8_e4m3fn), scale
+        return _cast_in_torch(x, scale), scale
     scaled, rows = _padded_to_16(x, torch.float32)
     torch.mul(x, scale[:, None, :, None], out=rows)
     scaled.clamp_(-E4M3_MAX, E4M3_MAX)
@@ -316,11 +331,10 @@ def quantize_qk_f16_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: floa
         r = rotation_matrix(rotate_signs.to(q.device))
         q, k = torch.matmul(q.float(), r), torch.matmul(k.float(), r)
     if reason:
-        amax_q, amax_k = q.abs().amax(dim=(1, 3)).float(), k.abs().amax(dim=(1, 3)).float()
+        amax_q, amax_k = _amax_in_torch(q), _amax_in_torch(k)
     else:
         amax_q, amax_k = _amax_on_gpu(q, rotate_signs), _amax_on_gpu(k, rotate_signs)
-    norm_q, norm_k = [torch.linalg.vector_norm(x, dim=3, dtype=torch.float32).amax(dim=1)
-                      for x in (q, k)]                                # (B, H), (B, Hkv)
+    norm_q, norm_k = _max_row_norm(q), _max_row_norm(k)              # (B, H), (B, Hkv)
     group = q.shape[2] // k.shape[2]
     tiny = torch.finfo(torch.float32).tiny
     scale_k = torch.minimum(E4M3_MAX / amax_k.clamp_min(tiny),
@@ -333,8 +347,7 @@ def quantize_qk_f16_scores(q: torch.Tensor, k: torch.Tensor, softmax_scale: floa
     factor = torch.exp2(torch.ceil(torch.log2(scale_log2 / (scale_q * scale_k_q))))
     scale_q = scale_log2 / (factor.clamp_min(F16_SMALLEST_NORMAL) * scale_k_q)
     if reason:
-        q8, k8 = [(x.float() * sc[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
-                  .to(torch.float8_e4m3fn) for x, sc in ((q, scale_q), (k, scale_k))]
+        q8, k8 = _cast_in_torch(q, scale_q), _cast_in_torch(k, scale_k)
     else:
         q8, k8 = [_cast_on_gpu(x, sc, False, rotate_signs)
                   for x, sc in ((q, scale_q), (k, scale_k))]
@@ -351,9 +364,7 @@ def check_f16_scores(q8: torch.Tensor, k8: torch.Tensor, descale_q: torch.Tensor
     least 2^-14. `quantize_qk_f16_scores` guarantees both; for FP8 inputs made elsewhere this
     is the check to run once (it reads q8 and k8 and waits for the GPU)."""
     group = q8.shape[2] // k8.shape[2]
-    norm_q = torch.linalg.vector_norm(q8.float(), dim=3).amax(dim=1)            # (B, H)
-    norm_k = torch.linalg.vector_norm(k8.float(), dim=3).amax(dim=1)
-    worst = (norm_q * norm_k.repeat_interleave(group, dim=1)).max().item()
+    worst = (_max_row_norm(q8) * _max_row_norm(k8).repeat_interleave(group, dim=1)).max().item()
     if worst > 2.0 ** 15:
         raise ValueError(f"q8 . k8 may reach {worst:.0f} (row norms), past fp16's safe 2^15: "
                          "quantize q and k with quantize_qk_f16_scores, or run k7 with "
