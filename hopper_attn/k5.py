@@ -427,6 +427,8 @@ class FlashAttentionK5:
     def finish_rows(self, softmax: OnlineSoftmax, mmas, ctidx, mLSE: cute.Tensor, m_block,
                     head, batch, seqlen_q):
         """A work item's rows are complete: their log-sum-exp to mLSE; returns 1/l per row."""
+        if cutlass.const_expr(isinstance(mmas.p_frag, wgmma.PWithRowSums)):
+            softmax.take_row_sums(mmas.p_frag)          # l from the tensor cores
         inv_sum = softmax.finalize()
         self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
                        m_block * self.block_m, seqlen_q, head, batch)
@@ -782,9 +784,12 @@ class FlashAttentionK5:
         k_blocks = None
         if cutlass.const_expr(keys):
             k_blocks = (0, keys * cute.size(p_frag, mode=[2]) // self.block_n)
+        also = None
+        if cutlass.const_expr(isinstance(p_frag, wgmma.PWithRowSums)):
+            also = p_frag.pv_also()                     # and l += P 1, in the same batch
         wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
                    vt_frag[None, None, None, v_state.index], zero_init=False,
-                   k_blocks=k_blocks)
+                   k_blocks=k_blocks, also=also)
 
     @cute.jit
     def last_pv(self, loads: tma.SplitKVLoads, wg, mma_pv: cute.TiledMma, acc_o: cute.Tensor,

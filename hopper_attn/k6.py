@@ -894,7 +894,7 @@ class FlashAttentionK6(FlashAttentionK5):
         if cutlass.const_expr(self.wait_pv_late):
             v_state = self.finish_tile(loads, n_count - 1, acc_s, o_rc, p_frag, alpha, v_state)
         if cutlass.const_expr(self.rescale_before_pv):
-            scale_rows(o_rc, alpha)
+            self.rescale_o(o_rc, p_frag, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         return k_state, v_state
 
@@ -939,7 +939,7 @@ class FlashAttentionK6(FlashAttentionK5):
                 # that no earlier PV still accumulates into O, so it adds no wait of its
                 # own for QK before the multiplies)
                 warpgroup.wait_group(1)
-                scale_rows(o_rc, alpha)                 # O *= alpha_{n-1}, under QK_n
+                self.rescale_o(o_rc, p_frag, alpha)                 # O *= alpha_{n-1}, under QK_n
             if cutlass.const_expr(self.v_lags_k):       # V_{n-1} was loaded after K_n
                 loads.wait(loads.v_pipe, v_state)
             self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
@@ -1061,6 +1061,14 @@ class FlashAttentionK6(FlashAttentionK5):
             else None
 
     @cute.jit
+    def rescale_o(self, o_rc: cute.Tensor, p_frag, alpha: cute.Tensor):
+        """O *= alpha per row, and with wgmma.PWithRowSums the running row sums likewise,
+        after adding the last PV batch's."""
+        scale_rows(o_rc, alpha)
+        if cutlass.const_expr(isinstance(p_frag, wgmma.PWithRowSums)):
+            p_frag.fold(alpha)          # (its last PV batch is done, as O's)
+
+    @cute.jit
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag, reverse: cutlass.Constexpr = False):
         """P (fp32, S's registers) -> the PV operand: registers (k5's), or with p_in_smem the
         P buffer (stmatrix), then fenced for the WGMMA's async proxy and a barrier of the
@@ -1092,7 +1100,7 @@ class FlashAttentionK6(FlashAttentionK5):
         self.trace.end(phase)
         phase = self.trace.start("rescale")
         if cutlass.const_expr(not self.lazy_rescale and not self.rescale_before_pv):
-            scale_rows(o_rc, alpha)
+            self.rescale_o(o_rc, p_frag, alpha)
         self.probs_to_operand(acc_s, p_frag, reverse_p)
         if cutlass.const_expr(self.v_release_last):
             # tile 0 has no V_{n-1}: a predicated arrive instead of an `if`, so nothing here

@@ -27,7 +27,12 @@ What changes from k6 (docs/k7.md):
   (common/softmax.py `OnlineSoftmaxF16`: HMNMX2, HADD2 / HFMA2, ex2.approx.f16x2, HADD2
   row sums). Per score about as many instructions as in fp32 (each packed exp2 pair needs a
   PRMT), but half of S's registers, which at d = 128 pay for 256-wide kv tiles
-  (TILES_S_F16): +3.6-10.3% there, +5% at d = 256. The
+  (TILES_S_F16): +3.6-10.3% there, +5% at d = 256. Option `row_sums_mma`: P's row sums
+  from the tensor cores (an m64n8k32 WGMMA of P against a tile of ones in each PV batch,
+  wgmma.PWithRowSums, added to l on the CUDA cores per tile) and the row offset in one
+  HFMA2: 880 instead of 1,072 instructions a tile, +0.3-2.4% (H200), but l sums P after
+  e4m3's rounding and the LSE's error grows tenfold, so off (docs/k7.md "Row sums on the
+  tensor cores"). The
   quantizer must keep every q8 . k8 within fp16's range and make the scores' factor a power
   of two (`prepare_inputs` does, `quantize.quantize_qk_f16_scores`); q and k scaled to 448
   by `quantize_fp8` alone would overflow: run those with `s_f16=0` (docs/k7.md "Scores in
@@ -56,11 +61,11 @@ smaller tiles of TILES_IN_KERNEL_TRANSPOSE; 6-44% slower at d = 128 and 256 (the
 transpose is what limited d = 256).
 
 Budget, d = 128 (fp16 scores, 128 x 256 tiles, 2 stages): 384 threads; SMEM = Q 16 KiB + K
-and V^T rings 2 x 2 x 32 KiB + O 32 KiB = 176 KiB (+ barriers). Registers per consumer
-thread: S 64 (128 fp16 scores) + P 32 + O 64 fp32. With fp32 scores (`s_f16=0`, 128 x 192,
+and V^T rings 2 x 2 x 32 KiB + O 32 KiB = 176 KiB (+ barriers; row_sums_mma: + 2 KiB of
+ones). Registers per consumer thread: S 64 (128 fp16 scores) + P 32 + O 64 fp32. With fp32 scores (`s_f16=0`, 128 x 192,
 3 stages): Q 16 + 2 x 3 x 24 + O 32 = 192 KiB; S 96 + P 24 + O 64. d = 64: 128 x 256, 3
 stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256: 128 x 128, 2 stages: Q 32 + 2 x 2 x 32 +
-O 64 = 224 KiB.
+O 64 = 224 KiB (row_sums_mma without a mask: + 1 KiB of ones).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import torch
-from cutlass import Float16, Float32
+from cutlass import Float16, Float32, Int32
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (KernelSpec, check_tail_keys, check_whole_kv_tiles,
@@ -115,6 +120,9 @@ SPEC = KernelSpec(
     takes_work_counter=True,
 )
 
+# row_sums_mma: four e4m3 ones (0x38) per word, and the consumers' barrier after writing them
+E4M3_ONE_X4 = 0x38383838
+ONES_BARRIER = 14
 P_SCALE_LOG2 = 8                 # P in [0, 256]: e4m3 keeps 3 mantissa bits down to 2^-6
 LAZY_THRESHOLD_LOG2 = 1.8        # with lazy rescaling (P scaled 2^7): P < 2^8.8 < 448
 TRANSPOSE_WARPS = 2              # producer warps 1 .. 2
@@ -160,7 +168,8 @@ class FlashAttentionK7(FlashAttentionK6):
                  fma_exp2_every: int = 0, direct_store: bool = False,
                  wait_pv_late: bool = False, v_transposed: bool = True,
                  pin_pv_wait: bool = True, elect_release: bool = False,
-                 defer_store_wait: bool = False, s_f16: bool = False, **options):
+                 defer_store_wait: bool = False, s_f16: bool = False,
+                 exact_offset: bool = False, row_sums_mma: bool = False, **options):
         # stages released from an elected lane (k5/k6's default, common/tma.py); off here:
         # against the library's lane-0 release in one run, -2.4/-2.5% at d = 128 without a
         # mask, 0 to -0.6% at d = 64 and 128 causal, +0.8/+1.5% only at d = 256 without one
@@ -169,6 +178,7 @@ class FlashAttentionK7(FlashAttentionK6):
         default_m, default_n, default_pingpong, default_stages = \
             default_tiles(v_transposed, s_f16)[head_dim]
         self.direct_store = direct_store        # (read by smem_estimate, during __init__)
+        self.row_sums_mma = bool(row_sums_mma)  # (likewise)
         # V arrives transposed in global memory (sequence-major, from prepare_inputs): the
         # TMA loads V^T tiles straight into the V^T ring and no warp transposes
         self.v_transposed = v_transposed
@@ -180,6 +190,8 @@ class FlashAttentionK7(FlashAttentionK6):
         self.transpose = VTranspose(self.block_n, head_dim, TRANSPOSE_WARPS, transpose_batch)
         if self.cluster > 1 and not v_transposed:
             raise ValueError("cluster: with V packed (v_transposed=1) only")
+        if self.stream_k and row_sums_mma:
+            raise ValueError("row_sums_mma: not with stream_k (its pieces merge l in fp32)")
         if self.stream_k and not v_transposed:
             raise ValueError("stream_k: with V packed (v_transposed=1) only; the transposing "
                              "warps walk whole items")
@@ -192,6 +204,16 @@ class FlashAttentionK7(FlashAttentionK6):
         # S accumulated in fp16 and its softmax in fp16 pairs (OnlineSoftmaxF16); the
         # one-step softmax only (no lazy rescaling, exp2s on the FMA pipe or fences in it)
         self.s_f16 = bool(s_f16)
+        # fp16 scores: x = s c - ref in one instruction per pair (OnlineSoftmaxF16.one_fma),
+        # or (s - m) c + p_scale_log2 in two, exact at the row maximum (`exact_offset`, and
+        # always without row_sums_mma: the one-HFMA2 row maximum's P takes e4m3's rounding,
+        # which l must then share; with fp16 sums a single key's row came out at 2.33x
+        # torch's bf16 error, results/h200/2026-11-28_ref_check_k7_one_fma_quick.json)
+        self.exact_offset = bool(exact_offset)
+        # P's row sums by the tensor cores (wgmma.PWithRowSums: l += P 1 in each PV batch,
+        # against a tile of ones in SMEM) instead of HADD2s: fp16 scores only
+        if self.row_sums_mma and not self.s_f16:
+            raise ValueError("row_sums_mma: with s_f16 only")
         if self.s_f16 and (self.lazy_rescale or fma_exp2_every or self.softmax_fence_after >= 0
                            or self.opaque_exp2 or self.s_ahead or self.pv_wait_first
                            or self.exp_first or self.exp_turns.enabled):
@@ -211,8 +233,9 @@ class FlashAttentionK7(FlashAttentionK6):
         from registers), 1 KiB of mbarriers; each buffer 1024-byte aligned."""
         o_bytes = 0 if self.direct_store else smem_bytes(block_m * head_dim * 2)
         rings = 2 if self.v_transposed else 3                   # K, V^T (and raw V)
+        ones_bytes = smem_bytes(wgmma.ROW_SUM_COLUMNS * block_n) if self.row_sums_mma else 0
         return (1024 + smem_bytes(block_m * head_dim)
-                + rings * smem_bytes(stages * block_n * head_dim) + o_bytes)
+                + rings * smem_bytes(stages * block_n * head_dim) + o_bytes + ones_bytes)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -237,6 +260,7 @@ class FlashAttentionK7(FlashAttentionK6):
         v_elems = 8 if self.v_transposed else cute.cosize(kv_layout)    # no raw V ring
         tma_o, o_coords = self.make_o_store(o, self.out_dtype)
         o_elems = 8 if self.direct_store else cute.cosize(o_layout)    # no staging buffer
+        ones_elems = wgmma.ROW_SUM_COLUMNS * bn if self.row_sums_mma else 8
 
         @cute.struct
         class SharedStorage:
@@ -252,6 +276,7 @@ class FlashAttentionK7(FlashAttentionK6):
             sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(vt_layout)],
                                    1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.out_dtype, o_elems], 1024]
+            sOnes: cute.struct.Align[cute.struct.MemRange[self.dtype, ones_elems], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -335,18 +360,29 @@ class FlashAttentionK7(FlashAttentionK6):
             roles.become_consumer()
             ctidx = tidx - 128
             wg = warp // 4 - 1
+            sOnes = None
+            if cutlass.const_expr(self.row_sums_mma):
+                sOnes = self.ones_tile(storage, ctidx)
             mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
                                               self.dtype, self.uniform_descriptors,
                                               vt_k_major=True,
-                                              s_dtype=Float16 if self.s_f16 else Float32)
+                                              s_dtype=Float16 if self.s_f16 else Float32,
+                                              sOnes=sOnes)
             acc_o = mmas.new_o_accumulator(bm, d)
             o_rc = acc_rows_cols(acc_o)
-            softmax_class = OnlineSoftmaxF16 if self.s_f16 else OnlineSoftmax
-            softmax = softmax_class.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
-                                           lanes_per_row=4, p_scale_log2=self.p_scale_log2,
-                                           fma_exp2_every=self.fma_exp2_every,
-                                           fence_after=self.softmax_fence_after,
-                                           opaque_exp2=self.opaque_exp2)
+            if cutlass.const_expr(self.s_f16):
+                softmax = OnlineSoftmaxF16.create(cute.size(mmas.s_coords, mode=[0]),
+                                                  scale_log2, lanes_per_row=4,
+                                                  p_scale_log2=self.p_scale_log2,
+                                                  one_fma=(self.row_sums_mma
+                                                           and not self.exact_offset),
+                                                  sums_in_mma=self.row_sums_mma)
+            else:
+                softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
+                                               lanes_per_row=4, p_scale_log2=self.p_scale_log2,
+                                               fma_exp2_every=self.fma_exp2_every,
+                                               fence_after=self.softmax_fence_after,
+                                               opaque_exp2=self.opaque_exp2)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.out_dtype)
             # the consumers see V^T's ring where k6 has V's (the TMA's own, when V arrives
@@ -368,6 +404,8 @@ class FlashAttentionK7(FlashAttentionK6):
                     _, _, k0, k1 = self.scheduler.piece(tiles, seqlen_q, seqlen_k, heads,
                                                         batch_size)
                 acc_o.fill(0.0)
+                if cutlass.const_expr(self.row_sums_mma):
+                    mmas.p_frag.reset()
                 softmax.reset()
                 item_softmax = softmax.with_scale(
                     scale_log2 * mDescaleQ[batch, head] * mDescaleK[batch, kv_head])
@@ -443,7 +481,24 @@ class FlashAttentionK7(FlashAttentionK6):
     @cute.jit
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor,
                          reverse: cutlass.Constexpr = False):
-        probs_to_fp8_operand(acc_s, p_frag)      # (k6's reverse_p: not for the FP8 operand)
+        # (k6's reverse_p: not for the FP8 operand)
+        probs_to_fp8_operand(acc_s, wgmma.pv_operand(p_frag))
+
+    @cute.jit
+    def ones_tile(self, storage, ctidx):
+        """The (8, block_n) e4m3 tile of ones that `row_sums_mma`'s WGMMA multiplies P by,
+        written once by the consumer warpgroups (the same byte everywhere, so its swizzle
+        does not matter), fenced for the tensor cores' async proxy, then a barrier of the
+        consumers."""
+        layout = smem_tile_layout(self.dtype, wgmma.ROW_SUM_COLUMNS, self.block_n)
+        words = cute.recast_tensor(storage.sOnes.get_tensor(cute.make_layout(
+            wgmma.ROW_SUM_COLUMNS * self.block_n)), Int32)
+        threads = 128 * self.warpgroups
+        for i in cutlass.range_constexpr(cute.size(words) // threads):
+            words[ctidx + i * threads] = Int32(E4M3_ONE_X4)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=ONES_BARRIER, number_of_threads=threads)
+        return storage.sOnes.get_tensor(layout.outer, swizzle=layout.inner)
 
 
 # head_dim -> (MiB per group by k6's bf16 formula, shortest and longest query length) at which
@@ -511,6 +566,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                    tail_n: Optional[int] = None, stream_k: bool = False,
                    cluster: int = 1, multicast: bool = True, out_fp8: bool = False,
                    pv_wait_first: int = 0, s_f16: Optional[bool] = None,
+                   exact_offset: bool = False, row_sums_mma: bool = False,
                    spec: KernelSpec = SPEC):
     """Compile (or fetch from the cache) k7; out_fp8: the output in e4m3 instead of bf16
     (O / descale_v, so that `output_descale` gives its descale; `run_kernel` then takes an
@@ -547,7 +603,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
     exp2s; measured with pin_pv_wait=0 at d = 128 without a mask, H200: -0.7 / -0.2% at 4k /
     16k, results/h200/2026-11-28_k7_pv_wait_first_d128.json: off); s_f16: S accumulated in
     fp16 and the softmax on fp16 pairs (None: S_F16's configurations, with the kv tiles of
-    TILES_S_F16; needs q and k quantized by `prepare_inputs` / `quantize_qk_f16_scores`).
+    TILES_S_F16; needs q and k quantized by `prepare_inputs` / `quantize_qk_f16_scores`);
+    row_sums_mma: with s_f16, P's row sums by a WGMMA against ones and the row offset in
+    one HFMA2 (see the header; off: the LSE's error grows tenfold); exact_offset: with
+    row_sums_mma, the offset as without it, (s - m) c + 8 in two instructions per pair
+    (results/h200/2026-11-28_k7_row_sums_*.json).
     `spec`: the stage the kernel is compiled for (k8 runs this kernel under its own name)."""
     if s_ahead and not block_n:
         block_n = S_AHEAD_BLOCK_N[problem.head_dim]
@@ -626,7 +686,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 0,
                               "stream_k": bool(stream_k),
                               "cluster": 1 if problem.causal else int(cluster),
                               "multicast": bool(multicast),
-                              "s_f16": bool(s_f16)},
+                              "s_f16": bool(s_f16),
+                              "exact_offset": bool(exact_offset),
+                              "row_sums_mma": bool(row_sums_mma)},
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 

@@ -646,6 +646,44 @@ def test_quantize_qk_f16_scores_fused_matches_torch(d):
                            b.view(torch.uint8) if b.element_size() == 1 else b)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_k7_row_sums_on_the_tensor_cores(causal):
+    """k7's row sums from the tensor cores (`row_sums_mma=1`) at 8k keys, against the default
+    HADD2 sums: the same row scale (the FP8 accumulator truncates a running sum: kept across
+    tiles inside the WGMMA, l came out 15% low here), within the FP8 emulation's error of
+    the fp32 reference, the same bits twice. A row with one key (the first, causal) is
+    exact up to bf16: l sums the e4m3 P that PV multiplies."""
+    from hopper_attn import k7
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.quantize import dequantize_fp8
+    gen = torch.Generator(device="cuda").manual_seed(8192 + causal)
+    q, k, v = (torch.randn(1, 8192, 2, 128, device="cuda", generator=gen).to(torch.bfloat16)
+               for _ in range(3))
+    inputs = k7.prepare_inputs(q, k, v)
+    problem = Problem.from_tensor(q, causal)
+    mma = k7.compile_kernel(problem, row_sums_mma=True)
+    assert mma.options["row_sums_mma"]
+    outs = []
+    for handle in (mma, mma, k7.compile_kernel(problem)):
+        out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+        k7.run_kernel(handle, *inputs, out)
+        outs.append(out.float())
+    torch.cuda.synchronize()
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    rows = slice(None) if not causal else slice(4096, None)      # (long rows only)
+    scale = (outs[0][:, rows].abs().sum(dim=-1) / outs[2][:, rows].abs().sum(dim=-1))
+    assert (scale - 1).abs().max().item() < 0.01
+    deq = [dequantize_fp8(t, s) for t, s in zip(k7.logical_inputs(*inputs[:3]), inputs[3:])]
+    ref = _reference(*deq, causal, 128 ** -0.5)
+    emulated = _reference_fp8(*deq, causal, 128 ** -0.5)
+    limit = 2 * (emulated - ref).abs().max().item() + 2 ** -10
+    assert (outs[0] - ref).abs().max().item() <= limit
+    if causal:
+        assert (outs[0][:, 0] - deq[2][:, 0]).abs().max().item() <= 2 ** -7 * \
+            deq[2][:, 0].abs().max().item()
+
+
 @pytest.mark.parametrize("seqlen,tail_n", [(1, 32), (4096, 64), (2049, 160), (4000, 160)])
 def test_k7_narrow_last_tile(seqlen, tail_n):
     """k7's narrow last kv tile (k6's tail_n, the default at d = 128 without a mask below

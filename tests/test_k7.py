@@ -35,8 +35,10 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     ptx, block_n = art["ptx"], art["kernel"]["block_n"]
     # S = Q K^T (n = block_n) and O += P V (n = d), no 16-bit operands; S accumulated in
-    # fp16 where S_F16 has the configuration (d = 128, d = 256 without a mask), else fp32
-    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {block_n, d}
+    # fp16 where S_F16 has the configuration (d = 128, d = 256 without a mask), else fp32;
+    # with fp16 scores P's row sums as well (n = 8, `row_sums_mma`)
+    sums = {8} if art["kernel"]["options"]["row_sums_mma"] else set()
+    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {block_n, d} | sums
     assert not re.search(r"wgmma\S*\.(bf16|f16)\.(bf16|f16)", ptx)
     s_f16 = art["kernel"]["options"]["s_f16"]
     assert s_f16 == (d == 128 or (d == 256 and not causal))
@@ -456,17 +458,19 @@ def test_fp16_scores(d):
     fp16"): S = Q K^T accumulates in fp16 and the softmax runs on fp16 pairs: per thread and
     tile (block_n / 2 scores, block_n / 4 pairs) one sub.f16x2 (s - m), one mul and add
     (HFMA2 in the SASS), one ex2.approx.f16x2 (two MUFU.EX2.F16) and one add.f16x2 for the
-    row sums per pair; fp32 exp2s only for the two rows' alphas; P converted from fp16 pairs.
-    No spills; the options it cannot combine with are refused."""
+    row sums per pair; fp32 exp2s only for the two rows' alphas; P converted from fp16 pairs;
+    no row sums on the tensor cores (`row_sums_mma`, an option). No spills; the options it
+    cannot combine with are refused."""
     from hopper_attn.harness.compile_report import sass
     from hopper_attn.k7 import FlashAttentionK7
     art = compiled("k7", d, False)
     kernel, ptx = art["kernel"], art["ptx"]
-    assert kernel["options"]["s_f16"]
+    assert kernel["options"]["s_f16"] and not kernel["options"]["row_sums_mma"]
     pairs = kernel["block_n"] // 4
     assert count(ptx, r"ex2\.approx\.f16x2") == pairs
     assert count(ptx, r"sub\.f16x2") == pairs and count(ptx, r"mul\.f16x2") == pairs
     assert count(ptx, r"add\.f16x2") >= 2 * pairs
+    assert count(ptx, r"cvt\.rp\.f16\.f32") == 0
     assert count(ptx, r"ex2\.approx\.ftz\.f32") == 2
     assert p_conversions(art) == pairs
     assert sass(art["cubin"]).count("MUFU.EX2.F16") == 2 * pairs
@@ -475,6 +479,40 @@ def test_fp16_scores(d):
     for option in ({"lazy_rescale": True}, {"pv_wait_after": 4}, {"fma_exp2_every": 4}):
         with pytest.raises(ValueError, match="s_f16"):
             FlashAttentionK7(d, False, s_f16=True, **option)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_sums_on_the_tensor_cores(causal):
+    """`row_sums_mma=1` (wgmma.PWithRowSums; docs/k7.md "Row sums on the tensor cores"): each
+    PV batch also multiplies P by an (8, block_n) tile of ones, block_n / 32 m64n8k32
+    WGMMAs in the same commit group as PV's d-wide ones (zeroed per batch: the sums go to l
+    on the CUDA cores), no add.f16x2 left, and the row offset in one HFMA2 per pair (s c -
+    ref, ref rounded up to fp16 by cvt.rp once per row): no HADD2 in the SASS. The consumers
+    write the ones once, behind a proxy fence and a barrier. Refused without fp16 scores and
+    with stream_k."""
+    from hopper_attn.harness.compile_report import sass
+    from hopper_attn.harness.sass_order import wgmma_groups
+    from hopper_attn.k7 import ONES_BARRIER, FlashAttentionK7
+    art = compiled("k7:row_sums_mma=1", 128, causal)
+    ptx, block_n = art["ptx"], art["kernel"]["block_n"]
+    pairs = block_n // 4
+    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3") \
+        == 2 * block_n // 32                       # the loop's PV and the item's last one
+    assert count(ptx, rf"bar\.sync\s+{ONES_BARRIER}, 256;") == 1
+    assert count(ptx, r"add\.f16x2") == 0 and count(ptx, r"cvt\.rp\.f16\.f32") == 2
+    code = sass(art["cubin"])
+    assert len(re.findall(r"\bHFMA2 ", code)) == pairs
+    assert not re.search(r"\bHADD2 ", code)           # (HADD2.F32: fp16 -> fp32 moves)
+    # the rs groups hold PV's k-slices and the row sums' together
+    groups = [g for g in wgmma_groups(code) if g[0] == "rs"]
+    assert groups and all(size == 2 * block_n // 32 for _, _, size in groups)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    with pytest.raises(ValueError, match="row_sums_mma"):
+        FlashAttentionK7(128, False, s_f16=False, row_sums_mma=True)
+    with pytest.raises(ValueError, match="row_sums_mma"):
+        FlashAttentionK7(128, False, s_f16=True, row_sums_mma=True, stream_k=True)
 
 
 def test_prepare_inputs_scales_for_the_scores_type():

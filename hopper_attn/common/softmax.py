@@ -76,6 +76,18 @@ def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
                                    loc=loc, ip=ip))
 
 
+@dsl_user_op
+def round_up_to_f16(x: Float32, *, loc=None, ip=None) -> Float32:
+    """x rounded up (toward +inf) to an fp16 value, returned as fp32 (exact):
+    OnlineSoftmaxF16's row offsets."""
+    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
+                                   "{\n .reg .b16 h;\n cvt.rp.f16.f32 h, $1;\n"
+                                   " cvt.f32.f16 $0, h;\n}",
+                                   "=f,f", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                   loc=loc, ip=ip))
+
+
 # a pair of fp32 values rounded to the 16-bit type P is converted to for the PV GEMM, and
 # widened back: what the tensor cores will multiply V by, exactly (cvt.rn.*x2 packs $3 into
 # the upper half, $2 into the lower). A bf16 is the upper half of an fp32, so widening is a
@@ -368,26 +380,53 @@ class ScoreSource:
 @dataclasses.dataclass(frozen=True)
 class OnlineSoftmaxF16(OnlineSoftmax):
     """The online softmax on fp16 scores (k7's `s_f16`: S = Q K^T accumulated in fp16, two
-    scores per register), in fp16 pairs: the row maxima by HMNMX2, (s - m) c + p_scale_log2
-    by HADD2 and HFMA2, the exp2s by ex2.approx.f16x2 (two MUFU.EX2.F16), a tile's row sums
-    by HADD2 (then added to l in fp32). Only the one-step `step` (no lazy rescaling, no
-    fence among the exp2s).
+    scores per register), in fp16 pairs: the row maxima by HMNMX2, x = s c - ref by one
+    HFMA2 (`one_fma`; or (s - m) c + p_scale_log2 by HADD2 and HFMA2), the exp2s by
+    ex2.approx.f16x2 (two MUFU.EX2.F16), a tile's row sums by HADD2 (then added to l in
+    fp32) unless the tensor cores sum P (`sums_in_mma`). Only the one-step `step` (no lazy
+    rescaling, no fence among the exp2s).
 
     |S| must fit fp16 (the quantizer bounds |q8| |k8|), and c (`scale_log2`, the descales
     folded in) should be exact in fp16 (the quantizer makes it a power of two; otherwise it
     is rounded, a relative change of at most 2^-11 to every logit). `row_ref` holds each
-    row's m c - p_scale_log2 in fp32 (exact: m is an fp16 value and c a power of two), which
-    alpha and the LSE use."""
+    row's offset in fp32, which alpha and the LSE use: m c - p_scale_log2 rounded up to an
+    fp16 value with `one_fma` (m c itself is exact: m is an fp16 value and c a power of two;
+    the logits in exp2 units must stay below fp16's 65,504), so a row's largest P is
+    2^p_scale_log2 at most and a fraction of one of the offset's fp16 steps below it (a
+    factor the whole row shares, which P's normalization removes as long as l sums the same
+    P: exactly so with `sums_in_mma`)."""
     row_ref: cute.Tensor = None
+    one_fma: bool = True
+    # the row sums come from the tensor cores (wgmma.PWithRowSums): `step` adds none, and
+    # `take_row_sums` sets l, whole in every lane of a row, before `finalize`
+    sums_in_mma: bool = False
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
-               p_scale_log2: int = 0, **_unused) -> "OnlineSoftmaxF16":
+               p_scale_log2: int = 0, one_fma: bool = True, sums_in_mma: bool = False,
+               **_unused) -> "OnlineSoftmaxF16":
         base = OnlineSoftmax.create(num_rows, scale_log2, lanes_per_row, p_scale_log2)
         row_ref = cute.make_rmem_tensor((num_rows,), Float32)
         row_ref.fill(-Float32.inf)
         return OnlineSoftmaxF16(base.num_rows, base.lanes_per_row, base.scale_log2,
-                                base.row_max, base.row_sum, p_scale_log2, row_ref=row_ref)
+                                base.row_max, base.row_sum, p_scale_log2, row_ref=row_ref,
+                                one_fma=one_fma, sums_in_mma=sums_in_mma)
+
+    def take_row_sums(self, p_frag):
+        """l per row from the row sums of the tensor cores (wgmma.PWithRowSums), once the
+        item's last PV batch is done."""
+        p_frag.fold()
+        for r in range(self.num_rows):
+            self.row_sum[r] = p_frag.total[r]
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        if cutlass.const_expr(not self.sums_in_mma):
+            return OnlineSoftmax.finalize(self)
+        inv = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            inv[r] = 0.0 if self.row_sum[r] == 0.0 else 1.0 / self.row_sum[r]
+        return inv
 
     def reset(self):
         super().reset()
@@ -407,22 +446,32 @@ class OnlineSoftmaxF16(OnlineSoftmax):
             self.row_max[r] = m_new
             m_safe = 0.0 if m_new == -Float32.inf else m_new     # an fp16 value, exactly
             ref = m_safe * c_exact - Float32(self.p_scale_log2)
+            if cutlass.const_expr(self.one_fma):
+                ref = round_up_to_f16(ref)
             alpha[r] = cute.math.exp2(self.row_ref[r] - ref, fastmath=True)
             self.row_ref[r] = ref
-            # (s - m) c + p_scale_log2 (HADD2, HFMA2): exactly p_scale_log2 at the row's
-            # maximum, so that its P is exactly 2^p_scale_log2 as in fp32 (one HFMA2 with
-            # m c - p_scale_log2 folded would round that offset to fp16)
-            s_rc[r, None].store((row - Float16(m_safe)) * c + Float16(self.p_scale_log2))
+            if cutlass.const_expr(self.one_fma):
+                # s c - ref in one HFMA2 per pair, ref rounded up to fp16: at the row's
+                # maximum at most p_scale_log2 (P <= 2^p_scale_log2) and less than one of
+                # ref's fp16 steps below it (a factor the row's P and l share when l sums
+                # the e4m3 P, `sums_in_mma`); alpha and the LSE use the same ref
+                s_rc[r, None].store(row * c - Float16(ref))
+            else:
+                # (s - m) c + p_scale_log2 (HADD2, HFMA2): exactly p_scale_log2 at the row's
+                # maximum, so that its P is exactly 2^p_scale_log2, e4m3's rounding or not
+                s_rc[r, None].store((row - Float16(m_safe)) * c + Float16(self.p_scale_log2))
             # columns j, j + 1 share a register: exp2 and the sums go by pairs, the sums in
             # two chains (HADD2)
             sums = [(Float16(0.0), Float16(0.0)), (Float16(0.0), Float16(0.0))]
             for j in cutlass.range_constexpr(0, cols, 2):
                 p = cute.arch.exp2_packed_f16x2((s_rc[r, j], s_rc[r, j + 1]))
                 s_rc[r, j], s_rc[r, j + 1] = p
-                sums[(j // 2) % 2] = cute.arch.add_packed_f16x2(sums[(j // 2) % 2], p)
-            total = cute.arch.add_packed_f16x2(sums[0], sums[1])
-            self.row_sum[r] = (self.row_sum[r] * alpha[r] + Float32(total[0])
-                               + Float32(total[1]))
+                if cutlass.const_expr(not self.sums_in_mma):
+                    sums[(j // 2) % 2] = cute.arch.add_packed_f16x2(sums[(j // 2) % 2], p)
+            if cutlass.const_expr(not self.sums_in_mma):
+                total = cute.arch.add_packed_f16x2(sums[0], sums[1])
+                self.row_sum[r] = (self.row_sum[r] * alpha[r] + Float32(total[0])
+                                   + Float32(total[1]))
         return alpha
 
     @cute.jit

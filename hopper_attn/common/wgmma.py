@@ -78,17 +78,21 @@ def dq_tile_shape(block_m: int, head_dim: int, swap_ab: bool = False) -> tuple:
 
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-         zero_init: cutlass.Constexpr[bool], k_blocks=None):
+         zero_init: cutlass.Constexpr[bool], k_blocks=None, also=None):
     """Issue acc (+)= A B as one committed WGMMA batch (does not wait). k_blocks: (first,
-    end) of the K blocks to issue (a part of the product), default all."""
+    end) of the K blocks to issue (a part of the product), default all. also: (tiled_mma2,
+    acc2, b2, zero_init2), a second product of the same A issued in the same batch
+    (acc2 (+)= A B2)."""
     warpgroup.fence()
-    # a fresh atom per call: its ACCUMULATE field is flipped after the first k-slice
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
     first, end = (0, cute.size(a, mode=[2])) if k_blocks is None else k_blocks
-    for k in cutlass.range_constexpr(first, end):
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
+    products = [(tiled_mma, acc, b, zero_init)] + ([also] if also is not None else [])
+    for mma, c, bb, zero in products:
+        # a fresh atom per product: its ACCUMULATE field is flipped after the first k-slice
+        atom = cute.make_mma_atom(mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero)
+        for k in cutlass.range_constexpr(first, end):
+            cute.gemm(atom, c, a[None, None, k], bb[None, None, k], c)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
 
@@ -130,9 +134,52 @@ class SmemP:
         cute.copy(self.copy, self.thr_copy.retile(p), self.dst)
 
 
+@dataclasses.dataclass(frozen=True)
+class PWithRowSums:
+    """P in registers for O += P V, with the row sums of P on the tensor cores (k7's
+    `row_sums_mma`): every PV batch also issues acc = P 1, a 64 x 8 WGMMA per warpgroup
+    whose B is an (8, block_n) tile of ones in SMEM (`ones`); each column of `acc` (fp32)
+    then holds the row sums of that tile's P as the PV GEMM multiplies it (rounded to the
+    operand type). `fold` adds them to `total`, the running l per row, on the CUDA cores:
+    accumulated across tiles inside the WGMMA, l came out 6% low at 4k keys and 15% at 8k
+    (the FP8 tensor cores' accumulator keeps fewer bits than fp32 and truncates)."""
+    frag: cute.Tensor
+    mma: cute.TiledMma
+    ones: cute.Tensor
+    acc: cute.Tensor
+    total: cute.Tensor
+
+    def pv_also(self):
+        """`gemm`'s `also` for the PV batch: acc = P 1 (zeroed first)."""
+        return (self.mma, self.acc, self.ones, True)
+
+    def reset(self):
+        """A new work item: no sums yet (acc too: the first `fold` reads it)."""
+        self.acc.fill(0.0)
+        self.total.fill(0.0)
+
+    @cute.jit
+    def fold(self, alpha=None):
+        """total = (total + the last PV batch's sums) * alpha per row (after that batch's
+        wait; alpha None: no rescale, the item's end)."""
+        for r, at in enumerate(self.row_sum_coords(cute.size(self.total))):
+            if cutlass.const_expr(alpha is None):
+                self.total[r] = self.total[r] + self.acc[at]
+            else:
+                self.total[r] = (self.total[r] + self.acc[at]) * alpha[r]
+
+    def row_sum_coords(self, rows: int) -> list:
+        """Per row of the thread (acc_rows_cols' order: r = half + 2 * m), the coordinate of
+        one of its sums in `acc` (((column pair, half), MMA_M, 1); one column suffices)."""
+        return [((0, r % 2), r // 2, 0) for r in range(rows)]
+
+
+ROW_SUM_COLUMNS = 8             # the narrowest WGMMA: N = 8
+
+
 def pv_operand(p_frag):
     """What O += P V reads for P: the register fragment, or SmemP's SMEM descriptors."""
-    return p_frag.frag if isinstance(p_frag, SmemP) else p_frag
+    return p_frag.frag if isinstance(p_frag, (SmemP, PWithRowSums)) else p_frag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +208,11 @@ class AttentionMmas:
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
                dtype=BFloat16, uniform: bool = True,
-               vt_k_major: bool = False, sP=None, s_dtype=Float32) -> "AttentionMmas":
+               vt_k_major: bool = False, sP=None, s_dtype=Float32,
+               sOnes=None) -> "AttentionMmas":
         """`sP`: a (block_m, block_n) SMEM buffer for P (K-major), or None: P in registers;
-        `s_dtype`: S's accumulator type."""
+        `s_dtype`: S's accumulator type; `sOnes`: an (8, block_n) SMEM tile of ones (K-major):
+        P's row sums on the tensor cores (`PWithRowSums`), or None."""
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype, s_dtype)
         if sP is None:
             mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
@@ -181,6 +230,14 @@ class AttentionMmas:
             thr_store = store_p.get_slice(tidx)
             p_frag = SmemP(wg_pv.make_fragment_A(wg_pv.partition_A(sP)), store_p, thr_store,
                            thr_store.partition_D(sP))
+        if sOnes is not None:
+            mma_l = pv_mma(warpgroups, ROW_SUM_COLUMNS, dtype, vt_k_major=True)
+            wg_l = warpgroup_slice(mma_l, tidx, uniform)
+            acc_l = cute.make_rmem_tensor(
+                mma_l.get_slice(tidx).partition_shape_C((block_m, ROW_SUM_COLUMNS)), Float32)
+            rows = 2 * cute.size(acc_l, mode=[1])     # (rows r, r + 8) x MMA_M
+            p_frag = PWithRowSums(p_frag, mma_l, wg_l.make_fragment_B(wg_l.partition_B(sOnes)),
+                                  acc_l, cute.make_rmem_tensor((rows,), Float32))
         return AttentionMmas(
             mma_qk, mma_pv, thr_qk, thr_pv,
             q_frag=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),

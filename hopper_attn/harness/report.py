@@ -496,7 +496,9 @@ def measured_blocks(folder, g) -> dict:
               "k6_d64_causal_turns_pv_wait_after": None, "k6_d64_causal_turns_ab_4k": None,
               "k6_d64_causal_turns_ab_long": None, "k6_fa4_end": None,
               "k6_fa4_end_long_causal": None, "k6_d256_lazy_round_lengths": None,
-              "k6_fa4_final": None, "k6_closing": None, "k7_s_f16_closing": None}
+              "k6_fa4_final": None, "k6_closing": None, "k7_s_f16_closing": None,
+              "k7_row_sums_d128": None, "k7_row_sums_d128_causal": None,
+              "k7_row_sums_d256": None}
     for name, row_filter in sweeps.items():
         hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
         if hits:
