@@ -783,10 +783,11 @@ class FlashAttentionK5:
         first `keys` (k6's tail_n; 0: all of them)."""
         k_blocks = None
         if cutlass.const_expr(keys):
-            k_blocks = (0, keys * cute.size(p_frag, mode=[2]) // self.block_n)
+            k_blocks = (0, keys * cute.size(wgmma.pv_operand(p_frag), mode=[2])
+                        // self.block_n)
         also = None
         if cutlass.const_expr(isinstance(p_frag, wgmma.PWithRowSums)):
-            also = p_frag.pv_also()                     # and l += P 1, in the same batch
+            also = p_frag.pv_also()                     # and the tile's row sums, P 1
         wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
                    vt_frag[None, None, None, v_state.index], zero_init=False,
                    k_blocks=k_blocks, also=also)

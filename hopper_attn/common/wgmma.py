@@ -178,7 +178,8 @@ ROW_SUM_COLUMNS = 8             # the narrowest WGMMA: N = 8
 
 
 def pv_operand(p_frag):
-    """What O += P V reads for P: the register fragment, or SmemP's SMEM descriptors."""
+    """What O += P V reads for P: the register fragment (also inside PWithRowSums), or
+    SmemP's SMEM descriptors."""
     return p_frag.frag if isinstance(p_frag, (SmemP, PWithRowSums)) else p_frag
 
 
