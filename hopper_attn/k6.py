@@ -939,7 +939,7 @@ class FlashAttentionK6(FlashAttentionK5):
                 # that no earlier PV still accumulates into O, so it adds no wait of its
                 # own for QK before the multiplies)
                 warpgroup.wait_group(1)
-                self.rescale_o(o_rc, p_frag, alpha)                 # O *= alpha_{n-1}, under QK_n
+                self.rescale_o(o_rc, p_frag, alpha)     # O *= alpha_{n-1}, under QK_n
             if cutlass.const_expr(self.v_lags_k):       # V_{n-1} was loaded after K_n
                 loads.wait(loads.v_pipe, v_state)
             self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)

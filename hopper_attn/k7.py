@@ -62,9 +62,9 @@ transpose is what limited d = 256).
 
 Budget, d = 128 (fp16 scores, 128 x 256 tiles, 2 stages): 384 threads; SMEM = Q 16 KiB + K
 and V^T rings 2 x 2 x 32 KiB + O 32 KiB = 176 KiB (+ barriers; row_sums_mma: + 2 KiB of
-ones). Registers per consumer thread: S 64 (128 fp16 scores) + P 32 + O 64 fp32. With fp32 scores (`s_f16=0`, 128 x 192,
-3 stages): Q 16 + 2 x 3 x 24 + O 32 = 192 KiB; S 96 + P 24 + O 64. d = 64: 128 x 256, 3
-stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256: 128 x 128, 2 stages: Q 32 + 2 x 2 x 32 +
+ones). Registers per consumer thread: S 64 (128 fp16 scores) + P 32 + O 64 fp32. With fp32
+scores (`s_f16=0`, 128 x 192, 3 stages): Q 16 + 2 x 3 x 24 + O 32 = 192 KiB; S 96 + P 24 +
+O 64. d = 64: 128 x 256, 3 stages: Q 8 + 2 x 3 x 16 + O 16 = 120 KiB. d = 256: 128 x 128, 2 stages: Q 32 + 2 x 2 x 32 +
 O 64 = 224 KiB (row_sums_mma without a mask: + 1 KiB of ones).
 """
 

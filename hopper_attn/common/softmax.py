@@ -324,9 +324,24 @@ class OnlineSoftmax:
         """Combine the per-lane partial sums; return 1/l per row (0 for empty rows)."""
         inv = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
-            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=self.lanes_per_row)
+            total = self.row_total(r)
             inv[r] = 0.0 if total == 0.0 else 1.0 / total
         return inv
+
+    @cute.jit
+    def row_total(self, r):
+        """Row r's l: its lanes' partial sums added up."""
+        return cute.arch.warp_reduction_sum(self.row_sum[r],
+                                            threads_in_group=self.lanes_per_row)
+
+    @cute.jit
+    def row_offset(self, r):
+        """What row r's exponents were taken against, m * scale_log2 (in exp2 units), less
+        p_scale_log2: l carries 2^p_scale_log2."""
+        m_scaled = self.row_max[r] * self.scale_log2
+        if cutlass.const_expr(self.p_scale_log2 != 0):
+            m_scaled = m_scaled - Float32(self.p_scale_log2)
+        return m_scaled
 
     @cute.jit
     def log_sum_exp(self, inv: cute.Tensor) -> cute.Tensor:
@@ -336,10 +351,7 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             lse[r] = -Float32.inf
             if inv[r] != 0.0:
-                m_scaled = self.row_max[r] * self.scale_log2
-                if cutlass.const_expr(self.p_scale_log2 != 0):
-                    m_scaled = m_scaled - Float32(self.p_scale_log2)   # l carries 2^p_scale_log2
-                lse[r] = (m_scaled - cute.math.log2(inv[r], fastmath=True)) * LN_2
+                lse[r] = (self.row_offset(r) - cute.math.log2(inv[r], fastmath=True)) * LN_2
         return lse
 
 
@@ -420,13 +432,17 @@ class OnlineSoftmaxF16(OnlineSoftmax):
             self.row_sum[r] = p_frag.total[r]
 
     @cute.jit
-    def finalize(self) -> cute.Tensor:
-        if cutlass.const_expr(not self.sums_in_mma):
-            return OnlineSoftmax.finalize(self)
-        inv = cute.make_rmem_tensor((self.num_rows,), Float32)
-        for r in cutlass.range_constexpr(self.num_rows):
-            inv[r] = 0.0 if self.row_sum[r] == 0.0 else 1.0 / self.row_sum[r]
-        return inv
+    def row_total(self, r):
+        """Row r's l; with `sums_in_mma` every lane holds all of it already."""
+        if cutlass.const_expr(self.sums_in_mma):
+            return self.row_sum[r]
+        return OnlineSoftmax.row_total(self, r)
+
+    @cute.jit
+    def row_offset(self, r):
+        """`row_ref`: the offset the step subtracted (m c - p_scale_log2, rounded up to fp16
+        with `one_fma`)."""
+        return self.row_ref[r]
 
     def reset(self):
         super().reset()
@@ -473,13 +489,3 @@ class OnlineSoftmaxF16(OnlineSoftmax):
                 self.row_sum[r] = (self.row_sum[r] * alpha[r] + Float32(total[0])
                                    + Float32(total[1]))
         return alpha
-
-    @cute.jit
-    def log_sum_exp(self, inv: cute.Tensor) -> cute.Tensor:
-        """As OnlineSoftmax's, from the offsets `row_ref` (m c - p_scale_log2 per row)."""
-        lse = cute.make_rmem_tensor((self.num_rows,), Float32)
-        for r in cutlass.range_constexpr(self.num_rows):
-            lse[r] = -Float32.inf
-            if inv[r] != 0.0:
-                lse[r] = (self.row_ref[r] - cute.math.log2(inv[r], fastmath=True)) * LN_2
-        return lse
