@@ -3,7 +3,7 @@
     python bench.py k2 k3_3 k4              # default sweep (FlashAttention-3 paper's)
     CHECK=1 python bench.py k4              # check each config against fp32 first
     SEQLEN=4096 HEADDIM=128 CAUSAL=0 python bench.py k4 --json results/x.json
-    python bench.py kb2 kb2:stmatrix=1 --interleave   # round-robin timing, for close A/B
+    python bench.py kb2 kb2:stmatrix=1      # two variants, timed round-robin with the baselines
     python bench.py k4 --profile            # one config, once, inside an NVTX range (for ncu)
     python bench.py k2 k4 --compile-only    # no GPU needed: registers, SMEM, spills per config
     CHECK=1 python bench.py k6 k7           # FP8 (k7): cuDNN's FP8 attention joins the baselines
@@ -12,9 +12,13 @@
                                             # own backward passes (autograd)
 
 Prints one table (ms, TFLOP/s = 4*B*H*N^2*d / time, halved for causal, and the ratio to each
-baseline: >1 means faster than the baseline). Backward stages count 10*B*H*N^2*d (2.5x the
-forward: five N x N x d GEMMs instead of two), halved for causal. --json writes every row
-with the environment.
+baseline: >1 means faster than the baseline). Kernels and baselines of a config are timed
+round-robin (every round runs each once, in a shuffled order, L2 flushed before each), so
+clock and power drift hit them alike; each ratio is the median of the per-round ratios, with
+half their interquartile range after it (1.03±0.01): the spread to expect from a rerun.
+--sequential times each one back to back instead (no spread). Backward stages count
+10*B*H*N^2*d (2.5x the forward: five N x N x d GEMMs instead of two), halved for causal.
+--json writes every row with the environment.
 """
 
 from __future__ import annotations
@@ -54,8 +58,10 @@ def parse_args(argv=None):
                          "sdpa_flash,sdpa_cudnn,fa4, plus cudnn_fp8 when an FP8 stage runs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interleave", action="store_true",
-                    help="time kernels and baselines of a config round-robin (steadier ratios "
-                         "for A/B decisions between close variants)")
+                    help="(the default) time kernels and baselines of a config round-robin")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time each kernel and baseline back to back instead of round-robin "
+                         "(ratios then swing by up to 10%% between runs)")
     return ap.parse_args(argv)
 
 
@@ -128,7 +134,8 @@ def run(entries, args, backward: bool = False) -> int:
     from hopper_attn.harness.checks import ReferenceCase
     from hopper_attn.harness.env import environment
     from hopper_attn.harness.inputs import make_inputs
-    from hopper_attn.harness.timing import L2Flush, benchmark, benchmark_interleaved, tflops
+    from hopper_attn.harness.timing import (L2Flush, benchmark, benchmark_interleaved,
+                                            round_ratios, tflops)
 
     check = os.environ.get("CHECK", "0") not in ("", "0")
     env = environment()
@@ -162,7 +169,7 @@ def run(entries, args, backward: bool = False) -> int:
                     calls[name]()
                     torch.cuda.synchronize()
                     baseline_errors[name] = fp8_baseline_error(fn, case)
-            if not args.interleave:
+            if args.sequential:
                 with _nvtx_range(f"{name}__{problems.config_name(problem)}"):
                     timed[name] = benchmark(calls.pop(name), flush)
         kernel_rows = []
@@ -185,7 +192,7 @@ def run(entries, args, backward: bool = False) -> int:
                     tensors = (*entry.prepare(q, k, v), entry.output_for(handle, out))
                 call = (lambda entry=entry, handle=handle, tensors=tensors:
                         entry.run(handle, *tensors))
-                if args.interleave:
+                if not args.sequential:
                     calls[entry.name] = call
                 else:
                     with _nvtx_range(f"{entry.name}__{problems.config_name(problem)}"):
@@ -195,7 +202,7 @@ def run(entries, args, backward: bool = False) -> int:
                 failures.append((entry.name, problem.label(), str(exc)[:300]))
                 continue
             kernel_rows.append(row)
-        if args.interleave:                 # everything of this config, round-robin
+        if not args.sequential:             # everything of this config, round-robin
             timed.update(benchmark_interleaved(calls, flush))
         calls.clear()
         base_ms = {name: timed[name]["ms"] for name in found}
@@ -209,6 +216,10 @@ def run(entries, args, backward: bool = False) -> int:
             if t is not None:
                 row.update(t, tflops=tflops(flops, t["ms"]),
                            ratios={b: ms / t["ms"] for b, ms in base_ms.items()})
+                spreads = {b: round_ratios(timed[b], t) for b in found}
+                if all(spreads.values()):       # round-robin: per-round medians and quartiles
+                    row["ratios"] = {b: r["ratio"] for b, r in spreads.items()}
+                    row["ratio_quartiles"] = {b: (r["q1"], r["q3"]) for b, r in spreads.items()}
             rows.append(row)
         del q, k, v, out, tensors
         if check or backward:
@@ -257,9 +268,19 @@ def write_json(path, env, check, missing, rows):
                    "baselines_missing": missing, "rows": rows}, f, separators=(",", ":"))
 
 
+def _ratio_cell(row, baseline: str) -> str:
+    """'1.03±0.01' (median of per-round ratios ± half their interquartile range), or the
+    plain ratio of medians when timed back to back."""
+    ratio = row["ratios"].get(baseline, float("nan"))
+    quartiles = row.get("ratio_quartiles", {}).get(baseline)
+    if quartiles is None:
+        return f"{ratio:.2f}"
+    return f"{ratio:.2f}±{(quartiles[1] - quartiles[0]) / 2:.2f}"
+
+
 def format_table(rows, baseline_names, env) -> str:
     head = f"{env.get('gpu')}, torch {env.get('torch')}, cutlass-dsl {env.get('cutlass_dsl')}, {env.get('date_utc')}"
-    cols = "".join(f" {('x' + b.replace('sdpa_', ''))[:8]:>8}" for b in baseline_names)
+    cols = "".join(f" {('x' + b.replace('sdpa_', ''))[:10]:>10}" for b in baseline_names)
     lines = [head, f"{'config':34} {'kernel':7} {'ms':>9} {'TFLOP/s':>8}{cols} {'err/torch':>9} {'compile s':>9}"]
     for r in rows:
         c = r["config"]
@@ -271,7 +292,7 @@ def format_table(rows, baseline_names, env) -> str:
         if r["baseline"]:
             lines.append(f"{config:34} {r['kernel'][:7]:7} {r['ms']:9.3f} {r['tflops']:8.1f}")
             continue
-        ratios = "".join(f" {r['ratios'].get(b, float('nan')):8.2f}" for b in baseline_names)
+        ratios = "".join(f" {_ratio_cell(r, b):>10}" for b in baseline_names)
         err = f"{r['check']['error_ratio']:9.2f}" if r.get("check") else f"{'-':>9}"
         lines.append(f"{config:34} {r['kernel']:7} {r['ms']:9.3f} {r['tflops']:8.1f}{ratios} {err} "
                      f"{r.get('compile_s', 0):9.1f}")
@@ -280,7 +301,13 @@ def format_table(rows, baseline_names, env) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    entries = registry.resolve(args.kernels)
+    try:
+        entries = registry.resolve(args.kernels)
+        problems.sweep()                    # the sweep's environment variables, checked early
+        problems.dtypes()
+    except ValueError as exc:
+        print(f"bench.py: {exc}", file=sys.stderr)
+        return 2
     if args.baselines is None:
         args.baselines = DEFAULT_BASELINES
         if any(e.spec.input_dtype is not None for e in entries):    # k7, k8
@@ -295,8 +322,9 @@ def main(argv=None) -> int:
         return 2
     backward = [e.name.split(":")[0] in registry.BACKWARD_KERNELS for e in entries]
     if any(backward) and not all(backward):
-        raise SystemExit("time forward and backward stages in separate runs "
-                         f"(backward: {', '.join(registry.BACKWARD_KERNELS)})")
+        print("bench.py: time forward and backward stages in separate runs "
+              f"(backward: {', '.join(registry.BACKWARD_KERNELS)})", file=sys.stderr)
+        return 2
     if args.profile:
         return profile(entries, args, backward=all(backward))
     return run(entries, args, backward=all(backward))

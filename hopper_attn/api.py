@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from hopper_attn import stages
 from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tensors,
                                          run_attention)
 
@@ -50,10 +51,9 @@ _HANDLES: dict = {}
 def _first_supporting(names, problem: Problem, what: str):
     """The first registered stage of `names` that supports `problem`, else UnsupportedProblem
     with every stage's reason."""
-    from hopper_attn.harness import registry
     reasons = []
     for name in names:
-        entry = registry.get(name)
+        entry = stages.get(name)
         reason = entry.spec.unsupported_reason(problem)
         if reason is None:
             return entry
@@ -91,9 +91,8 @@ def _compile_options() -> str:
 
 
 def _entry_for(problem: Problem, stage: str):
-    from hopper_attn.harness import registry
     if stage:
-        entry = registry.get(stage)
+        entry = stages.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
         return entry
     preference = PREFERENCE_BY_HEAD_DIM.get((problem.head_dim, problem.causal), PREFERENCE)
@@ -269,7 +268,6 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     `return_lse`, `(out8, descale_o, lse)`.
     """
     from hopper_attn import k7, k8
-    from hopper_attn.harness import registry
     _check(q, k, v)
     if {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
         raise ValueError(f"attention_fp8 takes bf16 q, k, v (it quantizes them itself), got "
@@ -282,7 +280,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         raise ValueError(f"attention_fp8 writes bf16 or float8_e4m3fn, not {out_dtype}")
     fp8_out = out_dtype == torch.float8_e4m3fn
     problem = Problem.from_tensor(q, bool(causal), k)
-    entry = registry.get(("k8" if rotate else "k7") + (":out_fp8=1" if fp8_out else ""))
+    entry = stages.get(("k8" if rotate else "k7") + (":out_fp8=1" if fp8_out else ""))
     entry.spec.check(problem)            # head dim, dtype (bf16): UnsupportedProblem
     check_tensors(problem, q, k, v, q, strided=True)     # bf16 on one CUDA device
     handle = _handle(entry, problem, _compile_options())

@@ -31,7 +31,7 @@ def test_dtype_env(monkeypatch):
     assert [p.dtype for p in sweep] == [torch.bfloat16, torch.float16]
     assert problems.config_name(sweep[1]) == "b16_h32_n1024_d64_full_fp16"
     monkeypatch.setenv("DTYPE", "fp8")
-    with pytest.raises(SystemExit, match="DTYPE"):
+    with pytest.raises(ValueError, match="DTYPE=bf16,fp16"):
         problems.sweep()
 
 
@@ -50,8 +50,14 @@ def test_registry_variants_and_options():
     assert dict(registry.get("k3_3").options)["stages"] == 5
     entry = registry.get("k4:block_n=64,stages=3")
     assert entry.module == "hopper_attn.k4" and dict(entry.options) == {"block_n": 64, "stages": 3}
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="unknown stage 'k9'"):
         registry.get("k9")
+    with pytest.raises(ValueError, match="not an integer"):
+        registry.get("k6:lazy_rescale=abc")
+    with pytest.raises(ValueError, match="unknown option"):
+        registry.get("k4:no_such_option=1")
+    with pytest.raises(ValueError, match="key=value"):
+        registry.get("k4:block_n")
 
 
 def _naive(q, k, v, causal):
@@ -108,7 +114,7 @@ def test_guarded_inputs_sit_between_nan_guards():
 
 def test_bad_sweep_variables_are_reported(monkeypatch):
     monkeypatch.setenv("SEQLEN", "abc")
-    with pytest.raises(SystemExit, match="SEQLEN"):
+    with pytest.raises(ValueError, match="SEQLEN=1024,4096"):
         problems.sweep()
 
 

@@ -23,15 +23,21 @@ TOKENS = 16384
 HIDDEN = 2048
 
 
+# a valid setting of each environment variable, for the error messages
+EXAMPLES = {"SEQLEN": "SEQLEN=1024,4096", "HEADDIM": "HEADDIM=64,128", "CAUSAL": "CAUSAL=0,1",
+            "DTYPE": "DTYPE=bf16,fp16", "BATCH": "BATCH=4", "HEADS": "HEADS=16"}
+
+
 def _env_list(name: str, default, cast=int):
     raw = os.environ.get(name, "").strip()
     if not raw:
         return tuple(default) if default is not None else None
+    example = EXAMPLES.get(name, f"{name}=1024,4096")
     try:
         return tuple(cast(x) for x in raw.split(",") if x.strip())
     except ValueError as exc:
-        raise SystemExit(f"{name}={raw!r}: expected a comma-separated list, e.g. "
-                         f"{name}=1024,4096 ({exc})") from None
+        raise ValueError(f"{name}={raw!r}: expected a comma-separated list, e.g. {example} "
+                         f"({exc})") from None
 
 
 def _bool(x: str) -> bool:

@@ -546,7 +546,7 @@ def render(root=ROOT, check=False, write_plots=True) -> list[str]:
         def repl(m):
             name = m.group("name")
             if name not in generated:
-                raise SystemExit(f"{os.path.relpath(path, root)}: unknown generated block {name!r}")
+                raise ValueError(f"{os.path.relpath(path, root)}: unknown generated block {name!r}")
             return m.group(1) + generated[name].rstrip("\n") + "\n" + m.group(4)
 
         new = MARK.sub(repl, text)

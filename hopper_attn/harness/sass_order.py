@@ -190,7 +190,7 @@ def main(argv=None):
     art = compile_artifacts(registry.get(args.kernel), args.head_dim, bool(args.causal),
                             torch.bfloat16, seqlen=args.seqlen)
     if not art["ok"]:
-        raise SystemExit(f"compile failed: {art['error']}")
+        raise RuntimeError(f"compile failed: {art['error']}")
     print(summary(art["ptx"], sass(art["cubin"])))
     if args.stalls:
         for i, gaps in enumerate(exp2_gaps(sass(art["cubin"], encoding=True))):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from typing import Optional
 
 import torch
 
@@ -102,7 +103,22 @@ def benchmark_interleaved(fns: dict, flush: L2Flush | None = None, *,
     for name, s, e in events:
         times[name].append(s.elapsed_time(e))
     return {name: {"ms": statistics.median(t), "min_ms": min(t), "max_ms": max(t),
-                   "reps": reps, "interleaved": True} for name, t in times.items()}
+                   "reps": reps, "interleaved": True, "round_ms": [round(x, 5) for x in t]}
+            for name, t in times.items()}
+
+
+def round_ratios(baseline: dict, kernel: dict) -> Optional[dict]:
+    """A baseline's time over a kernel's, round by round (both from one
+    `benchmark_interleaved`): the median and the quartiles of the per-round ratios (> 1: the
+    kernel is faster), or None when the two were not timed round-robin."""
+    b, k = baseline.get("round_ms"), kernel.get("round_ms")
+    if not b or not k or len(b) != len(k):
+        return None
+    ratios = sorted(x / y for x, y in zip(b, k))
+    if len(ratios) < 4:
+        return {"ratio": statistics.median(ratios), "q1": ratios[0], "q3": ratios[-1]}
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {"ratio": statistics.median(ratios), "q1": q1, "q3": q3}
 
 
 def tflops(flops: float, ms: float) -> float:
