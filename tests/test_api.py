@@ -168,3 +168,20 @@ def test_attention_fp8_refuses_before_launching():
     q.requires_grad_(True)
     with pytest.raises(ValueError, match="backward"):
         hopper_attn.attention_fp8(q, k, v)
+
+
+def test_the_api_does_not_reach_into_the_harness():
+    """attention() finds its stages through the package's registry (hopper_attn.stages), not
+    the benchmark harness, and no library code of the package ends the caller's process."""
+    import ast
+    import pathlib
+    root = pathlib.Path(hopper_attn.__file__).parent
+    tree = ast.parse((root / "api.py").read_text())
+    imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    imported += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for a in node.names]
+    assert not [m for m in imported if "harness" in m], imported
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        body = text.split('if __name__ == "__main__":')[0]
+        assert "sys.exit(" not in body and "SystemExit" not in body, path
