@@ -16,6 +16,11 @@ ref_check.py or tools/** name it, in any of these forms:
   path's name from one of its underscores on (`results/h100/2026-11-26_k6_stream_k_d128.json
   and _d64.json` cites `2026-11-26_k6_stream_k_d64.json`);
 - a repeat of a cited measurement: `X_run2.json` when `X.json` is cited.
+- a folder two levels down, written as one (`results/h100/timeline/`): every file in it.
+
+A pattern for any date (`*_bench_*.json`, `*_ref_check*.json`: what report.py reads) cites
+every file it matches: the generated tables take each configuration's or case's newest
+result, and the older files stay as the record of the claims made from them at the time.
 
 results/README.md (the index) is not a citing source here: a file only it names is reported as
 uncited. The test (tests/test_results_index.py) accepts those too: a file is either cited by
@@ -26,7 +31,6 @@ Runs in well under a second: it reads only text files, no git.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import lzma
 import os
 import re
@@ -50,6 +54,8 @@ EXAMPLES = {"results/x.json", "results/mine.json", "results/h100/power.json",
 # extension, or a name with a results extension
 TOKEN = re.compile(r"[\w./*?{},+-]*(?:results/|\d{4}-\d\d-\d\d_|\.json|\.txt|\.csv|\.xz|\.cu\b)"
                    r"[\w./*?{},+-]*")
+# a backticked tail without an extension: `_d64_1k_causal`, `_pingpong_1_`
+TAIL = re.compile(r"`(_[A-Za-z0-9]\w*(?:[.*{},]+\w*)*\*?)`")
 EXT = re.compile(r"\.(json|txt|csv|xz|cu)$")
 DATED = re.compile(r"\d{4}-\d\d-\d\d_")
 
@@ -97,6 +103,16 @@ class Citations:
             for n in names_of(f):
                 self.by_name.setdefault(n, set()).add(f)
                 self.by_name.setdefault(n.rsplit("/", 1)[-1], set()).add(f)
+        # every stored name, one a line, for matching a pattern against all at once
+        self.lines = {full: sorted({n if full else n.rsplit("/", 1)[-1]
+                                    for f in files for n in names_of(f)})
+                      for full in (True, False)}
+        self.owners = {}            # name (full or base) -> the files answering to it
+        for f in files:
+            for n in names_of(f):
+                self.owners.setdefault((True, n), set()).add(f)
+                self.owners.setdefault((False, n.rsplit("/", 1)[-1]), set()).add(f)
+        self.memo = {}
         self.cited = {}             # file -> first citing source
         self.dangling = []          # (source, token, files it was taken to mean)
 
@@ -106,12 +122,13 @@ class Citations:
             return set(self.by_name.get(pattern, ()))
         if "." not in pattern.rsplit("/", 1)[-1]:
             pattern += ".*"                        # a dated name without its extension
-        hits = set()
-        for f in self.files:
-            for n in names_of(f):
-                if fnmatch.fnmatchcase(n if full else n.rsplit("/", 1)[-1], pattern):
-                    hits.add(f)
-        return hits
+        if (pattern, full) not in self.memo:
+            rx = re.compile("".join(".*" if ch == "*" else "." if ch == "?" else re.escape(ch)
+                                    for ch in pattern), re.S)
+            literal = max(re.split(r"[*?]", pattern), key=len)     # a cheap first filter
+            self.memo[pattern, full] = {f for n in self.lines[full] if literal in n
+                                        and rx.fullmatch(n) for f in self.owners[full, n]}
+        return set(self.memo[pattern, full])
 
     def _near(self, pattern: str, full: bool) -> set[str]:
         """A name that matches nothing: the files it abbreviates (`X.json` for `X_d64.json`)."""
@@ -136,10 +153,21 @@ class Citations:
         anchors = []
         for para in re.split(r"\n\s*\n", text):
             anchors = anchors[:1]
-            for m in TOKEN.finditer(para):
-                token = m.group().strip(".,;:)")
+            found = [(m.start(), m.group()) for m in TOKEN.finditer(para)]
+            found += [(m.start(), m.group(1)) for m in TAIL.finditer(para)]
+            for _, token in sorted(found):
+                token = token.strip(",;:)")
+                token = token.rstrip(".") if not token.endswith(".*") else token
                 if "results/" in token:
                     token = token[token.index("results/"):]
+                if re.fullmatch(r"results/[^/*]+/[^/*]+/", token):   # a folder: all of it
+                    for f in self._match(token + "*", full=True):
+                        self.cited.setdefault(f, source)
+                    continue
+                bare_tail = token.startswith("_") and not EXT.search(token)
+                if bare_tail:       # `_d64_1k_causal`, `_pingpong_1_`, `_k7_items_..._4k.*`
+                    self._bare_tail(source, token, anchors)
+                    continue
                 if not EXT.search(token) and "results/" not in token and not DATED.search(token):
                     continue
                 token = token.lstrip(".").replace("...", "*")   # `..._sanitizer_k6.txt`
@@ -176,12 +204,29 @@ class Citations:
                     elif t.startswith("_"):             # a pattern, or a name that is not there
                         anchors.insert(0, {f"*/????-??-??{t}"})
 
+    def _bare_tail(self, source, token, anchors):
+        """A tail without an extension: the names it continues, with any extension."""
+        hits = set()
+        for t in expand(token):
+            pats = [t if t.endswith("*") else t + ".*"] + ([t + "*"] if t.endswith("_") else [])
+            for p in pats:
+                for group in anchors:
+                    hits |= {f for a in group for f in self._siblings(a, p)}
+                    if hits:
+                        break
+                hits |= self._match(f"????-??-??{p}", full=False)
+                if not hits and t.count("_") >= 3:
+                    hits = self._match(f"*{p}", full=False)
+        for f in hits:
+            self.cited.setdefault(f, source)
+
     def repeats(self):
         """X_run2.json (X_run3...) counts as cited when X.json is."""
+        plain = {n: f for f in self.cited for n in names_of(f)}
         for f in self.files:
-            m = re.match(r"(.*)_run\d+(\..*)$", f)
-            if m and f not in self.cited and m.group(1) + m.group(2) in self.cited:
-                self.cited[f] = self.cited[m.group(1) + m.group(2)]
+            m = re.match(r"(.*)_run\d+(\..*?)(\.xz)?$", f)
+            if m and f not in self.cited and m.group(1) + m.group(2) in plain:
+                self.cited[f] = self.cited[plain[m.group(1) + m.group(2)]]
 
 
 def citations(root=ROOT, sources=None, files=None) -> Citations:
