@@ -2,6 +2,9 @@
 
     python tools/results_index.py            # report; exit 1 if a file is uncited or a path dangles
     python tools/results_index.py --uncited  # only the uncited files, one path a line (for git rm)
+    python tools/results_index.py --who results/h200/2026-11-28_k6   # who cites these files
+    python tools/results_index.py --who docs/kb2.md                   # the files a page cites
+    python tools/results_index.py --compress # store results JSON over 4 KB as .json.xz
 
 A results file counts as cited when README.md, docs/**, hopper_attn/**, tests/**, bench.py,
 ref_check.py or tools/** name it, in any of these forms:
@@ -96,8 +99,9 @@ def names_of(path: str) -> list[str]:
 
 
 class Citations:
-    def __init__(self, files: list[str]):
+    def __init__(self, files: list[str], generic: bool = True):
         self.files = files
+        self.generic = generic      # whether `*_bench_*.json` (any date, any name) cites
         self.by_name = {}           # full path or base name (both, each stored form) -> files
         for f in files:
             for n in names_of(f):
@@ -172,6 +176,8 @@ class Citations:
                     continue
                 token = token.lstrip(".").replace("...", "*")   # `..._sanitizer_k6.txt`
                 for t in expand(token):
+                    if not self.generic and t.lstrip("/").startswith("*"):
+                        continue
                     if t.startswith("_"):
                         hits = set()
                         for group in anchors:
@@ -242,7 +248,7 @@ def citations(root=ROOT, sources=None, files=None) -> Citations:
 def index_listed(root=ROOT, files=None) -> set[str]:
     """The files results/README.md names (by name or pattern)."""
     files = results_files(root) if files is None else files
-    c = Citations(files)
+    c = Citations(files, generic=False)     # the index's name patterns (`*_bench_*`) list nothing
     path = os.path.join(root, INDEX)
     if os.path.exists(path):
         with open(path) as f:
@@ -280,10 +286,26 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--uncited", action="store_true",
                     help="print only the files neither cited nor listed in results/README.md")
+    ap.add_argument("--who", nargs="*", metavar="PATH",
+                    help="for each results file (all without PATH) the pages and code citing it; "
+                         "a PATH under results/ names files, any other PATH a citing page")
     ap.add_argument("--compress", action="store_true",
                     help=f"store results JSON over {COMPRESS_OVER} bytes as .json.xz")
     args = ap.parse_args(argv)
     files = results_files()
+    if args.who is not None:
+        by = {}
+        for src in source_files():
+            rel = os.path.relpath(src, ROOT)
+            for hit in citations(sources=[src], files=files).cited:
+                by.setdefault(hit, []).append(rel)
+        pick = [p for p in args.who if p.startswith(RESULTS)]
+        pages = [p for p in args.who if not p.startswith(RESULTS)]
+        for f in files:
+            if (not pick or any(f.startswith(p) for p in pick)) and (
+                    not pages or set(pages) & set(by.get(f, []))):
+                print(f"{f}\t{' '.join(by.get(f, ['-']))}")
+        return 0
     if args.compress:
         for f in compress(files=files):
             print(f"compressed: {f}")
