@@ -1,6 +1,7 @@
 """Which files under results/ does the project cite, and which cited paths do not exist?
 
-    python tools/results_index.py            # report; exit 1 if a file is uncited or a path dangles
+    python tools/results_index.py            # report; exit 1 if a file is neither cited nor in
+                                             # results/README.md, or results/ is over 6 MB
     python tools/results_index.py --uncited  # only the uncited files, one path a line (for git rm)
     python tools/results_index.py --who results/h200/2026-11-28_k6   # who cites these files
     python tools/results_index.py --who docs/kb2.md                   # the files a page cites
@@ -18,7 +19,7 @@ ref_check.py or tools/** name it, in any of these forms:
 - a sibling written after a full path in the same paragraph, as the tail that replaces the
   path's name from one of its underscores on (`results/h100/2026-11-26_k6_stream_k_d128.json
   and _d64.json` cites `2026-11-26_k6_stream_k_d64.json`);
-- a repeat of a cited measurement: `X_run2.json` when `X.json` is cited.
+- a repeat of a cited measurement: `X_run2.json` when `X.json` is cited;
 - a folder two levels down, written as one (`results/h100/timeline/`): every file in it.
 
 A pattern for any date (`*_bench_*.json`, `*_ref_check*.json`: what report.py reads) cites
@@ -102,12 +103,7 @@ class Citations:
     def __init__(self, files: list[str], generic: bool = True):
         self.files = files
         self.generic = generic      # whether `*_bench_*.json` (any date, any name) cites
-        self.by_name = {}           # full path or base name (both, each stored form) -> files
-        for f in files:
-            for n in names_of(f):
-                self.by_name.setdefault(n, set()).add(f)
-                self.by_name.setdefault(n.rsplit("/", 1)[-1], set()).add(f)
-        # every stored name, one a line, for matching a pattern against all at once
+        # every name a file answers to, full (results/h100/X.json) and base (X.json)
         self.lines = {full: sorted({n if full else n.rsplit("/", 1)[-1]
                                     for f in files for n in names_of(f)})
                       for full in (True, False)}
@@ -123,7 +119,7 @@ class Citations:
     def _match(self, pattern: str, full: bool) -> set[str]:
         if not any(c in pattern for c in "*?[") and not (DATED.search(pattern) and "." not in
                                                             pattern.rsplit("/", 1)[-1]):
-            return set(self.by_name.get(pattern, ()))
+            return set(self.owners.get((full, pattern), ()))
         if "." not in pattern.rsplit("/", 1)[-1]:
             pattern += ".*"                        # a dated name without its extension
         if (pattern, full) not in self.memo:

@@ -4,7 +4,9 @@
     python -m hopper_attn.harness.report --check    # exit 1 if a generated block is out of date
 
 Inputs (all committed): results/<gpu>/*_bench_*.json (bench.py --json), the k4 tile and k3
-structure sweeps, ref_check JSON, and Nsight Compute raw CSVs (results/<gpu>/profiles/).
+structure sweeps, ref_check JSON, and Nsight Compute raw CSVs (results/<gpu>/profiles/). A
+JSON named `X.json` here and in the tables is read from `X.json.xz` where that is what is
+committed (results/README.md).
 Outputs: the text between `<!-- BEGIN GENERATED: name -->` and `<!-- END GENERATED -->`
 markers in README.md and docs/*.md, and PNG plots in docs/img/. Nothing in those blocks is
 typed by hand; every number there comes from one of the files named in the block.
