@@ -4,7 +4,9 @@
     python -m hopper_attn.harness.report --check    # exit 1 if a generated block is out of date
 
 Inputs (all committed): results/<gpu>/*_bench_*.json (bench.py --json), the k4 tile and k3
-structure sweeps, ref_check JSON, and Nsight Compute raw CSVs (results/<gpu>/profiles/).
+structure sweeps, ref_check JSON, and Nsight Compute raw CSVs (results/<gpu>/profiles/). A
+JSON named `X.json` here and in the tables is read from `X.json.xz` where that is what is
+committed (results/README.md).
 Outputs: the text between `<!-- BEGIN GENERATED: name -->` and `<!-- END GENERATED -->`
 markers in README.md and docs/*.md, and PNG plots in docs/img/. Nothing in those blocks is
 typed by hand; every number there comes from one of the files named in the block.
@@ -35,8 +37,20 @@ MARK = re.compile(r"(<!-- BEGIN GENERATED: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?
 
 # ------------------------------------------------------------------------------- loading
 def _load(path):
+    """A results JSON; `X.json` is read from `X.json.xz` where only that is committed."""
+    if not os.path.exists(path) and os.path.exists(path + ".xz"):
+        with lzma.open(path + ".xz", "rt") as f:
+            return json.load(f)
     with open(path) as f:
         return json.load(f)
+
+
+def _glob(folder, pattern):
+    """The results JSON matching `pattern`, each by its uncompressed name (`X.json` also
+    where `X.json.xz` is what is committed: results/README.md), sorted."""
+    found = set(glob.glob(os.path.join(folder, pattern)))
+    found |= {p[:-3] for p in glob.glob(os.path.join(folder, pattern + ".xz"))}
+    return sorted(found)
 
 
 def _key(cfg):
@@ -49,7 +63,7 @@ class Results:
     def __init__(self, folder, pattern="*_bench_*.json"):
         self.folder = folder
         self.gpu = os.path.basename(folder)
-        self.files = sorted(glob.glob(os.path.join(folder, pattern)))
+        self.files = _glob(folder, pattern)
         self.rows = {}          # (kernel, key) -> (row, file, env)
         self.baselines = {}     # (baseline, key) -> (row, file, env)
         for path in self.files:
@@ -500,18 +514,18 @@ def measured_blocks(folder, g) -> dict:
               "k7_row_sums_d128": None, "k7_row_sums_d128_causal": None,
               "k7_row_sums_d256": None}
     for name, row_filter in sweeps.items():
-        hits = sorted(glob.glob(os.path.join(folder, f"*_{name}.json")))
+        hits = _glob(folder, f"*_{name}.json")
         if hits:
             out[f"sweep:{name}:{g}"] = sweep_table(os.path.relpath(hits[-1], ROOT),
                                                    row_filter=row_filter)
-    fp8 = sorted(glob.glob(os.path.join(folder, "*_fp8_k7*.json")))
+    fp8 = _glob(folder, "*_fp8_k7*.json")
     if fp8:
         out[f"fp8:{g}"] = fp8_table(os.path.relpath(fp8[-1], ROOT))
         out[f"summary-fp8:{g}"] = fp8_summary(os.path.relpath(fp8[-1], ROOT))
-    fp8_err = sorted(glob.glob(os.path.join(folder, "*_fp8_error*.json")))
+    fp8_err = _glob(folder, "*_fp8_error*.json")
     if fp8_err:
         out[f"fp8_error:{g}"] = fp8_error_table(os.path.relpath(fp8_err[-1], ROOT))
-    refs = sorted(glob.glob(os.path.join(folder, "*_ref_check*.json")))
+    refs = _glob(folder, "*_ref_check*.json")
     if refs:
         out[f"ref_check:{g}"] = ref_check_table([os.path.relpath(p, ROOT) for p in refs])
     out[f"plots:{g}"] = "\n".join(
@@ -532,7 +546,7 @@ def render(root=ROOT, check=False, write_plots=True) -> list[str]:
     """Rewrite generated blocks under `root`; return the files that changed (or would)."""
     generated = {}
     for folder in sorted(glob.glob(os.path.join(ROOT, "results", "*"))):
-        if os.path.isdir(folder) and glob.glob(os.path.join(folder, "*_bench_*.json")):
+        if os.path.isdir(folder) and _glob(folder, "*_bench_*.json"):
             generated.update(blocks(folder))
             if write_plots and not check:
                 plots(Results(folder), os.path.join(root, "docs", "img"))
