@@ -73,6 +73,12 @@ def m_tiles(problem) -> int:
     return -(-group * problem.seqlen // ROWS)
 
 
+def item_rows(problem) -> int:
+    """Workspace rows per (batch, k/v head, M tile) and split: the packed rows of a tile,
+    64 when there are several tiles."""
+    return min(ROWS, problem.heads // problem.kv_heads * problem.seqlen)
+
+
 def _limits(problem):
     if problem.kv_heads > MAX_GRID_YZ or problem.batch * m_tiles(problem) > MAX_GRID_YZ:
         return (f"the grid is (splits, k/v heads, batch x M tiles): k/v heads "
@@ -84,7 +90,8 @@ def _limits(problem):
 def _workspace_bytes(problem) -> int:
     splits = num_splits_for(problem)
     items = problem.batch * problem.kv_heads * m_tiles(problem)
-    partial = items * splits * ROWS * (problem.head_dim + 1) * 4 if splits > 1 else 0
+    partial = items * splits * item_rows(problem) * (problem.head_dim + 1) * 4 \
+        if splits > 1 else 0
     return problem.batch * problem.heads * problem.seqlen * 4 + partial
 
 
@@ -181,6 +188,12 @@ class DecodeAttention:
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bn, d = self.block_n, self.head_dim
         self.dtype = mQ.element_type
+        # the partial O rows are d fp32 apart (16-byte multiples): vector loads and stores
+        row_stride = mOPart.layout.stride[0]
+        if cutlass.const_expr(not isinstance(row_stride, int)):
+            row_stride = cute.assume(row_stride, divby=4)
+        o_part = cute.make_tensor(mOPart.iterator,
+                                  cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
         q_layout = smem_tile_layout(self.dtype, ROWS, d)
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
         tma_k, k_coords = tma.make_tma_load(k, kv_layout, bn, d)
@@ -203,7 +216,7 @@ class DecodeAttention:
         heads_kv = k.shape[2]
         tiles_m = cute.ceil_div((heads // heads_kv) * seqlen_q, ROWS)
         splits = mLSEPart.shape[0]
-        self.kernel(q, o, k_coords, v_coords, tma_k, tma_v, mLSE, mOPart, mLSEPart, mCount,
+        self.kernel(q, o, k_coords, v_coords, tma_k, tma_v, mLSE, o_part, mLSEPart, mCount,
                     scale_log2, q_layout, kv_layout).launch(
             grid=[splits, heads_kv, batch * tiles_m],
             block=[THREADS, 1, 1],
@@ -234,6 +247,7 @@ class DecodeAttention:
         m_tile = tile - batch * tiles_m
         row0 = m_tile * ROWS
         rows_valid = cutlass.min(rows_total - row0, ROWS)
+        part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
         # keys every real row of the tile sees (no mask below it), and keys any row sees
         keys_all, keys_any = seqlen_k, seqlen_k
         if cutlass.const_expr(self.causal):
@@ -339,13 +353,13 @@ class DecodeAttention:
                             mLSE[batch, kv_head * group + p % group, p // group] = lse[r]
             else:
                 item = (batch * heads_kv + kv_head) * tiles_m + m_tile
-                self.store_partial(mOPart, acc_o, o_coords, (item * splits + split) * ROWS,
+                self.store_partial(mOPart, acc_o, o_coords, (item * splits + split) * part_rows,
                                    rows_valid)
                 if tidx % 4 == 0:
                     for r in cutlass.range_constexpr(rows):
                         row = s_coords[r, 0][0]
                         if row < rows_valid:
-                            mLSEPart[split, item * ROWS + row] = lse[r]
+                            mLSEPart[split, item * part_rows + row] = lse[r]
                 # every consumer thread's partial is written before the count (release);
                 # the last CTA's reads come after it (acquire)
                 cute.arch.fence_acq_rel_gpu()
@@ -367,7 +381,8 @@ class DecodeAttention:
                         cute.make_layout((self.max_splits, ROWS), stride=(ROWS, 1)))
                     row_inv = storage.row_inv.get_tensor(cute.make_layout(ROWS))
                     self.combine(weights, row_inv, consumers, mOPart, mLSEPart, o, mLSE, item,
-                                 splits, rows_valid, row0, group, kv_head, batch, tidx)
+                                 splits, rows_valid, part_rows, row0, group, kv_head, batch,
+                                 tidx)
 
     @cute.jit
     def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
@@ -417,8 +432,8 @@ class DecodeAttention:
 
     @cute.jit
     def combine(self, weights: cute.Tensor, row_inv: cute.Tensor, consumers, mOPart, mLSEPart,
-                o: cute.Tensor, mLSE: cute.Tensor, item, splits, rows_valid, row0, group,
-                kv_head, batch, tidx):
+                o: cute.Tensor, mLSE: cute.Tensor, item, splits, rows_valid, part_rows, row0,
+                group, kv_head, batch, tidx):
         """The last CTA of an item: O = sum_s exp(lse_s - lse) O_s, lse = log sum_s exp(lse_s).
 
         1. A warp per row: the splits' LSEs (a lane per split), their maximum, the weights
@@ -432,7 +447,7 @@ class DecodeAttention:
         for r in cutlass.range(warp, rows_valid, 4, unroll=1):
             m = -Float32.inf
             for s in cutlass.range(lane, splits, 32, unroll=1):
-                x = mLSEPart[s, item * ROWS + r]
+                x = mLSEPart[s, item * part_rows + r]
                 weights[s, r] = x
                 m = cute.arch.fmax(m, x)
             m = cute.arch.warp_reduction_max(m)
@@ -471,7 +486,7 @@ class DecodeAttention:
                     w = weights[s, r]
                     part = cute.make_rmem_tensor((4,), Float32)
                     cute.autovec_copy(cute.local_tile(
-                        mOPart[(item * splits + s) * ROWS + r, None], (4,), (c,)), part)
+                        mOPart[(item * splits + s) * part_rows + r, None], (4,), (c,)), part)
                     acc.store(acc.load() + part.load() * w)
             for step in cutlass.range_constexpr(5):
                 offset = 16 >> step
@@ -501,8 +516,9 @@ def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
         return [lse, torch.empty((ROWS, problem.head_dim), **f32),
                 torch.empty((1, ROWS), **f32), torch.zeros((4,), dtype=torch.int32,
                                                            device=device)]
-    return [lse, torch.empty((items * splits * ROWS, problem.head_dim), **f32),
-            torch.empty((splits, items * ROWS), **f32),
+    rows = items * item_rows(problem)
+    return [lse, torch.empty((rows * splits, problem.head_dim), **f32),
+            torch.empty((splits, rows), **f32),
             torch.zeros((max(items, 4),), dtype=torch.int32, device=device)]
 
 
