@@ -10,7 +10,8 @@ ahead by a sleep kernel queued before it (so launch overhead is not timed; `loop
 time per call of 50 back-to-back calls, which includes it where the host is slower), 5
 warmup calls, the median of 30; each call reads the next of enough K/V copies that they
 exceed the 50 MB L2. TB/s: K and V read once, 2 B Hkv Nk d 2 bytes / time. A few decode
-tile and split options are swept on three shapes. Everything goes to $OUT/decode.json.
+tile and split options are swept on three shapes ('!': its output differs from SDPA's by
+more than 0.02). Everything goes to $OUT/decode.json.
 """
 
 from __future__ import annotations
@@ -122,8 +123,13 @@ def _decode_calls(shape, q, kvs, **options):
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device="cuda")
     decode.run(handle, q, *kvs[0], out, lse)
+    # (this path, TVM-FFI, is not the correctness cases': check its output against SDPA's)
+    k, v = kvs[0]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
+    diff = (out.float() - sdpa.float()).abs().max().item()
     return [lambda k=k, v=v: decode.run(handle, q, k, v, out, lse, checked=True)
-            for k, v in kvs], decode.splits_of(handle)
+            for k, v in kvs], decode.splits_of(handle), diff
 
 
 def _baselines(q, kvs):
@@ -180,8 +186,8 @@ def benchmark() -> list:
         row = {"shape": dict(batch=b, seqlen_q=nq, heads=hq, heads_kv=hkv, seqlen_k=nk,
                              head_dim=D), "kv_bytes": kv_bytes, "copies": copies}
         try:
-            calls, splits = _decode_calls(shape, q, kvs)
-            row["decode"] = {**_time(calls), "splits": splits}
+            calls, splits, diff = _decode_calls(shape, q, kvs)
+            row["decode"] = {**_time(calls), "splits": splits, "max_diff_vs_sdpa": diff}
         except Exception as exc:  # noqa: BLE001
             row["decode"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         for name, calls in _baselines(q, kvs).items():
@@ -202,7 +208,9 @@ def benchmark() -> list:
         if "ms" in dec:
             print(f"{label:<26}{dec['ms'] * 1e3:10.1f}{dec['tb_s']:6.2f}"
                   f"{dec['loop_ms'] * 1e3:7.0f}{dec['splits']:4d}{us('sdpa')}{us('sdpa_flash')}"
-                  f"{us('sdpa_cudnn')}{us('fa4')}{us('attention'):>8}  {ratio}")
+                  f"{us('sdpa_cudnn')}{us('fa4')}{us('attention'):>8}  {ratio}"
+                  + (f"  WRONG? max |decode - sdpa| {dec['max_diff_vs_sdpa']:.3f}"
+                     if dec["max_diff_vs_sdpa"] > 0.02 else ""))
         else:
             print(f"{label:<26}decode FAILED: {dec['error'][:90]}")
         del q, kvs
@@ -228,9 +236,9 @@ def sweep() -> list:
                 if splits > decode.max_splits(D, block_n, stages):
                     continue
                 try:
-                    calls, _ = _decode_calls(shape, q, kvs, block_n=block_n, stages=stages,
-                                             num_splits=splits)
-                    t = _time(calls)
+                    calls, _, diff = _decode_calls(shape, q, kvs, block_n=block_n,
+                                                   stages=stages, num_splits=splits)
+                    t = {**_time(calls), "max_diff_vs_sdpa": diff}
                 except Exception as exc:  # noqa: BLE001
                     t = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
                 results.append({"block_n": block_n, "stages": stages, "splits": splits,
@@ -238,7 +246,10 @@ def sweep() -> list:
         rows.append({"shape": shape, "results": results})
         timed = sorted((r for r in results if "ms" in r), key=lambda r: r["ms"])
         text = "  ".join(f"{r['block_n']}/{r['stages']}/s{r['splits']}{'*' if r['auto'] else ''}"
-                         f" {r['ms'] * 1e3:.0f}" for r in timed[:6])
+                         f" {r['ms'] * 1e3:.0f}{'!' if r['max_diff_vs_sdpa'] > 0.02 else ''}"
+                         for r in timed[:6])
+        failed = len(results) - len(timed)
+        text += f"  ({failed} failed)" if failed else ""
         print(f"sweep B{b} q{nq} {nk // 1024}k (bn/stages/splits us, *auto): {text}")
         del q, kvs
         torch.cuda.empty_cache()
