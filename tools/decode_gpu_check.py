@@ -10,7 +10,7 @@ ahead by a sleep kernel queued before it (so launch overhead is not timed; `loop
 time per call of 50 back-to-back calls, which includes it where the host is slower), 5
 warmup calls, the median of 30; each call reads the next of enough K/V copies that they
 exceed the 50 MB L2. TB/s: K and V read once, 2 B Hkv Nk d 2 bytes / time. A few decode
-tile and split options are swept on three shapes ('!': its output differs from SDPA's by
+tile and split options are swept on four shapes ('!': its output differs from SDPA's by
 more than 0.02). Everything goes to $OUT/decode.json.
 """
 
@@ -33,7 +33,8 @@ SHAPES = [  # (batch, queries, q heads, kv heads, keys)
     (1, 1, 32, 8, 8192), (1, 1, 32, 8, 32768), (1, 1, 32, 8, 131072), (8, 1, 32, 8, 8192),
     (64, 1, 32, 8, 4096), (128, 1, 32, 8, 2048), (16, 4, 64, 8, 16384), (1, 16, 32, 8, 32768),
 ]
-SWEEP_SHAPES = [(1, 1, 32, 8, 8192), (1, 1, 32, 8, 131072), (64, 1, 32, 8, 4096)]
+SWEEP_SHAPES = [(1, 1, 32, 8, 8192), (1, 1, 32, 8, 131072), (64, 1, 32, 8, 4096),
+                (128, 1, 32, 8, 2048)]
 SWEEP_TILES = [(128, 2), (128, 3), (64, 3), (64, 4)]      # (block_n, stages)
 D = 128
 L2_BYTES = 50e6
