@@ -35,7 +35,7 @@ SHAPES = [  # (batch, queries, q heads, kv heads, keys)
 ]
 SWEEP_SHAPES = [(1, 1, 32, 8, 8192), (1, 1, 32, 8, 131072), (64, 1, 32, 8, 4096),
                 (128, 1, 32, 8, 2048)]
-SWEEP_TILES = [(128, 2), (128, 3), (64, 3), (64, 4)]      # (block_n, stages)
+SWEEP_TILES = [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)]      # (block_n, stages)
 D = 128
 L2_BYTES = 50e6
 SLEEP_CYCLES = 400_000                                   # ~0.2 ms: the host gets ahead
