@@ -83,6 +83,7 @@ KERNELS = {e.name: e for e in [
     KernelEntry("k6", "hopper_attn.k6", note="k5 + intra-warpgroup overlap, head dims 64-256, fp16, persistent"),
     KernelEntry("k7", "hopper_attn.k7", note="k6 in FP8 (e4m3): V transposed in SMEM, bf16 output"),
     KernelEntry("k8", "hopper_attn.k8", note="k7 + incoherent processing (Q, K rotated before FP8)"),
+    KernelEntry("decode", "hopper_attn.decode", note="decode: packed GQA rows, split-KV combined by LSE"),
 ]}
 
 # The backward stages: run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv)

@@ -1,0 +1,570 @@
+"""decode: attention for a few queries over many keys (flash-decoding), packed GQA + split-KV.
+
+What changes from the prefill stages (k4-k6), which tile one query head's rows 128 at a time:
+
+* Packed GQA. The `group` = Hq / Hkv query heads that share a k/v head share one 64-row M
+  tile: row p of the tile is (query p // group, head p % group of the group). With 1-16
+  queries and group 4 that is 4-64 real rows of one WGMMA M = 64 tile, and each K/V tile is
+  read once per k/v head instead of once per query head. Rows past group x seqlen_q are
+  padding: their Q is zero (never loaded), their scores are finite, they are never stored.
+  More rows than 64 take more M tiles (grid z), each reading K/V again.
+* Split-KV. One CTA per (split, k/v head, batch x M tile): split s walks its own contiguous
+  range of the kv tiles the tile's rows see (`n_total * s // splits` ..), so a decode step
+  with few (batch, k/v head) pairs still fills every SM. Each split leaves O / l (fp32) and
+  its rows' LSE in a workspace; the last CTA of a (batch, k/v head, M tile) to finish (a
+  per-item counter, atomic add acq_rel, reset to 0 by that CTA for the next launch) combines
+  them by their LSE and writes O and the LSE. With one split the CTA writes O and the LSE
+  itself: no workspace, no counter. The number of splits is the workspace's shape, chosen on
+  the host from the shapes only (`num_splits_for`), so a decode step can be captured in a
+  CUDA graph: no host synchronisation, no data-dependent allocation.
+* One consumer warpgroup (warps 0-3, the 64 rows) and one producer warp (warp 4, TMA loads of
+  K and V into rings of `stages`, each with its own full/empty mbarriers): 160 threads, no
+  register reallocation. Q is loaded by the consumers with plain 16-byte loads (the packed
+  rows are no TMA box), zero-filled past the real rows, stored into the swizzled Q tile and
+  fenced for the async proxy. O is stored from registers (a row's (query, head) is no TMA
+  box either): the output of a decode step is a few KiB.
+
+What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
+MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
+and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
+diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
+
+Budget (defaults): 160 threads. d = 128: kv tile 128, 3 stages: SMEM = Q 16 KiB + 3 x (K + V)
+96 KiB... = 16 + 192 + 1 KiB = 209 KiB, one CTA per SM; d = 64: kv tile 128, 3 stages: 8 + 96
++ 1 = 105 KiB, two per SM; d = 256: kv tile 64, 2 stages: 32 + 128 + 1 = 161 KiB. Registers per
+consumer thread: S bn/2 + O d/2 fp32 + P bn/4 + bookkeeping (~170 at d = 128). The combine
+reuses the K ring as a (splits x 64) fp32 table of weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
+import torch
+
+from hopper_attn.common import tma, wgmma
+from hopper_attn.common.contract import (LOG2_E, MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
+                                         compile_attention, run_attention)
+from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
+                                        smem_bytes, smem_tile_layout, transposed)
+from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+
+ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
+THREADS = 160               # consumer warpgroup + producer warp
+PRODUCER_WARP = 4
+CONSUMER_BARRIER = 1        # named barrier of the 128 consumer threads
+MAX_SPLITS = 128
+SMEM_PER_CTA = 227 * 1024
+SMEM_PER_SM = 228 * 1024
+LN_2 = math.log(2.0)
+
+DEFAULT_BLOCK_N = {64: 128, 128: 128, 256: 64}
+DEFAULT_STAGES = {64: 3, 128: 3, 256: 2}
+
+
+def m_tiles(problem) -> int:
+    """M tiles per (batch, k/v head): the packed rows, 64 at a time."""
+    group = problem.heads // problem.kv_heads
+    return -(-group * problem.seqlen // ROWS)
+
+
+def item_rows(problem) -> int:
+    """Workspace rows per (batch, k/v head, M tile) and split: the packed rows of a tile,
+    64 when there are several tiles."""
+    return min(ROWS, problem.heads // problem.kv_heads * problem.seqlen)
+
+
+def _limits(problem):
+    if problem.kv_heads > MAX_GRID_YZ or problem.batch * m_tiles(problem) > MAX_GRID_YZ:
+        return (f"the grid is (splits, k/v heads, batch x M tiles): k/v heads "
+                f"({problem.kv_heads}) and batch x M tiles ({problem.batch * m_tiles(problem)})"
+                f" must be <= {MAX_GRID_YZ}")
+    return None
+
+
+def _workspace_bytes(problem) -> int:
+    splits = num_splits_for(problem)
+    items = problem.batch * problem.kv_heads * m_tiles(problem)
+    partial = items * splits * item_rows(problem) * (problem.head_dim + 1) * 4 \
+        if splits > 1 else 0
+    return problem.batch * problem.heads * problem.seqlen * 4 + partial
+
+
+SPEC = KernelSpec(
+    name="decode",
+    summary="decode: packed GQA rows in one M tile, split-KV combined by LSE in the last CTA",
+    head_dims=(64, 128, 256),
+    dtypes=(torch.bfloat16, torch.float16),
+    separate_kv=True,
+    strided_inputs=True,
+    grid_per_tile=False,
+    extra_limits=_limits,
+    workspace_bytes=_workspace_bytes,
+)
+
+
+def tile_config(head_dim: int, block_n: int = 0, stages: int = 0) -> tuple[int, int]:
+    """(kv tile, stages): the defaults for the head dim where 0; ValueError if not a tile."""
+    block_n, stages = block_n or DEFAULT_BLOCK_N[head_dim], stages or DEFAULT_STAGES[head_dim]
+    if block_n % 16 or not 16 <= block_n <= 256 or stages < 1:
+        raise ValueError(f"bad tile: block_n={block_n} (multiple of 16, 16-256), "
+                         f"stages={stages} (>= 1)")
+    return block_n, stages
+
+
+def smem_estimate(head_dim: int, block_n: int, stages: int) -> int:
+    """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements."""
+    return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
+
+
+def ctas_per_sm(head_dim: int, block_n: int, stages: int) -> int:
+    """CTAs one SM holds by shared memory (1 KiB reserved per CTA), at most 2 (registers:
+    2 x 160 threads x 204)."""
+    return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages) + 1024)))
+
+
+def max_splits(head_dim: int, block_n: int, stages: int) -> int:
+    """The combine keeps a (splits x 64) fp32 table of weights in the K ring."""
+    return min(MAX_SPLITS, stages * block_n * head_dim * 2 // (ROWS * 4))
+
+
+def num_splits_for(problem, block_n: int = 0, stages: int = 0, sms: int = 0) -> int:
+    """How many splits of the keys per (batch, k/v head, M tile), from shapes only.
+
+    A CTA's time is modelled as (its kv tiles + 2) tile times (the 2: launch, the first
+    load's latency, the epilogue), times the waves of CTAs the grid needs over
+    `sms` x CTAs-per-SM slots; the smallest split count with the least time wins. One
+    (batch, k/v head) pair over 8k keys on 132 SMs: 16 splits of 4 tiles; 64 pairs: 2; 512:
+    1."""
+    from hopper_attn.common.scheduler import sm_count
+    block_n, stages = tile_config(problem.head_dim, block_n, stages)
+    slots = (sms or sm_count()) * ctas_per_sm(problem.head_dim, block_n, stages)
+    items = problem.batch * problem.kv_heads * m_tiles(problem)
+    kv_tiles = -(-problem.kv_seqlen // block_n)
+    best, best_time = 1, None
+    for splits in range(1, min(kv_tiles, max_splits(problem.head_dim, block_n, stages)) + 1):
+        waves = -(-items * splits // slots)
+        time = waves * (-(-kv_tiles // splits) + 2)
+        if best_time is None or time < best_time:
+            best, best_time = splits, time
+    return best
+
+
+def prefers(problem) -> bool:
+    """Shapes where this stage should run instead of the prefill stages: every k/v head's
+    packed rows (group x seqlen_q) fit one 64-row M tile, at most 16 queries, and the stage
+    supports the problem."""
+    group = problem.heads // problem.kv_heads
+    return (group * problem.seqlen <= ROWS and problem.seqlen <= 16
+            and SPEC.unsupported_reason(problem, check_memory=False) is None)
+
+
+class DecodeAttention:
+    def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0):
+        block_n, stages = tile_config(head_dim, block_n, stages)
+        smem = smem_estimate(head_dim, block_n, stages)
+        if smem > SMEM_PER_CTA:
+            raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
+                             f"{smem} bytes of shared memory; a CTA gets at most {SMEM_PER_CTA}")
+        self.head_dim, self.causal = head_dim, causal
+        self.block_n, self.stages = block_n, stages
+        self.ctas_per_sm = ctas_per_sm(head_dim, block_n, stages)
+        self.max_splits = max_splits(head_dim, block_n, stages)
+
+    def describe(self) -> dict:
+        return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,
+                "block_n": self.block_n, "stages": self.stages, "threads": THREADS,
+                "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits}
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mOPart: cute.Tensor, mLSEPart: cute.Tensor,
+                 mCount: cute.Tensor, scale_log2: Float32, stream):
+        q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
+        bn, d = self.block_n, self.head_dim
+        self.dtype = mQ.element_type
+        # the partial O rows are d fp32 apart (16-byte multiples): vector loads and stores
+        row_stride = mOPart.layout.stride[0]
+        if cutlass.const_expr(not isinstance(row_stride, int)):
+            row_stride = cute.assume(row_stride, divby=4)
+        o_part = cute.make_tensor(mOPart.iterator,
+                                  cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
+        q_layout = smem_tile_layout(self.dtype, ROWS, d)
+        kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
+        tma_k, k_coords = tma.make_tma_load(k, kv_layout, bn, d)
+        tma_v, v_coords = tma.make_tma_load(v, kv_layout, bn, d)
+        self.tile_bytes = tma.tma_bytes(self.dtype, kv_layout)
+
+        @cute.struct
+        class SharedStorage:
+            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            row_inv: cute.struct.MemRange[Float32, ROWS]       # the combine's 1 / sum per row
+            last: cute.struct.MemRange[Int32, 4]               # this CTA combines (0 / 1)
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        seqlen_q, heads, batch = q.shape[0], q.shape[2], q.shape[3]
+        heads_kv = k.shape[2]
+        tiles_m = cute.ceil_div((heads // heads_kv) * seqlen_q, ROWS)
+        splits = mLSEPart.shape[0]
+        self.kernel(q, o, k_coords, v_coords, tma_k, tma_v, mLSE, o_part, mLSEPart, mCount,
+                    scale_log2, q_layout, kv_layout).launch(
+            grid=[splits, heads_kv, batch * tiles_m],
+            block=[THREADS, 1, 1],
+            min_blocks_per_mp=self.ctas_per_sm,
+            # (two CTAs per SM: all of the SM's shared memory, and no device query)
+            **({"preferred_smem_carveout": 100} if self.ctas_per_sm > 1 else {}),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, q: cute.Tensor, o: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+               tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, mLSE: cute.Tensor,
+               mOPart: cute.Tensor, mLSEPart: cute.Tensor, mCount: cute.Tensor,
+               scale_log2: Float32, q_layout: cute.ComposedLayout,
+               kv_layout: cute.ComposedLayout):
+        bn, d = self.block_n, self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        split, kv_head, tile = cute.arch.block_idx()
+        splits, _, _ = cute.arch.grid_dim()
+        split, kv_head, tile, splits = Int32(split), Int32(kv_head), Int32(tile), Int32(splits)
+        seqlen_q, heads, seqlen_k = q.shape[0], q.shape[2], mK.shape[0]
+        heads_kv = mK.shape[2]
+        group = heads // heads_kv
+        rows_total = group * seqlen_q
+        tiles_m = cute.ceil_div(rows_total, ROWS)
+        batch = tile // tiles_m
+        m_tile = tile - batch * tiles_m
+        row0 = m_tile * ROWS
+        rows_valid = cutlass.min(rows_total - row0, ROWS)
+        part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
+        # keys every real row of the tile sees (no mask below it), and keys any row sees
+        keys_all, keys_any = seqlen_k, seqlen_k
+        if cutlass.const_expr(self.causal):
+            shift = seqlen_k - seqlen_q
+            keys_all = cutlass.min(seqlen_k, cutlass.max(row0 // group + shift + 1, 0))
+            keys_any = cutlass.min(seqlen_k, cutlass.max(
+                (row0 + rows_valid - 1) // group + shift + 1, 0))
+        n_total = cute.ceil_div(keys_any, bn)
+        n_first = split * n_total // splits
+        n_count = (split + 1) * n_total // splits - n_first
+
+        if warp == PRODUCER_WARP:
+            tma.prefetch_descriptors(tma_k, tma_v)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        sQ, sK, sV = qkv_smem(storage, q_layout, kv_layout)
+        k_pipe = tma.make_tma_ring(storage.k_barriers.data_ptr(), self.stages, 4,
+                                   self.tile_bytes)
+        v_pipe = tma.make_tma_ring(storage.v_barriers.data_ptr(), self.stages, 4,
+                                   self.tile_bytes)
+        tma.barriers_ready()
+
+        if warp == PRODUCER_WARP:
+            # ---------------- producer warp: K_j, V_j of this split's kv tiles ----------------
+            k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
+            v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
+            produce = tma.producer_state(self.stages)
+            for j in cutlass.range(n_count, unroll=1):
+                tma.acquire_empty(k_pipe, produce)
+                k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce), produce.index)
+                tma.acquire_empty(v_pipe, produce)
+                v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce), produce.index)
+                produce.advance()
+        elif warp < PRODUCER_WARP:
+            # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
+            consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)
+            self.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
+            cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
+            consumers.arrive_and_wait()
+
+            mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx, sQ, sK, transposed(sV),
+                                              self.dtype)
+            acc_o = mmas.new_o_accumulator(ROWS, d)
+            acc_s = mmas.new_s_accumulator(ROWS, bn)
+            o_rc = acc_rows_cols(acc_o)
+            s_coords = mmas.s_coords
+            rows = cute.size(s_coords, mode=[0])
+            softmax = OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4)
+            # the first hidden key of each of this thread's rows (padding rows: as the last
+            # real query or later, so never fewer keys than the real rows)
+            limits = cute.make_rmem_tensor((rows,), Int32)
+            for r in cutlass.range_constexpr(rows):
+                limits[r] = seqlen_k
+                if cutlass.const_expr(self.causal):
+                    query = (row0 + s_coords[r, 0][0]) // group
+                    limits[r] = cutlass.min(seqlen_k, query + seqlen_k - seqlen_q + 1)
+
+            k_state = tma.consumer_state(self.stages)
+            v_state = tma.consumer_state(self.stages)
+            for j in cutlass.range(n_count, unroll=1):
+                k_pipe.consumer_wait(k_state)
+                if j > 0:                                   # O += P_{j-1} V_{j-1}
+                    v_pipe.consumer_wait(v_state)
+                    wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
+                               mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
+                           mmas.k_frag[None, None, None, k_state.index], zero_init=True)
+                warpgroup.wait_group(0)
+                if j > 0:
+                    tma.release_stage(v_pipe, v_state)
+                    v_state.advance()
+                tma.release_stage(k_pipe, k_state)
+                k_state.advance()
+                s_rc = acc_rows_cols(acc_s)
+                col0 = (n_first + j) * bn
+                if col0 + bn > keys_all:                    # tail or causal diagonal
+                    for r in cutlass.range_constexpr(rows):
+                        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                            if col0 + s_coords[r, c][1] >= limits[r]:
+                                s_rc[r, c] = -Float32.inf
+                alpha = softmax.step(s_rc)
+                scale_rows(o_rc, alpha)
+                mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            if n_count > 0:                                 # the last tile's PV
+                v_pipe.consumer_wait(v_state)
+                wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
+                           mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                warpgroup.wait_group(0)
+                tma.release_stage(v_pipe, v_state)
+
+            inv = softmax.finalize()                        # 1 / l, 0 for a row without keys
+            lse = softmax.log_sum_exp(inv)                  # natural log, -inf without keys
+            scale_rows(o_rc, inv)
+            o_coords = mmas.thr_pv.partition_C(cute.make_identity_tensor((ROWS, d)))
+            if splits == 1:
+                o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
+                o_out.store(acc_o.load().to(self.dtype))
+                self.store_rows(o, o_out, o_coords, row0, rows_valid, group, kv_head, batch)
+                if tidx % 4 == 0:
+                    for r in cutlass.range_constexpr(rows):
+                        row = s_coords[r, 0][0]
+                        if row < rows_valid:
+                            p = row0 + row
+                            mLSE[batch, kv_head * group + p % group, p // group] = lse[r]
+            else:
+                item = (batch * heads_kv + kv_head) * tiles_m + m_tile
+                self.store_partial(mOPart, acc_o, o_coords, (item * splits + split) * part_rows,
+                                   rows_valid)
+                if tidx % 4 == 0:
+                    for r in cutlass.range_constexpr(rows):
+                        row = s_coords[r, 0][0]
+                        if row < rows_valid:
+                            mLSEPart[split, item * part_rows + row] = lse[r]
+                # every consumer thread's partial is written before the count (release);
+                # the last CTA's reads come after it (acquire)
+                cute.arch.fence_acq_rel_gpu()
+                consumers.arrive_and_wait()
+                flag = storage.last.get_tensor(cute.make_layout(4))
+                if tidx == 0:
+                    done = cute.arch.atomic_add(mCount.iterator + item, Int32(1),
+                                                sem="acq_rel", scope="gpu")
+                    flag[0] = Int32(0)
+                    if done == splits - 1:
+                        mCount[item] = Int32(0)             # zero again for the next launch
+                        flag[0] = Int32(1)
+                consumers.arrive_and_wait()
+                if flag[0] != 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    # (every K stage was waited for and its WGMMA retired: the ring is free)
+                    weights = cute.make_tensor(
+                        cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
+                        cute.make_layout((self.max_splits, ROWS), stride=(ROWS, 1)))
+                    row_inv = storage.row_inv.get_tensor(cute.make_layout(ROWS))
+                    self.combine(weights, row_inv, consumers, mOPart, mLSEPart, o, mLSE, item,
+                                 splits, rows_valid, part_rows, row0, group, kv_head, batch,
+                                 tidx)
+
+    @cute.jit
+    def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
+               batch):
+        """The tile's packed Q rows into the swizzled Q tile, 16 bytes per load, zeros in the
+        padding rows (row p: query p // group, head kv_head x group + p % group)."""
+        chunks = self.head_dim // 8
+        for i in cutlass.range_constexpr(ROWS * chunks // 128):
+            index = tidx + 128 * i
+            row = index // chunks
+            col = index % chunks
+            frag = cute.make_rmem_tensor((8,), self.dtype)
+            frag.fill(0.0)
+            if row < rows_valid:
+                p = row0 + row
+                src = q[p // group, None, kv_head * group + p % group, batch]
+                cute.autovec_copy(cute.local_tile(src, (8,), (col,)), frag)
+            cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
+
+    @cute.jit
+    def store_rows(self, o: cute.Tensor, o_out: cute.Tensor, o_coords: cute.Tensor, row0,
+                   rows_valid, group, kv_head, batch):
+        """O (16-bit, PV accumulator layout) of the real rows to (query, head) in memory: each
+        thread's pairs of neighbouring columns, 4 bytes a store."""
+        for rr in cutlass.range_constexpr(cute.size(o_out.shape[0][1])):
+            row = o_coords[(0, rr, 0), 0, 0][0]
+            if row < rows_valid:
+                p = row0 + row
+                dst = o[p // group, None, kv_head * group + p % group, batch]
+                for v in cutlass.range_constexpr(cute.size(o_out.shape[0][2])):
+                    col = o_coords[(0, rr, v), 0, 0][1]
+                    cute.autovec_copy(o_out[(None, rr, v), 0, 0],
+                                      cute.local_tile(dst, (2,), (col // 2,)))
+
+    @cute.jit
+    def store_partial(self, mOPart: cute.Tensor, acc_o: cute.Tensor, o_coords: cute.Tensor,
+                      base, rows_valid):
+        """A split's O / l (fp32) of the real rows to workspace rows base + row."""
+        for rr in cutlass.range_constexpr(cute.size(acc_o.shape[0][1])):
+            row = o_coords[(0, rr, 0), 0, 0][0]
+            if row < rows_valid:
+                for v in cutlass.range_constexpr(cute.size(acc_o.shape[0][2])):
+                    col = o_coords[(0, rr, v), 0, 0][1]
+                    cute.autovec_copy(acc_o[(None, rr, v), 0, 0],
+                                      cute.local_tile(mOPart[base + row, None], (2,),
+                                                      (col // 2,)))
+
+    @cute.jit
+    def combine(self, weights: cute.Tensor, row_inv: cute.Tensor, consumers, mOPart, mLSEPart,
+                o: cute.Tensor, mLSE: cute.Tensor, item, splits, rows_valid, part_rows, row0,
+                group, kv_head, batch, tidx):
+        """The last CTA of an item: O = sum_s exp(lse_s - lse) O_s, lse = log sum_s exp(lse_s).
+
+        1. A warp per row: the splits' LSEs (a lane per split), their maximum, the weights
+           exp(lse_s - max) into `weights` (SMEM), 1 / their sum into `row_inv`, the LSE out.
+        2. The real rows' O in 4-column pieces: `lanes` neighbouring lanes per piece (as
+           many as 128 threads allow, up to 32) each add every lanes-th split, then a
+           butterfly sum; one lane scales by 1 / sum and stores 4 outputs."""
+        d = self.head_dim
+        warp = tidx // 32
+        lane = tidx % 32
+        for r in cutlass.range(warp, rows_valid, 4, unroll=1):
+            m = -Float32.inf
+            for s in cutlass.range(lane, splits, 32, unroll=1):
+                x = mLSEPart[s, item * part_rows + r]
+                weights[s, r] = x
+                m = cute.arch.fmax(m, x)
+            m = cute.arch.warp_reduction_max(m)
+            m_safe = Float32(0.0) if m == -Float32.inf else m
+            total = Float32(0.0)
+            for s in cutlass.range(lane, splits, 32, unroll=1):
+                e = cute.math.exp2((weights[s, r] - m_safe) * LOG2_E, fastmath=True)
+                weights[s, r] = e
+                total = total + e
+            total = cute.arch.warp_reduction_sum(total)
+            if lane == 0:
+                row_inv[r] = Float32(0.0) if total == 0.0 else 1.0 / total
+                lse = -Float32.inf
+                if total != 0.0:
+                    lse = m_safe + cute.math.log2(total, fastmath=True) * LN_2
+                p = row0 + r
+                mLSE[batch, kv_head * group + p % group, p // group] = lse
+        consumers.arrive_and_wait()
+
+        pieces_per_row = d // 4
+        pieces = rows_valid * pieces_per_row
+        lanes = Int32(1)
+        for _ in cutlass.range_constexpr(5):
+            if lanes * 2 * pieces <= 128:
+                lanes = lanes * 2
+        per_round = 128 // lanes
+        sub = tidx % lanes
+        for k in cutlass.range(cute.ceil_div(pieces, per_round), unroll=1):
+            piece = k * per_round + tidx // lanes
+            acc = cute.make_rmem_tensor((4,), Float32)
+            acc.fill(0.0)
+            r = piece // pieces_per_row
+            c = piece % pieces_per_row
+            if piece < pieces:
+                for s in cutlass.range(sub, splits, lanes, unroll=1):
+                    w = weights[s, r]
+                    part = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(cute.local_tile(
+                        mOPart[(item * splits + s) * part_rows + r, None], (4,), (c,)), part)
+                    acc.store(acc.load() + part.load() * w)
+            for step in cutlass.range_constexpr(5):
+                offset = 16 >> step
+                if offset < lanes:
+                    for e in cutlass.range_constexpr(4):
+                        acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], offset)
+            if piece < pieces and sub == 0:
+                out = cute.make_rmem_tensor((4,), self.dtype)
+                out.store((acc.load() * row_inv[r]).to(self.dtype))
+                p = row0 + r
+                dst = o[p // group, None, kv_head * group + p % group, batch]
+                cute.autovec_copy(out, cute.local_tile(dst, (4,), (c,)))
+
+
+def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
+                     num_splits: int = 0) -> list:
+    """[LSE (batch, heads, seqlen_q) fp32, partial O (rows, d) fp32, partial LSE (splits,
+    rows) fp32, counters (items,) int32 zeroed]: sized from the shapes only. The number of
+    splits is the partial LSE's first extent (the kernel's grid); with one split the partial
+    buffers are placeholders the kernel never touches."""
+    import torch
+    splits = num_splits or num_splits_for(problem, block_n, stages)
+    items = problem.batch * problem.kv_heads * m_tiles(problem)
+    f32 = dict(dtype=torch.float32, device=device)
+    lse = torch.empty((problem.batch, problem.heads, problem.seqlen), **f32)
+    if splits == 1:
+        return [lse, torch.empty((ROWS, problem.head_dim), **f32),
+                torch.empty((1, ROWS), **f32), torch.zeros((4,), dtype=torch.int32,
+                                                           device=device)]
+    rows = items * item_rows(problem)
+    return [lse, torch.empty((rows * splits, problem.head_dim), **f32),
+            torch.empty((splits, rows), **f32),
+            torch.zeros((max(items, 4),), dtype=torch.int32, device=device)]
+
+
+def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stages: int = 0,
+                   num_splits: int = 0):
+    """Compile (or fetch from the cache) the decode stage; options: block_n (kv tile), stages
+    (of each of the K and V rings), num_splits (0: `num_splits_for`'s choice; the kernel is
+    the same for every count, only the workspace differs)."""
+    SPEC.check(problem)
+    block_n, stages = tile_config(problem.head_dim, block_n, stages)
+    limit = max_splits(problem.head_dim, block_n, stages)
+    if num_splits < 0 or num_splits > limit:
+        raise UnsupportedProblem(f"decode: num_splits must be 0 (automatic) or 1-{limit} "
+                                 f"(kv tile {block_n}, {stages} stages), got {num_splits}")
+
+    def workspace(p, device):
+        return decode_workspace(p, device, block_n, stages, num_splits)
+
+    def example_workspace(p, device):
+        # (compiled against two splits, so that no extent of the workspace is a 1 that the
+        # compiler could take as a constant: the split count is the partial LSE's extent)
+        return decode_workspace(p, device, block_n, stages, 2)
+
+    handle = compile_attention(SPEC, DecodeAttention, problem,
+                               {"block_n": block_n, "stages": stages},
+                               workspace_fn=example_workspace, compile_options=compile_options)
+    handle.workspace_fn = workspace
+    handle.options["num_splits"] = num_splits
+    return handle
+
+
+def splits_of(handle) -> int:
+    """The number of splits the handle's workspace (allocated on first run) launches."""
+    o = handle.options
+    return o.get("num_splits") or num_splits_for(handle.problem, o["block_n"], o["stages"])
+
+
+def run_kernel(handle, q, k, v, out):
+    run_attention(handle, q, k, v, out)
+
+
+def run(handle, q, k, v, out, lse=None, softmax_scale=None, checked: bool = False):
+    """`run_kernel` writing the LSE into `lse` ((batch, heads, seqlen_q) fp32; None: the
+    handle's own buffer), for `attention(..., return_lse=True)`."""
+    if not handle.workspace:
+        handle.spec.check(handle.problem)
+        handle.workspace = handle.workspace_fn(handle.problem, q.device)
+    workspace = handle.workspace if lse is None else [lse, *handle.workspace[1:]]
+    run_attention(handle, q, k, v, out, softmax_scale, workspace=workspace, checked=checked)

@@ -1,0 +1,240 @@
+"""The decode stage (hopper_attn/decode.py).
+
+On the CPU: it compiles for sm_90a without spills at d = 64, 128, 256 (bf16, fp16, causal or
+not); its PTX has the WGMMAs (QK from SMEM, PV with P in registers), the TMA loads of K and
+V only, the combine's one acq_rel atomic; the split heuristic's counts; refusals raise
+ValueError before any launch.
+
+On the GPU (marked gpu): every case of harness/decode_check.py against fp32 (2x PyTorch's
+error), the LSE, the same bits twice, the guards around the outputs, CUDA graph replay.
+"""
+
+import re
+
+import pytest
+import torch
+
+from hopper_attn import decode
+from hopper_attn.common.contract import Problem, UnsupportedProblem
+from hopper_attn.harness.compile_report import resource_usage
+from ptx import TMA_LOAD, TMA_STORE, WGMMA_REG_A, compiled, count
+
+CONFIGS = [(64, False), (64, True), (128, False), (128, True), (256, False), (256, True)]
+
+
+def problem(batch, seqlen_q, heads, heads_kv, seqlen_k, d=128, causal=False,
+            dtype=torch.bfloat16):
+    return Problem(batch, heads, seqlen_q, d, causal, dtype, heads_kv=heads_kv,
+                   seqlen_k=seqlen_k)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", CONFIGS)
+def test_compiles_without_spills(d, causal):
+    art = compiled("decode", d, causal)
+    kernel = art["kernel"]
+    assert kernel["threads"] == 160 and kernel["block_m"] == 64
+    (fn,) = resource_usage(art["cubin"])
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    # as many CTAs per SM as shared memory allows must also fit the register file
+    assert fn["registers"] * 160 * kernel["ctas_per_sm"] <= 65536, fn
+    assert kernel["smem_bytes"] == decode.smem_estimate(d, kernel["block_n"], kernel["stages"])
+
+
+@pytest.mark.compile
+def test_compiles_for_fp16():
+    art = compiled("decode", 128, True, torch.float16)
+    assert count(art["ptx"], r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16") > 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", CONFIGS)
+def test_ptx_has_the_expected_wgmmas_and_tma_loads(d, causal):
+    art = compiled("decode", d, causal)
+    ptx, bn = art["ptx"], art["kernel"]["block_n"]
+    # S = Q K^T: 64 x bn, d / 16 k-slices; O += P V: 64 x d, bn / 16 k-slices, twice (in the
+    # loop and the last tile's), A = P from registers
+    qk = count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16\s+\{{[^}}]*\}},\s*%rd")
+    pv = count(ptx, WGMMA_REG_A.replace(r"m64n\d+k16", f"m64n{d}k16"))
+    if bn == d:     # (the same instruction shape: tell them apart by the A operand)
+        qk = count(ptx, rf"wgmma\.mma_async\.sync\.aligned\.m64n{bn}k16\.f32\.bf16\.bf16") - pv
+    assert qk == d // 16 and pv == 2 * (bn // 16)
+    # K and V only, by TMA (one load site each, d / 64 boxes of 128-byte rows); Q by plain
+    # 16-byte loads, O by plain stores: no TMA store
+    assert count(ptx, TMA_LOAD) == 2 * (d // 64)
+    assert count(ptx, TMA_STORE) == 0
+    assert count(ptx, r"ld\.global\.v4\.b32") >= 64 * d // 8 // 128
+    # the split counter: one acq_rel atomic add; gpu-scope fences around it
+    assert count(ptx, r"atom\.global\.acq_rel(?:\.gpu)?\.add") == 1
+    assert count(ptx, r"fence\.acq_rel\.gpu") == 2
+    assert count(ptx, r"fence\.proxy\.async\.shared::cta") == 1       # Q for the WGMMAs
+    assert re.search(r"\.reqntid 160, 1, 1", ptx)
+    assert count(ptx, r"bar\.sync\s+0;") == 1          # one CTA-wide sync, before the roles
+
+
+@pytest.mark.parametrize("shape,splits", [
+    ((1, 1, 32, 8, 8192), 16), ((1, 1, 32, 8, 32768), 16), ((1, 1, 32, 8, 131072), 16),
+    ((8, 1, 32, 8, 8192), 2), ((64, 1, 32, 8, 4096), 1), ((128, 1, 32, 8, 2048), 1),
+    ((16, 4, 64, 8, 16384), 1), ((1, 16, 32, 8, 32768), 16),
+    ((1, 1, 32, 1, 8192), 64),        # MQA, one (batch, k/v head): 64 kv tiles, 64 splits
+    ((2, 1, 32, 8, 1), 1),            # one kv tile
+])
+def test_split_heuristic(shape, splits):
+    p = problem(*shape)
+    assert decode.num_splits_for(p, sms=132) == splits
+    # one wave: the split CTAs fit the SMs
+    if splits > 1:
+        items = p.batch * p.kv_heads * decode.m_tiles(p)
+        assert items * splits <= 132 * decode.ctas_per_sm(128, 128, 3)
+
+
+def test_packed_rows_and_m_tiles():
+    assert decode.m_tiles(problem(1, 1, 32, 8, 100)) == 1        # 4 rows
+    assert decode.m_tiles(problem(1, 16, 32, 8, 100)) == 1       # 64 rows
+    assert decode.m_tiles(problem(1, 16, 64, 8, 100)) == 2       # 128 rows
+    assert decode.m_tiles(problem(1, 3, 32, 1, 100)) == 2        # MQA: 96 rows
+
+
+def test_prefers_decode_shapes_only():
+    assert decode.prefers(problem(1, 1, 32, 8, 8192))
+    assert decode.prefers(problem(16, 4, 64, 8, 16384))
+    assert decode.prefers(problem(1, 16, 32, 8, 32768))
+    assert not decode.prefers(problem(1, 16, 64, 8, 32768))      # 128 rows
+    assert not decode.prefers(problem(1, 128, 8, 8, 4096))       # prefill
+    assert not decode.prefers(problem(1, 1, 32, 8, 8192, d=96))  # unsupported head dim
+
+
+def test_workspace_is_sized_from_shapes_only():
+    p = problem(1, 1, 32, 8, 8192)
+    ws = decode.decode_workspace(p, "cpu")
+    lse, o_part, lse_part, counters = ws
+    assert lse.shape == (1, 32, 1) and lse.dtype == torch.float32
+    # 16 splits of 8 (batch, k/v head) items of 4 packed rows
+    assert lse_part.shape == (16, 8 * 4) and o_part.shape == (8 * 4 * 16, 128)
+    assert counters.dtype == torch.int32 and not counters.any()
+    one = decode.decode_workspace(p, "cpu", num_splits=1)
+    assert one[2].shape[0] == 1 and one[1].numel() <= 64 * 128
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_splits=129), dict(num_splits=-1), dict(block_n=24), dict(stages=-1), dict(block_n=256, stages=4),
+])
+def test_bad_options_raise_before_launch(kwargs):
+    with pytest.raises(ValueError):
+        decode.compile_kernel(problem(1, 1, 32, 8, 8192), **kwargs)
+
+
+@pytest.mark.parametrize("p", [
+    problem(1, 1, 32, 8, 8192, d=96), problem(1, 1, 32, 8, 8192, dtype=torch.float32),
+    problem(1, 1, 32, 8, 8192, d=256, causal=True, dtype=torch.float32),
+    problem(1, 1, 70000, 70000, 10),                               # k/v heads on grid y
+])
+def test_unsupported_problems_raise(p):
+    with pytest.raises(UnsupportedProblem):
+        decode.compile_kernel(p)
+
+
+def test_tensors_are_checked_before_launch():
+    from hopper_attn.common.contract import check_tensors
+    p = problem(1, 1, 32, 8, 64)
+    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 64, 4, 128, dtype=torch.bfloat16)          # wrong k/v heads
+    with pytest.raises(ValueError):
+        check_tensors(p, q, kv, kv, q, strided=decode.SPEC.strided_inputs)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------
+
+def _case_ids():
+    from hopper_attn.harness.decode_check import cases
+    return [c.label() for c in cases()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(_case_ids())), ids=_case_ids())
+def test_decode_matches_fp32(index):
+    from hopper_attn.harness.decode_check import cases, check_case
+    verdict = check_case(cases()[index], seed=index)
+    assert verdict["ok"], verdict
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_replay():
+    from hopper_attn.harness.decode_check import Case, check_graph
+    assert check_graph()["ok"]
+    assert check_graph(Case(2, 4, 32, 8, 1000, causal=True, num_splits=1))["ok"]
+
+
+def _emulate(q, k, v, causal, splits, block_n):
+    """The kernel's algorithm in torch (fp32, CPU), with its index arithmetic: packed rows,
+    M tiles, each split's kv tiles, per-row key limits, the LSE combine."""
+    b, nq, hq, d = q.shape
+    nk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    rows_total = group * nq
+    tiles_m = -(-rows_total // 64)
+    scale = d ** -0.5
+    out = torch.full_like(q, float("nan"))
+    lse_out = torch.full((b, hq, nq), float("nan"))
+    for bi in range(b):
+        for g in range(hkv):
+            for mt in range(tiles_m):
+                row0 = mt * 64
+                rows_valid = min(rows_total - row0, 64)
+                p = torch.arange(64) + row0
+                query, head = p // group, g * group + p % group
+                qt = torch.zeros(64, d)
+                valid = torch.arange(64) < rows_valid
+                qt[valid] = q[bi, query[valid], head[valid]]
+                keys_any = nk
+                limits = torch.full((64,), nk)
+                if causal:
+                    keys_any = min(nk, max((row0 + rows_valid - 1) // group + nk - nq + 1, 0))
+                    limits = torch.clamp(query + nk - nq + 1, max=nk)
+                n_total = -(-keys_any // block_n)
+                parts = []
+                for s in range(splits):
+                    n0, n1 = s * n_total // splits, (s + 1) * n_total // splits
+                    keys = torch.arange(n0 * block_n, n1 * block_n)
+                    kk = torch.zeros(len(keys), d)
+                    vv = torch.zeros(len(keys), d)
+                    inside = keys < nk
+                    kk[inside] = k[bi, keys[inside], g]
+                    vv[inside] = v[bi, keys[inside], g]
+                    sc = qt @ kk.T * scale
+                    sc = sc.masked_fill(keys[None, :] >= limits[:, None], float("-inf"))
+                    lse = torch.logsumexp(sc, -1)
+                    o = torch.softmax(sc, -1).nan_to_num(0.0) @ vv
+                    parts.append((o, lse))
+                lses = torch.stack([x[1] for x in parts])
+                m = lses.max(0).values
+                m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+                w = torch.exp(lses - m_safe)
+                total = w.sum(0)
+                o = sum(w[s][:, None] * parts[s][0] for s in range(splits))
+                o = torch.where(total[:, None] > 0, o / total.clamp(min=1e-30)[:, None], 0.0)
+                lse = torch.where(total > 0, m_safe + total.log(), float("-inf"))
+                out[bi, query[valid], head[valid]] = o[valid]
+                lse_out[bi, head[valid], query[valid]] = lse[valid]
+    return out, lse_out
+
+
+@pytest.mark.parametrize("b,nq,hq,hkv,nk,causal,splits,block_n", [
+    (2, 1, 8, 2, 1, False, 3, 16), (1, 4, 8, 2, 17, True, 2, 16), (1, 16, 4, 4, 113, True, 5, 32),
+    (2, 16, 8, 1, 100, True, 4, 16), (1, 3, 32, 1, 50, False, 7, 16), (1, 5, 16, 2, 40, True, 9, 16),
+])
+def test_emulated_algorithm_matches_reference(b, nq, hq, hkv, nk, causal, splits, block_n):
+    """The kernel's index arithmetic and combine, emulated in torch on the CPU, against the
+    plain fp32 reference: every row written, no NaN, the same O and LSE."""
+    from hopper_attn.harness.decode_check import _reference
+    gen = torch.Generator().manual_seed(nk)
+    q = torch.randn(b, nq, hq, 64, generator=gen)
+    k = torch.randn(b, nk, hkv, 64, generator=gen)
+    v = torch.randn(b, nk, hkv, 64, generator=gen)
+    out, lse = _emulate(q, k, v, causal, splits, block_n)
+    ref, ref_lse = _reference(q, k, v, causal, 64 ** -0.5)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out - ref).abs().max() < 1e-4
+    assert (lse - ref_lse).abs().max() < 1e-4
