@@ -4,8 +4,9 @@
     out = hopper_attn.attention(q, k, v, causal=True)          # (B, N, H, d) in, same out
 
 What it does: checks the inputs (raising ValueError before anything is launched), picks the
-first stage of `PREFERENCE` (per head dim) that supports the problem (or the one named by
-`stage=`), compiles it on first use (cached per head dim, mask and options; one compile
+decode stage where a few queries meet many keys (`decode.prefers`: every k/v head's query
+rows, group x seqlen_q, fit one 64-row tile), else the first stage of `PREFERENCE` (per head
+dim) that supports the problem (or the one named by `stage=`), compiles it on first use (cached per head dim, mask and options; one compile
 serves every batch, sequence length and head count), and launches it on the current CUDA
 stream.
 
@@ -95,6 +96,9 @@ def _entry_for(problem: Problem, stage: str):
         entry = stages.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
         return entry
+    from hopper_attn import decode
+    if decode.prefers(problem):                # a few queries per k/v head: split-KV decode
+        return stages.get("decode")
     preference = PREFERENCE_BY_HEAD_DIM.get((problem.head_dim, problem.causal), PREFERENCE)
     return _first_supporting(preference, problem, "stage")
 
@@ -123,6 +127,9 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if handle.workspace_fn is None:            # a stage that does not write the LSE (k4)
         lse.fill_(float("nan"))
         run_attention(handle, q, k, v, out, softmax_scale, checked=True)
+    elif handle.spec.name == "decode":         # its own workspace: partials, counters
+        from hopper_attn import decode
+        decode.run(handle, q, k, v, out, lse, softmax_scale, checked=True)
     else:
         run_attention(handle, q, k, v, out, softmax_scale, workspace=[lse], checked=True)
     return out, lse
