@@ -56,6 +56,8 @@ def main() -> int:
     print(f"integrations check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     status = run_tests(out_dir)
     if "--skip-bench" not in sys.argv:
+        import warnings
+        warnings.filterwarnings("ignore")        # e.g. FA4's aux_data note: keep it short
         from hopper_attn.harness import models
         out = os.path.join(out_dir, "models_quick.json") if out_dir else None
         models.main(["--quick"] + (["--out", out] if out else []))

@@ -130,7 +130,7 @@ def bench_train(model, impls: dict, seqlens, rounds: int, vocab: int) -> list:
             model.set_attn_implementation(impl)
             try:
                 for _ in range(2):
-                    losses[name] = float(step())
+                    losses[name] = float(step().detach())
             except Exception as exc:  # noqa: BLE001 - record and go on with the others
                 errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 model.zero_grad(set_to_none=True)
@@ -163,7 +163,7 @@ def bench_generate(model, impls: dict, prompt: int, new_tokens: int, reps: int,
 
     def run(tokens):
         with torch.no_grad():
-            return model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+            return model.generate(ids, max_new_tokens=tokens, **kwargs)
 
     rows, reference = [], None
     for name, impl in impls.items():
@@ -318,7 +318,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        import transformers  # noqa: F401
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.set_verbosity_error()     # the timings, not generate()'s notes
     except ImportError:
         print("hopper_attn.harness.models needs transformers: pip install '.[models]'")
         return 2
