@@ -76,14 +76,14 @@ def reset_counts() -> None:
     _LAST_FALLBACK.clear()
 
 
-def _original_kernel(op: str):
-    """torch's current CUDA kernel of `op` (a SafeKernelFunction), or None."""
+def _original_kernel(op: str, dispatch_key: str = "CUDA"):
+    """torch's current kernel of `op` for `dispatch_key` (a SafeKernelFunction), or None."""
     get_kernel = getattr(torch.library, "get_kernel", None)
     if get_kernel is None:
         return None
     try:
-        return get_kernel(op, "CUDA")
-    except RuntimeError:                     # no CUDA kernel (a CPU-only build)
+        return get_kernel(op, dispatch_key)
+    except RuntimeError:                     # no such kernel (CUDA on a CPU-only build)
         return None
 
 
@@ -145,10 +145,12 @@ def run_backward(grad_out, query, key, value, out, logsumexp, dropout_p: float,
     return bnhd(dq), bnhd(dk), bnhd(dv)
 
 
-def _install(attention: Optional[Callable] = None, backward: Optional[Callable] = None):
-    """The register_fn: override the two ops' CUDA kernels, keeping torch's as fallbacks."""
-    original_forward = _original_kernel(FORWARD_OP)
-    original_backward = _original_kernel(BACKWARD_OP)
+def _install(attention: Optional[Callable] = None, backward: Optional[Callable] = None,
+             dispatch_key: str = "CUDA"):
+    """The register_fn: override the two ops' CUDA kernels, keeping torch's as fallbacks.
+    (`attention`, `backward`, `dispatch_key`: stand-ins and the CPU key for the CPU tests.)"""
+    original_forward = _original_kernel(FORWARD_OP, dispatch_key)
+    original_backward = _original_kernel(BACKWARD_OP, dispatch_key)
 
     def forward_impl(keyset, query, key, value, dropout_p=0.0, is_causal=False,
                      return_debug_mask=False, *, scale=None):
@@ -176,9 +178,9 @@ def _install(attention: Optional[Callable] = None, backward: Optional[Callable] 
         _COUNTS["backward"] += 1
         return result
 
-    library = torch.library.Library("aten", "IMPL", "CUDA")  # noqa: TOR901
-    library.impl(FORWARD_OP.split("::")[1], forward_impl, "CUDA", with_keyset=True)
-    library.impl(BACKWARD_OP.split("::")[1], backward_impl, "CUDA", with_keyset=True)
+    library = torch.library.Library("aten", "IMPL", dispatch_key)  # noqa: TOR901
+    library.impl(FORWARD_OP.split("::")[1], forward_impl, dispatch_key, with_keyset=True)
+    library.impl(BACKWARD_OP.split("::")[1], backward_impl, dispatch_key, with_keyset=True)
     return _Handle(library, original_forward is not None and original_backward is not None)
 
 
