@@ -23,9 +23,10 @@ at 64, 128, 256).
 What is refused, before any launch (`UnsupportedFeature`, both a ValueError and a
 NotImplementedError, naming the feature), rather than computed differently: a padding mask
 with real padding (a 2-D mask with zeros, or any 4-D mask), packed sequences (position ids
-that restart, or `cu_seq_lens_q/k` from a flattening collator), sliding windows, chunked
+that restart, which transformers looks for when there is neither a mask nor a cache, as in
+training; or `cu_seq_lens_q/k` from a flattening collator), sliding windows, chunked
 attention, logit softcapping, attention sinks (`s_aux`), dropout > 0, a static
-(preallocated) KV cache, a causal call with more queries than keys.
+(preallocated) KV cache; and (a plain ValueError) a causal call with more queries than keys.
 
 The mask function is where padding, packing and static caches are seen: transformers hands
 it the 2-D padding mask, the mask pattern it built (causal, or causal and "same document"
