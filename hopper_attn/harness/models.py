@@ -26,9 +26,11 @@ Parts (`--only`, comma-separated):
 Implementations: "sdpa" (transformers' SDPA, torch's default backend choice), "fa4"
 (transformers' own "flash_attention_4" when it finds flash-attn-4, else FA4's
 `flash_attn_func` registered under "fa4" through the same AttentionInterface mapping as
-this project), "hopper_attn" (hopper_attn.integrations.transformers). The JSON (`--out`,
-default $OUT/models.json when $OUT is set) has the GPU, driver, torch, transformers, CuTe
-DSL and FA4 versions and the date.
+this project), "hopper_attn" (hopper_attn.integrations.transformers), "sdpa_provider"
+(transformers' sdpa again, with SDPA's flash backend selected and
+hopper_attn.integrations.sdpa active: this project under SDPA; the JSON counts the calls it
+ran and those that fell back). The JSON (`--out`, default $OUT/models.json when $OUT is set)
+has the GPU, driver, torch, transformers, CuTe DSL and FA4 versions and the date.
 """
 
 from __future__ import annotations
@@ -97,8 +99,38 @@ def implementations(model, wanted) -> tuple:
             notes["fa4"] = f"unavailable: {type(exc).__name__}: {str(exc)[:100]}"
     if "hopper_attn" in wanted:
         impls["hopper_attn"] = hopper_tf.register()
+    if "sdpa_provider" in wanted:
+        from hopper_attn.integrations import sdpa as hopper_sdpa
+        if hopper_sdpa.available():
+            impls["sdpa_provider"] = "sdpa"
+            notes["sdpa_provider"] = ("transformers' sdpa, SDPA's flash backend selected, "
+                                      "hopper_attn.integrations.sdpa active")
+        else:
+            notes["sdpa_provider"] = "unavailable: no register_flash_attention_impl in torch"
     model.set_attn_implementation("sdpa")
     return impls, notes
+
+
+def select(model, name: str, impl: str) -> None:
+    """Switch `model` to implementation `name` (outside any timing): the attention function,
+    and the SDPA provider on for "sdpa_provider" only."""
+    model.set_attn_implementation(impl)
+    _provider_for(name)
+
+
+def backend_context(name: str):
+    """SDPA's flash backend for "sdpa_provider" (torch 2.11 prefers cuDNN on Hopper)."""
+    import contextlib
+    if name != "sdpa_provider":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+
+
+def deselect_provider() -> None:
+    from hopper_attn.integrations import sdpa as hopper_sdpa
+    if hopper_sdpa.is_active():
+        hopper_sdpa.deactivate()
 
 
 def _timed(fn) -> float:
@@ -118,27 +150,28 @@ def bench_train(model, impls: dict, seqlens, rounds: int, vocab: int) -> list:
     for n in seqlens:
         ids = torch.randint(0, vocab, (1, n), device="cuda")
 
-        def step():
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
+        def step(name):
+            with backend_context(name):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
             model.zero_grad(set_to_none=True)
             return loss
 
         times = {name: [] for name in impls}
         errors, losses = {}, {}
         for name, impl in impls.items():          # warm-up: compiles, autotuning, allocator
-            model.set_attn_implementation(impl)
+            select(model, name, impl)
             try:
                 for _ in range(2):
-                    losses[name] = float(step().detach())
+                    losses[name] = float(step(name).detach())
             except Exception as exc:  # noqa: BLE001 - record and go on with the others
                 errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 model.zero_grad(set_to_none=True)
         live = [name for name in impls if name not in errors]
         for order in round_orders(live, rounds, seed=n):
             for name in order:
-                model.set_attn_implementation(impls[name])
-                times[name].append(_timed(step))
+                select(model, name, impls[name])
+                times[name].append(_timed(lambda name=name: step(name)))
         for name in impls:
             row = {"part": "train", "impl": name, "seqlen": n, "batch": 1}
             if name in errors:
@@ -150,6 +183,7 @@ def bench_train(model, impls: dict, seqlens, rounds: int, vocab: int) -> list:
             rows.append(row)
         del ids
         torch.cuda.empty_cache()
+    deselect_provider()
     model.eval()
     return rows
 
@@ -161,16 +195,17 @@ def bench_generate(model, impls: dict, prompt: int, new_tokens: int, reps: int,
     ids = torch.randint(0, vocab, (1, prompt), device="cuda", generator=gen)
     kwargs = dict(do_sample=False, use_cache=True, attention_mask=torch.ones_like(ids))
 
-    def run(tokens):
-        with torch.no_grad():
-            return model.generate(ids, max_new_tokens=tokens, **kwargs)
-
     rows, reference = [], None
     for name, impl in impls.items():
-        model.set_attn_implementation(impl)
+        def run(tokens, name=name):
+            with torch.no_grad(), backend_context(name):
+                return model.generate(ids, max_new_tokens=tokens, **kwargs)
+
+        select(model, name, impl)
         row = {"part": "generate", "impl": name, "prompt": prompt, "new_tokens": new_tokens}
         try:
             run(new_tokens)                        # warm-up: every length the timing sees
+            run(1)
             prefill = [_wall(lambda: run(1)) for _ in range(reps)]
             total, tokens = [], None
             for _ in range(reps):
@@ -188,9 +223,10 @@ def bench_generate(model, impls: dict, prompt: int, new_tokens: int, reps: int,
         first_diff = next((i for i, (a, b) in enumerate(zip(new, reference)) if a != b), None)
         p, t = statistics.median(prefill), statistics.median(total)
         row.update(prefill_ms=p * 1e3, total_ms=t * 1e3,
-                   decode_tokens_per_s=(new_tokens - 1) / max(t - p, 1e-9),
+                   decode_tokens_per_s=(new_tokens - 1) / (t - p) if t > p else None,
                    tokens_as_first_impl=first_diff is None, first_differing_step=first_diff)
         rows.append(row)
+    deselect_provider()
     return rows
 
 
@@ -208,10 +244,13 @@ def _attention_ops(names) -> dict:
 
     import hopper_attn
     ops = {}
+
+    def sdpa(q, k, v, c):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2), is_causal=c,
+                                              enable_gqa=True).transpose(1, 2)
     if "sdpa" in names:
-        ops["sdpa"] = lambda q, k, v, c: F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=c,
-            enable_gqa=True).transpose(1, 2)
+        ops["sdpa"] = sdpa
     if "fa4" in names:
         try:
             from flash_attn.cute.interface import flash_attn_func
@@ -224,6 +263,13 @@ def _attention_ops(names) -> dict:
             pass
     if "hopper_attn" in names:
         ops["hopper_attn"] = lambda q, k, v, c: hopper_attn.attention(q, k, v, causal=c)
+    if "sdpa_provider" in names:
+        from hopper_attn.integrations import sdpa as hopper_sdpa
+        if hopper_sdpa.available():
+            def provider(q, k, v, c):
+                with backend_context("sdpa_provider"):
+                    return sdpa(q, k, v, c)
+            ops["sdpa_provider"] = provider
     return ops
 
 
@@ -239,6 +285,8 @@ def bench_probe(names, heads: int, kv_heads: int, head_dim: int, seqlens, decode
         do = torch.randn(1, n, heads, head_dim, device="cuda", dtype=dt)
         flops = 3.5 * 2 * heads * n * n * head_dim       # causal: forward 2 GEMMs / 2, bwd 2.5x
         for name, op in ops.items():
+            _provider_for(name)
+
             def step(op=op):
                 op(q, k, v, True).backward(do)
                 q.grad = k.grad = v.grad = None
@@ -257,6 +305,7 @@ def bench_probe(names, heads: int, kv_heads: int, head_dim: int, seqlens, decode
         v = torch.randn_like(k)
         kv_bytes = 2 * k.numel() * k.element_size()
         for name, op in ops.items():
+            _provider_for(name)
             row = {"part": "probe_decode", "impl": name, "batch": batch, "seqlen_q": 1,
                    "seqlen_k": cache, "heads": heads, "kv_heads": kv_heads,
                    "head_dim": head_dim}
@@ -268,12 +317,22 @@ def bench_probe(names, heads: int, kv_heads: int, head_dim: int, seqlens, decode
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             rows.append(row)
         del q, k, v
+    deselect_provider()
     return rows
+
+
+def _provider_for(name: str) -> None:
+    from hopper_attn.integrations import sdpa as hopper_sdpa
+    if name == "sdpa_provider":
+        if not hopper_sdpa.is_active():
+            hopper_sdpa.activate()
+    else:
+        deselect_provider()
 
 
 def _print_rows(rows) -> None:
     for r in rows:
-        head = f"{r['part']:<13} {r['impl']:<12}"
+        head = f"{r['part']:<13} {r['impl']:<13}"
         if "error" in r:
             print(f"{head} ERROR {r['error']}")
         elif r["part"] == "train":
@@ -282,9 +341,10 @@ def _print_rows(rows) -> None:
         elif r["part"] == "generate":
             same = "same tokens" if r["tokens_as_first_impl"] else \
                 f"tokens differ from step {r['first_differing_step']}"
+            rate = r["decode_tokens_per_s"]
             print(f"{head} prompt {r['prompt']} + {r['new_tokens']}: prefill "
-                  f"{r['prefill_ms']:7.1f} ms, decode {r['decode_tokens_per_s']:6.1f} tok/s "
-                  f"({same})")
+                  f"{r['prefill_ms']:7.1f} ms, decode "
+                  f"{'-' if rate is None else f'{rate:6.1f}'} tok/s ({same})")
         elif r["part"] == "probe_train":
             print(f"{head} fwd+bwd N {r['seqlen']:>6} {r['heads']}/{r['kv_heads']} heads  "
                   f"{r['ms']:8.3f} ms  {r['tflops']:5.0f} TFLOP/s")
@@ -297,7 +357,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="train,generate,probe",
                         help="comma-separated parts: train, generate, probe")
-    parser.add_argument("--impls", default="sdpa,fa4,hopper_attn")
+    parser.add_argument("--impls", default="sdpa,fa4,hopper_attn,sdpa_provider",
+                        help="sdpa, fa4, hopper_attn (transformers' attention interface), "
+                             "sdpa_provider (transformers' sdpa, SDPA's flash backend, "
+                             "hopper_attn.integrations.sdpa active)")
     parser.add_argument("--layers", type=int, default=DEFAULT["layers"])
     parser.add_argument("--hidden", type=int, default=DEFAULT["hidden"])
     parser.add_argument("--heads", type=int, default=DEFAULT["heads"])
@@ -379,6 +442,14 @@ def main(argv=None) -> int:
                            decode_shapes)
         _print_rows(rows)
         result["rows"] += rows
+    if "sdpa_provider" in wanted:
+        from hopper_attn.integrations import sdpa as hopper_sdpa
+        result["sdpa_provider_counts"] = hopper_sdpa.counts()   # ran here / fell back
+        counts = result["sdpa_provider_counts"]
+        print(f"sdpa_provider: {counts.get('forward', 0)} forward and "
+              f"{counts.get('backward', 0)} backward calls ran hopper_attn, "
+              f"{counts.get('forward_fallback', 0)} + {counts.get('backward_fallback', 0)} "
+              "fell back to torch's flash kernel")
     result["seconds"] = round(time.perf_counter() - t_start, 1)
 
     out = args.out or (os.path.join(os.environ["OUT"], "models.json")
