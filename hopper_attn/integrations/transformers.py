@@ -1,0 +1,278 @@
+"""`attn_implementation="hopper_attn"` for Hugging Face transformers (5.x).
+
+    import hopper_attn.integrations.transformers as hopper_tf
+    hopper_tf.register()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16,
+                                                 attn_implementation="hopper_attn")
+    # or, on a model already built: model.set_attn_implementation("hopper_attn")
+
+`register()` puts two functions under one name: the attention call (transformers'
+`AttentionInterface`) and a mask function (`AttentionMaskInterface`). transformers calls
+the attention with `(module, query, key, value, attention_mask, dropout, scaling, **kwargs)`,
+q, k and v as (batch, heads, seqlen, head_dim) views, k and v with the model's KV heads (no
+repeat); this passes them to `hopper_attn.attention` as (batch, seqlen, heads, head_dim)
+views (for Llama-style projections those are the projections' own layout: no copy) and
+returns the output in that layout, which is what transformers expects.
+
+What runs: causal (decoder) and non-causal (encoder, cross-attention) modules, GQA/MQA read
+in place, the module's `scaling`, and generation with a growing KV cache (`DynamicCache`,
+the default): a query block shorter than the keys is aligned bottom-right, as a cache needs.
+bf16 or fp16, the head dims `hopper_attn.attention` runs (64, 96, 128, 192, 256; training
+at 64, 128, 256).
+
+What is refused, before any launch (`UnsupportedFeature`, both a ValueError and a
+NotImplementedError, naming the feature), rather than computed differently: a padding mask
+with real padding (a 2-D mask with zeros, or any 4-D mask), packed sequences (position ids
+that restart, which transformers looks for when there is neither a mask nor a cache, as in
+training; or `cu_seq_lens_q/k` from a flattening collator), sliding windows, chunked
+attention, logit softcapping, attention sinks (`s_aux`), dropout > 0, a static
+(preallocated) KV cache; and (a plain ValueError) a causal call with more queries than keys.
+
+The mask function is where padding, packing and static caches are seen: transformers hands
+it the 2-D padding mask, the mask pattern it built (causal, or causal and "same document"
+for packed sequences, ...) and the query/key offsets of the cache, once per forward. It
+returns None when the call is plain causal or bidirectional attention over every key, and
+raises otherwise.
+
+The mapping is plain functions (`plan_call`, `check_mask_request`, `mask_function_parts`)
+that need neither a GPU nor transformers; nothing here imports transformers until
+`register()` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from hopper_attn.common.contract import UnsupportedProblem
+
+NAME = "hopper_attn"
+
+
+class UnsupportedFeature(UnsupportedProblem, NotImplementedError):
+    """A model feature this integration does not run yet (a ValueError, like every refusal
+    in this project, and a NotImplementedError)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """What one attention call of a model becomes: `attention(q, k, v, causal=...,
+    softmax_scale=...)` on the (batch, seqlen, heads, head_dim) views of its inputs."""
+    causal: bool
+    softmax_scale: Optional[float]
+
+
+# transformers' mask pieces, by the name of the function that builds them, and what a user
+# would call them (transformers/masking_utils.py)
+_MASK_FEATURES = {
+    "packed_sequence_mask_function": "packed sequences (position_ids that restart inside a "
+                                     "row: several documents in one sequence)",
+    "sliding_window_overlay": "a sliding window",
+    "sliding_window_bidirectional_overlay": "a sliding window",
+    "chunked_overlay": "chunked attention",
+    "padding_mask_function": "a padding mask",
+    "blockwise_overlay": "a block-wise (bidirectional within blocks) mask",
+}
+_PLAIN_MASKS = {"causal_mask_function": True, "bidirectional_mask_function": False}
+_COMBINATORS = {"and_masks", "or_masks", "add_offsets_to_mask_function"}
+
+
+def mask_function_parts(fn) -> tuple:
+    """The names of the transformers functions that built mask function `fn`, combinators
+    (and_masks, or_masks) unwrapped: ("causal_mask_function",) for a plain causal mask,
+    ("sliding_window_overlay", "causal_mask_function") for a sliding window, ..."""
+    outer = getattr(fn, "__qualname__", type(fn).__name__).split(".")[0]
+    if outer not in _COMBINATORS:
+        return (outer,)
+    parts = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:                    # an empty cell
+            continue
+        for item in (inner if isinstance(inner, (tuple, list)) else (inner,)):
+            if callable(item) and not isinstance(item, (torch.Tensor, type)):
+                parts.extend(mask_function_parts(item))
+    return tuple(parts)
+
+
+def _refused_mask_features(parts: tuple) -> list:
+    features = []
+    for part in parts:
+        if part in _PLAIN_MASKS:
+            continue
+        feature = _MASK_FEATURES.get(part, f"a custom mask function ({part})")
+        if feature not in features:
+            features.append(feature)
+    return features
+
+
+def check_mask_request(q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                       mask_function: Optional[Callable] = None,
+                       attention_mask: Optional[torch.Tensor] = None,
+                       compiling: Optional[bool] = None) -> bool:
+    """Whether transformers' mask request is one `hopper_attn.attention` computes without a
+    mask; returns the mask's causality (True for causal, False for bidirectional) or raises
+    UnsupportedFeature. The arguments are those transformers passes to a mask function
+    (masking_utils.py): the query and key lengths and offsets of this forward, the mask
+    pattern, the user's 2-D padding mask (batch, past + new tokens) or None."""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    parts = mask_function_parts(mask_function) if mask_function is not None else (
+        "causal_mask_function",)
+    refused = _refused_mask_features(parts)
+    if refused:
+        raise UnsupportedFeature(f"hopper_attn does not run {' and '.join(refused)} yet; use "
+                                 "attn_implementation='sdpa' (or 'flash_attention_4') for this "
+                                 "model or batch")
+    causal = "causal_mask_function" in parts
+    if isinstance(q_offset, torch.Tensor):
+        # a StaticLayer's offset (a tensor, so that torch.compile does not specialize on it)
+        if compiling:
+            raise UnsupportedFeature("hopper_attn does not run a static (preallocated) KV "
+                                     "cache: its unfilled slots would be attended; use the "
+                                     "default DynamicCache")
+        q_offset = int(q_offset)
+    if causal and q_offset - kv_offset != kv_length - q_length:
+        # keys past the last query's position: a static cache's unfilled slots
+        raise UnsupportedFeature(
+            f"hopper_attn does not run a KV cache whose keys do not end at the last query "
+            f"(queries at {q_offset}..{q_offset + q_length - 1}, keys {kv_offset}.."
+            f"{kv_offset + kv_length - 1}: a static, preallocated cache?); use the default "
+            "DynamicCache")
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise UnsupportedFeature(f"hopper_attn takes no {attention_mask.dim()}-D "
+                                     "attention mask")
+        if compiling:
+            raise UnsupportedFeature("hopper_attn cannot check a padding mask inside "
+                                     "torch.compile; pass attention_mask=None (no padding)")
+        mask = attention_mask[:, -kv_length:]
+        if mask.shape[-1] != kv_length or not bool(mask.all()):
+            raise UnsupportedFeature("hopper_attn does not run a padding mask with real "
+                                     "padding yet (variable-length sequences); use batches "
+                                     "without padding, or attn_implementation='sdpa'")
+    return causal
+
+
+def hopper_attn_mask(batch_size: int, q_length: Optional[int] = None,
+                     kv_length: Optional[int] = None, q_offset=0, kv_offset: int = 0,
+                     mask_function: Optional[Callable] = None,
+                     attention_mask: Optional[torch.Tensor] = None, cache_position=None,
+                     **kwargs):
+    """transformers mask function for "hopper_attn": None (no mask: the attention call's
+    causal flag says everything) or UnsupportedFeature. (transformers before 5.8 passes the
+    query positions as `cache_position` instead of q_length / q_offset.)"""
+    if q_length is None and cache_position is not None:
+        q_length, q_offset = cache_position.shape[0], cache_position[0]
+    check_mask_request(q_length, kv_length, q_offset, kv_offset, mask_function,
+                       attention_mask)
+    return None
+
+
+_SIMPLE_KWARGS_REFUSED = {
+    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q/k from a flattening data collator)",
+    "cu_seq_lens_k": "packed sequences (cu_seq_lens_q/k from a flattening data collator)",
+    "position_bias": "an additive position bias (T5-style)",
+}
+
+
+def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask=None, dropout: float = 0.0, scaling: Optional[float] = None,
+              sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+              is_causal: Optional[bool] = None, s_aux=None, **kwargs) -> CallPlan:
+    """How one transformers attention call maps onto `hopper_attn.attention`, or
+    UnsupportedFeature / ValueError naming what it cannot run. Arguments as transformers
+    passes them (query, key, value: (batch, heads, seqlen, head_dim))."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
+    if dropout:
+        raise UnsupportedFeature(f"hopper_attn has no attention dropout (dropout={dropout}); "
+                                 "set the config's attention_dropout to 0 or call model.eval()")
+    if sliding_window is not None:
+        raise UnsupportedFeature(f"hopper_attn does not run a sliding window "
+                                 f"(sliding_window={sliding_window}) yet")
+    if softcap is not None:
+        raise UnsupportedFeature(f"hopper_attn does not run logit softcapping "
+                                 f"(softcap={softcap}) yet")
+    if s_aux is not None:
+        raise UnsupportedFeature("hopper_attn does not run attention sinks (s_aux) yet")
+    for name, feature in _SIMPLE_KWARGS_REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedFeature(f"hopper_attn does not run {feature} yet")
+    if attention_mask is not None:
+        raise UnsupportedFeature(
+            "hopper_attn takes no attention mask (a padding mask or a custom "
+            f"{getattr(attention_mask, 'dim', lambda: '?')()}-D mask); its mask function "
+            "(registered by hopper_attn.integrations.transformers.register) passes None for "
+            "every mask it can run")
+    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"hopper_attn needs one head_dim for q, k and v, got "
+                         f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(is_causal)
+    q_length, kv_length = query.shape[2], key.shape[2]
+    if causal and q_length == 1:
+        causal = False         # one query over the whole cache: the same thing, fewer checks
+    if causal and q_length > kv_length:
+        raise ValueError(f"a causal call with more queries ({q_length}) than keys "
+                         f"({kv_length}): transformers aligns such a mask top-left, "
+                         "hopper_attn bottom-right")
+    return CallPlan(causal=causal, softmax_scale=None if scaling is None else float(scaling))
+
+
+def _default_backend(q, k, v, causal, softmax_scale):
+    from hopper_attn.api import attention
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"hopper_attn runs bf16 or fp16, got {q.dtype}: load the model "
+                         "with dtype=torch.bfloat16")
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+_warned_output_attentions = False
+
+
+def make_attention_forward(backend: Optional[Callable] = None) -> Callable:
+    """A transformers attention function that runs `backend(q, k, v, causal,
+    softmax_scale) -> out` on (batch, seqlen, heads, head_dim) views (default:
+    `hopper_attn.attention`; another one, e.g. FlashAttention-4's `flash_attn_func`, gets
+    the same mapping and the same refusals)."""
+    run = backend or _default_backend
+
+    def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
+                          scaling=None, sliding_window=None, softcap=None, is_causal=None,
+                          s_aux=None, **kwargs):
+        global _warned_output_attentions
+        if kwargs.pop("output_attentions", False) and not _warned_output_attentions:
+            _warned_output_attentions = True
+            warnings.warn("hopper_attn returns no attention weights (output_attentions)")
+        plan = plan_call(module, query, key, value, attention_mask, dropout, scaling,
+                         sliding_window, softcap, is_causal, s_aux, **kwargs)
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        out = run(q, k, v, plan.causal, plan.softmax_scale)
+        if isinstance(out, tuple):           # (out, lse) from FlashAttention-4's interface
+            out = out[0]
+        return out, None
+
+    return attention_forward
+
+
+hopper_attention_forward = make_attention_forward()
+
+
+def register(name: str = NAME, backend: Optional[Callable] = None) -> str:
+    """Register `name` (default "hopper_attn") with transformers: the attention function and
+    its mask function. Then `attn_implementation=name` in `from_pretrained` / a model's
+    constructor, or `model.set_attn_implementation(name)`. `backend` as in
+    `make_attention_forward`. Returns `name`."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    forward = hopper_attention_forward if backend is None else make_attention_forward(backend)
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, hopper_attn_mask)
+    return name
