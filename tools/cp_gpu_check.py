@@ -99,6 +99,25 @@ def _refusals():
     return refused
 
 
+def torch_cp_hooks():
+    """Does this torch have what docs/context-parallel.md relies on for torch's own
+    context_parallel to run on this project's kernels?"""
+    import inspect
+    import torch.nn.attention as nn_attention
+    found = dict(register_flash_attention_impl=hasattr(nn_attention,
+                                                       "register_flash_attention_impl"))
+    if hasattr(nn_attention, "list_flash_attention_impls"):
+        found["impls"] = nn_attention.list_flash_attention_impls()
+    try:
+        from torch.distributed.tensor.experimental import _attention as cp_attention
+        ring = inspect.getsource(inspect.getmodule(cp_attention._templated_ring_attention))
+        found["ring_calls_sdpa_flash_op"] = "aten._scaled_dot_product_flash_attention" in ring
+        found["ring_backward_takes_final_lse"] = "logsumexp=lse" in ring
+    except (ImportError, AttributeError, OSError) as err:
+        found["ring"] = repr(err)[:120]
+    return found
+
+
 def main():
     props = torch.cuda.get_device_properties(0)
     print(f"cp_gpu_check: {props.name}, torch {torch.__version__}; ring error / torch bf16 "
@@ -121,6 +140,8 @@ def main():
                      for w_ in ("out", "dq", "dk", "dv"))
         print(f"{head} {'ok  ' if case['ok'] else 'FAIL'} ring {case['ratio'][worst]:.2f}x "
               f"({worst}) single {single:.2f}x  lse {case['lse']['ring']:.1e}")
+    hooks = torch_cp_hooks()
+    print(f"torch context_parallel hooks: {hooks}")
     refused = _refusals()
     passed = sum(c["ok"] for c in cases)
     print(f"refused with ValueError: {refused} (want 2)")
@@ -128,7 +149,7 @@ def main():
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "cp_gpu_check.json"), "w") as f:
             json.dump(dict(device=props.name, torch=torch.__version__, cases=cases,
-                           refused=refused), f, indent=1)
+                           refused=refused, torch_cp_hooks=hooks), f, indent=1)
     return 0 if passed == len(cases) and len(refused) == 2 else 1
 
 
