@@ -176,14 +176,9 @@ def task_chunk_pairs(task: BlockTask, rank: int, world_size: int, layout: str,
 
 # ---------------------------------------------------------------- merge (pure) ---------
 
-def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two attention partials over disjoint key sets combined into the attention over both:
-    out (B, N, H, d), lse (B, H, N) each; returns fp32 (out, lse).
-
-    out = (exp(lse_a) out_a + exp(lse_b) out_b) / (exp(lse_a) + exp(lse_b)), computed
-    relative to the larger LSE so nothing overflows; a row with lse = -inf (it saw no key
-    in that partial) gets weight 0, and a row -inf in both stays out = 0, lse = -inf."""
+def _merge_weights(lse_a: torch.Tensor, lse_b: torch.Tensor):
+    """(w_a, w_b, lse) for `merge_partials`: the two partials' weights, which add up to 1
+    (0 and 0 where both LSEs are -inf), and the merged LSE, all (B, H, N)."""
     acc = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
     lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
     top = torch.maximum(lse_a, lse_b)
@@ -192,15 +187,32 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     total = w_a + w_b
     lse = top + torch.log(total)                                     # log(0) = -inf
     total = torch.where(total == 0, torch.ones_like(total), total)
-    w_a, w_b = ((w / total).transpose(1, 2).unsqueeze(-1) for w in (w_a, w_b))  # (B,N,H,1)
-    return out_a.to(acc) * w_a + out_b.to(acc) * w_b, lse
+    return w_a / total, w_b / total, lse
+
+
+def _per_row(w: torch.Tensor) -> torch.Tensor:
+    """(B, H, N) row weights as a (B, N, H, 1) view that broadcasts over an output."""
+    return w.transpose(1, 2).unsqueeze(-1)
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attention partials over disjoint key sets combined into the attention over both:
+    out (B, N, H, d), lse (B, H, N) each; returns fp32 (fp64 for fp64 inputs) (out, lse).
+
+    out = (exp(lse_a) out_a + exp(lse_b) out_b) / (exp(lse_a) + exp(lse_b)), computed
+    relative to the larger LSE so nothing overflows; a row with lse = -inf (it saw no key
+    in that partial) gets weight 0, and a row -inf in both stays out = 0, lse = -inf."""
+    w_a, w_b, lse = _merge_weights(lse_a, lse_b)
+    return out_a.to(lse.dtype) * _per_row(w_a) + out_b.to(lse.dtype) * _per_row(w_b), lse
 
 
 def _merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor,
                 lse_b: torch.Tensor) -> None:
-    """`merge_partials` written into the fp32 accumulators (views of the running result)."""
-    out, lse = merge_partials(out_acc, lse_acc, out_b, lse_b)
-    out_acc.copy_(out)
+    """`merge_partials` written into the fp32 accumulators (views of the running result) in
+    place: no output-sized temporary, only (B, H, N) weights."""
+    w_acc, w_b, lse = _merge_weights(lse_acc, lse_b)
+    out_acc.mul_(_per_row(w_acc)).addcmul_(out_b, _per_row(w_b))
     lse_acc.copy_(lse)
 
 
