@@ -234,6 +234,22 @@ def test_simulated_ring_matches_full_attention_fp64(world_size, causal, layout, 
         assert torch.allclose(g, w, atol=1e-11, rtol=1e-9), name
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulated_ring_odd_local_lengths_contiguous(causal):
+    """The contiguous layout takes any local length (5 rows per rank here); the zigzag one
+    needs two equal chunks per rank."""
+    q, k, v, do = _inputs(2, 15, 15, 4, 2, 8, seed=11)
+    ring = lambda a, b, c: cp.simulate_ring(a, b, c, 3, causal=causal,  # noqa: E731
+                                            layout="contiguous", **STAND_INS)
+    out, grads = _grads(ring, q, k, v, do)
+    want, want_grads = _grads(lambda a, b, c: full_attention(a, b, c, causal), q, k, v, do)
+    assert torch.allclose(out, want, atol=1e-12, rtol=1e-10)
+    for g, w in zip(grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-11, rtol=1e-9)
+    with pytest.raises(ValueError, match="multiple of 6"):
+        cp.simulate_ring(q, k, v, 3, causal=causal, **STAND_INS)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_simulated_ring_cross_lengths_and_scale_fp32(world_size):
     """Non-causal with more keys than queries, GQA, an explicit scale; fp32 inputs."""
@@ -330,10 +346,13 @@ def test_simulated_ring_on_the_kernels(world_size, causal, heads):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world_size,per_rank,d", [(2, 300, 128), (4, 198, 64), (8, 150, 128),
-                                                   (3, 250, 64)])
+@pytest.mark.parametrize("world_size,per_rank,d,layout", [
+    (2, 300, 128, "zigzag"), (4, 198, 64, "zigzag"), (8, 150, 128, "zigzag"),
+    (3, 250, 64, "zigzag"), (3, 151, 128, "contiguous")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_simulated_ring_odd_local_lengths_on_the_kernels(world_size, per_rank, d, causal):
-    """Chunk lengths that are no multiple of any tile (150 / 2 = 75 rows, 99, ...)."""
-    result = _gpu_case(world_size, causal, 4, 2, per_rank, d=d, seed=per_rank)
+def test_simulated_ring_odd_local_lengths_on_the_kernels(world_size, per_rank, d, layout,
+                                                         causal):
+    """Chunk lengths that are no multiple of any tile (150 / 2 = 75 rows, 99, ...; 151 rows
+    per rank in the contiguous layout)."""
+    result = _gpu_case(world_size, causal, 4, 2, per_rank, d=d, seed=per_rank, layout=layout)
     assert result["ok"], result

@@ -23,11 +23,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = (
-    # (world_size, causal, heads_q, heads_kv, rows per rank, head_dim)
-    *[(w, c, hq, hk, 512, 128) for w in (1, 2, 4, 8) for c in (False, True)
+    # (world_size, causal, heads_q, heads_kv, rows per rank, head_dim, layout)
+    *[(w, c, hq, hk, 512, 128, "zigzag") for w in (1, 2, 4, 8) for c in (False, True)
       for hq, hk in ((4, 4), (8, 2))],
-    *[(w, c, 4, 2, n, d) for w, n, d in ((2, 300, 128), (4, 198, 64), (8, 150, 128),
-                                         (3, 250, 64)) for c in (False, True)],
+    # chunks of 150, 99, 75 and 125 rows; 151 rows per rank (contiguous layout)
+    *[(w, c, 4, 2, n, d, layout) for w, n, d, layout in (
+        (2, 300, 128, "zigzag"), (4, 198, 64, "zigzag"), (8, 150, 128, "zigzag"),
+        (3, 250, 64, "zigzag"), (3, 151, 128, "contiguous")) for c in (False, True)],
 )
 
 
@@ -123,15 +125,16 @@ def main():
     print(f"cp_gpu_check: {props.name}, torch {torch.__version__}; ring error / torch bf16 "
           "error (max of out, dq, dk, dv); single call's alongside")
     t0, cases = time.time(), []
-    for w, causal, hq, hk, per_rank, d in CASES:
+    for w, causal, hq, hk, per_rank, d, layout in CASES:
         try:
-            case = run_case(w, causal, hq, hk, per_rank, d=d, seed=w * 100 + per_rank + causal)
+            case = run_case(w, causal, hq, hk, per_rank, d=d, seed=w * 100 + per_rank + causal,
+                            layout=layout)
         except Exception as err:                       # noqa: BLE001 (report and go on)
             case = dict(world_size=w, causal=causal, heads_q=hq, heads_kv=hk,
                         per_rank=per_rank, d=d, ok=False, error=repr(err)[:300])
         cases.append(case)
         head = (f"W={w} {'causal' if causal else 'full  '} H{hq}/{hk} n/rank={per_rank:<4} "
-                f"d={d:<3}")
+                f"d={d:<3}{' contiguous' if layout == 'contiguous' else ''}")
         if "error" in case:
             print(f"{head} FAIL {case['error'][:100]}")
             continue
