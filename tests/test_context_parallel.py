@@ -149,6 +149,22 @@ def test_zigzag_balances_every_step(world_size):
     assert totals == [r + 0.5 for r in range(world_size)]
 
 
+def test_docs_picture_matches_the_schedule():
+    """docs/context-parallel.md draws who computes which block at W = 4: it must be this."""
+    world_size, grid = 4, {}
+    for rank in range(world_size):
+        for step in range(world_size):
+            task = cp.block_task(rank, world_size, step, True, "zigzag", 2, 2)
+            for pair, kind in cp.task_chunk_pairs(task, rank, world_size, "zigzag", 2).items():
+                if kind != "masked":
+                    grid[pair] = f"{rank}{'abcd'[step]}" + ("\\" if kind == "diagonal" else "")
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "context-parallel.md")
+    rows = [line.split(":", 1)[1].split() for line in open(docs)
+            if line.strip().startswith("q ") and line.strip()[2:3].isdigit()]
+    assert rows == [[grid.get((i, j), ".") for j in range(8)] for i in range(8)]
+
+
 def test_non_causal_block_task_takes_everything():
     task = cp.block_task(2, 4, 3, False, "zigzag", 6, 10)
     assert (task.kv_rank, task.q_rows, task.kv_rows, task.causal) == (3, slice(0, 6),
