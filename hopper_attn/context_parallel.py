@@ -261,7 +261,7 @@ def _forward_program(q, k, v, rank: int, world_size: int, causal: bool, scale: f
     out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q_len), float("-inf"), dtype=_acc_dtype(q),
                      device=q.device)
-    kv = (k, v)
+    kv = (k.contiguous(), v.contiguous())           # (what NCCL sends must be dense)
     for step in range(world_size):
         # the next K/V block travels while this one is computed
         incoming = (yield _Send(kv)) if step + 1 < world_size else None
@@ -283,7 +283,7 @@ def _backward_program(q, k, v, out, dout, lse, rank: int, world_size: int, causa
     the last step's send."""
     q_len, kv_len = q.shape[1], k.shape[1]
     dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
-    kv = (k, v)
+    kv = (k.contiguous(), v.contiguous())
     dkv_in = None
     for step in range(world_size):
         kv_in = (yield _Send(kv)) if step + 1 < world_size else None

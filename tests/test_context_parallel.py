@@ -313,7 +313,9 @@ def _gloo_worker(rank, world_size, port, causal, layout, result_file):
         q, k, v, do = _inputs(1, n, n, 4, 2, 8, seed=7)
         split = lambda t: cp.split_sequence(t, world_size, layout)[rank]  # noqa: E731
         leaves = [split(t).requires_grad_() for t in (q, k, v)]
-        out = cp.ring_attention(*leaves, causal=causal, layout=layout, **STAND_INS)
+        # k and v as (B, N, H, d) views of (B, H, N, d) memory: the ring sends dense copies
+        k_, v_ = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in leaves[1:])
+        out = cp.ring_attention(leaves[0], k_, v_, causal=causal, layout=layout, **STAND_INS)
         out.backward(split(do))
         torch.save([out.detach()] + [t.grad for t in leaves], f"{result_file}.{rank}")
     finally:
@@ -321,8 +323,7 @@ def _gloo_worker(rank, world_size, port, causal, layout, result_file):
 
 
 @pytest.mark.parametrize("world_size,causal,layout", [(2, True, "zigzag"), (3, True, "zigzag"),
-                                                      (3, False, "zigzag"),
-                                                      (2, True, "contiguous")])
+                                                      (3, False, "contiguous")])
 def test_ring_attention_over_gloo_processes(tmp_path, world_size, causal, layout):
     """The real transport (batched isend/irecv) with CPU tensors over gloo, one process per
     rank, against full attention."""
