@@ -1,6 +1,6 @@
 """Context parallelism: ring attention over a `torch.distributed` process group.
 
-    from hopper_attn.context_parallel import ring_attention, zigzag_shard, zigzag_unshard
+    from hopper_attn.context_parallel import ring_attention, zigzag_shard, zigzag_merge
     q_local = zigzag_shard(q, rank, world_size)            # (B, N / W, H, d) on each rank
     out_local = ring_attention(q_local, k_local, v_local, causal=True)
 

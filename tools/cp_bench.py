@@ -1,7 +1,7 @@
 """Two-rank context-parallel benchmark: hopper_attn's ring vs one GPU vs torch's
 context_parallel over SDPA, causal, GQA.
 
-    source .gpu/prelude.sh && torchrun --nproc-per-node 2 tools/cp_bench.py      # JSON: $OUT/cp.json
+    source .gpu/prelude.sh && torchrun --nproc-per-node 2 tools/cp_bench.py   # $OUT/cp.json
 
 For each sequence length N (default 128k, 256k, 512k; batch 1, 32 query heads over 8 k/v
 heads, head_dim 128, bf16, causal):

@@ -8,7 +8,7 @@ project's usual slack, for the output, dQ, dK and dV, and its LSE is within 2^-9
 fp32 reference (beyond the single call's own error). Printed: one line per case (the
 ring's error over torch's, the worst of out/dq/dk/dv, and the single call's), < 40 lines.
 
-    source .gpu/prelude.sh && python tools/cp_gpu_check.py      # ~1 min; JSON: $OUT/cp_gpu_check.json
+    source .gpu/prelude.sh && python tools/cp_gpu_check.py    # ~1 min; $OUT/cp_gpu_check.json
 """
 
 from __future__ import annotations
