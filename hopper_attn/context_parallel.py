@@ -519,8 +519,8 @@ class _SimulatedRing(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int, *,
-                  causal: bool = False, softmax_scale: Optional[float] = None,
+def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int,
+                  causal: bool = False, *, softmax_scale: Optional[float] = None,
                   layout: str = "zigzag", return_lse: bool = False,
                   block_forward: Optional[BlockForward] = None,
                   block_backward: Optional[BlockBackward] = None):
