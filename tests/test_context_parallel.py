@@ -1,0 +1,375 @@
+"""Context parallelism (hopper_attn/context_parallel.py): the layout, the ring's schedule, the
+LSE merge and the whole ring (simulated in one process, and over gloo with CPU processes)
+with a pure-torch stand-in for the per-block kernels, on CPU; the real kernels on the GPU."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from hopper_attn import context_parallel as cp
+
+
+# ------------------------------------------------------------------ stand-ins -----------
+
+def _scores(q, k, causal, scale):
+    """(B, H, Nq, Nk) scores in q's dtype; GQA by repeating k's heads; causal bottom-right."""
+    k = k.to(q.dtype).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if causal:
+        nq, nk = q.shape[1], k.shape[1]
+        hidden = torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+    return s
+
+
+def torch_block_forward(q, k, v, causal, scale):
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    vv = v.to(q.dtype).repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    return torch.einsum("bhij,bjhd->bihd", p, vv), lse
+
+
+def torch_block_backward(q, k, v, out, dout, lse, causal, scale):
+    """The recomputation backward from the FINAL out and LSE (what the kernel op does)."""
+    group = q.shape[2] // k.shape[2]
+    s = _scores(q, k, causal, scale)
+    p = torch.exp(s - lse.to(s.dtype)[..., None]).nan_to_num(0.0)         # (B, H, i, j)
+    vv = v.to(q.dtype).repeat_interleave(group, dim=2)
+    kk = k.to(q.dtype).repeat_interleave(group, dim=2)
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    dv = torch.einsum("bhij,bihd->bjhd", p, dout)
+    dp = torch.einsum("bihd,bjhd->bhij", dout, vv)
+    rows = (dout * out).sum(-1).transpose(1, 2)                             # (B, H, i)
+    ds = p * (dp - rows[..., None])
+    dq = torch.einsum("bhij,bjhd->bihd", ds, kk) * scale
+    dk = torch.einsum("bhij,bihd->bjhd", ds, q) * scale
+
+    def fold(t):                       # GQA: a k/v head's gradient sums over its group
+        b, n, h, d = t.shape
+        return t.reshape(b, n, h // group, group, d).sum(3)
+    return dq, fold(dk), fold(dv)
+
+
+def full_attention(q, k, v, causal, scale=None):
+    """Differentiable plain attention (autograd gives the reference gradients)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    p = torch.softmax(_scores(q, k, causal, scale), -1)
+    vv = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    return torch.einsum("bhij,bjhd->bihd", p, vv)
+
+
+STAND_INS = dict(block_forward=torch_block_forward, block_backward=torch_block_backward)
+
+
+# ------------------------------------------------------------------ layout --------------
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_split_merge_round_trip(layout, world_size):
+    n = 2 * world_size * 5
+    x = torch.arange(2 * n * 3).reshape(2, n, 3, 1)
+    shards = cp.split_sequence(x, world_size, layout)
+    assert len(shards) == world_size and all(s.shape == (2, n // world_size, 3, 1)
+                                            for s in shards)
+    assert torch.equal(cp.merge_sequence(shards, layout), x)
+    lse = torch.randn(2, 3, n)                                   # the LSE's sequence dim
+    assert torch.equal(cp.merge_sequence(cp.split_sequence(lse, world_size, layout, dim=2),
+                                         layout, dim=2), lse)
+    if layout == "zigzag":
+        chunk = n // (2 * world_size)
+        for r, shard in enumerate(shards):
+            assert torch.equal(shard, cp.zigzag_shard(x, r, world_size))
+            assert torch.equal(shard, cp.zigzag_split(x, world_size)[r])
+            first, last = shard[0, 0, 0, 0].item() // 3, shard[0, chunk, 0, 0].item() // 3
+            assert (first // chunk, last // chunk) == (r, 2 * world_size - 1 - r)
+        assert torch.equal(cp.zigzag_merge(shards), x)
+
+
+def test_split_refuses_uneven_lengths():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cp.split_sequence(torch.zeros(1, 12, 1, 1), 4, "zigzag")
+    with pytest.raises(ValueError, match="multiple"):
+        cp.zigzag_shard(torch.zeros(1, 6, 1, 1), 0, 2)
+    with pytest.raises(ValueError, match="layout"):
+        cp.split_sequence(torch.zeros(1, 8, 1, 1), 2, "striped")
+
+
+# ------------------------------------------------------------------ schedule ------------
+
+def _all_pairs(world_size, causal, layout, local_len=4):
+    """{(q chunk, kv chunk): [kinds]} over every rank and step, and the work of each
+    (rank, step) in chunk x chunk units (a diagonal pair counts one half)."""
+    covered, work = {}, {}
+    for rank in range(world_size):
+        for step in range(world_size):
+            task = cp.block_task(rank, world_size, step, causal, layout, local_len, local_len)
+            units = 0.0
+            if task is not None:
+                assert task.kv_rank == (rank - step) % world_size
+                for pair, kind in cp.task_chunk_pairs(task, rank, world_size, layout,
+                                                      local_len).items():
+                    covered.setdefault(pair, []).append(kind)
+                    units += {"full": 1.0, "diagonal": 0.5, "masked": 0.0}[kind]
+            work[rank, step] = units
+    return covered, work
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_schedule_covers_every_visible_pair_once(world_size, causal, layout):
+    covered, work = _all_pairs(world_size, causal, layout)
+    chunks = world_size * (2 if layout == "zigzag" else 1)
+    for i in range(chunks):
+        for j in range(chunks):
+            kinds = [k for k in covered.get((i, j), []) if k != "masked"]
+            if not causal or i > j:
+                assert kinds == ["full"], (i, j, kinds)
+            elif i == j:
+                assert kinds == ["diagonal"], (i, j, kinds)
+            else:
+                assert kinds == [], (i, j, kinds)          # never computed unmasked
+    if causal and layout == "zigzag":
+        # no fully masked block is handed to the kernel except inside the diagonal step
+        for (i, j), kinds in covered.items():
+            assert kinds.count("masked") <= 1 and (kinds != ["masked"] or i < j)
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_zigzag_balances_every_step(world_size):
+    _, work = _all_pairs(world_size, True, "zigzag")
+    for step in range(world_size):
+        assert {work[r, step] for r in range(world_size)} == {2.0}, step
+    # the contiguous layout does not: the last rank works 2W - 1 times the first
+    _, flat = _all_pairs(world_size, True, "contiguous", local_len=1)
+    totals = [sum(flat[r, s] for s in range(world_size)) for r in range(world_size)]
+    assert totals == [r + 0.5 for r in range(world_size)]
+
+
+def test_docs_picture_matches_the_schedule():
+    """docs/context-parallel.md draws who computes which block at W = 4: it must be this."""
+    world_size, grid = 4, {}
+    for rank in range(world_size):
+        for step in range(world_size):
+            task = cp.block_task(rank, world_size, step, True, "zigzag", 2, 2)
+            for pair, kind in cp.task_chunk_pairs(task, rank, world_size, "zigzag", 2).items():
+                if kind != "masked":
+                    grid[pair] = f"{rank}{'abcd'[step]}" + ("\\" if kind == "diagonal" else "")
+    docs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                        "context-parallel.md")
+    rows = [line.split(":", 1)[1].split() for line in open(docs)
+            if line.strip().startswith("q ") and line.strip()[2:3].isdigit()]
+    assert rows == [[grid.get((i, j), ".") for j in range(8)] for i in range(8)]
+
+
+def test_non_causal_block_task_takes_everything():
+    task = cp.block_task(2, 4, 3, False, "zigzag", 6, 10)
+    assert (task.kv_rank, task.q_rows, task.kv_rows, task.causal) == (3, slice(0, 6),
+                                                                      slice(0, 10), False)
+
+
+# ------------------------------------------------------------------ LSE merge -----------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_merge_partials_matches_one_softmax(dtype):
+    gen = torch.Generator().manual_seed(0)
+    b, h, n, nk, d = 2, 3, 7, 12, 5
+    s = torch.randn(b, h, n, nk, generator=gen, dtype=dtype) * 4
+    s[0, 0, 1] += 3000.0                          # a large row: relative weights only
+    v = torch.randn(b, nk, h, d, generator=gen, dtype=dtype)
+    owner = torch.randint(0, 3, (nk,), generator=gen)        # keys split into 3 partials
+    hidden = torch.rand(b, h, n, nk, generator=gen) < 0.3
+    hidden[0, 1, 2] = True                                   # a row that sees no key at all
+    hidden[1, 2, :, owner == 1] = True                       # partial 1 sees nothing there
+    s = s.masked_fill(hidden, float("-inf"))
+
+    def partial(cols):
+        ss = s[..., cols]
+        lse = torch.logsumexp(ss, -1)
+        p = torch.exp(ss - lse[..., None]).nan_to_num(0.0)
+        return torch.einsum("bhij,bjhd->bihd", p, v[:, cols]), lse
+
+    out, lse = torch.zeros(b, n, h, d, dtype=dtype), torch.full((b, h, n), float("-inf"),
+                                                                dtype=dtype)
+    for part in range(3):
+        out, lse = cp.merge_partials(out, lse, *partial(owner == part))
+    want_out, want_lse = partial(torch.ones(nk, dtype=torch.bool))
+    assert out.dtype == lse.dtype == torch.promote_types(dtype, torch.float32)
+    assert not out.isnan().any() and not lse.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert torch.allclose(lse, want_lse, atol=tol, rtol=tol)            # -inf == -inf
+    # the row near 3000: fp32 holds its LSE to 2^-12 absolute, so its weights to ~1e-4
+    big = 1e-3 if dtype == torch.float32 else tol
+    assert torch.allclose(out[0, 1, 0], want_out[0, 1, 0], atol=big, rtol=big)
+    out[0, 1, 0] = want_out[0, 1, 0]
+    assert torch.allclose(out, want_out, atol=tol, rtol=tol)
+    assert lse[0, 1, 2] == float("-inf") and (out[0, 2, 1] == 0).all()
+
+
+def test_merge_partials_of_low_precision_partials_is_fp32():
+    out = torch.randn(1, 4, 2, 8).to(torch.bfloat16)
+    lse = torch.randn(1, 2, 4)
+    merged, merged_lse = cp.merge_partials(out, lse, out, lse)
+    assert merged.dtype == merged_lse.dtype == torch.float32
+    assert torch.allclose(merged, out.float()) and torch.allclose(merged_lse, lse + math.log(2))
+
+
+# ------------------------------------------------------------------ simulated ring ------
+
+def _inputs(b, nq, nk, hq, hk, d, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nq, hq, d, generator=gen, dtype=dtype)
+    k, v = (torch.randn(b, nk, hk, d, generator=gen, dtype=dtype) for _ in range(2))
+    do = torch.randn(b, nq, hq, d, generator=gen, dtype=dtype)
+    return q, k, v, do
+
+
+def _grads(fn, q, k, v, do):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    out.backward(do)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
+def test_simulated_ring_matches_full_attention_fp64(world_size, causal, layout, heads):
+    per = 2 * world_size * 3                         # 3 rows per chunk (odd)
+    q, k, v, do = _inputs(2, per, per, *heads, 8, seed=world_size + 10 * causal)
+    ring = lambda a, b, c: cp.simulate_ring(a, b, c, world_size, causal=causal,  # noqa: E731
+                                            layout=layout, **STAND_INS)
+    out, grads = _grads(ring, q, k, v, do)
+    want, want_grads = _grads(lambda a, b, c: full_attention(a, b, c, causal), q, k, v, do)
+    assert torch.allclose(out, want, atol=1e-12, rtol=1e-10)
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-11, rtol=1e-9), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulated_ring_odd_local_lengths_contiguous(causal):
+    """The contiguous layout takes any local length (5 rows per rank here); the zigzag one
+    needs two equal chunks per rank."""
+    q, k, v, do = _inputs(2, 15, 15, 4, 2, 8, seed=11)
+    ring = lambda a, b, c: cp.simulate_ring(a, b, c, 3, causal=causal,  # noqa: E731
+                                            layout="contiguous", **STAND_INS)
+    out, grads = _grads(ring, q, k, v, do)
+    want, want_grads = _grads(lambda a, b, c: full_attention(a, b, c, causal), q, k, v, do)
+    assert torch.allclose(out, want, atol=1e-12, rtol=1e-10)
+    for g, w in zip(grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-11, rtol=1e-9)
+    with pytest.raises(ValueError, match="multiple of 6"):
+        cp.simulate_ring(q, k, v, 3, causal=causal, **STAND_INS)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_simulated_ring_cross_lengths_and_scale_fp32(world_size):
+    """Non-causal with more keys than queries, GQA, an explicit scale; fp32 inputs."""
+    q, k, v, do = _inputs(1, 4 * world_size, 10 * world_size, 4, 2, 16, torch.float32, 3)
+    ring = lambda a, b, c: cp.simulate_ring(a, b, c, world_size, softmax_scale=0.3,  # noqa
+                                            **STAND_INS)
+    out, grads = _grads(ring, q, k, v, do)
+    want, want_grads = _grads(lambda a, b, c: full_attention(a, b, c, False, 0.3), q, k, v,
+                              do)
+    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        assert torch.allclose(g, w, atol=2e-5, rtol=1e-4)
+
+
+def test_simulated_ring_returns_the_global_lse():
+    q, k, v, _ = _inputs(1, 16, 16, 2, 2, 4)
+    out, lse = cp.simulate_ring(q, k, v, 4, causal=True, return_lse=True, **STAND_INS)
+    _, want = torch_block_forward(q, k, v, True, 0.5)
+    assert torch.allclose(lse, want, atol=1e-12)
+
+
+def test_ring_refuses_what_it_cannot_run():
+    q, k, v, _ = _inputs(1, 12, 12, 2, 2, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cp.simulate_ring(q, k, v, 4, causal=True, **STAND_INS)
+    with pytest.raises(ValueError, match="same local query and key rows"):
+        cp.simulate_ring(q, k[:, :8], v[:, :8], 2, causal=True, **STAND_INS)
+    with pytest.raises(ValueError, match="even"):
+        cp._check_local(q[:, :5], k[:, :5], v[:, :5], True, "zigzag")
+    with pytest.raises(ValueError, match="multiple of k's"):
+        cp.simulate_ring(q, k[:, :, :1].repeat(1, 1, 3, 1), v[:, :, :1].repeat(1, 1, 3, 1),
+                         2, **STAND_INS)
+    with pytest.raises(ValueError, match="layout"):
+        cp.simulate_ring(q, k, v, 2, layout="striped", **STAND_INS)
+
+
+# ------------------------------------------------------------------ gloo ring -----------
+
+def _gloo_worker(rank, world_size, port, causal, layout, result_file):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        n = 2 * world_size * 3
+        q, k, v, do = _inputs(1, n, n, 4, 2, 8, seed=7)
+        split = lambda t: cp.split_sequence(t, world_size, layout)[rank]  # noqa: E731
+        leaves = [split(t).requires_grad_() for t in (q, k, v)]
+        # k and v as (B, N, H, d) views of (B, H, N, d) memory: the ring sends dense copies
+        k_, v_ = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in leaves[1:])
+        out = cp.ring_attention(leaves[0], k_, v_, causal=causal, layout=layout, **STAND_INS)
+        out.backward(split(do))
+        torch.save([out.detach()] + [t.grad for t in leaves], f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world_size,causal,layout", [(2, True, "zigzag"), (3, True, "zigzag"),
+                                                      (3, False, "contiguous")])
+def test_ring_attention_over_gloo_processes(tmp_path, world_size, causal, layout):
+    """The real transport (batched isend/irecv) with CPU tensors over gloo, one process per
+    rank, against full attention."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = str(tmp_path / "rank")
+    mp.start_processes(_gloo_worker, args=(world_size, port, causal, layout, result),
+                       nprocs=world_size, start_method="spawn")
+    parts = [torch.load(f"{result}.{r}") for r in range(world_size)]
+    merged = [cp.merge_sequence([p[i] for p in parts], layout) for i in range(4)]
+    n = 2 * world_size * 3
+    q, k, v, do = _inputs(1, n, n, 4, 2, 8, seed=7)
+    want, want_grads = _grads(lambda a, b, c: full_attention(a, b, c, causal), q, k, v, do)
+    assert torch.allclose(merged[0], want, atol=1e-12, rtol=1e-10)
+    for name, g, w in zip("qkv", merged[1:], want_grads):
+        assert torch.allclose(g, w, atol=1e-11, rtol=1e-9), name
+
+
+# ------------------------------------------------------------------ GPU -----------------
+
+def _gpu_case(world_size, causal, heads_q, heads_kv, per_rank, d=128, seed=0, layout="zigzag"):
+    from tools.cp_gpu_check import run_case
+    return run_case(world_size, causal, heads_q, heads_kv, per_rank, d=d, seed=seed,
+                    layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_simulated_ring_on_the_kernels(world_size, causal, heads):
+    result = _gpu_case(world_size, causal, *heads, per_rank=512, seed=world_size)
+    assert result["ok"], result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size,per_rank,d,layout", [
+    (2, 300, 128, "zigzag"), (4, 198, 64, "zigzag"), (8, 150, 128, "zigzag"),
+    (3, 250, 64, "zigzag"), (3, 151, 128, "contiguous")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulated_ring_odd_local_lengths_on_the_kernels(world_size, per_rank, d, layout,
+                                                         causal):
+    """Chunk lengths that are no multiple of any tile (150 / 2 = 75 rows, 99, ...; 151 rows
+    per rank in the contiguous layout)."""
+    result = _gpu_case(world_size, causal, 4, 2, per_rank, d=d, seed=per_rank, layout=layout)
+    assert result["ok"], result
