@@ -28,21 +28,24 @@ What changes from kb1:
   current one.
 
 * GQA / MQA (`gqa`, a variant compiled where k and v have fewer heads than q): one CTA per
-  (kv tile, k/v head, batch) walks the query tiles of every query head of its group, head
+  (kv tile, dK head, batch) walks the query tiles of every query head of its group, head
   after head (the producer loads Q, dO, lse2 and D of (head, query tile) pairs; the dQ
   writer adds into each query head's dQ), keeps dK and dV in its accumulators across the
-  group and stores them once. kb1 (and kb2 before it) wrote one dK / dV per query head to a
-  scratch buffer that torch summed afterwards. With a mask the CTA walks its group's
-  heads with the same tiles skipped; the longest-first order counts a k/v head as its
-  group's query rows. The deterministic mode is unchanged: dQ tile (head, m) still receives
-  one add per kv tile of head's k/v head, in kv tile order.
+  group and stores them once. Before, one dK / dV per query head went to a scratch buffer
+  that torch summed (kb1 still does). dK heads are the k/v heads, or, where whole groups
+  leave too few CTAs (MQA, small batches), each k/v head split in parts (`dkv_parts`) that
+  run_backward sums. A CTA's length now varies `group` times more with a mask, so the long
+  ones start first: the longest-first grid counting a dK head as one query head's rows
+  (d = 128), or the (heads, kv tiles, batch) grid (`heads_first`, d = 64). The
+  deterministic mode is unchanged: dQ tile (head, m) still receives one add per kv tile
+  of head's k/v head, in kv tile order.
 
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
-as in kb1 (gqa: per k/v head); at d = 128 with a causal mask they are launched longest first inside groups of
-heads that share L2 (`longest_first`, masking.KVTileSchedule), so the grid does not end on
-the long CTAs of the last heads. Query tiles (`POLICY`, FlashAttention-3's
+as in kb1 (gqa: per dK head); at d = 128 with a causal mask they are launched longest first
+inside groups of heads that share L2 (`longest_first`, masking.KVTileSchedule), so the grid
+does not end on the long CTAs of the last heads. Query tiles (`POLICY`, FlashAttention-3's
 choices): 128 rows at d = 64; at d = 128 80 rows without a mask (dQ computed transposed,
 `dq_swap_ab`; dS^T's SMEM addresses recomputed per tile, or one register spills) and 64 with
 one. At d = 128 the prologue is FA4's: K rides on the first Q stage's barrier and V on the
@@ -185,10 +188,10 @@ class FlashAttentionBackwardKB2:
         if self.convert_per_head and (deterministic or not pdl):
             raise ValueError("kb2: convert_per_head needs pdl and not the deterministic mode "
                              "(whose turns use the same counters)")
-        # gqa (k and v with fewer heads than q): one CTA per (kv tile, k/v head, batch) walks
-        # the query tiles of every query head of its group, head after head, and stores dK
-        # and dV once (no per-query-head copies to sum afterwards); dQ stays per query head.
-        # A separate variant, so that the MHA kernels compile as before
+        # gqa (k and v with fewer heads than q): one CTA per (kv tile, dK head, batch) walks
+        # the query tiles of every query head of its group (or part of it: `dkv_parts`),
+        # head after head, and stores dK and dV once; dQ stays per query head. A separate
+        # variant, so that the MHA kernels compile as before
         self.gqa = bool(gqa)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:

@@ -39,7 +39,8 @@ import hopper_attn  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
 from hopper_attn.harness.env import environment  # noqa: E402
 from hopper_attn.harness.grad_check import _torch_lowp_grads  # noqa: E402
-from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse  # noqa: E402
+from hopper_attn.harness.reference_backward import (attention_backward,  # noqa: E402
+                                                    forward_with_lse)
 
 GROUPS = [("4:1", 8, 2), ("8:1", 16, 2), ("MQA", 4, 1), ("MHA", 4, 4)]
 LENGTHS = [(1, 1), (17, 17), (113, 113), (1000, 1000), (113, 300), (1000, 517)]
