@@ -13,9 +13,11 @@
 2. Speed (skipped with --quick): the backward alone (autograd.grad of a kept graph) and
    forward + backward, CUDA events, L2 flushed, round-robin medians
    (harness/timing.benchmark_interleaved), on the issue's five shapes, for hopper_attn
-   (default: kb2's gqa variant), kb2:gqa=0 (the old path: one dK / dV per query head, summed
-   by torch; backward only), FA4 (flash_attn.cute.interface.flash_attn_func) and SDPA's
-   cuDNN and flash backends where they run. Effective TFLOP/s: the backward counts 2.5x the
+   (default: kb2's gqa variant), FA4 (flash_attn.cute.interface.flash_attn_func) and SDPA's
+   cuDNN and flash backends where they run; with GQA also kb2 variants launched directly
+   (backward only): the default, kb2:gqa=0 (the old path: one dK / dV per query head,
+   summed by torch) and, with a mask, the other launch order (heads first at d = 128, the
+   natural order at d = 64). Effective TFLOP/s: the backward counts 2.5x the
    forward's flops, forward + backward 3.5x.
 
 Prints < 60 lines; everything goes to $OUT/bwd_gqa.json (or --out), with the environment
@@ -188,10 +190,23 @@ def _calls(forward, q, k, v, do, causal):
     return backward, both
 
 
-def _old_path(q, k, v, do, causal):
-    """kb2:gqa=0 (one dK / dV per query head, summed by torch), backward alone."""
+def _variants(heads, heads_kv, d, causal) -> list:
+    """kb2 variants timed next to the default (backward alone, launched directly): the old
+    GQA path, and the other launch order with a mask."""
+    if heads == heads_kv:
+        return []
+    names = ["kb2", "kb2:gqa=0"]
+    if causal and d == 128:
+        names.append("kb2:longest_first=0,heads_first=1")
+    elif causal:
+        names.append("kb2:heads_first=0")         # the MHA grid's natural order
+    return names
+
+
+def _direct(name, q, k, v, do, causal):
+    """One kb2 variant's backward alone, launched through the registry (no autograd)."""
     from hopper_attn.harness import registry
-    entry = registry.get("kb2:gqa=0")
+    entry = registry.get(name)
     problem = Problem.from_tensor(q, causal, k)
     handle = entry.compile(problem)
     out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
@@ -213,9 +228,9 @@ def speed(log) -> list:
             log(f"  {name} unavailable: {type(exc).__name__}: {str(exc)[:80]}")
             del providers[name]
     flush, rows = L2Flush(), []
-    log(f"  {'shape':30} {'':5} " + " ".join(f"{n:>10}" for n in
-                                                 ("hopper", "gqa=0", "fa4", "cudnn",
-                                                  "sdpa_flash")) + "  hopper/fa4")
+    columns = ("hopper", "fa4", "cudnn", "sdpa_flash")
+    log(f"  {'shape':30} {'':7}" + " ".join(f"{n:>10}" for n in columns)
+        + "  hopper/fa4 hopper/cudnn")
     for label, batch, heads, heads_kv, n, d, causal in BENCH:
         q, k, v, do = _inputs(batch, heads, heads_kv, n, n, d, seed=7)
         flops = Problem(batch, heads, n, d, causal, heads_kv=heads_kv).flops
@@ -225,24 +240,33 @@ def speed(log) -> list:
                 bwd[name], both[name] = _calls(forward, q, k, v, do, causal)
             except Exception as exc:  # noqa: BLE001 - e.g. a backend without GQA
                 notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-        if heads != heads_kv:
+        for name in _variants(heads, heads_kv, d, causal):
             try:
-                bwd["gqa=0"] = _old_path(q, k, v, do, causal)
+                bwd[name] = _direct(name, q, k, v, do, causal)
             except Exception as exc:  # noqa: BLE001
-                notes["gqa=0"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
         row = {"shape": label, "config": [batch, heads, heads_kv, n, d, causal],
                "flops_forward": flops, "unavailable": notes}
+        if notes:
+            log(f"  {label}: not run: " + "; ".join(f"{k} ({v[:40]})" for k, v in notes.items()))
         for what, calls, factor in (("bwd", bwd, 2.5), ("fwd+bwd", both, 3.5)):
             timed = benchmark_interleaved(calls, flush)
             row[what] = {name: {**t, "tflops": factor * flops / (t["ms"] * 1e-3) / 1e12}
                          for name, t in timed.items()}
             cells = [f"{row[what][p]['tflops']:10.1f}" if p in row[what] else f"{'-':>10}"
-                     for p in ("hopper", "gqa=0", "fa4", "cudnn", "sdpa_flash")]
-            ratio = (row[what]["hopper"]["tflops"] / row[what]["fa4"]["tflops"]
-                     if "fa4" in row[what] else float("nan"))
-            row[what]["hopper_over_fa4"] = ratio
+                     for p in columns]
+            ratios = [row[what]["hopper"]["tflops"] / row[what][p]["tflops"]
+                      if p in row[what] and "hopper" in row[what] else float("nan")
+                      for p in ("fa4", "cudnn")]
+            row[what]["hopper_over_fa4"], row[what]["hopper_over_cudnn"] = ratios
             log(f"  {label if what == 'bwd' else '':30} {what:7}" + " ".join(cells)
-                + f"  {ratio:6.3f}")
+                + f"  {ratios[0]:10.3f} {ratios[1]:11.3f}")
+            variants = [name for name in _variants(heads, heads_kv, d, causal)
+                        if name in row[what]]
+            if variants:
+                log(f"  {'':30} kb2 direct: " + ", ".join(
+                    f"{name[4:] or 'default'} {row[what][name]['tflops']:.1f}"
+                    for name in variants))
         rows.append(row)
         del q, k, v, do, bwd, both
         torch.cuda.empty_cache()

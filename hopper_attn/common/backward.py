@@ -106,8 +106,9 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
         return CompiledBackward(spec, problem, options, kernel, main, pre, post, 0.0, ffi)
     t0 = time.perf_counter()
     kernel = kernel_factory(d, problem.causal, **options)
-    b, n, h = 2, 128, 2
-    h_kv = 1 if getattr(kernel, "gqa", False) else h      # kb2's GQA variant: k/v heads < q's
+    b, n, h, h_kv = 2, 128, 2, 2
+    if getattr(kernel, "gqa", False):          # kb2's GQA variant: fewer k/v heads than q's
+        h, h_kv = 4, 2
     rows = padded_rows(n, kernel.block_m)
     qkv = [_example((b, n, heads, d), dt) for heads in (h, h_kv, h_kv, h)]  # q, k, v, dO
     stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
