@@ -655,9 +655,10 @@ def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutla
 # Policy: what a problem compiles with. `DEFAULTS` where no row says otherwise; then the row of
 # its head dim and mask (only when block_m is not given: the rows tune the tile); then, in the
 # deterministic mode, that mode's row for the head dim; then, with fewer k/v heads than query
-# heads, the GQA row; an argument given to compile_kernel overrides all of them. Each row: the
-# settings, why (one line), and the results file(s) that measured it (round-robin against
-# FA4; docs/kb2.md tells the longer story). None of kb2's settings depends on the length.
+# heads, the GQA rows (and those of GQA in the deterministic mode); an argument given to
+# compile_kernel overrides all of them. Each row: the settings, why (one line), and the
+# results file(s) that measured it (round-robin against FA4; docs/kb2.md tells the longer
+# story). None of kb2's settings depends on the length.
 # --------------------------------------------------------------------------------------------
 
 DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None,
@@ -669,7 +670,8 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
 @dataclasses.dataclass(frozen=True)
 class PolicyRow:
     """Settings for problems of `head_dim` (None: any) and `causal` (None: either) in `mode`
-    ("": every problem, "deterministic", "gqa": fewer k/v heads than query heads)."""
+    ("": every problem, "deterministic", "gqa": fewer k/v heads than query heads, "gqa
+    deterministic": both)."""
 
     head_dim: Optional[int]
     causal: Optional[bool]
@@ -741,6 +743,10 @@ POLICY = (
               "kv tile 0 of every head first: grid time estimated 1.24 -> 1.01x ideal at 32/8 "
               "B1 N = 8k (dkv_parts' model; not yet measured)",
               ("tools/bwd_gqa_gpu_check.py",)),
+    PolicyRow(64, True, "gqa deterministic", {"longest_first": False},
+              "heads first here too (the 1-D grid spills one register); it also starts each "
+              "head's kv tile n - 1 before its tile n, which the dQ turns need",
+              ("tools/bwd_gqa_gpu_check.py",)),
 )
 
 
@@ -751,6 +757,7 @@ def policy(problem, deterministic: bool = False, tuned: bool = True) -> dict:
     modes = [""] if tuned else []
     modes += ["deterministic"] if deterministic else []
     modes += ["gqa"] if problem.kv_heads != problem.heads else []
+    modes += ["gqa deterministic"] if deterministic and "gqa" in modes else []
     for mode in modes:
         for row in POLICY:
             if row.matches(problem.head_dim, problem.causal, mode):

@@ -257,6 +257,43 @@ def test_gqa_deterministic_mode_compiles():
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
+@pytest.mark.parametrize("name,d,causal,dtype", [
+    ("kb2:deterministic=1", 64, True, torch.bfloat16),
+    ("kb2:deterministic=1", 128, False, torch.bfloat16),
+    ("kb2:longest_first=0,heads_first=1", 128, True, torch.bfloat16),
+    ("kb2:heads_first=0", 64, True, torch.bfloat16),
+    ("kb2:rotate=1", 128, True, torch.bfloat16),
+    ("kb2", 128, True, torch.float16),
+    ("kb2", 64, False, torch.float16),
+])
+def test_gqa_variants_compile_without_spills(name, d, causal, dtype):
+    """The gqa variant under the other options the GPU check times or the API reaches."""
+    art = compiled(name, d, causal, dtype, heads_kv=1)
+    assert art["kernel"]["options"]["gqa"]
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("longest_first,heads_first,group_heads", [
+    (False, False, 0), (False, True, 0), (True, False, 0), (True, False, 16)])
+@pytest.mark.parametrize("heads,batch,seqlen,walk", [(4, 1, 8192, 4), (9, 3, 2100, 8),
+                                                     (2, 2, 1000, 1), (13, 1, 4096, 2)])
+def test_host_order_visits_every_cta_once(longest_first, heads_first, group_heads, heads,
+                                          batch, seqlen, walk):
+    """masking.KVTileSchedule.host_order (what dkv_parts' model launches): every (kv tile,
+    head) once, and each head's kv tile n - 1 before its tile n (longest first)."""
+    from hopper_attn.common.masking import KVTileSchedule
+    schedule = KVTileSchedule(64, 128, True, 32768 if longest_first else 0, group_heads,
+                              heads_first=heads_first)
+    order = schedule.host_order(seqlen, seqlen, heads, batch, walk)
+    kv_tiles = -(-seqlen // 128)
+    assert sorted(order) == [(n, hb) for n in range(kv_tiles) for hb in range(heads * batch)]
+    seen = {}
+    for n, hb in order:
+        assert seen.get(hb, -1) == n - 1
+        seen[hb] = n
+
+
 class _Recorder:
     """A stand-in compiled kernel: records the tensors it is called with."""
 
@@ -374,7 +411,9 @@ def test_policy_rows_name_their_reason_and_results():
     (64, True, True, 0, {"group_heads": 32, "convert_per_head": False}),
     (64, True, False, 2, {"gqa": True, "heads_first": True, "longest_first": False,
                           "stmatrix": False}),
-    (64, True, True, 2, {"gqa": True, "longest_first": True, "group_heads": 32}),
+    (64, True, True, 2, {"gqa": True, "longest_first": False, "heads_first": True,
+                         "convert_per_head": False}),
+    (128, True, True, 2, {"gqa": True, "longest_first": True, "group_heads": 16}),
     (128, True, False, 2, {"gqa": True, "longest_first": True, "heads_first": False}),
     (128, False, False, 2, {"gqa": True, "block_m": 80}),
 ])
