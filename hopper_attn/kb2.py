@@ -27,12 +27,25 @@ What changes from kb1:
   dQ -> SMEM while dK runs. The tensor core always has the next GEMM queued behind the
   current one.
 
+* GQA / MQA (`gqa`, a variant compiled where k and v have fewer heads than q): one CTA per
+  (kv tile, dK head, batch) walks the query tiles of every query head of its group, head
+  after head (the producer loads Q, dO, lse2 and D of (head, query tile) pairs; the dQ
+  writer adds into each query head's dQ), keeps dK and dV in its accumulators across the
+  group and stores them once. Before, one dK / dV per query head went to a scratch buffer
+  that torch summed (kb1 still does). dK heads are the k/v heads, or, where whole groups
+  leave too few CTAs (MQA, small batches), each k/v head split in parts (`dkv_parts`) that
+  run_backward sums. A CTA's length now varies `group` times more with a mask, so the long
+  ones start first: the longest-first grid counting a dK head as one query head's rows
+  (d = 128), or the (heads, kv tiles, batch) grid (`heads_first`, d = 64). The
+  deterministic mode is unchanged: dQ tile (head, m) still receives one add per kv tile
+  of head's k/v head, in kv tile order.
+
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
-into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping, GQA and
+into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
-as in kb1; at d = 128 with a causal mask they are launched longest first inside groups of
-heads that share L2 (`longest_first`, masking.KVTileSchedule), so the grid does not end on
-the long CTAs of the last heads. Query tiles (`TILES`, FlashAttention-3's
+as in kb1 (gqa: per dK head); at d = 128 with a causal mask they are launched longest first
+inside groups of heads that share L2 (`longest_first`, masking.KVTileSchedule), so the grid
+does not end on the long CTAs of the last heads. Query tiles (`POLICY`, FlashAttention-3's
 choices): 128 rows at d = 64; at d = 128 80 rows without a mask (dQ computed transposed,
 `dq_swap_ab`; dS^T's SMEM addresses recomputed per tile, or one register spills) and 64 with
 one. At d = 128 the prologue is FA4's: K rides on the first Q stage's barrier and V on the
@@ -54,6 +67,9 @@ consumer warpgroup, 128 + 32 threads).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import heapq
 from typing import Optional
 
 import torch
@@ -97,7 +113,7 @@ class FlashAttentionBackwardKB2:
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
                  pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
                  group_mib: int = 32, group_heads: int = 0, trace: bool = False,
-                 convert_per_head: bool = False):
+                 convert_per_head: bool = False, gqa: bool = False, heads_first: bool = False):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -118,7 +134,11 @@ class FlashAttentionBackwardKB2:
         # 1% of it at N >= 2k (16-48 MiB on the H100, 12-50 on an H200; docs/kb2.md)
         self.longest_first = bool(longest_first) and causal
         l2_rows = (group_mib << 20) // (head_dim * 8) if self.longest_first else 0
-        self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads)
+        # heads_first (causal, without longest_first): the grid (heads, kv tiles, batch), kv
+        # tile 0 of every head first (masking.KVTileSchedule)
+        self.heads_first = bool(heads_first) and causal and not self.longest_first
+        self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads,
+                                       heads_first=self.heads_first)
         # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
         # one head do not all reduce-add into the same dQ tile at the same time. Off by
         # default: timed round-robin against FA4 it gains nothing without a mask and costs
@@ -140,7 +160,7 @@ class FlashAttentionBackwardKB2:
         # computed, and it is what makes ptxas keep the exp2 loop ahead of that wait (with
         # dV later, the compiled code waited for dP^T before the first exp2). Default: on at
         # d = 128 on 64-row tiles (+1-2%), off at d = 64, where all of dV early measured 5%
-        # slower; `TILES` turns it on at d = 64 with a mask, split (split_dv below)
+        # slower; `POLICY` turns it on at d = 64 with a mask, split (split_dv below)
         self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
             else bool(early_dv)
         # dp_first: dP^T is issued first and starts from -D (see `consume`), S^T behind it;
@@ -157,7 +177,7 @@ class FlashAttentionBackwardKB2:
         # split_dv (with early_dv): only dV's first `split_dv` K blocks (16 queries each) go
         # early, enough to keep the exp2s ahead of the wait for dP^T; the rest is issued
         # between the dS^T stores and their fence, FA4's place for dV, so the tensor core has
-        # dV to run while the two warpgroups meet at the dS^T barrier (`TILES`: 1 with a mask)
+        # dV to run while the two warpgroups meet at the dS^T barrier (`POLICY`: 1 with a mask)
         self.split_dv = int(split_dv)
         if self.split_dv and not self.early_dv:
             raise ValueError("kb2: split_dv splits the early dV (early_dv)")
@@ -168,6 +188,11 @@ class FlashAttentionBackwardKB2:
         if self.convert_per_head and (deterministic or not pdl):
             raise ValueError("kb2: convert_per_head needs pdl and not the deterministic mode "
                              "(whose turns use the same counters)")
+        # gqa (k and v with fewer heads than q): one CTA per (kv tile, dK head, batch) walks
+        # the query tiles of every query head of its group (or part of it: `dkv_parts`),
+        # head after head, and stores dK and dV once; dQ stays per query head. A separate
+        # variant, so that the MHA kernels compile as before
+        self.gqa = bool(gqa)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -180,6 +205,26 @@ class FlashAttentionBackwardKB2:
         if cutlass.const_expr(self.rotate):
             m_block = m_first + (it + n_block) % m_count
         return m_block
+
+    @cute.jit
+    def work_item(self, it, n_block, m_first, m_count):
+        """gqa: the `it`-th (query head of the group, query tile) pair a CTA visits: each
+        head's query tiles in `query_tile`'s order, the group's heads one after the other."""
+        head_in_group = it // m_count
+        return head_in_group, self.query_tile(it - head_in_group * m_count, n_block, m_first,
+                                              m_count)
+
+    def visits(self, m_count, group):
+        """How many query tiles a CTA walks: its query tiles, times the group's query heads
+        with gqa."""
+        return m_count * group if self.gqa else m_count
+
+    def dkv_heads(self, problem) -> int:
+        """gqa: the dK / dV heads run_backward launches over (`dkv_parts` per k/v head)."""
+        from hopper_attn.common.scheduler import sm_count
+        return problem.kv_heads * dkv_parts(self.schedule, problem.heads, problem.kv_heads,
+                                            problem.batch, problem.seqlen, problem.kv_seqlen,
+                                            sm_count())
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -229,7 +274,8 @@ class FlashAttentionBackwardKB2:
                     dv_tiles, tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum, tma_dk, tma_dv,
                     mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
                     row_layout).launch(
-            grid=self.schedule.grid(tiles.seqlen_k, tiles.heads, tiles.batch),
+            grid=self.schedule.grid(tiles.seqlen_k, mdK.shape[2] if self.gqa else tiles.heads,
+                                    tiles.batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,
@@ -250,8 +296,14 @@ class FlashAttentionBackwardKB2:
             cute.arch.griddepcontrol_launch_dependents()    # the dQ conversion may launch
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        (n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first,
-         m_count) = self.schedule.cta_work(mQ, mK)
+        group = 1
+        if cutlass.const_expr(self.gqa):
+            (n_block, dk_head, kv_head, batch, group, seqlen_q, seqlen_k, m_first,
+             m_count) = self.schedule.cta_work_kv(mQ, mK, mdK)
+            head = dk_head * group                  # the first query head it walks
+        else:
+            (n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first,
+             m_count) = self.schedule.cta_work(mQ, mK)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout)
@@ -275,16 +327,22 @@ class FlashAttentionBackwardKB2:
                 tma.prefetch_descriptors(*loads, tma_dk, tma_dv)
                 self.load(loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD,
                           kv_pipe, q_pipe, do_pipe, n_block, head, batch, kv_head, m_first,
-                          m_count)
+                          m_count, group)
             if warp == 1:                                   # the dQ writer
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()             # the dQ buffer is zeroed
-                self.write_dq(dq_staging, mdQacc, mSem, n_block, head, batch, m_first, m_count)
+                self.write_dq(dq_staging, mdQacc, mSem, n_block, head, batch, m_first, m_count,
+                              group)
                 if cutlass.const_expr(self.convert_per_head):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)    # adds landed
                     with cute.arch.elect_one():
-                        cute.arch.atomic_add(mSem[batch, head, None].iterator, Int32(1),
-                                             sem="release", scope="gpu")
+                        if cutlass.const_expr(self.gqa):        # every head of the group
+                            for h in cutlass.range(group, unroll=1):
+                                cute.arch.atomic_add(mSem[batch, head + h, None].iterator,
+                                                     Int32(1), sem="release", scope="gpu")
+                        else:
+                            cute.arch.atomic_add(mSem[batch, head, None].iterator, Int32(1),
+                                                 sem="release", scope="gpu")
                 else:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
@@ -294,13 +352,15 @@ class FlashAttentionBackwardKB2:
             wg = warp // 4 - 1
             self.consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
                          dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
-                         n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k)
+                         n_block, dk_head if self.gqa else head, batch, m_first, m_count,
+                         seqlen_q, seqlen_k, group)
 
     @cute.jit
     def load(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD, kv_pipe,
-             q_pipe, do_pipe, n_block, head, batch, kv_head, m_first, m_count):
+             q_pipe, do_pipe, n_block, head, batch, kv_head, m_first, m_count, group):
         """The producer warp: K and V of kv tile `n_block`, then Q with its lse2 row and dO
-        with its D row for every query tile it visits."""
+        with its D row for every query tile it visits (gqa: of every query head of the
+        group, `head` the first)."""
         tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum = loads
         k_load = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
         v_load = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
@@ -309,13 +369,23 @@ class FlashAttentionBackwardKB2:
             kv_pipe.producer_acquire(kv_state)
             k_load.copy(n_block, kv_pipe.producer_get_barrier(kv_state))
             v_load.copy(n_block, kv_pipe.producer_get_barrier(kv_state))
-        q_load = tma.TmaTiles.partition(tma_q, mQ, head, batch, sQ)
-        do_load = tma.TmaTiles.partition(tma_do, mdO, head, batch, sdO)
-        lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
-        dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
+        if cutlass.const_expr(not self.gqa):
+            q_load = tma.TmaTiles.partition(tma_q, mQ, head, batch, sQ)
+            do_load = tma.TmaTiles.partition(tma_do, mdO, head, batch, sdO)
+            lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
+            dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
         produce = tma.producer_state(self.stages)
-        for it in cutlass.range(m_count, unroll=1):
-            m_block = self.query_tile(it, n_block, m_first, m_count)
+        for it in cutlass.range(self.visits(m_count, group), unroll=1):
+            if cutlass.const_expr(self.gqa):        # this tile's query head's copies
+                head_in_group, m_block = self.work_item(it, n_block, m_first, m_count)
+                q_head = head + head_in_group
+                head_loads = (tma.TmaTiles.partition(tma_q, mQ, q_head, batch, sQ),
+                              tma.TmaTiles.partition(tma_do, mdO, q_head, batch, sdO),
+                              tma.TmaTiles.partition_rows(tma_lse, mLSE2, q_head, batch, sLSE),
+                              tma.TmaTiles.partition_rows(tma_dsum, mD, q_head, batch, sD))
+            else:
+                m_block = self.query_tile(it, n_block, m_first, m_count)
+                head_loads = (q_load, do_load, lse_load, dsum_load)
             phase = self.trace.start("load_q")
             q_pipe.producer_acquire(produce)
             self.trace.end(phase)
@@ -323,11 +393,11 @@ class FlashAttentionBackwardKB2:
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
                     k_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
-            q_load.copy(m_block, barrier, produce.index)
+            head_loads[0].copy(m_block, barrier, produce.index)
             if cutlass.const_expr(self.pdl):
                 if it == 0:
                     cute.arch.griddepcontrol_wait()     # lse2 and D are written
-            lse_load.copy(m_block, barrier, produce.index)
+            head_loads[2].copy(m_block, barrier, produce.index)
             phase = self.trace.start("load_do")
             do_pipe.producer_acquire(produce)
             self.trace.end(phase)
@@ -335,27 +405,37 @@ class FlashAttentionBackwardKB2:
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
                     v_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
-            do_load.copy(m_block, barrier, produce.index)
-            dsum_load.copy(m_block, barrier, produce.index)
+            head_loads[1].copy(m_block, barrier, produce.index)
+            head_loads[3].copy(m_block, barrier, produce.index)
             produce.advance()
 
     @cute.jit
     def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
-                 head, batch, m_first, m_count):
+                 head, batch, m_first, m_count, group):
         """The dQ writer warp: each consumer warpgroup's dQ block of every query tile of kv
-        tile `n_block`, reduce-added from SMEM to the fp32 dQ buffer."""
+        tile `n_block` (gqa: of every query head of the group, `head` the first),
+        reduce-added from SMEM to the fp32 dQ buffer."""
         bm, d = self.block_m, self.head_dim
         dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
-        dq_accum = mdQacc[batch, head, None, None].iterator
-        for it in cutlass.range(m_count, unroll=1):
-            m_block = self.query_tile(it, n_block, m_first, m_count)
+        if cutlass.const_expr(not self.gqa):
+            dq_accum = mdQacc[batch, head, None, None].iterator
+        for it in cutlass.range(self.visits(m_count, group), unroll=1):
+            if cutlass.const_expr(self.gqa):
+                head_in_group, m_block = self.work_item(it, n_block, m_first, m_count)
+                q_head = head + head_in_group
+                dq_head = mdQacc[batch, q_head, None, None].iterator
+            else:
+                m_block = self.query_tile(it, n_block, m_first, m_count)
             # hand each staging buffer back once the copy engine has read it (the
             # previous tile's copies were committed in warpgroup order)
             for wg in cutlass.range_constexpr(self.warpgroups):
                 cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
                                          number_of_threads=DQ_HANDOFF_THREADS)
-            turn = mSem[batch, head, None].iterator + m_block
+            if cutlass.const_expr(self.gqa):
+                turn = mSem[batch, q_head, None].iterator + m_block
+            else:
+                turn = mSem[batch, head, None].iterator + m_block
             if cutlass.const_expr(self.deterministic):
                 if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
                     wait_for_count(turn, n_block)
@@ -366,9 +446,14 @@ class FlashAttentionBackwardKB2:
                                   number_of_threads=DQ_HANDOFF_THREADS)
                 self.trace.end(phase)
                 with cute.arch.elect_one():
-                    tma.bulk_reduce_add_f32(
-                        sdQ + wg * dq_block,
-                        dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
+                    if cutlass.const_expr(self.gqa):
+                        tma.bulk_reduce_add_f32(
+                            sdQ + wg * dq_block,
+                            dq_head + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
+                    else:
+                        tma.bulk_reduce_add_f32(
+                            sdQ + wg * dq_block,
+                            dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
                 cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
@@ -382,9 +467,10 @@ class FlashAttentionBackwardKB2:
                 sdSt: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Pointer,
                 scale_log2: Float32, softmax_scale: Float32, mdK: cute.Tensor,
                 mdV: cute.Tensor, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, warp,
-                n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k):
+                n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k, group):
         """One consumer warpgroup's work on kv tile `n_block` of (head, batch): every query
-        tile it visits, then dK and dV out."""
+        tile it visits (gqa: of every query head of the group), then dK and dV out (`head`:
+        the k/v head)."""
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
                                          sdSt, dtype, self.dq_swap_ab)  # kb1's five GEMMs
@@ -402,8 +488,16 @@ class FlashAttentionBackwardKB2:
             kv_pipe.consumer_wait(tma.consumer_state(1))
         consume = tma.consumer_state(self.stages)
         causal_offset = seqlen_k - seqlen_q
-        for it in cutlass.range(m_count, unroll=1):
-            m_block = self.query_tile(it, n_block, m_first, m_count)
+        for it in cutlass.range(self.visits(m_count, group), unroll=1):
+            if cutlass.const_expr(self.gqa):
+                # the query tiles of a head recomputed from opaque copies of the kv tile
+                # index and the lengths (which the compiler cannot hoist) rather than held
+                # through the loop: with one register more held, d = 64 with a mask spilled
+                first, end = self.schedule.m_block_range(opaque(n_block), opaque(seqlen_q),
+                                                         opaque(seqlen_k))
+                _, m_block = self.work_item(it, n_block, first, end - first)
+            else:
+                m_block = self.query_tile(it, n_block, m_first, m_count)
             stage = consume.index
             phase = self.trace.start("wait_q")
             q_pipe.consumer_wait(consume)
@@ -557,45 +651,120 @@ def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutla
     return vals
 
 
-# Tiles per (head_dim, causal) where they differ from 64 x 128, chosen round-robin against
-# FA4 (results/h100/2026-11-24_kb2_tiles_*.json, docs/kb2.md): at d = 64 FlashAttention-3's
-# 128-row query tiles, +8-14% without a mask (with dp_first) and +2-7% with one (there the
-# stmatrix dS^T store spills at 240 registers, so the plain store). At d = 128 the 80-row
-# tiles with dQ^T (FA3's and FA4's choice without a mask) spill unless dS^T is stored without
-# stmatrix, and then lose 4-5%; since 2026-11-25 they do not, with dS^T's stmatrix addresses
-# computed per tile (`ds_address_per_tile`): +2.4-5.4% over 64 rows, 1.00x FA4 at N = 2k-16k
-# (results/h100/2026-11-25_kb2_ds_address_per_tile.json). With a causal mask the 80-row tile
-# still spills (68 bytes): 64 rows there. At d = 128 the first Q and dO stages also carry K
-# and V, and the three kernels are chained by programmatic dependent launch (FA4's prologue):
-# +0.2-0.9% with a mask, +0.1-0.4% without, -0.4% at d = 64
-# (results/h100/2026-11-25_kb2_prologue_*.json, _kb2_epilogue_*.json). With a mask dV is
-# issued in two parts (split_dv, docs/kb2.md): +2.5 / +3.1 / +3.7% at d = 128 (N = 2k / 4k /
-# 16k, results/h100/2026-11-25_kb2_split_dv_causal.json), +1.3% at d = 64
-# (_kb2_split_dv_d64_causal.json). With a mask at d = 128 the CTAs start longest first in
-# 32 MiB head groups (longest_first, docs/kb2.md "Longest first"): +2.7 / +3.6% at N = 4k / 8k,
-# +0.7% at 2k (results/h100/2026-11-26_kb2_longest_first_causal.json); at d = 64 a tie or a
-# loss (results/h200/2026-11-26_kb2_group_mib_d64.json), so off there. Where the dQ
-# conversion launches early (pdl) it waits per head (convert_per_head, docs/kb2.md "dQ
-# converted per head"): +1.4-1.8% at d = 128 N = 2k, causal and not, +1.4% at 4k causal,
-# 0 at 16k (results/h100/2026-11-26_backward_kb2_per_head{,_run2}.json); with a mask at d = 64,
-# with the early launch it needs, +3.6 / +2.6 / +1.5 / +0.4% at N = 1k / 2k / 4k / 16k in two
-# runs, without one +1.7-1.8% at 1k but -0.1 to -1.0% from 4k (_kb2_per_head_d64{,_run2}.json).
-TILES = {(64, False): {"block_m": 128, "dp_first": True},
-         (64, True): {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1,
-                      "pdl": True, "convert_per_head": True},
-         (128, False): {"block_m": 80, "ds_address_per_tile": True, "kv_with_first_tile": True,
-                        "pdl": True, "convert_per_head": True},
-         (128, True): {"kv_with_first_tile": True, "pdl": True, "split_dv": 1,
-                       "longest_first": True, "convert_per_head": True}}
+# --------------------------------------------------------------------------------------------
+# Policy: what a problem compiles with. `DEFAULTS` where no row says otherwise; then the row of
+# its head dim and mask (only when block_m is not given: the rows tune the tile); then, in the
+# deterministic mode, that mode's row for the head dim; then, with fewer k/v heads than query
+# heads, the GQA rows (and those of GQA in the deterministic mode); an argument given to
+# compile_kernel overrides all of them. Each row: the settings, why (one line), and the
+# results file(s) that measured it (round-robin against FA4; docs/kb2.md tells the longer
+# story). None of kb2's settings depends on the length.
+# --------------------------------------------------------------------------------------------
+
+DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None,
+            "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
+            "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
+            "convert_per_head": False, "gqa": False, "heads_first": False}
 
 
-# The deterministic mode's head groups (longest first): a fixed number of heads whatever the
-# length, the number a 32 MiB group holds at N = 2k. Its CTAs wait for each other's dQ adds,
-# and in larger groups a kv tile starts later behind the one before it: against 32 MiB
-# groups +17 / +23% at d = 128 N = 8k / 16k, +14 / +19% at d = 64, the same at 2k
-# (results/h100/2026-11-26_kb2_deterministic_group_heads_d*.json; 8 heads at d = 128 and 16 at
-# d = 64 lose 11-15% at 2k and gain less at 8k).
-DETERMINISTIC_GROUP_HEADS = {64: 32, 128: 16}
+@dataclasses.dataclass(frozen=True)
+class PolicyRow:
+    """Settings for problems of `head_dim` (None: any) and `causal` (None: either) in `mode`
+    ("": every problem, "deterministic", "gqa": fewer k/v heads than query heads, "gqa
+    deterministic": both)."""
+
+    head_dim: Optional[int]
+    causal: Optional[bool]
+    mode: str
+    settings: dict
+    reason: str
+    results: tuple          # paths from the repository root
+
+    def matches(self, head_dim: int, causal: bool, mode: str) -> bool:
+        return (self.mode == mode and self.head_dim in (None, head_dim)
+                and self.causal in (None, causal))
+
+
+POLICY = (
+    PolicyRow(64, False, "", {"block_m": 128, "dp_first": True},
+              "FA3's 128-row tiles, dP^T first (no D registers, no spills): +8-14% over 64 rows",
+              ("results/h100/2026-11-24_kb2_tiles_d64.json",)),
+    PolicyRow(64, True, "", {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1,
+                             "pdl": True, "convert_per_head": True},
+              "128 rows +2-7% (stmatrix spills there); dV split +1.3%; dQ converted per head "
+              "(needs the early launch) +0.4-3.6%",
+              ("results/h100/2026-11-24_kb2_tiles_d64.json",
+               "results/h100/2026-11-25_kb2_split_dv_d64_causal.json",
+               "results/h100/2026-11-26_kb2_per_head_d64.json",
+               "results/h100/2026-11-26_kb2_per_head_d64_run2.json")),
+    PolicyRow(128, False, "", {"block_m": 80, "ds_address_per_tile": True,
+                               "kv_with_first_tile": True, "pdl": True,
+                               "convert_per_head": True},
+              "80 rows with dQ^T, dS^T addresses per tile (no spill): +2.4-5.4%; FA4's "
+              "prologue +0.1-0.4%; dQ converted per head +1.4-1.8% at 2k",
+              ("results/h100/2026-11-25_kb2_ds_address_per_tile.json",
+               "results/h100/2026-11-25_backward_kb2_d128_prologue.json",
+               "results/h100/2026-11-25_kb2_epilogue_d128_full.json",
+               "results/h100/2026-11-26_backward_kb2_per_head.json",
+               "results/h100/2026-11-26_backward_kb2_per_head_run2.json")),
+    PolicyRow(128, True, "", {"kv_with_first_tile": True, "pdl": True, "split_dv": 1,
+                              "longest_first": True, "convert_per_head": True},
+              "64 rows (80 spill with a mask); FA4's prologue +0.2-0.9%; dV split +2.5-3.7%; "
+              "longest first in 32 MiB groups +0.7-3.6%; dQ converted per head +1.4% at 4k",
+              ("results/h100/2026-11-25_kb2_prologue_causal.json",
+               "results/h100/2026-11-25_kb2_split_dv_causal.json",
+               "results/h100/2026-11-26_kb2_longest_first_causal.json",
+               "results/h100/2026-11-26_backward_kb2_per_head.json",
+               "results/h100/2026-11-26_backward_kb2_per_head_run2.json")),
+    # the deterministic mode: its CTAs wait for each other's dQ adds, far less longest first;
+    # its turns use the counters the per-head conversion counts in; head groups of a fixed
+    # size (the heads a 32 MiB group holds at N = 2k), as larger ones start a kv tile later
+    # behind the one before it
+    PolicyRow(64, None, "deterministic", {"longest_first": True, "convert_per_head": False,
+                                          "group_heads": 32},
+              "32-head groups: +14 / +19% at N = 8k / 16k against 32 MiB groups",
+              ("results/h100/2026-11-26_kb2_deterministic_group_heads_d64.json",
+               "results/h100/2026-11-26_kb2_deterministic_longest_first_d64.json")),
+    PolicyRow(128, None, "deterministic", {"longest_first": True, "convert_per_head": False,
+                                           "group_heads": 16},
+              "16-head groups: +17 / +23% at N = 8k / 16k against 32 MiB groups",
+              ("results/h100/2026-11-26_kb2_deterministic_group_heads_d128.json",
+               "results/h100/2026-11-26_kb2_deterministic_longest_first_d128.json")),
+    # GQA / MQA: dK and dV summed over the group inside the CTA of the k/v head, instead of one
+    # copy per query head summed by torch afterwards (issue 59)
+    PolicyRow(None, None, "gqa", {"gqa": True},
+              "no per-query-head dK/dV scratch nor torch sum (not yet measured)",
+              ("tools/bwd_gqa_gpu_check.py",)),        # its results: to be run
+    # a CTA walks its whole group, so with a mask its length varies `group` times more than
+    # in MHA: at d = 128 the longest-first grid of the MHA row; at d = 64 (where MHA measured
+    # no gain from it, and its 1-D grid's index arithmetic spills one register in the gqa
+    # variant) the (heads, kv tiles, batch) grid, kv tile 0 of every head first
+    PolicyRow(64, True, "gqa", {"heads_first": True},
+              "kv tile 0 of every head first: grid time estimated 1.24 -> 1.01x ideal at 32/8 "
+              "B1 N = 8k (dkv_parts' model; not yet measured)",
+              ("tools/bwd_gqa_gpu_check.py",)),
+    PolicyRow(64, True, "gqa deterministic", {"longest_first": False},
+              "heads first here too (the 1-D grid spills one register); it also starts each "
+              "head's kv tile n - 1 before its tile n, which the dQ turns need",
+              ("tools/bwd_gqa_gpu_check.py",)),
+)
+
+
+def policy(problem, deterministic: bool = False, tuned: bool = True) -> dict:
+    """The settings `POLICY` gives `problem` (`tuned`: take the head dim and mask's row, as
+    compile_kernel does when block_m is not given), and the rows they came from ("rows")."""
+    settings, rows = dict(DEFAULTS), []
+    modes = [""] if tuned else []
+    modes += ["deterministic"] if deterministic else []
+    modes += ["gqa"] if problem.kv_heads != problem.heads else []
+    modes += ["gqa deterministic"] if deterministic and "gqa" in modes else []
+    for mode in modes:
+        for row in POLICY:
+            if row.matches(problem.head_dim, problem.causal, mode):
+                settings.update(row.settings)
+                rows.append(row)
+    settings["rows"] = rows
+    return settings
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
@@ -606,50 +775,80 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
                    split_dv: Optional[int] = None, longest_first: Optional[bool] = None,
                    group_mib: Optional[int] = None, group_heads: Optional[int] = None,
-                   trace: bool = False, convert_per_head: Optional[bool] = None):
+                   trace: bool = False, convert_per_head: Optional[bool] = None,
+                   gqa: Optional[bool] = None, heads_first: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
-    split_dv, longest_first, group_mib, convert_per_head: None takes `TILES` for the head dim
-    and mask (when block_m is not given), else 64 rows, stmatrix on, early_dv by head dim and
-    rows (see the class), group_mib 32, the others off (convert_per_head also off without pdl
-    or with `deterministic`); longest_first is also on with `deterministic`
-    (with a mask its CTAs then wait far less for their dQ turns, docs/kb2.md), in groups of
-    group_heads heads (None: DETERMINISTIC_GROUP_HEADS with `deterministic`, else 0: by
-    group_mib).
+    split_dv, longest_first, group_mib, group_heads, convert_per_head, gqa, heads_first: None
+    takes
+    `policy` (`POLICY`'s rows over `DEFAULTS`; the head dim and mask's row only when block_m
+    is not given); convert_per_head is also off where pdl is (the early-launched conversion
+    is what waits per head).
+    gqa: the GQA variant (dK/dV summed in the kernel); by default where k/v have fewer heads.
     trace: iket phase ranges (harness/timeline.py)."""
-    if deterministic:     # its CTAs wait for each other's dQ adds, far less in this order
-        longest_first = True if longest_first is None else longest_first
-        # its turns use the per-tile counters that convert_per_head counts heads in
-        convert_per_head = False if convert_per_head is None else convert_per_head
-        group_heads = DETERMINISTIC_GROUP_HEADS.get(problem.head_dim, 0) \
-            if group_heads is None else group_heads
-    tuned = TILES.get((problem.head_dim, problem.causal), {}) if block_m is None else {}
-    pick = lambda value, name, default: value if value is not None else tuned.get(name, default)
-    pdl = bool(pick(pdl, "pdl", False))
-    if not pdl:              # the early-launched conversion is what waits per head
-        convert_per_head = False if convert_per_head is None else convert_per_head
+    given = {"block_m": block_m, "stmatrix": stmatrix, "early_dv": early_dv,
+             "dp_first": dp_first, "ds_address_per_tile": ds_address_per_tile,
+             "kv_with_first_tile": kv_with_first_tile, "pdl": pdl, "split_dv": split_dv,
+             "longest_first": longest_first, "group_mib": group_mib,
+             "group_heads": group_heads, "convert_per_head": convert_per_head, "gqa": gqa,
+             "heads_first": heads_first}
+    settings = policy(problem, deterministic, tuned=block_m is None)
+    settings.pop("rows")
+    settings.update({name: value for name, value in given.items() if value is not None})
+    if not settings["pdl"] and convert_per_head is None:
+        settings["convert_per_head"] = False
+    early = settings.pop("early_dv")
+    options = {name: bool(value) for name, value in settings.items()
+               if name not in ("block_m", "split_dv", "group_mib", "group_heads")}
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
-                            {"block_m": pick(block_m, "block_m", 64), "block_n": block_n,
+                            {"block_m": int(settings["block_m"]), "block_n": block_n,
                              "stages": stages, "rotate": bool(rotate),
                              "deterministic": bool(deterministic),
-                             "stmatrix": bool(pick(stmatrix, "stmatrix", True)),
-                             "dp_first": bool(pick(dp_first, "dp_first", False)),
-                             "early_dv": pick(early_dv, "early_dv", None),
-                             "ds_address_per_tile": bool(pick(ds_address_per_tile,
-                                                              "ds_address_per_tile", False)),
-                             "kv_with_first_tile": bool(pick(kv_with_first_tile,
-                                                             "kv_with_first_tile", False)),
-                             "pdl": pdl,
-                             "split_dv": int(pick(split_dv, "split_dv", 0)),
-                             "longest_first": bool(pick(longest_first, "longest_first",
-                                                        False)),
-                             "group_mib": int(pick(group_mib, "group_mib", 32)),
-                             "group_heads": int(group_heads or 0),
+                             "stmatrix": options["stmatrix"], "dp_first": options["dp_first"],
+                             "early_dv": early,
+                             "ds_address_per_tile": options["ds_address_per_tile"],
+                             "kv_with_first_tile": options["kv_with_first_tile"],
+                             "pdl": options["pdl"], "split_dv": int(settings["split_dv"]),
+                             "longest_first": options["longest_first"],
+                             "group_mib": int(settings["group_mib"]),
+                             "group_heads": int(settings["group_heads"]),
                              "trace": bool(trace),
-                             "convert_per_head": bool(pick(convert_per_head,
-                                                           "convert_per_head", False))},
+                             "convert_per_head": options["convert_per_head"],
+                             "gqa": options["gqa"],
+                             "heads_first": options["heads_first"]},
                             compile_options=compile_options)
+
+
+# gqa: a CTA walks every query head of its group, so with few k/v heads (MQA, small
+# batches) the grid has few, long CTAs, and with a mask the longest ones set its end (8 query
+# heads on one k/v head at B = 1, N = 8k, d = 128: 64 CTAs for 132 SMs). Each k/v head is
+# then split in parts (query heads `walk` = group / parts per CTA), each with its own dK / dV
+# rows that run_backward sums: the fewest parts whose estimated grid time (CTAs in launch
+# order on the first free SM, each its query tiles plus CTA_OVERHEAD_TILES for K / V in and
+# dK / dV out) is within PARTS_SLACK of the best divisor's.
+CTA_OVERHEAD_TILES = 1.0
+PARTS_SLACK = 1.03
+
+
+@functools.lru_cache(maxsize=256)
+def dkv_parts(schedule: KVTileSchedule, heads: int, kv_heads: int, batch: int, seqlen_q: int,
+              seqlen_k: int, sms: int) -> int:
+    """How many parts each k/v head's dK / dV is split in (see above)."""
+    group = heads // kv_heads
+    tiles = [schedule.host_tiles(n, seqlen_q, seqlen_k)
+             for n in range(-(-seqlen_k // schedule.block_n))]
+    estimates = {}
+    for parts in (p for p in range(1, group + 1) if group % p == 0):
+        walk = group // parts
+        free = [0.0] * sms
+        for n_block, _ in schedule.host_order(seqlen_q, seqlen_k, kv_heads * parts, batch,
+                                              walk):
+            start = heapq.heappop(free)
+            heapq.heappush(free, start + tiles[n_block] * walk + CTA_OVERHEAD_TILES)
+        estimates[parts] = max(free)
+    best = min(estimates.values())
+    return min(p for p, t in estimates.items() if t <= PARTS_SLACK * best)
 
 
 def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None):

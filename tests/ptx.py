@@ -16,11 +16,12 @@ TMA_STORE = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta"
 _CACHE = {}
 
 
-def compiled(name, d, causal, dtype=torch.bfloat16):
-    """PTX, cubin and kernel description of `name` (a registry name, options allowed)."""
-    key = (name, d, causal, dtype)
+def compiled(name, d, causal, dtype=torch.bfloat16, heads_kv=0):
+    """PTX, cubin and kernel description of `name` (a registry name, options allowed);
+    `heads_kv`: k/v heads of the problem (0: as q's 2; 1: GQA)."""
+    key = (name, d, causal, dtype, heads_kv)
     if key not in _CACHE:
-        art = compile_artifacts(registry.get(name), d, causal, dtype)
+        art = compile_artifacts(registry.get(name), d, causal, dtype, heads_kv=heads_kv)
         assert art["ok"], f"{name} d={d} causal={causal} failed to compile: {art.get('error')}"
         _CACHE[key] = art
     return _CACHE[key]

@@ -212,3 +212,214 @@ def test_80_row_tiles_compute_dq_transposed():
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     smem_smem_n80 = r"wgmma\.mma_async\.sync\.aligned\.m64n80k16\S*\s+\{[^}]*\},\s*%rd"
     assert count(art["ptx"], smem_smem_n80) == 3 * (128 // 16)          # S^T, dP^T, dQ^T
+
+
+# ---------------------------------------------------------------------------- GQA (issue 59)
+
+@pytest.mark.parametrize("d,causal", CONFIGS)
+def test_gqa_variant_compiles_without_spills(d, causal):
+    """With fewer k/v heads than q's, compile_kernel picks the gqa variant (one CTA per kv
+    tile of a dK head walks its query heads); it keeps the MHA kernel's tiles and options
+    (with a mask, kv tile 0 of every head first) and compiles without spills."""
+    art = compiled("kb2", d, causal, heads_kv=1)
+    mha = compiled("kb2", d, causal)
+    options = art["kernel"]["options"]
+    assert options["gqa"] and not mha["kernel"]["options"]["gqa"]
+    # with a mask the longest CTAs first: the 1-D grid (d = 128) or heads first (d = 64)
+    assert (options["longest_first"] or options["heads_first"]) == causal
+    for name in ("block_m", "stmatrix", "dp_first", "split_dv", "pdl", "convert_per_head"):
+        assert options[name] == mha["kernel"]["options"][name], name
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    # the walk over (query head, query tile) pairs is a loop, not unrolled: as many TMA loads,
+    # bulk reduce-adds and dK / dV stores as the MHA kernel
+    for pattern in (TMA_LOAD, TMA_STORE, r"cp\.reduce\.async\.bulk"):
+        assert count(art["ptx"], pattern) == count(mha["ptx"], pattern), pattern
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, True), (128, False)])
+def test_gqa_counts_every_query_head_of_the_group(d, causal):
+    """convert_per_head with gqa: the CTA counts itself once in each of the query heads it
+    walked (one release atomic in a loop), since each of their dQ received its adds."""
+    art = compiled("kb2", d, causal, heads_kv=1)
+    assert art["kernel"]["options"]["convert_per_head"]
+    assert count(art["ptx"], r"atom\.global\.release\.add") == 1
+
+
+def test_gqa_deterministic_mode_compiles():
+    """The deterministic mode's turns still per (query head, query tile): the writer waits
+    for the kv tiles before its own and passes the turn, in the gqa variant too."""
+    art = compiled("kb2:deterministic=1", 128, True, heads_kv=1)
+    assert art["kernel"]["options"]["gqa"] and art["kernel"]["options"]["group_heads"] == 16
+    assert count(art["ptx"], r"atom\.global\.acquire(\.gpu)?\.add") >= 1
+    assert count(art["ptx"], r"atom\.global\.release(\.gpu)?\.add") == 1
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("name,d,causal,dtype", [
+    ("kb2:deterministic=1", 64, True, torch.bfloat16),
+    ("kb2:deterministic=1", 128, False, torch.bfloat16),
+    ("kb2:longest_first=0,heads_first=1", 128, True, torch.bfloat16),
+    ("kb2:heads_first=0", 64, True, torch.bfloat16),
+    ("kb2:rotate=1", 128, True, torch.bfloat16),
+    ("kb2", 128, True, torch.float16),
+    ("kb2", 64, False, torch.float16),
+])
+def test_gqa_variants_compile_without_spills(name, d, causal, dtype):
+    """The gqa variant under the other options the GPU check times or the API reaches."""
+    art = compiled(name, d, causal, dtype, heads_kv=1)
+    assert art["kernel"]["options"]["gqa"]
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("longest_first,heads_first,group_heads", [
+    (False, False, 0), (False, True, 0), (True, False, 0), (True, False, 16)])
+@pytest.mark.parametrize("heads,batch,seqlen,walk", [(4, 1, 8192, 4), (9, 3, 2100, 8),
+                                                     (2, 2, 1000, 1), (13, 1, 4096, 2)])
+def test_host_order_visits_every_cta_once(longest_first, heads_first, group_heads, heads,
+                                          batch, seqlen, walk):
+    """masking.KVTileSchedule.host_order (what dkv_parts' model launches): every (kv tile,
+    head) once, and each head's kv tile n - 1 before its tile n (longest first)."""
+    from hopper_attn.common.masking import KVTileSchedule
+    schedule = KVTileSchedule(64, 128, True, 32768 if longest_first else 0, group_heads,
+                              heads_first=heads_first)
+    order = schedule.host_order(seqlen, seqlen, heads, batch, walk)
+    kv_tiles = -(-seqlen // 128)
+    assert sorted(order) == [(n, hb) for n in range(kv_tiles) for hb in range(heads * batch)]
+    seen = {}
+    for n, hb in order:
+        assert seen.get(hb, -1) == n - 1
+        seen[hb] = n
+
+
+class _Recorder:
+    """A stand-in compiled kernel: records the tensors it is called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def _fake_handle(kernel, problem):
+    from hopper_attn.common.backward import CompiledBackward
+    from hopper_attn.kb2 import SPEC
+    return CompiledBackward(SPEC, problem, {}, kernel, _Recorder(), _Recorder(), _Recorder(),
+                            0.0, tvm_ffi=True)
+
+
+def _backward_tensors(problem):
+    b, n, h, hkv, d = problem.batch, problem.seqlen, problem.heads, problem.kv_heads, 64
+    q, o, do, dq = (torch.zeros(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
+    k, v, dk, dv = (torch.zeros(b, n, hkv, d, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.zeros(b, h, n)
+    return q, k, v, o, do, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("heads,heads_kv,seqlen,parts", [(16, 4, 8192, 1), (8, 1, 8192, 4),
+                                                         (4, 4, 1000, 1)])
+def test_run_backward_gqa_writes_dk_dv_in_place(heads, heads_kv, seqlen, parts, monkeypatch):
+    """run_backward with the gqa variant: the main kernel writes dk and dv themselves (no
+    per-query-head scratch, no torch sum) where whole groups give enough CTAs; with one
+    k/v head at B = 1 (MQA), each group in `parts` parts, one scratch head per part."""
+    from hopper_attn.common import backward
+    from hopper_attn.common.backward import run_backward
+    monkeypatch.setattr(backward, "check_backward_tensors", lambda *a: None)   # CPU tensors
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.kb2 import FlashAttentionBackwardKB2
+    problem = Problem(1, heads, seqlen, 64, True, heads_kv=heads_kv)
+    kernel = FlashAttentionBackwardKB2(64, True, block_m=128, longest_first=True, gqa=True)
+    handle = _fake_handle(kernel, problem)
+    tensors = _backward_tensors(problem)
+    run_backward(handle, *tensors)
+    (args,) = handle.main.calls
+    dk_out, dv_out = args[7], args[8]
+    if parts == 1:
+        assert dk_out is tensors[7] and dv_out is tensors[8]
+    else:
+        assert tuple(dk_out.shape) == (1, seqlen, heads_kv * parts, 64)
+
+
+def test_run_backward_without_gqa_sums_per_query_head(monkeypatch):
+    """kb1 (and kb2:gqa=0): one dK / dV per query head in scratch, summed afterwards."""
+    from hopper_attn.common import backward
+    from hopper_attn.common.backward import run_backward
+    monkeypatch.setattr(backward, "check_backward_tensors", lambda *a: None)   # CPU tensors
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.kb2 import FlashAttentionBackwardKB2
+    problem = Problem(1, 8, 256, 64, False, heads_kv=2)
+    handle = _fake_handle(FlashAttentionBackwardKB2(64, False, block_m=128), problem)
+    tensors = _backward_tensors(problem)
+    run_backward(handle, *tensors)
+    (args,) = handle.main.calls
+    assert tuple(args[7].shape) == (1, 256, 8, 64)
+
+
+@pytest.mark.parametrize("heads,heads_kv,batch,seqlen,d,causal,parts", [
+    (16, 4, 1, 8192, 128, True, 1),       # the issue's shape: 256 CTAs, longest first
+    (32, 8, 1, 8192, 64, True, 1),
+    (32, 8, 2, 4096, 128, False, 1),
+    (16, 4, 1, 16384, 128, True, 1),
+    (8, 1, 1, 8192, 128, True, 4),        # MQA: 64 CTAs of 8 heads each would end the grid
+    (32, 1, 1, 4096, 128, True, 8),
+])
+def test_dkv_parts(heads, heads_kv, batch, seqlen, d, causal, parts):
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    handle_kernel = kb2.FlashAttentionBackwardKB2(
+        d, causal, **{k: v for k, v in kb2.policy(Problem(batch, heads, seqlen, d, causal,
+                                                         heads_kv=heads_kv)).items()
+                     if k in ("block_m", "longest_first", "gqa", "heads_first")})
+    problem = Problem(batch, heads, seqlen, d, causal, heads_kv=heads_kv)
+    assert handle_kernel.dkv_heads(problem) == heads_kv * parts
+
+
+def test_gqa_refusals():
+    """What the gqa variant cannot take is refused before any compile: heads not a multiple
+    of k/v's, a head dim kb2 has no tiles for."""
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError):
+        Problem(1, 6, 128, 128, heads_kv=4)
+    with pytest.raises(ValueError):
+        kb2.compile_kernel(Problem(1, 8, 128, 256, heads_kv=2))
+
+
+# ------------------------------------------------------------- the policy table (issue 58)
+
+def test_policy_rows_name_their_reason_and_results():
+    import os
+    from hopper_attn import kb2
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for row in kb2.POLICY:
+        assert row.reason and "\n" not in row.reason
+        assert set(row.settings) <= set(kb2.DEFAULTS), row
+        for path in row.results:
+            assert os.path.exists(os.path.join(root, path)), path
+    keys = [(r.head_dim, r.causal, r.mode) for r in kb2.POLICY]
+    assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("d,causal,deterministic,heads_kv,expect", [
+    (64, False, False, 0, {"block_m": 128, "dp_first": True, "longest_first": False}),
+    (128, True, False, 0, {"block_m": 64, "longest_first": True, "convert_per_head": True}),
+    (128, True, True, 0, {"longest_first": True, "convert_per_head": False,
+                          "group_heads": 16}),
+    (64, True, True, 0, {"group_heads": 32, "convert_per_head": False}),
+    (64, True, False, 2, {"gqa": True, "heads_first": True, "longest_first": False,
+                          "stmatrix": False}),
+    (64, True, True, 2, {"gqa": True, "longest_first": False, "heads_first": True,
+                         "convert_per_head": False}),
+    (128, True, True, 2, {"gqa": True, "longest_first": True, "group_heads": 16}),
+    (128, True, False, 2, {"gqa": True, "longest_first": True, "heads_first": False}),
+    (128, False, False, 2, {"gqa": True, "block_m": 80}),
+])
+def test_policy(d, causal, deterministic, heads_kv, expect):
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    settings = kb2.policy(Problem(1, 4, 1024, d, causal, heads_kv=heads_kv), deterministic)
+    for name, value in expect.items():
+        assert settings[name] == value, name

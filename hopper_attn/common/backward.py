@@ -19,8 +19,10 @@ The backward pass of attention (docs/05-backward-math.md) runs as three launches
 
 Host side: `compile_backward` validates the problem and compiles (cached per configuration)
 the three kernels; `run_backward` checks the tensors and launches them on the current stream.
-k and v may have fewer heads than q (GQA/MQA): the main kernel then writes one dK/dV per
-query head into a scratch buffer, and the group's sum is taken afterwards (in fp32).
+k and v may have fewer heads than q (GQA/MQA): kb2's GQA variant (`gqa`) sums each group's
+dK/dV inside the CTA of the k/v head (or of a part of the group, where whole groups leave
+too few CTAs: `dkv_heads`); kb1 writes one dK/dV per query head. Where there is more than
+one per k/v head they go to a scratch buffer whose sum is taken afterwards (in fp32).
 """
 
 from __future__ import annotations
@@ -104,12 +106,14 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
         return CompiledBackward(spec, problem, options, kernel, main, pre, post, 0.0, ffi)
     t0 = time.perf_counter()
     kernel = kernel_factory(d, problem.causal, **options)
-    b, n, h = 2, 128, 2
+    b, n, h, h_kv = 2, 128, 2, 2
+    if getattr(kernel, "gqa", False):          # kb2's GQA variant: fewer k/v heads than q's
+        h, h_kv = 4, 2
     rows = padded_rows(n, kernel.block_m)
-    qkv = [_example((b, n, h, d), dt) for _ in range(4)]                     # q, k, v, dO
+    qkv = [_example((b, n, heads, d), dt) for heads in (h, h_kv, h_kv, h)]  # q, k, v, dO
     stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((b, h, rows, d), torch.float32)
-    dkv = [_example((b, n, h, d), dt) for _ in range(2)]
+    dkv = [_example((b, n, h_kv, d), dt) for _ in range(2)]
     # one int32 per (batch, head, query tile), zeroed by the preprocess: the turn counters
     # of kb2's deterministic mode (kb1 and kb2's default mode do not read them)
     counters = _example((b, h, rows // kernel.block_m), torch.int32)
@@ -167,9 +171,13 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
     dsum = torch.empty_like(lse2)
     dq_accum = torch.empty((p.batch, p.heads, rows, p.head_dim), dtype=torch.float32,
                            device=dev)                   # zeroed by the preprocess
-    group = p.heads // p.kv_heads
-    if group > 1:            # one dK/dV per query head, summed over each group below
-        dk_out = torch.empty((p.batch, p.kv_seqlen, p.heads, p.head_dim), dtype=q.dtype,
+    # dK / dV heads: one per query head (kb1), summed over each group below; kb2's gqa
+    # variant sums a group in the kernel, or, where that leaves too few CTAs, each of a few
+    # parts of it (its `dkv_heads`), summed below
+    dkv_heads = handle.kernel.dkv_heads(p) if getattr(handle.kernel, "gqa", False) else p.heads
+    group = dkv_heads // p.kv_heads
+    if group > 1:
+        dk_out = torch.empty((p.batch, p.kv_seqlen, dkv_heads, p.head_dim), dtype=q.dtype,
                              device=dev)
         dv_out = torch.empty_like(dk_out)
     else:

@@ -187,6 +187,11 @@ class KVTileSchedule:
     # CTAs per kv tile, each owning a part of d's columns (kb1 at d = 256; without l2_rows):
     # the grid's batch mode counts (batch, part), part fastest
     parts: int = 1
+    # heads_first (without l2_rows): the grid is (heads, kv tiles, batch), so the hardware
+    # starts kv tile 0 of every head first, then kv tile 1, ...: longest first over all heads,
+    # without the 1-D grid's index arithmetic (kb2's gqa variant at d = 64, where that
+    # arithmetic's registers spill one)
+    heads_first: bool = False
     # below 16 kv tiles per head the reordering lost on the H100 (kb2, d = 128, N = 1k:
     # -0.5% to -10% as the group grew from 16 to 48 heads; docs/kb2.md)
     LONGEST_FIRST_MIN_KV_TILES = 16
@@ -195,11 +200,20 @@ class KVTileSchedule:
         kv_tiles = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.l2_rows > 0):
             return [kv_tiles * heads * batch, 1, 1]
+        if cutlass.const_expr(self.heads_first):
+            return [heads, kv_tiles, batch * self.parts]
         return [kv_tiles, heads, batch * self.parts]
 
     @cute.jit
-    def cta_tile(self, seqlen_q, seqlen_k, heads, batch):
-        """(n_block, head, batch) of the calling CTA."""
+    def cta_tile(self, seqlen_q, seqlen_k, heads, batch, q_heads_per_head=None):
+        """(n_block, head, batch) of the calling CTA. `q_heads_per_head` (a grid over dK
+        heads, kb2 with GQA): the query heads each grid head stands for (`group_heads` counts
+        query heads)."""
+        if cutlass.const_expr(self.l2_rows == 0 and self.heads_first):
+            head, n_block, b = cute.arch.block_idx()
+            if cutlass.const_expr(self.parts > 1):
+                return Int32(n_block), Int32(head), Int32(b) // self.parts
+            return Int32(n_block), Int32(head), Int32(b)
         if cutlass.const_expr(self.l2_rows == 0):
             n_block, head, b = cute.arch.block_idx()
             if cutlass.const_expr(self.parts > 1):
@@ -209,7 +223,10 @@ class KVTileSchedule:
         cta = Int32(cta)
         kv_tiles = cute.ceil_div(seqlen_k, self.block_n)
         heads_total = heads * batch
-        if cutlass.const_expr(self.group_heads > 0):
+        if cutlass.const_expr(self.group_heads > 0 and q_heads_per_head is not None):
+            group = cutlass.min(cutlass.max(Int32(self.group_heads) // q_heads_per_head, 1),
+                                heads_total)
+        elif cutlass.const_expr(self.group_heads > 0):
             group = cutlass.min(Int32(self.group_heads), heads_total)
         else:
             group = heads_per_group(self.l2_rows, seqlen_q, heads_total)
@@ -219,6 +236,40 @@ class KVTileSchedule:
         n_block, hb = head_group_order(cta, kv_tiles, heads_total, group)
         uniform = cute.arch.make_warp_uniform
         return uniform(n_block), uniform(hb % heads), uniform(hb // heads)
+
+    def host_order(self, seqlen_q: int, seqlen_k: int, heads: int, batch: int,
+                   q_heads_per_head: int = 1) -> list:
+        """Host side: the (n_block, head + batch * heads) of every CTA in launch order, as
+        `cta_tile` derives them (for estimates of how the grid balances; no parts)."""
+        kv_tiles = -(-seqlen_k // self.block_n)
+        heads_total = heads * batch
+        if self.l2_rows == 0 and self.heads_first:
+            return [(n, b * heads + h) for b in range(batch) for n in range(kv_tiles)
+                    for h in range(heads)]
+        if self.l2_rows == 0:
+            return [(n, hb) for hb in range(heads_total) for n in range(kv_tiles)]
+        if self.group_heads > 0:
+            group = min(max(self.group_heads // q_heads_per_head, 1), heads_total)
+        else:
+            group = min(max(self.l2_rows // seqlen_q, 1), heads_total)
+        if kv_tiles < self.LONGEST_FIRST_MIN_KV_TILES:
+            group = 1
+        first, order = heads_total % group, []
+        for index in range(kv_tiles * heads_total):
+            if index < first * kv_tiles:
+                order.append((index // first, index % first))
+            else:
+                rest = index - first * kv_tiles
+                in_group = rest % (group * kv_tiles)
+                order.append((in_group // group,
+                              first + (rest // (group * kv_tiles)) * group + in_group % group))
+        return order
+
+    def host_tiles(self, n_block: int, seqlen_q: int, seqlen_k: int) -> int:
+        """Host side: how many query tiles kv tile `n_block` walks (`m_block_range`)."""
+        first = max(n_block * self.block_n - (seqlen_k - seqlen_q), 0) // self.block_m \
+            if self.causal else 0
+        return -(-seqlen_q // self.block_m) - first
 
     def part(self):
         """Which part of d's columns the calling CTA owns (0 with one part)."""
@@ -246,6 +297,25 @@ class KVTileSchedule:
         kv_head = head // (mQ.shape[2] // mK.shape[2])
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         return n_block, head, batch, kv_head, seqlen_q, seqlen_k, m_first, m_end - m_first
+
+    @cute.jit
+    def cta_work_kv(self, mQ: cute.Tensor, mK: cute.Tensor, mdK: cute.Tensor):
+        """`cta_work` for a grid over dK heads (kb2 with GQA): dK has the k/v heads, or each
+        k/v head split in parts (mdK's heads: a multiple of k/v's, a divisor of q's); the
+        CTA of kv tile n of dK head j walks the query tiles of query heads j * walk ..
+        (j + 1) * walk - 1 (walk = q heads / dK heads), reading k/v head j // parts.
+        Returns (n_block, dk_head, kv_head, batch, walk, seqlen_q, seqlen_k, m_first,
+        m_count), m_first and m_count per query head. In the longest-first order a dK head
+        counts as one query head's rows (its CTAs are `walk` times longer than one query
+        head's: more heads per group keep the longest ones at the start)."""
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        walk = mQ.shape[2] // mdK.shape[2]
+        n_block, dk_head, batch = self.cta_tile(seqlen_q, seqlen_k, mdK.shape[2], mQ.shape[3],
+                                                walk)
+        kv_head = dk_head // (mdK.shape[2] // mK.shape[2])
+        m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
+        return (n_block, dk_head, kv_head, batch, walk, seqlen_q, seqlen_k, m_first,
+                m_end - m_first)
 
     @cute.jit
     def needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
