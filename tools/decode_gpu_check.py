@@ -14,7 +14,8 @@ lets the host get ahead (launch overhead is not timed), on the next of enough K/
 exceed the 50 MB L2; medians and inter-quartile ranges of the CUDA event times. TB/s: K and
 V read once, 2 B Hkv Nk d 2 bytes / time. Per shape one line of baselines, then one line per
 variant with its ratio best-baseline / variant (> 1: decode faster); 'WRONG?' where its
-output differs from SDPA's by more than 0.02. Everything goes to $OUT/decode.json.
+output differs from SDPA's by more than 0.02. Everything goes to $OUT/decode.json
+($OUT/decode_ab.json with --variants).
 """
 
 from __future__ import annotations
@@ -206,6 +207,8 @@ def round_robin(calls: dict) -> dict:
     ahead, on the next K/V copy (none still in L2)."""
     names = []
     for name, c in calls.items():
+        if isinstance(c, str):
+            continue
         try:
             c[0]()
             torch.cuda.synchronize()
@@ -326,7 +329,7 @@ def main():
         print(result["error"][-1500:])
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "decode.json")
+    path = os.path.join(out_dir, "decode.json" if args.variants == "default" else "decode_ab.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {path}")
