@@ -43,6 +43,19 @@ def test_compiles_without_spills(d, causal):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("tile", ["block_n=64,stages=2", "block_n=128,stages=3",
+                                  "block_n=64,stages=3"])
+def test_both_d128_tiles_fit_their_ctas_per_sm(tile):
+    art = compiled(f"decode:{tile}", 128, True)
+    kernel = art["kernel"]
+    (fn,) = resource_usage(art["cubin"])
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert fn["registers"] * 160 * kernel["ctas_per_sm"] <= 65536, fn
+    assert kernel["ctas_per_sm"] == (1 if kernel["block_n"] == 128 else 2)
+    assert kernel["smem_bytes"] == decode.smem_estimate(128, kernel["block_n"], kernel["stages"])
+
+
+@pytest.mark.compile
 def test_compiles_for_fp16():
     art = compiled("decode", 128, True, torch.float16)
     assert count(art["ptx"], r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16") > 0

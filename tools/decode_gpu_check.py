@@ -248,7 +248,7 @@ def round_robin(calls: dict) -> dict:
 def benchmark(shapes, variants, api_too: bool) -> list:
     """Per shape: a line of the baselines, then a line per decode variant, all timed in the
     same rounds."""
-    rows = []
+    rows, summary = [], []
     print(f"{'shape (B q Hq/Hkv keys)':<24}{'MB':>5}  baselines us (sdpa flash cudnn fa4"
           f"{' attn()' if api_too else ''}) | variant: us TB/s tile splits, best-baseline/it")
     for shape in shapes:
@@ -295,8 +295,13 @@ def benchmark(shapes, variants, api_too: bool) -> list:
                   + (f"  WRONG? max |decode - sdpa| {entry['max_diff_vs_sdpa']:.3f}"
                      if entry["max_diff_vs_sdpa"] > 0.02 else ""))
         rows.append(row)
+        timed_variants = [(e["ms"], n) for n, e in row["variants"].items() if "ms" in e]
+        if len(variants) > 1 and timed_variants:
+            summary.append(f"{label.replace(' 32/8', '')}: {min(timed_variants)[1]}")
         del q, kvs, calls
         torch.cuda.empty_cache()
+    if summary:
+        print("fastest variant: " + "; ".join(summary))
     return rows
 
 
