@@ -29,11 +29,13 @@ MN-major), the online softmax on the accumulator, k5's order inside a tile (PV o
 and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
 diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
 
-Budget (defaults): 160 threads. d = 128: kv tile 128, 3 stages: SMEM = Q 16 KiB + 3 x (K + V)
-96 KiB... = 16 + 192 + 1 KiB = 209 KiB, one CTA per SM; d = 64: kv tile 128, 3 stages: 8 + 96
-+ 1 = 105 KiB, two per SM; d = 256: kv tile 64, 2 stages: 32 + 128 + 1 = 161 KiB. Registers per
-consumer thread: S bn/2 + O d/2 fp32 + P bn/4 + bookkeeping (~170 at d = 128). The combine
-reuses the K ring as a (splits x 64) fp32 table of weights.
+Budget: 160 threads. The kv tile and stages come per shape from TILES by the split model
+(`tile_for`). d = 128: 64 x 2 stages: SMEM = Q 16 KiB + 2 x (K + V) 16 KiB + 1 KiB = 81 KiB,
+two CTAs per SM (143 registers), for many (batch, k/v head) items; 128 x 3: 16 + 192 + 1 =
+209 KiB, one per SM (186 registers, 192 KiB in flight), where few CTAs must each pull more.
+d = 64: 128 x 3: 8 + 96 + 1 = 105 KiB, two per SM; d = 256: 64 x 2: 32 + 128 + 1 = 161 KiB.
+Registers per consumer thread: S bn/2 + O d/2 fp32 + P bn/4 + bookkeeping. The combine
+works in registers (16 partial O pieces and LSEs in flight per lane), no shared memory.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ SMEM_PER_CTA = 227 * 1024
 SMEM_PER_SM = 228 * 1024
 LN_2 = math.log(2.0)
 
-DEFAULT_BLOCK_N = {64: 128, 128: 128, 256: 64}
-DEFAULT_STAGES = {64: 3, 128: 3, 256: 2}
+# (kv tile, stages) per head dim that `tile_for` picks from by the split model, the first on
+# a tie: at d = 128, 64 x 2 (81 KiB, two CTAs per SM) for many (batch, k/v head) items,
+# 128 x 3 (209 KiB, one per SM, 192 KiB in flight) where few CTAs must each pull more
+TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
+COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
 
 def m_tiles(problem) -> int:
@@ -109,8 +114,8 @@ SPEC = KernelSpec(
 
 
 def tile_config(head_dim: int, block_n: int = 0, stages: int = 0) -> tuple[int, int]:
-    """(kv tile, stages): the defaults for the head dim where 0; ValueError if not a tile."""
-    block_n, stages = block_n or DEFAULT_BLOCK_N[head_dim], stages or DEFAULT_STAGES[head_dim]
+    """(kv tile, stages): the head dim's first TILES entry where 0; ValueError if not a tile."""
+    block_n, stages = block_n or TILES[head_dim][0][0], stages or TILES[head_dim][0][1]
     if block_n % 16 or not 16 <= block_n <= 256 or stages < 1:
         raise ValueError(f"bad tile: block_n={block_n} (multiple of 16, 16-256), "
                          f"stages={stages} (>= 1)")
@@ -128,31 +133,66 @@ def ctas_per_sm(head_dim: int, block_n: int, stages: int) -> int:
     return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages) + 1024)))
 
 
-def max_splits(head_dim: int, block_n: int, stages: int) -> int:
-    """The combine keeps a (splits x 64) fp32 table of weights in the K ring."""
-    return min(MAX_SPLITS, stages * block_n * head_dim * 2 // (ROWS * 4))
+def max_splits(head_dim: int = 0, block_n: int = 0, stages: int = 0) -> int:
+    """Splits per item the workspace may have (the combine keeps nothing per split in shared
+    memory: any tile allows MAX_SPLITS)."""
+    return MAX_SPLITS
+
+
+# The split model's constants, in bytes at one SM's share of the HBM bandwidth (4.8 TB/s /
+# 132 = 36 GB/s: 64 KiB take ~1.8 us). See num_splits_for and docs/decode.md.
+RING_REACH = 96 * 1024      # ring bytes a CTA needs in flight to pull one share (~2.5 us)
+SM_REACH = 1.35             # the most shares one SM pulls (B1 8k: 64 CTAs ~3 us slower than 128)
+WAVE_FIXED = 64 * 1024      # per wave of CTAs: the first load's latency, the last tile, stores
+COMBINE_FIXED = 32 * 1024   # with splits: the fence, the counter, the combine's first round trip
+COMBINE_SHARES = 1.5        # the combining CTA reads the partials from L2 at ~1.5 shares
+SPLIT_SLACK = 0.02          # fewer splits unless more are at least 2% faster
+
+
+def split_model(problem, splits: int, block_n: int = 0, stages: int = 0, sms: int = 0):
+    """The modelled time of `splits` splits, in bytes at one SM's share of HBM bandwidth:
+    max(all K/V over the SMs, the busiest SM's K/V at the rate its resident CTAs' rings
+    reach) + a fixed cost per wave + the combine (its partials read by one CTA)."""
+    from hopper_attn.common.scheduler import sm_count
+    block_n, stages = tile_config(problem.head_dim, block_n, stages)
+    d, sms = problem.head_dim, sms or sm_count()
+    per_sm = ctas_per_sm(d, block_n, stages)
+    items = problem.batch * problem.kv_heads * m_tiles(problem)
+    kv_tiles = -(-problem.kv_seqlen // block_n)
+    tile_bytes = 2 * block_n * d * 2
+    ring_shares = stages * tile_bytes / RING_REACH
+    ctas = items * splits
+    on_busiest = -(-ctas // sms)                   # CTAs the busiest SM runs, over its waves
+    resident = min(per_sm, on_busiest)
+    waves = -(-on_busiest // per_sm)
+    per_cta = -(-kv_tiles // splits) * tile_bytes
+    stream = max(items * kv_tiles * tile_bytes / sms,
+                 on_busiest * per_cta / min(SM_REACH, resident * ring_shares))
+    time = stream + waves * WAVE_FIXED
+    if splits > 1:
+        time += COMBINE_FIXED + splits * item_rows(problem) * (d + 1) * 4 / COMBINE_SHARES
+    return time
 
 
 def num_splits_for(problem, block_n: int = 0, stages: int = 0, sms: int = 0) -> int:
-    """How many splits of the keys per (batch, k/v head, M tile), from shapes only.
-
-    A CTA's time is modelled as (its kv tiles + 2) tile times (the 2: launch, the first
-    load's latency, the epilogue), times the waves of CTAs the grid needs over
-    `sms` x CTAs-per-SM slots; the smallest split count with the least time wins. One
-    (batch, k/v head) pair over 8k keys on 132 SMs: 16 splits of 4 tiles; 64 pairs: 2; 512:
-    1."""
-    from hopper_attn.common.scheduler import sm_count
+    """How many splits of the keys per (batch, k/v head, M tile), from shapes only (so a
+    decode step can be captured in a CUDA graph): the fewest whose `split_model` time is
+    within SPLIT_SLACK of the least, over 1 .. min(kv tiles, MAX_SPLITS)."""
+    if not block_n and not stages:
+        block_n, stages = tile_for(problem, sms)
     block_n, stages = tile_config(problem.head_dim, block_n, stages)
-    slots = (sms or sm_count()) * ctas_per_sm(problem.head_dim, block_n, stages)
-    items = problem.batch * problem.kv_heads * m_tiles(problem)
     kv_tiles = -(-problem.kv_seqlen // block_n)
-    best, best_time = 1, None
-    for splits in range(1, min(kv_tiles, max_splits(problem.head_dim, block_n, stages)) + 1):
-        waves = -(-items * splits // slots)
-        time = waves * (-(-kv_tiles // splits) + 2)
-        if best_time is None or time < best_time:
-            best, best_time = splits, time
-    return best
+    times = [split_model(problem, s, block_n, stages, sms)
+             for s in range(1, min(kv_tiles, MAX_SPLITS) + 1)]
+    least = min(times)
+    return next(s for s, t in enumerate(times, 1) if t <= least * (1 + SPLIT_SLACK))
+
+
+def tile_for(problem, sms: int = 0) -> tuple[int, int]:
+    """The (kv tile, stages) of TILES[d] whose best split count the model times lowest."""
+    def best(tile):
+        return split_model(problem, num_splits_for(problem, *tile, sms), *tile, sms)
+    return min(TILES[problem.head_dim], key=best)
 
 
 def prefers(problem) -> bool:
@@ -165,7 +205,8 @@ def prefers(problem) -> bool:
 
 
 class DecodeAttention:
-    def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0):
+    def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
+                 combine_chunk: int = COMBINE_CHUNK):
         block_n, stages = tile_config(head_dim, block_n, stages)
         smem = smem_estimate(head_dim, block_n, stages)
         if smem > SMEM_PER_CTA:
@@ -175,11 +216,15 @@ class DecodeAttention:
         self.block_n, self.stages = block_n, stages
         self.ctas_per_sm = ctas_per_sm(head_dim, block_n, stages)
         self.max_splits = max_splits(head_dim, block_n, stages)
+        if not 1 <= combine_chunk <= 32:
+            raise ValueError(f"combine_chunk must be 1-32, got {combine_chunk}")
+        self.combine_chunk = combine_chunk
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,
                 "block_n": self.block_n, "stages": self.stages, "threads": THREADS,
-                "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits}
+                "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
+                "combine_chunk": self.combine_chunk}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -204,7 +249,6 @@ class DecodeAttention:
         class SharedStorage:
             k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            row_inv: cute.struct.MemRange[Float32, ROWS]       # the combine's 1 / sum per row
             last: cute.struct.MemRange[Int32, 4]               # this CTA combines (0 / 1)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
@@ -375,14 +419,8 @@ class DecodeAttention:
                 consumers.arrive_and_wait()
                 if flag[0] != 0:
                     cute.arch.fence_acq_rel_gpu()
-                    # (every K stage was waited for and its WGMMA retired: the ring is free)
-                    weights = cute.make_tensor(
-                        cute.recast_ptr(storage.sK.data_ptr(), dtype=Float32),
-                        cute.make_layout((self.max_splits, ROWS), stride=(ROWS, 1)))
-                    row_inv = storage.row_inv.get_tensor(cute.make_layout(ROWS))
-                    self.combine(weights, row_inv, consumers, mOPart, mLSEPart, o, mLSE, item,
-                                 splits, rows_valid, part_rows, row0, group, kv_head, batch,
-                                 tidx)
+                    self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
+                                 part_rows, row0, group, kv_head, batch, tidx)
 
     @cute.jit
     def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
@@ -431,42 +469,20 @@ class DecodeAttention:
                                                       (col // 2,)))
 
     @cute.jit
-    def combine(self, weights: cute.Tensor, row_inv: cute.Tensor, consumers, mOPart, mLSEPart,
-                o: cute.Tensor, mLSE: cute.Tensor, item, splits, rows_valid, part_rows, row0,
-                group, kv_head, batch, tidx):
+    def combine(self, mOPart, mLSEPart, o: cute.Tensor, mLSE: cute.Tensor, item, splits,
+                rows_valid, part_rows, row0, group, kv_head, batch, tidx):
         """The last CTA of an item: O = sum_s exp(lse_s - lse) O_s, lse = log sum_s exp(lse_s).
 
-        1. A warp per row: the splits' LSEs (a lane per split), their maximum, the weights
-           exp(lse_s - max) into `weights` (SMEM), 1 / their sum into `row_inv`, the LSE out.
-        2. The real rows' O in 4-column pieces: `lanes` neighbouring lanes per piece (as
-           many as 128 threads allow, up to 32) each add every lanes-th split, then a
-           butterfly sum; one lane scales by 1 / sum and stores 4 outputs."""
+        The real rows' O in 4-column pieces, `lanes` neighbouring lanes per piece (as many as
+        128 threads allow, up to 32), lane `sub` taking splits sub, sub + lanes, ... Each lane
+        reads its splits `combine_chunk` at a time, all loads of a chunk issued before any is
+        used (indices clamped to the last split, weight 0 past it: no branch between them), so
+        a chunk costs one L2 round trip, not one per split; it keeps a running (max, sum,
+        weighted sum) as the online softmax does. A butterfly merges the lanes' triples; one
+        lane scales by 1 / sum and stores 4 outputs, and the row's LSE with its first piece.
+        No shared memory, no barrier."""
         d = self.head_dim
-        warp = tidx // 32
-        lane = tidx % 32
-        for r in cutlass.range(warp, rows_valid, 4, unroll=1):
-            m = -Float32.inf
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                x = mLSEPart[s, item * part_rows + r]
-                weights[s, r] = x
-                m = cute.arch.fmax(m, x)
-            m = cute.arch.warp_reduction_max(m)
-            m_safe = Float32(0.0) if m == -Float32.inf else m
-            total = Float32(0.0)
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                e = cute.math.exp2((weights[s, r] - m_safe) * LOG2_E, fastmath=True)
-                weights[s, r] = e
-                total = total + e
-            total = cute.arch.warp_reduction_sum(total)
-            if lane == 0:
-                row_inv[r] = Float32(0.0) if total == 0.0 else 1.0 / total
-                lse = -Float32.inf
-                if total != 0.0:
-                    lse = m_safe + cute.math.log2(total, fastmath=True) * LN_2
-                p = row0 + r
-                mLSE[batch, kv_head * group + p % group, p // group] = lse
-        consumers.arrive_and_wait()
-
+        chunk = self.combine_chunk
         pieces_per_row = d // 4
         pieces = rows_valid * pieces_per_row
         lanes = Int32(1)
@@ -477,28 +493,61 @@ class DecodeAttention:
         sub = tidx % lanes
         for k in cutlass.range(cute.ceil_div(pieces, per_round), unroll=1):
             piece = k * per_round + tidx // lanes
+            r = cutlass.min(piece // pieces_per_row, rows_valid - 1)
+            c = piece % pieces_per_row
+            m = -Float32.inf
+            total = Float32(0.0)
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
-            r = piece // pieces_per_row
-            c = piece % pieces_per_row
-            if piece < pieces:
-                for s in cutlass.range(sub, splits, lanes, unroll=1):
-                    w = weights[s, r]
-                    part = cute.make_rmem_tensor((4,), Float32)
+            for s0 in cutlass.range(0, splits, lanes * chunk, unroll=1):
+                lses = cute.make_rmem_tensor((chunk,), Float32)
+                parts = cute.make_rmem_tensor((4, chunk), Float32)
+                for i in cutlass.range_constexpr(chunk):
+                    s = cutlass.min(s0 + sub + lanes * i, splits - 1)
+                    lses[i] = mLSEPart[s, item * part_rows + r]
                     cute.autovec_copy(cute.local_tile(
-                        mOPart[(item * splits + s) * part_rows + r, None], (4,), (c,)), part)
-                    acc.store(acc.load() + part.load() * w)
+                        mOPart[(item * splits + s) * part_rows + r, None], (4,), (c,)),
+                        parts[None, i])
+                m_new = m
+                for i in cutlass.range_constexpr(chunk):
+                    if s0 + sub + lanes * i >= splits:
+                        lses[i] = -Float32.inf
+                    m_new = cute.arch.fmax(m_new, lses[i])
+                m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+                rescale = cute.math.exp2((m - m_safe) * LOG2_E, fastmath=True)
+                total = total * rescale
+                acc.store(acc.load() * rescale)
+                for i in cutlass.range_constexpr(chunk):
+                    w = cute.math.exp2((lses[i] - m_safe) * LOG2_E, fastmath=True)
+                    total = total + w
+                    acc.store(acc.load() + parts[None, i].load() * w)
+                m = m_new
             for step in cutlass.range_constexpr(5):
                 offset = 16 >> step
                 if offset < lanes:
+                    m_other = cute.arch.shuffle_sync_bfly(m, offset)
+                    total_other = cute.arch.shuffle_sync_bfly(total, offset)
+                    m_new = cute.arch.fmax(m, m_other)
+                    m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+                    mine = cute.math.exp2((m - m_safe) * LOG2_E, fastmath=True)
+                    other = cute.math.exp2((m_other - m_safe) * LOG2_E, fastmath=True)
+                    total = total * mine + total_other * other
                     for e in cutlass.range_constexpr(4):
-                        acc[e] = acc[e] + cute.arch.shuffle_sync_bfly(acc[e], offset)
+                        acc[e] = acc[e] * mine + cute.arch.shuffle_sync_bfly(acc[e], offset) * other
+                    m = m_new
             if piece < pieces and sub == 0:
+                inv = Float32(0.0) if total == 0.0 else 1.0 / total
                 out = cute.make_rmem_tensor((4,), self.dtype)
-                out.store((acc.load() * row_inv[r]).to(self.dtype))
+                out.store((acc.load() * inv).to(self.dtype))
                 p = row0 + r
                 dst = o[p // group, None, kv_head * group + p % group, batch]
                 cute.autovec_copy(out, cute.local_tile(dst, (4,), (c,)))
+                if c == 0:
+                    lse = -Float32.inf
+                    if total != 0.0:
+                        m_safe = Float32(0.0) if m == -Float32.inf else m
+                        lse = m_safe + cute.math.log2(total, fastmath=True) * LN_2
+                    mLSE[batch, kv_head * group + p % group, p // group] = lse
 
 
 def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
@@ -523,11 +572,14 @@ def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stages: int = 0,
-                   num_splits: int = 0):
+                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK):
     """Compile (or fetch from the cache) the decode stage; options: block_n (kv tile), stages
-    (of each of the K and V rings), num_splits (0: `num_splits_for`'s choice; the kernel is
-    the same for every count, only the workspace differs)."""
+    (of each of the K and V rings; both 0: `tile_for`'s choice), num_splits (0:
+    `num_splits_for`'s choice; the kernel is the same for every count, only the workspace
+    differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip)."""
     SPEC.check(problem)
+    if not block_n and not stages:
+        block_n, stages = tile_for(problem)
     block_n, stages = tile_config(problem.head_dim, block_n, stages)
     limit = max_splits(problem.head_dim, block_n, stages)
     if num_splits < 0 or num_splits > limit:
@@ -543,7 +595,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
         return decode_workspace(p, device, block_n, stages, 2)
 
     handle = compile_attention(SPEC, DecodeAttention, problem,
-                               {"block_n": block_n, "stages": stages},
+                               {"block_n": block_n, "stages": stages,
+                                "combine_chunk": combine_chunk},
                                workspace_fn=example_workspace, compile_options=compile_options)
     handle.workspace_fn = workspace
     handle.options["num_splits"] = num_splits

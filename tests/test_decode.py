@@ -9,6 +9,7 @@ On the GPU (marked gpu): every case of harness/decode_check.py against fp32 (2x 
 error), the LSE, the same bits twice, the guards around the outputs, CUDA graph replay.
 """
 
+import math
 import re
 
 import pytest
@@ -42,6 +43,19 @@ def test_compiles_without_spills(d, causal):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("tile", ["block_n=64,stages=2", "block_n=128,stages=3",
+                                  "block_n=64,stages=3"])
+def test_both_d128_tiles_fit_their_ctas_per_sm(tile):
+    art = compiled(f"decode:{tile}", 128, True)
+    kernel = art["kernel"]
+    (fn,) = resource_usage(art["cubin"])
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert fn["registers"] * 160 * kernel["ctas_per_sm"] <= 65536, fn
+    assert kernel["ctas_per_sm"] == (1 if kernel["block_n"] == 128 else 2)
+    assert kernel["smem_bytes"] == decode.smem_estimate(128, kernel["block_n"], kernel["stages"])
+
+
+@pytest.mark.compile
 def test_compiles_for_fp16():
     art = compiled("decode", 128, True, torch.float16)
     assert count(art["ptx"], r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.f16\.f16") > 0
@@ -72,20 +86,31 @@ def test_ptx_has_the_expected_wgmmas_and_tma_loads(d, causal):
     assert count(ptx, r"bar\.sync\s+0;") == 1          # one CTA-wide sync, before the roles
 
 
-@pytest.mark.parametrize("shape,splits", [
-    ((1, 1, 32, 8, 8192), 16), ((1, 1, 32, 8, 32768), 16), ((1, 1, 32, 8, 131072), 16),
-    ((8, 1, 32, 8, 8192), 2), ((64, 1, 32, 8, 4096), 1), ((128, 1, 32, 8, 2048), 1),
-    ((16, 4, 64, 8, 16384), 1), ((1, 16, 32, 8, 32768), 16),
-    ((1, 1, 32, 1, 8192), 64),        # MQA, one (batch, k/v head): 64 kv tiles, 64 splits
-    ((2, 1, 32, 8, 1), 1),            # one kv tile
+@pytest.mark.parametrize("shape,tile,splits", [
+    ((1, 1, 32, 8, 8192), (128, 3), 13), ((1, 1, 32, 8, 32768), (128, 3), 13),
+    ((1, 1, 32, 8, 131072), (128, 3), 13), ((8, 1, 32, 8, 8192), (128, 3), 2),
+    ((64, 1, 32, 8, 4096), (64, 2), 1), ((128, 1, 32, 8, 2048), (64, 2), 1),
+    ((16, 4, 64, 8, 16384), (128, 3), 1), ((1, 16, 32, 8, 32768), (128, 3), 13),
+    ((1, 1, 32, 1, 8192), (128, 3), 16),   # MQA, one (batch, k/v head)
+    ((2, 1, 32, 8, 1), (128, 3), 1),       # one kv tile
 ])
-def test_split_heuristic(shape, splits):
+def test_split_heuristic(shape, tile, splits):
     p = problem(*shape)
+    assert decode.tile_for(p, sms=132) == tile
     assert decode.num_splits_for(p, sms=132) == splits
+    assert decode.num_splits_for(p, *tile, sms=132) == splits
     # one wave: the split CTAs fit the SMs
     if splits > 1:
         items = p.batch * p.kv_heads * decode.m_tiles(p)
-        assert items * splits <= 132 * decode.ctas_per_sm(128, 128, 3)
+        assert items * splits <= 132 * decode.ctas_per_sm(128, *tile)
+
+
+def test_split_model_charges_the_combine_by_its_bytes():
+    # 64 packed rows read 16x the partials of 4 rows: the model's combine term says so
+    one, sixteen = problem(1, 1, 32, 8, 32768), problem(1, 16, 32, 8, 32768)
+    extra = [decode.split_model(sixteen, s, 128, 3, 132)
+             - decode.split_model(one, s, 128, 3, 132) for s in (8, 16)]
+    assert 0 < extra[0] < extra[1]
 
 
 def test_packed_rows_and_m_tiles():
@@ -109,8 +134,9 @@ def test_workspace_is_sized_from_shapes_only():
     ws = decode.decode_workspace(p, "cpu")
     lse, o_part, lse_part, counters = ws
     assert lse.shape == (1, 32, 1) and lse.dtype == torch.float32
-    # 16 splits of 8 (batch, k/v head) items of 4 packed rows
-    assert lse_part.shape == (16, 8 * 4) and o_part.shape == (8 * 4 * 16, 128)
+    # 13 splits (num_splits_for at 132 SMs) of 8 (batch, k/v head) items of 4 packed rows
+    splits = decode.num_splits_for(p)
+    assert lse_part.shape == (splits, 8 * 4) and o_part.shape == (8 * 4 * splits, 128)
     assert counters.dtype == torch.int32 and not counters.any()
     one = decode.decode_workspace(p, "cpu", num_splits=1)
     assert one[2].shape[0] == 1 and one[1].numel() <= 64 * 128
@@ -238,3 +264,62 @@ def test_emulated_algorithm_matches_reference(b, nq, hq, hkv, nk, causal, splits
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out - ref).abs().max() < 1e-4
     assert (lse - ref_lse).abs().max() < 1e-4
+
+
+def _chunked_combine(lses, parts, lanes, chunk):
+    """The kernel's combine of one row piece, in torch: lane `sub` reads splits sub, sub +
+    lanes, ... `chunk` at a time (indices clamped to the last split, weight 0 past it),
+    keeping a running (max, sum, weighted sum); a butterfly merges the lanes."""
+    splits = lses.shape[0]
+    inf = float("inf")
+    state = []
+    for sub in range(lanes):
+        m, total, acc = -inf, 0.0, torch.zeros(parts.shape[1])
+        for s0 in range(0, splits, lanes * chunk):
+            idx = [s0 + sub + lanes * i for i in range(chunk)]
+            x = [lses[min(s, splits - 1)].item() if s < splits else -inf for s in idx]
+            p = [parts[min(s, splits - 1)] for s in idx]
+            m_new = max([m] + x)
+            m_safe = 0.0 if m_new == -inf else m_new
+            rescale = 2.0 ** ((m - m_safe) * 1.4426950408889634)
+            total, acc = total * rescale, acc * rescale
+            for xi, pi in zip(x, p):
+                w = 2.0 ** ((xi - m_safe) * 1.4426950408889634)
+                total, acc = total + w, acc + pi * w
+            m = m_new
+        state.append((m, total, acc))
+    offset = 16
+    while offset:
+        if offset < lanes:
+            merged = []
+            for sub in range(lanes):
+                (m, t, a), (mo, to, ao) = state[sub], state[sub ^ offset]
+                m_new = max(m, mo)
+                m_safe = 0.0 if m_new == -inf else m_new
+                mine, other = math.exp(m - m_safe), math.exp(mo - m_safe)
+                merged.append((m_new, t * mine + to * other, a * mine + ao * other))
+            state = merged
+        offset //= 2
+    m, total, acc = state[0]
+    out = acc / total if total else torch.zeros_like(acc)
+    lse = (0.0 if m == -inf else m) + math.log(total) if total else -inf
+    return out, lse
+
+
+@pytest.mark.parametrize("splits,lanes,chunk,empty", [
+    (16, 1, 16, ()), (13, 1, 1, (0, 5)), (100, 4, 16, (99,)), (3, 32, 16, ()),
+    (128, 1, 16, tuple(range(0, 128, 3))), (4, 2, 16, (0, 1, 2, 3)),
+])
+def test_chunked_combine_matches_the_exact_one(splits, lanes, chunk, empty):
+    gen = torch.Generator().manual_seed(splits)
+    lses = torch.randn(splits, generator=gen, dtype=torch.float64) * 5
+    parts = torch.randn(splits, 8, generator=gen, dtype=torch.float64)
+    for s in empty:                      # a split that saw no key: LSE -inf, O 0
+        lses[s], parts[s] = float("-inf"), 0.0
+    out, lse = _chunked_combine(lses, parts, lanes, chunk)
+    exact_lse = torch.logsumexp(lses, 0).item()
+    if exact_lse == float("-inf"):
+        assert lse == float("-inf") and not out.any()
+        return
+    exact = (torch.softmax(lses, 0)[:, None] * parts).sum(0)
+    assert abs(lse - exact_lse) < 1e-9 and (out - exact).abs().max() < 1e-9

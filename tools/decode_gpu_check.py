@@ -2,16 +2,20 @@
 
     source .gpu/prelude.sh && python tools/decode_gpu_check.py          # both (< 80 lines)
     python tools/decode_gpu_check.py --quick                            # correctness only
+    python tools/decode_gpu_check.py --shapes small \
+        --variants "default;block_n=128,stages=3;block_n=64,stages=2;num_splits=x2"  # A/B
 
 Correctness: every case of hopper_attn/harness/decode_check.py (fp32 reference, 2x PyTorch's
 error, LSE, same bits twice, NaN guards) and a CUDA graph replay; one line per two cases.
-Speed (Hq 32 / Hkv 8, d 128, bf16, no mask): CUDA events around each call, the host kept
-ahead by a sleep kernel queued before it (so launch overhead is not timed; `loop` is the
-time per call of 50 back-to-back calls, which includes it where the host is slower), 5
-warmup calls, the median of 30; each call reads the next of enough K/V copies that they
-exceed the 50 MB L2. TB/s: K and V read once, 2 B Hkv Nk d 2 bytes / time. A few decode
-tile and split options are swept on four shapes ('!': its output differs from SDPA's by
-more than 0.02). Everything goes to $OUT/decode.json.
+Speed (Hq 32 / Hkv 8, d 128, bf16, no mask), round-robin: in each of 30 rounds every decode
+variant and every baseline (SDPA default, flash, cuDNN; FA4; attention() in the plain run)
+is called once, the order rotating, each call alone on the GPU after a sleep kernel that
+lets the host get ahead (launch overhead is not timed), on the next of enough K/V copies to
+exceed the 50 MB L2; medians and inter-quartile ranges of the CUDA event times. TB/s: K and
+V read once, 2 B Hkv Nk d 2 bytes / time. Per shape one line of baselines, then one line per
+variant with its ratio best-baseline / variant (> 1: decode faster); 'WRONG?' where its
+output differs from SDPA's by more than 0.02. Everything goes to $OUT/decode.json
+($OUT/decode_ab.json with --variants).
 """
 
 from __future__ import annotations
@@ -33,13 +37,11 @@ SHAPES = [  # (batch, queries, q heads, kv heads, keys)
     (1, 1, 32, 8, 8192), (1, 1, 32, 8, 32768), (1, 1, 32, 8, 131072), (8, 1, 32, 8, 8192),
     (64, 1, 32, 8, 4096), (128, 1, 32, 8, 2048), (16, 4, 64, 8, 16384), (1, 16, 32, 8, 32768),
 ]
-SWEEP_SHAPES = [(1, 1, 32, 8, 8192), (1, 1, 32, 8, 131072), (64, 1, 32, 8, 4096),
-                (128, 1, 32, 8, 2048)]
-SWEEP_TILES = [(128, 2), (128, 3), (64, 2), (64, 3), (64, 4)]      # (block_n, stages)
+SMALL = [SHAPES[0], SHAPES[1], SHAPES[7], SHAPES[6], SHAPES[5]]    # --shapes small
 D = 128
 L2_BYTES = 50e6
 SLEEP_CYCLES = 400_000                                   # ~0.2 ms: the host gets ahead
-RUNS, WARMUP = 30, 5
+ROUNDS, WARMUP = 30, 3
 
 
 def correctness() -> list:
@@ -115,12 +117,48 @@ def _inputs(shape, copies):
     return q, kvs
 
 
-def _decode_calls(shape, q, kvs, **options):
+def parse_variants(text: str) -> list:
+    """'default;block_n=64,stages=2;num_splits=x2' -> [(label, options)]. Options: block_n,
+    stages, combine_chunk (ints), num_splits (an int, or xN / /N: the automatic count for
+    that tile times / over N)."""
+    out = []
+    for spec in (v.strip() for v in text.split(";")):
+        if not spec:
+            continue
+        options = {}
+        if spec != "default":
+            for item in spec.split(","):
+                key, _, value = item.partition("=")
+                key = key.strip()
+                if key not in ("block_n", "stages", "combine_chunk", "num_splits"):
+                    raise SystemExit(f"unknown variant option {key!r} in {spec!r}")
+                options[key] = value.strip() if key == "num_splits" else int(value)
+        short = {"block_n": "bn", "stages": "st", "combine_chunk": "c", "num_splits": "s"}
+        label = "default" if not options else " ".join(f"{short[k]}{v}" for k, v in options.items())
+        out.append((label, options))
+    return out
+
+
+def _decode_calls(shape, q, kvs, options):
+    """(calls over the K/V copies, splits, (kv tile, stages), max |decode - SDPA|)."""
     from hopper_attn import api, decode
     from hopper_attn.common.contract import Problem
     b, nq, hq, hkv, nk = shape
     problem = Problem(b, hq, nq, D, False, torch.bfloat16, heads_kv=hkv, seqlen_k=nk)
-    handle = decode.compile_kernel(problem, compile_options=api._compile_options(), **options)
+    options = dict(options)
+    splits = options.pop("num_splits", "0")
+    tile = (options.get("block_n", 0), options.get("stages", 0))
+    if not any(tile):
+        tile = decode.tile_for(problem)
+    tile = decode.tile_config(D, *tile)
+    options["block_n"], options["stages"] = tile
+    auto = decode.num_splits_for(problem, *tile)
+    if isinstance(splits, str) and splits[:1] in "x/" and splits[1:].isdigit():
+        n = int(splits[1:])
+        splits = auto * n if splits[0] == "x" else max(1, auto // n)
+    splits = min(int(splits), decode.MAX_SPLITS)
+    handle = decode.compile_kernel(problem, compile_options=api._compile_options(),
+                                   num_splits=splits, **options)
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device="cuda")
     decode.run(handle, q, *kvs[0], out, lse)
@@ -129,11 +167,11 @@ def _decode_calls(shape, q, kvs, **options):
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True).transpose(1, 2)
     diff = (out.float() - sdpa.float()).abs().max().item()
-    return [lambda k=k, v=v: decode.run(handle, q, k, v, out, lse, checked=True)
-            for k, v in kvs], decode.splits_of(handle), diff
+    return ([lambda k=k, v=v: decode.run(handle, q, k, v, out, lse, checked=True)
+             for k, v in kvs], decode.splits_of(handle), tile, diff)
 
 
-def _baselines(q, kvs):
+def _baselines(q, kvs, api_too: bool):
     """name -> list of calls (or an error string)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -151,132 +189,152 @@ def _baselines(q, kvs):
         return [lambda k=k, v=v: call(k, v) for k, v in kvt]
 
     out["sdpa"] = sdpa(None)
-    out["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
-    out["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    out["flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    out["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     try:
         from flash_attn.cute.interface import flash_attn_func
         out["fa4"] = [lambda k=k, v=v: flash_attn_func(q, k, v) for k, v in kvs]
     except Exception as exc:  # noqa: BLE001
         out["fa4"] = f"{type(exc).__name__}: {str(exc)[:100]}"
-    out["attention"] = [lambda k=k, v=v: hopper_attn.attention(q, k, v) for k, v in kvs]
+    if api_too:
+        out["attn()"] = [lambda k=k, v=v: hopper_attn.attention(q, k, v) for k, v in kvs]
     return out
 
 
-def _time(calls):
-    if isinstance(calls, str):
-        return {"error": calls}
-    try:
-        calls[0]()
-        torch.cuda.synchronize()
-        median, loop = _median_ms(calls)
-        return {"ms": median, "loop_ms": loop}
-    except Exception as exc:  # noqa: BLE001
-        torch.cuda.synchronize()
-        return {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
-
-
-def benchmark() -> list:
-    rows = []
-    print(f"{'shape (B q Hq/Hkv keys)':<26}{'decode us':>10}{'TB/s':>6}{'loop':>7}{'spl':>4}"
-          f"{'sdpa':>7}{'flash':>7}{'cudnn':>7}{'fa4':>7}{'attn()':>8}  best-other/decode")
-    for shape in SHAPES:
-        b, nq, hq, hkv, nk = shape
-        kv_bytes = 2 * b * hkv * nk * D * 2
-        copies = max(1, math.ceil(2 * L2_BYTES / kv_bytes))
-        q, kvs = _inputs(shape, copies)
-        row = {"shape": dict(batch=b, seqlen_q=nq, heads=hq, heads_kv=hkv, seqlen_k=nk,
-                             head_dim=D), "kv_bytes": kv_bytes, "copies": copies}
+def round_robin(calls: dict) -> dict:
+    """name -> {ms: median, iqr_ms} over ROUNDS rounds; each round calls every name once (the
+    order rotating), each call alone on the GPU after a sleep kernel that lets the host get
+    ahead, on the next K/V copy (none still in L2)."""
+    names = []
+    for name, c in calls.items():
+        if isinstance(c, str):
+            continue
         try:
-            calls, splits, diff = _decode_calls(shape, q, kvs)
-            row["decode"] = {**_time(calls), "splits": splits, "max_diff_vs_sdpa": diff}
+            c[0]()
+            torch.cuda.synchronize()
+            names.append(name)
         except Exception as exc:  # noqa: BLE001
-            row["decode"] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        for name, calls in _baselines(q, kvs).items():
-            row[name] = _time(calls)
-        for entry in row.values():
-            if isinstance(entry, dict) and "ms" in entry:
-                entry["tb_s"] = kv_bytes / (entry["ms"] * 1e-3) / 1e12
-        rows.append(row)
+            torch.cuda.synchronize()
+            calls[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    for _ in range(WARMUP):
+        for name in names:
+            calls[name][0]()
+    torch.cuda.synchronize()
+    events = {name: [] for name in names}
+    turn = 0
+    for r in range(ROUNDS):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            c = calls[name]
+            torch.cuda._sleep(SLEEP_CYCLES)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            c[turn % len(c)]()
+            e1.record()
+            events[name].append((e0, e1))
+            turn += 1
+    torch.cuda.synchronize()
+    out = {}
+    for name, c in calls.items():
+        if isinstance(c, str):
+            out[name] = {"error": c}
+            continue
+        times = sorted(a.elapsed_time(b) for a, b in events[name])
+        q1, q3 = times[len(times) // 4], times[3 * len(times) // 4]
+        out[name] = {"ms": statistics.median(times), "iqr_ms": q3 - q1}
+    return out
 
-        def us(name):
-            e = row.get(name, {})
-            return f"{e['ms'] * 1e3:7.0f}" if "ms" in e else f"{'n/a':>7}"
-        dec = row["decode"]
-        others = [row[n]["ms"] for n in ("sdpa", "sdpa_flash", "sdpa_cudnn", "fa4")
-                  if "ms" in row[n]]
-        ratio = f"{min(others) / dec['ms']:.2f}x" if others and "ms" in dec else "-"
-        label = f"B{b} q{nq} {hq}/{hkv} {nk // 1024}k"
-        if "ms" in dec:
-            print(f"{label:<26}{dec['ms'] * 1e3:10.1f}{dec['tb_s']:6.2f}"
-                  f"{dec['loop_ms'] * 1e3:7.0f}{dec['splits']:4d}{us('sdpa')}{us('sdpa_flash')}"
-                  f"{us('sdpa_cudnn')}{us('fa4')}{us('attention'):>8}  {ratio}"
-                  + (f"  WRONG? max |decode - sdpa| {dec['max_diff_vs_sdpa']:.3f}"
-                     if dec["max_diff_vs_sdpa"] > 0.02 else ""))
-        else:
-            print(f"{label:<26}decode FAILED: {dec['error'][:90]}")
-        del q, kvs
-        torch.cuda.empty_cache()
-    return rows
 
-
-def sweep() -> list:
-    """Decode's tile options and split counts on a few shapes: one line per shape, the
-    fastest first."""
-    from hopper_attn import decode
-    from hopper_attn.common.contract import Problem
-    rows = []
-    for shape in SWEEP_SHAPES:
+def benchmark(shapes, variants, api_too: bool) -> list:
+    """Per shape: a line of the baselines, then a line per decode variant, all timed in the
+    same rounds."""
+    rows, summary = [], []
+    print(f"{'shape (B q Hq/Hkv keys)':<24}{'MB':>5}  baselines us (sdpa flash cudnn fa4"
+          f"{' attn()' if api_too else ''}) | variant: us TB/s tile splits, best-baseline/it")
+    for shape in shapes:
         b, nq, hq, hkv, nk = shape
         kv_bytes = 2 * b * hkv * nk * D * 2
-        q, kvs = _inputs(shape, max(1, math.ceil(2 * L2_BYTES / kv_bytes)))
-        problem = Problem(b, hq, nq, D, False, torch.bfloat16, heads_kv=hkv, seqlen_k=nk)
-        results = []
-        for block_n, stages in SWEEP_TILES:
-            auto = decode.num_splits_for(problem, block_n, stages)
-            for splits in sorted({auto, max(1, auto // 2), 2 * auto}):
-                if splits > decode.max_splits(D, block_n, stages):
-                    continue
-                try:
-                    calls, _, diff = _decode_calls(shape, q, kvs, block_n=block_n,
-                                                   stages=stages, num_splits=splits)
-                    t = {**_time(calls), "max_diff_vs_sdpa": diff}
-                except Exception as exc:  # noqa: BLE001
-                    t = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
-                results.append({"block_n": block_n, "stages": stages, "splits": splits,
-                                "auto": splits == auto, **t})
-        rows.append({"shape": shape, "results": results})
-        timed = sorted((r for r in results if "ms" in r), key=lambda r: r["ms"])
-        text = "  ".join(f"{r['block_n']}/{r['stages']}/s{r['splits']}{'*' if r['auto'] else ''}"
-                         f" {r['ms'] * 1e3:.0f}{'!' if r['max_diff_vs_sdpa'] > 0.02 else ''}"
-                         for r in timed[:6])
-        failed = len(results) - len(timed)
-        text += f"  ({failed} failed)" if failed else ""
-        print(f"sweep B{b} q{nq} {nk // 1024}k (bn/stages/splits us, *auto): {text}")
-        del q, kvs
+        copies = max(2, math.ceil(2 * L2_BYTES / kv_bytes))
+        q, kvs = _inputs(shape, copies)
+        label = f"B{b} q{nq} {hq}/{hkv} {nk // 1024}k"
+        row = {"shape": dict(batch=b, seqlen_q=nq, heads=hq, heads_kv=hkv, seqlen_k=nk,
+                             head_dim=D), "kv_bytes": kv_bytes, "copies": copies,
+               "variants": {}}
+        calls, info = {}, {}
+        for name, options in variants:
+            try:
+                c, splits, tile, diff = _decode_calls(shape, q, kvs, options)
+                calls["decode " + name] = c
+                info[name] = {"splits": splits, "block_n": tile[0], "stages": tile[1],
+                              "max_diff_vs_sdpa": diff, "options": options}
+            except Exception as exc:  # noqa: BLE001
+                info[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        baselines = _baselines(q, kvs, api_too)
+        calls.update(baselines)
+        timed = round_robin(calls)
+        for entry in timed.values():
+            if "ms" in entry:
+                entry["tb_s"] = kv_bytes / (entry["ms"] * 1e-3) / 1e12
+        for name in baselines:
+            row[name] = timed[name]
+        others = [timed[n]["ms"] for n in ("sdpa", "flash", "cudnn", "fa4") if "ms" in timed[n]]
+        best = min(others) if others else float("nan")
+        base = " ".join(f"{timed[n]['ms'] * 1e3:.1f}" if "ms" in timed[n] else "n/a"
+                        for n in baselines)
+        print(f"{label:<24}{kv_bytes / 1e6:5.0f}  {base}  (best {best * 1e3:.1f} us, "
+              f"{kv_bytes / (best * 1e-3) / 1e12:.2f} TB/s)")
+        for name, _ in variants:
+            entry = {**info[name], **timed.get("decode " + name, {})}
+            row["variants"][name] = entry
+            if "ms" not in entry:
+                print(f"  {name:<22}FAILED: {entry.get('error', '?')[:80]}")
+                continue
+            print(f"  {name:<22}{entry['ms'] * 1e3:7.1f} us {entry['tb_s']:5.2f} TB/s "
+                  f"{entry['block_n']:>3}/{entry['stages']} s{entry['splits']:<3d} "
+                  f"iqr {entry['iqr_ms'] * 1e3:4.1f}  {best / entry['ms']:.3f}x"
+                  + (f"  WRONG? max |decode - sdpa| {entry['max_diff_vs_sdpa']:.3f}"
+                     if entry["max_diff_vs_sdpa"] > 0.02 else ""))
+        rows.append(row)
+        timed_variants = [(e["ms"], n) for n, e in row["variants"].items() if "ms" in e]
+        if len(variants) > 1 and timed_variants:
+            summary.append(f"{label.replace(' 32/8', '')}: {min(timed_variants)[1]}")
+        del q, kvs, calls
         torch.cuda.empty_cache()
+    if summary:
+        print("fastest variant: " + "; ".join(summary))
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="correctness only")
+    parser.add_argument("--shapes", choices=("all", "small"), default="all",
+                        help="small: B1 8k, B1 32k, B1 q16 32k, B16 q4 Hq64 16k, B128 2k")
+    parser.add_argument("--variants", default="default",
+                        help="decode variants timed in the same rounds, ';'-separated: "
+                             "'default' or block_n=,stages=,combine_chunk=,num_splits= "
+                             "(num_splits=x2 / =/2: the automatic count times / over 2)")
+    parser.add_argument("--no-correctness", action="store_true")
     args = parser.parse_args()
+    variants = parse_variants(args.variants)
     from hopper_attn.harness.env import environment
     env = environment()
     print(f"{env.get('gpu')} driver {env.get('driver')} torch {env['torch']} cute-dsl "
           f"{env.get('cutlass_dsl')} fa4 {env.get('flash_attn_4')}")
     result = {"env": env}
     try:
-        result["correctness"] = correctness()
+        if not args.no_correctness:
+            result["correctness"] = correctness()
         if not args.quick:
-            result["benchmark"] = benchmark()
-            result["sweep"] = sweep()
+            shapes = SMALL if args.shapes == "small" else SHAPES
+            result["variants"] = [v[0] for v in variants]
+            result["benchmark"] = benchmark(shapes, variants, api_too=args.variants == "default")
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()
         print(result["error"][-1500:])
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "results")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "decode.json")
+    path = os.path.join(out_dir, "decode.json" if args.variants == "default" else "decode_ab.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(f"wrote {path}")

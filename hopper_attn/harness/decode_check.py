@@ -30,6 +30,7 @@ class Case:
     num_splits: int = 0           # 0: the heuristic's
     block_n: int = 0
     stages: int = 0
+    combine_chunk: int = 0        # 0: the stage's default
 
     def label(self) -> str:
         dt = "fp16" if self.dtype == torch.float16 else "bf16"
@@ -37,7 +38,8 @@ class Case:
                 f"d{self.head_dim} {'causal' if self.causal else 'full'} {dt}"
                 + (f" s{self.num_splits}" if self.num_splits else "")
                 + (f" bn{self.block_n}" if self.block_n else "")
-                + (f" st{self.stages}" if self.stages else ""))
+                + (f" st{self.stages}" if self.stages else "")
+                + (f" c{self.combine_chunk}" if self.combine_chunk else ""))
 
 
 def cases() -> list[Case]:
@@ -68,6 +70,12 @@ def cases() -> list[Case]:
         Case(2, 16, 32, 8, 8191, causal=True, dtype=torch.float16),
         Case(1, 1, 32, 8, 8191, block_n=64, stages=4),
         Case(1, 1, 32, 8, 8191, block_n=128, stages=2),
+        # the combine: several rounds of chunks, lanes sharing a piece (1 row: 4 lanes), a
+        # partial last chunk, 64 rows, one split per round trip, the two-CTAs-per-SM tile
+        Case(1, 1, 32, 8, 8191, num_splits=128), Case(1, 1, 8, 8, 8191, num_splits=100),
+        Case(1, 16, 32, 8, 8191, causal=True, num_splits=24),
+        Case(1, 4, 32, 8, 8191, num_splits=13, combine_chunk=1),
+        Case(1, 1, 32, 8, 8191, block_n=64, stages=2, num_splits=33),
     ]
     return out
 
@@ -122,8 +130,9 @@ def compile_case(case: Case):
     from hopper_attn.common.contract import Problem
     problem = Problem(case.batch, case.heads, case.seqlen_q, case.head_dim, case.causal,
                       case.dtype, heads_kv=case.heads_kv, seqlen_k=case.seqlen_k)
+    chunk = {"combine_chunk": case.combine_chunk} if case.combine_chunk else {}
     return decode.compile_kernel(problem, num_splits=case.num_splits, block_n=case.block_n,
-                                 stages=case.stages)
+                                 stages=case.stages, **chunk)
 
 
 def check_case(case: Case, seed: int = 0) -> dict:
