@@ -29,9 +29,9 @@ MN-major), the online softmax on the accumulator, k5's order inside a tile (PV o
 and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
 diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
 
-Budget: 160 threads. The kv tile and stages come per shape from TILES by the split model
-(`tile_for`). d = 128: 64 x 2 stages: SMEM = Q 16 KiB + 2 x (K + V) 16 KiB + 1 KiB = 81 KiB,
-two CTAs per SM (143 registers), for many (batch, k/v head) items; 128 x 3: 16 + 192 + 1 =
+Budget: 160 threads. The kv tile and stages come per shape from TILES (`tile_for`: the
+deepest ring whose one wave holds every item). d = 128: 64 x 2 stages: SMEM = Q 16 KiB +
+2 x (K + V) 16 KiB + 1 KiB = 81 KiB, two CTAs per SM (143 registers), for many (batch, k/v head) items; 128 x 3: 16 + 192 + 1 =
 209 KiB, one per SM (186 registers, 192 KiB in flight), where few CTAs must each pull more.
 d = 64: 128 x 3: 8 + 96 + 1 = 105 KiB, two per SM; d = 256: 64 x 2: 32 + 128 + 1 = 161 KiB.
 Registers per consumer thread: S bn/2 + O d/2 fp32 + P bn/4 + bookkeeping. The combine
@@ -65,9 +65,9 @@ SMEM_PER_CTA = 227 * 1024
 SMEM_PER_SM = 228 * 1024
 LN_2 = math.log(2.0)
 
-# (kv tile, stages) per head dim that `tile_for` picks from by the split model, the first on
-# a tie: at d = 128, 64 x 2 (81 KiB, two CTAs per SM) for many (batch, k/v head) items,
-# 128 x 3 (209 KiB, one per SM, 192 KiB in flight) where few CTAs must each pull more
+# (kv tile, stages) per head dim that `tile_for` picks from: at d = 128, 128 x 3 (209 KiB,
+# one CTA per SM, 192 KiB in flight) while the (batch, k/v head) items fit one CTA per SM,
+# 64 x 2 (81 KiB, two per SM) for more
 TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
@@ -139,60 +139,50 @@ def max_splits(head_dim: int = 0, block_n: int = 0, stages: int = 0) -> int:
     return MAX_SPLITS
 
 
-# The split model's constants, in bytes at one SM's share of the HBM bandwidth (4.8 TB/s /
-# 132 = 36 GB/s: 64 KiB take ~1.8 us). See num_splits_for and docs/decode.md.
-RING_REACH = 96 * 1024      # ring bytes a CTA needs in flight to pull one share (~2.5 us)
-SM_REACH = 1.35             # the most shares one SM pulls (B1 8k: 64 CTAs ~3 us slower than 128)
-WAVE_FIXED = 64 * 1024      # per wave of CTAs: the first load's latency, the last tile, stores
-COMBINE_FIXED = 32 * 1024   # with splits: the fence, the counter, the combine's first round trip
-COMBINE_SHARES = 1.5        # the combining CTA reads the partials from L2 at ~1.5 shares
-SPLIT_SLACK = 0.02          # fewer splits unless more are at least 2% faster
+# The split rule (see num_splits_for and docs/decode.md): a split walks at least
+# MIN_SPLIT_TILES kv tiles, so the first load's latency and the combine buy some streaming
+# (H200, B1 8k: 16 splits of 4 tiles of 128 keys beat 13 splits of 5 by 7%).
+MIN_SPLIT_TILES = 4
 
 
-def split_model(problem, splits: int, block_n: int = 0, stages: int = 0, sms: int = 0):
-    """The modelled time of `splits` splits, in bytes at one SM's share of HBM bandwidth:
-    max(all K/V over the SMs, the busiest SM's K/V at the rate its resident CTAs' rings
-    reach) + a fixed cost per wave + the combine (its partials read by one CTA)."""
+def split_limits(problem, block_n: int = 0, stages: int = 0, sms: int = 0) -> dict:
+    """The three caps on the split count of one (batch, k/v head, M tile) item, each >= 1:
+    wave: the split CTAs of all items fit one wave (SMs x CTAs per SM);
+    length: every split walks at least MIN_SPLIT_TILES kv tiles;
+    combine: the last CTA reads no more partials (splits x rows x (d + 1) fp32) than one
+    split reads K/V (kv tiles / splits x 2 x block_n x d x 2 bytes)."""
     from hopper_attn.common.scheduler import sm_count
     block_n, stages = tile_config(problem.head_dim, block_n, stages)
     d, sms = problem.head_dim, sms or sm_count()
-    per_sm = ctas_per_sm(d, block_n, stages)
     items = problem.batch * problem.kv_heads * m_tiles(problem)
     kv_tiles = -(-problem.kv_seqlen // block_n)
-    tile_bytes = 2 * block_n * d * 2
-    ring_shares = stages * tile_bytes / RING_REACH
-    ctas = items * splits
-    on_busiest = -(-ctas // sms)                   # CTAs the busiest SM runs, over its waves
-    resident = min(per_sm, on_busiest)
-    waves = -(-on_busiest // per_sm)
-    per_cta = -(-kv_tiles // splits) * tile_bytes
-    stream = max(items * kv_tiles * tile_bytes / sms,
-                 on_busiest * per_cta / min(SM_REACH, resident * ring_shares))
-    time = stream + waves * WAVE_FIXED
-    if splits > 1:
-        time += COMBINE_FIXED + splits * item_rows(problem) * (d + 1) * 4 / COMBINE_SHARES
-    return time
+    slots = sms * ctas_per_sm(d, block_n, stages)
+    # s x rows x (d + 1) x 4 <= kv_tiles x block_n x d x 4 / s
+    combine = math.isqrt(kv_tiles * block_n * d // (item_rows(problem) * (d + 1)))
+    return dict(wave=max(1, slots // items), length=max(1, kv_tiles // MIN_SPLIT_TILES),
+                combine=max(1, combine))
 
 
 def num_splits_for(problem, block_n: int = 0, stages: int = 0, sms: int = 0) -> int:
     """How many splits of the keys per (batch, k/v head, M tile), from shapes only (so a
-    decode step can be captured in a CUDA graph): the fewest whose `split_model` time is
-    within SPLIT_SLACK of the least, over 1 .. min(kv tiles, MAX_SPLITS)."""
+    decode step can be captured in a CUDA graph): the most that `split_limits` allows (one
+    wave, splits of >= MIN_SPLIT_TILES tiles, a combine no bigger than a split), at most
+    MAX_SPLITS. Items that fill a wave alone get 1: a second wave of splits only adds the
+    combine."""
     if not block_n and not stages:
         block_n, stages = tile_for(problem, sms)
-    block_n, stages = tile_config(problem.head_dim, block_n, stages)
-    kv_tiles = -(-problem.kv_seqlen // block_n)
-    times = [split_model(problem, s, block_n, stages, sms)
-             for s in range(1, min(kv_tiles, MAX_SPLITS) + 1)]
-    least = min(times)
-    return next(s for s, t in enumerate(times, 1) if t <= least * (1 + SPLIT_SLACK))
+    return min(MAX_SPLITS, *split_limits(problem, block_n, stages, sms).values())
 
 
 def tile_for(problem, sms: int = 0) -> tuple[int, int]:
-    """The (kv tile, stages) of TILES[d] whose best split count the model times lowest."""
-    def best(tile):
-        return split_model(problem, num_splits_for(problem, *tile, sms), *tile, sms)
-    return min(TILES[problem.head_dim], key=best)
+    """The (kv tile, stages) of TILES[d]: the deepest ring (fewest CTAs per SM) whose one wave
+    holds every (batch, k/v head, M tile) item, so few items split over SMs that each pull
+    a full share; where none does, the tile with the most CTAs per SM (fewest waves)."""
+    from hopper_attn.common.scheduler import sm_count
+    d, sms = problem.head_dim, sms or sm_count()
+    items = problem.batch * problem.kv_heads * m_tiles(problem)
+    by_slots = sorted(TILES[d], key=lambda t: ctas_per_sm(d, *t))    # fewest CTAs per SM first
+    return next((t for t in by_slots if items <= sms * ctas_per_sm(d, *t)), by_slots[-1])
 
 
 def prefers(problem) -> bool:

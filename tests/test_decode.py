@@ -87,12 +87,18 @@ def test_ptx_has_the_expected_wgmmas_and_tma_loads(d, causal):
 
 
 @pytest.mark.parametrize("shape,tile,splits", [
-    ((1, 1, 32, 8, 8192), (128, 3), 13), ((1, 1, 32, 8, 32768), (128, 3), 13),
-    ((1, 1, 32, 8, 131072), (128, 3), 13), ((8, 1, 32, 8, 8192), (128, 3), 2),
+    # few items: 128 x 3 (one CTA per SM), split to one full wave: 8 items x 16 = 128 CTAs
+    ((1, 1, 32, 8, 8192), (128, 3), 16), ((1, 1, 32, 8, 32768), (128, 3), 16),
+    ((1, 1, 32, 8, 131072), (128, 3), 16), ((1, 16, 32, 8, 32768), (128, 3), 16),
+    ((8, 1, 32, 8, 8192), (128, 3), 2),    # 64 items x 2 = 128 CTAs
+    ((16, 4, 64, 8, 16384), (128, 3), 1),  # 128 items fill the wave alone
+    # more items than SMs: 64 x 2 (two CTAs per SM), no split
     ((64, 1, 32, 8, 4096), (64, 2), 1), ((128, 1, 32, 8, 2048), (64, 2), 1),
-    ((16, 4, 64, 8, 16384), (128, 3), 1), ((1, 16, 32, 8, 32768), (128, 3), 13),
-    ((1, 1, 32, 1, 8192), (128, 3), 16),   # MQA, one (batch, k/v head)
+    ((24, 1, 32, 8, 8192), (64, 2), 1),    # 192 items: one wave at two per SM
+    # MQA, one item of 32 rows: the combine cap (15 x 32 rows x 129 x 4 <= 64 tiles / 15 x 64 KiB)
+    ((1, 1, 32, 1, 8192), (128, 3), 15),
     ((2, 1, 32, 8, 1), (128, 3), 1),       # one kv tile
+    ((2, 1, 32, 8, 1000), (128, 3), 2),    # 8 kv tiles: splits of >= 4 tiles
 ])
 def test_split_heuristic(shape, tile, splits):
     p = problem(*shape)
@@ -105,12 +111,15 @@ def test_split_heuristic(shape, tile, splits):
         assert items * splits <= 132 * decode.ctas_per_sm(128, *tile)
 
 
-def test_split_model_charges_the_combine_by_its_bytes():
-    # 64 packed rows read 16x the partials of 4 rows: the model's combine term says so
+def test_split_limits_cap_the_combine_by_a_splits_bytes():
+    # 64 packed rows read 16x the partials of 4 rows: the combine cap is 4x lower
     one, sixteen = problem(1, 1, 32, 8, 32768), problem(1, 16, 32, 8, 32768)
-    extra = [decode.split_model(sixteen, s, 128, 3, 132)
-             - decode.split_model(one, s, 128, 3, 132) for s in (8, 16)]
-    assert 0 < extra[0] < extra[1]
+    c1 = decode.split_limits(one, 128, 3, 132)["combine"]
+    c16 = decode.split_limits(sixteen, 128, 3, 132)["combine"]
+    assert c16 < c1 and abs(c1 - 4 * c16) <= 4
+    # a forced tile keeps its own wave: two CTAs per SM double the slots
+    p = problem(1, 1, 32, 8, 32768)
+    assert decode.split_limits(p, 64, 2, 132)["wave"] == 2 * decode.split_limits(p, 128, 3, 132)["wave"] + 1
 
 
 def test_packed_rows_and_m_tiles():
@@ -134,7 +143,7 @@ def test_workspace_is_sized_from_shapes_only():
     ws = decode.decode_workspace(p, "cpu")
     lse, o_part, lse_part, counters = ws
     assert lse.shape == (1, 32, 1) and lse.dtype == torch.float32
-    # 13 splits (num_splits_for at 132 SMs) of 8 (batch, k/v head) items of 4 packed rows
+    # 16 splits (num_splits_for at 132 SMs) of 8 (batch, k/v head) items of 4 packed rows
     splits = decode.num_splits_for(p)
     assert lse_part.shape == (splits, 8 * 4) and o_part.shape == (8 * 4 * splits, 128)
     assert counters.dtype == torch.int32 and not counters.any()
