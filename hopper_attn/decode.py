@@ -31,8 +31,9 @@ diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
 
 Budget: 160 threads. The kv tile and stages come per shape from TILES (`tile_for`: the
 deepest ring whose one wave holds every item). d = 128: 64 x 2 stages: SMEM = Q 16 KiB +
-2 x (K + V) 16 KiB + 1 KiB = 81 KiB, two CTAs per SM (143 registers), for many (batch, k/v head) items; 128 x 3: 16 + 192 + 1 =
-209 KiB, one per SM (186 registers, 192 KiB in flight), where few CTAs must each pull more.
+2 x (K + V) 16 KiB + 1 KiB = 81 KiB, two CTAs per SM (143 registers), for many (batch,
+k/v head) items; 128 x 3: 16 + 192 + 1 = 209 KiB, one per SM (186 registers, 192 KiB in
+flight), where few CTAs must each pull more.
 d = 64: 128 x 3: 8 + 96 + 1 = 105 KiB, two per SM; d = 256: 64 x 2: 32 + 128 + 1 = 161 KiB.
 Registers per consumer thread: S bn/2 + O d/2 fp32 + P bn/4 + bookkeeping. The combine
 works in registers (16 partial O pieces and LSEs in flight per lane), no shared memory.
