@@ -66,12 +66,10 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return torch.matmul(x.float(), rotation(x.shape[-1], x.device, seed))
 
 
-def prepare_inputs(q, k, v, seed: int = 0, v_transposed: bool = True, s_f16=None,
-                   softmax_scale=None, **_options):
+def prepare_inputs(q, k, v, seed: int = 0, s_f16=None, softmax_scale=None, **_options):
     """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both; on the GPU
     inside the quantizer's kernels, elsewhere `rotate`'s matmul)."""
-    return k7.prepare_inputs(q, k, v, v_transposed,
-                             rotate_signs=_signs_on(q.device, q.shape[-1], seed),
+    return k7.prepare_inputs(q, k, v, rotate_signs=_signs_on(q.device, q.shape[-1], seed),
                              s_f16=s_f16, softmax_scale=softmax_scale)
 
 

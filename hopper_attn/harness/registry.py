@@ -88,7 +88,8 @@ BACKWARD_KERNELS = {e.name: e for e in [
 
 
 def get(name: str) -> KernelEntry:
-    """A registered name, optionally with options: 'k4:block_n=64,stages=3'."""
+    """A registered name, optionally with options: 'k4:block_n=64,stages=3',
+    'k6:pv_wait=late,item_end=q_buffer'."""
     base, _, opts = name.partition(":")
     known = {**KERNELS, **BACKWARD_KERNELS}
     if base not in known:
@@ -99,7 +100,8 @@ def get(name: str) -> KernelEntry:
     extra = {}
     for item in opts.split(","):
         key, _, value = item.partition("=")
-        extra[key.strip()] = int(value)
+        value = value.strip()     # an int, or a named setting (k6:pv_wait=after7)
+        extra[key.strip()] = int(value) if value.lstrip("-").isdigit() else value
     merged = tuple(sorted({**dict(entry.options), **extra}.items()))
     return dataclasses.replace(entry, name=name, options=merged)
 
