@@ -13,48 +13,41 @@ What changes from k5 (docs/k6.md has the measurements behind each step):
               O *= alpha_j; P_j -> bf16 registers (which PV_{j-1} was reading until now)
 
   Nothing writes `acc_o` or the bf16 P registers while a WGMMA that reads them is in flight,
-  and S_j has its own accumulator, so register use stays k5's (S 64 + P 32 + O 64 fp32 per
-  thread at d = 128).
-* Where the PV wait sits (`pv_wait`, `finish_tile`): ptxas schedules `wait_group(0)` as
-  early as its basic block allows, so written after the softmax it lands before it. The
-  wait is therefore behind the loop's back edge ("late"), held after the softmax by a memory
-  fence ("pinned"; "one_group" also converts P's k16 slices last first so that the loop's
-  PV stays one WGMMA group at kv tiles of 80-112 keys), held after the tile's n-th exp2
-  ("after<n>", row maxima and alphas first, so that O's multiplies and P's conversions fill
-  the gaps between the remaining exp2s, as in FlashAttention-4's loop), held before the
-  exp2s ("first"), or left where ptxas puts it ("free").
+  and S_j has its own accumulator, so register use stays k5's.
+* Where the PV wait sits (`pv_wait`): ptxas schedules `wait_group(0)` as early as its basic
+  block allows, so written after the softmax it lands before it. The wait is therefore
+  behind the loop's back edge ("late"), held after the softmax by a memory fence ("pinned";
+  "one_group" also converts P's k16 slices last first, so that the loop's PV stays one
+  WGMMA group at kv tiles of 80-112 keys), held after the tile's n-th exp2 ("after<n>": row
+  maxima and alphas first, O's multiplies and P's conversions among the remaining exp2s, as
+  in FlashAttention-4's loop), held before the exp2s ("first"), or where ptxas puts it
+  ("free").
 * `rescale="lazy"`: O rescaled only where a row maximum grew by more than 2^8, with P
-  rounded to the input type before the row sums so that l adds what the PV GEMM multiplies.
+  rounded to the input type before the row sums (l then adds what the PV GEMM multiplies).
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
-  mask the producer warp takes its next item from a global counter and passes it to the
-  consumers through shared memory; at some lengths the items come head group by head
-  group, the longest first (`longest_first`, MiB of K and V per group). Without a mask the
-  static schedule's last rounds may run as stream-K (`stream_k`: an item split across two
-  CTAs, merged through the workspace).
-* A work item's end (`item_end`): O staged in Q's buffer (k5's), or in a buffer of its own
-  so that the next item's Q loads under this one's epilogue, Q handed back right after the
-  item's last QK, and each consumer warpgroup storing its own 64 rows (no barrier of all
-  consumers at an item's end).
-* Smaller steps, each a setting of POLICY: K_{j+1} loaded before V_j (`v_lags_k`), ring
-  waits that spin (`spin_waits`), every 16th exp2 on the FMA pipe (`fma_exp2_every`), V's
-  stage handed back after P's conversion by a predicated arrive (`v_release_last`: no
-  branch between the exp2s and the conversions), each warpgroup stopping at its own causal
-  diagonal (`wg_causal_limit`), the idle warpgroups of a last query tile skipping the math
-  (`skip_idle_wgs`), no tail test for key lengths of whole kv tiles (`kv_tail`), an item's
-  first kv tile before the loop (`peel_first`), FastDivmod item decoding (`fast_divmod`).
+  mask the producer warp takes the next item from a global counter and passes it on to the
+  consumers, at some lengths head group by head group, the longest first (`longest_first`);
+  without one the static schedule's last rounds may run as stream-K (`stream_k`).
+* A work item's end (`item_end`, ITEM_ENDS): O staged in Q's buffer (k5's) or in its own, so
+  that the next Q loads under this epilogue; Q handed back after the item's last QK; each
+  consumer warpgroup storing its own rows (no barrier of all consumers at an item's end).
+* Smaller steps, each a column of POLICY: `v_lags_k`, `spin_waits`, `fma_exp2_every`,
+  `v_release_last` (V's stage handed back after P's conversion by a predicated arrive: no
+  branch between the exp2s and the conversions), `wg_causal_limit` (each warpgroup stops at
+  its own diagonal), `skip_idle_wgs`, `kv_tail` (no tail test for whole kv tiles),
+  `peel_first` (an item's first kv tile before the loop), `fast_divmod`.
 
-Where the kernel launches: k5's `__call__` (FlashAttentionK5), with k6's scheduler and
-settings; `mainloop` below is the consumer loop k6 replaces.
+Where the kernel launches: k5's `__call__`; k6 replaces the consumer loop (`mainloop`) and
+overrides k5's hooks for the schedule and an item's end.
 
-What stays: k5's producer warpgroup, setmaxnreg split, separate K/V rings, the last
-tile's PV in one more turn, the epilogue's conversion and TMA store.
+What stays: k5's producer warpgroup, setmaxnreg split, separate K/V rings, the last tile's
+PV in one more turn, the epilogue's conversion and TMA store.
 
-Budget: tiles and turns per head dim in POLICY. SMEM = (block_m + 4 x block_n) x d x 2 bytes
-(+ O's own buffer, block_m x d x 2, at d <= 128; + 1 KiB): d = 256, 128 x 80 fills 225 of
-227 KiB. Registers per consumer thread (fp32): S block_n / 2, P block_n / 4, O d / 2 (d =
-256: 40 + 20 + 128 of 240).
+Budget: tiles and turns in POLICY. SMEM = (block_m + 4 x block_n) x d x 2 bytes (+ O's own
+buffer at d <= 128; + 1 KiB): at d = 256 128 x 80 fills 225 of 227 KiB. Registers per
+consumer thread (fp32): S block_n / 2, P block_n / 4, O d / 2 (d = 256: 40 + 20 + 128 of 240).
 """
 
 from __future__ import annotations
@@ -72,9 +65,14 @@ from cutlass.cute.nvgpu import warpgroup
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (KernelSpec, check_whole_kv_tiles, compile_attention,
                                          run_attention)
-from hopper_attn.common.layouts import acc_rows_cols, smem_bytes
+from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, smem_bytes,
+                                        smem_tile_layout)
+from hopper_attn.common.masking import TileSchedule
+from hopper_attn.common.scheduler import ItemQueue, TileScheduler, sm_count
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
-from hopper_attn.k5 import WG_EPILOGUE_BARRIER, FlashAttentionK5, lse_buffer
+from hopper_attn.common.stream_k import StreamKPartials
+from hopper_attn.common.warp_roles import PingPong
+from hopper_attn.k5 import FIRST_SCHEDULER_BARRIER, FlashAttentionK5, lse_buffer
 
 SPEC = KernelSpec(
     name="k6",
@@ -97,6 +95,7 @@ ITEM_ENDS = {
     "own_buffer_wg": (True, True, True, False),
 }
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
+WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
 RESCALES = ("eager", "lazy", "before_pv")
 
 
@@ -129,7 +128,6 @@ BASE = dict(pingpong=False, pv_wait="late", rescale="eager", item_end="q_buffer"
             v_release_last=False, skip_idle_wgs=False, mask_per_row=False,
             wg_causal_limit=False, fast_divmod=False, stream_k=False,
             kv_tail=True, peel_first=False, longest_first=0)
-T64, T96, T128, T192, T256 = ((192, 128), (128, 128), (128, 128), (128, 112), (128, 80))
 D64C = dict(block_m=192, mask_per_row=True, skip_idle_wgs=True, spin_waits=True,
             v_release_last=True, item_end="own_buffer_wg")        # d = 64 causal, 192 rows
 D128 = dict(block_m=128, block_n=128, item_end="own_buffer_wg", spin_waits=True,
@@ -222,7 +220,9 @@ def policy(problem) -> dict:
     raise ValueError(f"k6: no policy row for d = {problem.head_dim}")
 
 
-class FlashAttentionK6(FlashAttentionK5):
+class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
+    WG_BARRIER = WG_EPILOGUE_BARRIER     # (stream-K's flags, per-warpgroup stores)
+
     def __init__(self, head_dim: int, causal: bool, block_m: int, block_n: int,
                  pingpong: bool = False, pv_wait: str = "late", rescale: str = "eager",
                  item_end: str = "q_buffer", v_lags_k: bool = True, spin_waits: bool = False,
@@ -240,7 +240,8 @@ class FlashAttentionK6(FlashAttentionK5):
         # (read by smem_estimate, during k5's __init__)
         self.own_o_buffer, early_q_release, wg_store, defer_store_wait = ITEM_ENDS[item_end]
         if self.own_o_buffer and head_dim > 128:
-            raise ValueError(f"item_end={item_end}: O's own buffer does not fit at d > 128")
+            raise ValueError(f"item_end={item_end}: O's own buffer does not fit in shared "
+                             f"memory at d > 128")
         # the PV wait (see the module doc): behind the back edge, or in the iteration,
         # held by a memory fence after the softmax, after the tile's n-th exp2 (`fence_after`)
         # or before its exp2s; "one_group" converts P's slices last first
@@ -279,24 +280,198 @@ class FlashAttentionK6(FlashAttentionK5):
         self.skip_idle_wgs = bool(skip_idle_wgs)
         # one key limit per row in masked tiles: the 192-row causal tile fits without spills
         self.mask_per_row = bool(mask_per_row)
-        super().__init__(head_dim, causal, block_m, block_n, stages=stages, trace=trace,
-                         pingpong=bool(pingpong), persistent=True,
-                         persistent_ctas=persistent_ctas, dynamic=causal,
-                         uniform_descriptors=bool(uniform_descriptors),
-                         spin_waits=bool(spin_waits), v_lags_k=bool(v_lags_k),
-                         fma_exp2_every=int(fma_exp2_every),
-                         longest_first=longest_first > 0, group_mib=longest_first or 32,
-                         fast_divmod=bool(fast_divmod), stream_k=bool(stream_k),
-                         kv_tail=bool(kv_tail))
+        super().__init__(head_dim, causal, block_m, block_n, stages, trace)
         self.early_q_release, self.wg_store = early_q_release, wg_store
         self.defer_store_wait = defer_store_wait
+        self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=bool(pingpong))
+        # kv_tail=False: for key lengths of whole kv tiles, a loop without the tail test
+        self.schedule = TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail))
+        # the persistent grid: with a causal mask (items of different lengths) the next item
+        # from a global counter, in head groups of `longest_first` MiB of K and V (N x d x 4
+        # bytes per head), the longest query tile of each head first; without one, every
+        # grid-th item, the last rounds as stream-K
+        if stream_k and causal:
+            raise ValueError("stream_k: the static persistent schedule (no mask) only")
+        self.stream_k = bool(stream_k)
+        self.scheduler = TileScheduler(self.block_m, causal, True, persistent_ctas or sm_count(),
+                                       causal, (longest_first << 20) // (head_dim * 4),
+                                       bool(fast_divmod), self.stream_k, self.block_n, 1)
+        self.uniform_descriptors = bool(uniform_descriptors)
+        self.spin_waits = bool(spin_waits)
+        # K_{j+1} loaded before V_j (k5's order), or (False) V_j before K_{j+1} (k5's
+        # load_loop has both)
+        self.v_lags_k = bool(v_lags_k)
+        # every n-th exp2 on the FMA pipe instead of the SFU (OnlineSoftmax)
+        self.fma_exp2_every = int(fma_exp2_every)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "v_lags_k": self.v_lags_k,
+                "own_o_buffer": self.own_o_buffer}
+
+    # ---- the persistent schedule (k5's hooks) ----
+    def item_queue(self, storage, receivers: int):
+        """The dynamic schedule's queue of work items from the producer warp to `receivers`
+        threads (None with the static schedule, which needs none)."""
+        if not self.scheduler.dynamic:
+            return None
+        return ItemQueue.create(storage.item_barriers.data_ptr(),
+                                storage.items.get_tensor(cute.make_layout((4, 2))), receivers)
+
+    @cute.jit
+    def next_item(self, queue, item_state, tiles, seqlen_q, heads, batch_size, seqlen_k=None):
+        """A consumer's next work item: from the producer warp's queue (dynamic schedule) or
+        the grid-stride step (static); returns the iterator, the queue state and the item."""
+        if cutlass.const_expr(self.scheduler.by_head_group):
+            # the producer warp decoded the item (query tile, head, batch, valid)
+            m_block, head, batch, valid_int = queue.receive(item_state, 4)
+            item_state.advance()
+            return tiles, item_state, m_block, head, batch, valid_int != 0
+        if cutlass.const_expr(self.scheduler.dynamic):
+            tiles = queue.receive(item_state)
+            item_state.advance()
+        else:
+            tiles = self.scheduler.advance(tiles)
+        m_block, head, batch, valid = self.scheduler.work(tiles, seqlen_q, heads, batch_size,
+                                                          seqlen_k)
+        return tiles, item_state, m_block, head, batch, valid
+
+    # ---- the softmax and a work item's end (k5's hooks) ----
+    def make_softmax(self, rows: int, scale_log2: Float32) -> OnlineSoftmax:
+        return OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4,
+                                    fma_exp2_every=self.fma_exp2_every,
+                                    fence_after=self.softmax_fence_after,
+                                    opaque_exp2=self.opaque_exp2,
+                                    round_p=self.dtype if self.round_p_sums else None)
+
+    def o_apart_from_q(self) -> bool:
+        """O staged in a buffer of its own, not in Q's (k7: always)."""
+        return self.own_o_buffer
+
+    def with_buffers(self, storage, q_layout):
+        """`storage` with O's own buffer (Q's shape) where item_end has one."""
+        if not self.own_o_buffer:
+            return storage
+        fields = dict(storage._annotations)
+        fields["sO"] = cute.struct.Align[
+            cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+    def o_buffer(self, storage, sQ: cute.Tensor, q_layout):
+        """O's own buffer or Q's; with per-warpgroup stores as (rows, slabs): each
+        warpgroup's slab of O's own buffer, or its own rows of Q's (no slabs)."""
+        if self.wg_store:
+            return wg_major_o_buffer(storage, self.dtype, self.warpgroups, self.head_dim) \
+                if self.o_apart_from_q() else (sQ, None)
+        return storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner) \
+            if self.own_o_buffer else sQ
+
+    def make_o_store(self, o: cute.Tensor, dtype):
+        """The whole tile's TMA store, or with per-warpgroup stores one of 64 rows."""
+        rows = 64 if self.wg_store else self.block_m
+        return tma.make_tma_store(o, smem_tile_layout(dtype, rows, self.head_dim), rows,
+                                  self.head_dim)
+
+    @cute.jit
+    def q_read(self, loads: tma.SplitKVLoads, q_state):
+        """O in its own buffer: Q is free after the loop (early_q_release: the loop handed it
+        back after its last QK already), the next one loads under the epilogue."""
+        if cutlass.const_expr(not self.early_q_release):
+            loads.release(loads.q_pipe, q_state)
+
+    @cute.jit
+    def item_epilogue(self, softmax: OnlineSoftmax, mmas, ctidx, warp, wg, acc_o: cute.Tensor,
+                      o_out: cute.Tensor, mLSE: cute.Tensor, mOut: cute.Tensor, sO_buffer,
+                      tma_o: cute.CopyAtom, mO: cute.Tensor, mWork: cute.Tensor, m_block, head,
+                      batch, seqlen_q, k0, k1, n_count):
+        """stream_k: a piece that begins an item leaves its raw state for the next CTA; one
+        that ends an item merges the previous CTA's, then stores O."""
+        if cutlass.const_expr(self.stream_k):
+            if k1 < n_count:
+                self.save_partial(mWork, ctidx, wg, acc_o, softmax)
+            else:
+                if k0 > 0:
+                    self.merge_partial(mWork, ctidx, wg, acc_o, softmax)
+                self.write_output(softmax, mmas, ctidx, warp, acc_o, o_out, mLSE, mOut,
+                                  sO_buffer, tma_o, mO, m_block, head, batch, seqlen_q)
+        else:
+            self.write_output(softmax, mmas, ctidx, warp, acc_o, o_out, mLSE, mOut, sO_buffer,
+                              tma_o, mO, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def store_o(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO,
+                tma_o: cute.CopyAtom, mO: cute.Tensor, m_block, head, batch):
+        """k5's store, per warpgroup (`store_o_wg`), or with defer_store_wait returning at
+        once: the first consumer warp waits for its read of O's buffer just before the next
+        item's (and `drain_o_store` before the CTA exits)."""
+        if cutlass.const_expr(self.wg_store):
+            self.store_o_wg(mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block, head, batch)
+        else:
+            if cutlass.const_expr(self.defer_store_wait):
+                if warp == 4:
+                    tma.store_read_wait()
+            FlashAttentionK5.store_o(self, mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block, head, batch,
+                            wait_read=not self.defer_store_wait)
+
+    @cute.jit
+    def store_o_wg(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO,
+                   tma_o: cute.CopyAtom, mO: cute.Tensor, m_block, head, batch):
+        """Each consumer warpgroup writes its own 64 rows of O into its own slab of the O
+        buffer and its first warp stores them with a TMA store of 64 rows, on a barrier of
+        the warpgroup's 128 threads: no warpgroup waits for another at the end of a work
+        item, so the turns keep their stagger into the next one. A slab is written again only
+        an item later: its store's read is waited for just before (by the warp that issued
+        it). Where O is staged in Q's buffer (d >= 192) a warpgroup writes its own 64 rows
+        of Q (which only its own QK read) and the storing warp waits for the read at once:
+        the kernel then hands Q back."""
+        sO_rows, sO_slabs = sO
+        apart = sO_slabs is not None
+        wg = warp // 4 - 1
+        barrier = pipeline.NamedBarrier(barrier_id=WG_EPILOGUE_BARRIER + wg,
+                                        num_threads=128)
+        if cutlass.const_expr(apart):
+            if warp % 4 == 0:
+                tma.store_read_wait()                   # this slab's previous store
+        barrier.arrive_and_wait()
+        self.o_to_smem(mma_pv, ctidx, o_out, sO_rows)
+        cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
+        barrier.arrive_and_wait()
+        if warp % 4 == 0:
+            rows = sO_slabs[None, None, wg] if cutlass.const_expr(apart) else \
+                cute.local_tile(sO_rows, (64, self.head_dim), (wg, 0))
+            o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, rows)
+            o_store.store(m_block * self.warpgroups + wg, wait_read=not apart)
+
+    @cute.jit
+    def drain_o_store(self, warp):
+        """After the last work item: with defer_store_wait (or per-warpgroup stores into O's
+        own buffer) the last TMA store may still be reading sO, which must stay valid."""
+        if cutlass.const_expr(self.wg_store and self.o_apart_from_q()):
+            if warp % 4 == 0:
+                tma.store_read_wait()
+        elif cutlass.const_expr(self.defer_store_wait):
+            if warp == 4:
+                tma.store_read_wait()
+
+    @cute.jit
+    def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor,
+                         reverse: cutlass.Constexpr = False):
+        """k5's conversion, or (reverse, pv_wait="one_group") the operand's k16 slices
+        converted last first."""
+        if cutlass.const_expr(reverse):
+            p_view = acc_as_operand_a(acc_s)
+            slices = cute.size(p_frag, mode=[2])
+            for i in cutlass.range_constexpr(slices):
+                k = slices - 1 - i
+                p_frag[None, None, k].store(p_view[None, None, k].load().to(self.dtype))
+        else:
+            FlashAttentionK5.probs_to_operand(self, acc_s, p_frag)
 
     @cute.jit
     def mainloop(self, loads: tma.SplitKVLoads, wg, m_block, n_count, seqlen_q, seqlen_k,
                  mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_frag: cute.Tensor,
                  k_frag: cute.Tensor, vt_frag: cute.Tensor, p_frag: cute.Tensor,
                  acc_s: cute.Tensor, acc_o: cute.Tensor, s_coords: cute.Tensor,
-                 softmax: OnlineSoftmax, k_state, v_state, n_base=0, scores=None):
+                 softmax: OnlineSoftmax, k_state, v_state, n_base=0):
         if cutlass.const_expr(self.skip_idle_wgs or self.wg_causal_limit):
             n_busy = n_count
             if cutlass.const_expr(self.wg_causal_limit):
@@ -321,101 +496,6 @@ class FlashAttentionK6(FlashAttentionK5):
                 k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state,
                 n_base)
         return k_state, v_state
-
-    # The workspace (the kernel's counter argument): int32 words [0, 4) unused, then a flag
-    # per slot and consumer warpgroup, then per slot the raw state of each consumer thread
-    # (O's fp32 fragment, row maxima, per-thread row sums) as fp32, element-major so that
-    # the threads of a warp touch consecutive words. Slot c: the item split between CTAs
-    # c - 1 and c.
-    STREAM_K_FLAGS = 4
-    STREAM_K_SLOTS = 1024
-
-    def stream_k_floats(self) -> int:
-        """fp32 values one consumer thread leaves: O's 64 x d / 128, two row maxima and sums."""
-        return self.head_dim // 2 + 4
-
-    def stream_k_words(self) -> int:
-        """The workspace's size in int32 words (0 without stream_k)."""
-        if not self.stream_k:
-            return 0
-        slots = self.scheduler.ctas + 1                 # slot c: between CTAs c - 1 and c
-        if slots > self.STREAM_K_SLOTS:
-            raise ValueError(f"stream_k: at most {self.STREAM_K_SLOTS - 1} persistent CTAs")
-        return (self.STREAM_K_FLAGS + self.STREAM_K_SLOTS * self.warpgroups
-                + slots * self.stream_k_floats() * self.roles.consumer_threads)
-
-    @cute.jit
-    def partial_state(self, mWork: cute.Tensor, slot, ctidx, acc_o: cute.Tensor):
-        """The workspace as fp32, the index of this consumer thread's first value in `slot`
-        (then O's values row by row, the row maxima, the row sums, each `stride` apart: the
-        consumer threads interleaved, so that a warp's accesses are contiguous), and O as
-        [row, col]."""
-        data = cute.recast_tensor(mWork, Float32)
-        o_rc = acc_rows_cols(acc_o)
-        stride = self.roles.consumer_threads
-        base = self.STREAM_K_FLAGS + self.STREAM_K_SLOTS * self.warpgroups
-        at = base + slot * self.stream_k_floats() * stride + ctidx
-        return data, o_rc, stride, at
-
-    @cute.jit
-    def save_partial(self, mWork: cute.Tensor, ctidx, wg, acc_o: cute.Tensor,
-                     softmax: OnlineSoftmax):
-        """A piece that begins an item: this thread's raw state to slot (CTA + 1), then, once
-        the warpgroup's 128 threads have written theirs, the slot's flag (release)."""
-        cta, _, _ = cute.arch.block_idx()
-        slot = Int32(cta) + 1
-        data, o_rc, stride, at = self.partial_state(mWork, slot, ctidx, acc_o)
-        rows, cols = cute.size(o_rc, mode=[0]), cute.size(o_rc, mode=[1])
-        for r in cutlass.range_constexpr(rows):
-            for c in cutlass.range_constexpr(cols):
-                data[at + (r * cols + c) * stride] = o_rc[r, c]
-            data[at + (rows * cols + r) * stride] = softmax.row_max[r]
-            data[at + (rows * cols + rows + r) * stride] = softmax.row_sum[r]
-        cute.arch.fence_acq_rel_gpu()
-        pipeline.NamedBarrier(barrier_id=WG_EPILOGUE_BARRIER + wg,
-                              num_threads=128).arrive_and_wait()
-        if ctidx % 128 == 0:
-            cute.arch.store(mWork.iterator + self.STREAM_K_FLAGS + slot * self.warpgroups + wg,
-                            Int32(1), sem="release", scope="gpu")
-
-    @cute.jit
-    def merge_partial(self, mWork: cute.Tensor, ctidx, wg, acc_o: cute.Tensor,
-                      softmax: OnlineSoftmax):
-        """A piece that ends an item: wait for slot CTA's flag (acquire; the previous CTA
-        wrote it about an item and a half earlier), reset it for the next launch, and merge
-        the other piece's state into this one's: m = max, each side scaled by
-        2^(m_side - m), O and the row sums added."""
-        cta, _, _ = cute.arch.block_idx()
-        slot = Int32(cta)
-        if ctidx % 128 == 0:
-            flag = mWork.iterator + self.STREAM_K_FLAGS + slot * self.warpgroups + wg
-            ready = Int32(0)
-            while ready == 0:
-                ready = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-            cute.arch.store(flag, Int32(0))
-        pipeline.NamedBarrier(barrier_id=WG_EPILOGUE_BARRIER + wg,
-                              num_threads=128).arrive_and_wait()
-        data, o_rc, stride, at = self.partial_state(mWork, slot, ctidx, acc_o)
-        rows, cols = cute.size(o_rc, mode=[0]), cute.size(o_rc, mode=[1])
-        for r in cutlass.range_constexpr(rows):
-            a_own, a_other = softmax.merge_row(r, data[at + (rows * cols + r) * stride],
-                                               data[at + (rows * cols + rows + r) * stride])
-            for c in cutlass.range_constexpr(cols):
-                o_rc[r, c] = o_rc[r, c] * a_own + data[at + (r * cols + c) * stride] * a_other
-
-    @cute.jit
-    def end_piece(self, mWork: cute.Tensor, ctidx, wg, acc_o: cute.Tensor,
-                  softmax: OnlineSoftmax, k0, k1, n_count):
-        """After a piece's kv tiles [k0, k1): one that begins an item leaves its raw state
-        for the next CTA (`save_partial`), one that ends an item after another CTA's start
-        merges that (`merge_partial`); returns whether the item ends here (its epilogue
-        follows). k7's consumer loop; k5's keeps the two branches inline (folding them
-        changes the stream-K kernels' SASS, measured there)."""
-        if k1 < n_count:
-            self.save_partial(mWork, ctidx, wg, acc_o, softmax)
-        elif k0 > 0:
-            self.merge_partial(mWork, ctidx, wg, acc_o, softmax)
-        return k1 == n_count
 
     @cute.jit
     def idle_tiles(self, loads: tma.SplitKVLoads, n_first, n_count, k_state, v_state):
@@ -587,11 +667,8 @@ class FlashAttentionK6(FlashAttentionK5):
 
     @cute.jit
     def rescale_o(self, o_rc: cute.Tensor, p_frag, alpha: cute.Tensor):
-        """O *= alpha per row, and with wgmma.PWithRowSums the running row sums likewise,
-        after adding the last PV batch's."""
+        """O *= alpha per row."""
         scale_rows(o_rc, alpha)
-        if cutlass.const_expr(isinstance(p_frag, wgmma.PWithRowSums)):
-            p_frag.fold(alpha)          # (its last PV batch is done, as O's)
 
 
     @cute.jit
@@ -625,10 +702,25 @@ class FlashAttentionK6(FlashAttentionK5):
 
 
 
+
+@cute.jit
+def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
+    """O's own buffer as one (64, d) tile per consumer warpgroup, each a 64-row TMA box
+    (per-warpgroup stores): (a (64 x W, d) view for the stmatrix partition, the (64, d, W)
+    slabs). Both views share the swizzle; every slab is 1024-byte aligned, so it swizzles
+    as a tile of its own."""
+    slabs = smem_tile_layout(dtype, 64, head_dim, warpgroups)
+    outer = slabs.outer
+    rows = cute.make_layout(((outer.shape[0], outer.shape[2]), outer.shape[1]),
+                            stride=((outer.stride[0], outer.stride[2]), outer.stride[1]))
+    return (storage.sO.get_tensor(rows, swizzle=slabs.inner),
+            storage.sO.get_tensor(outer, swizzle=slabs.inner))
+
+
 # what a caller may set (`k6:name=value`), over the problem's POLICY row
-OPTIONS = ("block_m", "block_n", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k",
-           "spin_waits", "fma_exp2_every", "skip_idle_wgs", "wg_causal_limit", "stream_k",
-           "kv_tail", "longest_first")
+OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "spin_waits",
+           "fma_exp2_every", "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail",
+           "peel_first", "longest_first")
 
 
 def settings_for(problem, **overrides) -> dict:
@@ -639,6 +731,9 @@ def settings_for(problem, **overrides) -> dict:
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
     settings = {**policy(problem), **{k: v for k, v in overrides.items() if v is not None}}
+    tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
+    if tile is not None:
+        settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])
@@ -650,13 +745,13 @@ def settings_for(problem, **overrides) -> dict:
 
 def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, **overrides):
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
-    dim, mask and query length, any of OPTIONS overridden: block_m, block_n (the tile),
-    pingpong (turns between the consumer warpgroups), pv_wait ("late", "free", "pinned",
-    "one_group", "after<n>" or "first"), rescale ("eager" or "lazy"), item_end (a key of
-    ITEM_ENDS), v_lags_k, spin_waits, fma_exp2_every, skip_idle_wgs, wg_causal_limit,
-    stream_k, kv_tail (0: no tail test, for key lengths of whole kv tiles), longest_first
-    (MiB of K and V per head group, 0: head by head). trace: iket phase ranges
-    (harness/timeline.py)."""
+    dim, mask and query length, any of OPTIONS overridden: tile ("192x96": block_m x
+    block_n), pingpong (turns between the consumer warpgroups), pv_wait ("late", "free",
+    "pinned", "one_group", "after<n>" or "first"), rescale ("eager" or "lazy"), item_end (a
+    key of ITEM_ENDS), v_lags_k, spin_waits, fma_exp2_every, v_release_last, skip_idle_wgs,
+    wg_causal_limit, kv_tail (0: no tail test, for key lengths of whole kv tiles),
+    peel_first, longest_first (MiB of K and V per head group, 0: head by head). trace: iket
+    phase ranges (harness/timeline.py)."""
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {**settings_for(problem, **overrides), "trace": bool(trace)},
                              workspace_fn=lse_buffer, compile_options=compile_options)

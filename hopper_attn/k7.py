@@ -69,8 +69,8 @@ from hopper_attn.common.fp8 import check_row_period, probs_to_fp8_operand
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
                                         swap_modes, transposed)
 from hopper_attn.common.softmax import OnlineSoftmax, OnlineSoftmaxF16, scale_rows
-from hopper_attn.k5 import lse_buffer, wg_major_o_buffer
-from hopper_attn.k6 import ITEM_ENDS, FlashAttentionK6
+from hopper_attn.k5 import lse_buffer
+from hopper_attn.k6 import ITEM_ENDS, FlashAttentionK6, wg_major_o_buffer
 from hopper_attn.quantize import (PERM16, pack_v, quantize_fp8,  # noqa: F401
                                   quantize_qk_f16_scores, unpack_v)
 
@@ -276,7 +276,7 @@ class FlashAttentionK7(FlashAttentionK6):
             item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
             has_items = valid            # (a CTA of a persistent grid may have none)
             if has_items:
-                self.start_turns(wg)
+                self.pingpong.start(wg)
             while valid:
                 kv_head = head // group
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
@@ -316,7 +316,7 @@ class FlashAttentionK7(FlashAttentionK6):
                     queue, item_state, tiles, seqlen_q, heads, batch_size, seqlen_k)
                 self.trace.end(phase)
             if has_items:
-                self.drain_turns(wg)
+                self.pingpong.drain(wg)
             self.drain_o_store(warp)
 
     @cute.jit
@@ -349,13 +349,12 @@ POLICY = [
      H100 + "26_k7_pv_wait_after*.json"),
 ]
 LONGEST_FIRST_LENGTHS = (2048, 8192)
-OPTIONS = ("block_m", "block_n", "pv_wait", "rescale", "item_end", "v_lags_k",
-           "longest_first", "s_f16")
+OPTIONS = ("tile", "pv_wait", "rescale", "item_end", "v_lags_k", "longest_first", "s_f16")
 
 
 def settings_for(problem, **overrides) -> dict:
     """FlashAttentionK7's settings for `problem`: its POLICY row, then `overrides` (None:
-    the row's), the tile of TILES / TILES_S_F16 unless block_m / block_n are given."""
+    the row's), the tile of TILES / TILES_S_F16 unless `tile` is given."""
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k7: unknown options {unknown}; known: {', '.join(OPTIONS)}")
@@ -368,17 +367,18 @@ def settings_for(problem, **overrides) -> dict:
     if not lo <= problem.seqlen <= hi:
         settings["longest_first"] = 0
     settings.update({k: v for k, v in overrides.items() if v is not None})
-    block_m, block_n, stages = (TILES_S_F16 if settings["s_f16"] else TILES)[problem.head_dim]
-    settings["block_m"] = settings.get("block_m") or block_m
-    settings["block_n"] = settings.get("block_n") or block_n
-    settings["stages"] = stages
+    settings["block_m"], settings["block_n"], settings["stages"] = \
+        (TILES_S_F16 if settings["s_f16"] else TILES)[problem.head_dim]
+    tile = settings.pop("tile", None)              # "128x128" (block_m x block_n)
+    if tile is not None:
+        settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))
     return settings
 
 
 def compile_kernel(problem, *, compile_options: str = "", out_fp8: bool = False,
                    trace: bool = False, spec: KernelSpec = SPEC, **overrides):
     """Compile (or fetch from the cache) k7 with POLICY's settings for the problem's head dim
-    and mask, any of OPTIONS overridden (k6's block_m, block_n, pv_wait, rescale ("eager"
+    and mask, any of OPTIONS overridden (k6's tile, pv_wait, rescale ("eager"
     or "before_pv"), item_end ("own_buffer" or "own_buffer_wg"), v_lags_k, longest_first;
     s_f16: S accumulated in fp16, the softmax on fp16 pairs, with TILES_S_F16's tiles; needs
     q and k from `prepare_inputs` / `quantize_qk_f16_scores`). out_fp8: the output in e4m3

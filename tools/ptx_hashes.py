@@ -79,6 +79,9 @@ def hash_stages(stages) -> dict:
             except ValueError as exc:
                 result[f"{name}/{suffix}"] = f"unsupported: {exc}"
                 continue
+            except Exception:
+                print(f"{name}/{suffix}: the compile failed", file=sys.stderr)
+                raise
             ptx = handle.compiled.__ptx__
             if not isinstance(ptx, str):
                 raise RuntimeError("CuTe DSL did not return the PTX (--keep-ptx)")
@@ -99,10 +102,10 @@ def compare(a_path: str, b_path: str) -> int:
           f"{len(only_b)} only in {b_path}")
     for k in differ:
         print(f"  differs: {k}: {a[k][:60]} -> {b[k][:60]}")
-    for k in only_a:
-        print(f"  only in {a_path}: {k}")
-    for k in only_b:
-        print(f"  only in {b_path}: {k}")
+    for label, keys in ((a_path, only_a), (b_path, only_b)):
+        stages = sorted({k.split("/")[0] for k in keys})
+        if keys:
+            print(f"  only in {label}: {len(keys)} of stages {', '.join(stages)}")
     return 0 if not (differ or only_a or only_b) else 1
 
 
