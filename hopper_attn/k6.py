@@ -409,8 +409,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             if cutlass.const_expr(self.defer_store_wait):
                 if warp == 4:
                     tma.store_read_wait()
-            FlashAttentionK5.store_o(self, mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block, head, batch,
-                            wait_read=not self.defer_store_wait)
+            FlashAttentionK5.store_o(self, mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block,
+                                     head, batch, wait_read=not self.defer_store_wait)
 
     @cute.jit
     def store_o_wg(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO,
