@@ -752,6 +752,7 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, *
     wg_causal_limit, kv_tail (0: no tail test, for key lengths of whole kv tiles),
     peel_first, longest_first (MiB of K and V per head group, 0: head by head). trace: iket
     phase ranges (harness/timeline.py)."""
+    SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {**settings_for(problem, **overrides), "trace": bool(trace)},
                              workspace_fn=lse_buffer, compile_options=compile_options)

@@ -385,6 +385,7 @@ def compile_kernel(problem, *, compile_options: str = "", out_fp8: bool = False,
     instead of bf16 (O / descale_v, so that `output_descale` gives its descale; `run_kernel`
     then takes an e4m3 `out`). trace: iket phase ranges. `spec`: the stage the kernel is
     compiled for (k8 runs this kernel under its own name)."""
+    spec.check(problem)                 # UnsupportedProblem before POLICY's lookup
     spec = dataclasses.replace(spec, v_seq_major=True)
     if out_fp8:
         spec = dataclasses.replace(spec, output_dtype=FP8)

@@ -8,6 +8,8 @@ Each stage compiles with its defaults (no options) for each problem of the grid:
 dims and dtypes its SPEC supports, causal off and on, the query lengths of SEQLENS, plus a
 GQA problem (4 heads, 1 kv head) and a cross-length one (keys != queries). A problem the
 stage refuses is recorded as "unsupported: <reason>" (a change of what is refused shows too).
+k7 and k8 take bf16 problems and compile for their e4m3 inputs (SPEC.input_dtype). Run it
+from a worktree's root: it imports `hopper_attn` from the current directory.
 
 CuTe DSL 4.8.1's PTX carries no source line info (no `.loc` / `.file` lines, no `__debug_*`
 sections); should a later version add it, those lines are dropped before hashing, since they
@@ -28,8 +30,6 @@ import sys
 import time
 
 sys.path.insert(0, os.getcwd())     # the worktree it runs in (run from its root)
-
-import torch  # noqa: E402
 
 from hopper_attn.common.contract import DTYPE_NAMES, Problem  # noqa: E402
 from hopper_attn.harness import registry  # noqa: E402
