@@ -27,9 +27,10 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
-sys.path.insert(0, os.getcwd())     # the worktree it runs in (run from its root)
+sys.path.insert(0, os.path.abspath(os.getcwd()))     # the worktree it runs in (its root)
 
 from hopper_attn.common.contract import DTYPE_NAMES, Problem  # noqa: E402
 from hopper_attn.harness import registry  # noqa: E402
@@ -68,6 +69,16 @@ def stripped(ptx: str) -> str:
 
 
 def hash_stages(stages) -> dict:
+    with tempfile.TemporaryDirectory() as scratch:
+        here = os.getcwd()
+        os.chdir(scratch)            # (--keep-ptx without --dump-dir writes files to the cwd)
+        try:
+            return _hash_stages(stages)
+        finally:
+            os.chdir(here)
+
+
+def _hash_stages(stages) -> dict:
     result = {}
     opts = "--keep-ptx"          # without --dump-dir, __ptx__ is the text itself
     for name in stages:
