@@ -1,9 +1,10 @@
 """k8: k7 with incoherent processing: Q and K rotated by a random orthogonal matrix before
 they are quantized.
 
-What changes from k7: only the inputs (`prepare_inputs`); the kernel is k7's. For any
-orthogonal R (R R^T = I), (Q R)(K R)^T = Q K^T, so rotating both Q and K leaves the scores
-and everything after them unchanged in exact arithmetic; V is not touched. What changes is
+What changes from k7: only the inputs (`prepare_inputs`); the kernel is k7's (it launches in
+k7's `FlashAttentionK7.__call__`, compiled under k8's name). For any orthogonal R
+(R R^T = I), (Q R)(K R)^T = Q K^T, so rotating both Q and K leaves the scores and
+everything after them unchanged in exact arithmetic; V is not touched. What changes is
 what e4m3 has to represent. Activations often have a few *outlier channels* (head-dim
 coordinates 10-100x larger than the rest); their rounding error, a fixed fraction of a large
 value, then dominates each score q . k. A random rotation spreads every channel's energy
@@ -66,12 +67,10 @@ def rotate(x: torch.Tensor, seed: int = 0) -> torch.Tensor:
     return torch.matmul(x.float(), rotation(x.shape[-1], x.device, seed))
 
 
-def prepare_inputs(q, k, v, seed: int = 0, v_transposed: bool = True, s_f16=None,
-                   softmax_scale=None, **_options):
+def prepare_inputs(q, k, v, seed: int = 0, s_f16=None, softmax_scale=None, **_options):
     """bf16 q, k, v -> k7's inputs, with q and k rotated first (same R for both; on the GPU
     inside the quantizer's kernels, elsewhere `rotate`'s matmul)."""
-    return k7.prepare_inputs(q, k, v, v_transposed,
-                             rotate_signs=_signs_on(q.device, q.shape[-1], seed),
+    return k7.prepare_inputs(q, k, v, rotate_signs=_signs_on(q.device, q.shape[-1], seed),
                              s_f16=s_f16, softmax_scale=softmax_scale)
 
 

@@ -3,7 +3,8 @@
 A name maps to a stage module (`hopper_attn/k4.py`, ...) plus compile options, so one module
 can appear as several variants (k3_1, k3_2, k3_3 are k3 with 1, 2 and 5 pipeline stages).
 A name may carry options after a colon, `k6:lazy_rescale=0` or `k4:block_n=64,stages=3`
-(integer values, checked against the stage's `compile_kernel`), and `lab:<module>` names an
+(integers, or named settings such as `k6:pv_wait=late`; option names are checked against the
+stage's `compile_kernel`, values when it compiles), and `lab:<module>` names an
 experiment kept in the top-level `lab/` folder (run from the repository root). A name that is
 unknown or malformed raises `ValueError` saying what is wrong, before anything compiles.
 """
@@ -100,12 +101,9 @@ def _parse_options(name: str, opts: str) -> dict:
         if not key or not eq or not value:
             raise ValueError(f"stage {name!r}: options are written key=value, comma-separated, "
                              f"e.g. 'k4:block_n=64,stages=3' (got {item!r})")
-        try:
-            extra[key] = int(value)
-        except ValueError:
-            raise ValueError(f"stage {name!r}: option {key}={value!r} is not an integer; option "
-                             f"values are integers (booleans 0 or 1), e.g. "
-                             f"'{name.partition(':')[0]}:{key}=1'") from None
+        # an integer (booleans 0 or 1), or a named setting (k6:pv_wait=after7), which the
+        # stage's compile_kernel checks
+        extra[key] = int(value) if value.lstrip("-").isdigit() else value
     return extra
 
 
@@ -122,7 +120,8 @@ def _check_options(entry: KernelEntry, extra: dict) -> None:
 
 
 def get(name: str) -> KernelEntry:
-    """A registered name, optionally with options: 'k4:block_n=64,stages=3'; or an experiment
+    """A registered name, optionally with options: 'k4:block_n=64,stages=3',
+    'k6:pv_wait=late,item_end=q_buffer'; or an experiment
     in lab/: 'lab:k6_example[:options]'. ValueError for an unknown or malformed name."""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"a stage name is a non-empty string, e.g. 'k6', got {name!r}")

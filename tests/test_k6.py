@@ -10,6 +10,8 @@ import torch
 
 from hopper_attn.harness.compile_report import resource_usage, sass
 from hopper_attn.harness.sass_order import wgmma_groups
+from hopper_attn.k6 import pv_wait_after, settings_for
+from hopper_attn.common.contract import Problem
 from ptx import WGMMA, WGMMA_REG_A, compiled, count
 
 pytestmark = pytest.mark.compile
@@ -59,13 +61,13 @@ def test_too_much_shared_memory_is_refused():
     from hopper_attn.common.contract import Problem
     from hopper_attn import k6
     with pytest.raises(ValueError, match="shared memory"):
-        k6.compile_kernel(Problem(1, 1, 128, 192), block_n=128)
+        k6.compile_kernel(Problem(1, 1, 128, 192), tile="128x128")
 
 
 @pytest.mark.parametrize("d,causal", CONFIGS)
 def test_softmax_waits_for_qk_only(d, causal):
     # (d = 64 waits for PV inside the tile by default, measured faster there: the option on)
-    art = artifacts(d, causal, name="k6:wait_pv_late=1" if d == 64 else "k6")
+    art = artifacts(d, causal, name="k6:pv_wait=late" if d == 64 else "k6")
     ptx = art["ptx"]
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
     assert "1" in waits                                       # S_j ready, PV_{j-1} in flight
@@ -83,7 +85,7 @@ def test_softmax_waits_for_qk_only(d, causal):
     # (d = 128) at least the ones in front of its fence
     per_thread = art["kernel"]["block_n"] // 2
     every = art["kernel"]["options"].get("fma_exp2_every") or 0
-    after = art["kernel"]["options"].get("pv_wait_after") or 0
+    after = pv_wait_after(art["kernel"]["options"].get("pv_wait", ""))
     expected = after or per_thread - (per_thread // every if every else 0)
     assert exp2_between_waits(sass(art["cubin"])) >= expected
 
@@ -140,39 +142,38 @@ def registry_spec(name):
 
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, False)])
 def test_lazy_rescale_compiles(d, causal):
-    """The option that rescales O only when a row maximum grew by more than 2^8: no spills,
-    one warp vote per tile for the decision, and the softmax still under PV."""
+    """rescale="lazy" (O rescaled only when a row maximum grew by more than 2^8, P's row sums
+    rounded): no spills, one warp vote per tile for the decision; at d = 256, with the PV
+    wait pinned after the softmax, every exp2 of the tile in front of the fenced wait (at
+    d < 192 with the late wait the rounded sums' conversions, F2FP as P's, leave
+    `exp2_between_waits` nothing to tell apart)."""
     # (all exp2s on the SFU: every 16th at d = 128 would otherwise run on the FMA pipe)
-    # (the loop's shape with P's sums unrounded: the rounding's conversions are the next test's)
-    art = artifacts(d, causal,
-                    name="k6:wait_pv_late=1,lazy_rescale=1,fma_exp2_every=0,round_p_sums=0")
+    art = artifacts(d, causal, name="k6:rescale=lazy,fma_exp2_every=0," +
+                    ("pv_wait=one_group" if d >= 192 else "pv_wait=late"))
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert "vote.sync.any" in art["ptx"]
     text = sass(art["cubin"])
     if d >= 192:
-        # the late wait is pinned by a fence (pin_pv_wait), and ptxas lays the rare rescale
+        # ptxas lays the rare rescale
         # branch (its own wait) out in front of the exp2s: count up to the fenced wait
         lines = text.splitlines()
         wait_qk = next(i for i, ln in enumerate(lines) if re.search(r"DEPBAR\.LE\s+gsb0,\s*0x1", ln))
         fenced = next(i for i in range(wait_qk, len(lines)) if "MEMBAR" in lines[i])
         assert sum("MUFU.EX2" in ln for ln in lines[wait_qk:fenced]) >= art["kernel"]["block_n"] // 2
-    else:
-        assert exp2_between_waits(text) >= art["kernel"]["block_n"] // 2
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_d256_rescales_lazily_with_rounded_sums(dtype):
     """d = 256's default (LAZY_RESCALE): O rescaled only where a row maximum grew by more than
     2^8 (one warp vote per tile), with P rounded to the input type before the row sums
-    (`round_p_sums`): in the steady loop one more pair conversion per pair of P (the row sums'
-    next to the PV operand's), widened back by a shift and a mask in bf16; the O rescale's
-    multiplies only in the rare branch; no spills."""
+    (rescale="lazy" rounds them): in the steady loop one more pair conversion per pair of P
+    (the row sums' next to the PV operand's) than the eager step's, widened back by a shift
+    and a mask in bf16; the O rescale's multiplies only in the rare branch; no spills."""
     from hopper_attn.harness.sass_order import loop_body, loops
     art = artifacts(256, False, dtype=dtype)
-    plain = artifacts(256, False, name="k6:round_p_sums=0", dtype=dtype)
-    options = art["kernel"]["options"]
-    assert options["lazy_rescale"] and options["round_p_sums"]
+    plain = artifacts(256, False, name="k6:rescale=eager", dtype=dtype)
+    assert art["kernel"]["options"]["rescale"] == "lazy"
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert "vote.sync.any" in art["ptx"]
@@ -194,46 +195,30 @@ def test_d256_rescales_lazily_with_rounded_sums(dtype):
 
 
 def test_lazy_rescale_defaults():
-    """LAZY_RESCALE: d = 192 and 256 (both masks) rescale lazily with rounded sums in the
-    pinned loop; d <= 128 keeps the eager step; an option that needs the eager step
-    (exp_first, pv_wait_after, ...) turns the default off."""
+    """POLICY: d = 192 and 256 (both masks) rescale lazily with rounded sums in the loop
+    whose PV wait is pinned (one PV group); d <= 128 keeps the eager step; a PV wait among
+    or before the exp2s needs the eager step (given, not implied)."""
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-
-    def options(d, causal, **kw):
-        return k6.compile_kernel(Problem(1, 2, 1000, d, causal), **kw).describe()["options"]
     for d, causal in ((256, False), (256, True), (192, False), (192, True)):
-        o = options(d, causal)
-        assert o["lazy_rescale"] and o["round_p_sums"] and o["reverse_p"], (d, causal)
-        assert not o["wait_pv_late"] and o["pin_pv_wait"], (d, causal)
+        o = settings_for(Problem(1, 2, 1000, d, causal))
+        assert (o["rescale"], o["pv_wait"]) == ("lazy", "one_group"), (d, causal)
     for d, causal in ((128, True), (128, False), (64, True)):
-        o = options(d, causal)
-        assert not o["lazy_rescale"] and not o["round_p_sums"], (d, causal)
-    o = options(256, False, pv_wait_after=14, reverse_p=True)
-    assert not o["lazy_rescale"] and o["pv_wait_after"] == 14
-    o = options(256, False, lazy_rescale=False)
-    assert not o["lazy_rescale"] and not o["round_p_sums"]
+        assert settings_for(Problem(1, 2, 1000, d, causal))["rescale"] == "eager"
+    with pytest.raises(ValueError, match="eager only"):
+        k6.compile_kernel(Problem(1, 2, 1000, 256, False), pv_wait="after14")
+    kernel = k6.FlashAttentionK6(256, False, 128, 80, pv_wait="one_group", rescale="lazy")
+    assert kernel.lazy_rescale and kernel.round_p_sums and kernel.reverse_p
+    assert not kernel.wait_pv_late and kernel.pin_pv_wait
 
 
-def test_pv_wait_first_given_keeps_pv_wait_after_off():
-    """A caller's pv_wait_first turns PV_WAIT_AFTER's default off (the two cannot combine):
-    d = 64 with a mask from 4k, where the default waits among the exp2s."""
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    problem = Problem(1, 2, 4096, 64, True)
-    assert k6.compile_kernel(problem).describe()["options"]["pv_wait_after"] > 0
-    o = k6.compile_kernel(problem, pv_wait_first=1, wait_pv_late=False).describe()["options"]
-    assert o["pv_wait_first"] == 1 and o["pv_wait_after"] == 0
-
-
-@pytest.mark.parametrize("name", ["k6:wait_pv_late=0,pin_pv_wait=1,fma_exp2_every=0,pv_wait_after=0",
-                                  "k7"])
-def test_a_fence_pins_the_pv_wait(name):
+@pytest.mark.parametrize("plain_name,name", [("k6:pv_wait=free,fma_exp2_every=0",
+                                              "k6:pv_wait=pinned,fma_exp2_every=0"),
+                                             ("k7:pv_wait=free", "k7")])
+def test_a_fence_pins_the_pv_wait(plain_name, name):
     """Without the late wait, ptxas hoists the PV wait (`DEPBAR 0x0`) above the softmax; a
     memory fence in front of it (MEMBAR.ALL.CTA) keeps it where the source puts it, after
     every exp2 of the tile, in the same iteration (docs/k6.md "What the SASS says")."""
-    plain = artifacts(128, False, name=name.split(":")[0] + ":wait_pv_late=0,pin_pv_wait=0" +
-                      (",pv_wait_after=0" if name.startswith("k6") else ""))
+    plain = artifacts(128, False, name=plain_name)
     pinned = artifacts(128, False, name=name)
     conversion = "F2FP.SATFINITE.E4M3" if name == "k7" else "F2FP"
     assert exp2_between_waits(sass(plain["cubin"]), conversion) == 0
@@ -242,39 +227,38 @@ def test_a_fence_pins_the_pv_wait(name):
     share = 3 / 4 if pinned["kernel"]["options"].get("s_f16") else 1
     assert exp2_between_waits(sass(pinned["cubin"]), conversion) >= \
         pinned["kernel"]["block_n"] // 2 * share
-    # (k7 at this length: once more in the narrow last tile after the loop, tail_n)
-    tiles = 1 + bool(pinned["kernel"]["options"].get("tail_n"))
-    assert count(pinned["ptx"], r"fence\.acq_rel\.cta") == tiles
+    assert count(pinned["ptx"], r"fence\.acq_rel\.cta") == 1
     for fn in resource_usage(pinned["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
 def test_d64_causal_192_rows_fit_with_one_limit_per_row():
     """Three consumer warpgroups (160 registers) at d = 64 with a causal mask spill with the
-    two-compare mask (why k6 uses 128 rows there); with one key limit per row they fit."""
-    art = artifacts(64, True, name="k6:block_m=192,mask_per_row=1")
-    assert art["kernel"]["block_m"] == 192
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    two-compare mask (why k6 uses 128 rows there for short sequences); with one key limit
+    per row (POLICY's 192-row causal rows) they fit."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get("k6"), 64, True, seqlen=1024)
+    assert art["ok"] and art["kernel"]["block_m"] == 192
+    assert art["kernel"]["options"]["mask_per_row"]
+    spills = compile_artifacts(registry.get("k6:tile=192x128,pingpong=0"), 64, True)
+    assert not spills["ok"] and spills["spills"]
 
 
 def test_d64_causal_long_sequences_use_192_rows():
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    short = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64 - 1, 64, True))
-    long = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True))
-    longer = k6.compile_kernel(Problem(1, 2, k6.WG_CAUSAL_LIMIT[64], 64, True))
+    short = k6.compile_kernel(Problem(1, 2, 767, 64, True))
+    long = k6.compile_kernel(Problem(1, 2, 768, 64, True))
+    longer = k6.compile_kernel(Problem(1, 2, 4096, 64, True))
     assert short.describe()["block_m"] == 128 and long.describe()["block_m"] == 192
     # the PV wait in the iteration where each warpgroup stops at its own diagonal, after the
     # softmax (measured 2026-11-28, docs/k6.md "The PV wait before the exp2s"); from there
     # among the exp2s, with turns (2026-11-28, "Turns again at d = 64 with a mask")
-    assert long.options["mask_per_row"] and not long.options["wait_pv_late"]
+    assert long.options["mask_per_row"] and long.options["pv_wait"] == "free"
     assert long.options["wg_causal_limit"] and not long.options["pingpong"]
-    assert long.options["pv_wait_after"] == 0
-    assert longer.options["mask_per_row"] and not longer.options["wait_pv_late"]
+    assert longer.options["mask_per_row"] and longer.options["pv_wait"] == "after4"
     assert not longer.options["wg_causal_limit"] and longer.options["pingpong"]
-    assert longer.options["pv_wait_after"] == k6.PV_WAIT_AFTER[(64, True)][0] == 4
-    assert longer.options["opaque_p"]
+    assert longer.kernel.opaque_exp2
 
 
 def test_d64_causal_long_loop_waits_for_pv_among_the_exp2s(tmp_path):
@@ -297,7 +281,7 @@ def test_d64_causal_long_loop_waits_for_pv_among_the_exp2s(tmp_path):
 
 
 def test_d96_long_sequences():
-    """d = 96, N >= LONG_D96: three consumer warpgroups on 192 x 96 tiles without turns
+    """d = 96, N >= 2048: three consumer warpgroups on 192 x 96 tiles without turns
     (no mask), the PV wait pinned in place of the late one (causal); no spills (ptxas
     spill warnings are errors here)."""
     from hopper_attn import k6
@@ -308,65 +292,30 @@ def test_d96_long_sequences():
         return k6.compile_kernel(Problem(1, 2, seqlen, 96, causal),
                                  compile_options=SPILLS_AS_ERRORS)
 
-    short, full, causal = build(k6.LONG_D96 - 1, False), build(k6.LONG_D96, False), \
-        build(k6.LONG_D96, True)
+    short, full, causal = build(2047, False), build(2048, False), build(2048, True)
     assert (short.describe()["block_m"], short.describe()["block_n"]) == (128, 128)
     kernel = full.describe()
     assert (kernel["block_m"], kernel["block_n"], kernel["consumer_warpgroups"]) == (192, 96, 3)
     assert not kernel["named_barriers"]["scheduler"]
-    assert causal.options["wait_pv_late"] is False and causal.options["pin_pv_wait"]
+    assert causal.options["pv_wait"] == "one_group"
     # shorter lengths whose last 192-row query tile leaves at most one warpgroup idle too
     assert [k6.d96_wide_tiles(n) for n in (512, 768, 1024, 1280, 1536, 1792)] == \
         [False, True, False, True, True, False]
 
 
-def test_p_in_smem_option():
-    """k6:p_in_smem=1 (not yet run on a GPU): P goes to O += P V through shared memory
-    (stmatrix), so no WGMMA takes A from registers; a 128-thread barrier per warpgroup
-    orders the P stores before the PV; FlashAttention-4's d = 96 tile, 192 x 144, then
-    compiles without spills (it spills with P in registers)."""
-    name = "k6:p_in_smem=1,block_m=192,block_n=144,wait_pv_late=0,mask_per_row=1"
-    for causal in (False, True):
-        art = artifacts(96, causal, name=name)
-        for fn in resource_usage(art["cubin"]):
-            assert fn["local"] == 0 and fn["stack"] == 0, fn
-        assert count(art["ptx"], WGMMA) > 0 and count(art["ptx"], WGMMA_REG_A) == 0
-        assert count(art["ptx"], r"stmatrix\.sync\.aligned") > 0
-        assert re.search(r"bar\.sync\s+%r\d+,\s*128;", art["ptx"])
-        assert art["kernel"]["smem_bytes"] <= 227 * 1024
-
-
 def test_own_o_buffer_option():
-    """k6:own_o_buffer=1 (the default at d = 128 and with a mask at d = 64, 96): O staged in a buffer of its own, Q's size
-    more shared memory, no spills; refused where it does not fit (d = 256)."""
+    """k6:item_end=own_buffer (the default's buffer at d <= 128): O staged in a buffer of its
+    own, Q's size more shared memory, no spills; refused where it does not fit (d = 256)."""
     for d in (64, 128):
-        plain, own = (artifacts(d, True, name="k6:own_o_buffer=0"),
-                      artifacts(d, True, name="k6:own_o_buffer=1"))
+        plain, own = (artifacts(d, True, name="k6:item_end=q_buffer"),
+                      artifacts(d, True, name="k6:item_end=own_buffer"))
         for fn in resource_usage(own["cubin"]):
             assert fn["local"] == 0 and fn["stack"] == 0, fn
         extra = own["kernel"]["block_m"] * d * 2
         assert own["kernel"]["smem_bytes"] - plain["kernel"]["smem_bytes"] >= extra
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
     with pytest.raises(ValueError, match="shared memory"):
-        k6.compile_kernel(Problem(1, 2, 128, 256, False), own_o_buffer=True)
-
-
-@pytest.mark.parametrize("d,causal", [(64, False), (256, True)])
-def test_direct_store_option(d, causal):
-    """k6:direct_store=1: O from registers straight to global memory (k7's option, shared in
-    k5): no TMA store and no O buffer, Q released before the epilogue; no spills. Refused
-    together with own_o_buffer (measured: -1 to -12% at d = 192 / 256, docs/k6.md)."""
-    art = artifacts(d, causal, name="k6:direct_store=1")
-    text = sass(art["cubin"])
-    assert "UTMASTG" not in text and "STG.E" in text
-    assert not art["kernel"]["options"]["own_o_buffer"]
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    with pytest.raises(ValueError, match="own_o_buffer"):
-        k6.compile_kernel(Problem(1, 2, 128, 128, False), direct_store=True, own_o_buffer=True)
+        k6.compile_kernel(Problem(1, 2, 128, 256, False), item_end="own_buffer")
 
 
 @pytest.mark.parametrize("d,causal", [(64, False), (96, False), (128, True)])
@@ -374,7 +323,7 @@ def test_skip_idle_wgs_option(d, causal):
     """k6:skip_idle_wgs=1: a consumer warpgroup whose rows all lie past the sequence's end
     runs `idle_loop` (ring waits and releases, turns; no GEMM, no softmax), chosen once per
     work item, so the compute loop is the default's: the same WGMMA groups and exp2 count,
-    within two instructions, no spills. Refused with exp_turns (not measured yet)."""
+    within two instructions, no spills."""
     from hopper_attn.harness.sass_order import loop_body, loops
     plain, skip = artifacts(d, causal), artifacts(d, causal, name="k6:skip_idle_wgs=1")
     a, b = sass(plain["cubin"]), sass(skip["cubin"])
@@ -382,41 +331,6 @@ def test_skip_idle_wgs_option(d, causal):
     assert abs(len(loop_body(a, loops(a)[0])) - len(loop_body(b, loops(b)[0]))) <= 2
     for fn in resource_usage(skip["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    with pytest.raises(ValueError, match="skip_idle_wgs"):
-        k6.compile_kernel(Problem(1, 2, 128, d, causal), skip_idle_wgs=True, exp_turns=True)
-
-
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (192, False)])
-def test_s_ahead_loop(d, causal):
-    """k6:s_ahead=1 (QK one tile ahead into a second S accumulator, its own defaults: no
-    turns, 64-key tiles; docs/k7.md "QK one tile ahead"): each tile of the two per iteration
-    issues QK and PV, runs all its exp2s, then its one wait; no serialization, no spills."""
-    art = artifacts(d, causal, name="k6:s_ahead=1")
-    text = sass(art["cubin"])
-    from hopper_attn.harness.sass_order import loops
-    events = loops(text)[-1][2]
-    waits = [i for i, e in enumerate(events) if e.startswith("DEPBAR")]
-    assert [events[i] for i in waits] == ["DEPBAR 0x0", "DEPBAR 0x0"]
-    for i in waits:
-        assert events[i - 2].startswith("EX2 x") and events[i - 1] == "MEMBAR x2"
-    assert text.count("WARPGROUP.DEPBAR") <= 6
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-
-
-def test_s_ahead_needs_its_loop_alone():
-    """s_ahead replaces the whole loop: refused with the options that change that loop, and
-    at d = 256, where no kv tile leaves room for a second S."""
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem, UnsupportedProblem
-    with pytest.raises(ValueError, match="s_ahead"):
-        k6.compile_kernel(Problem(1, 2, 128, 128, False), s_ahead=True, pingpong=True)
-    with pytest.raises(ValueError, match="s_ahead"):
-        k6.compile_kernel(Problem(1, 2, 128, 64, False), s_ahead=True, lazy_rescale=True)
-    with pytest.raises(UnsupportedProblem, match="s_ahead"):
-        k6.compile_kernel(Problem(1, 2, 128, 256, False), s_ahead=True)
 
 
 @pytest.mark.parametrize("d,causal", [(64, True), (128, False), (128, True), (256, False)])
@@ -441,7 +355,7 @@ def test_v_lags_k_option(d, causal):
     (64, False, True, True), (96, False, False, True), (256, False, True, False),
     (256, True, True, False), (192, True, True, False)])
 def test_load_order_defaults(d, causal, lags, own):
-    """compile_kernel's defaults follow k6.LOAD_ORDER (measured round-robin, docs/k6.md)."""
+    """POLICY's V lagging and O buffer (measured round-robin, docs/k6.md)."""
     kernel = artifacts(d, causal)["kernel"]
     assert (kernel["v_lags_k"], kernel["own_o_buffer"]) == (lags, own)
 
@@ -464,7 +378,7 @@ def test_releases_from_an_elected_lane(name):
 
 def test_spinning_waits_where_measured():
     """d = 128, d = 64 on its 192-row tiles (`three_wg_d64`) and d = 192 / 256 with a mask
-    (k6.SPIN_WAITS): every ring wait is `mbarrier.try_wait` without a suspend-time hint, in a
+    (POLICY): every ring wait is `mbarrier.try_wait` without a suspend-time hint, in a
     loop (no NANOSLEEP). Elsewhere (here d = 64's 128-row causal tile and d = 256 without a
     mask) the library's wait, which sleeps between tries."""
     hint = r"mbarrier\.try_wait\.parity\S*\s+[^;]*,\s*10000000;"
@@ -511,14 +425,13 @@ def test_turns_only_where_they_pay():
     below 4k (1.4-2.0% faster without, with the PV wait late or after the softmax); from 4k,
     where those wait among the exp2s, turns again."""
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
     assert artifacts(64, False)["kernel"]["named_barriers"]["scheduler"]
     for causal in (False, True):
         assert not artifacts(128, causal)["kernel"]["named_barriers"]["scheduler"]
-    long_causal = k6.compile_kernel(Problem(1, 2, k6.LONG_CAUSAL_D64, 64, True)).describe()
+    long_causal = k6.compile_kernel(Problem(1, 2, 768, 64, True)).describe()
     assert long_causal["block_m"] == 192 and not long_causal["named_barriers"]["scheduler"]
     # from 4k, with the PV wait among the exp2s, turns again (+1.4-3.8% on the H200)
-    longer = k6.compile_kernel(Problem(1, 2, k6.WG_CAUSAL_LIMIT[64], 64, True)).describe()
+    longer = k6.compile_kernel(Problem(1, 2, 4096, 64, True)).describe()
     assert longer["block_m"] == 192 and longer["named_barriers"]["scheduler"]
 
 
@@ -537,13 +450,12 @@ def test_row_max_and_epilogue_instructions(d):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_longest_first_option(d):
-    """k6:longest_first=1 (the dynamic schedule's items head group by head group): no
-    spills, and the group's row budget (LONGEST_FIRST's MiB of K and V) in the PTX."""
-    from hopper_attn import k6
-    art = artifacts(d, True, "k6:longest_first=1")
+    """k6:longest_first=32 (the dynamic schedule's items in head groups of 32 MiB of K and V):
+    no spills, and the group's row budget in the PTX."""
+    art = artifacts(d, True, "k6:longest_first=32")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    rows = (k6.LONGEST_FIRST[d][0] << 20) // (d * 4)
+    rows = (32 << 20) // (d * 4)
     assert count(art["ptx"], rf"div\.s32\s+%r\d+,\s*{rows},") >= 1
     assert count(artifacts(d, True)["ptx"], rf"div\.s32\s+%r\d+,\s*{rows},") == 0
 
@@ -552,7 +464,7 @@ def test_longest_first_items_decoded_once():
     """In the head-group order the producer warp decodes each work item and hands (query
     tile, head, batch, valid) to the consumers in one 16-byte SMEM slot; in the head-by-head
     order it hands over the item's index, which every consumer decodes itself."""
-    grouped = artifacts(128, True, "k6:longest_first=1")["ptx"]
+    grouped = artifacts(128, True, "k6:longest_first=8")["ptx"]
     plain = artifacts(128, True, "k6:longest_first=0")["ptx"]
     assert count(grouped, r"st\.shared\.v4\.b32") == count(grouped, r"ld\.shared\.v4\.b32") == 1
     assert count(plain, r"st\.shared\.v4\.b32") == count(plain, r"ld\.shared\.v4\.b32") == 0
@@ -561,13 +473,11 @@ def test_longest_first_items_decoded_once():
 
 def test_longest_first_by_sequence_length():
     """On by default with a mask inside the query lengths where it was measured to pay
-    (LONGEST_FIRST: 1k-8k at d = 128, 2k-16k at d = 256, 4k-16k at d = 64); off without a
-    mask and at the head dims not measured."""
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    on = lambda n, d, causal=True: k6.compile_kernel(Problem(1, 2, n, d, causal)).options[
-        "longest_first"]
-    for d, (_, low, high) in k6.LONGEST_FIRST.items():
+    (POLICY: 1k-8k at d = 128, 2k-16k at d = 256, 4k-16k at d = 64); off without a mask and
+    at the head dims not measured."""
+    def on(n, d, causal=True):
+        return settings_for(Problem(1, 2, n, d, causal))["longest_first"] > 0
+    for d, low, high in ((64, 4096, 16384), (128, 1024, 8192), (256, 2048, 16384)):
         assert on(low, d) and on(high, d) and not on(low - 1, d) and not on(high + 1, d)
         assert not on(low, d, causal=False)
     assert not on(4096, 96) and not on(4096, 192)
@@ -594,12 +504,13 @@ def _conversions_among_exp2s(text):
     ("k6", 256, True, True), ("k6", 128, True, False), ("k6", 64, True, False),
     ("k6", 96, False, False), ("k6", 192, False, False)])
 def test_v_released_after_p_without_a_branch(name, d, causal, on):
-    """v_release_last (V_RELEASE_LAST, and d = 64 on 192-row tiles): a tile hands V_{n-1}'s
+    """v_release_last (POLICY): a tile hands V_{n-1}'s
     stage back after P's conversion with one predicated arrive (elect.sync and n > 0 as
     predicates, no `if`), so the exp2s and P's conversions share one basic block; where the
     PV wait is not late (d = 64), ptxas then spreads the conversions among the exp2s, as in
-    FlashAttention-4's loop. (early_q_release off: its Q release is such an arrive too.)"""
-    art = artifacts(d, causal, name=name + ":early_q_release=0")
+    FlashAttention-4's loop. (item_end without the early Q release: its Q release is such an
+    arrive too.)"""
+    art = artifacts(d, causal, name=name + (":item_end=own_buffer" if d <= 128 else ""))
     assert art["kernel"]["options"]["v_release_last"] == on
     assert (count(art["ptx"], r"@p mbarrier\.arrive\.shared::cta\.b64") >= 1) == on
     if d == 64 and not causal:
@@ -623,15 +534,14 @@ def _tile_after_pv_wait(text: str):
 
 
 def test_pv_wait_among_the_exp2s():
-    """pv_wait_after (PV_WAIT_AFTER: d = 128): a memory fence after the tile's 7th exp2 keeps
+    """pv_wait="after7" (POLICY: d = 128): a memory fence after the tile's 7th exp2 keeps
     the PV wait, written after the softmax, from rising above it, and the row maxima come
     first, so ptxas spreads O's 64 multiplies and P's 32 conversions over the exp2s that
     follow the wait (FlashAttention-4's order) instead of running them at the loop's top."""
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
     art = artifacts(128, False)
-    assert art["kernel"]["options"]["pv_wait_after"] == 7
-    assert art["kernel"]["options"]["v_release_last"] and not art["kernel"]["options"]["wait_pv_late"]
+    assert art["kernel"]["options"]["pv_wait"] == "after7"
+    assert art["kernel"]["options"]["v_release_last"]
     assert count(art["ptx"], r"fence\.acq_rel\.cta") == 1
     text = sass(art["cubin"])
     assert exp2_between_waits(text) >= 7
@@ -640,15 +550,15 @@ def test_pv_wait_among_the_exp2s():
     assert sum("F2FP" in ln for ln in tail) >= 16
     assert sum(re.search(r"\bFMUL\b", ln) is not None for ln in tail) >= 48
     # the late wait (before): the multiplies and conversions follow the last exp2
-    late = _tile_after_pv_wait(sass(artifacts(128, False, name="k6:pv_wait_after=0")["cubin"]))
+    late = _tile_after_pv_wait(sass(artifacts(128, False, name="k6:pv_wait=late")["cubin"]))
     assert sum("F2FP" in ln for ln in late) == 0
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    # with a mask from PV_WAIT_AFTER's shortest query length on, with V released last
-    short = k6.compile_kernel(Problem(1, 2, 2047, 128, True)).options
-    long = k6.compile_kernel(Problem(1, 2, 2048, 128, True)).options
-    assert short["pv_wait_after"] == 0 and not short["v_release_last"]
-    assert long["pv_wait_after"] == 7 and long["v_release_last"]
+    # with a mask from 2k queries on, with V released last
+    short = k6.compile_kernel(Problem(1, 2, 2047, 128, True))
+    long = k6.compile_kernel(Problem(1, 2, 2048, 128, True))
+    assert short.options["pv_wait"] == "late" and not short.kernel.v_release_last
+    assert long.options["pv_wait"] == "after7" and long.kernel.v_release_last
 
 
 def _pv_groups(text: str) -> list:
@@ -660,26 +570,20 @@ def _pv_groups(text: str) -> list:
     ("k6", 64, False, False), ("k6", 96, False, False), ("k6", 128, False, False),
     ("k6", 128, True, False), ("k6", 192, False, False), ("k6", 192, True, False),
     ("k6", 256, False, False), ("k6", 256, True, False),           # PINNED_IN_ITERATION
-    ("k6:wait_pv_late=1,reverse_p=0,peel_first=0", 192, False, True),  # the defaults before
-    ("k6:wait_pv_late=1,reverse_p=0,peel_first=0", 256, False, True),
-    ("k6:wait_pv_late=1,reverse_p=0,peel_first=0", 256, True, True),
-    ("k6:wait_pv_late=1,reverse_p=0", 256, False, False),           # peel_first keeps PV whole
-    ("k6:reverse_p=1,pv_wait_after=8", 256, False, False),
-    ("k6:reverse_p=1,pv_wait_after=8", 256, True, False),
-    ("k6:reverse_p=1,pv_wait_after=10", 192, False, False),
-    ("k6:block_m=192,block_n=96,pingpong=0", 96, False, True),      # d = 96 from N = 2k
-    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8", 96, False, False),
-    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,wait_pv_late=0,pin_pv_wait=1", 96,
-     False, False),
-    ("k6:rescale_before_pv=1,reverse_p=1,pv_wait_after=8", 256, False, False)])
+    ("k6:pv_wait=late,peel_first=0", 192, False, True),             # the late wait
+    ("k6:pv_wait=late,peel_first=0", 256, False, True),
+    ("k6:pv_wait=late,peel_first=0", 256, True, True),
+    ("k6:pv_wait=late", 256, False, False),                         # peel_first keeps PV whole
+    ("k6:tile=192x96,pingpong=0,pv_wait=late", 96, False, True),    # d = 96 from N = 2k
+    ("k6:tile=192x96,pingpong=0,pv_wait=one_group", 96, False, False)])
 def test_pv_wgmma_groups(name, d, causal, split):
     """O += P V is one WGMMA group (block_n / 16 HGMMAs, one `gsb0`), so that the loop's
     `wait_group(1)` waits for QK only. With kv tiles of 80 or 112 keys (d = 256, 192) ptxas
     builds P's last k16 slice in other registers and moves it in after the WGMMA fence, and
     splits the loop's PV into one group per slice: `wait_group(1)` then waits for all of PV but
-    its last slice. Converting P last slice first (`reverse_p`) with the PV wait in the
-    iteration (`pv_wait_after`, or pinned after the softmax: the default at d = 192 and 256
-    since it measured +0.4-5.5%) keeps every PV whole (docs/k6.md "One WGMMA group per P
+    its last slice. Converting P last slice first with the PV wait pinned in the iteration
+    (pv_wait="one_group": the default at d = 96, 192 and 256 since it measured +0.4-6.7%)
+    keeps every PV whole (docs/k6.md "One WGMMA group per P
     slice")."""
     art = artifacts(d, causal, name=name)
     slices = art["kernel"]["block_n"] // 16
@@ -690,70 +594,41 @@ def test_pv_wgmma_groups(name, d, causal, split):
         assert all(g == slices for g in groups)
     if name == "k6" and d >= 192:
         options = art["kernel"]["options"]
-        assert options["reverse_p"] and not options["wait_pv_late"] and options["pin_pv_wait"]
+        assert options["pv_wait"] == "one_group"
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
-@pytest.mark.parametrize("name,d,causal", [
-    ("k6:pv_wait_after=7", 64, False),
-    ("k6:pv_wait_after=7,block_m=192,mask_per_row=1,wait_pv_late=0,pingpong=0", 64, True),
-    ("k6:block_m=192,block_n=96,pingpong=0,reverse_p=1,pv_wait_after=8", 96, False)])
-def test_exp2s_computed_once(name, d, causal):
-    """On 192-row tiles, with the fence of pv_wait_after in the softmax, the compiler computes
-    part of P's exp2s a second time for P's conversion after the fence (89 instead of 66
-    `ex2` per tile at d = 64, already in the PTX); `opaque_p` passes each exp2 result through
-    an opaque move and the kernel has one per score again, plus one alpha per row (the
-    default there since 2026-11-28)."""
-    plain = artifacts(d, causal, name=name + ",opaque_p=0")
-    opaque = artifacts(d, causal, name=name)
-    assert opaque["kernel"]["options"]["opaque_p"]
-    once = opaque["kernel"]["block_n"] // 2 + 2
-    assert count(plain["ptx"], r"ex2\.approx") > once
-    assert count(opaque["ptx"], r"ex2\.approx") == once
-    assert sass(opaque["cubin"]).count("MUFU.EX2") == once
-    for fn in resource_usage(opaque["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-
-
-@pytest.mark.parametrize("d,causal", [(256, False), (256, True), (192, False)])
-def test_o_rescaled_under_qk(d, causal):
-    """rescale_before_pv (with pv_wait_after): O's d / 2 multiplies per thread run between
-    the QK group and the PV issue, as in FlashAttention-4 at d > 128, and the only wait there
-    is the free `wait_group(1)` (QK alone in flight), not one for QK."""
-    art = artifacts(d, causal,
-                    name="k6:rescale_before_pv=1,reverse_p=1,pv_wait_after=8,peel_first=0")
-    lines = sass(art["cubin"]).splitlines()
-    qk_end = next(i for i, ln in enumerate(lines)
-                  if "HGMMA" in ln and "gsb0" in ln and re.search(r"HGMMA\.\S+ R\d+, gdesc", ln))
-    pv = next(i for i in range(qk_end, len(lines)) if re.search(r"HGMMA\.\S+ R\d+, R", lines[i]))
-    between = lines[qk_end:pv]
-    assert sum(re.search(r"\bFMUL\b", ln) is not None for ln in between) >= d // 2
-    assert not any(re.search(r"DEPBAR\.LE\s+gsb0,\s*0x0", ln) for ln in between)
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    with pytest.raises(ValueError, match="pv_wait_after"):
-        k6.compile_kernel(Problem(1, 2, 128, d, causal), rescale_before_pv=True, pv_wait_after=0,
-                          wait_pv_late=True)
+@pytest.mark.parametrize("name,d,causal,seqlen", [("k6:pv_wait=after7", 64, False, 128),
+                                                  ("k6", 64, True, 4096)])
+def test_exp2s_computed_once(name, d, causal, seqlen):
+    """On 192-row tiles, with the fence of pv_wait="after<n>" in the softmax, the compiler
+    computed part of P's exp2s a second time for P's conversion after the fence (89 instead
+    of 66 `ex2` per tile at d = 64); each exp2 result goes through an opaque move there
+    (FlashAttentionK6.opaque_exp2), and the kernel has one per score again, plus one alpha
+    per row."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get(name), d, causal, seqlen=seqlen)
+    assert art["ok"] and art["kernel"]["block_m"] == 192
+    once = art["kernel"]["block_n"] // 2 + 2
+    assert count(art["ptx"], r"ex2\.approx") == once
+    assert sass(art["cubin"]).count("MUFU.EX2") == once
 
 
 def test_defer_store_wait():
-    """O's own buffer without a mask at d = 64 and 96 (LOAD_ORDER, measured 2026-11-26), and
-    where the warpgroups take turns the epilogue's TMA store not waited for until the next
-    item's epilogue (`defer_store_wait`): in the PTX the first read-wait comes before the store (the previous
-    item's), the last after the loop; the plain epilogue waits right after its store. Refused
-    without O's own buffer."""
+    """item_end="own_buffer_deferred" (d = 96 with a mask from 4k, where the warpgroups take
+    turns): the epilogue's TMA store is not waited for until the next item's epilogue: in
+    the PTX the first read-wait comes before the store (the previous item's), the last after
+    the loop; the plain epilogue waits right after its store."""
     import re
     store = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
     wait = "cp.async.bulk.wait_group.read"
-    # (wg_store off: where it is on, each warpgroup defers its own store's wait)
-    deferred = artifacts(64, False, "k6:wg_store=0")
-    plain = artifacts(128, False, "k6:wg_store=0")
+    deferred = artifacts(64, False, "k6:item_end=own_buffer_deferred")
+    plain = artifacts(128, False, "k6:item_end=own_buffer")
     for art in (deferred, plain, artifacts(96, False)):
-        assert art["kernel"]["options"]["own_o_buffer"], art["kernel"]["options"]
-    assert deferred["kernel"]["options"]["defer_store_wait"]
-    assert not plain["kernel"]["options"]["defer_store_wait"]       # no turns at d = 128
-    assert artifacts(64, True, "k6:wg_store=0")["kernel"]["options"]["defer_store_wait"]
+        assert art["kernel"]["own_o_buffer"], art["kernel"]["options"]
+    assert settings_for(Problem(1, 2, 4096, 96, True))["item_end"] == "own_buffer_deferred"
     ptx = deferred["ptx"]
     first_store = store.search(ptx).start()
     assert ptx.index(wait) < first_store < ptx.rindex(wait)
@@ -761,47 +636,24 @@ def test_defer_store_wait():
     assert store.search(ptx).start() < ptx.index(wait)
     for fn in resource_usage(deferred["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def test_item_end_options():
+    """A work item's end (ITEM_ENDS, measured 2026-11-26, docs/k6.md "Where a work item
+    ends"): with "own_buffer_wg" the loop hands Q's stage back itself (a third predicated
+    mbarrier arrive in the loop, next to K's and V's) and each consumer warpgroup stores its
+    own rows on a barrier of its 128 threads, and no barrier of all consumer threads is left
+    (with "q_buffer_wg", at d >= 192, into its own rows of Q's buffer). O's own buffer is
+    refused where it does not fit."""
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    with pytest.raises(ValueError, match="defer_store_wait"):
-        k6.compile_kernel(Problem(1, 2, 128, 256, False), defer_store_wait=True)
-
-
-def test_two_ctas_per_sm():
-    """k6:block_m=64,ctas_per_sm=2: two CTAs of one consumer warpgroup on every SM (128
-    registers a thread at entry, 32 / 224 after setmaxnreg, twice the persistent grid), no
-    spills; refused with more than one consumer warpgroup, or where two CTAs' shared memory
-    does not fit (measured slower: docs/k6.md)."""
-    art = artifacts(64, True, name="k6:block_m=64,ctas_per_sm=2")
-    kernel = art["kernel"]
-    assert (kernel["entry_regs_max"], kernel["producer_regs"], kernel["consumer_regs"]) == \
-        (128, 32, 224)
-    assert kernel["ctas_per_sm"] == 2 and kernel["persistent_ctas"] == 2 * 132
-    for fn in resource_usage(art["cubin"]):
-        assert fn["registers"] <= 128 and fn["local"] == 0 and fn["stack"] == 0, fn
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    with pytest.raises(ValueError, match="consumer warpgroups"):
-        k6.compile_kernel(Problem(1, 2, 128, 64, False), block_m=128, ctas_per_sm=2)
-    with pytest.raises(ValueError, match="shared memory"):
-        k6.compile_kernel(Problem(1, 2, 128, 128, False), block_m=64, ctas_per_sm=2)
-
-
-def test_item_end_options(monkeypatch):
-    """A work item's end (ITEM_END, measured 2026-11-26, docs/k6.md "Where a work item ends"):
-    with early_q_release the loop hands Q's stage back itself (a third predicated mbarrier
-    arrive in the loop, next to K's and V's); with wg_store each consumer warpgroup stores
-    its own rows on a barrier of its 128 threads, and no barrier of all consumer threads is
-    left (at d >= 192 into its own rows of Q's buffer). Defaults per ITEM_END; early_q_release
-    is refused without O's own buffer, wg_store with direct_store."""
     from hopper_attn.harness.sass_order import loop_body, loops
 
     def loop_arrives(art):
         text = sass(art["cubin"])
         return sum("SYNCS.ARRIVE" in line for line in loop_body(text, loops(text)[0]))
 
-    new, old = artifacts(64, False), artifacts(64, False, "k6:early_q_release=0,wg_store=0")
-    assert new["kernel"]["options"]["early_q_release"] and new["kernel"]["options"]["wg_store"]
+    new, old = artifacts(64, False), artifacts(64, False, "k6:item_end=own_buffer")
+    assert new["kernel"]["options"]["item_end"] == "own_buffer_wg"
     assert loop_arrives(new) == loop_arrives(old) + 1 == 3
     all_consumers = "bar.sync \t1, 384;"
     assert all_consumers in old["ptx"] and all_consumers not in new["ptx"]
@@ -809,54 +661,37 @@ def test_item_end_options(monkeypatch):
     for art in (new, artifacts(128, True), artifacts(96, True)):
         for fn in resource_usage(art["cubin"]):
             assert fn["local"] == 0 and fn["stack"] == 0, fn
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    options = {}
-    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
-    for d, causal, n, on in [(64, False, 1024, (True, True)), (64, False, 4096, (True, True)),
-                             (64, True, 4096, (True, True)), (64, True, 16384, (True, True)),
-                             (96, True, 8192, (False, False)), (128, True, 16384, (True, True)),
-                             (256, False, 16384, (False, True)), (256, True, 16384, (False, True)),
-                             (192, False, 8192, (False, False))]:
-        options = k6.compile_kernel(Problem(1, 2, n, d, causal))
-        assert (options["early_q_release"], options["wg_store"]) == on, (d, causal, n)
-        assert not (options["wg_store"] and options["defer_store_wait"])
-    monkeypatch.undo()
+    for d, causal, n, end in [(64, False, 1024, "own_buffer_wg"), (64, True, 16384, "own_buffer_wg"),
+                              (96, True, 8192, "own_buffer_deferred"),
+                              (128, True, 16384, "own_buffer_wg"), (256, False, 16384, "q_buffer_wg"),
+                              (256, True, 16384, "q_buffer_wg"), (192, False, 8192, "q_buffer")]:
+        assert settings_for(Problem(1, 2, n, d, causal))["item_end"] == end, (d, causal, n)
     # d >= 192: O staged in Q's buffer, each warpgroup's rows in its own rows of Q
     d256 = artifacts(256, False)
-    assert d256["kernel"]["options"]["wg_store"] and not d256["kernel"]["options"]["own_o_buffer"]
+    assert d256["kernel"]["options"]["item_end"] == "q_buffer_wg"
+    assert not d256["kernel"]["own_o_buffer"]
     assert "bar.sync \t1, 256;" not in d256["ptx"]
-    with pytest.raises(ValueError, match="direct_store"):
-        k6.compile_kernel(Problem(1, 2, 128, 64, False), wg_store=True, direct_store=True)
-    with pytest.raises(ValueError, match="own_o_buffer"):
-        k6.compile_kernel(Problem(1, 2, 128, 256, False), early_q_release=True)
+    with pytest.raises(ValueError, match="shared memory"):
+        k6.compile_kernel(Problem(1, 2, 128, 256, False), item_end="own_buffer_wg")
 
 
-def test_fast_divmod_decode(monkeypatch):
-    """FAST_DIVMOD (measured 2026-11-26): at d = 64 without a mask the static schedule decodes
-    its work items with the library's FastDivmod (magic numbers computed
+def test_fast_divmod_decode():
+    """POLICY's fast_divmod (measured 2026-11-26): at d = 64 without a mask the static
+    schedule decodes its work items with the library's FastDivmod (magic numbers computed
     once per CTA: the two 64-bit divisions), not with integer divisions per item; elsewhere
-    the divisions stay (and the kernel with them)."""
-    fast, plain = artifacts(64, False), artifacts(64, False, "k6:fast_divmod=0")
+    the divisions stay."""
+    fast = artifacts(64, False)
     assert fast["kernel"]["options"]["fast_divmod"]
-    assert not plain["kernel"]["options"]["fast_divmod"]
-
-    def divisions(art):
-        return len(re.findall(r"div\.s32\s", art["ptx"])), len(re.findall(r"div\.u64\s", art["ptx"]))
-
-    assert divisions(plain) == (8, 0)
-    assert divisions(fast) == (2, 2)
-    from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+    assert (len(re.findall(r"div\.s32\s", fast["ptx"])),
+            len(re.findall(r"div\.u64\s", fast["ptx"]))) == (2, 2)
     for d, causal, n, on in [(64, False, 1024, True), (64, False, 16384, True),
                              (64, True, 1024, False), (128, False, 1024, False),
                              (96, False, 1024, False)]:
-        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["fast_divmod"] == on, (d, causal, n)
+        assert settings_for(Problem(1, 2, n, d, causal))["fast_divmod"] == on, (d, causal, n)
 
 
-def test_wg_causal_limit(monkeypatch):
-    """WG_CAUSAL_LIMIT (measured 2026-11-26, docs/k6.md "Each warpgroup's own diagonal"): with
+def test_wg_causal_limit():
+    """POLICY's wg_causal_limit (measured 2026-11-26, docs/k6.md "Each warpgroup's own diagonal"): with
     a causal mask and no turns each consumer warpgroup stops at the last kv tile its own rows
     see, then takes the item's remaining tiles in a loop of ring waits and releases only
     (`idle_tiles`: a loop in the SASS without WGMMA or exp2); the compute loop stays
@@ -883,47 +718,44 @@ def test_wg_causal_limit(monkeypatch):
     for fn in resource_usage(on["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
     with pytest.raises(ValueError, match="wg_causal_limit"):
         k6.compile_kernel(Problem(1, 2, 128, 256, True), wg_causal_limit=True, pingpong=True)
-    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
     for d, causal, n, want in [(64, True, 1024, True), (64, True, 2048, True),
                                (64, True, 4096, False), (64, True, 512, False),  # 128 rows, turns
                                (256, True, 16384, True), (256, False, 1024, False),
                                (128, True, 1024, False), (192, True, 1024, False)]:
-        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["wg_causal_limit"] == want, \
+        assert settings_for(Problem(1, 2, n, d, causal))["wg_causal_limit"] == want, \
             (d, causal, n)
 
 
-def test_stream_k(monkeypatch):
-    """STREAM_K (measured 2026-11-26, docs/k6.md "The static schedule's tail as stream-K"):
-    without a mask, at d = 128 from 8k queries and d = 192 from 4k, the static schedule's last rounds are
-    pieces of items; a split item's first piece leaves its state in the workspace (the
-    kernel's counter argument, `stream_k_words` int32) and raises a flag with a release
-    store, the last piece waits for it with acquire loads and merges. No spills; refused
-    with a mask."""
+def test_stream_k():
+    """POLICY's stream_k (measured 2026-11-26, docs/k6.md "The static schedule's tail as
+    stream-K"): without a mask, at d = 128 from 8k queries and d = 192 from 4k, the static
+    schedule's last rounds are pieces of items; a split item's first piece leaves its state
+    in the workspace (the kernel's counter argument, `stream_k_words` int32) and raises a
+    flag with a release store, the last piece waits for it with acquire loads and merges.
+    No spills; refused with a mask."""
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    art = artifacts(128, False, "k6:stream_k=1")
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get("k6"), 128, False, seqlen=8192)
+    assert art["ok"] and art["kernel"]["options"]["stream_k"]
     assert "st.release.gpu" in art["ptx"] and "ld.acquire.gpu" in art["ptx"]
     assert "st.release.gpu" not in artifacts(128, False)["ptx"]
-    kernel = k6.FlashAttentionK6(128, False, persistent=True, stream_k=True)
+    kernel = k6.FlashAttentionK6(128, False, 128, 128, stream_k=True)
     assert kernel.stream_k_words() > 133 * 256 * (64 + 4)
-    assert k6.FlashAttentionK6(128, False, persistent=True).stream_k_words() == 0
+    assert k6.FlashAttentionK6(128, False, 128, 128).stream_k_words() == 0
     with pytest.raises(ValueError, match="stream_k"):
-        k6.compile_kernel(Problem(1, 2, 128, 128, True), stream_k=True)
-    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
+        k6.FlashAttentionK6(128, True, 128, 128, stream_k=True)
     for d, causal, n, want in [(128, False, 8192, True), (128, False, 16384, True),
                                (128, False, 4096, False), (128, True, 16384, False),
                                (256, False, 16384, False), (64, False, 16384, False),
                                (192, False, 4096, True), (192, False, 2048, False)]:
-        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["stream_k"] == want, (d, causal, n)
+        assert settings_for(Problem(1, 2, n, d, causal))["stream_k"] == want, (d, causal, n)
 
 
-def test_no_tail_test_for_whole_kv_tiles(monkeypatch):
-    """NO_TAIL_TEST (measured 2026-11-26, docs/k6.md "A loop without the tail test"): at
+def test_no_tail_test_for_whole_kv_tiles():
+    """POLICY's kv_tail="whole" (measured 2026-11-26, docs/k6.md "A loop without the tail test"): at
     d = 256 without a mask, for a key length that is a multiple of the kv tile (80) the loop
     has no mask code (no `FSEL ... -INF`) and no test for it, with the default's GEMMs,
     waits and exp2s; other lengths and head dims keep the test; kv_tail=0 on a length with a
@@ -946,20 +778,20 @@ def test_no_tail_test_for_whole_kv_tiles(monkeypatch):
 
     events, body = loop("k6", 4000)
     events_tail, body_tail = loop("k6:kv_tail=1,peel_first=0", 4000)
-    assert events == events_tail
+    assert [ev for ev in events if "EX2" in ev or "HGMMA" in ev] == \
+        [ev for ev in events_tail if "EX2" in ev or "HGMMA" in ev]
     masks = [sum(bool(re.match(r"FSEL\b.*-INF", t)) for t in b) for b in (body, body_tail)]
     assert masks[0] == 0 and masks[1] >= 32, masks        # 40 scores a thread
     assert len(body) < len(body_tail)
     with pytest.raises(UnsupportedProblem, match="multiple of the kv tile"):
         k6.compile_kernel(Problem(1, 2, 4096, 256, False), kv_tail=False)
-    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
     for d, causal, n, nk, want in [(256, False, 4000, 0, False), (256, False, 4096, 0, True),
                                    (256, False, 1000, 16000, False), (256, True, 4000, 0, True),
                                    (128, False, 4096, 0, True), (64, False, 4096, 0, False),
                                    (64, False, 4000, 0, True), (64, True, 4096, 0, True),
                                    (192, False, 4032, 0, True)]:
         problem = Problem(1, 2, n, d, causal, seqlen_k=nk)
-        assert k6.compile_kernel(problem)["kv_tail"] == want, (d, causal, n, nk)
+        assert settings_for(problem)["kv_tail"] == want, (d, causal, n, nk)
 
 
 def _exp2s(events):
@@ -968,7 +800,7 @@ def _exp2s(events):
 
 
 def test_pv_wait_before_the_exp2s_at_d64():
-    """PV_WAIT_FIRST (d = 64 without a mask, docs/k6.md "The PV wait before the exp2s"): the
+    """pv_wait="first" (POLICY: d = 64 without a mask, docs/k6.md "The PV wait before the exp2s"): the
     wait for PV_{n-1} and a memory fence right after the row maxima, so the tile's exp2s of P
     (block_n / 2 a thread) all run after it; only the two rows' alphas may come first. The
     default at whole kv tiles drops the tail test with it. Without the fence, and without the
@@ -977,46 +809,24 @@ def test_pv_wait_before_the_exp2s_at_d64():
     from hopper_attn.harness import sass_order
     art = artifacts(64, False)
     options, per_thread = art["kernel"]["options"], art["kernel"]["block_n"] // 2
-    assert options["pv_wait_first"] == 1 and not options["kv_tail"]
+    assert options["pv_wait"] == "first" and not options["kv_tail"]
     (loop,) = sass_order.loops(sass(art["cubin"]))
     events = loop[2]
     fence = events.index("MEMBAR")
     assert any(e.startswith("DEPBAR 0x0") for e in events[events.index("DEPBAR 0x1"):fence])
     assert _exp2s(events[:fence]) <= 2 and _exp2s(events[fence:]) == per_thread
-    plain = artifacts(64, False, "k6:pv_wait_first=0,kv_tail=0")
+    plain = artifacts(64, False, "k6:pv_wait=free,kv_tail=0")
     (loop,) = sass_order.loops(sass(plain["cubin"]))
     events = loop[2]
     last_wait = max(i for i, e in enumerate(events) if e.startswith("DEPBAR 0x0"))
     assert "MEMBAR" not in events and _exp2s(events[:last_wait]) > 2
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    with pytest.raises(ValueError, match="pv_wait_first: not with lazy_rescale"):
-        k6.compile_kernel(Problem(1, 2, 128, 64), pv_wait_first=1, lazy_rescale=True)
+    with pytest.raises(ValueError, match="eager only"):
+        k6.compile_kernel(Problem(1, 2, 128, 64), pv_wait="first", rescale="lazy")
 
 
-def test_split_mask_loops(tmp_path):
-    """`split_mask` (measured 2026-11-28, off): an item's kv tiles in two loops, the first
-    without any mask code or test, the second masking every tile; the same WGMMA groups
-    (one per GEMM) and exp2s in both, no spills."""
-    from hopper_attn.common.contract import Problem
-    from hopper_attn.harness import registry, sass_order
-    from hopper_attn.harness.compile_report import resource_usage
-    handle = registry.get("k6:split_mask=1").compile(
-        Problem(1, 2, 16384, 64, True), compile_options=f"--keep-cubin --dump-dir={tmp_path}")
-    assert handle.describe()["options"]["split_mask"]
-    cubin = bytes(handle.compiled.__cubin__)
-    for fn in resource_usage(cubin):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    text = sass(cubin)
-    plain, masked = sass_order.loops(text)
-    assert plain[2] == masked[2]
-    masks = [sum(bool(re.match(r"FSEL\b.*-INF", t)) for t in sass_order.loop_body(text, lp))
-             for lp in (plain, masked)]
-    assert masks[0] == 0 and masks[1] >= 64, masks
-
-
-def test_first_kv_tile_peeled(monkeypatch):
-    """PEEL_FIRST (measured 2026-11-26, docs/k6.md "The first kv tile before the loop"): at
+def test_first_kv_tile_peeled():
+    """POLICY's peel_first (measured 2026-11-26, docs/k6.md "The first kv tile before the loop"): at
     d = 192 and 256 an item's first kv tile runs before the loop, whose `n > 0` tests fold
     away: the loop keeps its GEMM groups and exp2s but loses a branch and the first tile's
     `wait_group(0)`, the kernel gains a second copy of the QK GEMM, nothing is
@@ -1039,57 +849,13 @@ def test_first_kv_tile_peeled(monkeypatch):
     assert a.count("WARPGROUP.ARRIVE") <= b.count("WARPGROUP.ARRIVE") + 2
     for fn in resource_usage(on["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
     for d, causal, n, want in [(256, False, 4096, True), (256, True, 4096, True),
                                (256, True, 4000, True), (256, False, 4000, False),
                                (192, False, 4096, True), (192, True, 1024, True),
                                (128, False, 4096, False), (64, True, 4096, False),
                                (96, False, 4096, False)]:
-        assert k6.compile_kernel(Problem(1, 2, n, d, causal))["peel_first"] == want, \
+        assert settings_for(Problem(1, 2, n, d, causal))["peel_first"] == want, \
             (d, causal, n)
-
-
-@pytest.mark.parametrize("d,causal", [(64, False), (64, True), (128, False)])
-def test_exp_first_exp2s_do_not_wait_for_the_row_max(d, causal):
-    """`exp_first` (measured 2026-11-26, docs/k6.md "The exp2s before the row maximum"; off
-    by default): in the main loop the first MUFU.EX2 comes before the row maxima's quad
-    shuffles (SHFL.BFLY), where the default's come after them; no WGMMA serialized (as many
-    fences, one or two more waits), no spills; the rare recomputation of S reads q and k from
-    global memory (LDG)."""
-    from hopper_attn.harness import sass_order
-    art, base = artifacts(d, causal, "k6:exp_first=1"), artifacts(d, causal)
-    assert art["kernel"]["options"]["exp_first"]
-
-    def first_exp2_and_shuffle(cubin):
-        text = sass(cubin)
-        bodies = [sass_order.loop_body(text, found) for found in sass_order.loops(text)]
-        body = max(bodies, key=lambda b: sum("MUFU.EX2" in t for t in b))
-        return (next(i for i, t in enumerate(body) if "MUFU.EX2" in t),
-                next(i for i, t in enumerate(body) if "SHFL.BFLY" in t))
-
-    exp2, shuffle = first_exp2_and_shuffle(art["cubin"])
-    assert exp2 < shuffle, (exp2, shuffle)
-    exp2, shuffle = first_exp2_and_shuffle(base["cubin"])
-    assert shuffle < exp2, (exp2, shuffle)
-    a, b = sass(art["cubin"]), sass(base["cubin"])
-    assert a.count("WARPGROUP.ARRIVE") == b.count("WARPGROUP.ARRIVE")
-    assert a.count("WARPGROUP.DEPBAR") <= b.count("WARPGROUP.DEPBAR") + 2
-    assert a.count("LDG") > b.count("LDG") + 64
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-
-
-def test_exp_first_options():
-    """`exp_first` takes lazy rescaling's place (its reference maxima): not with lazy_rescale,
-    exp_turns, pv_wait_after or rescale_before_pv; its threshold reaches the kernel."""
-    from hopper_attn.k6 import FlashAttentionK6
-    for clash in ({"lazy_rescale": True}, {"exp_turns": True}, {"pv_wait_after": 7},
-                  {"rescale_before_pv": True}):
-        with pytest.raises(ValueError, match="exp_first"):
-            FlashAttentionK6(64, False, exp_first=True, **clash)
-    kernel = FlashAttentionK6(64, False, exp_first=True, rescale_threshold_log2=1.0)
-    assert kernel.exp_first and kernel.lazy_rescale and kernel.rescale_threshold_log2 == 1.0
-
 
 
 def test_stale_reference_error_emulation():
@@ -1108,37 +874,25 @@ def test_stale_reference_error_emulation():
     assert ratios[8.0][0] > 1.5 and ratios[8.0][1] < 1.3, ratios
 
 
-def test_cluster_multicast(monkeypatch):
-    """k6's option `cluster=2` (docs/k6.md "K and V multicast to two CTAs"): without a mask,
-    two CTAs of a cluster take neighbouring query tiles of one head and each loads half of
-    every K/V tile, multicast into both shared memories (`multicast::cluster` TMA loads, no
-    plain ones for K/V); a stage is released into both CTAs' empty barriers (`mapa` +
-    remote `mbarrier.arrive`); barrier.cluster publishes the barriers' init. No spills.
-    With a mask the option is ignored (cluster 1), stream-K is off with it, and other
-    schedules refuse it."""
+
+
+def test_policy_table():
+    """One row of POLICY per (head dim, mask, query lengths): each with a reason and a
+    results file that exists; every head dim and mask covered; at most 15 options a caller
+    can set, each on (away from BASE) in some row or a user feature (trace)."""
+    import glob
+    import pathlib
     from hopper_attn import k6
-    from hopper_attn.common.contract import Problem
-    multicast = (r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S*"
-                 r"\.multicast::cluster")
-    art = artifacts(128, False, "k6:cluster=2")
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    assert count(art["ptx"], multicast) >= 4
-    assert count(art["ptx"], r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global") == 2  # Q
-    assert "mapa.shared::cluster" in art["ptx"] and "barrier.cluster.arrive" in art["ptx"]
-    assert re.search(r"mbarrier\.arrive\S*\.shared::cluster\.b64", art["ptx"])
-    assert art["kernel"]["cluster"] == 2
-    assert count(artifacts(128, False)["ptx"], multicast) == 0
-    control = artifacts(128, False, "k6:cluster=2,multicast=0")      # clusters, no sharing
-    assert count(control["ptx"], multicast) == 0 and "barrier.cluster.arrive" in control["ptx"]
-    assert control["kernel"]["cluster"] == 2 and control["kernel"]["kv_multicast"] == 1
-    monkeypatch.setattr(k6, "compile_attention", lambda spec, cls, problem, opts, **kw: opts)
-    assert k6.compile_kernel(Problem(1, 2, 4096, 128, True), cluster=2)["cluster"] == 1
-    opts = k6.compile_kernel(Problem(1, 2, 16384, 128, False), cluster=2)
-    assert opts["cluster"] == 2 and not opts["stream_k"]
-    for bad in ({"cluster": 3}, {"cluster": 2, "stream_k": True},
-                {"cluster": 2, "persistent": False}):
-        with pytest.raises(ValueError, match="cluster"):
-            k6.FlashAttentionK6(128, False, **bad)
-    with pytest.raises(ValueError, match="cluster"):
-        k6.FlashAttentionK6(128, True, cluster=2)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for d, causal, _lengths, settings, why, results in k6.POLICY:
+        assert why and glob.glob(str(root / results) + ("" if "*" in results else "*")), results
+        assert set(settings) <= set(k6.BASE) | {"block_m", "block_n"}, settings
+    for d in k6.SPEC.head_dims:
+        for causal in (False, True):
+            for n in (1, 1000, 4096, 1 << 20):
+                k6.policy(Problem(1, 1, n, d, causal))
+    assert len(k6.OPTIONS) + 1 <= 15                         # + trace
+    rows = [{**k6.BASE, **settings} for *_, settings, _, _ in k6.POLICY]
+    for name in set(k6.OPTIONS) - {"tile"}:
+        assert any(row[name] != k6.BASE[name] for row in rows) or \
+            len({str(row[name]) for row in rows}) > 1, name

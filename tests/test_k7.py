@@ -1,8 +1,6 @@
 """k7 (FP8): compiles for sm_90a without spills, and its PTX shows the stage's idea: both
 GEMMs are e4m3 WGMMAs (k32), P is converted to e4m3 in registers, V^T tiles come straight
-from the TMA (V packed sequence-major by the quantizer); with `v_transposed=0`, V is
-transposed in shared memory by the producer warpgroup instead (ldmatrix.trans, prmt,
-stmatrix, then a proxy fence before the V^T ring's mbarrier arrive). Plus the host pieces:
+from the TMA (V packed sequence-major by the quantizer). Plus the host pieces:
 the quantizer and V's packing, the input checks, and the FP8 reference emulation that k7's
 error is judged against."""
 
@@ -35,20 +33,16 @@ def test_no_spills_and_both_gemms_in_fp8(d, causal):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     ptx, block_n = art["ptx"], art["kernel"]["block_n"]
     # S = Q K^T (n = block_n) and O += P V (n = d), no 16-bit operands; S accumulated in
-    # fp16 where S_F16 has the configuration (d = 128, d = 256 without a mask), else fp32;
-    # with fp16 scores P's row sums as well (n = 8, `row_sums_mma`)
-    sums = {8} if art["kernel"]["options"]["row_sums_mma"] else set()
-    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {block_n, d} | sums
+    # fp16 where POLICY has it (d = 128, d = 256 without a mask), else fp32
+    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {block_n, d}
     assert not re.search(r"wgmma\S*\.(bf16|f16)\.(bf16|f16)", ptx)
     s_f16 = art["kernel"]["options"]["s_f16"]
     assert s_f16 == (d == 128 or (d == 256 and not causal))
     s_acc = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k32\.(f\d+)\.", ptx)
     assert set(s_acc) == {"f16" if s_f16 else "f32"}
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{d}k32\.f32\.", ptx)
-    # P -> e4m3 pairs in registers (block_n / 2 scores per thread, two per conversion; in the
-    # loop, and again in the item's narrow last tile after it where there is one: tail_n)
-    tiles = 2 if art["kernel"]["options"]["tail_n"] else 1
-    assert p_conversions(art) == block_n // 4 * tiles
+    # P -> e4m3 pairs in registers (block_n / 2 scores per thread, two per conversion)
+    assert p_conversions(art) == block_n // 4
     # the PV WGMMA takes A from registers: {...} list right after the accumulators
     assert re.search(r"wgmma\.mma_async\S*k32\.f32\.e4m3\.e4m3\s*\{[^}]*\},\s*\{", ptx)
 
@@ -63,7 +57,7 @@ def test_fp8_output(d, causal):
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     ptx, block_n = art["ptx"], art["kernel"]["block_n"]
-    tiles = 2 if art["kernel"]["options"]["tail_n"] else 1
+    tiles = 1
     # P's conversions as in the bf16-output kernel, plus d / 4 (O's d / 2 fp32 per thread)
     o_conversions = count(ptx, r"cvt\.rn\.satfinite\.e4m3x2\.f32")
     if art["kernel"]["options"]["s_f16"]:
@@ -82,46 +76,10 @@ def test_fp8_output(d, causal):
 def test_fp8_output_descale():
     from hopper_attn import k7
     from hopper_attn.k7 import output_descale
-    with pytest.raises(ValueError, match="direct_store"):
+    with pytest.raises(ValueError, match="unknown options"):
         k7.compile_kernel(Problem(1, 2, 256, 128), out_fp8=True, direct_store=True)
     descale_v = torch.tensor([[1.0, 2.0], [3.0, 4.0]])          # (batch 2, kv heads 2)
     assert output_descale(descale_v, 6).tolist() == [[1, 1, 1, 2, 2, 2], [3, 3, 3, 4, 4, 4]]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("d", [128, 256])
-def test_cluster_multicast(d):
-    """k6's option `cluster=2` in k7 (docs/k7.md "K and V^T multicast to two CTAs"): K and
-    V^T tiles are multicast TMA loads, both GEMMs stay e4m3, no spills; with V transposed
-    in the kernel the option is refused."""
-    art = compiled("k7:cluster=2", d, False)
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    ptx = art["ptx"]
-    assert count(ptx, r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global\S*"
-                      r"\.multicast::cluster") >= 2
-    assert {int(n) for n in re.findall(E4M3_WGMMA, ptx)} == {art["kernel"]["block_n"], d}
-    assert re.search(r"mbarrier\.arrive\S*\.shared::cluster\.b64", ptx)
-    from hopper_attn.k7 import FlashAttentionK7
-    with pytest.raises(ValueError, match="cluster"):
-        FlashAttentionK7(d, False, v_transposed=False, cluster=2)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_v_is_transposed_in_shared_memory(d):
-    """k7:v_transposed=0: plain V, transposed by producer warps 1-2 (the epilogue's O
-    stores without stmatrix, so that every stmatrix counted is a transposer's)."""
-    art = compiled("k7:v_transposed=0,stmatrix_o=0", d, False)
-    ptx = art["ptx"]
-    units = art["kernel"]["block_n"] // 16 * d // 32 // 2   # 16 x 32 units per warp
-    assert count(ptx, r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16") == units
-    assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16") == units
-    assert count(ptx, r"prmt\.b32") >= 4 * units
-    # the transposers' stores reach the WGMMAs (async proxy) only after a proxy fence
-    assert count(ptx, r"fence\.proxy\.async\.shared::cta") >= 2
-    assert count(ptx, r"setmaxnreg\.dec\.sync\.aligned\.u32\s+56") == 1
-    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224") == 1
 
 
 def test_quantize_round_trip_and_scales():
@@ -244,27 +202,6 @@ def test_register_split_must_fit_what_the_producer_frees():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d,causal", [(128, False), (256, True)])
-def test_exp2_in_turns(d, causal):
-    """k7:exp_turns=1 (without the pinned PV wait): the consumer warpgroups take turns for their exp2s (named barriers
-    after the scheduler's, one fence on each side so that ptxas keeps the exp2s inside):
-    in the SASS every exp2 of a tile sits between the turn's BAR.SYNC and its BAR.ARV."""
-    from hopper_attn.harness.compile_report import sass
-    art = compiled("k7:exp_turns=1,pin_pv_wait=0", d, causal)
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    assert count(art["ptx"], r"fence\.acq_rel\.cta") == 2
-    lines = sass(art["cubin"]).splitlines()
-    syncs = [i for i, ln in enumerate(lines) if "BAR.SYNC" in ln]
-
-    def exp2_in_turn(sync):        # MUFU.EX2 from a BAR.SYNC to the next BAR.ARV
-        arrive = next((i for i in range(sync, len(lines)) if "BAR.ARV" in lines[i]), sync)
-        return sum("MUFU.EX2" in ln for ln in lines[sync:arrive])
-
-    assert max(exp2_in_turn(i) for i in syncs) >= art["kernel"]["block_n"] // 2
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("d,causal,lags", [(128, False, True), (128, True, True),
                                            (256, False, True), (256, True, False)])
 def test_v_lags_k_default(d, causal, lags):
@@ -274,12 +211,14 @@ def test_v_lags_k_default(d, causal, lags):
 
 
 def test_longest_first_by_sequence_length():
-    """k6's head-group order, on by default with a mask inside k7.LONGEST_FIRST's lengths."""
+    """k6's head-group order, on by default with a mask at d = 128 and 256 inside
+    k7.LONGEST_FIRST_LENGTHS (2k-8k queries)."""
     from hopper_attn import k7
-    from hopper_attn.common.contract import Problem
-    on = lambda n, d, causal=True: k7.compile_kernel(Problem(1, 2, n, d, causal)).options[
-        "longest_first"]
-    for d, (_, low, high) in k7.LONGEST_FIRST.items():
+
+    def on(n, d, causal=True):
+        return k7.settings_for(Problem(1, 2, n, d, causal))["longest_first"] > 0
+    low, high = k7.LONGEST_FIRST_LENGTHS
+    for d in (128, 256):
         assert on(low, d) and on(high, d) and not on(low - 1, d) and not on(high + 1, d)
         assert not on(low, d, causal=False)
     assert not on(4096, 64)
@@ -289,30 +228,30 @@ def test_longest_first_by_sequence_length():
 @pytest.mark.parametrize("d,causal,after", [(128, False, 0), (128, True, 0), (256, False, 0),
                                             (256, True, 8), (64, True, 0)])
 def test_pv_wait_among_the_exp2s_where_measured(d, causal, after):
-    """k6's pv_wait_after (PV_WAIT_AFTER: d = 256 with a mask, +3.5-12.9% measured) with V
-    released without a branch; elsewhere the PV wait stays pinned after every exp2."""
+    """k6's pv_wait="after8" (POLICY: d = 256 with a mask, +3.5-12.9% measured), with V
+    released without a branch (implied); elsewhere the PV wait stays pinned after every
+    exp2."""
     art = compiled("k7", d, causal)
     options = art["kernel"]["options"]
-    assert options["pv_wait_after"] == after and options["v_release_last"] == (after > 0)
-    # either fence, never both (twice with the narrow last tile after the loop: tail_n)
-    assert count(art["ptx"], r"fence\.acq_rel\.cta") == 1 + bool(options["tail_n"])
+    assert options["pv_wait"] == (f"after{after}" if after else "pinned")
+    assert count(art["ptx"], r"fence\.acq_rel\.cta") == 1          # either fence, never both
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("name,d,causal", [("k7:rescale_before_pv=1", 128, False),
-                                           ("k7:rescale_before_pv=1", 128, True),
+@pytest.mark.parametrize("name,d,causal", [("k7:rescale=before_pv", 128, False),
+                                           ("k7:rescale=before_pv", 128, True),
                                            ("k7", 256, False)])      # the default there
 def test_o_rescaled_under_qk(name, d, causal):
-    """rescale_before_pv (k6's option; k7's PV wait is in the iteration, pinned): O's d / 2
+    """rescale="before_pv" (k6's setting; k7's PV wait is in the iteration, pinned): O's d / 2
     multiplies per thread move from behind the pinned PV wait to between the QK and PV issue,
     under the QK GEMM, with no wait for QK there; what is left behind the PV wait is P's FP8
     packing (docs/k7.md "O rescaled under QK"; the default at d = 256 without a mask)."""
     from hopper_attn.harness.compile_report import sass
     from hopper_attn.harness.sass_order import loop_body, loops
     art = compiled(name, d, causal)
-    assert art["kernel"]["options"]["rescale_before_pv"]
+    assert art["kernel"]["options"]["rescale"] == "before_pv"
     text = sass(art["cubin"])
     body = loop_body(text, loops(text)[-1])
     qk_end = next(i for i, t in enumerate(body) if "gsb0" in t and re.search(r"GMMA\.\S+ R\d+, gdesc", t))
@@ -326,37 +265,10 @@ def test_o_rescaled_under_qk(name, d, causal):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d,causal", [(64, False), (128, False), (128, True), (256, True)])
-def test_s_ahead_softmax_under_both_gemms(d, causal):
-    """k7:s_ahead=1 (k6's loop option, not measured yet): QK_{n+1} goes into a second S
-    accumulator before tile n's softmax. The loop runs two tiles per iteration, each: QK and
-    PV issued (one group each), then every exp2 of the tile, then the fence pair and the only
-    wait, `wait_group(0)`; no `wait_group(1)`; ptxas did not serialize the WGMMAs (C7514 /
-    C7515 put a wait after each) and nothing spills (docs/k7.md "QK one tile ahead")."""
-    from hopper_attn import k7
-    from hopper_attn.harness.compile_report import sass
-    from hopper_attn.harness.sass_order import loops
-    art = compiled("k7:s_ahead=1", d, causal)
-    assert art["kernel"]["block_n"] == k7.S_AHEAD_BLOCK_N[d]
-    text = sass(art["cubin"])
-    events = loops(text)[-1][2]
-    per_tile = art["kernel"]["block_n"] // 2 + 2               # scores + two alphas per thread
-    waits = [i for i, e in enumerate(events) if e.startswith("DEPBAR")]
-    assert [events[i] for i in waits] == ["DEPBAR 0x0", "DEPBAR 0x0"]
-    for i in waits:
-        assert events[i - 2] == f"EX2 x{per_tile}" and events[i - 1] == "MEMBAR x2"
-        assert events[i - 3].startswith("HGMMA-rs") and "gsb0" in events[i - 3]
-    # the kernel's waits: QK_0, the two tiles', the last PV's (serialized: one per group)
-    assert text.count("WARPGROUP.DEPBAR") <= 6
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("name,d", [("k7", 128), ("k7:s_ahead=1", 128), ("k7:s_ahead=1", 256)])
+@pytest.mark.parametrize("name,d", [("k7", 128), ("k7", 256)])
 def test_no_wgmma_serialization_notes(name, d):
     """ptxas has no performance note (C7512 / C7514 / C7515: every WGMMA serialized) on the
-    default loop and on `s_ahead`'s (skipped where no CUDA toolkit's ptxas is on PATH, as in
+    default loop (skipped where no CUDA toolkit's ptxas is on PATH, as in
     CI; the SASS tests above check the same from the waits)."""
     import shutil
     if shutil.which("ptxas") is None:
@@ -367,73 +279,15 @@ def test_no_wgmma_serialization_notes(name, d):
 
 @pytest.mark.compile
 def test_item_end_defaults():
-    """k6's early_q_release and wg_store (k7.ITEM_END, measured 2026-11-26): on at d = 64,
-    256 and d = 128 with a mask, each consumer warpgroup storing its own 64 rows (no
-    barrier of all consumer threads after the loop); off at d = 128 without a mask, with
-    direct_store and with s_ahead."""
+    """k6's item_end (POLICY, measured 2026-11-26): "own_buffer_wg" at d = 64, 256 and d = 128
+    with a mask, each consumer warpgroup storing its own 64 rows (no barrier of all
+    consumer threads after the loop); "own_buffer" at d = 128 without a mask."""
     on, off = compiled("k7", 64, False), compiled("k7", 128, False)
-    assert on["kernel"]["options"]["wg_store"] and on["kernel"]["options"]["early_q_release"]
-    assert not (off["kernel"]["options"]["wg_store"] or off["kernel"]["options"]["early_q_release"])
+    assert on["kernel"]["options"]["item_end"] == "own_buffer_wg"
+    assert off["kernel"]["options"]["item_end"] == "own_buffer"
     assert "bar.sync \t1, 256;" in off["ptx"] and "bar.sync \t1, 256;" not in on["ptx"]
-    assert not compiled("k7:direct_store=1", 64, False)["kernel"]["options"]["wg_store"]
     for fn in resource_usage(on["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-
-
-def test_narrow_last_tile_lengths():
-    """k6's tail_n as k7 picks it (TAIL_N: d = 128, below 8k keys): the key length's
-    remainder in the 192-wide tile, rounded up to 32; none for whole tiles or a remainder
-    that rounds to the whole tile; a kernel compiled for one refuses lengths it cannot
-    serve."""
-    from hopper_attn import k7
-    from hopper_attn.common.contract import UnsupportedProblem, check_tail_keys, narrow_tail
-    tail = lambda n: narrow_tail(Problem(1, 1, n, 128), 192)
-    assert [tail(n) for n in (1, 17, 64, 113, 1000, 2048, 2049, 4032, 4096, 190)] == \
-        [32, 32, 64, 128, 64, 128, 160, 0, 64, 0]
-    check_tail_keys("k7", Problem(1, 1, 4096, 128), 192, 64)
-    for n in (4032, 4100):
-        with pytest.raises(UnsupportedProblem, match="tail_n"):
-            check_tail_keys("k7", Problem(1, 1, n, 128), 192, 64)
-    assert k7.TAIL_N == {128: 8192}
-
-
-@pytest.mark.compile
-def test_narrow_last_tile_in_sass():
-    """The item's last kv tile after the loop, narrowed to its keys (N = 128: all 128 of the
-    192-wide tile's columns there are): its softmax exponentiates tail_n / 2 scores per
-    thread instead of block_n / 2, and the last PV multiplies tail_n / 32 k-blocks
-    instead of block_n / 32 (against the same kernel with the whole last tile). With fp32
-    scores: with fp16 ones (s_f16, the default at d = 128) the kv tile is 256 wide and the
-    narrow tile is off (it would spill)."""
-    from hopper_attn.harness.compile_report import sass
-    assert compiled("k7", 128, False)["kernel"]["options"]["tail_n"] == 0
-    narrow, whole = compiled("k7:s_f16=0", 128, False), compiled("k7:s_f16=0,tail_n=0", 128,
-                                                                 False)
-    tail_n, block_n = narrow["kernel"]["options"]["tail_n"], narrow["kernel"]["block_n"]
-    assert (tail_n, block_n, whole["kernel"]["options"]["tail_n"]) == (128, 192, 0)
-    ops = [sass(art["cubin"]) for art in (narrow, whole)]
-    exp2 = [text.count("MUFU.EX2") for text in ops]
-    assert exp2[0] - exp2[1] == tail_n // 2 + 2         # + the tile's two alphas
-    pv = [text.count("QGMMA.64x128x32") for text in ops]
-    assert pv[0] - pv[1] == tail_n // 32               # one more PV_{n-1} batch, a short last PV
-    for fn in resource_usage(narrow["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-
-
-@pytest.mark.compile
-def test_stream_k_option():
-    """k6's stream_k in k7 (an option, off: measured no faster at d = 128): the kernel keeps
-    a workspace for the split items' state, compiles without spills and with whole last kv
-    tiles (no tail_n beside it); the default schedule has no workspace."""
-    from hopper_attn import k7
-    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS
-    compile = lambda n, **kw: k7.compile_kernel(Problem(1, 2, n, 128, False),
-                                                compile_options=SPILLS_AS_ERRORS, **kw)
-    on, plain = compile(2049, stream_k=True), compile(16384)
-    assert on.options["stream_k"] and not on.options["tail_n"] and not plain.options["stream_k"]
-    assert on.kernel.stream_k_words() > 0 and plain.kernel.stream_k_words() == 0
-    with pytest.raises(ValueError, match="stream_k"):
-        compile(2049, stream_k=True, v_transposed=False)
 
 
 @pytest.mark.compile
@@ -459,13 +313,12 @@ def test_fp16_scores(d):
     tile (block_n / 2 scores, block_n / 4 pairs) one sub.f16x2 (s - m), one mul and add
     (HFMA2 in the SASS), one ex2.approx.f16x2 (two MUFU.EX2.F16) and one add.f16x2 for the
     row sums per pair; fp32 exp2s only for the two rows' alphas; P converted from fp16 pairs;
-    no row sums on the tensor cores (`row_sums_mma`, an option). No spills; the options it
-    cannot combine with are refused."""
+    No spills; the settings it cannot combine with are refused."""
     from hopper_attn.harness.compile_report import sass
     from hopper_attn.k7 import FlashAttentionK7
     art = compiled("k7", d, False)
     kernel, ptx = art["kernel"], art["ptx"]
-    assert kernel["options"]["s_f16"] and not kernel["options"]["row_sums_mma"]
+    assert kernel["options"]["s_f16"]
     pairs = kernel["block_n"] // 4
     assert count(ptx, r"ex2\.approx\.f16x2") == pairs
     assert count(ptx, r"sub\.f16x2") == pairs and count(ptx, r"mul\.f16x2") == pairs
@@ -476,47 +329,15 @@ def test_fp16_scores(d):
     assert sass(art["cubin"]).count("MUFU.EX2.F16") == 2 * pairs
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    for option in ({"lazy_rescale": True}, {"pv_wait_after": 4}, {"fma_exp2_every": 4}):
+    for option in ({"pv_wait": "after4"}, {"pv_wait": "first"}):
         with pytest.raises(ValueError, match="s_f16"):
-            FlashAttentionK7(d, False, s_f16=True, **option)
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("causal", [False, True])
-def test_row_sums_on_the_tensor_cores(causal):
-    """`row_sums_mma=1` (wgmma.PWithRowSums; docs/k7.md "Row sums on the tensor cores"): each
-    PV batch also multiplies P by an (8, block_n) tile of ones, block_n / 32 m64n8k32
-    WGMMAs in the same commit group as PV's d-wide ones (zeroed per batch: the sums go to l
-    on the CUDA cores), no add.f16x2 left, and the row offset in one HFMA2 per pair (s c -
-    ref, ref rounded up to fp16 by cvt.rp once per row): no HADD2 in the SASS. The consumers
-    write the ones once, behind a proxy fence and a barrier. Refused without fp16 scores and
-    with stream_k."""
-    from hopper_attn.harness.compile_report import sass
-    from hopper_attn.harness.sass_order import wgmma_groups
-    from hopper_attn.k7 import ONES_BARRIER, FlashAttentionK7
-    art = compiled("k7:row_sums_mma=1", 128, causal)
-    ptx, block_n = art["ptx"], art["kernel"]["block_n"]
-    pairs = block_n // 4
-    assert count(ptx, r"wgmma\.mma_async\.sync\.aligned\.m64n8k32\.f32\.e4m3\.e4m3") \
-        == 2 * block_n // 32                       # the loop's PV and the item's last one
-    assert count(ptx, rf"bar\.sync\s+{ONES_BARRIER}, 256;") == 1
-    assert count(ptx, r"add\.f16x2") == 0 and count(ptx, r"cvt\.rp\.f16\.f32") == 2
-    code = sass(art["cubin"])
-    assert len(re.findall(r"\bHFMA2 ", code)) == pairs
-    assert not re.search(r"\bHADD2 ", code)           # (HADD2.F32: fp16 -> fp32 moves)
-    # the rs groups hold PV's k-slices and the row sums' together
-    groups = [g for g in wgmma_groups(code) if g[0] == "rs"]
-    assert groups and all(size == 2 * block_n // 32 for _, _, size in groups)
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    with pytest.raises(ValueError, match="row_sums_mma"):
-        FlashAttentionK7(128, False, s_f16=False, row_sums_mma=True)
-    with pytest.raises(ValueError, match="row_sums_mma"):
-        FlashAttentionK7(128, False, s_f16=True, row_sums_mma=True, stream_k=True)
+            FlashAttentionK7(d, False, 128, 128, 2, s_f16=True, **option)
+    with pytest.raises(ValueError, match="eager or before_pv"):
+        FlashAttentionK7(d, False, 128, 128, 2, rescale="lazy", pv_wait="pinned")
 
 
 def test_prepare_inputs_scales_for_the_scores_type():
-    """k7.prepare_inputs scales q and k for fp16 scores at the head dims S_F16 has (the
+    """k7.prepare_inputs scales q and k for fp16 scores at the head dims POLICY has them (the
     scores' factor softmax_scale log2(e) dq dk a power of two, row norms bounded), and to
     e4m3's full range (448 per head) at d = 64; `softmax_scale` reaches the factor."""
     import math

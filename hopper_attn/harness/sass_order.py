@@ -13,8 +13,8 @@ decide whether a warpgroup's softmax runs under its own PV (k6's overlap):
   `0x1` and the `0x0` wait is the part of the softmax that runs under PV.
 
     python -m hopper_attn.harness.sass_order k6 256 0          # groups, exp2 counts, loop order
-    python -m hopper_attn.harness.sass_order "k6:reverse_p=1,pv_wait_after=8" 256 1
-    python -m hopper_attn.harness.sass_order k7:s_ahead=1 128 0 --ptxas   # + ptxas's notes
+    python -m hopper_attn.harness.sass_order "k6:pv_wait=after8,rescale=eager" 256 1
+    python -m hopper_attn.harness.sass_order k7:pv_wait=free 128 0 --ptxas   # + ptxas's notes
     python -m hopper_attn.harness.sass_order k7 128 0 --stalls   # + cycles between exp2s
     python -m hopper_attn.harness.sass_order k6 64 1 --seqlen 16384   # the default there
 
@@ -177,7 +177,7 @@ def main(argv=None):
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts, sass
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", help="a registry name, options allowed (k6:reverse_p=1)")
+    parser.add_argument("kernel", help="a registry name, options allowed (k6:pv_wait=late)")
     parser.add_argument("head_dim", type=int)
     parser.add_argument("causal", type=int, choices=(0, 1))
     parser.add_argument("--seqlen", type=int, default=128,

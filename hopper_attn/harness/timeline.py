@@ -87,7 +87,7 @@ def record(args) -> int:
     env = dict(os.environ)
     # a separate JIT cache: the traced build must not come from (or go into) the normal cache
     env["CUTE_DSL_CACHE_DIR"] = os.path.join(work, "cache")
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", args.kernel)   # k7:exp_turns=1 -> k7_exp_turns_1
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", args.kernel)   # k6:pv_wait=late -> k6_pv_wait_late
     cost_json = os.path.join(args.out, f"{stem}.cost.json")
     # -o belongs to iket's top-level parser, before the subcommand
     # --enabled-cluster: only one CTA (a 1x1x1 cluster) of each launch writes its events
