@@ -109,10 +109,14 @@ def _parse_options(name: str, opts: str) -> dict:
 
 def _check_options(entry: KernelEntry, extra: dict) -> None:
     """Option names the stage's compile_kernel takes (ValueError naming the valid ones)."""
-    params = inspect.signature(entry.load().compile_kernel).parameters
+    module = entry.load()
+    params = inspect.signature(module.compile_kernel).parameters
+    valid = [p for p, v in params.items() if p not in ("problem", "compile_options")
+             and v.kind is not inspect.Parameter.VAR_KEYWORD]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    valid = [p for p in params if p not in ("problem", "compile_options")]
+        if not hasattr(module, "OPTIONS"):      # a stage that checks its own
+            return
+        valid += list(module.OPTIONS)           # (k6, k7: the settings of their POLICY)
     unknown = sorted(set(extra) - set(valid))
     if unknown:
         raise ValueError(f"stage {entry.name!r}: unknown option(s) {', '.join(unknown)}; "
