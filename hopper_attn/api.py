@@ -36,7 +36,7 @@ import torch
 
 from hopper_attn import stages
 from hopper_attn.common.contract import (Problem, UnsupportedProblem, check_tensors,
-                                         run_attention)
+                                         normalize_window, run_attention)
 
 # Fastest first, by the same-run benchmarks in results/ (k6 alone runs d 96-256 and fp16).
 # k6 leads k5 everywhere since 2026-11-26 (round-robin, results/h100/2026-11-26_bench_k4-k6.json:
@@ -110,15 +110,16 @@ _FAST_LIMIT = 4096
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-         softmax_scale: Optional[float], stage: str) -> tuple[torch.Tensor, torch.Tensor]:
+         softmax_scale: Optional[float], stage: str, window: tuple = (-1, -1)
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-               k.dtype, v.dtype, q.device, k.device, v.device, causal, stage)
+               k.dtype, v.dtype, q.device, k.device, v.device, causal, stage, window)
         handle = _FAST.get(key)
     except AttributeError:                     # not tensors: the checks below say so
         key = handle = None
     if handle is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        handle = _checked_handle(q, k, v, causal, stage)
+        handle = _checked_handle(q, k, v, causal, stage, window)
         if len(_FAST) >= _FAST_LIMIT:          # e.g. many sequence lengths: start over
             _FAST.clear()
         _FAST[key] = handle
@@ -135,10 +136,10 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse
 
 
-def _checked_handle(q, k, v, causal: bool, stage: str):
+def _checked_handle(q, k, v, causal: bool, stage: str, window: tuple = (-1, -1)):
     """Every check of a call (ValueError before any launch), then its compiled kernel."""
     _check(q, k, v)
-    problem = Problem.from_tensor(q, causal, k)
+    problem = Problem.from_tensor(q, causal, k, window)
     entry = _entry_for(problem, stage)
     check_tensors(problem, q, k, v, q,                 # dtype, device, layout: before compiling
                   strided=entry.spec.strided_inputs)
@@ -156,9 +157,10 @@ def _handle(entry, problem: Problem, compile_options: str = ""):
 
 @torch.library.custom_op("hopper_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: Optional[float], stage: str, deterministic: bool = False
+                  softmax_scale: Optional[float], stage: str, deterministic: bool = False,
+                  window_left: int = -1, window_right: int = -1
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(q, k, v, causal, softmax_scale, stage)
+    return _run(q, k, v, causal, softmax_scale, stage, (window_left, window_right))
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
@@ -166,8 +168,10 @@ def _lse_like(q: torch.Tensor) -> torch.Tensor:
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, stage, deterministic=False):
+def _(q, k, v, causal, softmax_scale, stage, deterministic=False, window_left=-1,
+      window_right=-1):
     _check(q, k, v)
+    normalize_window((window_left, window_right), causal)
     return torch.empty_like(q), _lse_like(q)
 
 
@@ -175,11 +179,12 @@ def _(q, k, v, causal, softmax_scale, stage, deterministic=False):
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                            causal: bool, softmax_scale: Optional[float],
-                           deterministic: bool = False
+                           deterministic: bool = False, window_left: int = -1,
+                           window_right: int = -1
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # the backward stages read contiguous tensors (a packed-QKV view is copied here)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    problem = Problem.from_tensor(q, causal, k)
+    problem = Problem.from_tensor(q, causal, k, (window_left, window_right))
     entry = _backward_entry(problem, deterministic)
     handle = _handle(entry, problem)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -188,15 +193,17 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False):
+def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, window_left=-1,
+      window_right=-1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, stage, deterministic = inputs
+    q, k, v, causal, softmax_scale, stage, deterministic, window_left, window_right = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.window = (window_left, window_right)
     # the LSE output has no gradient: without this autograd fills a zero tensor for it on
     # every backward call (one extra kernel launch)
     ctx.set_materialize_grads(False)
@@ -204,28 +211,34 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     if dout is None:                        # only the LSE was used: no gradient flows back
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, ctx.causal,
-                                                          ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+                                                          ctx.softmax_scale, ctx.deterministic,
+                                                          *ctx.window)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_differentiable(q, k, v, causal: bool, stage: Optional[str]) -> None:
+def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
+                          window: tuple = (-1, -1), deterministic: bool = False) -> None:
     """Before a forward whose result needs gradients: can a backward stage run it?"""
     _check(q, k, v)
     if stage == "k4":
         raise ValueError("stage k4 writes no log-sum-exp, which the backward pass needs; "
                          "use k5, k6 or the default")
-    _backward_entry(Problem.from_tensor(q, causal, k))     # UnsupportedProblem with the reason
+    problem = Problem.from_tensor(q, causal, k, window)
+    if problem.windowed and deterministic:
+        raise ValueError("window_size: the deterministic backward has no sliding window")
+    _backward_entry(problem)                   # UnsupportedProblem with the reason
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
-              stage: Optional[str] = None, deterministic: bool = False):
+              stage: Optional[str] = None, deterministic: bool = False,
+              window_size: tuple = (-1, -1)):
     """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
 
     softmax_scale defaults to 1/sqrt(head_dim). With `return_lse`, also returns the
@@ -238,7 +251,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (the backward runs kb2) and 256 (kb1); with `deterministic` (kb2 only: 64 and 128), dQ's
     additions happen in a fixed order, so the gradients have the same bits on every run
     (slower: docs/kb2.md).
+
+    `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
+    i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
+    r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
+    (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6 and kb2 only (head
+    dims 64 and 128 with gradients; not deterministic); compiled once per window size. A row
+    that sees no key: zero output, LSE -inf.
     """
+    window = normalize_window(window_size, bool(causal))    # ValueError before anything
     try:
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                   or v.requires_grad)
@@ -246,12 +267,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         needs_grad = False
     compiling = torch.compiler.is_compiling()
     if needs_grad and not compiling:           # (traced: the backward op checks)
-        _check_differentiable(q, k, v, bool(causal), stage)
+        _check_differentiable(q, k, v, bool(causal), stage, window, bool(deterministic))
     if compiling or needs_grad:                # the custom op: fake impl, autograd
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
-                                                   stage or "", bool(deterministic))
+                                                   stage or "", bool(deterministic), *window)
     else:                                      # eager: no dispatcher round trip
-        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "")
+        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", window)
     return (out, lse) if return_lse else out
 
 

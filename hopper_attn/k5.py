@@ -276,6 +276,8 @@ class FlashAttentionK5:
             while valid:
                 n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
                 k0, k1 = 0, n_count                     # (k6's stream_k: a piece of the item)
+                if cutlass.const_expr(schedule.window_left >= 0):   # (k6's sliding window)
+                    k0 = schedule.n_block_first(m_block, seqlen_q, seqlen_k)
                 if cutlass.const_expr(scheduler.stream_k):
                     _, _, k0, k1 = scheduler.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
                 acc_o.fill(0.0)
@@ -428,6 +430,9 @@ class FlashAttentionK5:
         while valid:
             n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
             first = 0                                   # (k6's stream_k: the piece's tiles)
+            if cutlass.const_expr(schedule.window_left >= 0):   # (k6's sliding window)
+                first = schedule.n_block_first(m_block, seqlen_q, seqlen_k)
+                n_count = n_count - first
             if cutlass.const_expr(scheduler.stream_k):
                 _, _, first, k1 = scheduler.piece(tiles, seqlen_q, seqlen_k, heads,
                                                   batch_size)
@@ -540,8 +545,15 @@ class FlashAttentionK5:
         diagonal hides them (only tiles that need it run the mask code)."""
         s_rc = acc_rows_cols(acc_s)
         if self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
-            mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n, seqlen_k,
-                        self.causal, seqlen_k - seqlen_q, per_row_limit=self.mask_per_row)
+            if cutlass.const_expr(self.schedule.windowed):     # (k6's sliding window)
+                mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n,
+                            seqlen_k, self.schedule.bounded_right, seqlen_k - seqlen_q,
+                            per_row_limit=self.mask_per_row, right=self.schedule.right,
+                            left=self.schedule.window_left)
+            else:
+                mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n,
+                            seqlen_k, self.causal, seqlen_k - seqlen_q,
+                            per_row_limit=self.mask_per_row)
         return s_rc
 
     @cute.jit

@@ -83,6 +83,7 @@ SPEC = KernelSpec(
     strided_inputs=True,        # e.g. q, k, v as views of a packed QKV tensor
     grid_per_tile=False,        # persistent: any batch x heads
     takes_work_counter=True,    # the dynamic schedule's (causal)
+    window=True,                # sliding windows (compiled per window size)
 )
 
 # item_end -> (O in a buffer of its own, Q released after the item's last QK, each warpgroup
@@ -213,9 +214,16 @@ POLICY = [
 
 
 def policy(problem) -> dict:
-    """The settings of POLICY's first row for the problem's head dim, mask and query length."""
+    """The settings of POLICY's first row for the problem's head dim, mask and query length
+    (a sliding window takes the causal rows)."""
+    masked = problem.causal or getattr(problem, "windowed", False)
+    seqlen = problem.seqlen
+    if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0:
+        # a window's left side: two limits per row, with which 192-row tiles spill (as the
+        # two-compare causal mask did): the 128-row causal row at every length
+        seqlen = 0
     for d, causal, lengths, settings, _why, _results in POLICY:
-        if d == problem.head_dim and causal == problem.causal and problem.seqlen in lengths:
+        if d == problem.head_dim and causal == masked and seqlen in lengths:
             return {**BASE, **settings}
     raise ValueError(f"k6: no policy row for d = {problem.head_dim}")
 
@@ -231,7 +239,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  mask_per_row: bool = False, wg_causal_limit: bool = False,
                  fast_divmod: bool = False, stream_k: bool = False, kv_tail: bool = True,
                  peel_first: bool = False, longest_first: int = 0, stages: int = 2,
-                 persistent_ctas: int = 0, trace: bool = False):
+                 persistent_ctas: int = 0, trace: bool = False, window_left: int = -1,
+                 window_right: int = -1):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -285,7 +294,16 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.defer_store_wait = defer_store_wait
         self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=bool(pingpong))
         # kv_tail=False: for key lengths of whole kv tiles, a loop without the tail test
-        self.schedule = TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail))
+        # a sliding window (compile-time sizes; -1, -1: none, the code without one): an
+        # item walks kv tiles n_block_first .. n_block_count_kv - 1 (k5's loops start at
+        # n_base), masked where the window's edges or the key tail cross them
+        window = (int(window_left), -1 if causal else int(window_right))
+        windowed = window[0] >= 0 or window[1] >= 0
+        if windowed and (stream_k or not kv_tail):
+            raise ValueError("k6: a sliding window needs kv_tail and no stream_k")
+        self.schedule = TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail),
+                                     *window) if windowed else \
+            TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail))
         # the persistent grid: with a causal mask (items of different lengths) the next item
         # from a global counter, in head groups of `longest_first` MiB of K and V (N x d x 4
         # bytes per head), the longest query tile of each head first; without one, every
@@ -293,8 +311,12 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if stream_k and causal:
             raise ValueError("stream_k: the static persistent schedule (no mask) only")
         self.stream_k = bool(stream_k)
-        self.scheduler = TileScheduler(self.block_m, causal, True, persistent_ctas or sm_count(),
-                                       causal, (longest_first << 20) // (head_dim * 4),
+        # (a window's items differ in length as causal ones do, at the edges: the dynamic
+        # schedule, the last query tiles first, which with a causal window are the longest)
+        ordered = causal or windowed
+        self.scheduler = TileScheduler(self.block_m, ordered, True,
+                                       persistent_ctas or sm_count(),
+                                       ordered, (longest_first << 20) // (head_dim * 4),
                                        bool(fast_divmod), self.stream_k, self.block_n, 1)
         self.uniform_descriptors = bool(uniform_descriptors)
         self.spin_waits = bool(spin_waits)
@@ -475,8 +497,13 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if cutlass.const_expr(self.skip_idle_wgs or self.wg_causal_limit):
             n_busy = n_count
             if cutlass.const_expr(self.wg_causal_limit):
-                n_busy = cutlass.min(n_count, self.schedule.n_block_count_rows(
-                    m_block, (wg + 1) * 64, seqlen_q, seqlen_k))
+                if cutlass.const_expr(self.schedule.window_left >= 0):
+                    # (the item's tiles counted from n_base, its first)
+                    n_busy = cutlass.min(n_count, self.schedule.n_block_count_rows(
+                        m_block, (wg + 1) * 64, seqlen_q, seqlen_k) - n_base)
+                else:
+                    n_busy = cutlass.min(n_count, self.schedule.n_block_count_rows(
+                        m_block, (wg + 1) * 64, seqlen_q, seqlen_k))
             busy = True
             if cutlass.const_expr(self.skip_idle_wgs):
                 busy = m_block * self.block_m + wg * 64 < seqlen_q
@@ -734,6 +761,12 @@ def settings_for(problem, **overrides) -> dict:
     tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
     if tile is not None:
         settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))
+    windowed = getattr(problem, "windowed", False)
+    if windowed:
+        # the causal row's settings; a window's item starts at kv tile n_block_first, which
+        # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
+        settings.update(window_left=problem.window_left, window_right=problem.window_right,
+                        stream_k=False, kv_tail=True)
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])

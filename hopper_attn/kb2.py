@@ -97,6 +97,7 @@ SPEC = KernelSpec(
     head_dims=(64, 128),
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,
+    window=True,                # sliding windows (compiled per window size)
 )
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
@@ -113,7 +114,8 @@ class FlashAttentionBackwardKB2:
                  ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
                  pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
                  group_mib: int = 32, group_heads: int = 0, trace: bool = False,
-                 convert_per_head: bool = False, gqa: bool = False, heads_first: bool = False):
+                 convert_per_head: bool = False, gqa: bool = False, heads_first: bool = False,
+                 window_left: int = -1, window_right: int = -1):
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -137,8 +139,14 @@ class FlashAttentionBackwardKB2:
         # heads_first (causal, without longest_first): the grid (heads, kv tiles, batch), kv
         # tile 0 of every head first (masking.KVTileSchedule)
         self.heads_first = bool(heads_first) and causal and not self.longest_first
+        # a sliding window (compile-time sizes): kv tile n walks the query tiles whose
+        # window reaches its keys (KVTileSchedule.m_block_range), masked at the edges
+        window = {} if window_left < 0 and (causal or window_right < 0) else \
+            dict(window_left=int(window_left), window_right=-1 if causal else int(window_right))
+        if window and deterministic:
+            raise ValueError("kb2: the deterministic mode has no sliding window")
         self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads,
-                                       heads_first=self.heads_first)
+                                       heads_first=self.heads_first, **window)
         # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
         # one head do not all reduce-add into the same dQ tile at the same time. Off by
         # default: timed round-robin against FA4 it gains nothing without a mask and costs
@@ -538,8 +546,14 @@ class FlashAttentionBackwardKB2:
             self.trace.end(phase)
             phase = self.trace.start("exp2")
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
-                mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
-                            self.causal, causal_offset, transposed=True)
+                if cutlass.const_expr(self.schedule.windowed):
+                    mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
+                                self.schedule.right_limit >= 0, causal_offset, transposed=True,
+                                right=max(self.schedule.right_limit, 0),
+                                left=self.schedule.window_left)
+                else:
+                    mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
+                                self.causal, causal_offset, transposed=True)
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                     st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2[c],
@@ -743,6 +757,12 @@ POLICY = (
               "kv tile 0 of every head first: grid time estimated 1.24 -> 1.01x ideal at 32/8 "
               "B1 N = 8k (dkv_parts' model; not yet measured)",
               ("tools/bwd_gqa_gpu_check.py",)),
+    # a sliding window (the causal row first): its masks' second limit costs registers
+    PolicyRow(64, None, "window", {"dp_first": True, "stmatrix": False, "early_dv": False,
+                                   "split_dv": 0},
+              "dP^T first (no D registers), no stmatrix: the causal row's settings spill with "
+              "a window's two limits (4-12 bytes); not yet measured",
+              ("tools/window_gpu_check.py",)),
     PolicyRow(64, True, "gqa deterministic", {"longest_first": False},
               "heads first here too (the 1-D grid spills one register); it also starts each "
               "head's kv tile n - 1 before its tile n, which the dQ turns need",
@@ -754,13 +774,16 @@ def policy(problem, deterministic: bool = False, tuned: bool = True) -> dict:
     """The settings `POLICY` gives `problem` (`tuned`: take the head dim and mask's row, as
     compile_kernel does when block_m is not given), and the rows they came from ("rows")."""
     settings, rows = dict(DEFAULTS), []
+    # a sliding window takes the causal rows (masked tiles)
+    masked = problem.causal or getattr(problem, "windowed", False)
     modes = [""] if tuned else []
+    modes += ["window"] if tuned and getattr(problem, "windowed", False) else []
     modes += ["deterministic"] if deterministic else []
     modes += ["gqa"] if problem.kv_heads != problem.heads else []
     modes += ["gqa deterministic"] if deterministic and "gqa" in modes else []
     for mode in modes:
         for row in POLICY:
-            if row.matches(problem.head_dim, problem.causal, mode):
+            if row.matches(problem.head_dim, masked, mode):
                 settings.update(row.settings)
                 rows.append(row)
     settings["rows"] = rows
@@ -816,8 +839,17 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "trace": bool(trace),
                              "convert_per_head": options["convert_per_head"],
                              "gqa": options["gqa"],
-                             "heads_first": options["heads_first"]},
+                             "heads_first": options["heads_first"],
+                             **window_options(problem)},
                             compile_options=compile_options)
+
+
+def window_options(problem) -> dict:
+    """The problem's sliding window as kernel options (none without one: the options, and
+    so the compile cache's key, of a call without a window stay as they were)."""
+    if not getattr(problem, "windowed", False):
+        return {}
+    return {"window_left": problem.window_left, "window_right": problem.window_right}
 
 
 # gqa: a CTA walks every query head of its group, so with few k/v heads (MQA, small

@@ -50,6 +50,12 @@ class Problem:
     # a KV prefix; the causal mask is then aligned bottom-right)
     heads_kv: int = 0
     seqlen_k: int = 0
+    # a sliding window (FlashAttention's window_size, as `window_size` normalizes it): query
+    # i at row position r = i + seqlen_k - seqlen_q sees keys r - window_left .. r +
+    # window_right; -1: unbounded on that side; with causal the right side is 0 and
+    # window_right stays -1. (-1, -1): no window
+    window_left: int = -1
+    window_right: int = -1
 
     def __post_init__(self):
         for field in ("batch", "heads", "seqlen", "head_dim"):
@@ -62,15 +68,32 @@ class Problem:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field} must be an int >= 1 (or 0: as q), got {value!r}")
+        for field in ("window_left", "window_right"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+                raise ValueError(f"{field} must be an int >= 0 (or -1: unbounded), got "
+                                 f"{value!r}")
+        if self.causal and self.window_right != -1:
+            raise ValueError("with causal the window's right side is 0: window_right must "
+                             "be -1 (window_size normalizes it)")
         if self.heads % self.kv_heads:
             raise ValueError(f"q's heads ({self.heads}) must be a multiple of k/v's "
                              f"({self.kv_heads})")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {self.dtype}")
 
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """(left, right), -1 unbounded, causal as right = 0."""
+        return self.window_left, 0 if self.causal else self.window_right
+
     @classmethod
     def from_tensor(cls, q: torch.Tensor, causal: bool = False,
-                    k: Optional[torch.Tensor] = None) -> "Problem":
+                    k: Optional[torch.Tensor] = None, window_size=(-1, -1)) -> "Problem":
         for name, t in (("q", q), ("k", k)):
             if t is not None and t.dim() != 4:
                 raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), "
@@ -80,9 +103,11 @@ class Problem:
             # (0 in Problem's seqlen_k / heads_kv means "as q": an empty k must not read so)
             raise ValueError(f"k must have at least one key and one head, got shape "
                              f"{tuple(k.shape)}")
+        left, right = normalize_window(window_size, causal)
         if k is None or (k.shape[1] == n and k.shape[2] == h):
-            return cls(b, h, n, d, bool(causal), q.dtype)
-        return cls(b, h, n, d, bool(causal), q.dtype, heads_kv=k.shape[2], seqlen_k=k.shape[1])
+            return cls(b, h, n, d, bool(causal), q.dtype, window_left=left, window_right=right)
+        return cls(b, h, n, d, bool(causal), q.dtype, heads_kv=k.shape[2], seqlen_k=k.shape[1],
+                   window_left=left, window_right=right)
 
     @property
     def kv_heads(self) -> int:
@@ -128,15 +153,39 @@ class Problem:
         kv = ""
         if self.heads_kv or self.seqlen_k:
             kv = f" (k/v: H={self.kv_heads} N={self.kv_seqlen})"
+        window = f" window={self.window}" if self.windowed else ""
         return (f"B={self.batch} H={self.heads} N={self.seqlen} d={self.head_dim} "
-                f"{'causal' if self.causal else 'full'}{kv}")
+                f"{'causal' if self.causal else 'full'}{kv}{window}")
 
     def as_dict(self) -> dict:
         out = {"batch": self.batch, "heads": self.heads, "seqlen": self.seqlen,
                "head_dim": self.head_dim, "causal": self.causal, "dtype": self.dtype_name}
         if self.heads_kv or self.seqlen_k:
             out.update(heads_kv=self.kv_heads, seqlen_k=self.kv_seqlen)
+        if self.windowed:
+            out.update(window_left=self.window_left, window_right=self.window_right)
         return out
+
+
+def normalize_window(window_size, causal: bool) -> tuple[int, int]:
+    """FlashAttention's `window_size` (left, right) checked (ValueError) and normalized to
+    Problem's fields: with causal the right side is 0 (window_right -1), and (-1, -1) or,
+    with causal, (-1, 0) is no window."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") \
+            from None
+    for name, value in (("left", left), ("right", right)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+            raise ValueError(f"window_size: {name} must be an int >= 0 or -1 (unbounded), "
+                             f"got {value!r}")
+    if causal:
+        if right not in (-1, 0):
+            raise ValueError(f"window_size: with causal=True the right side is 0 (or -1), "
+                             f"got {right}")
+        right = -1
+    return left, right
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +221,8 @@ class KernelSpec:
     v_seq_major: bool = False
     # the dtype `out` has when not the problem's (k7 `out_fp8=1`: e4m3, O / descale_v)
     output_dtype: Optional[torch.dtype] = None
+    # a sliding window (Problem.window_left / window_right)
+    window: bool = False
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -182,6 +233,8 @@ class KernelSpec:
         if (problem.heads_kv or problem.seqlen_k) and not self.separate_kv:
             return (f"{self.name} needs k and v with q's heads and sequence length "
                     f"(no GQA/MQA or cross-attention)")
+        if problem.windowed and not self.window:
+            return f"window_size: k6 / kb2 only, not {self.name}"
         if self.max_seqlen is not None and problem.seqlen > self.max_seqlen:
             return f"{self.name} supports seqlen <= {self.max_seqlen}, not {problem.seqlen}"
         if self.grid_per_tile and (problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ):

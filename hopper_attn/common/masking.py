@@ -8,6 +8,14 @@ A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of B
   tiles entirely left of it need no mask, and only the tiles the diagonal crosses are masked.
   With seqlen_k != seqlen_q (k5 on: `n_block_count_kv`, `needs_mask_kv`) the diagonal is aligned
   bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q.
+* Sliding window (FlashAttention's `window_size` = (left, right); -1: unbounded on that
+  side; with causal the right side is 0): query i, at row position r = i + seqlen_k -
+  seqlen_q, sees keys r - left <= j <= r + right. A query tile visits only the kv tiles
+  between its first row's low limit and its last row's high limit (`n_block_first`,
+  `n_block_count_kv`), so the cost grows with the window, not N; masked are only the tiles
+  the window's left edge, its right (causal) edge or the key tail cross. The window sizes
+  are compile-time fields: without a window every method compiles to the code it had before.
+  `window_ranges` and `window_m_range` are the same ranges on the host (tests, estimates).
 * Scheduling: with a causal mask the last query tiles do the most work, so CTA x takes query
   tile (num_m_blocks - 1 - x): the longest CTAs start first and the short ones fill the tail.
 """
@@ -31,6 +39,23 @@ class TileSchedule:
     # False: every kv tile is whole (seqlen_k a multiple of block_n, known when compiling):
     # no tail mask, so without a causal mask the loop has no mask test at all (k6's kv_tail)
     kv_tail: bool = True
+    # the sliding window (see the module doc); -1: unbounded on that side
+    window_left: int = -1
+    window_right: int = -1
+
+    @property
+    def bounded_right(self) -> bool:
+        """Keys right of a row's limit are hidden (causal, or a window's right side)."""
+        return self.causal or self.window_right >= 0
+
+    @property
+    def right(self) -> int:
+        """How far right of the diagonal a row sees (0 with causal)."""
+        return 0 if self.causal else max(self.window_right, 0)
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
 
     def grid(self, seqlen, heads, batch):
         return [cute.ceil_div(seqlen, self.block_m), heads, batch]
@@ -73,10 +98,24 @@ class TileSchedule:
         `wg_causal_limit`: a consumer warpgroup's rows end `rows` = 64 (wg + 1) into the tile,
         and with a causal mask the upper warpgroups may see one kv tile fewer)."""
         count = cute.ceil_div(seqlen_k, self.block_n)
-        if cutlass.const_expr(self.causal):
-            visible = cutlass.max(m_block * self.block_m + rows + seqlen_k - seqlen_q, 1)
+        if cutlass.const_expr(self.bounded_right):
+            visible = m_block * self.block_m + rows + seqlen_k - seqlen_q
+            if cutlass.const_expr(self.right > 0):
+                visible = visible + self.right
+            visible = cutlass.max(visible, 1)
             count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
         return count
+
+    @cute.jit
+    def n_block_first(self, m_block, seqlen_q, seqlen_k) -> Int32:
+        """The first kv tile query tile m_block visits: 0, or with a window's left side the
+        tile of its first row's lowest key. Always below `n_block_count_kv` (a row's low
+        limit is at most its high one, and at most seqlen_k - 1)."""
+        first = Int32(0)
+        if cutlass.const_expr(self.window_left >= 0):
+            low = m_block * self.block_m + seqlen_k - seqlen_q - self.window_left
+            first = cutlass.max(low, 0) // self.block_n
+        return first
 
     @cute.jit
     def n_block_count_unmasked(self, m_block, seqlen_q, seqlen_k) -> Int32:
@@ -95,6 +134,8 @@ class TileSchedule:
     @cute.jit
     def needs_mask_kv(self, m_block, n_block, seqlen_q, seqlen_k):
         """`needs_mask` with the bottom-right causal diagonal of `n_block_count_kv`."""
+        if cutlass.const_expr(self.windowed):
+            return self.needs_window_mask(m_block, n_block, seqlen_q, seqlen_k)
         last_col = (n_block + 1) * self.block_n - 1
         if cutlass.const_expr(not self.kv_tail):
             if cutlass.const_expr(not self.causal):
@@ -103,6 +144,20 @@ class TileSchedule:
         needs = last_col >= seqlen_k
         if cutlass.const_expr(self.causal):
             needs = needs or last_col > m_block * self.block_m + seqlen_k - seqlen_q
+        return needs
+
+    @cute.jit
+    def needs_window_mask(self, m_block, n_block, seqlen_q, seqlen_k):
+        """`needs_mask_kv` with a window: the key tail, a key right of the first row's high
+        limit, or one left of the last row's low limit."""
+        last_col = (n_block + 1) * self.block_n - 1
+        diagonal = m_block * self.block_m + seqlen_k - seqlen_q     # the first row's position
+        needs = last_col >= seqlen_k if cutlass.const_expr(self.kv_tail) else False
+        if cutlass.const_expr(self.bounded_right):
+            needs = needs or last_col > diagonal + self.right
+        if cutlass.const_expr(self.window_left >= 0):
+            needs = needs or n_block * self.block_n < \
+                diagonal + (self.block_m - 1 - self.window_left)
         return needs
 
     @cute.jit
@@ -119,9 +174,13 @@ class TileSchedule:
 def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: Int32,
                 seqlen: Int32, causal: cutlass.Constexpr[bool], causal_offset: Int32 = 0,
                 transposed: cutlass.Constexpr[bool] = False,
-                per_row_limit: cutlass.Constexpr[bool] = False):
+                per_row_limit: cutlass.Constexpr[bool] = False,
+                right: cutlass.Constexpr[int] = 0, left: cutlass.Constexpr[int] = -1):
     """Set s to -inf where the key is past the end (`seqlen` keys), or, if causal, after
     the query shifted by `causal_offset` (seqlen_k - seqlen_q: bottom-right alignment).
+    A sliding window: `causal` then means the right side is bounded, `right` keys past the
+    shifted query (0: causal), and `left` >= 0 also hides keys before query + causal_offset
+    - left (two limits per row).
 
     `coords_rc[r, c]` is the (row, col) of register s_rc[r, c] inside the tile; row0 and col0
     are the tile's offsets in the sequence. Rows are queries and columns keys, or, with
@@ -134,14 +193,39 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
     uses it.
     """
     minus_inf = s_rc.element_type(-Float32.inf)        # (fp32, or k7's fp16 scores)
-    if cutlass.const_expr(per_row_limit and not transposed):
+    if cutlass.const_expr(transposed and left >= 0):
+        # the backward with a window's left side: in terms of key - query - offset (one
+        # register, `base`, plus the coordinates), a compare against each window edge
+        base = row0 - col0 - causal_offset
+        tail = seqlen - row0                            # keys from here on are past the end
+        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                key_in_tile = coords_rc[r, c][0]
+                apart = key_in_tile - coords_rc[r, c][1] + base
+                hidden = key_in_tile >= tail or apart < -left
+                if cutlass.const_expr(causal):
+                    hidden = hidden or apart > right
+                if hidden:
+                    s_rc[r, c] = minus_inf
+    elif cutlass.const_expr(per_row_limit and not transposed):
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             limit = seqlen
             if cutlass.const_expr(causal):
-                limit = cutlass.min(limit, coords_rc[r, 0][0] + row0 + causal_offset + 1)
-            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                if coords_rc[r, c][1] + col0 >= limit:
-                    s_rc[r, c] = minus_inf
+                if cutlass.const_expr(right > 0):
+                    limit = cutlass.min(limit, coords_rc[r, 0][0] + row0 + causal_offset
+                                        + (1 + right))
+                else:
+                    limit = cutlass.min(limit, coords_rc[r, 0][0] + row0 + causal_offset + 1)
+            if cutlass.const_expr(left >= 0):
+                low = coords_rc[r, 0][0] + row0 + causal_offset - left
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    col = coords_rc[r, c][1] + col0
+                    if col >= limit or col < low:
+                        s_rc[r, c] = minus_inf
+            else:
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    if coords_rc[r, c][1] + col0 >= limit:
+                        s_rc[r, c] = minus_inf
     else:
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
@@ -150,7 +234,12 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                 query, key = (col, row) if cutlass.const_expr(transposed) else (row, col)
                 hidden = key >= seqlen
                 if cutlass.const_expr(causal):
-                    hidden = hidden or key > query + causal_offset
+                    if cutlass.const_expr(right > 0):
+                        hidden = hidden or key > query + causal_offset + right
+                    else:
+                        hidden = hidden or key > query + causal_offset
+                if cutlass.const_expr(left >= 0):
+                    hidden = hidden or key < query + causal_offset - left
                 if hidden:
                     s_rc[r, c] = minus_inf
 
@@ -192,6 +281,9 @@ class KVTileSchedule:
     # without the 1-D grid's index arithmetic (kb2's gqa variant at d = 64, where that
     # arithmetic's registers spill one)
     heads_first: bool = False
+    # the sliding window (TileSchedule's); -1: unbounded on that side
+    window_left: int = -1
+    window_right: int = -1
     # below 16 kv tiles per head the reordering lost on the H100 (kb2, d = 128, N = 1k:
     # -0.5% to -10% as the group grew from 16 to 48 heads; docs/kb2.md)
     LONGEST_FIRST_MIN_KV_TILES = 16
@@ -267,9 +359,22 @@ class KVTileSchedule:
 
     def host_tiles(self, n_block: int, seqlen_q: int, seqlen_k: int) -> int:
         """Host side: how many query tiles kv tile `n_block` walks (`m_block_range`)."""
+        if self.windowed:
+            first, end = window_m_range(n_block, self.block_m, self.block_n, seqlen_q,
+                                        seqlen_k, self.window_left, self.right_limit)
+            return end - first
         first = max(n_block * self.block_n - (seqlen_k - seqlen_q), 0) // self.block_m \
             if self.causal else 0
         return -(-seqlen_q // self.block_m) - first
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
+
+    @property
+    def right_limit(self) -> int:
+        """The window's right side (0 with causal), -1 where unbounded."""
+        return 0 if self.causal else self.window_right
 
     def part(self):
         """Which part of d's columns the calling CTA owns (0 with one part)."""
@@ -280,7 +385,11 @@ class KVTileSchedule:
 
     @cute.jit
     def m_block_range(self, n_block, seqlen_q, seqlen_k):
-        """(first, end) query tiles that kv tile `n_block` contributes to."""
+        """(first, end) query tiles that kv tile `n_block` contributes to. With a window's
+        left side a kv tile that no query sees still walks one query tile (fully masked:
+        it adds nothing, and its dK and dV are written as zeros)."""
+        if cutlass.const_expr(self.windowed):
+            return self.window_m_block_range(n_block, seqlen_q, seqlen_k)
         first = Int32(0)
         if cutlass.const_expr(self.causal):
             # the first query that sees key n_block * block_n
@@ -318,9 +427,78 @@ class KVTileSchedule:
                 m_end - m_first)
 
     @cute.jit
+    def window_m_block_range(self, n_block, seqlen_q, seqlen_k):
+        """`m_block_range` with a window: from the tile of the first query whose high
+        limit reaches key n_block * block_n to that of the last query whose low limit
+        reaches key (n_block + 1) * block_n - 1."""
+        offset = seqlen_k - seqlen_q
+        first = Int32(0)
+        if cutlass.const_expr(self.right_limit >= 0):
+            first = cutlass.max(n_block * self.block_n - offset - self.right_limit, 0) \
+                // self.block_m
+        end = cute.ceil_div(seqlen_q, self.block_m)
+        if cutlass.const_expr(self.window_left >= 0):
+            last = (n_block + 1) * self.block_n - 1 - offset + self.window_left
+            end = cutlass.min(end, cutlass.max(last, 0) // self.block_m + 1)
+            end = cutlass.max(end, first + 1)
+        return first, end
+
+    @cute.jit
     def needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
+        if cutlass.const_expr(self.windowed):
+            last_key = (n_block + 1) * self.block_n - 1
+            diagonal = m_block * self.block_m + seqlen_k - seqlen_q
+            needs = last_key >= seqlen_k
+            if cutlass.const_expr(self.right_limit >= 0):
+                needs = needs or last_key > diagonal + self.right_limit
+            if cutlass.const_expr(self.window_left >= 0):
+                needs = needs or n_block * self.block_n < \
+                    diagonal + (self.block_m - 1 - self.window_left)
+            return needs
         last_key = (n_block + 1) * self.block_n - 1
         needs = last_key >= seqlen_k
         if cutlass.const_expr(self.causal):
             needs = needs or last_key > m_block * self.block_m + seqlen_k - seqlen_q
         return needs
+
+
+# ---- the same ranges on the host (pure Python: tests, grid estimates) ----
+
+def window_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, left: int, right: int) -> bool:
+    """Query i sees key j: j < seqlen_k and r - left <= j <= r + right, r = i + seqlen_k -
+    seqlen_q (-1: unbounded on that side; causal is right = 0)."""
+    r = i + seqlen_k - seqlen_q
+    return j < seqlen_k and (left < 0 or j >= r - left) and (right < 0 or j <= r + right)
+
+
+def window_ranges(m_block: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
+                  left: int, right: int) -> tuple:
+    """TileSchedule's (n_block_first, n_block_count_kv) for query tile m_block."""
+    offset = seqlen_k - seqlen_q
+    count = -(-seqlen_k // block_n)
+    if right >= 0:
+        visible = max(m_block * block_m + block_m + offset + right, 1)
+        count = min(count, -(-visible // block_n))
+    first = max(m_block * block_m + offset - left, 0) // block_n if left >= 0 else 0
+    return first, count
+
+
+def window_needs_mask(m_block: int, n_block: int, block_m: int, block_n: int, seqlen_q: int,
+                      seqlen_k: int, left: int, right: int) -> bool:
+    """TileSchedule.needs_window_mask (with the tail test) on the host."""
+    last_col = (n_block + 1) * block_n - 1
+    diagonal = m_block * block_m + seqlen_k - seqlen_q
+    return (last_col >= seqlen_k or (right >= 0 and last_col > diagonal + right)
+            or (left >= 0 and n_block * block_n < diagonal + block_m - 1 - left))
+
+
+def window_m_range(n_block: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
+                   left: int, right: int) -> tuple:
+    """KVTileSchedule.window_m_block_range on the host: (first, end) query tiles."""
+    offset = seqlen_k - seqlen_q
+    first = max(n_block * block_n - offset - right, 0) // block_m if right >= 0 else 0
+    end = -(-seqlen_q // block_m)
+    if left >= 0:
+        last = (n_block + 1) * block_n - 1 - offset + left
+        end = max(min(end, max(last, 0) // block_m + 1), first + 1)
+    return first, end

@@ -1,0 +1,277 @@
+"""Sliding-window attention (issue 61): k6 forward, kb2 backward, through `attention()`.
+
+CPU: the schedules' kv / query tile ranges and mask decisions (masking's host mirrors)
+against a brute-force per-element mask over many shapes; the API's checks; windowed k6 and
+kb2 compile without spills. GPU (`-m gpu`): forward, LSE and gradients against an fp32
+reference with the window's mask, within 2x the error of the same math in bf16."""
+
+import itertools
+
+import pytest
+import torch
+
+from hopper_attn.common.contract import Problem, normalize_window
+from hopper_attn.common.masking import (window_m_range, window_needs_mask, window_ranges,
+                                        window_visible)
+
+# (left, right) with causal folded in (right 0); -1: unbounded
+WINDOWS = [(0, 0), (3, 0), (127, 0), (128, 0), (200, 0), (4095, 0), (256, 256), (-1, 64),
+           (64, -1), (0, -1), (5, 7), (1000, 0), (-1, 0)]
+LENGTHS = [(1, 1), (17, 17), (113, 113), (300, 300), (17, 300), (300, 17), (129, 64),
+           (64, 129), (250, 1000)]
+TILES = [(128, 128), (192, 128), (128, 80), (64, 128), (80, 128)]
+
+
+def _visible(seqlen_q, seqlen_k, left, right):
+    return [[window_visible(i, j, seqlen_q, seqlen_k, left, right) for j in range(seqlen_k)]
+            for i in range(seqlen_q)]
+
+
+@pytest.mark.parametrize("left,right", WINDOWS)
+def test_forward_tile_ranges_match_the_element_mask(left, right):
+    """Every visible key lies in the query tile's kv tiles [first, count); every tile in
+    that range has a visible key (none loaded wholly outside the window) unless the tile's
+    rows see no key at all (then exactly one tile, masked); a tile the schedule does not
+    mask is visible in every (row, key)."""
+    for (nq, nk), (bm, bn) in itertools.product(LENGTHS, TILES):
+        vis = _visible(nq, nk, left, right)
+        for m in range(-(-nq // bm)):
+            first, count = window_ranges(m, bm, bn, nq, nk, left, right)
+            assert 0 <= first < count <= -(-nk // bn), (nq, nk, bm, bn, m)
+            rows = range(m * bm, min((m + 1) * bm, nq))
+            tiles = {j // bn for i in rows for j in range(nk) if vis[i][j]}
+            if tiles:
+                assert min(tiles) == first and max(tiles) == count - 1, (nq, nk, bm, bn, m)
+            else:
+                assert count - first == 1
+            for n in range(first, count):
+                cols = range(n * bn, (n + 1) * bn)
+                if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
+                    assert all(j < nk and vis[i][j] for i in rows for j in cols), (m, n)
+
+
+@pytest.mark.parametrize("left,right", WINDOWS)
+def test_backward_tile_ranges_match_the_element_mask(left, right):
+    """Per kv tile the query tiles [first, end) hold every query that sees one of its keys;
+    none wholly outside (unless no query sees the tile: one, masked); unmasked tiles are
+    visible throughout."""
+    for (nq, nk), (bm, bn) in itertools.product(LENGTHS, TILES):
+        vis = _visible(nq, nk, left, right)
+        for n in range(-(-nk // bn)):
+            first, end = window_m_range(n, bm, bn, nq, nk, left, right)
+            assert 0 <= first < end <= -(-nq // bm), (nq, nk, bm, bn, n)
+            keys = range(n * bn, min((n + 1) * bn, nk))
+            tiles = {i // bm for i in range(nq) for j in keys if vis[i][j]}
+            if tiles:
+                assert min(tiles) == first and max(tiles) == end - 1, (nq, nk, bm, bn, n)
+            else:
+                assert end - first == 1
+            for m in range(first, end):
+                rows = range(m * bm, min((m + 1) * bm, nq))
+                if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
+                    assert all(j < nk and vis[i][j] for i in rows
+                               for j in range(n * bn, (n + 1) * bn)), (m, n)
+
+
+def test_left_beyond_the_keys_is_no_window():
+    for nq, nk in LENGTHS:
+        for bm, bn in TILES:
+            for m in range(-(-nq // bm)):
+                assert window_ranges(m, bm, bn, nq, nk, nq + nk, 0)[0] == 0
+                assert window_ranges(m, bm, bn, nq, nk, nq + nk, -1) == (0, -(-nk // bn))
+
+
+def test_normalize_window():
+    assert normalize_window((-1, -1), False) == (-1, -1)
+    assert normalize_window((-1, 0), True) == (-1, -1)        # plain causal
+    assert normalize_window((127, -1), True) == (127, -1)     # (127, 0)
+    assert normalize_window([4095, 0], True) == (4095, -1)
+    assert normalize_window((256, 256), False) == (256, 256)
+    for bad, causal in [((-2, 0), False), ((0, 1), True), ((1.0, 0), False), ((True, 0), False),
+                        ((1,), False), (5, False), (("a", 0), False)]:
+        with pytest.raises(ValueError):
+            normalize_window(bad, causal)
+    with pytest.raises(ValueError):
+        Problem(1, 1, 8, 64, True, window_left=3, window_right=0)   # not normalized
+
+
+def test_attention_checks_the_window_before_anything():
+    import hopper_attn
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)           # (CPU: refused earlier)
+    with pytest.raises(ValueError, match="window_size"):
+        hopper_attn.attention(q, q, q, causal=True, window_size=(3, 2))
+    with pytest.raises(ValueError, match="window_size"):
+        hopper_attn.attention(q, q, q, window_size=(-3, 2))
+    with pytest.raises(ValueError, match="window_size"):
+        hopper_attn.attention(q, q, q, window_size=(3.5, 2))
+    for stage in ("k4", "k5", "k7"):
+        with pytest.raises(ValueError, match="window_size: k6 / kb2 only"):
+            hopper_attn.attention(q, q, q, causal=True, window_size=(3, 0), stage=stage)
+
+
+def test_decode_and_other_backward_stages_refuse_windows():
+    from hopper_attn import decode, stages
+    problem = Problem(1, 8, 1, 128, True, heads_kv=1, seqlen_k=4096, window_left=127)
+    assert not decode.prefers(problem)
+    assert "window_size" in stages.get("kb1").spec.unsupported_reason(problem)
+    assert stages.get("k6").spec.unsupported_reason(problem) is None
+    assert stages.get("kb2").spec.unsupported_reason(problem) is None
+
+
+# ---- compiles (sm_90a on the CPU) ----
+
+COMPILES = [(64, True, (127, -1)), (64, False, (256, 256)), (128, True, (127, -1)),
+            (128, False, (256, 256)), (128, False, (-1, 64)), (64, True, (0, -1))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("seqlen", [1000, 8192])
+@pytest.mark.parametrize("d,causal,window", COMPILES)
+def test_k6_window_compiles_without_spills(d, causal, window, seqlen):
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get("k6"), d, causal, seqlen=seqlen, window=window)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("heads_kv", [0, 1])
+@pytest.mark.parametrize("d,causal,window", COMPILES)
+def test_kb2_window_compiles_without_spills(d, causal, window, heads_kv):
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get("kb2"), d, causal, heads_kv=heads_kv, window=window)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+# ---- GPU ----
+
+def window_mask(nq, nk, left, right, device="cuda"):
+    """(nq, nk) bool, True where query i sees key j (bottom-right aligned)."""
+    i = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=device)[None, :]
+    seen = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    return seen
+
+
+def reference(q, k, v, left, right, scale, lowp=False):
+    """Attention with the window's mask, in fp32 (or, `lowp`, the GEMMs' inputs and P in
+    q's dtype: the error a bf16 kernel cannot avoid); rows that see no key: 0, LSE -inf.
+    Differentiable (masked scores -1e30, not -inf, so no NaN reaches the gradients)."""
+    group = q.shape[2] // k.shape[2]
+    dt = q.dtype if lowp else torch.float32
+    k, v = (t.repeat_interleave(group, dim=2).to(dt) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q.to(dt), k).float() * scale
+    seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
+    s = s.masked_fill(~seen, -1e30)
+    any_key = seen.any(-1)[:, None].float()
+    p = torch.softmax(s, -1) * any_key
+    lse = torch.logsumexp(s, -1).masked_fill(~seen.any(-1), float("-inf"))
+    o = torch.einsum("bhij,bjhd->bihd", p.to(dt), v).float()
+    return o, lse
+
+
+def _inputs(batch, nq, nk, heads, heads_kv, d, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, nq, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(batch, nk, heads_kv, d, device="cuda", generator=gen)
+            .to(torch.bfloat16) for _ in range(2))
+    return q, k, v
+
+
+GPU_WINDOWS = [(True, (0, 0)), (True, (3, 0)), (True, (127, 0)), (True, (128, 0)),
+               (True, (4095, 0)), (False, (256, 256)), (False, (-1, 64))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", GPU_WINDOWS)
+@pytest.mark.parametrize("seqlen", [1, 17, 113, 1000, 4096])
+def test_forward_matches_fp32(seqlen, causal, window, d):
+    import hopper_attn
+    q, k, v = _inputs(2, seqlen, seqlen, 4, 2, d, seed=seqlen + d + window[0])
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, window_size=window,
+                                     return_lse=True)
+    right = 0 if causal else window[1]
+    ref, ref_lse = reference(q, k, v, window[0], right, d ** -0.5)
+    low, _ = reference(q, k, v, window[0], right, d ** -0.5, lowp=True)
+    torch_err = (low - ref).abs().max().item()
+    assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq,nk,window", [(300, 100, (10, 0)), (1000, 17, (3, 0)),
+                                          (200, 1000, (50, 0)), (100, 700, (64, -1))])
+def test_rows_that_see_no_key(nq, nk, window):
+    """Cross lengths, bottom-right: with nq > nk the first rows see no key (zero output,
+    LSE -inf); with nk > nq and a left side the first keys are seen by no query (their dK,
+    dV zero)."""
+    import hopper_attn
+    q, k, v = _inputs(1, nq, nk, 2, 2, 64, seed=nq + nk)
+    causal = window[1] == 0
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = hopper_attn.attention(*leaves, causal=causal, window_size=window,
+                                     return_lse=True)
+    ref, ref_lse = reference(q, k, v, window[0], window[1], 64 ** -0.5)
+    seen = window_mask(nq, nk, window[0], window[1])
+    blind = ~seen.any(-1)
+    assert torch.equal(out[:, blind].float(), torch.zeros_like(out[:, blind].float()))
+    assert torch.isneginf(lse[..., blind]).all()
+    low, _ = reference(q, k, v, window[0], window[1], 64 ** -0.5, lowp=True)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 2 ** -10
+    out.backward(torch.randn_like(out))
+    unseen = ~seen.any(0)
+    for t in leaves[1:]:
+        assert not t.grad.isnan().any()
+        assert torch.equal(t.grad[:, unseen].float(), torch.zeros_like(t.grad[:, unseen].float()))
+
+
+def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed):
+    import hopper_attn
+    q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
+    do = torch.randn(batch, nq, heads, d, device="cuda").to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
+    right = 0 if causal else window[1]
+    grads = {}
+    for lowp in (False, True):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, _ = reference(*ins, window[0], right, d ** -0.5, lowp=lowp)
+        o.backward(do.float())
+        grads[lowp] = [t.grad.float() for t in ins]
+    errors = {}
+    for name, leaf, r, t in zip("qkv", leaves, grads[False], grads[True]):
+        grad = leaf.grad.float()
+        assert not grad.isnan().any(), name
+        err, torch_err = (grad - r).abs().max().item(), (t - r).abs().max().item()
+        errors[name] = (err, torch_err)
+        assert err <= 2 * torch_err + 2 ** -12 * max(1.0, r.abs().max().item()), (name, err,
+                                                                                   torch_err)
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", GPU_WINDOWS)
+@pytest.mark.parametrize("seqlen", [17, 113, 1000])
+def test_backward_matches_fp32(seqlen, causal, window, d):
+    _backward_check(2, seqlen, seqlen, 4, 4, d, causal, window, seed=seqlen + d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal,window", [(True, (127, 0)), (False, (256, 256))])
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (700, 1300), (4096, 4096)])
+def test_backward_gqa_matches_fp32(nq, nk, causal, window, d):
+    _backward_check(1, nq, nk, 8, 2, d, causal, window, seed=nq + d)

@@ -1,0 +1,256 @@
+"""GPU check of sliding-window attention (issue 61): correctness, then speed against FA4.
+
+    source .gpu/prelude.sh && python tools/window_gpu_check.py [--quick] [--out DIR]
+
+1. Correctness through `hopper_attn.attention(..., window_size=...)` (k6 forward, kb2
+   backward): output, LSE and dQ / dK / dV against an fp32 reference with the window's
+   mask (tests/test_window.py's `reference`), the error bound 2x that of the same math with
+   bf16 GEMM inputs and P (+ 2^-10 for O, 2^-12 max|ref| for gradients); `ratio` = error /
+   bound (<= 1 passes). Forward: lengths 1, 17, 113, 1000, 4096, windows (0,0) (3,0)
+   (127,0) (128,0) (4095,0) causal, (256,256) and (-1,64) without causal, d = 128 (d = 64
+   on three windows); backward the same windows at 17 and 1000; GQA 8/2; cross lengths
+   whose first rows see no key (zero output, LSE -inf) or whose first keys no query sees.
+2. Speed (skipped with --quick), CUDA events, L2 flushed, round-robin medians: window
+   (4095, 0) causal against the full causal call, d = 128, B1 H16, N 16k and 64k, forward
+   and backward (issue target: >= 7.5x at 64k forward), and FA4 with the same window where
+   it takes one; gpt-oss-like forward (64 q / 8 kv heads, d = 64, window (128, 0), N 8k).
+
+Prints < 40 lines; everything goes to $OUT/window.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+
+import torch  # noqa: E402
+
+import hopper_attn  # noqa: E402
+from hopper_attn.harness.env import environment  # noqa: E402
+from test_window import reference, window_mask  # noqa: E402
+
+FWD_WINDOWS = [(True, (0, 0)), (True, (3, 0)), (True, (127, 0)), (True, (128, 0)),
+               (True, (4095, 0)), (False, (256, 256)), (False, (-1, 64))]
+D64_WINDOWS = [(True, (127, 0)), (False, (256, 256)), (False, (-1, 64))]
+LENGTHS = [1, 17, 113, 1000, 4096]
+
+
+def _inputs(batch, nq, nk, heads, heads_kv, d, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, nq, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(batch, nk, heads_kv, d, device="cuda", generator=gen)
+            .to(torch.bfloat16) for _ in range(2))
+    return q, k, v
+
+
+def forward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dict:
+    q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, window_size=window,
+                                     return_lse=True)
+    right = 0 if causal else window[1]
+    ref, ref_lse = reference(q, k, v, window[0], right, d ** -0.5)
+    low, _ = reference(q, k, v, window[0], right, d ** -0.5, lowp=True)
+    bound = 2 * (low - ref).abs().max().item() + 2 ** -10
+    err = (out.float() - ref).abs().max().item()
+    finite = ref_lse.isfinite()
+    lse_ok = bool(torch.equal(lse.isfinite(), finite)) and (
+        not finite.any() or (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3)
+    blind = ~window_mask(nq, nk, window[0], right).any(-1)
+    zero_ok = bool((out[:, blind] == 0).all()) if blind.any() else True
+    nan = bool(out.isnan().any())
+    return {"case": ["fwd", batch, nq, nk, heads, heads_kv, d, causal, list(window)],
+            "ratio": float("inf") if nan else err / bound, "error": err,
+            "lse_ok": lse_ok, "blind_rows": int(blind.sum()), "zero_ok": zero_ok,
+            "ok": not nan and err <= bound and lse_ok and zero_ok}
+
+
+def backward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dict:
+    q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
+    do = torch.randn(batch, nq, heads, d, device="cuda").to(torch.bfloat16)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
+    right = 0 if causal else window[1]
+    grads = {}
+    for lowp in (False, True):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, _ = reference(*ins, window[0], right, d ** -0.5, lowp=lowp)
+        o.backward(do.float())
+        grads[lowp] = [t.grad.float() for t in ins]
+    ratio, ok = {}, True
+    for name, leaf, r, t in zip("qkv", leaves, grads[False], grads[True]):
+        grad = leaf.grad.float()
+        bound = 2 * (t - r).abs().max().item() + 2 ** -12 * max(1.0, r.abs().max().item())
+        nan = bool(grad.isnan().any())
+        ratio[name] = float("inf") if nan else (grad - r).abs().max().item() / bound
+        ok &= not nan and ratio[name] <= 1
+    return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, causal, list(window)],
+            "ratio": max(ratio.values()), "ratios": ratio, "ok": ok}
+
+
+def correctness(log) -> list:
+    groups = {}
+    seed = 0
+
+    def run(label, fn, *args):
+        nonlocal seed
+        seed += 1
+        try:
+            row = fn(*args, seed)
+        except Exception as exc:  # noqa: BLE001 - reported as a failure
+            row = {"case": [label, *args], "ok": False, "ratio": float("inf"),
+                   "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        groups.setdefault(label, []).append(row)
+
+    for n in LENGTHS:
+        for causal, window in FWD_WINDOWS:
+            run("fwd d128", forward_case, 2, n, n, 4, 2, 128, causal, window)
+        for causal, window in D64_WINDOWS:
+            run("fwd d64", forward_case, 2, n, n, 4, 2, 64, causal, window)
+    for n in (17, 1000):
+        for causal, window in FWD_WINDOWS:
+            run("bwd d128", backward_case, 2, n, n, 4, 4, 128, causal, window)
+        for causal, window in D64_WINDOWS:
+            run("bwd d64", backward_case, 2, n, n, 4, 4, 64, causal, window)
+    for d in (64, 128):
+        for causal, window in ((True, (127, 0)), (False, (256, 256))):
+            run("gqa 8/2 fwd+bwd", forward_case, 1, 2000, 2000, 8, 2, d, causal, window)
+            run("gqa 8/2 fwd+bwd", backward_case, 1, 1000, 1300, 8, 2, d, causal, window)
+    for nq, nk, window in ((300, 100, (10, 0)), (1000, 17, (3, 0)), (200, 1000, (50, 0)),
+                           (100, 700, (64, -1))):
+        causal = window[1] == 0
+        run("cross (blind rows/keys)", forward_case, 1, nq, nk, 2, 2, 64, causal, window)
+        run("cross (blind rows/keys)", backward_case, 1, nq, nk, 2, 2, 64, causal, window)
+    rows = []
+    for label, group in groups.items():
+        bad = [r for r in group if not r["ok"]]
+        log(f"  {label:24} {len(group):3} cases, worst ratio "
+            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")
+        rows += group
+    for row in [r for r in rows if not r["ok"]][:4]:
+        log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
+            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} zero_ok {row.get('zero_ok')}")
+    return rows
+
+
+def _fa4(window):
+    from flash_attn.cute.interface import flash_attn_func
+
+    def forward(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True, window_size=window)
+        return out[0] if isinstance(out, tuple) else out
+    return forward
+
+
+def speed(log, deadline) -> list:
+    from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
+    flush, rows = L2Flush(), []
+    shapes = [("w4096 causal B1 H16 d128 N16k", 1, 16, 16, 16384, 128, (4095, 0), True),
+              ("w4096 causal B1 H16 d128 N64k", 1, 16, 16, 65536, 128, (4095, 0), True),
+              ("gpt-oss 64/8 d64 w128 N8k", 1, 64, 8, 8192, 64, (128, 0), False)]
+    for label, batch, heads, heads_kv, n, d, window, backward in shapes:
+        q, k, v = _inputs(batch, n, n, heads, heads_kv, d, seed=7)
+        calls = {"window": lambda: hopper_attn.attention(q, k, v, causal=True,
+                                                         window_size=window),
+                 "full_causal": lambda: hopper_attn.attention(q, k, v, causal=True)}
+        notes = {}
+        if time.time() < deadline:
+            try:
+                fa4 = _fa4(window)
+                fa4(q, k, v)
+                calls["fa4_window"] = lambda: fa4(q, k, v)
+            except Exception as exc:  # noqa: BLE001 - not installed, or no such window
+                notes["fa4"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        else:
+            notes["fa4"] = "skipped (time)"
+        row = {"shape": label, "config": [batch, heads, heads_kv, n, d, window],
+               "notes": notes}
+        timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
+        row["fwd"] = {name: t["ms"] for name, t in timed.items()}
+        fwd = row["fwd"]
+        line = (f"  {label:30} fwd ms: window {fwd['window']:.3f} full {fwd['full_causal']:.3f}"
+                f" -> {fwd['full_causal'] / fwd['window']:.2f}x")
+        if "fa4_window" in fwd:
+            line += f"; fa4 window {fwd['fa4_window']:.3f} (ours/fa4 time " \
+                    f"{fwd['window'] / fwd['fa4_window']:.2f})"
+        log(line)
+        if backward:
+            do = torch.randn_like(q)
+            bwd = {}
+            for name, window_size in (("window", window), ("full_causal", (-1, -1))):
+                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                out = hopper_attn.attention(*leaves, causal=True, window_size=window_size)
+                bwd[name] = (lambda o=out, l=leaves: torch.autograd.grad(o, l, do,
+                                                                         retain_graph=True))
+            if "fa4_window" in calls:
+                try:
+                    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                    out = _fa4(window)(*leaves)
+                    bwd["fa4_window"] = (lambda o=out, l=leaves: torch.autograd.grad(
+                        o, l, do, retain_graph=True))
+                    bwd["fa4_window"]()
+                except Exception as exc:  # noqa: BLE001
+                    bwd.pop("fa4_window", None)
+                    notes["fa4_bwd"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+            timed = benchmark_interleaved(bwd, flush, target_ms=150, max_reps=20)
+            row["bwd"] = {name: t["ms"] for name, t in timed.items()}
+            b = row["bwd"]
+            line = (f"  {'':30} bwd ms: window {b['window']:.3f} full {b['full_causal']:.3f}"
+                    f" -> {b['full_causal'] / b['window']:.2f}x")
+            if "fa4_window" in b:
+                line += f"; fa4 window {b['fa4_window']:.3f} (ours/fa4 time " \
+                        f"{b['window'] / b['fa4_window']:.2f})"
+            log(line)
+            del bwd, out, leaves, do
+        if notes:
+            log(f"  {'':30} notes: " + "; ".join(f"{k}: {v[:60]}" for k, v in notes.items()))
+        rows.append(row)
+        del q, k, v, calls
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="correctness only")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    lines = []
+
+    def log(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    env = environment()
+    log(f"{env.get('gpu')} torch {env['torch']} cutlass-dsl {env['cutlass_dsl']} "
+        f"flash-attn-4 {env['flash_attn_4']}")
+    t0 = time.time()
+    log("correctness (ratio = max error / (2x the bf16 reference's error + floor), <= 1 passes):")
+    checks = correctness(log)
+    result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
+    log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
+        f"({len(checks)} cases, {time.time() - t0:.0f} s)")
+    if not args.quick:
+        log("speed (ms, round-robin medians; window vs full causal = full / window):")
+        try:
+            result["speed"] = speed(log, deadline=t0 + 120)
+        except Exception as exc:  # noqa: BLE001 - keep the correctness results
+            log(f"  speed failed: {type(exc).__name__}: {str(exc)[:120]}")
+            result["speed_error"] = repr(exc)
+    result["printed"] = lines
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "window.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"wrote {path} ({time.time() - t0:.0f} s)")
+    return 0 if result["all_pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
