@@ -137,6 +137,17 @@ def test_k6_window_compiles_without_spills(d, causal, window, seqlen):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("d", [96, 192, 256])
+def test_k6_window_compiles_without_spills_at_wide_head_dims(d):
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get("k6"), d, True, seqlen=1000, window=(127, -1))
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("heads_kv", [0, 1])
 @pytest.mark.parametrize("d,causal,window", COMPILES)
 def test_kb2_window_compiles_without_spills(d, causal, window, heads_kv):
@@ -162,21 +173,36 @@ def window_mask(nq, nk, left, right, device="cuda"):
     return seen
 
 
-def reference(q, k, v, left, right, scale, lowp=False):
-    """Attention with the window's mask, in fp32 (or, `lowp`, the GEMMs' inputs and P in
-    q's dtype: the error a bf16 kernel cannot avoid); rows that see no key: 0, LSE -inf.
-    Differentiable (masked scores -1e30, not -inf, so no NaN reaches the gradients)."""
+def reference(q, k, v, left, right, scale):
+    """Attention with the window's mask in fp32 (differentiable: give it fp32 leaves); rows
+    that see no key: 0, LSE -inf (masked scores -1e30, not -inf, so no NaN reaches the
+    gradients)."""
     group = q.shape[2] // k.shape[2]
-    dt = q.dtype if lowp else torch.float32
-    k, v = (t.repeat_interleave(group, dim=2).to(dt) for t in (k, v))
-    s = torch.einsum("bihd,bjhd->bhij", q.to(dt), k).float() * scale
+    k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
     seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
     s = s.masked_fill(~seen, -1e30)
-    any_key = seen.any(-1)[:, None].float()
-    p = torch.softmax(s, -1) * any_key
+    p = torch.softmax(s, -1) * seen.any(-1)[:, None].float()
     lse = torch.logsumexp(s, -1).masked_fill(~seen.any(-1), float("-inf"))
-    o = torch.einsum("bhij,bjhd->bihd", p.to(dt), v).float()
-    return o, lse
+    return torch.einsum("bhij,bjhd->bihd", p, v), lse
+
+
+def torch_lowp(q, k, v, left, right, scale, do=None):
+    """torch's own bf16 result (SDPA with the window as a boolean mask, GQA through
+    enable_gqa): the output (0 on rows that see no key) and, given `do`, the gradients
+    (`do` zeroed on those rows, where SDPA's are undefined; their true gradient is 0)."""
+    import torch.nn.functional as F
+    seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seen, scale=scale,
+                                       enable_gqa=q.shape[2] != k.shape[2])
+    out = o.detach().transpose(1, 2).float().nan_to_num(0.0) * seen.any(-1)[:, None, None]
+    if do is None:
+        return out, None
+    do = do.clone()
+    do[:, ~seen.any(-1)] = 0
+    o.backward(do.transpose(1, 2))
+    return out, [t.grad.transpose(1, 2).float().nan_to_num(0.0) for t in (qt, kt, vt)]
 
 
 def _inputs(batch, nq, nk, heads, heads_kv, d, seed):
@@ -202,12 +228,25 @@ def test_forward_matches_fp32(seqlen, causal, window, d):
                                      return_lse=True)
     right = 0 if causal else window[1]
     ref, ref_lse = reference(q, k, v, window[0], right, d ** -0.5)
-    low, _ = reference(q, k, v, window[0], right, d ** -0.5, lowp=True)
+    low, _ = torch_lowp(q, k, v, window[0], right, d ** -0.5)
     torch_err = (low - ref).abs().max().item()
     assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
     finite = ref_lse.isfinite()
     assert torch.equal(lse.isfinite(), finite)
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [96, 192, 256])
+@pytest.mark.parametrize("causal,window", [(True, (127, 0)), (False, (256, 256))])
+def test_forward_wide_head_dims_match_fp32(causal, window, d):
+    import hopper_attn
+    q, k, v = _inputs(1, 1000, 1000, 4, 4, d, seed=d)
+    out = hopper_attn.attention(q, k, v, causal=causal, window_size=window)
+    right = 0 if causal else window[1]
+    ref, _ = reference(q, k, v, window[0], right, d ** -0.5)
+    low, _ = torch_lowp(q, k, v, window[0], right, d ** -0.5)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 2 ** -10
 
 
 @pytest.mark.gpu
@@ -228,7 +267,7 @@ def test_rows_that_see_no_key(nq, nk, window):
     blind = ~seen.any(-1)
     assert torch.equal(out[:, blind].float(), torch.zeros_like(out[:, blind].float()))
     assert torch.isneginf(lse[..., blind]).all()
-    low, _ = reference(q, k, v, window[0], window[1], 64 ** -0.5, lowp=True)
+    low, _ = torch_lowp(q, k, v, window[0], window[1], 64 ** -0.5)
     assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 2 ** -10
     out.backward(torch.randn_like(out))
     unseen = ~seen.any(0)
@@ -244,14 +283,12 @@ def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
     right = 0 if causal else window[1]
-    grads = {}
-    for lowp in (False, True):
-        ins = [t.clone().requires_grad_() for t in (q, k, v)]
-        o, _ = reference(*ins, window[0], right, d ** -0.5, lowp=lowp)
-        o.backward(do.float())
-        grads[lowp] = [t.grad.float() for t in ins]
+    ins = [t.float().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*ins, window[0], right, d ** -0.5)
+    o.backward(do.float())
+    _, lowp = torch_lowp(q, k, v, window[0], right, d ** -0.5, do)
     errors = {}
-    for name, leaf, r, t in zip("qkv", leaves, grads[False], grads[True]):
+    for name, leaf, r, t in zip("qkv", leaves, [t.grad for t in ins], lowp):
         grad = leaf.grad.float()
         assert not grad.isnan().any(), name
         err, torch_err = (grad - r).abs().max().item(), (t - r).abs().max().item()

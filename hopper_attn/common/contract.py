@@ -133,7 +133,12 @@ class Problem:
         mask on a square problem. With seqlen_k != seqlen_q: 4*B*H*d times the number of
         visible pairs (the causal mask aligned bottom-right)."""
         nq, nk = self.seqlen, self.kv_seqlen
-        if not self.causal:
+        if self.windowed:          # query i sees keys max(0, r - left) .. min(nk - 1, r + right)
+            left, right = self.window
+            pairs = sum(max(0, min(nk - 1, r + right if right >= 0 else nk)
+                            - max(0, r - left if left >= 0 else 0) + 1)
+                        for r in range(nk - nq, nk))
+        elif not self.causal:
             pairs = nq * nk
         elif nq == nk:
             pairs = nq * nq / 2
