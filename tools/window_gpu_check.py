@@ -138,7 +138,8 @@ def correctness(log) -> list:
         rows += group
     for row in [r for r in rows if not r["ok"]][:4]:
         log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
-            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} zero_ok {row.get('zero_ok')}")
+            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} "
+            f"zero_ok {row.get('zero_ok')}")
     return rows
 
 
