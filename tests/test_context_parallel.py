@@ -368,45 +368,59 @@ def test_ring_error_comes_from_the_bf16_partials():
 
 # ------------------------------------------------------------------ gloo ring -----------
 
-def _gloo_worker(rank, world_size, port, causal, layout, result_file):
+GLOO_RUNS = (                   # (ranks of the group, causal, layout)
+    ((0, 1, 2), True, "zigzag"), ((0, 1, 2), False, "contiguous"), ((1, 2), True, "zigzag"))
+
+
+def _gloo_worker(rank, world_size, port, result_file):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        n = 2 * world_size * 3
-        q, k, v, do = _inputs(1, n, n, 4, 2, 8, seed=7)
-        split = lambda t: cp.split_sequence(t, world_size, layout)[rank]  # noqa: E731
-        leaves = [split(t).requires_grad_() for t in (q, k, v)]
-        # k and v as (B, N, H, d) views of (B, H, N, d) memory: the ring sends dense copies
-        k_, v_ = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in leaves[1:])
-        out = cp.ring_attention(leaves[0], k_, v_, causal=causal, layout=layout, **STAND_INS)
-        out.backward(split(do))
-        torch.save([out.detach()] + [t.grad for t in leaves], f"{result_file}.{rank}")
+        results = []
+        for ranks, causal, layout in GLOO_RUNS:
+            group = dist.new_group(list(ranks))          # (every process joins the call)
+            if rank not in ranks:
+                results.append(None)
+                continue
+            w, r = len(ranks), ranks.index(rank)
+            q, k, v, do = _inputs(1, 2 * w * 3, 2 * w * 3, 4, 2, 8, seed=7)
+            split = lambda t: cp.split_sequence(t, w, layout)[r]  # noqa: E731
+            leaves = [split(t).requires_grad_() for t in (q, k, v)]
+            # k and v as (B, N, H, d) views of (B, H, N, d) memory: the ring sends dense
+            # copies
+            k_, v_ = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in leaves[1:])
+            out = cp.ring_attention(leaves[0], k_, v_, group=None if w == world_size else
+                                    group, causal=causal, layout=layout, **STAND_INS)
+            out.backward(split(do))
+            results.append([out.detach()] + [t.grad for t in leaves])
+        torch.save(results, f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world_size,causal,layout", [(2, True, "zigzag"), (3, True, "zigzag"),
-                                                      (3, False, "contiguous")])
-def test_ring_attention_over_gloo_processes(tmp_path, world_size, causal, layout):
+def test_ring_attention_over_gloo_processes(tmp_path):
     """The real transport (batched isend/irecv) with CPU tensors over gloo, one process per
-    rank, against full attention."""
+    rank, against full attention: 3 ranks zigzag causal and contiguous without a mask, and
+    a 2-rank subgroup (ranks 1 and 2: group ranks are not global ranks) zigzag causal."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = str(tmp_path / "rank")
-    mp.start_processes(_gloo_worker, args=(world_size, port, causal, layout, result),
-                       nprocs=world_size, start_method="spawn")
-    parts = [torch.load(f"{result}.{r}") for r in range(world_size)]
-    merged = [cp.merge_sequence([p[i] for p in parts], layout) for i in range(4)]
-    n = 2 * world_size * 3
-    q, k, v, do = _inputs(1, n, n, 4, 2, 8, seed=7)
-    want, want_grads = _grads(lambda a, b, c: full_attention(a, b, c, causal), q, k, v, do)
-    assert torch.allclose(merged[0], want, atol=1e-12, rtol=1e-10)
-    for name, g, w in zip("qkv", merged[1:], want_grads):
-        assert torch.allclose(g, w, atol=1e-11, rtol=1e-9), name
+    mp.start_processes(_gloo_worker, args=(3, port, result), nprocs=3, start_method="spawn")
+    parts = [torch.load(f"{result}.{r}") for r in range(3)]
+    for run, (ranks, causal, layout) in enumerate(GLOO_RUNS):
+        w = len(ranks)
+        merged = [cp.merge_sequence([parts[r][run][i] for r in ranks], layout)
+                  for i in range(4)]
+        q, k, v, do = _inputs(1, 2 * w * 3, 2 * w * 3, 4, 2, 8, seed=7)
+        want, want_grads = _grads(lambda a, b, c: full_attention(a, b, c, causal), q, k, v,
+                                  do)
+        assert torch.allclose(merged[0], want, atol=1e-12, rtol=1e-10), run
+        for name, g, w_ in zip("qkv", merged[1:], want_grads):
+            assert torch.allclose(g, w_, atol=1e-11, rtol=1e-9), (run, name)
 
 
 # ------------------------------------------------------------------ GPU -----------------
