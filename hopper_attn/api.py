@@ -25,7 +25,12 @@ Gradients: when q, k or v requires grad, the op records what its backward needs 
 the output and the LSE) and `.backward()` runs the first backward stage of
 `BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64 and 128, bf16 and fp16,
 GQA, cross-attention; kb1 the same at head_dim 256); a problem none supports is refused in
-the forward, before any launch. The LSE output itself is not differentiable.
+the forward, before any launch. The LSE output itself is not differentiable. The backward
+reads q, k, v, the output and its gradient in place in the strided layouts the forward takes
+(transformers' and SDPA's (batch, heads, seqlen, head_dim) views, packed QKV) and returns
+dq, dk, dv laid out like q, k, v where those are dense. In eager mode the autograd node is
+a plain `torch.autograd.Function` and repeated calls skip the checks they passed (per
+shapes, strides, dtypes, mask): tools/host_overhead.py times the host path.
 """
 
 from __future__ import annotations
@@ -171,10 +176,17 @@ def _(q, k, v, causal, softmax_scale, stage, deterministic=False):
     return torch.empty_like(q), _lse_like(q)
 
 
+# The backward stages read q, k, v, out, dout through their strides (TMA descriptors and the
+# helpers' indexing take runtime strides); False: copy every non-contiguous one, as before.
+BACKWARD_READS_STRIDED = True
+
+
 def _readable_in_place(t: torch.Tensor) -> bool:
     """Whether the backward stages read `t` as it is: last dim contiguous, the other strides
     positive multiples of 16 bytes (TMA and the helpers' 16-byte accesses), 16-byte aligned;
     e.g. transformers' and SDPA's (batch, heads, seqlen, head_dim) views, packed QKV."""
+    if not BACKWARD_READS_STRIDED:
+        return t.is_contiguous() and t.data_ptr() % 16 == 0
     unit = 16 // t.element_size()
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
             and all(st > 0 and st % unit == 0 for st, n in zip(t.stride()[:3], t.shape[:3])
@@ -344,11 +356,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     except AttributeError:                     # not tensors: the checks below say so
         needs_grad = False
     compiling = torch.compiler.is_compiling()
-    if compiling:                              # the custom op: fake impl, autograd
+    if needs_grad and not compiling:           # (traced: the backward op checks)
+        _check_differentiable(q, k, v, bool(causal), stage, bool(deterministic))
+    if compiling or (needs_grad and type(q) is not torch.Tensor):
+        # the custom op: fake implementation, autograd (traced, fake or subclassed tensors)
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
                                                    stage or "", bool(deterministic))
-    elif needs_grad:                           # eager autograd, no dispatcher round trips
-        _check_differentiable(q, k, v, bool(causal), stage, bool(deterministic))
+    elif needs_grad:                           # eager autograd: no dispatcher round trips
         out, lse = _EagerAttention.apply(q, k, v, bool(causal), softmax_scale, stage or "",
                                          bool(deterministic))
     else:                                      # eager: no dispatcher round trip

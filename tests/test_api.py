@@ -295,3 +295,15 @@ def test_eager_autograd_path_runs_forward_and_backward_without_the_op(monkeypatc
     with pytest.raises(UnsupportedProblem, match="head_dim"):          # deterministic: kb2
         q256 = torch.randn(1, 16, 2, 256).to(torch.bfloat16).requires_grad_()
         hopper_attn.attention(q256, q256, q256, deterministic=True)
+
+
+def test_backward_copies_views_when_strided_reads_are_off(monkeypatch):
+    """BACKWARD_READS_STRIDED = False: the old behaviour, non-contiguous inputs copied."""
+    from hopper_attn import api
+    calls = _Launches(monkeypatch)
+    monkeypatch.setattr(api, "BACKWARD_READS_STRIDED", False)
+    q, k, v, out, dout, lse = _backward_args()
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    api._backward_impl(qt, k, v, out, dout, lse, True, None)
+    (seen,) = calls.backward
+    assert seen["q"].is_contiguous() and torch.equal(seen["q"], qt) and seen["k"] is k
