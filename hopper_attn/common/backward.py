@@ -60,6 +60,8 @@ class CompiledBackward:
     postprocess: Any
     compile_seconds: float   # 0.0 when everything came from the cache
     tvm_ffi: bool = False    # compiled for the TVM-FFI calling path (torch tensors in)
+    # dK / dV heads the main kernel writes, by device (worked out on the first run)
+    _dkv_heads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -178,7 +180,10 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
     # dK / dV heads: one per query head (kb1), summed over each group below; kb2's gqa
     # variant sums a group in the kernel, or, where that leaves too few CTAs, each of a few
     # parts of it (its `dkv_heads`), summed below
-    dkv_heads = handle.kernel.dkv_heads(p) if getattr(handle.kernel, "gqa", False) else p.heads
+    dkv_heads = handle._dkv_heads.get(dev)
+    if dkv_heads is None:
+        dkv_heads = handle._dkv_heads[dev] = (handle.kernel.dkv_heads(p) if getattr(
+            handle.kernel, "gqa", False) else p.heads)
     group = dkv_heads // p.kv_heads
     if group > 1:
         dk_out = torch.empty((p.batch, p.kv_seqlen, dkv_heads, p.head_dim), dtype=q.dtype,
