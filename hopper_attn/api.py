@@ -25,7 +25,12 @@ Gradients: when q, k or v requires grad, the op records what its backward needs 
 the output and the LSE) and `.backward()` runs the first backward stage of
 `BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64 and 128, bf16 and fp16,
 GQA, cross-attention; kb1 the same at head_dim 256); a problem none supports is refused in
-the forward, before any launch. The LSE output itself is not differentiable.
+the forward, before any launch. The LSE output itself is not differentiable. The backward
+reads q, k, v, the output and its gradient in place in the strided layouts the forward takes
+(transformers' and SDPA's (batch, heads, seqlen, head_dim) views, packed QKV) and returns
+dq, dk, dv laid out like q, k, v where those are dense. In eager mode the autograd node is
+a plain `torch.autograd.Function` and repeated calls skip the checks they passed (per
+shapes, strides, dtypes, mask): tools/host_overhead.py times the host path.
 """
 
 from __future__ import annotations
@@ -175,6 +180,80 @@ def _(q, k, v, causal, softmax_scale, stage, deterministic=False, window_left=-1
     return torch.empty_like(q), _lse_like(q)
 
 
+# The backward stages read q, k, v, out, dout through their strides (TMA descriptors and the
+# helpers' indexing take runtime strides); False: copy every non-contiguous one, as before.
+BACKWARD_READS_STRIDED = True
+
+
+def _readable_in_place(t: torch.Tensor) -> bool:
+    """Whether the backward stages read `t` as it is: last dim contiguous, the other strides
+    positive multiples of 16 bytes (TMA and the helpers' 16-byte accesses), 16-byte aligned;
+    e.g. transformers' and SDPA's (batch, heads, seqlen, head_dim) views, packed QKV."""
+    if not BACKWARD_READS_STRIDED:
+        return t.is_contiguous() and t.data_ptr() % 16 == 0
+    unit = 16 // t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(st > 0 and st % unit == 0 for st, n in zip(t.stride()[:3], t.shape[:3])
+                    if n > 1))
+
+
+# Backward calls that passed every check once, by everything the checks looked at except
+# the data pointers: shapes, strides, dtypes, device, mask, deterministic -> (run_kernel,
+# handle, which of q, k, v, out, dout must be copied to be read).
+_BWD_FAST: dict = {}
+
+
+def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optional[float],
+                   deterministic: bool = False, window: tuple = (-1, -1)):
+    """dq, dk, dv (dq like q's layout, dk / dv like k's and v's where those are dense) by the
+    first backward stage that supports the problem; ValueError before any launch."""
+    tensors = (q, k, v, out, dout)
+    try:
+        key = (q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape, q.stride(),
+               k.stride(), v.stride(), out.stride(), dout.stride(), lse.stride(), q.dtype,
+               k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, k.device,
+               v.device, out.device, dout.device, lse.device, causal, deterministic,
+               tuple(window))
+        fast = _BWD_FAST.get(key)
+    except AttributeError:                     # not tensors: the checks below say so
+        key = fast = None
+    if fast is None or (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()
+                        | dout.data_ptr() | lse.data_ptr()) % 16:
+        fast = _checked_backward(tensors, lse, causal, deterministic, window)
+        if len(_BWD_FAST) >= _FAST_LIMIT:
+            _BWD_FAST.clear()
+        if key is not None:
+            _BWD_FAST[key] = fast
+    run_kernel, handle, copies = fast
+    if copies:                                 # (a stride-0 dout, a layout TMA cannot read)
+        q, k, v, out, dout = (t.contiguous() if c else t for t, c in zip(tensors, copies))
+    # empty_like keeps a dense tensor's layout (e.g. transformers' (B, H, N, d) views): the
+    # kernels write through strides, and autograd gets gradients laid out like the inputs
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    run_kernel(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, checked=True)
+    return dq, dk, dv
+
+
+def _checked_backward(tensors, lse, causal: bool, deterministic: bool,
+                      window: tuple = (-1, -1)):
+    """Every check of a backward call (ValueError before any launch), then its compiled
+    stage: (run_kernel, handle, copies)."""
+    from hopper_attn.common.backward import check_backward_tensors
+    for name, t in zip(("q", "k", "v", "out", "dout", "lse"), (*tensors, lse)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    q, k, v, out, dout = tensors
+    _check(q, k, v)
+    copies = tuple(t.dim() != 4 or not _readable_in_place(t) for t in tensors)
+    q, k, v, out, dout = (t.clone(memory_format=torch.contiguous_format) if c else t
+                          for t, c in zip(tensors, copies))
+    problem = Problem.from_tensor(q, causal, k, window)
+    entry = _backward_entry(problem, deterministic)
+    handle = _handle(entry, problem)
+    check_backward_tensors(problem, q, k, v, out, dout, lse, q, k, v)
+    return entry.load().run_kernel, handle, (copies if any(copies) else None)
+
+
 @torch.library.custom_op("hopper_attn::attention_backward", mutates_args=())
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
@@ -182,14 +261,8 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            deterministic: bool = False, window_left: int = -1,
                            window_right: int = -1
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # the backward stages read contiguous tensors (a packed-QKV view is copied here)
-    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
-    problem = Problem.from_tensor(q, causal, k, (window_left, window_right))
-    entry = _backward_entry(problem, deterministic)
-    handle = _handle(entry, problem)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    entry.run(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale)
-    return dq, dk, dv
+    return _backward_impl(q, k, v, out, dout, lse, causal, softmax_scale, deterministic,
+                          (window_left, window_right))
 
 
 @_attention_backward_op.register_fake
@@ -222,9 +295,46 @@ def _backward(ctx, dout, dlse):
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The custom op's autograd in eager mode without the dispatcher round trips (the op's
+    autograd wrapper, its backward op's): the same forward and backward functions, tens of
+    microseconds less host time per training step (tools/host_overhead.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, stage, deterministic, window):
+        out, lse = _run(q, k, v, causal, softmax_scale, stage, window)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.window = window
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale,
+                                    ctx.deterministic, ctx.window)
+        return dq, dk, dv, None, None, None, None, None
+
+
+# Forwards whose backward was found runnable, by what that check looked at.
+_DIFFERENTIABLE: set = set()
+
+
 def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
-                          window: tuple = (-1, -1), deterministic: bool = False) -> None:
+                          deterministic: bool = False, window: tuple = (-1, -1)) -> None:
     """Before a forward whose result needs gradients: can a backward stage run it?"""
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, causal, stage, deterministic,
+               tuple(window))
+        if key in _DIFFERENTIABLE:
+            return
+    except AttributeError:
+        key = None
     _check(q, k, v)
     if stage == "k4":
         raise ValueError("stage k4 writes no log-sum-exp, which the backward pass needs; "
@@ -232,7 +342,12 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
     problem = Problem.from_tensor(q, causal, k, window)
     if problem.windowed and deterministic:
         raise ValueError("window_size: the deterministic backward has no sliding window")
-    _backward_entry(problem)                   # UnsupportedProblem with the reason
+    # UnsupportedProblem with the reason
+    _backward_entry(problem, deterministic)
+    if key is not None:
+        if len(_DIFFERENTIABLE) >= _FAST_LIMIT:
+            _DIFFERENTIABLE.clear()
+        _DIFFERENTIABLE.add(key)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -267,10 +382,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         needs_grad = False
     compiling = torch.compiler.is_compiling()
     if needs_grad and not compiling:           # (traced: the backward op checks)
-        _check_differentiable(q, k, v, bool(causal), stage, window, bool(deterministic))
-    if compiling or needs_grad:                # the custom op: fake impl, autograd
+        _check_differentiable(q, k, v, bool(causal), stage, bool(deterministic), window)
+    if compiling or (needs_grad and type(q) is not torch.Tensor):
+        # the custom op: fake implementation, autograd (traced, fake or subclassed tensors)
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
                                                    stage or "", bool(deterministic), *window)
+    elif needs_grad:                           # eager autograd: no dispatcher round trips
+        out, lse = _EagerAttention.apply(q, k, v, bool(causal), softmax_scale, stage or "",
+                                         bool(deterministic), window)
     else:                                      # eager: no dispatcher round trip
         out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", window)
     return (out, lse) if return_lse else out

@@ -26,6 +26,10 @@ given the FINAL output and LSE (`torch.ops.hopper_attn.attention_backward`): wit
 global LSE, exp(S - lse) of a block is already the block's part of the global softmax, and
 D = rowsum(dO * O) is the global one, so the block gradients simply add up.
 
+Precision: the merge and every accumulation are fp32, each result is rounded to the inputs'
+dtype once; what a ring adds over one call is the kernels' rounding of each block's O, dQ,
+dK, dV to bf16 (docs/context-parallel.md, "Precision").
+
 What is shared between the real ring and the one-process simulation (`simulate_ring`):
 everything but the transport. A rank's forward and backward are generators
 (`_forward_program`, `_backward_program`) that yield `_Send` / `_Wait` requests; `_drive`

@@ -1,6 +1,6 @@
 """k6: intra-warpgroup overlap, head dims 64-256, fp16, a persistent scheduler.
 
-What changes from k5 (docs/k6.md has the measurements behind each step):
+What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/k6.md):
 
 * The overlap: the softmax of tile j runs under the PV of tile j-1. k5 issued PV_{j-1} and
   S_j = Q K_j^T and waited for both before the softmax; k6 issues S_j first and PV_{j-1}
@@ -780,11 +780,12 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, *
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden: tile ("192x96": block_m x
     block_n), pingpong (turns between the consumer warpgroups), pv_wait ("late", "free",
-    "pinned", "one_group", "after<n>" or "first"), rescale ("eager" or "lazy"), item_end (a
-    key of ITEM_ENDS), v_lags_k, spin_waits, fma_exp2_every, v_release_last, skip_idle_wgs,
-    wg_causal_limit, kv_tail (0: no tail test, for key lengths of whole kv tiles),
-    peel_first, longest_first (MiB of K and V per head group, 0: head by head). trace: iket
-    phase ranges (harness/timeline.py)."""
+    "pinned", "one_group", "after<n>" or "first"), rescale ("eager", "lazy" or
+    "before_pv"), item_end (a key of ITEM_ENDS), v_lags_k, spin_waits, fma_exp2_every,
+    v_release_last, skip_idle_wgs, wg_causal_limit, kv_tail (0: no tail test, for key lengths
+    of whole kv tiles; "whole": 0 where the key length allows), peel_first, longest_first
+    (MiB of K and V per head group, 0: head by head). trace: iket phase ranges
+    (harness/timeline.py)."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {**settings_for(problem, **overrides), "trace": bool(trace)},

@@ -30,7 +30,7 @@ What changes from k6 (docs/k7.md):
   (TILES_S_F16). The quantizer must keep every q8 . k8 within fp16's range and make the
   scores' factor a power of two (`prepare_inputs` does, `quantize.quantize_qk_f16_scores`);
   q and k scaled to 448 by `quantize_fp8` alone would overflow: run those with `s_f16=0`
-  (docs/k7.md "Scores in fp16").
+  (docs/lab/k7.md "Scores in fp16").
 
 What stays: k6's consumer loop (`mainloop`: QK issued before the softmax, PV of the previous
 tile under it; the PV wait pinned after the softmax, k6's pv_wait="pinned", or at d = 256

@@ -285,5 +285,5 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: int = 64,
                             compile_options=compile_options)
 
 
-def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None):
-    run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale)
+def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None, checked=False):
+    run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale, checked)

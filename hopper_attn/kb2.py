@@ -883,5 +883,5 @@ def dkv_parts(schedule: KVTileSchedule, heads: int, kv_heads: int, batch: int, s
     return min(p for p, t in estimates.items() if t <= PARTS_SLACK * best)
 
 
-def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None):
-    run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale)
+def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None, checked=False):
+    run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale, checked)

@@ -2,7 +2,7 @@
 
 A name maps to a stage module (`hopper_attn/k4.py`, ...) plus compile options, so one module
 can appear as several variants (k3_1, k3_2, k3_3 are k3 with 1, 2 and 5 pipeline stages).
-A name may carry options after a colon, `k6:lazy_rescale=0` or `k4:block_n=64,stages=3`
+A name may carry options after a colon, `k6:rescale=eager` or `k4:block_n=64,stages=3`
 (integers, or named settings such as `k6:pv_wait=late`; option names are checked against the
 stage's `compile_kernel`, values when it compiles), and `lab:<module>` names an
 experiment kept in the top-level `lab/` folder (run from the repository root). A name that is

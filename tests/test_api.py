@@ -185,3 +185,125 @@ def test_the_api_does_not_reach_into_the_harness():
         text = path.read_text()
         body = text.split('if __name__ == "__main__":')[0]
         assert "sys.exit(" not in body and "SystemExit" not in body, path
+
+
+# --- the host fast paths (tools/host_overhead.py times them), on the CPU ---------------------
+
+class _Launches:
+    """Stand-ins for the compiled stages: every launch recorded, no GPU."""
+
+    def __init__(self, monkeypatch):
+        from hopper_attn import api, kb2
+        self.forward, self.backward, self.compiles, self.checks = [], [], [], 0
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        for name in ("_HANDLES", "_FAST", "_BWD_FAST"):
+            monkeypatch.setattr(api, name, {})
+        monkeypatch.setattr(api, "_DIFFERENTIABLE", set())
+
+        def handle(entry, problem, options=""):
+            self.compiles.append((entry.name, problem))
+            return type("Handle", (), {"workspace_fn": None, "problem": problem,
+                                       "spec": entry.spec})()
+
+        def run_forward(handle, q, k, v, out, scale=None, workspace=None, checked=False):
+            self.forward.append((q, k, v))
+            out.zero_()
+
+        def run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, scale=None, checked=False):
+            self.backward.append(dict(handle=handle, q=q, k=k, v=v, o=o, do=do, dq=dq,
+                                      dk=dk, dv=dv, checked=checked))
+            dq.fill_(1), dk.fill_(2), dv.fill_(3)
+
+        def check(*args):
+            self.checks += 1
+        monkeypatch.setattr(api, "_handle", handle)
+        monkeypatch.setattr(api, "run_attention", run_forward)
+        monkeypatch.setattr(kb2, "run_kernel", run_backward)
+        from hopper_attn.common import backward
+        real_check = backward.check_backward_tensors
+        monkeypatch.setattr(backward, "check_backward_tensors",
+                            lambda *a: (check(), real_check(*a)))
+
+
+def _backward_args(b=1, n=64, h=8, h_kv=2, d=64):
+    q = torch.randn(b, n, h, d).to(torch.bfloat16)
+    k, v = (torch.randn(b, n, h_kv, d).to(torch.bfloat16) for _ in range(2))
+    return q, k, v, torch.randn_like(q), torch.randn_like(q), torch.randn(b, h, n)
+
+
+def test_backward_fast_path_checks_and_compiles_once_per_layout(monkeypatch):
+    from hopper_attn import api
+    calls = _Launches(monkeypatch)
+    args = _backward_args()
+    for _ in range(3):
+        dq, dk, dv = api._backward_impl(*args, True, None)
+    assert calls.checks == 1 and len(calls.compiles) == 1 and len(calls.backward) == 3
+    assert len({id(c["handle"]) for c in calls.backward}) == 1
+    assert all(c["checked"] for c in calls.backward)
+    assert torch.equal(dq, torch.ones_like(dq)) and torch.equal(dv, torch.full_like(dv, 3))
+    api._backward_impl(*_backward_args(n=32), True, None)    # another shape: checked again
+    assert calls.checks == 2 and len(calls.compiles) == 2
+
+
+def test_backward_reads_sdpa_and_transformers_views_in_place(monkeypatch):
+    """(batch, heads, seqlen, d) tensors seen as (batch, seqlen, heads, d): no copies, and
+    the gradients come back in the inputs' layout (what autograd and SDPA hand on)."""
+    from hopper_attn import api
+    calls = _Launches(monkeypatch)
+    q, k, v, out, dout, lse = (t.transpose(1, 2).contiguous().transpose(1, 2)
+                               if t.dim() == 4 and i < 5 else t
+                               for i, t in enumerate(_backward_args()))
+    assert not q.is_contiguous()
+    dq, dk, dv = api._backward_impl(q, k, v, out, dout, lse, True, None)
+    (seen,) = calls.backward
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout)):
+        assert seen[name].data_ptr() == t.data_ptr() and seen[name].stride() == t.stride()
+    assert dq.stride() == q.stride() and dk.stride() == k.stride()
+    # a packed QKV view: read in place too
+    qkv = torch.randn(1, 64, 3, 8, 64).to(torch.bfloat16)
+    api._backward_impl(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], out, dout, lse, True, None)
+    assert calls.backward[-1]["q"].data_ptr() == qkv.data_ptr()
+
+
+def test_backward_copies_what_it_cannot_read(monkeypatch):
+    """A broadcast dout (stride 0, e.g. from out.sum()) is made contiguous, every call."""
+    from hopper_attn import api
+    calls = _Launches(monkeypatch)
+    q, k, v, out, _, lse = _backward_args()
+    dout = torch.ones((), dtype=q.dtype).expand_as(q)
+    for _ in range(2):
+        api._backward_impl(q, k, v, out, dout, lse, True, None)
+    assert calls.checks == 1
+    for seen in calls.backward:
+        assert seen["do"].is_contiguous() and torch.equal(seen["do"], dout)
+        assert seen["q"] is q
+
+
+def test_eager_autograd_path_runs_forward_and_backward_without_the_op(monkeypatch):
+    from hopper_attn import api
+    calls = _Launches(monkeypatch)
+    monkeypatch.setattr(torch.ops.hopper_attn, "attention", None, raising=False)
+    monkeypatch.setattr(torch.ops.hopper_attn, "attention_backward", None, raising=False)
+    q, k, v, *_ = _backward_args()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for _ in range(2):
+        hopper_attn.attention(q, k, v, causal=True).float().sum().backward()
+    assert len(calls.forward) == 2 and len(calls.backward) == 2 and calls.checks == 1
+    assert torch.equal(q.grad, torch.full_like(q, 2))                  # two backwards of 1s
+    assert torch.equal(k.grad, torch.full_like(k, 4))
+    assert len(api._DIFFERENTIABLE) == 1
+    with pytest.raises(UnsupportedProblem, match="head_dim"):          # deterministic: kb2
+        q256 = torch.randn(1, 16, 2, 256).to(torch.bfloat16).requires_grad_()
+        hopper_attn.attention(q256, q256, q256, deterministic=True)
+
+
+def test_backward_copies_views_when_strided_reads_are_off(monkeypatch):
+    """BACKWARD_READS_STRIDED = False: the old behaviour, non-contiguous inputs copied."""
+    from hopper_attn import api
+    calls = _Launches(monkeypatch)
+    monkeypatch.setattr(api, "BACKWARD_READS_STRIDED", False)
+    q, k, v, out, dout, lse = _backward_args()
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    api._backward_impl(qt, k, v, out, dout, lse, True, None)
+    (seen,) = calls.backward
+    assert seen["q"].is_contiguous() and torch.equal(seen["q"], qt) and seen["k"] is k

@@ -217,7 +217,7 @@ def test_lazy_rescale_defaults():
 def test_a_fence_pins_the_pv_wait(plain_name, name):
     """Without the late wait, ptxas hoists the PV wait (`DEPBAR 0x0`) above the softmax; a
     memory fence in front of it (MEMBAR.ALL.CTA) keeps it where the source puts it, after
-    every exp2 of the tile, in the same iteration (docs/k6.md "What the SASS says")."""
+    every exp2 of the tile, in the same iteration (docs/lab/k6.md "What the SASS says")."""
     plain = artifacts(128, False, name=plain_name)
     pinned = artifacts(128, False, name=name)
     conversion = "F2FP.SATFINITE.E4M3" if name == "k7" else "F2FP"
@@ -252,7 +252,7 @@ def test_d64_causal_long_sequences_use_192_rows():
     longer = k6.compile_kernel(Problem(1, 2, 4096, 64, True))
     assert short.describe()["block_m"] == 128 and long.describe()["block_m"] == 192
     # the PV wait in the iteration where each warpgroup stops at its own diagonal, after the
-    # softmax (measured 2026-11-28, docs/k6.md "The PV wait before the exp2s"); from there
+    # softmax (measured 2026-11-28, docs/lab/k6.md "The PV wait before the exp2s"); from there
     # among the exp2s, with turns (2026-11-28, "Turns again at d = 64 with a mask")
     assert long.options["mask_per_row"] and long.options["pv_wait"] == "free"
     assert long.options["wg_causal_limit"] and not long.options["pingpong"]
@@ -583,7 +583,7 @@ def test_pv_wgmma_groups(name, d, causal, split):
     splits the loop's PV into one group per slice: `wait_group(1)` then waits for all of PV but
     its last slice. Converting P last slice first with the PV wait pinned in the iteration
     (pv_wait="one_group": the default at d = 96, 192 and 256 since it measured +0.4-6.7%)
-    keeps every PV whole (docs/k6.md "One WGMMA group per P
+    keeps every PV whole (docs/lab/k6.md "One WGMMA group per P
     slice")."""
     art = artifacts(d, causal, name=name)
     slices = art["kernel"]["block_n"] // 16
@@ -639,7 +639,7 @@ def test_defer_store_wait():
 
 
 def test_item_end_options():
-    """A work item's end (ITEM_ENDS, measured 2026-11-26, docs/k6.md "Where a work item
+    """A work item's end (ITEM_ENDS, measured 2026-11-26, docs/lab/k6.md "Where a work item
     ends"): with "own_buffer_wg" the loop hands Q's stage back itself (a third predicated
     mbarrier arrive in the loop, next to K's and V's) and each consumer warpgroup stores its
     own rows on a barrier of its 128 threads, and no barrier of all consumer threads is left
@@ -691,7 +691,7 @@ def test_fast_divmod_decode():
 
 
 def test_wg_causal_limit():
-    """POLICY's wg_causal_limit (measured 2026-11-26, docs/k6.md "Each warpgroup's own diagonal"): with
+    """POLICY's wg_causal_limit (measured 2026-11-26, docs/lab/k6.md "Each warpgroup's own diagonal"): with
     a causal mask and no turns each consumer warpgroup stops at the last kv tile its own rows
     see, then takes the item's remaining tiles in a loop of ring waits and releases only
     (`idle_tiles`: a loop in the SASS without WGMMA or exp2); the compute loop stays
@@ -729,7 +729,7 @@ def test_wg_causal_limit():
 
 
 def test_stream_k():
-    """POLICY's stream_k (measured 2026-11-26, docs/k6.md "The static schedule's tail as
+    """POLICY's stream_k (measured 2026-11-26, docs/lab/k6.md "The static schedule's tail as
     stream-K"): without a mask, at d = 128 from 8k queries and d = 192 from 4k, the static
     schedule's last rounds are pieces of items; a split item's first piece leaves its state
     in the workspace (the kernel's counter argument, `stream_k_words` int32) and raises a
@@ -755,7 +755,7 @@ def test_stream_k():
 
 
 def test_no_tail_test_for_whole_kv_tiles():
-    """POLICY's kv_tail="whole" (measured 2026-11-26, docs/k6.md "A loop without the tail test"): at
+    """POLICY's kv_tail="whole" (measured 2026-11-26, docs/lab/k6.md "A loop without the tail test"): at
     d = 256 without a mask, for a key length that is a multiple of the kv tile (80) the loop
     has no mask code (no `FSEL ... -INF`) and no test for it, with the default's GEMMs,
     waits and exp2s; other lengths and head dims keep the test; kv_tail=0 on a length with a
@@ -800,7 +800,7 @@ def _exp2s(events):
 
 
 def test_pv_wait_before_the_exp2s_at_d64():
-    """pv_wait="first" (POLICY: d = 64 without a mask, docs/k6.md "The PV wait before the exp2s"): the
+    """pv_wait="first" (POLICY: d = 64 without a mask, docs/lab/k6.md "The PV wait before the exp2s"): the
     wait for PV_{n-1} and a memory fence right after the row maxima, so the tile's exp2s of P
     (block_n / 2 a thread) all run after it; only the two rows' alphas may come first. The
     default at whole kv tiles drops the tail test with it. Without the fence, and without the
@@ -826,7 +826,7 @@ def test_pv_wait_before_the_exp2s_at_d64():
 
 
 def test_first_kv_tile_peeled():
-    """POLICY's peel_first (measured 2026-11-26, docs/k6.md "The first kv tile before the loop"): at
+    """POLICY's peel_first (measured 2026-11-26, docs/lab/k6.md "The first kv tile before the loop"): at
     d = 192 and 256 an item's first kv tile runs before the loop, whose `n > 0` tests fold
     away: the loop keeps its GEMM groups and exp2s but loses a branch and the first tile's
     `wait_group(0)`, the kernel gains a second copy of the QK GEMM, nothing is
@@ -859,7 +859,7 @@ def test_first_kv_tile_peeled():
 
 
 def test_stale_reference_error_emulation():
-    """tools/stale_max_error.py (docs/k6.md "The exp2s before the row maximum"): on the CPU,
+    """tools/stale_max_error.py (docs/lab/k6.md "The exp2s before the row maximum"): on the CPU,
     a reference maximum up to 2^8 stale costs the online softmax 1.5x and more of the eager
     step's error on keys that grow along the sequence, as on the GPU, and summing l from the
     bf16-rounded P (the values O adds) takes most of it back."""

@@ -247,7 +247,7 @@ def test_o_rescaled_under_qk(name, d, causal):
     """rescale="before_pv" (k6's setting; k7's PV wait is in the iteration, pinned): O's d / 2
     multiplies per thread move from behind the pinned PV wait to between the QK and PV issue,
     under the QK GEMM, with no wait for QK there; what is left behind the PV wait is P's FP8
-    packing (docs/k7.md "O rescaled under QK"; the default at d = 256 without a mask)."""
+    packing (docs/lab/k7.md "O rescaled under QK"; the default at d = 256 without a mask)."""
     from hopper_attn.harness.compile_report import sass
     from hopper_attn.harness.sass_order import loop_body, loops
     art = compiled(name, d, causal)
@@ -292,7 +292,7 @@ def test_item_end_defaults():
 
 @pytest.mark.compile
 def test_exp2s_paced_at_the_sfu_rate():
-    """ptxas paces k7's exp2s itself (docs/k7.md "Where the phases line up"): in the loop,
+    """ptxas paces k7's exp2s itself (docs/lab/k7.md "Where the phases line up"): in the loop,
     the control bits put 8 cycles between one MUFU.EX2 and the next (a stall of 7 on the
     row-sum FADD between them), the rate one SM sub-partition's SFU takes them at, so a warp
     alone needs 8 cycles per exp2 whatever else it has to issue. (fp32 scores; fp16 ones:
@@ -308,7 +308,7 @@ def test_exp2s_paced_at_the_sfu_rate():
 @pytest.mark.compile
 @pytest.mark.parametrize("d", [128, 256])
 def test_fp16_scores(d):
-    """`s_f16` (the default at d = 128, and d = 256 without a mask; docs/k7.md "Scores in
+    """`s_f16` (the default at d = 128, and d = 256 without a mask; docs/lab/k7.md "Scores in
     fp16"): S = Q K^T accumulates in fp16 and the softmax runs on fp16 pairs: per thread and
     tile (block_n / 2 scores, block_n / 4 pairs) one sub.f16x2 (s - m), one mul and add
     (HFMA2 in the SASS), one ex2.approx.f16x2 (two MUFU.EX2.F16) and one add.f16x2 for the

@@ -2,7 +2,7 @@
 // No GPU needed:
 //   nvcc -arch=sm_90a -cubin -o /tmp/f2fp.cubin tools/f2fp_merge.cu
 //   cuobjdump -sass /tmp/f2fp.cubin | grep -E "Function|MUFU|F2FP|PRMT"
-// Seen with CUDA 13.0 (2026-11-28, docs/k7.md "P's bytes, and exp2 in f16"):
+// Seen with CUDA 13.0 (2026-11-28, docs/lab/k7.md "P's bytes, and exp2 in f16"):
 // * from_fmul: F2FP...PACK_AB_MERGE_C twice, the second merging into the first (no PRMT);
 // * from_exp2: the same PTX on MUFU.EX2 results: each pair converted on its own (MERGE_C
 //   with RZ), then a PRMT per register; k7's loop has these 24 PRMTs per kv tile;

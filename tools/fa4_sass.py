@@ -9,7 +9,7 @@ FA4 is unpacked from `.gpu/fa4-*.tar.xz` into a temporary folder (or taken from 
 Its package `__init__` files (flash_attn, flash_attn.cute, quack) are bypassed: they import
 the JIT interface and unrelated kernels; `quack.dsl` is imported for its tensor patches.
 tvm_ffi, which the DSL imports for an option this compile does not use, is stubbed if
-missing. Nothing here runs a kernel. Written 2026-11-26 (docs/k6.md "One WGMMA group per P
+missing. Nothing here runs a kernel. Written 2026-11-26 (docs/lab/k6.md "One WGMMA group per P
 slice": FA4's PV is one group at d = 192 and 256, k6's default was split).
 """
 

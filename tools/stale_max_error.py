@@ -13,7 +13,7 @@ by about that much. l summed from the rounded P (the same values as O) cancels i
 
     python tools/stale_max_error.py          # ~10 s, no GPU
 
-Written 2026-11-26 (docs/k6.md "The exp2s before the row maximum").
+Written 2026-11-26 (docs/lab/k6.md "The exp2s before the row maximum").
 """
 
 from __future__ import annotations

@@ -60,6 +60,8 @@ class CompiledBackward:
     postprocess: Any
     compile_seconds: float   # 0.0 when everything came from the cache
     tvm_ffi: bool = False    # compiled for the TVM-FFI calling path (torch tensors in)
+    # dK / dV heads the main kernel writes, by device (worked out on the first run)
+    _dkv_heads: dict = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -146,10 +148,13 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
 
 
 def check_backward_tensors(problem: Problem, q, k, v, o, do, lse, dq, dk, dv) -> None:
-    """ValueError unless every tensor matches the problem (contiguous, like the forward's)."""
-    check_tensors(problem, q, k, v, o)
-    check_tensors(problem, do, k, v, dq)
-    check_tensors(problem, q, dk, dv, q)
+    """ValueError unless every tensor matches the problem. Strided tensors are read and
+    written in place (last dim contiguous, other strides multiples of 16 bytes): the main
+    kernels move them with TMA through runtime strides, the pre- and post-processing index
+    them through their strides."""
+    check_tensors(problem, q, k, v, o, strided=True)
+    check_tensors(problem, do, k, v, dq, strided=True)
+    check_tensors(problem, q, dk, dv, q, strided=True)
     want = (problem.batch, problem.heads, problem.seqlen)
     if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 \
             or tuple(lse.shape) != want or not lse.is_contiguous() or lse.device != q.device:
@@ -158,12 +163,13 @@ def check_backward_tensors(problem: Problem, q, k, v, o, do, lse, dq, dk, dv) ->
 
 
 def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
-                 softmax_scale: Optional[float] = None) -> None:
+                 softmax_scale: Optional[float] = None, checked: bool = False) -> None:
     """dq, dk, dv (written in place) of attention(q, k, v) = o with log-sum-exp lse, for the
     incoming gradient do. Launches preprocess, the main kernel and the dQ conversion on the
-    current stream."""
+    current stream. `checked`: the caller has checked tensors of this layout (api's cache)."""
     p = handle.problem
-    check_backward_tensors(p, q, k, v, o, do, lse, dq, dk, dv)
+    if not checked:
+        check_backward_tensors(p, q, k, v, o, do, lse, dq, dk, dv)
     scale = p.softmax_scale if softmax_scale is None else float(softmax_scale)
     rows = padded_rows(p.seqlen, handle.block_m)
     dev = q.device
@@ -174,7 +180,10 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
     # dK / dV heads: one per query head (kb1), summed over each group below; kb2's gqa
     # variant sums a group in the kernel, or, where that leaves too few CTAs, each of a few
     # parts of it (its `dkv_heads`), summed below
-    dkv_heads = handle.kernel.dkv_heads(p) if getattr(handle.kernel, "gqa", False) else p.heads
+    dkv_heads = handle._dkv_heads.get(dev)
+    if dkv_heads is None:
+        dkv_heads = handle._dkv_heads[dev] = (handle.kernel.dkv_heads(p) if getattr(
+            handle.kernel, "gqa", False) else p.heads)
     group = dkv_heads // p.kv_heads
     if group > 1:
         dk_out = torch.empty((p.batch, p.kv_seqlen, dkv_heads, p.head_dim), dtype=q.dtype,
@@ -201,8 +210,9 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         handle.postprocess(t(dq_accum), t(dq), t(counters), scale, float(kv_tiles), stream)
     if group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
-        dk.copy_(dk_out.view(shape).float().sum(3))
-        dv.copy_(dv_out.view(shape).float().sum(3))
+        # one reduction kernel each, fp32 accumulation, written into dk / dv's own layout
+        torch.sum(dk_out.view(shape), 3, out=dk)
+        torch.sum(dv_out.view(shape), 3, out=dv)
 
 
 # --------------------------------------------------------------------------------------------

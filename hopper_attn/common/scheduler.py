@@ -27,7 +27,7 @@ kv tiles it may see (`masking.TileSchedule` says which). Two schedules:
       and the longest query tile of every head of a group first, instead of head by head:
       a head's long items no longer start behind the previous head's short ones, so the
       schedule does not end on long items (FlashAttention-4's causal forward orders its
-      tiles this way too; docs/k6.md "Longest first, by head group").
+      tiles this way too; docs/lab/k6.md "Longest first, by head group").
   (cutlass.utils' StaticPersistentTileScheduler walks the same kind of index, but it is
   deprecated in CuTe DSL 4.8 and moving to the examples; the loop here is a few lines.)
 """

@@ -146,13 +146,13 @@ class OnlineSoftmax:
     fence_after: int = -1
     # each exp2 result through `opaque`: with a fence in the tile, the compiler otherwise
     # recomputes some exp2s for P's conversion after it (23 more per tile on k6's 192-row
-    # d = 64 tile, docs/k6.md "Exp2s computed twice")
+    # d = 64 tile, docs/lab/k6.md "Exp2s computed twice")
     opaque_exp2: bool = False
     # `exponentiate` rounds P to the PV operand's type (BFloat16 or Float16; None: no)
     # before the row sums, so that l adds the weights the tensor cores multiply V by. With a
     # reference maximum that trails the true one (lazy rescaling), a row's largest P is no longer
     # exactly 1 and is rounded like the others; summed unrounded, l and P V disagree by up
-    # to that rounding in rows that a few keys dominate (docs/k6.md "Lazy rescaling with
+    # to that rounding in rows that a few keys dominate (docs/lab/k6.md "Lazy rescaling with
     # rounded sums")
     round_p: object = None
 

@@ -64,7 +64,7 @@ def _cubin_tool(tool: str, cubin: bytes, *args) -> str:
 def ptxas_notes(ptx: str, arch: str = "sm_90a") -> list[str]:
     """ptxas's performance notes on a kernel's PTX (`ptxas -v`, from the CUDA toolkit on
     PATH), e.g. `(C7514) ... wgmma.mma_async instructions are serialized ...`: the reason
-    when every WGMMA of a kernel is followed by its own wait (docs/k7.md "QK one tile
+    when every WGMMA of a kernel is followed by its own wait (docs/lab/k7.md "QK one tile
     ahead"). [] when ptxas says nothing of the kind."""
     import shutil
     path = shutil.which("ptxas")

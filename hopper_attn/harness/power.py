@@ -9,7 +9,7 @@ reasons (0x4: the software power cap).
 before each), so its numbers sit a few percent above these. Under a sustained load an H100
 SXM stays at its 700 W limit for every kernel of this repository, FA4 and cuDNN alike, and
 the clock settles where the kernel's power meets it (1455-1830 MHz on 2026-11-26,
-docs/k7.md "At the power limit"): TFLOP/s per GHz says what a kernel does per clock, the
+docs/lab/k7.md "At the power limit"): TFLOP/s per GHz says what a kernel does per clock, the
 clock what its work costs in power. Shapes as the benchmark's sweep (harness/problems.py:
 16k tokens, hidden size 2048).
 """

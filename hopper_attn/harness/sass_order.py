@@ -7,9 +7,9 @@ decide whether a warpgroup's softmax runs under its own PV (k6's overlap):
   at the `HGMMA` that carries `gsb0`. `wait_group(1)` waits until at most one group is in
   flight, so if ptxas splits PV into one group per k16 slice (each behind a
   `WARPGROUP.ARRIVE` of its own), "S ready, PV may still run" becomes "all of PV but its last
-  slice done" (docs/k6.md "One WGMMA group per P slice").
+  slice done" (docs/lab/k6.md "One WGMMA group per P slice").
 * **Where the waits land among the exp2s.** ptxas moves `WARPGROUP.DEPBAR` up as far as
-  nothing stops it (docs/k6.md "What the SASS says"); the number of `MUFU.EX2` between the
+  nothing stops it (docs/lab/k6.md "What the SASS says"); the number of `MUFU.EX2` between the
   `0x1` and the `0x0` wait is the part of the softmax that runs under PV.
 
     python -m hopper_attn.harness.sass_order k6 256 0          # groups, exp2 counts, loop order
@@ -149,7 +149,7 @@ def control_bits(sass_hex: str) -> list:
 def exp2_gaps(sass_hex: str) -> list:
     """Per innermost loop: the static issue cycles between consecutive `MUFU.EX2` (the
     stall counts from one to the next), i.e. how fast one warp alone could issue its exp2s
-    as ptxas scheduled them (docs/k7.md "Where the phases line up": 8 cycles each in k7's
+    as ptxas scheduled them (docs/lab/k7.md "Where the phases line up": 8 cycles each in k7's
     loop, the SFU rate of one SM sub-partition)."""
     coded = control_bits(sass_hex)
     result = []

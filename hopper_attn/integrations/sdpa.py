@@ -117,8 +117,9 @@ def run_forward(query, key, value, dropout_p: float, is_causal: bool,
     with torch.no_grad():                    # below autograd already: the plain launch
         out, lse = attention(bnhd(query), bnhd(key), bnhd(value), causal=bool(is_causal),
                              softmax_scale=scale, return_lse=True)
-    seed = torch.zeros((2,), dtype=torch.uint64, device=query.device)
-    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    # the RNG state is read only with dropout (which falls back): no fill kernels for it
+    seed = torch.empty((2,), dtype=torch.uint64, device=query.device)
+    offset = torch.empty((), dtype=torch.uint64, device=query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug mask)
     return (bnhd(out), lse, None, None, query.shape[2], key.shape[2], seed, offset, debug)
@@ -133,13 +134,8 @@ def run_backward(grad_out, query, key, value, out, logsumexp, dropout_p: float,
         raise ValueError(f"dropout_p={dropout_p}: hopper_attn has no dropout")
     deterministic = torch.are_deterministic_algorithms_enabled()
     q, k, v, o, do = (bnhd(t) for t in (query, key, value, out, grad_out))
-    if backward is None:
-        from hopper_attn.api import _backward_entry
-        from hopper_attn.common.contract import Problem
-        if logsumexp.dtype != torch.float32:
-            raise ValueError(f"logsumexp must be fp32, got {logsumexp.dtype}")
-        _backward_entry(Problem.from_tensor(q, bool(is_causal), k), deterministic)  # refuses
-        backward = torch.ops.hopper_attn.attention_backward
+    if backward is None:                     # checks everything before a launch (cached)
+        from hopper_attn.api import _backward_impl as backward
     dq, dk, dv = backward(q, k, v, o, do, logsumexp.contiguous(), bool(is_causal), scale,
                           deterministic)
     return bnhd(dq), bnhd(dk), bnhd(dv)
