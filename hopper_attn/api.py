@@ -30,6 +30,7 @@ the forward, before any launch. The LSE output itself is not differentiable.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -62,9 +63,26 @@ def _first_supporting(names, problem: Problem, what: str):
     raise UnsupportedProblem(f"no {what} supports this problem: " + "; ".join(reasons))
 
 
-def _backward_entry(problem: Problem, deterministic: bool = False):
+def _backward_entry(problem: Problem, deterministic: bool = False, softcap: float = 0.0):
+    if softcap:                                # kb2 alone takes a softcap (d = 64, 128)
+        options = f"softcap={softcap!r}" + (",deterministic=1" if deterministic else "")
+        return _first_supporting((f"kb2:{options}",), problem, "backward stage with softcap")
     names = ("kb2:deterministic=1",) if deterministic else BACKWARD_PREFERENCE
     return _first_supporting(names, problem, "backward stage")
+
+
+SOFTCAP_STAGES = ("k6",)       # the forward stages that take a softcap
+
+
+def _check_softcap(softcap) -> float:
+    """softcap as a float: finite and >= 0 (0: none), else ValueError."""
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a number, got {softcap!r}") from None
+    if not math.isfinite(cap) or cap < 0.0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: no softcap), got {softcap!r}")
+    return cap
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,7 +109,16 @@ def _compile_options() -> str:
     return "--enable-tvm-ffi" if importlib.util.find_spec("tvm_ffi") is not None else ""
 
 
-def _entry_for(problem: Problem, stage: str):
+def _entry_for(problem: Problem, stage: str, softcap: float = 0.0):
+    if softcap:                                # k6 alone (decode, k4, k5, k7 refuse)
+        name = stage.partition(":")[0] if stage else "k6"
+        if name not in SOFTCAP_STAGES:
+            raise ValueError(f"stage {stage!r} has no logit softcapping; softcap runs on "
+                             f"{', '.join(SOFTCAP_STAGES)}")
+        entry = stages.get(f"{stage or 'k6'}{',' if ':' in (stage or '') else ':'}"
+                           f"softcap={softcap!r}")
+        entry.spec.check(problem)
+        return entry
     if stage:
         entry = stages.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
@@ -110,15 +137,16 @@ _FAST_LIMIT = 4096
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-         softmax_scale: Optional[float], stage: str) -> tuple[torch.Tensor, torch.Tensor]:
+         softmax_scale: Optional[float], stage: str, softcap: float = 0.0
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-               k.dtype, v.dtype, q.device, k.device, v.device, causal, stage)
+               k.dtype, v.dtype, q.device, k.device, v.device, causal, stage, softcap)
         handle = _FAST.get(key)
     except AttributeError:                     # not tensors: the checks below say so
         key = handle = None
     if handle is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        handle = _checked_handle(q, k, v, causal, stage)
+        handle = _checked_handle(q, k, v, causal, stage, softcap)
         if len(_FAST) >= _FAST_LIMIT:          # e.g. many sequence lengths: start over
             _FAST.clear()
         _FAST[key] = handle
@@ -135,11 +163,12 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse
 
 
-def _checked_handle(q, k, v, causal: bool, stage: str):
+def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0):
     """Every check of a call (ValueError before any launch), then its compiled kernel."""
     _check(q, k, v)
+    softcap = _check_softcap(softcap)
     problem = Problem.from_tensor(q, causal, k)
-    entry = _entry_for(problem, stage)
+    entry = _entry_for(problem, stage, softcap)
     check_tensors(problem, q, k, v, q,                 # dtype, device, layout: before compiling
                   strided=entry.spec.strided_inputs)
     return _handle(entry, problem, _compile_options())
@@ -156,9 +185,9 @@ def _handle(entry, problem: Problem, compile_options: str = ""):
 
 @torch.library.custom_op("hopper_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: Optional[float], stage: str, deterministic: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(q, k, v, causal, softmax_scale, stage)
+                  softmax_scale: Optional[float], stage: str, deterministic: bool = False,
+                  softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(q, k, v, causal, softmax_scale, stage, softcap)
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
@@ -166,8 +195,9 @@ def _lse_like(q: torch.Tensor) -> torch.Tensor:
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, stage, deterministic=False):
+def _(q, k, v, causal, softmax_scale, stage, deterministic=False, softcap=0.0):
     _check(q, k, v)
+    _check_softcap(softcap)
     return torch.empty_like(q), _lse_like(q)
 
 
@@ -175,12 +205,12 @@ def _(q, k, v, causal, softmax_scale, stage, deterministic=False):
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                            causal: bool, softmax_scale: Optional[float],
-                           deterministic: bool = False
+                           deterministic: bool = False, softcap: float = 0.0
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # the backward stages read contiguous tensors (a packed-QKV view is copied here)
     q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     problem = Problem.from_tensor(q, causal, k)
-    entry = _backward_entry(problem, deterministic)
+    entry = _backward_entry(problem, deterministic, softcap)
     handle = _handle(entry, problem)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     entry.run(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale)
@@ -188,15 +218,16 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False):
+def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, stage, deterministic = inputs
+    q, k, v, causal, softmax_scale, stage, deterministic, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.softcap = softcap
     # the LSE output has no gradient: without this autograd fills a zero tensor for it on
     # every backward call (one extra kernel launch)
     ctx.set_materialize_grads(False)
@@ -204,19 +235,24 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     if dout is None:                        # only the LSE was used: no gradient flows back
-        return None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, ctx.causal,
-                                                          ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+                                                          ctx.softmax_scale, ctx.deterministic,
+                                                          ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_differentiable(q, k, v, causal: bool, stage: Optional[str]) -> None:
+def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
+                          softcap: float = 0.0, deterministic: bool = False) -> None:
     """Before a forward whose result needs gradients: can a backward stage run it?"""
     _check(q, k, v)
+    if softcap:
+        _backward_entry(Problem.from_tensor(q, causal, k), deterministic, softcap)
+        return
     if stage == "k4":
         raise ValueError("stage k4 writes no log-sum-exp, which the backward pass needs; "
                          "use k5, k6 or the default")
@@ -225,7 +261,8 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str]) -> None:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
-              stage: Optional[str] = None, deterministic: bool = False):
+              stage: Optional[str] = None, deterministic: bool = False,
+              softcap: float = 0.0):
     """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
 
     softmax_scale defaults to 1/sqrt(head_dim). With `return_lse`, also returns the
@@ -238,7 +275,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (the backward runs kb2) and 256 (kb1); with `deterministic` (kb2 only: 64 and 128), dQ's
     additions happen in a fixed order, so the gradients have the same bits on every run
     (slower: docs/kb2.md).
+
+    `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
+    scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its
+    head dims; the cap is compiled in: one compile per cap value), differentiable at
+    head_dim 64 and 128 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
+    non-finite cap, or a stage without it.
     """
+    softcap = _check_softcap(softcap)
     try:
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                   or v.requires_grad)
@@ -246,12 +290,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         needs_grad = False
     compiling = torch.compiler.is_compiling()
     if needs_grad and not compiling:           # (traced: the backward op checks)
-        _check_differentiable(q, k, v, bool(causal), stage)
+        _check_differentiable(q, k, v, bool(causal), stage, softcap, bool(deterministic))
     if compiling or needs_grad:                # the custom op: fake impl, autograd
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
-                                                   stage or "", bool(deterministic))
+                                                   stage or "", bool(deterministic), softcap)
     else:                                      # eager: no dispatcher round trip
-        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "")
+        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", softcap)
     return (out, lse) if return_lse else out
 
 

@@ -825,6 +825,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     gqa: the GQA variant (dK/dV summed in the kernel); by default where k/v have fewer heads.
     trace: iket phase ranges (harness/timeline.py). softcap: logit softcapping's cap
     (compile time; 0: none), the forward's (k6 softcap)."""
+    softcap = float(softcap)
     if softcap and block_m is None:
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
         block_m, dp_first, early_dv = SOFTCAP_TILES.get(problem.head_dim,
