@@ -232,7 +232,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  mask_per_row: bool = False, wg_causal_limit: bool = False,
                  fast_divmod: bool = False, stream_k: bool = False, kv_tail: bool = True,
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
-                 softcap_f16: bool = False, stages: int = 2, persistent_ctas: int = 0,
+                 softcap_f16: bool = False, softcap_fma_every: int = 0, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
@@ -311,6 +311,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
             raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
         self.softcap_f16 = bool(softcap_f16) and self.softcap > 0.0
+        # every n-th column's tanh on the FMA pipe (softmax.tanh_on_fma; 0: none)
+        self.softcap_fma_every = int(softcap_fma_every)
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,
@@ -660,7 +662,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold).
         softcap: the raw scores through tanh first (`softcap_scores`), then all as above."""
         if cutlass.const_expr(self.softcap > 0.0):
-            softcap_scores(acc_rows_cols(acc_s), softmax.softcap_prescale, self.softcap_f16)
+            softcap_scores(acc_rows_cols(acc_s), softmax.softcap_prescale, self.softcap_f16,
+                           self.softcap_fma_every)
         if cutlass.const_expr(self.softmax_fence_after >= 0 or self.pv_wait_first):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
@@ -738,7 +741,8 @@ def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
 # what a caller may set (`k6:name=value`), over the problem's POLICY row
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "spin_waits",
            "fma_exp2_every", "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail",
-           "peel_first", "longest_first", "softcap", "softcap_f16")
+           "peel_first", "longest_first", "softcap", "softcap_f16",
+           "softcap_fma_every")
 
 
 def settings_for(problem, **overrides) -> dict:
@@ -769,9 +773,9 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, *
     key of ITEM_ENDS), v_lags_k, spin_waits, fma_exp2_every, v_release_last, skip_idle_wgs,
     wg_causal_limit, kv_tail (0: no tail test, for key lengths of whole kv tiles),
     peel_first, longest_first (MiB of K and V per head group, 0: head by head), softcap
-    (logit softcapping's cap, compile time; 0: none), softcap_f16 (its tanh in fp16 pairs:
-    half the MUFU ops, fp16's precision). trace: iket
-    phase ranges (harness/timeline.py)."""
+    (logit softcapping's cap, compile time; 0: none), softcap_f16 (its tanh in fp16 pairs,
+    fp16's precision), softcap_fma_every (every n-th column's tanh on the FMA pipe).
+    trace: iket phase ranges (harness/timeline.py)."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {**settings_for(problem, **overrides), "trace": bool(trace)},

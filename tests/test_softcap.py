@@ -40,6 +40,17 @@ def test_k6_softcap_f16_pairs():
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("every", [2, 4])
+def test_k6_softcap_tanh_on_fma_for_every_nth_column(every):
+    """softcap_fma_every=n: 1 - 1/n of the tanhs as MUFU.TANH (tanh.approx), the rest on the
+    FMA pipe (tanh_on_fma's reciprocal's Newton steps: 2 FMAs each)."""
+    art = compiled(f"k6:softcap=50.0,softcap_fma_every={every}", 128, True)
+    _no_spills(art)
+    full = len(re.findall(TANH, compiled("k6:softcap=50.0", 128, True)["ptx"]))
+    assert len(re.findall(TANH, art["ptx"])) == full - full // every
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads_kv", [0, 1])           # 1: the GQA variant
@@ -146,7 +157,8 @@ def test_softcap_backward_matches_fp32(d, causal, n, heads_kv, cap, magnitude):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 256])
-def test_softcap_f16_tanh_matches_fp32(d):
-    errors = check_softcap(d, True, 1000, 50.0, 6.0, backward=False,
-                           stage="k6:softcap_f16=1")
+@pytest.mark.parametrize("magnitude", [1.0, 6.0])
+@pytest.mark.parametrize("stage", ["k6:softcap_f16=1", "k6:softcap_fma_every=2"])
+def test_cheaper_tanh_variants_match_fp32(stage, d, magnitude):
+    errors = check_softcap(d, True, 1000, 50.0, magnitude, backward=False, stage=stage)
     assert within(errors), errors
