@@ -39,6 +39,10 @@ What changes from k5 (docs/k6.md has the measurements behind each step):
   its own diagonal), `skip_idle_wgs`, `kv_tail` (no tail test for whole kv tiles),
   `peel_first` (an item's first kv tile before the loop), `fast_divmod`.
 
+* Logit softcapping (`softcap`, a compile-time cap; docs/softcap.md): the raw scores through
+  tanh(s scale / cap) before the mask, then the same softmax in units of cap log2(e);
+  `softcap_fma_every` / `softcap_f16` take part of the tanhs off MUFU.TANH.
+
 Where the kernel launches: k5's `__call__`; k6 replaces the consumer loop (`mainloop`) and
 overrides k5's hooks for the schedule and an item's end.
 

@@ -40,6 +40,9 @@ What changes from kb1:
   deterministic mode is unchanged: dQ tile (head, m) still receives one add per kv tile
   of head's k/v head, in kv tile order.
 
+* Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
+  mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
+
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
