@@ -236,7 +236,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  mask_per_row: bool = False, wg_causal_limit: bool = False,
                  fast_divmod: bool = False, stream_k: bool = False, kv_tail: bool = True,
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
-                 softcap_f16: bool = False, softcap_fma_every: int = 0, stages: int = 2, persistent_ctas: int = 0,
+                 softcap_f16: bool = False, softcap_fma_every: int = 0,
+                 softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
@@ -317,6 +318,12 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.softcap_f16 = bool(softcap_f16) and self.softcap > 0.0
         # every n-th column's tanh on the FMA pipe (softmax.tanh_on_fma; 0: none)
         self.softcap_fma_every = int(softcap_fma_every)
+        # softcapped exponents cap log2(e) t, |t| <= 1, against a fixed 0 instead of the row
+        # maxima (OnlineSoftmax.fixed_max): no maxima, no O rescale (bf16, cap log2(e) <= 100:
+        # settings_for checks)
+        self.softcap_fixed_max = bool(softcap_fixed_max) and self.softcap > 0.0
+        if self.softcap_fixed_max and self.rescale_before_pv:
+            raise ValueError("softcap_fixed_max rescales nothing: not with rescale=before_pv")
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,
@@ -362,7 +369,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                                     fence_after=self.softmax_fence_after,
                                     opaque_exp2=self.opaque_exp2,
                                     round_p=self.dtype if self.round_p_sums else None,
-                                    softcap_prescale=prescale)
+                                    softcap_prescale=prescale,
+                                    fixed_max=self.softcap_fixed_max)
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
@@ -668,7 +676,11 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if cutlass.const_expr(self.softcap > 0.0):
             softcap_scores(acc_rows_cols(acc_s), softmax.softcap_prescale, self.softcap_f16,
                            self.softcap_fma_every)
-        if cutlass.const_expr(self.softmax_fence_after >= 0 or self.pv_wait_first):
+        if cutlass.const_expr(self.softcap_fixed_max):
+            # exponents against the fixed 0: alpha is never used (no rescale)
+            softmax.exponentiate(self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q,
+                                                    seqlen_k))
+        elif cutlass.const_expr(self.softmax_fence_after >= 0 or self.pv_wait_first):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
             if cutlass.const_expr(self.pv_wait_first):
@@ -712,7 +724,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                 v_state.advance()
         self.trace.end(phase)
         phase = self.trace.start("rescale")
-        if cutlass.const_expr(not self.lazy_rescale and not self.rescale_before_pv):
+        if cutlass.const_expr(not self.lazy_rescale and not self.rescale_before_pv
+                              and not self.softcap_fixed_max):
             self.rescale_o(o_rc, p_frag, alpha)
         self.probs_to_operand(acc_s, p_frag, reverse_p)
         if cutlass.const_expr(self.v_release_last):
@@ -746,7 +759,7 @@ def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "spin_waits",
            "fma_exp2_every", "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail",
            "peel_first", "longest_first", "softcap", "softcap_f16",
-           "softcap_fma_every")
+           "softcap_fma_every", "softcap_fixed_max")
 
 
 def settings_for(problem, **overrides) -> dict:
@@ -766,6 +779,10 @@ def settings_for(problem, **overrides) -> dict:
     if not settings["kv_tail"]:
         check_whole_kv_tiles("k6", problem, settings["block_n"])
     settings["peel_first"] = settings["peel_first"] and settings["kv_tail"]
+    if settings.get("softcap_fixed_max") and float(settings.get("softcap", 0.0)) > 0.0:
+        # P up to 2^(cap log2(e)): bf16's range (fp16's ends at 2^16), and l summed in fp32
+        if problem.dtype != torch.bfloat16 or float(settings["softcap"]) * LOG2_E > 100.0:
+            raise ValueError("k6 softcap_fixed_max: bf16 inputs and softcap <= 69 only")
     return settings
 
 
@@ -778,7 +795,9 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, *
     wg_causal_limit, kv_tail (0: no tail test, for key lengths of whole kv tiles),
     peel_first, longest_first (MiB of K and V per head group, 0: head by head), softcap
     (logit softcapping's cap, compile time; 0: none), softcap_f16 (its tanh in fp16 pairs,
-    fp16's precision), softcap_fma_every (every n-th column's tanh on the FMA pipe).
+    fp16's precision), softcap_fma_every (every n-th column's tanh on the FMA pipe),
+    softcap_fixed_max (exponents against a fixed 0: no row maxima, no rescale; bf16, cap
+    <= 69).
     trace: iket phase ranges (harness/timeline.py)."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
     return compile_attention(SPEC, FlashAttentionK6, problem,

@@ -51,6 +51,29 @@ def test_k6_softcap_tanh_on_fma_for_every_nth_column(every):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("d,causal", [(64, True), (128, True), (256, False)])
+def test_k6_softcap_fixed_max_drops_the_row_maxima(d, causal):
+    """softcap_fixed_max: exponents against 0, so no max shuffles (SHFL.BFLY only for the
+    row sums at the end) and far fewer FMNMX than with the running maxima; no spills."""
+    from hopper_attn.harness.compile_report import sass
+    fixed = compiled("k6:softcap=50.0,softcap_fixed_max=1", d, causal)
+    _no_spills(fixed)
+    plain = compiled("k6:softcap=50.0", d, causal)
+    count = lambda art, op: len(re.findall(op, sass(art["cubin"])))   # noqa: E731
+    assert count(fixed, r"\bFMNMX\b") < count(plain, r"\bFMNMX\b") // 4
+    assert count(fixed, r"SHFL\.BFLY") < count(plain, r"SHFL\.BFLY")
+
+
+def test_k6_softcap_fixed_max_refuses_fp16_and_large_caps():
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.k6 import settings_for
+    for dtype, cap in ((torch.float16, 30.0), (torch.bfloat16, 80.0)):
+        with pytest.raises(ValueError, match="softcap_fixed_max"):
+            settings_for(Problem(1, 2, 256, 128, True, dtype), softcap=cap,
+                         softcap_fixed_max=1)
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads_kv", [0, 1])           # 1: the GQA variant
@@ -160,7 +183,8 @@ def test_softcap_backward_matches_fp32(d, causal, n, heads_kv, cap, magnitude):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("magnitude", [1.0, 6.0])
-@pytest.mark.parametrize("stage", ["k6:softcap_f16=1", "k6:softcap_fma_every=2"])
+@pytest.mark.parametrize("stage", ["k6:softcap_f16=1", "k6:softcap_fma_every=2",
+                                   "k6:softcap_fixed_max=1"])
 def test_cheaper_tanh_variants_match_fp32(stage, d, magnitude):
     errors = check_softcap(d, True, 1000, 50.0, magnitude, backward=False, stage=stage)
     assert within(errors), errors

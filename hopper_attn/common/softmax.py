@@ -262,19 +262,25 @@ class OnlineSoftmax:
     # logit softcapping (`softcap_scores`): the raw scores' factor before the tanh,
     # softmax_scale / cap (None: no softcap; scale_log2 is then cap * log2(e))
     softcap_prescale: object = None
+    # the scores are bounded (softcapped: |t| <= 1), so every row's exponents are taken
+    # against a fixed reference maximum of 0 (row_max stays 0): no running maximum, no
+    # rescaling, P in [2^-scale_log2, 2^scale_log2], which fp32 and bf16 hold for
+    # scale_log2 <= 100 (`exponentiate` only; `finalize` and the LSE as usual)
+    fixed_max: bool = False
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
                p_scale_log2: int = 0, fma_exp2_every: int = 0,
                fence_after: int = -1, opaque_exp2: bool = False,
-               round_p=None, softcap_prescale=None) -> "OnlineSoftmax":
+               round_p=None, softcap_prescale=None, fixed_max: bool = False
+               ) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
-        row_max.fill(-Float32.inf)
+        row_max.fill(0.0 if fixed_max else -Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
                              p_scale_log2, fma_exp2_every, fence_after, opaque_exp2, round_p,
-                             softcap_prescale)
+                             softcap_prescale, fixed_max)
 
     def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
         """The same row state with another score scale (k7: per (batch, head) descales)."""
@@ -282,7 +288,7 @@ class OnlineSoftmax:
 
     def reset(self):
         """Start a new set of rows (a persistent kernel's next work item)."""
-        self.row_max.fill(-Float32.inf)
+        self.row_max.fill(0.0 if self.fixed_max else -Float32.inf)
         self.row_sum.fill(0.0)
 
     def quad_max(self, partial_max):
