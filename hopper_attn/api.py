@@ -35,6 +35,7 @@ shapes, strides, dtypes, mask): tools/host_overhead.py times the host path.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -67,9 +68,26 @@ def _first_supporting(names, problem: Problem, what: str):
     raise UnsupportedProblem(f"no {what} supports this problem: " + "; ".join(reasons))
 
 
-def _backward_entry(problem: Problem, deterministic: bool = False):
+def _backward_entry(problem: Problem, deterministic: bool = False, softcap: float = 0.0):
+    if softcap:                                # kb2 alone takes a softcap (d = 64, 128)
+        options = f"softcap={softcap!r}" + (",deterministic=1" if deterministic else "")
+        return _first_supporting((f"kb2:{options}",), problem, "backward stage with softcap")
     names = ("kb2:deterministic=1",) if deterministic else BACKWARD_PREFERENCE
     return _first_supporting(names, problem, "backward stage")
+
+
+SOFTCAP_STAGES = ("k6",)       # the forward stages that take a softcap
+
+
+def _check_softcap(softcap) -> float:
+    """softcap as a float: finite and >= 0 (0: none), else ValueError."""
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        raise ValueError(f"softcap must be a number, got {softcap!r}") from None
+    if not math.isfinite(cap) or cap < 0.0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: no softcap), got {softcap!r}")
+    return cap
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -96,7 +114,16 @@ def _compile_options() -> str:
     return "--enable-tvm-ffi" if importlib.util.find_spec("tvm_ffi") is not None else ""
 
 
-def _entry_for(problem: Problem, stage: str):
+def _entry_for(problem: Problem, stage: str, softcap: float = 0.0):
+    if softcap:                                # k6 alone (decode, k4, k5, k7 refuse)
+        name = stage.partition(":")[0] if stage else "k6"
+        if name not in SOFTCAP_STAGES:
+            raise ValueError(f"stage {stage!r} has no logit softcapping; softcap runs on "
+                             f"{', '.join(SOFTCAP_STAGES)}")
+        entry = stages.get(f"{stage or 'k6'}{',' if ':' in (stage or '') else ':'}"
+                           f"softcap={softcap!r}")
+        entry.spec.check(problem)
+        return entry
     if stage:
         entry = stages.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
@@ -115,16 +142,17 @@ _FAST_LIMIT = 4096
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-         softmax_scale: Optional[float], stage: str, window: tuple = (-1, -1)
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+         softmax_scale: Optional[float], stage: str, softcap: float = 0.0,
+         window: tuple = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
-               k.dtype, v.dtype, q.device, k.device, v.device, causal, stage, window)
+               k.dtype, v.dtype, q.device, k.device, v.device, causal, stage, softcap,
+               window)
         handle = _FAST.get(key)
     except AttributeError:                     # not tensors: the checks below say so
         key = handle = None
     if handle is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        handle = _checked_handle(q, k, v, causal, stage, window)
+        handle = _checked_handle(q, k, v, causal, stage, softcap, window)
         if len(_FAST) >= _FAST_LIMIT:          # e.g. many sequence lengths: start over
             _FAST.clear()
         _FAST[key] = handle
@@ -141,11 +169,13 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return out, lse
 
 
-def _checked_handle(q, k, v, causal: bool, stage: str, window: tuple = (-1, -1)):
+def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,
+                    window: tuple = (-1, -1)):
     """Every check of a call (ValueError before any launch), then its compiled kernel."""
     _check(q, k, v)
+    softcap = _check_softcap(softcap)
     problem = Problem.from_tensor(q, causal, k, window)
-    entry = _entry_for(problem, stage)
+    entry = _entry_for(problem, stage, softcap)
     check_tensors(problem, q, k, v, q,                 # dtype, device, layout: before compiling
                   strided=entry.spec.strided_inputs)
     return _handle(entry, problem, _compile_options())
@@ -163,9 +193,9 @@ def _handle(entry, problem: Problem, compile_options: str = ""):
 @torch.library.custom_op("hopper_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: Optional[float], stage: str, deterministic: bool = False,
-                  window_left: int = -1, window_right: int = -1
+                  softcap: float = 0.0, window_left: int = -1, window_right: int = -1
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(q, k, v, causal, softmax_scale, stage, (window_left, window_right))
+    return _run(q, k, v, causal, softmax_scale, stage, softcap, (window_left, window_right))
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
@@ -173,9 +203,10 @@ def _lse_like(q: torch.Tensor) -> torch.Tensor:
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, stage, deterministic=False, window_left=-1,
+def _(q, k, v, causal, softmax_scale, stage, deterministic=False, softcap=0.0, window_left=-1,
       window_right=-1):
     _check(q, k, v)
+    _check_softcap(softcap)
     normalize_window((window_left, window_right), causal)
     return torch.empty_like(q), _lse_like(q)
 
@@ -204,7 +235,8 @@ _BWD_FAST: dict = {}
 
 
 def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optional[float],
-                   deterministic: bool = False, window: tuple = (-1, -1)):
+                   deterministic: bool = False, softcap: float = 0.0,
+                   window: tuple = (-1, -1)):
     """dq, dk, dv (dq like q's layout, dk / dv like k's and v's where those are dense) by the
     first backward stage that supports the problem; ValueError before any launch."""
     tensors = (q, k, v, out, dout)
@@ -212,14 +244,14 @@ def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
         key = (q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape, q.stride(),
                k.stride(), v.stride(), out.stride(), dout.stride(), lse.stride(), q.dtype,
                k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, k.device,
-               v.device, out.device, dout.device, lse.device, causal, deterministic,
+               v.device, out.device, dout.device, lse.device, causal, deterministic, softcap,
                tuple(window))
         fast = _BWD_FAST.get(key)
     except AttributeError:                     # not tensors: the checks below say so
         key = fast = None
     if fast is None or (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()
                         | dout.data_ptr() | lse.data_ptr()) % 16:
-        fast = _checked_backward(tensors, lse, causal, deterministic, window)
+        fast = _checked_backward(tensors, lse, causal, deterministic, softcap, window)
         if len(_BWD_FAST) >= _FAST_LIMIT:
             _BWD_FAST.clear()
         if key is not None:
@@ -234,7 +266,7 @@ def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
     return dq, dk, dv
 
 
-def _checked_backward(tensors, lse, causal: bool, deterministic: bool,
+def _checked_backward(tensors, lse, causal: bool, deterministic: bool, softcap: float = 0.0,
                       window: tuple = (-1, -1)):
     """Every check of a backward call (ValueError before any launch), then its compiled
     stage: (run_kernel, handle, copies)."""
@@ -248,7 +280,7 @@ def _checked_backward(tensors, lse, causal: bool, deterministic: bool,
     q, k, v, out, dout = (t.clone(memory_format=torch.contiguous_format) if c else t
                           for t, c in zip(tensors, copies))
     problem = Problem.from_tensor(q, causal, k, window)
-    entry = _backward_entry(problem, deterministic)
+    entry = _backward_entry(problem, deterministic, softcap)
     handle = _handle(entry, problem)
     check_backward_tensors(problem, q, k, v, out, dout, lse, q, k, v)
     return entry.load().run_kernel, handle, (copies if any(copies) else None)
@@ -258,25 +290,26 @@ def _checked_backward(tensors, lse, causal: bool, deterministic: bool,
 def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                            causal: bool, softmax_scale: Optional[float],
-                           deterministic: bool = False, window_left: int = -1,
-                           window_right: int = -1
+                           deterministic: bool = False, softcap: float = 0.0,
+                           window_left: int = -1, window_right: int = -1
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(q, k, v, out, dout, lse, causal, softmax_scale, deterministic,
-                          (window_left, window_right))
+                          softcap, (window_left, window_right))
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, window_left=-1,
-      window_right=-1):
+def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, softcap=0.0,
+      window_left=-1, window_right=-1):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, stage, deterministic, window_left, window_right = inputs
+    (q, k, v, causal, softmax_scale, stage, deterministic, softcap, window_left,
+     window_right) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-    ctx.window = (window_left, window_right)
+    ctx.softcap, ctx.window = softcap, (window_left, window_right)
     # the LSE output has no gradient: without this autograd fills a zero tensor for it on
     # every backward call (one extra kernel launch)
     ctx.set_materialize_grads(False)
@@ -284,12 +317,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     if dout is None:                        # only the LSE was used: no gradient flows back
-        return None, None, None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, ctx.causal,
                                                           ctx.softmax_scale, ctx.deterministic,
-                                                          *ctx.window)
-    return dq, dk, dv, None, None, None, None, None, None
+                                                          ctx.softcap, *ctx.window)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -301,11 +334,11 @@ class _EagerAttention(torch.autograd.Function):
     microseconds less host time per training step (tools/host_overhead.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, stage, deterministic, window):
-        out, lse = _run(q, k, v, causal, softmax_scale, stage, window)
+    def forward(ctx, q, k, v, causal, softmax_scale, stage, deterministic, softcap, window):
+        out, lse = _run(q, k, v, causal, softmax_scale, stage, softcap, window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-        ctx.window = window
+        ctx.softcap, ctx.window = softcap, window
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -314,11 +347,11 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         if dout is None:
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale,
-                                    ctx.deterministic, ctx.window)
-        return dq, dk, dv, None, None, None, None, None
+                                    ctx.deterministic, ctx.softcap, ctx.window)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # Forwards whose backward was found runnable, by what that check looked at.
@@ -326,22 +359,26 @@ _DIFFERENTIABLE: set = set()
 
 
 def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
-                          deterministic: bool = False, window: tuple = (-1, -1)) -> None:
+                          deterministic: bool = False, softcap: float = 0.0,
+                          window: tuple = (-1, -1)) -> None:
     """Before a forward whose result needs gradients: can a backward stage run it?"""
     try:
-        key = (q.shape, k.shape, v.shape, q.dtype, causal, stage, deterministic,
+        key = (q.shape, k.shape, v.shape, q.dtype, causal, stage, deterministic, softcap,
                tuple(window))
         if key in _DIFFERENTIABLE:
             return
     except AttributeError:
         key = None
     _check(q, k, v)
-    if stage == "k4":
-        raise ValueError("stage k4 writes no log-sum-exp, which the backward pass needs; "
-                         "use k5, k6 or the default")
     problem = Problem.from_tensor(q, causal, k, window)
     if problem.windowed and deterministic:
         raise ValueError("window_size: the deterministic backward has no sliding window")
+    if softcap:
+        _backward_entry(problem, deterministic, softcap)
+        return
+    if stage == "k4":
+        raise ValueError("stage k4 writes no log-sum-exp, which the backward pass needs; "
+                         "use k5, k6 or the default")
     # UnsupportedProblem with the reason
     _backward_entry(problem, deterministic)
     if key is not None:
@@ -353,7 +390,7 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
               stage: Optional[str] = None, deterministic: bool = False,
-              window_size: tuple = (-1, -1)):
+              softcap: float = 0.0, window_size: tuple = (-1, -1)):
     """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
 
     softmax_scale defaults to 1/sqrt(head_dim). With `return_lse`, also returns the
@@ -367,6 +404,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     additions happen in a fixed order, so the gradients have the same bits on every run
     (slower: docs/kb2.md).
 
+    `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
+    scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its
+    head dims; the cap is compiled in: one compile per cap value), differentiable at
+    head_dim 64 and 128 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
+    non-finite cap, or a stage without it.
+
     `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
     i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
     r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
@@ -374,6 +417,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     dims 64 and 128 with gradients; not deterministic); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
     """
+    softcap = _check_softcap(softcap)
     window = normalize_window(window_size, bool(causal))    # ValueError before anything
     try:
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
@@ -382,16 +426,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         needs_grad = False
     compiling = torch.compiler.is_compiling()
     if needs_grad and not compiling:           # (traced: the backward op checks)
-        _check_differentiable(q, k, v, bool(causal), stage, bool(deterministic), window)
+        _check_differentiable(q, k, v, bool(causal), stage, bool(deterministic), softcap,
+                              window)
     if compiling or (needs_grad and type(q) is not torch.Tensor):
         # the custom op: fake implementation, autograd (traced, fake or subclassed tensors)
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
-                                                   stage or "", bool(deterministic), *window)
+                                                   stage or "", bool(deterministic), softcap,
+                                                   *window)
     elif needs_grad:                           # eager autograd: no dispatcher round trips
         out, lse = _EagerAttention.apply(q, k, v, bool(causal), softmax_scale, stage or "",
-                                         bool(deterministic), window)
+                                         bool(deterministic), softcap, window)
     else:                                      # eager: no dispatcher round trip
-        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", window)
+        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", softcap, window)
     return (out, lse) if return_lse else out
 
 

@@ -39,6 +39,10 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   its own diagonal), `skip_idle_wgs`, `kv_tail` (no tail test for whole kv tiles),
   `peel_first` (an item's first kv tile before the loop), `fast_divmod`.
 
+* Logit softcapping (`softcap`, a compile-time cap; docs/softcap.md): the raw scores through
+  tanh(s scale / cap) before the mask, then the same softmax in units of cap log2(e);
+  `softcap_fma_every` / `softcap_f16` take part of the tanhs off MUFU.TANH.
+
 Where the kernel launches: k5's `__call__`; k6 replaces the consumer loop (`mainloop`) and
 overrides k5's hooks for the schedule and an item's end.
 
@@ -53,6 +57,7 @@ consumer thread (fp32): S block_n / 2, P block_n / 4, O d / 2 (d = 256: 40 + 20 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import cutlass
@@ -63,13 +68,13 @@ import torch
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.contract import (KernelSpec, check_whole_kv_tiles, compile_attention,
-                                         run_attention)
+from hopper_attn.common.contract import (LOG2_E, KernelSpec, check_whole_kv_tiles,
+                                         compile_attention, run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, smem_bytes,
                                         smem_tile_layout)
 from hopper_attn.common.masking import TileSchedule
 from hopper_attn.common.scheduler import ItemQueue, TileScheduler, sm_count
-from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.softmax import OnlineSoftmax, scale_rows, softcap_scores
 from hopper_attn.common.stream_k import StreamKPartials
 from hopper_attn.common.warp_roles import PingPong
 from hopper_attn.k5 import FIRST_SCHEDULER_BARRIER, FlashAttentionK5, lse_buffer
@@ -238,9 +243,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  v_release_last: bool = False, skip_idle_wgs: bool = False,
                  mask_per_row: bool = False, wg_causal_limit: bool = False,
                  fast_divmod: bool = False, stream_k: bool = False, kv_tail: bool = True,
-                 peel_first: bool = False, longest_first: int = 0, stages: int = 2,
-                 persistent_ctas: int = 0, trace: bool = False, window_left: int = -1,
-                 window_right: int = -1):
+                 peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
+                 softcap_f16: bool = False, softcap_fma_every: int = 0,
+                 softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
+                 trace: bool = False, window_left: int = -1, window_right: int = -1):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -325,6 +331,20 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.v_lags_k = bool(v_lags_k)
         # every n-th exp2 on the FMA pipe instead of the SFU (OnlineSoftmax)
         self.fma_exp2_every = int(fma_exp2_every)
+        # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none; the kernel
+        # is then today's); softcap_f16: the tanh by tanh.approx.f16x2, a pair per op
+        self.softcap = float(softcap)
+        if not math.isfinite(self.softcap) or self.softcap < 0.0:
+            raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
+        self.softcap_f16 = bool(softcap_f16) and self.softcap > 0.0
+        # every n-th column's tanh on the FMA pipe (softmax.tanh_on_fma; 0: none)
+        self.softcap_fma_every = int(softcap_fma_every)
+        # softcapped exponents cap log2(e) t, |t| <= 1, against a fixed 0 instead of the row
+        # maxima (OnlineSoftmax.fixed_max): no maxima, no O rescale (bf16, cap log2(e) <= 100:
+        # settings_for checks)
+        self.softcap_fixed_max = bool(softcap_fixed_max) and self.softcap > 0.0
+        if self.softcap_fixed_max and self.rescale_before_pv:
+            raise ValueError("softcap_fixed_max rescales nothing: not with rescale=before_pv")
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,
@@ -359,11 +379,19 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 
     # ---- the softmax and a work item's end (k5's hooks) ----
     def make_softmax(self, rows: int, scale_log2: Float32) -> OnlineSoftmax:
+        prescale = None
+        if self.softcap > 0.0:
+            # tanh(s * scale / cap) (scale_log2 / (cap log2(e))), then exponents in units
+            # of cap log2(e): the kernel's one runtime scalar stays the softmax scale
+            prescale = scale_log2 * (1.0 / (self.softcap * LOG2_E))
+            scale_log2 = Float32(self.softcap * LOG2_E)
         return OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4,
                                     fma_exp2_every=self.fma_exp2_every,
                                     fence_after=self.softmax_fence_after,
                                     opaque_exp2=self.opaque_exp2,
-                                    round_p=self.dtype if self.round_p_sums else None)
+                                    round_p=self.dtype if self.round_p_sums else None,
+                                    softcap_prescale=prescale,
+                                    fixed_max=self.softcap_fixed_max)
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
@@ -669,8 +697,16 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         `finish_tile`, which rescales O; with the PV wait among or before the exp2s, every
         row's maximum and alpha first. Lazy: O is rescaled here, and only when a row maximum
         of this warp grew by more than 2^rescale_threshold_log2 (after waiting for PV_{n-1}:
-        a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold)."""
-        if cutlass.const_expr(self.softmax_fence_after >= 0 or self.pv_wait_first):
+        a rare branch); otherwise P keeps the old reference maximum (p <= 2^threshold).
+        softcap: the raw scores through tanh first (`softcap_scores`), then all as above."""
+        if cutlass.const_expr(self.softcap > 0.0):
+            softcap_scores(acc_rows_cols(acc_s), softmax.softcap_prescale, self.softcap_f16,
+                           self.softcap_fma_every)
+        if cutlass.const_expr(self.softcap_fixed_max):
+            # exponents against the fixed 0: alpha is never used (no rescale)
+            softmax.exponentiate(self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q,
+                                                    seqlen_k))
+        elif cutlass.const_expr(self.softmax_fence_after >= 0 or self.pv_wait_first):
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             alpha.store(softmax.rebase(softmax.running_max(s_rc)).load())
             if cutlass.const_expr(self.pv_wait_first):
@@ -714,7 +750,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                 v_state.advance()
         self.trace.end(phase)
         phase = self.trace.start("rescale")
-        if cutlass.const_expr(not self.lazy_rescale and not self.rescale_before_pv):
+        if cutlass.const_expr(not self.lazy_rescale and not self.rescale_before_pv
+                              and not self.softcap_fixed_max):
             self.rescale_o(o_rc, p_frag, alpha)
         self.probs_to_operand(acc_s, p_frag, reverse_p)
         if cutlass.const_expr(self.v_release_last):
@@ -747,7 +784,8 @@ def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
 # what a caller may set (`k6:name=value`), over the problem's POLICY row
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "spin_waits",
            "fma_exp2_every", "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail",
-           "peel_first", "longest_first")
+           "peel_first", "longest_first", "softcap", "softcap_f16",
+           "softcap_fma_every", "softcap_fixed_max")
 
 
 def settings_for(problem, **overrides) -> dict:
@@ -773,6 +811,10 @@ def settings_for(problem, **overrides) -> dict:
     if not settings["kv_tail"]:
         check_whole_kv_tiles("k6", problem, settings["block_n"])
     settings["peel_first"] = settings["peel_first"] and settings["kv_tail"]
+    if settings.get("softcap_fixed_max") and float(settings.get("softcap", 0.0)) > 0.0:
+        # P up to 2^(cap log2(e)): bf16's range (fp16's ends at 2^16), and l summed in fp32
+        if problem.dtype != torch.bfloat16 or float(settings["softcap"]) * LOG2_E > 100.0:
+            raise ValueError("k6 softcap_fixed_max: bf16 inputs and softcap <= 69 only")
     return settings
 
 
@@ -784,8 +826,11 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, *
     "before_pv"), item_end (a key of ITEM_ENDS), v_lags_k, spin_waits, fma_exp2_every,
     v_release_last, skip_idle_wgs, wg_causal_limit, kv_tail (0: no tail test, for key lengths
     of whole kv tiles; "whole": 0 where the key length allows), peel_first, longest_first
-    (MiB of K and V per head group, 0: head by head). trace: iket phase ranges
-    (harness/timeline.py)."""
+    (MiB of K and V per head group, 0: head by head), softcap (logit softcapping's cap,
+    compile time; 0: none), softcap_f16 (its tanh in fp16 pairs, fp16's precision),
+    softcap_fma_every (every n-th column's tanh on the FMA pipe), softcap_fixed_max
+    (exponents against a fixed 0: no row maxima, no rescale; bf16, cap <= 69).
+    trace: iket phase ranges (harness/timeline.py)."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
     return compile_attention(SPEC, FlashAttentionK6, problem,
                              {**settings_for(problem, **overrides), "trace": bool(trace)},

@@ -40,6 +40,9 @@ What changes from kb1:
   deterministic mode is unchanged: dQ tile (head, m) still receives one add per kv tile
   of head's k/v head, in kv tile order.
 
+* Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
+  mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
+
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
@@ -70,6 +73,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 from typing import Optional
 
 import torch
@@ -77,7 +81,7 @@ import torch
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
@@ -85,9 +89,10 @@ from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_b
                                          fragment_slot, run_backward, stage_dkv, store_dkv,
                                          wait_for_count)
 from hopper_attn.common.compiler_hints import opaque, pin
-from hopper_attn.common.contract import KernelSpec
+from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
+from hopper_attn.common.softmax import softcap_scores
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import WarpRoles
 
@@ -115,7 +120,11 @@ class FlashAttentionBackwardKB2:
                  pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
                  group_mib: int = 32, group_heads: int = 0, trace: bool = False,
                  convert_per_head: bool = False, gqa: bool = False, heads_first: bool = False,
-                 window_left: int = -1, window_right: int = -1):
+                 softcap: float = 0.0, window_left: int = -1, window_right: int = -1):
+        # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none, today's kernel)
+        self.softcap = float(softcap)
+        if not math.isfinite(self.softcap) or self.softcap < 0.0:
+            raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
         if block_m not in (64, 80, 128) or block_n != 128:
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
                              f"64, 80 or 128 queries; got {block_m} x {block_n}")
@@ -496,6 +505,11 @@ class FlashAttentionBackwardKB2:
             kv_pipe.consumer_wait(tma.consumer_state(1))
         consume = tma.consumer_state(self.stages)
         causal_offset = seqlen_k - seqlen_q
+        # the exponents' factor: scale log2(e) on raw scores, or with a softcap cap log2(e)
+        # on tanh(s scale / cap)
+        score_log2 = scale_log2
+        if cutlass.const_expr(self.softcap > 0.0):
+            score_log2 = Float32(self.softcap * LOG2_E)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):
                 # the query tiles of a head recomputed from opaque copies of the kv tile
@@ -515,6 +529,8 @@ class FlashAttentionBackwardKB2:
             acc_dpt = mmas.new_st_accumulator(bm, bn)
             st_rc, dpt_rc = acc_rows_cols(acc_st), acc_rows_cols(acc_dpt)
             cols = cute.size(st_rc, mode=[1])
+            if cutlass.const_expr(self.softcap > 0.0 and not self.dp_first):
+                tanh_slope = cute.make_rmem_tensor(st_rc.shape, Float16)     # 1 - t^2
             if cutlass.const_expr(self.dp_first):
                 # dP^T - D straight out of the GEMM: it starts from -D instead of zero, so no
                 # D register is held through the tile. A WGMMA whose accumulator was written
@@ -545,6 +561,15 @@ class FlashAttentionBackwardKB2:
                 warpgroup.wait_group(1)                                 # S^T has landed
             self.trace.end(phase)
             phase = self.trace.start("exp2")
+            if cutlass.const_expr(self.softcap > 0.0):
+                # t = tanh(s scale / cap) before the mask (tanh(-inf) is -1); P from the
+                # forward's LSE of the capped scores cap t; dS^T times d(cap t)/ds = 1 - t^2:
+                # with dP^T landed (dp_first) in the exp2 loop, else kept in fp16 until dS^T
+                softcap_scores(st_rc, scale_log2 * (1.0 / (self.softcap * LOG2_E)))
+                if cutlass.const_expr(not self.dp_first):
+                    for c in cutlass.range_constexpr(cols):
+                        for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
+                            tanh_slope[r, c] = Float16(1.0 - st_rc[r, c] * st_rc[r, c])
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 if cutlass.const_expr(self.schedule.windowed):
                     mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
@@ -556,8 +581,13 @@ class FlashAttentionBackwardKB2:
                                 self.causal, causal_offset, transposed=True)
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
-                    st_rc[r, c] = cute.math.exp2(st_rc[r, c] * scale_log2 - lse2[c],
+                    t = st_rc[r, c]
+                    st_rc[r, c] = cute.math.exp2(t * score_log2 - lse2[c],
                                                  fastmath=True)          # P^T
+                    if cutlass.const_expr(self.softcap > 0.0 and self.dp_first):
+                        # (a masked t is -inf: the slope's max with 0 keeps 0 * slope finite)
+                        dpt_rc[r, c] = st_rc[r, c] * dpt_rc[r, c] * cute.arch.fmax(
+                            1.0 - t * t, Float32(0.0))                  # dS^T
             if cutlass.const_expr(not self.dp_first):
                 dsum = column_stats(sD, st_coords, stage, cols)
             mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
@@ -577,9 +607,12 @@ class FlashAttentionBackwardKB2:
             for c in cutlass.range_constexpr(cols):
                 for r in cutlass.range_constexpr(cute.size(st_rc, mode=[0])):
                     if cutlass.const_expr(self.dp_first):
-                        dpt_rc[r, c] = st_rc[r, c] * dpt_rc[r, c]               # dS^T
+                        if cutlass.const_expr(self.softcap == 0.0):     # (softcap: above)
+                            dpt_rc[r, c] = st_rc[r, c] * dpt_rc[r, c]           # dS^T
                     else:
                         dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum[c])  # dS^T
+                        if cutlass.const_expr(self.softcap > 0.0):
+                            dpt_rc[r, c] = dpt_rc[r, c] * Float32(tanh_slope[r, c])
             mmas.dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
             pin(mmas.dst_frag)                          # one conversion for both readers
             buf = it % 2
@@ -790,6 +823,11 @@ def policy(problem, deterministic: bool = False, tuned: bool = True) -> dict:
     return settings
 
 
+# softcap (block_m, dp_first, early_dv) per head dim: 64-row query tiles, at d = 128 with dP^T
+# first (1 - t^2 used in the exp2 loop, not held until dS^T); the default tiles spill
+SOFTCAP_TILES = {64: (64, None, None), 128: (64, True, False)}
+
+
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
                    block_n: int = 128, stages: int = 2, rotate: bool = False,
                    deterministic: bool = False, stmatrix: Optional[bool] = None,
@@ -799,7 +837,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    split_dv: Optional[int] = None, longest_first: Optional[bool] = None,
                    group_mib: Optional[int] = None, group_heads: Optional[int] = None,
                    trace: bool = False, convert_per_head: Optional[bool] = None,
-                   gqa: Optional[bool] = None, heads_first: Optional[bool] = None):
+                   gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
+                   softcap: float = 0.0):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
     block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
@@ -809,7 +848,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     is not given); convert_per_head is also off where pdl is (the early-launched conversion
     is what waits per head).
     gqa: the GQA variant (dK/dV summed in the kernel); by default where k/v have fewer heads.
-    trace: iket phase ranges (harness/timeline.py)."""
+    trace: iket phase ranges (harness/timeline.py). softcap: logit softcapping's cap
+    (compile time; 0: none), the forward's (k6 softcap)."""
+    softcap = float(softcap)
+    if softcap and block_m is None:
+        # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
+        block_m, dp_first, early_dv = SOFTCAP_TILES.get(problem.head_dim,
+                                                        (block_m, dp_first, early_dv))
     given = {"block_m": block_m, "stmatrix": stmatrix, "early_dv": early_dv,
              "dp_first": dp_first, "ds_address_per_tile": ds_address_per_tile,
              "kv_with_first_tile": kv_with_first_tile, "pdl": pdl, "split_dv": split_dv,
@@ -840,6 +885,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "convert_per_head": options["convert_per_head"],
                              "gqa": options["gqa"],
                              "heads_first": options["heads_first"],
+                             **({"softcap": float(softcap)} if softcap else {}),
                              **window_options(problem)},
                             compile_options=compile_options)
 

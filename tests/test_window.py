@@ -312,3 +312,25 @@ def test_backward_matches_fp32(seqlen, causal, window, d):
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (700, 1300), (4096, 4096)])
 def test_backward_gqa_matches_fp32(nq, nk, causal, window, d):
     _backward_check(1, nq, nk, 8, 2, d, causal, window, seed=nq + d)
+
+
+def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
+    """Through the eager autograd path and the custom op (stand-ins for the compiled stages,
+    test_api's): the forward and the backward compile the windowed problem (k6, kb2), one
+    compile per window, and a window-free call keeps its own."""
+    import hopper_attn
+    from test_api import _Launches, _backward_args
+    calls = _Launches(monkeypatch)
+    q, k, v, *_ = _backward_args()
+    for op in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if op:                                  # the custom op (what torch.compile traces)
+            out, _ = torch.ops.hopper_attn.attention(*leaves, True, None, "", False, 0.0,
+                                                     127, -1)
+        else:
+            out = hopper_attn.attention(*leaves, causal=True, window_size=(127, 0))
+        out.float().sum().backward()
+    windows = {(name, (p.window_left, p.window_right)) for name, p in calls.compiles}
+    assert windows == {("k6", (127, -1)), ("kb2", (127, -1))}, windows
+    hopper_attn.attention(q, k, v, causal=True)
+    assert calls.compiles[-1][1].window_left == -1

@@ -1,0 +1,190 @@
+"""Logit softcapping (issue 61): softmax(cap * tanh(s / cap)) on the scaled scores, in k6's
+forward and kb2's backward. On the CPU: the softcap kernels compile for sm_90a without
+spills, with one tanh.approx per score (k6's `softcap_f16`: one tanh.approx.f16x2 per pair)
+and none without a softcap; `attention()` refuses a bad cap or a stage without softcap
+before any launch. On the GPU (`gpu`): forward and backward against an fp32 reference,
+within 2x the error of the same math in torch's bf16."""
+
+import re
+
+import pytest
+import torch
+
+from hopper_attn.harness.compile_report import resource_usage
+from ptx import compiled
+
+TANH = r"tanh\.approx\.f32"
+TANH_F16X2 = r"tanh\.approx\.f16x2"
+
+
+def _no_spills(art):
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_k6_softcap_compiles_with_one_tanh_per_score(d, causal):
+    art = compiled("k6:softcap=50.0", d, causal)
+    _no_spills(art)
+    assert re.search(TANH, art["ptx"])
+    assert not re.search(TANH, compiled("k6", d, causal)["ptx"])
+
+
+@pytest.mark.compile
+def test_k6_softcap_f16_pairs():
+    art = compiled("k6:softcap=50.0,softcap_f16=1", 128, True)
+    _no_spills(art)
+    assert re.search(TANH_F16X2, art["ptx"]) and not re.search(TANH, art["ptx"])
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("every", [2, 4])
+def test_k6_softcap_tanh_on_fma_for_every_nth_column(every):
+    """softcap_fma_every=n: 1 - 1/n of the tanhs as MUFU.TANH (tanh.approx), the rest on the
+    FMA pipe (tanh_on_fma's reciprocal's Newton steps: 2 FMAs each)."""
+    art = compiled(f"k6:softcap=50.0,softcap_fma_every={every}", 128, True)
+    _no_spills(art)
+    full = len(re.findall(TANH, compiled("k6:softcap=50.0", 128, True)["ptx"]))
+    assert len(re.findall(TANH, art["ptx"])) == full - full // every
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal", [(64, True), (128, True), (256, False)])
+def test_k6_softcap_fixed_max_drops_the_row_maxima(d, causal):
+    """softcap_fixed_max: exponents against 0, so no max shuffles (SHFL.BFLY only for the
+    row sums at the end) and far fewer FMNMX than with the running maxima; no spills."""
+    from hopper_attn.harness.compile_report import sass
+    fixed = compiled("k6:softcap=50.0,softcap_fixed_max=1", d, causal)
+    _no_spills(fixed)
+    plain = compiled("k6:softcap=50.0", d, causal)
+    count = lambda art, op: len(re.findall(op, sass(art["cubin"])))   # noqa: E731
+    assert count(fixed, r"\bFMNMX\b") < count(plain, r"\bFMNMX\b") // 4
+    assert count(fixed, r"SHFL\.BFLY") < count(plain, r"SHFL\.BFLY")
+
+
+def test_k6_softcap_fixed_max_refuses_fp16_and_large_caps():
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.k6 import settings_for
+    for dtype, cap in ((torch.float16, 30.0), (torch.bfloat16, 80.0)):
+        with pytest.raises(ValueError, match="softcap_fixed_max"):
+            settings_for(Problem(1, 2, 256, 128, True, dtype), softcap=cap,
+                         softcap_fixed_max=1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_kv", [0, 1])           # 1: the GQA variant
+def test_kb2_softcap_compiles_without_spills(d, causal, heads_kv):
+    art = compiled("kb2:softcap=50.0", d, causal, heads_kv=heads_kv)
+    _no_spills(art)
+    assert re.search(TANH, art["ptx"])
+    assert not re.search(TANH, compiled("kb2", d, causal, heads_kv=heads_kv)["ptx"])
+
+
+@pytest.mark.parametrize("cap", [-1.0, float("inf"), float("nan"), "x"])
+def test_bad_softcap_is_refused(cap):
+    import hopper_attn
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="softcap"):
+        hopper_attn.attention(q, q, q, softcap=cap)
+
+
+@pytest.mark.parametrize("stage", ["k4", "k5", "k7", "decode"])
+def test_stages_without_softcap_refuse_it(stage):
+    import hopper_attn
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="softcap"):
+        hopper_attn.attention(q, q, q, softcap=30.0, stage=stage)
+
+
+def test_softcap_backward_at_d256_is_refused_before_the_forward():
+    import hopper_attn
+    q = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError):
+        hopper_attn.attention(q, q, q, softcap=50.0)
+
+
+def capped_attention(q, k, v, causal, cap, scale=None):
+    """softmax(cap tanh(q k^T scale / cap)) v in q's dtype (torch's own math); k/v heads
+    repeated for GQA; causal aligned bottom-right."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    s = cap * torch.tanh(s / cap)
+    nq, nk = q.shape[1], k.shape[1]
+    if causal:
+        hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
+        s = s.masked_fill(hidden, float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", torch.softmax(s, -1), v)
+
+
+def check_softcap(d, causal, n, cap, magnitude, heads_kv=2, backward=True, stage=None,
+                  seed=0):
+    """hopper_attn vs the fp32 reference, within 2x torch's bf16 error on the same math
+    (forward; and backward: dq, dk, dv). q and k times `magnitude` saturate the tanh."""
+    import hopper_attn
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, do = (torch.randn(2, n, 4, d, device="cuda", generator=gen) for _ in range(2))
+    k, v = (torch.randn(2, n, heads_kv, d, device="cuda", generator=gen) for _ in range(2))
+    q, k = q * magnitude, k * magnitude
+    q, k, v, do = (t.to(torch.bfloat16) for t in (q, k, v, do))
+    results = {}
+    for name, dtype in (("ours", None), ("fp32", torch.float32), ("torch", torch.bfloat16)):
+        leaves = [t.to(dtype or t.dtype, copy=True).requires_grad_(backward)
+                  for t in (q, k, v)]
+        if dtype is None:
+            out = hopper_attn.attention(*leaves, causal=causal, softcap=cap, stage=stage)
+        else:
+            out = capped_attention(*leaves, causal, cap)
+        if backward:
+            out.backward(do.to(out.dtype))
+        results[name] = [out] + ([t.grad for t in leaves] if backward else [])
+    errors = {}
+    for i, what in enumerate(("o", "dq", "dk", "dv")[:len(results["ours"])]):
+        ref = results["fp32"][i].float()
+        err = (results["ours"][i].float() - ref).abs().max().item()
+        torch_err = (results["torch"][i].float() - ref).abs().max().item()
+        errors[what] = (err, torch_err, ref.abs().max().item())
+        assert not results["ours"][i].isnan().any(), what
+    return errors
+
+
+def within(errors):
+    """Each error <= 2x torch's + 2^-12 x max(1, max |reference|) (as tests/test_gpu.py)."""
+    return all(err <= 2 * torch_err + 2 ** -12 * max(1.0, ref_max)
+               for err, torch_err, ref_max in errors.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 17, 113, 1000])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("cap,magnitude", [(50.0, 1.0), (15.0, 6.0), (50.0, 8.0)])
+def test_softcap_forward_matches_fp32(d, causal, n, cap, magnitude):
+    errors = check_softcap(d, causal, n, cap, magnitude, backward=False, seed=d + n)
+    assert within(errors), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 17, 113, 1000])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads_kv", [4, 2])             # MHA, GQA 2:1
+@pytest.mark.parametrize("cap,magnitude", [(50.0, 1.0), (15.0, 6.0)])
+def test_softcap_backward_matches_fp32(d, causal, n, heads_kv, cap, magnitude):
+    errors = check_softcap(d, causal, n, cap, magnitude, heads_kv, seed=d + n + heads_kv)
+    assert within(errors), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("magnitude", [1.0, 6.0])
+@pytest.mark.parametrize("stage", ["k6:softcap_f16=1", "k6:softcap_fma_every=2",
+                                   "k6:softcap_fixed_max=1"])
+def test_cheaper_tanh_variants_match_fp32(stage, d, magnitude):
+    errors = check_softcap(d, True, 1000, 50.0, magnitude, backward=False, stage=stage)
+    assert within(errors), errors
