@@ -125,7 +125,7 @@ class FlashAttentionK5:
         self.schedule = TileSchedule(block_m, block_n, causal, True)   # kv tiles, masks
         # one CTA per work item (k6: a persistent grid)
         self.scheduler = TileScheduler(block_m, causal, False, 0, False, 0, False, False,
-                                       block_n, 1)
+                                       block_n)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         # SMEM descriptors in uniform registers (wgmma.warpgroup_slice)
         self.uniform_descriptors = True

@@ -238,7 +238,7 @@ class FlashAttentionK7(FlashAttentionK6):
                                                      roles.consumer_threads),
             defer_sync=True)
         queue = self.item_queue(storage, roles.consumer_threads)
-        tma.barriers_ready(1)
+        tma.barriers_ready()
 
         heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ, seqlen_k)
         if warp < 4:
