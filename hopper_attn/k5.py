@@ -570,7 +570,7 @@ class FlashAttentionK5:
     def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag: cute.Tensor,
                  vt_frag: cute.Tensor, v_state):
         """O += P V with V from `v_state`'s stage."""
-        wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
+        wgmma.gemm(mma_pv, acc_o, p_frag,
                    vt_frag[None, None, None, v_state.index], zero_init=False)
 
     @cute.jit
