@@ -129,7 +129,7 @@ class OnlineSoftmax:
     fma_exp2_every: int = 0
     # a memory fence after this many of a tile's exp2s (-1: none). ptxas moves no instruction
     # across a fence, so a wait the caller writes after the softmax can rise only this far
-    # (k6's `pv_wait_after`: what follows the wait then interleaves with the other exp2s)
+    # (k6's pv_wait="after<n>": what follows the wait then interleaves with the other exp2s)
     fence_after: int = -1
     # each exp2 result through `opaque`: with a fence in the tile, the compiler otherwise
     # recomputes some exp2s for P's conversion after it (23 more per tile on k6's 192-row
@@ -219,7 +219,7 @@ class OnlineSoftmax:
         return p
 
     # --- the same step in three parts, for a loop that rescales O only when it must
-    # (k6's `lazy_rescale`): row_max is then a *reference* maximum that may trail the true
+    # (k6's rescale="lazy"): row_max is then a *reference* maximum that may trail the true
     # one by up to `threshold_log2` (in exp2 units), so p_j <= 2^threshold_log2 (times
     # 2^p_scale_log2); O and l stay consistent with it, so O / l is unchanged.
 

@@ -107,7 +107,7 @@ class PingPong:
     n + 1 per item (+ 1 from start() for k = 0). So every sync completes and no arrival is
     left pending when the CTA exits. The token is created once per CTA, so a barrier never
     holds more than one pending arrive of 128 threads, however far one warpgroup runs ahead
-    of another (a token created per work item could: with k6's wg_store and early_q_release
+    of another (a token created per work item could: with k6's item_end="own_buffer_wg"
     no barrier of all consumer warpgroups separates two items, and warpgroup 0 then passed
     its next item's first turn while the last warpgroup had not yet taken the last turn of
     this one: 256 arrivals of one warpgroup completed a phase, and the turns hung, rarely,

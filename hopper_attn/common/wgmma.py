@@ -98,7 +98,7 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
     index goes through `make_warp_uniform`: without it the compiler builds every SMEM
     descriptor in per-thread registers and copies it to uniform ones (R2UR) before each
     WGMMA."""
-    if not uniform:                        # (kept for a same-run A/B: k5/k6 uniform_descriptors=0)
+    if not uniform:                        # (k6's POLICY column uniform_descriptors)
         return tiled_mma.get_slice((tidx // 128) * 128)
     return tiled_mma.get_slice(cute.arch.make_warp_uniform(tidx // 128) * 128)
 
