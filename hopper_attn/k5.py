@@ -125,7 +125,7 @@ class FlashAttentionK5:
         self.schedule = TileSchedule(block_m, block_n, causal, True)   # kv tiles, masks
         # one CTA per work item (k6: a persistent grid)
         self.scheduler = TileScheduler(block_m, causal, False, 0, False, 0, False, False,
-                                       block_n, 1)
+                                       block_n)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         # SMEM descriptors in uniform registers (wgmma.warpgroup_slice)
         self.uniform_descriptors = True
@@ -582,7 +582,7 @@ class FlashAttentionK5:
     def issue_pv(self, mma_pv: cute.TiledMma, acc_o: cute.Tensor, p_frag: cute.Tensor,
                  vt_frag: cute.Tensor, v_state):
         """O += P V with V from `v_state`'s stage."""
-        wgmma.gemm(mma_pv, acc_o, wgmma.pv_operand(p_frag),
+        wgmma.gemm(mma_pv, acc_o, p_frag,
                    vt_frag[None, None, None, v_state.index], zero_init=False)
 
     @cute.jit

@@ -323,7 +323,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.scheduler = TileScheduler(self.block_m, ordered, True,
                                        persistent_ctas or sm_count(),
                                        ordered, (longest_first << 20) // (head_dim * 4),
-                                       bool(fast_divmod), self.stream_k, self.block_n, 1)
+                                       bool(fast_divmod), self.stream_k, self.block_n)
         self.uniform_descriptors = bool(uniform_descriptors)
         self.spin_waits = bool(spin_waits)
         # K_{j+1} loaded before V_j (k5's order), or (False) V_j before K_{j+1} (k5's

@@ -65,7 +65,7 @@ from cutlass import Float16, Float32
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
-from hopper_attn.common.fp8 import check_row_period, probs_to_fp8_operand
+from hopper_attn.common.fp8 import probs_to_fp8_operand
 from hopper_attn.common.layouts import (acc_rows_cols, ndhb_view, smem_bytes, smem_tile_layout,
                                         swap_modes, transposed)
 from hopper_attn.common.softmax import OnlineSoftmax, OnlineSoftmaxF16, scale_rows
@@ -158,8 +158,6 @@ class FlashAttentionK7(FlashAttentionK6):
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
         vt_layout = smem_tile_layout(self.dtype, d, bn, self.stages)   # V^T: kv contiguous
         o_layout = smem_tile_layout(self.out_dtype, bm, d)
-        check_row_period(kv_layout, bn, d)
-        check_row_period(vt_layout, d, bn)
         # with V given transposed (N contiguous), its (bn, d) boxes land as V^T's (d, bn) tile
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d,
@@ -238,7 +236,7 @@ class FlashAttentionK7(FlashAttentionK6):
                                                      roles.consumer_threads),
             defer_sync=True)
         queue = self.item_queue(storage, roles.consumer_threads)
-        tma.barriers_ready(1)
+        tma.barriers_ready()
 
         heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ, seqlen_k)
         if warp < 4:
@@ -261,8 +259,7 @@ class FlashAttentionK7(FlashAttentionK6):
             if cutlass.const_expr(self.s_f16):
                 softmax = OnlineSoftmaxF16.create(cute.size(mmas.s_coords, mode=[0]),
                                                   scale_log2, lanes_per_row=4,
-                                                  p_scale_log2=self.p_scale_log2,
-                                                  one_fma=False)
+                                                  p_scale_log2=self.p_scale_log2)
             else:
                 softmax = OnlineSoftmax.create(cute.size(mmas.s_coords, mode=[0]), scale_log2,
                                                lanes_per_row=4, p_scale_log2=self.p_scale_log2,
@@ -323,7 +320,7 @@ class FlashAttentionK7(FlashAttentionK6):
     def probs_to_operand(self, acc_s: cute.Tensor, p_frag: cute.Tensor,
                          reverse: cutlass.Constexpr = False):
         # (k6's reverse_p: not for the FP8 operand)
-        probs_to_fp8_operand(acc_s, wgmma.pv_operand(p_frag))
+        probs_to_fp8_operand(acc_s, p_frag)
 
 
 # (head_dim, causal, settings, why, results): POLICY's row for the problem's head dim and

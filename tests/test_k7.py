@@ -191,14 +191,16 @@ def test_k8_rotation_is_orthogonal_and_keeps_scores():
         k8.hadamard(96)
 
 
-def test_register_split_must_fit_what_the_producer_frees():
+def test_register_split_must_fit_what_the_producer_frees(monkeypatch):
     """setmaxnreg.inc takes registers only from the CTA's own pool: a 32/240 split fits the
     register file but hangs (the producer frees 17,408, the consumers want 18,432)."""
-    from hopper_attn.common.warp_roles import WarpRoles
+    from hopper_attn.common import warp_roles
     for split in [(24, 240), (40, 232), (56, 224)]:
-        WarpRoles.create(2, split)
+        monkeypatch.setitem(warp_roles.REGISTER_SPLIT, 2, split)
+        warp_roles.WarpRoles.create(2)
+    monkeypatch.setitem(warp_roles.REGISTER_SPLIT, 2, (32, 240))
     with pytest.raises(ValueError, match="frees"):
-        WarpRoles.create(2, (32, 240))
+        warp_roles.WarpRoles.create(2)
 
 
 @pytest.mark.compile

@@ -432,23 +432,6 @@ def check_whole_kv_tiles(stage: str, problem: Problem, block_n: int) -> None:
                                  f"must be a multiple of the kv tile ({block_n})")
 
 
-def narrow_tail(problem: Problem, block_n: int, step: int = 32) -> int:
-    """The keys the last kv tile holds, rounded up to `step` (an FP8 WGMMA's k), for k6's
-    `tail_n`; 0 where the key length is a multiple of the tile or the rounding fills it."""
-    rest = problem.kv_seqlen % block_n
-    tail = -(-rest // step) * step
-    return tail if 0 < tail < block_n else 0
-
-
-def check_tail_keys(stage: str, problem: Problem, block_n: int, tail_n: int) -> None:
-    """A kernel compiled with a narrow last kv tile (k6 / k7 `tail_n`) computes only that
-    tile's first tail_n keys: refuse a key length whose last tile holds none or more."""
-    rest = problem.kv_seqlen % block_n
-    if not 0 < rest <= tail_n:
-        raise UnsupportedProblem(f"{stage} tail_n={tail_n}: the key length ({problem.kv_seqlen})"
-                                 f" must end in a kv tile of 1 to {tail_n} keys (of {block_n})")
-
-
 def check_descales(problem: Problem, descales) -> None:
     """k7's per-(batch, head) fp32 descales: q's (batch, heads), k's and v's (batch, heads_kv)."""
     for name, t, heads in zip(("descale_q", "descale_k", "descale_v"), descales,

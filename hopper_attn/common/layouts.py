@@ -100,19 +100,6 @@ def acc_rows_cols(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, _regrouped(acc.layout, _rows_cols))
 
 
-def first_columns(rc: cute.Tensor, tile_cols: int) -> cute.Tensor:
-    """The registers of an `acc_rows_cols` view that hold the tile's first `tile_cols`
-    columns (its first tile_cols / 8 column groups): k6's narrow last kv tile (`tail_n`)."""
-    if tile_cols % 8:
-        raise ValueError(f"first_columns: {tile_cols} is not a multiple of 8")
-
-    def narrow(shape, stride):
-        pair, _, mma_n = shape[1]
-        return (shape[0], (pair, tile_cols // 8, mma_n)), stride
-
-    return cute.make_tensor(rc.iterator, _regrouped(rc.layout, narrow))
-
-
 def _operand_a(shape, stride):
     v = shape[0][2]
     if v % 2 != 0:

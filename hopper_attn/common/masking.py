@@ -118,20 +118,6 @@ class TileSchedule:
         return first
 
     @cute.jit
-    def n_block_count_unmasked(self, m_block, seqlen_q, seqlen_k) -> Int32:
-        """How many of query tile m_block's first kv tiles need no mask: those before the key
-        length's tail (with `kv_tail`) and wholly left of the causal diagonal; every later
-        tile it visits needs one (`needs_mask_kv`)."""
-        count = Int32(1 << 30)
-        if cutlass.const_expr(self.kv_tail):
-            count = seqlen_k // self.block_n
-        if cutlass.const_expr(self.causal):
-            # tile n is unmasked while (n + 1) * block_n - 1 <= the tile's first row's limit
-            limit = m_block * self.block_m + seqlen_k - seqlen_q + 1
-            count = cutlass.min(count, cutlass.max(limit, 0) // self.block_n)
-        return count
-
-    @cute.jit
     def needs_mask_kv(self, m_block, n_block, seqlen_q, seqlen_k):
         """`needs_mask` with the bottom-right causal diagonal of `n_block_count_kv`."""
         if cutlass.const_expr(self.windowed):

@@ -69,13 +69,6 @@ def heads_per_group(rows_budget: int, rows_per_head, heads_total):
     return cutlass.min(cutlass.max(rows_budget // rows_per_head, 1), heads_total)
 
 
-def longest_first_default(table: dict, problem) -> tuple[bool, int]:
-    """(on, MiB per group) for a stage's measured table {head_dim: (MiB, shortest,
-    longest query length)}: on with a causal mask inside the measured lengths."""
-    mib, low, high = table.get(problem.head_dim, (32, 0, 0))
-    return bool(problem.causal and low <= problem.seqlen <= high), mib
-
-
 def sm_count() -> int:
     """SMs of the current GPU (132 on an H100 SXM or H200; 132 when compiling without one)."""
     import torch
@@ -103,13 +96,6 @@ class TileScheduler:
     # no mask: every item has the same ceil(seqlen_k / block_n) kv tiles). See `piece`.
     stream_k: bool = False
     block_n: int = 0             # (stream_k: the kv tile)
-    # the static schedule in clusters of `cluster` CTAs (2 or 1): the CTAs of a cluster take
-    # neighbouring query tiles of one (head, batch), so that each K/V tile is read from L2
-    # once for both and multicast into their shared memories (k6's option `cluster`). A
-    # cluster's item p of a head is query tiles 2p and 2p + 1; where the head has an odd
-    # number of them the second CTA computes a tile past the end (Q zero-filled by TMA,
-    # nothing stored) to keep its half of the copies going.
-    cluster: int = 1
 
     @property
     def by_head_group(self) -> bool:
@@ -123,9 +109,6 @@ class TileScheduler:
         m_blocks = cute.ceil_div(seqlen_q, self.block_m)
         if cutlass.const_expr(not self.persistent):
             return [m_blocks, heads, batch]
-        if cutlass.const_expr(self.cluster > 1):          # whole clusters
-            pairs = cute.ceil_div(m_blocks, self.cluster) * heads * batch
-            return [cutlass.min(pairs, self.ctas // self.cluster) * self.cluster, 1, 1]
         return [cutlass.min(m_blocks * heads * batch, self.ctas), 1, 1]
 
     # ---- device side ----
@@ -192,17 +175,6 @@ class TileScheduler:
             if cutlass.const_expr(self.causal):
                 m_block = m_blocks - 1 - bx
             return Int32(m_block), Int32(head), Int32(batch), tiles == 0
-        if cutlass.const_expr(self.cluster > 1):        # cluster c: items c, c + grid / 2, ...
-            cta, _, _ = cute.arch.block_idx()
-            grid, _, _ = cute.arch.grid_dim()
-            m_pairs = cute.ceil_div(m_blocks, self.cluster)
-            item = tiles * (Int32(grid) // self.cluster) + Int32(cta) // self.cluster
-            m_pair = item % m_pairs
-            rest = item // m_pairs
-            uniform = cute.arch.make_warp_uniform
-            return (uniform(m_pair * self.cluster + Int32(cta) % self.cluster),
-                    uniform(rest % heads), uniform(rest // heads),
-                    item < m_pairs * heads * batch_size)
         if cutlass.const_expr(self.stream_k):           # the item of piece `tiles`
             item, valid, _, _ = self.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
         else:

@@ -24,7 +24,7 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass import BFloat16, Float16, Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -72,18 +72,6 @@ def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
     """2^x computed with FMA-pipe instructions instead of MUFU.EX2 (see above)."""
     return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
                                    _EXP2_FMA_PTX, "=f,f", has_side_effects=False,
-                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                   loc=loc, ip=ip))
-
-
-@dsl_user_op
-def round_up_to_f16(x: Float32, *, loc=None, ip=None) -> Float32:
-    """x rounded up (toward +inf) to an fp16 value, returned as fp32 (exact):
-    OnlineSoftmaxF16's row offsets."""
-    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
-                                   "{\n .reg .b16 h;\n cvt.rp.f16.f32 h, $1;\n"
-                                   " cvt.f32.f16 $0, h;\n}",
-                                   "=f,f", has_side_effects=False,
                                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                                    loc=loc, ip=ip))
 
@@ -239,14 +227,13 @@ class OnlineSoftmax:
     # p_j = 2^(s_j * scale_log2 - m * scale_log2 + p_scale_log2): k7 puts the largest
     # probability at 2^8 = 256 (e4m3 reaches 448), so that small ones stay above e4m3's
     # smallest subnormal (2^-9) after P is quantized; l carries the same factor, so O = P V / l
-    # is unchanged (2^7 when k7 rescales lazily, so that 2^(7 + threshold) stays below 448).
-    # 0 (a constant) adds no code.
+    # is unchanged. 0 (a constant) adds no code.
     p_scale_log2: int = 0
     # every n-th column's exp2 on the FMA pipe (`exp2_on_fma`) instead of the SFU (0: none)
     fma_exp2_every: int = 0
     # a memory fence after this many of a tile's exp2s (-1: none). ptxas moves no instruction
     # across a fence, so a wait the caller writes after the softmax can rise only this far
-    # (k6's `pv_wait_after`: what follows the wait then interleaves with the other exp2s)
+    # (k6's pv_wait="after<n>": what follows the wait then interleaves with the other exp2s)
     fence_after: int = -1
     # each exp2 result through `opaque`: with a fence in the tile, the compiler otherwise
     # recomputes some exp2s for P's conversion after it (23 more per tile on k6's 192-row
@@ -346,7 +333,7 @@ class OnlineSoftmax:
         return p
 
     # --- the same step in three parts, for a loop that rescales O only when it must
-    # (k6's `lazy_rescale`): row_max is then a *reference* maximum that may trail the true
+    # (k6's rescale="lazy"): row_max is then a *reference* maximum that may trail the true
     # one by up to `threshold_log2` (in exp2 units), so p_j <= 2^threshold_log2 (times
     # 2^p_scale_log2); O and l stay consistent with it, so O / l is unchanged.
 
@@ -370,33 +357,13 @@ class OnlineSoftmax:
         return cute.arch.vote_any_sync(grew)
 
     @cute.jit
-    def growth(self, m_new: cute.Tensor):
-        """How far the maxima `m_new` of this thread's rows moved from the references that
-        `exponentiate` subtracted (0 for a row without a finite maximum yet), in exp2 units:
-        (largest step, smallest step, whether a row has its first finite maximum); rows
-        still without one do not count (k6's `exp_first`)."""
-        hi = Float32(0.0)
-        lo = Float32(0.0)
-        first = False
-        for r in cutlass.range_constexpr(self.num_rows):
-            ref = 0.0 if self.row_max[r] == -Float32.inf else self.row_max[r]
-            step = 0.0 if m_new[r] == -Float32.inf else (m_new[r] - ref) * self.scale_log2
-            hi = cute.arch.fmax(hi, step)
-            lo = cutlass.min(lo, step)
-            first = first or (self.row_max[r] == -Float32.inf and m_new[r] != -Float32.inf)
-        return hi, lo, first
-
-    @cute.jit
-    def rebase(self, m_new: cute.Tensor, from_zero: cutlass.Constexpr = False) -> cute.Tensor:
+    def rebase(self, m_new: cute.Tensor) -> cute.Tensor:
         """Move the reference maxima to `m_new`: l *= alpha; returns alpha, by which the
-        caller rescales O. from_zero: a row without a finite maximum yet moves from 0, the
-        reference `exponentiate` used for it (k6's `exp_first` rescales such P as well)."""
+        caller rescales O."""
         alpha = cute.make_rmem_tensor((self.num_rows,), Float32)
         for r in cutlass.range_constexpr(self.num_rows):
             m_safe = 0.0 if m_new[r] == -Float32.inf else m_new[r]
             m_old = self.row_max[r]
-            if cutlass.const_expr(from_zero):
-                m_old = 0.0 if m_old == -Float32.inf else m_old
             alpha[r] = cute.math.exp2((m_old - m_safe) * self.scale_log2, fastmath=True)
             self.row_max[r] = m_new[r]
             self.row_sum[r] = self.row_sum[r] * alpha[r]
@@ -477,85 +444,33 @@ def scale_rows(o_rc: cute.Tensor, factor: cute.Tensor):
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoreSource:
-    """Where a work item's scores come from, for `exp_first`'s rare recomputation: q and k
-    in memory as (N, d, H, B) views, and the item's head, k/v head and batch."""
-    q: cute.Tensor
-    k: cute.Tensor
-    head: Int32
-    kv_head: Int32
-    batch: Int32
-
-    @cute.jit
-    def recompute(self, s_rc: cute.Tensor, coords_rc: cute.Tensor, row0, col0, seqlen_q,
-                  seqlen_k):
-        """s_rc[r, c] = q_row . k_col in fp32 on the CUDA cores (rows or keys past the end: 0;
-        the caller masks them again). Slow, and only for scores that jumped by 2^120."""
-        for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                row = coords_rc[r, c][0] + row0
-                col = coords_rc[r, c][1] + col0
-                dot = Float32(0.0)
-                if row < seqlen_q and col < seqlen_k:
-                    for i in cutlass.range(cute.size(self.q, mode=[1]), unroll=1):
-                        dot = dot + (Float32(self.q[row, i, self.head, self.batch])
-                                     * Float32(self.k[col, i, self.kv_head, self.batch]))
-                s_rc[r, c] = dot
-
-
-@dataclasses.dataclass(frozen=True)
 class OnlineSoftmaxF16(OnlineSoftmax):
     """The online softmax on fp16 scores (k7's `s_f16`: S = Q K^T accumulated in fp16, two
-    scores per register), in fp16 pairs: the row maxima by HMNMX2, x = s c - ref by one
-    HFMA2 (`one_fma`; or (s - m) c + p_scale_log2 by HADD2 and HFMA2), the exp2s by
-    ex2.approx.f16x2 (two MUFU.EX2.F16), a tile's row sums by HADD2 (then added to l in
-    fp32) unless the tensor cores sum P (`sums_in_mma`). Only the one-step `step` (no lazy
+    scores per register), in fp16 pairs: the row maxima by HMNMX2, x = (s - m) c +
+    p_scale_log2 by HADD2 and HFMA2, the exp2s by ex2.approx.f16x2 (two MUFU.EX2.F16), a
+    tile's row sums by HADD2 (then added to l in fp32). Only the one-step `step` (no lazy
     rescaling, no fence among the exp2s).
 
     |S| must fit fp16 (the quantizer bounds |q8| |k8|), and c (`scale_log2`, the descales
     folded in) should be exact in fp16 (the quantizer makes it a power of two; otherwise it
     is rounded, a relative change of at most 2^-11 to every logit). `row_ref` holds each
-    row's offset in fp32, which alpha and the LSE use: m c - p_scale_log2 rounded up to an
-    fp16 value with `one_fma` (m c itself is exact: m is an fp16 value and c a power of two;
-    the logits in exp2 units must stay below fp16's 65,504), so a row's largest P is
-    2^p_scale_log2 at most and a fraction of one of the offset's fp16 steps below it (a
-    factor the whole row shares, which P's normalization removes as long as l sums the same
-    P: exactly so with `sums_in_mma`)."""
+    row's offset in fp32, m c - p_scale_log2, which alpha and the LSE use (m c is exact: m
+    is an fp16 value and c a power of two; the logits in exp2 units must stay below fp16's
+    65,504)."""
     row_ref: cute.Tensor = None
-    one_fma: bool = True
-    # the row sums come from the tensor cores (wgmma.PWithRowSums): `step` adds none, and
-    # `take_row_sums` sets l, whole in every lane of a row, before `finalize`
-    sums_in_mma: bool = False
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
-               p_scale_log2: int = 0, one_fma: bool = True, sums_in_mma: bool = False,
-               **_unused) -> "OnlineSoftmaxF16":
+               p_scale_log2: int = 0) -> "OnlineSoftmaxF16":
         base = OnlineSoftmax.create(num_rows, scale_log2, lanes_per_row, p_scale_log2)
         row_ref = cute.make_rmem_tensor((num_rows,), Float32)
         row_ref.fill(-Float32.inf)
         return OnlineSoftmaxF16(base.num_rows, base.lanes_per_row, base.scale_log2,
-                                base.row_max, base.row_sum, p_scale_log2, row_ref=row_ref,
-                                one_fma=one_fma, sums_in_mma=sums_in_mma)
-
-    def take_row_sums(self, p_frag):
-        """l per row from the row sums of the tensor cores (wgmma.PWithRowSums), once the
-        item's last PV batch is done."""
-        p_frag.fold()
-        for r in range(self.num_rows):
-            self.row_sum[r] = p_frag.total[r]
-
-    @cute.jit
-    def row_total(self, r):
-        """Row r's l; with `sums_in_mma` every lane holds all of it already."""
-        if cutlass.const_expr(self.sums_in_mma):
-            return self.row_sum[r]
-        return OnlineSoftmax.row_total(self, r)
+                                base.row_max, base.row_sum, p_scale_log2, row_ref=row_ref)
 
     @cute.jit
     def row_offset(self, r):
-        """`row_ref`: the offset the step subtracted (m c - p_scale_log2, rounded up to fp16
-        with `one_fma`)."""
+        """`row_ref`: the offset the step subtracted (m c - p_scale_log2)."""
         return self.row_ref[r]
 
     def reset(self):
@@ -576,30 +491,19 @@ class OnlineSoftmaxF16(OnlineSoftmax):
             self.row_max[r] = m_new
             m_safe = 0.0 if m_new == -Float32.inf else m_new     # an fp16 value, exactly
             ref = m_safe * c_exact - Float32(self.p_scale_log2)
-            if cutlass.const_expr(self.one_fma):
-                ref = round_up_to_f16(ref)
             alpha[r] = cute.math.exp2(self.row_ref[r] - ref, fastmath=True)
             self.row_ref[r] = ref
-            if cutlass.const_expr(self.one_fma):
-                # s c - ref in one HFMA2 per pair, ref rounded up to fp16: at the row's
-                # maximum at most p_scale_log2 (P <= 2^p_scale_log2) and less than one of
-                # ref's fp16 steps below it (a factor the row's P and l share when l sums
-                # the e4m3 P, `sums_in_mma`); alpha and the LSE use the same ref
-                s_rc[r, None].store(row * c - Float16(ref))
-            else:
-                # (s - m) c + p_scale_log2 (HADD2, HFMA2): exactly p_scale_log2 at the row's
-                # maximum, so that its P is exactly 2^p_scale_log2, e4m3's rounding or not
-                s_rc[r, None].store((row - Float16(m_safe)) * c + Float16(self.p_scale_log2))
+            # (s - m) c + p_scale_log2 (HADD2, HFMA2): exactly p_scale_log2 at the row's
+            # maximum, so that its P is exactly 2^p_scale_log2, e4m3's rounding or not
+            s_rc[r, None].store((row - Float16(m_safe)) * c + Float16(self.p_scale_log2))
             # columns j, j + 1 share a register: exp2 and the sums go by pairs, the sums in
             # two chains (HADD2)
             sums = [(Float16(0.0), Float16(0.0)), (Float16(0.0), Float16(0.0))]
             for j in cutlass.range_constexpr(0, cols, 2):
                 p = cute.arch.exp2_packed_f16x2((s_rc[r, j], s_rc[r, j + 1]))
                 s_rc[r, j], s_rc[r, j + 1] = p
-                if cutlass.const_expr(not self.sums_in_mma):
-                    sums[(j // 2) % 2] = cute.arch.add_packed_f16x2(sums[(j // 2) % 2], p)
-            if cutlass.const_expr(not self.sums_in_mma):
-                total = cute.arch.add_packed_f16x2(sums[0], sums[1])
-                self.row_sum[r] = (self.row_sum[r] * alpha[r] + Float32(total[0])
-                                   + Float32(total[1]))
+                sums[(j // 2) % 2] = cute.arch.add_packed_f16x2(sums[(j // 2) % 2], p)
+            total = cute.arch.add_packed_f16x2(sums[0], sums[1])
+            self.row_sum[r] = (self.row_sum[r] * alpha[r] + Float32(total[0])
+                               + Float32(total[1]))
         return alpha

@@ -31,17 +31,13 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
 
-def make_tma_load(gmem: cute.Tensor, smem_layout, rows: int, cols: int, multicast: int = 1):
+def make_tma_load(gmem: cute.Tensor, smem_layout, rows: int, cols: int):
     """Host side: TMA atom + TMA tensor for (rows, cols) tiles of an (N, d, H, B) tensor.
 
     `smem_layout` is one stage's layout (or a staged one; only its first two modes are used).
-    `multicast` > 1: each of that many CTAs of a cluster loads a slice of the tile and the
-    copy engine writes it into all of their shared memories (`TmaTiles.partition`'s `cta`).
     """
-    op = cpasync.CopyBulkTensorTileG2SMulticastOp() if multicast > 1 else \
-        cpasync.CopyBulkTensorTileG2SOp()
-    return cpasync.make_tiled_tma_atom(op, gmem, cute.select(smem_layout, mode=[0, 1]),
-                                       (rows, cols), num_multicast=multicast)
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), gmem,
+                                       cute.select(smem_layout, mode=[0, 1]), (rows, cols))
 
 
 def make_tma_store(gmem: cute.Tensor, smem_layout, rows: int, cols: int):
@@ -57,21 +53,18 @@ class TmaTiles:
     atom: cute.CopyAtom
     gmem: cute.Tensor    # (copy, tile index)
     smem: cute.Tensor    # (copy, stage) or (copy,)
-    multicast: int = 1   # CTAs of the cluster that each tile is written to (all of them)
 
     @staticmethod
     def partition(atom, tma_tensor: cute.Tensor, head, batch, smem: cute.Tensor,
-                  col_tile=0, cta=0, multicast: int = 1) -> "TmaTiles":
-        """`col_tile`: the tile of columns (0 where a tile spans all of d). `multicast` > 1
-        (an atom of `make_tma_load(..., multicast)`): this CTA (`cta`, its rank in the
-        cluster) issues its slice of each tile, multicast to every CTA of the cluster."""
+                  col_tile=0) -> "TmaTiles":
+        """`col_tile`: the tile of columns (0 where a tile spans all of d)."""
         rows, cols = cute.size(smem, mode=[0]), cute.size(smem, mode=[1])
         tiles = cute.local_tile(tma_tensor[None, None, head, batch], (rows, cols),
                                 (None, col_tile))
-        smem_part, gmem_part = cpasync.tma_partition(atom, cta, cute.make_layout(multicast),
+        smem_part, gmem_part = cpasync.tma_partition(atom, 0, cute.make_layout(1),
                                                      cute.group_modes(smem, 0, 2),
                                                      cute.group_modes(tiles, 0, 2))
-        return TmaTiles(atom, gmem_part, smem_part, multicast)
+        return TmaTiles(atom, gmem_part, smem_part)
 
     @staticmethod
     def partition_rows(atom, tma_tensor: cute.Tensor, head, batch,
@@ -88,11 +81,7 @@ class TmaTiles:
     def copy(self, tile_index, barrier, stage=None):
         """Load global tile `tile_index` into the SMEM buffer (of `stage`)."""
         smem = self.smem if stage is None else self.smem[None, stage]
-        if cutlass.const_expr(self.multicast > 1):
-            cute.copy(self.atom, self.gmem[None, tile_index], smem, tma_bar_ptr=barrier,
-                      mcast_mask=cutlass.Int16((1 << self.multicast) - 1))
-        else:
-            cute.copy(self.atom, self.gmem[None, tile_index], smem, tma_bar_ptr=barrier)
+        cute.copy(self.atom, self.gmem[None, tile_index], smem, tma_bar_ptr=barrier)
 
     def copy_on_armed(self, tile_index, barrier, nbytes: int):
         """`copy` on a barrier the producer has already armed for another load (kb2: K with
@@ -118,16 +107,14 @@ def store_read_wait():
 
 
 def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, head_dim: int,
-                   v_layout=None, multicast: int = 1):
+                   v_layout=None):
     """Host side, for the attention kernels: TMA atoms and TMA tensors for Q (one block_m x d
     tile) and K, V (block_n x d ring stages), and the bytes each Q load / K+V stage brings.
     `v_layout`: V's SMEM stage as a (block_n, d) view when it is not K's (k7 with V given
-    transposed: the (kv, d) view of a V^T stage). `multicast`: K and V tiles multicast to
-    that many CTAs of a cluster (`SplitKVLoads`' `cluster`)."""
+    transposed: the (kv, d) view of a V^T stage)."""
     tma_q = make_tma_load(q, q_layout, block_m, head_dim)
-    tma_k = make_tma_load(k, kv_layout, block_n, head_dim, multicast)
-    tma_v = make_tma_load(v, kv_layout if v_layout is None else v_layout, block_n, head_dim,
-                          multicast)
+    tma_k = make_tma_load(k, kv_layout, block_n, head_dim)
+    tma_v = make_tma_load(v, kv_layout if v_layout is None else v_layout, block_n, head_dim)
     atoms = (tma_q[0], tma_k[0], tma_v[0])
     tensors = (tma_q[1], tma_k[1], tma_v[1])
     q_bytes = tma_bytes(q.element_type, q_layout)
@@ -173,24 +160,6 @@ def elected_arrive_if(barrier: cute.Pointer, pred, *, loc=None, ip=None) -> None
         asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-@dsl_user_op
-def cluster_arrive_if(barrier: cute.Pointer, pred, cluster: int, *, loc=None, ip=None) -> None:
-    """`elected_arrive_if` for a stage shared by `cluster` CTAs: lanes 0 .. cluster - 1 arrive
-    on the barrier at the same offset in CTA 0 .. cluster - 1 where `pred` is nonzero (what
-    the library's `consumer_release` does for a multicast ring, as predicates of one PTX
-    block; the arrive's default CTA scope, as the library's)."""
-    llvm.inline_asm(
-        None,
-        [barrier.toint(loc=loc, ip=ip).ir_value(), Int32(pred).ir_value(loc=loc, ip=ip)],
-        "{\n .reg .pred p;\n .reg .b32 lane, remote;\n mov.u32 lane, %laneid;\n"
-        f" setp.lt.u32 p, lane, {cluster};\n"
-        " setp.ne.and.b32 p, $1, 0, p;\n"
-        " mapa.shared::cluster.u32 remote, $0, lane;\n"
-        " @p mbarrier.arrive.shared::cluster.b64 _, [remote];\n}",
-        "r,r", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
 def prefetch_descriptors(*atoms):
     """Pull the TMA descriptors into the descriptor cache early (call from one warp)."""
     for atom in atoms:
@@ -203,32 +172,19 @@ def tma_bytes(dtype, smem_layout) -> int:
 
 
 def make_tma_pipeline(barriers: cute.Pointer, stages: int, consumer_warps: int,
-                      bytes_per_stage: int, defer_sync: bool = False,
-                      cluster: int = 1) -> pipeline.PipelineTmaAsync:
+                      bytes_per_stage: int, defer_sync: bool = False) -> pipeline.PipelineTmaAsync:
     """A ring of `stages` full/empty mbarrier pairs: one producer thread, `consumer_warps`
-    warps releasing each stage (one lane of each arrives once: `release_stage`). Warp 0 initialises the
-    mbarriers; unless `defer_sync`, the CTA syncs right away to make them visible.
-    `cluster` > 1: the stages are filled by multicast copies of that many CTAs, so a stage is
-    free when the consumer warps of all of them have released it: each warp's lanes
-    0 .. cluster - 1 arrive on the stage's empty barrier in CTA 0 .. cluster - 1 (the
-    library's `consumer_release`), and each empty barrier counts cluster x consumer_warps."""
-    # consumers as the library counts them: warps here (one elected arrive each); in a
-    # cluster it takes threads and works out the arrivals itself. The CTAs differ in the
-    # layout's m mode, so in its terms they share a B-like operand: multicast mode (0, 1).
-    # (With (1, 0) it counts and signals this CTA only, and a producer refills a stage the
-    # other CTA still reads.)
-    multicast = {} if cluster == 1 else {
-        "cta_layout_vmnk": cute.make_layout((1, cluster, 1, 1)), "mcast_mode_mn": (0, 1),
-        "enable_multicast_signaling": True}
-    consumers = consumer_warps if cluster == 1 else 32 * consumer_warps
+    warps releasing each stage (one lane of each arrives once: `release_stage`). Warp 0
+    initialises the mbarriers; unless `defer_sync`, the CTA syncs right away to make them
+    visible."""
+    # consumers as the library counts them: warps (one elected arrive each)
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barriers,
         num_stages=stages,
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
         tx_count=bytes_per_stage,
         defer_sync=defer_sync,
-        **multicast,
     )
 
 
@@ -306,19 +262,16 @@ def consumer_state(stages: int):
 # --------------------------------------------------------------------------------------------
 
 def make_tma_ring(barriers: cute.Pointer, stages: int, consumer_warps: int,
-                  bytes_per_stage: int, cluster: int = 1) -> pipeline.PipelineTmaAsync:
+                  bytes_per_stage: int) -> pipeline.PipelineTmaAsync:
     """`make_tma_pipeline` without its CTA-wide sync: the caller makes every ring's barriers
     visible at once (`barriers_ready`) before any use."""
-    return make_tma_pipeline(barriers, stages, consumer_warps, bytes_per_stage, defer_sync=True,
-                             cluster=cluster)
+    return make_tma_pipeline(barriers, stages, consumer_warps, bytes_per_stage, defer_sync=True)
 
 
-def barriers_ready(cluster: int = 1):
-    """Fence the mbarrier inits and sync the CTA (every thread, before the role split); in
-    a cluster, every CTA of it (the others' copies and arrives reach this CTA's barriers)."""
-    shape = cute.make_layout((cluster, 1)) if cluster > 1 else None
-    pipeline.pipeline_init_arrive(shape, is_relaxed=True)
-    pipeline.pipeline_init_wait(shape)
+def barriers_ready():
+    """Fence the mbarrier inits and sync the CTA (every thread, before the role split)."""
+    pipeline.pipeline_init_arrive(is_relaxed=True)
+    pipeline.pipeline_init_wait()
 
 
 def wait_full(pipe, state: pipeline.PipelineState, spin: bool = False):
@@ -385,54 +338,27 @@ class SplitKVLoads:
     v: TmaTiles = None
     spin_waits: bool = False  # every wait spins (`wait_full`, `acquire_empty`)
     elect_release: bool = True  # `release` from an elected lane (False: the library's)
-    # K and V tiles shared by the `cluster` CTAs of a cluster (atoms of make_qkv_loads(...,
-    # multicast=cluster)): each CTA loads its slice of a tile, multicast to all of them, and
-    # a stage is free once every CTA's consumers have released it (make_tma_pipeline)
-    cluster: int = 1
 
     @staticmethod
     def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
-               atoms, tensors, smem, v_consumer_warps: int = 0,
-               spin_waits: bool = False, elect_release: bool = True,
-               cluster: int = 1) -> "SplitKVLoads":
+               atoms, tensors, smem, spin_waits: bool = False,
+               elect_release: bool = True) -> "SplitKVLoads":
         """`storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
-        Call `barriers_ready(cluster)` before the barriers are used. `v_consumer_warps`: the
-        warps that release V's stages, when not the consumers (k7: the warps that transpose V).
-        `spin_waits`: every wait of the rings spins (`wait_full`, `acquire_empty`)."""
+        Call `barriers_ready()` before the barriers are used. `spin_waits`: every wait of
+        the rings spins (`wait_full`, `acquire_empty`)."""
         q_pipe = make_tma_ring(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
-        k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes,
-                               cluster)
-        v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages,
-                               v_consumer_warps or consumer_warps, tile_bytes, cluster)
+        k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
+        v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
         return SplitKVLoads(q_pipe, k_pipe, v_pipe, tuple(atoms), tuple(tensors), tuple(smem),
-                            spin_waits=bool(spin_waits), elect_release=bool(elect_release),
-                            cluster=int(cluster))
-
-    def with_v_pipe(self, v_pipe) -> "SplitKVLoads":
-        """The same loads with another ring in V's place (k7's consumers wait on V^T's)."""
-        return dataclasses.replace(self, v_pipe=v_pipe)
+                            spin_waits=bool(spin_waits), elect_release=bool(elect_release))
 
     def at(self, head, kv_head, batch) -> "SplitKVLoads":
         """The copies of one work item: Q from head `head`, K and V from `kv_head` (the same
         head, or with GQA the k/v head that a group of query heads shares)."""
         q = TmaTiles.partition(self.atoms[0], self.tensors[0], head, batch, self.smem[0])
-        cta = 0
-        if cutlass.const_expr(self.cluster > 1):
-            cta = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        k, v = (TmaTiles.partition(a, t, kv_head, batch, s, cta=cta, multicast=self.cluster)
+        k, v = (TmaTiles.partition(a, t, kv_head, batch, s)
                 for a, t, s in zip(self.atoms[1:], self.tensors[1:], self.smem[1:]))
         return dataclasses.replace(self, q=q, k=k, v=v)
-
-    def tail(self, k_state, v_state=None):
-        """Producer, after its last load: with a cluster, wait until every CTA's consumers
-        have released every K and V stage (`v_state`: V's producer state where it has one of
-        its own, else K's serves both), so that no other CTA still arrives on this CTA's
-        barriers when it exits. Without one nothing is left in flight (every load is waited
-        on here)."""
-        if cutlass.const_expr(self.cluster > 1):
-            v_state = k_state if v_state is None else v_state
-            for pipe, state in ((self.k_pipe, k_state), (self.v_pipe, v_state)):
-                pipe.producer_tail(state.clone())
 
     # producer side (one warp)
     def load_q(self, state: pipeline.PipelineState, m_block):
@@ -462,11 +388,8 @@ class SplitKVLoads:
         self.wait(self.q_pipe, state)
 
     def release(self, pipe, state: pipeline.PipelineState):
-        """This warp is done with `state`'s stage of `pipe` (`release_stage`; K's and V's in
-        a cluster: the library's release, which arrives in every CTA of it)."""
-        if cutlass.const_expr(self.cluster > 1 and pipe is not self.q_pipe):
-            pipe.consumer_release(state)
-        elif self.elect_release:
+        """This warp is done with `state`'s stage of `pipe` (`release_stage`)."""
+        if self.elect_release:
             release_stage(pipe, state)
         else:
             pipe.consumer_release(state)
@@ -479,7 +402,4 @@ class SplitKVLoads:
         flag = Int32(0)
         if cond:
             flag = Int32(1)
-        if cutlass.const_expr(self.cluster > 1 and pipe is not self.q_pipe):
-            cluster_arrive_if(pipe.sync_object_empty.get_barrier(stage), flag, self.cluster)
-        else:
-            elected_arrive_if(pipe.sync_object_empty.get_barrier(stage), flag)
+        elected_arrive_if(pipe.sync_object_empty.get_barrier(stage), flag)

@@ -35,9 +35,6 @@ REGISTERS_PER_SM = 65536
 
 # consumer warpgroups -> (producer, consumer) registers per thread after setmaxnreg
 REGISTER_SPLIT = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
-# two CTAs per SM (k6's `ctas_per_sm=2`, one consumer warpgroup each): 32768 registers a CTA,
-# 128 per thread at entry; the producer's 96 spare ones go to the consumer
-REGISTER_SPLIT_TWO_CTAS = {1: (32, 224)}
 
 
 @dataclasses.dataclass(frozen=True)   # frozen: a compile-time constant inside dynamic code
@@ -45,23 +42,16 @@ class WarpRoles:
     consumer_warpgroups: int
     producer_regs: int
     consumer_regs: int
-    ctas_per_sm: int = 1
 
     @staticmethod
-    def create(consumer_warpgroups: int, split: tuple = None,
-               ctas_per_sm: int = 1) -> "WarpRoles":
-        """`split`: (producer, consumer) registers instead of REGISTER_SPLIT's (k7's
-        producer warpgroup transposes V and needs more than 24); `ctas_per_sm`: CTAs that
-        share an SM's register file (2: REGISTER_SPLIT_TWO_CTAS)."""
-        table = REGISTER_SPLIT if ctas_per_sm == 1 else \
-            REGISTER_SPLIT_TWO_CTAS if ctas_per_sm == 2 else {}
-        if consumer_warpgroups not in table:
-            raise ValueError(f"1 to 3 consumer warpgroups (block_m 64, 128 or 192) with one "
-                             f"CTA per SM, 1 (block_m 64) with two; not {consumer_warpgroups} "
-                             f"with {ctas_per_sm}")
-        producer, consumer = split or table[consumer_warpgroups]
-        roles = WarpRoles(consumer_warpgroups, producer, consumer, ctas_per_sm)
-        assert roles.registers_after * ctas_per_sm <= REGISTERS_PER_SM
+    def create(consumer_warpgroups: int) -> "WarpRoles":
+        """REGISTER_SPLIT's registers for `consumer_warpgroups` (one CTA per SM)."""
+        if consumer_warpgroups not in REGISTER_SPLIT:
+            raise ValueError(f"1 to 3 consumer warpgroups (block_m 64, 128 or 192), not "
+                             f"{consumer_warpgroups}")
+        producer, consumer = REGISTER_SPLIT[consumer_warpgroups]
+        roles = WarpRoles(consumer_warpgroups, producer, consumer)
+        assert roles.registers_after <= REGISTERS_PER_SM
         assert producer <= roles.entry_regs <= consumer
         # setmaxnreg.inc waits until the CTA's own pool has the registers: only what the
         # producer gave back (its entry count minus its new one) can go to the consumers;
@@ -82,8 +72,8 @@ class WarpRoles:
 
     @property
     def entry_regs(self) -> int:
-        """The most registers ptxas may give each thread at launch (`ctas_per_sm` CTAs)."""
-        return min(REGISTERS_PER_SM // (self.threads * self.ctas_per_sm) // 8 * 8, 255)
+        """The most registers ptxas may give each thread at launch (one CTA per SM)."""
+        return min(REGISTERS_PER_SM // self.threads // 8 * 8, 255)
 
     @property
     def registers_after(self) -> int:
@@ -117,7 +107,7 @@ class PingPong:
     n + 1 per item (+ 1 from start() for k = 0). So every sync completes and no arrival is
     left pending when the CTA exits. The token is created once per CTA, so a barrier never
     holds more than one pending arrive of 128 threads, however far one warpgroup runs ahead
-    of another (a token created per work item could: with k6's wg_store and early_q_release
+    of another (a token created per work item could: with k6's item_end="own_buffer_wg"
     no barrier of all consumer warpgroups separates two items, and warpgroup 0 then passed
     its next item's first turn while the last warpgroup had not yet taken the last turn of
     this one: 256 arrivals of one warpgroup completed a phase, and the turns hung, rarely,

@@ -78,21 +78,17 @@ def dq_tile_shape(block_m: int, head_dim: int, swap_ab: bool = False) -> tuple:
 
 @cute.jit
 def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-         zero_init: cutlass.Constexpr[bool], k_blocks=None, also=None):
+         zero_init: cutlass.Constexpr[bool], k_blocks=None):
     """Issue acc (+)= A B as one committed WGMMA batch (does not wait). k_blocks: (first,
-    end) of the K blocks to issue (a part of the product), default all. also: (tiled_mma2,
-    acc2, b2, zero_init2), a second product of the same A issued in the same batch
-    (acc2 (+)= A B2)."""
+    end) of the K blocks to issue (a part of the product), default all."""
     warpgroup.fence()
     first, end = (0, cute.size(a, mode=[2])) if k_blocks is None else k_blocks
-    products = [(tiled_mma, acc, b, zero_init)] + ([also] if also is not None else [])
-    for mma, c, bb, zero in products:
-        # a fresh atom per product: its ACCUMULATE field is flipped after the first k-slice
-        atom = cute.make_mma_atom(mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, not zero)
-        for k in cutlass.range_constexpr(first, end):
-            cute.gemm(atom, c, a[None, None, k], bb[None, None, k], c)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
+    # a fresh atom: its ACCUMULATE field is flipped after the first k-slice
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(first, end):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
 
@@ -102,7 +98,7 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
     index goes through `make_warp_uniform`: without it the compiler builds every SMEM
     descriptor in per-thread registers and copies it to uniform ones (R2UR) before each
     WGMMA."""
-    if not uniform:                        # (kept for a same-run A/B: k5/k6 uniform_descriptors=0)
+    if not uniform:                        # (k6's POLICY column uniform_descriptors)
         return tiled_mma.get_slice((tidx // 128) * 128)
     return tiled_mma.get_slice(cute.arch.make_warp_uniform(tidx // 128) * 128)
 
@@ -110,77 +106,11 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
 def stmatrix_store(tiled_mma: cute.TiledMma, dtype) -> cute.TiledCopy:
     """A copy from `tiled_mma`'s accumulator layout (converted to the 16-bit `dtype`) to
     shared memory with `stmatrix`: four 8 x 8 blocks per warp instruction, instead of one
-    4-byte store (and its swizzled address) per register pair. Used for P (k6's p_in_smem),
-    O (k5-k7's epilogue) and dS^T (kb2)."""
+    4-byte store (and its swizzled address) per register pair. Used for O (k5-k7's
+    epilogue) and dS^T (kb2)."""
     return cute.make_tiled_copy_C(
         cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
                             dtype), tiled_mma)
-
-
-@dataclasses.dataclass(frozen=True)
-class SmemP:
-    """P passed to O += P V through shared memory (k6's `p_in_smem`): `frag`, the PV GEMM's
-    A operand (SMEM descriptors); `copy` / `thr_copy` / `dst`, a stmatrix copy from the S
-    accumulator's register layout into the same buffer (four 8 x 8 blocks per warp
-    instruction, as kb2 stores dS^T)."""
-    frag: cute.Tensor
-    copy: object
-    thr_copy: object
-    dst: cute.Tensor
-
-    @cute.jit
-    def store(self, p: cute.Tensor):
-        """p: this thread's P values in the S accumulator's layout (16-bit)."""
-        cute.copy(self.copy, self.thr_copy.retile(p), self.dst)
-
-
-@dataclasses.dataclass(frozen=True)
-class PWithRowSums:
-    """P in registers for O += P V, with the row sums of P on the tensor cores (k7's
-    `row_sums_mma`): every PV batch also issues acc = P 1, a 64 x 8 WGMMA per warpgroup
-    whose B is an (8, block_n) tile of ones in SMEM (`ones`); each column of `acc` (fp32)
-    then holds the row sums of that tile's P as the PV GEMM multiplies it (rounded to the
-    operand type). `fold` adds them to `total`, the running l per row, on the CUDA cores:
-    accumulated across tiles inside the WGMMA, l came out 6% low at 4k keys and 15% at 8k
-    (the FP8 tensor cores' accumulator keeps fewer bits than fp32 and truncates)."""
-    frag: cute.Tensor
-    mma: cute.TiledMma
-    ones: cute.Tensor
-    acc: cute.Tensor
-    total: cute.Tensor
-
-    def pv_also(self):
-        """`gemm`'s `also` for the PV batch: acc = P 1 (zeroed first)."""
-        return (self.mma, self.acc, self.ones, True)
-
-    def reset(self):
-        """A new work item: no sums yet (acc too: the first `fold` reads it)."""
-        self.acc.fill(0.0)
-        self.total.fill(0.0)
-
-    @cute.jit
-    def fold(self, alpha=None):
-        """total = (total + the last PV batch's sums) * alpha per row (after that batch's
-        wait; alpha None: no rescale, the item's end)."""
-        for r, at in enumerate(self.row_sum_coords(cute.size(self.total))):
-            if cutlass.const_expr(alpha is None):
-                self.total[r] = self.total[r] + self.acc[at]
-            else:
-                self.total[r] = (self.total[r] + self.acc[at]) * alpha[r]
-
-    def row_sum_coords(self, rows: int) -> list:
-        """Per row of the thread (acc_rows_cols' order: r = half + 2 * m), the coordinate of
-        one of its sums in `acc` (((column pair, half), MMA_M, 1); one column suffices)."""
-        return [((0, r % 2), r // 2, 0) for r in range(rows)]
-
-
-ROW_SUM_COLUMNS = 8             # the narrowest WGMMA: N = 8
-
-
-def pv_operand(p_frag):
-    """What O += P V reads for P: the register fragment (also inside PWithRowSums), or
-    SmemP's SMEM descriptors."""
-    return p_frag.frag if isinstance(p_frag, (SmemP, PWithRowSums)) else p_frag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +131,7 @@ class AttentionMmas:
     q_frag: cute.Tensor
     k_frag: cute.Tensor
     vt_frag: cute.Tensor
-    p_frag: object                  # registers (cute.Tensor), or SmemP
+    p_frag: cute.Tensor             # registers
     s_coords: cute.Tensor
     s_dtype: object = Float32       # S's accumulator type
 
@@ -209,36 +139,14 @@ class AttentionMmas:
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
                dtype=BFloat16, uniform: bool = True,
-               vt_k_major: bool = False, sP=None, s_dtype=Float32,
-               sOnes=None) -> "AttentionMmas":
-        """`sP`: a (block_m, block_n) SMEM buffer for P (K-major), or None: P in registers;
-        `s_dtype`: S's accumulator type; `sOnes`: an (8, block_n) SMEM tile of ones (K-major):
-        P's row sums on the tensor cores (`PWithRowSums`), or None."""
+               vt_k_major: bool = False, s_dtype=Float32) -> "AttentionMmas":
+        """`s_dtype`: S's accumulator type."""
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype, s_dtype)
-        if sP is None:
-            mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
-        else:
-            mma_pv = smem_mma(warpgroups, 1, head_dim, cute.nvgpu.OperandMajorMode.K,
-                              cute.nvgpu.OperandMajorMode.K if vt_k_major
-                              else cute.nvgpu.OperandMajorMode.MN, dtype)
+        mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
         wg_qk = warpgroup_slice(mma_qk, tidx, uniform)
         wg_pv = warpgroup_slice(mma_pv, tidx, uniform)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
-        if sP is None:
-            p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n)))
-        else:
-            store_p = stmatrix_store(mma_qk, dtype)
-            thr_store = store_p.get_slice(tidx)
-            p_frag = SmemP(wg_pv.make_fragment_A(wg_pv.partition_A(sP)), store_p, thr_store,
-                           thr_store.partition_D(sP))
-        if sOnes is not None:
-            mma_l = pv_mma(warpgroups, ROW_SUM_COLUMNS, dtype, vt_k_major=True)
-            wg_l = warpgroup_slice(mma_l, tidx, uniform)
-            acc_l = cute.make_rmem_tensor(
-                mma_l.get_slice(tidx).partition_shape_C((block_m, ROW_SUM_COLUMNS)), Float32)
-            rows = 2 * cute.size(acc_l, mode=[1])     # (rows r, r + 8) x MMA_M
-            p_frag = PWithRowSums(p_frag, mma_l, wg_l.make_fragment_B(wg_l.partition_B(sOnes)),
-                                  acc_l, cute.make_rmem_tensor((rows,), Float32))
+        p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n)))
         return AttentionMmas(
             mma_qk, mma_pv, thr_qk, thr_pv,
             q_frag=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
