@@ -159,6 +159,19 @@ def test_kb2_window_compiles_without_spills(d, causal, window, heads_kv):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("stage", ["k6", "kb2"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_with_softcap_compiles_without_spills(stage, d):
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get(f"{stage}:softcap=30.0"), d, True, seqlen=4096,
+                            window=(127, -1))
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
 # ---- GPU ----
 
 def window_mask(nq, nk, left, right, device="cuda"):
@@ -173,13 +186,15 @@ def window_mask(nq, nk, left, right, device="cuda"):
     return seen
 
 
-def reference(q, k, v, left, right, scale):
+def reference(q, k, v, left, right, scale, softcap=0.0):
     """Attention with the window's mask in fp32 (differentiable: give it fp32 leaves); rows
     that see no key: 0, LSE -inf (masked scores -1e30, not -inf, so no NaN reaches the
     gradients)."""
     group = q.shape[2] // k.shape[2]
     k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
     s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
     s = s.masked_fill(~seen, -1e30)
     p = torch.softmax(s, -1) * seen.any(-1)[:, None].float()
@@ -334,3 +349,28 @@ def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
     assert windows == {("k6", (127, -1)), ("kb2", (127, -1))}, windows
     hopper_attn.attention(q, k, v, causal=True)
     assert calls.compiles[-1][1].window_left == -1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_window_with_softcap_matches_fp32(d):
+    """Gemma-2-like: a window and logit softcapping together (forward and gradients; the
+    bound: 2x the bf16 error of the same capped math, autograd through bf16 GEMM inputs)."""
+    import hopper_attn
+    q, k, v = _inputs(1, 1000, 1000, 4, 2, d, seed=d)
+    do = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = hopper_attn.attention(*leaves, causal=True, window_size=(127, 0), softcap=30.0)
+    out.backward(do)
+    ins = [t.float().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*ins, 127, 0, d ** -0.5, softcap=30.0)
+    ref.backward(do.float())
+    low_ins = [t.float().bfloat16().float().requires_grad_() for t in (q, k, v)]
+    low, _ = reference(*low_ins, 127, 0, d ** -0.5, softcap=30.0)
+    low = low.bfloat16().float()
+    assert (out.float() - ref).abs().max().item() <= \
+        2 * (low - ref).abs().max().item() + 2 ** -10
+    for leaf, r in zip(leaves, ins):
+        err = (leaf.grad.float() - r.grad).abs().max().item()
+        assert not leaf.grad.isnan().any()
+        assert err <= 2 ** -6 * max(1.0, r.grad.abs().max().item()), err
