@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hopper_attn.common.contract import Problem, normalize_window
+from hopper_attn.harness.window_reference import reference, torch_lowp, window_mask
 from hopper_attn.common.masking import (window_m_range, window_needs_mask, window_ranges,
                                         window_visible)
 
@@ -173,52 +174,6 @@ def test_window_with_softcap_compiles_without_spills(stage, d):
 
 
 # ---- GPU ----
-
-def window_mask(nq, nk, left, right, device="cuda"):
-    """(nq, nk) bool, True where query i sees key j (bottom-right aligned)."""
-    i = torch.arange(nq, device=device)[:, None] + (nk - nq)
-    j = torch.arange(nk, device=device)[None, :]
-    seen = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if left >= 0:
-        seen &= j >= i - left
-    if right >= 0:
-        seen &= j <= i + right
-    return seen
-
-
-def reference(q, k, v, left, right, scale, softcap=0.0):
-    """Attention with the window's mask in fp32 (differentiable: give it fp32 leaves); rows
-    that see no key: 0, LSE -inf (masked scores -1e30, not -inf, so no NaN reaches the
-    gradients)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
-    s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
-    s = s.masked_fill(~seen, -1e30)
-    p = torch.softmax(s, -1) * seen.any(-1)[:, None].float()
-    lse = torch.logsumexp(s, -1).masked_fill(~seen.any(-1), float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", p, v), lse
-
-
-def torch_lowp(q, k, v, left, right, scale, do=None):
-    """torch's own bf16 result (SDPA with the window as a boolean mask, GQA through
-    enable_gqa): the output (0 on rows that see no key) and, given `do`, the gradients
-    (`do` zeroed on those rows, where SDPA's are undefined; their true gradient is 0)."""
-    import torch.nn.functional as F
-    seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
-    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=seen, scale=scale,
-                                       enable_gqa=q.shape[2] != k.shape[2])
-    out = o.detach().transpose(1, 2).float().nan_to_num(0.0) * seen.any(-1)[:, None, None]
-    if do is None:
-        return out, None
-    do = do.clone()
-    do[:, ~seen.any(-1)] = 0
-    o.backward(do.transpose(1, 2))
-    return out, [t.grad.transpose(1, 2).float().nan_to_num(0.0) for t in (qt, kt, vt)]
-
 
 def _inputs(batch, nq, nk, heads, heads_kv, d, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)

@@ -4,7 +4,7 @@
 
 1. Correctness through `hopper_attn.attention(..., window_size=...)` (k6 forward, kb2
    backward): output, LSE and dQ / dK / dV against an fp32 reference with the window's
-   mask (tests/test_window.py's `reference`), the error bound 2x torch's own bf16 error
+   mask (harness/window_reference.py), the error bound 2x torch's own bf16 error
    (SDPA with the window as a boolean mask; + 2^-10 for O, 2^-12 max|ref| for gradients,
    as tests/test_gpu.py); `ratio` = error / bound (<= 1 passes). Forward: lengths 1, 17,
    113, 1000, 4096, windows (0,0) (3,0) (127,0) (128,0) (4095,0) causal, (256,256) and
@@ -30,14 +30,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
 
 import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.env import environment  # noqa: E402
-from test_window import reference, torch_lowp, window_mask  # noqa: E402
+from hopper_attn.harness.window_reference import (reference, torch_lowp,  # noqa: E402
+                                                   window_mask)
 
 FWD_WINDOWS = [(True, (0, 0)), (True, (3, 0)), (True, (127, 0)), (True, (128, 0)),
                (True, (4095, 0)), (False, (256, 256)), (False, (-1, 64))]
