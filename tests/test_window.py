@@ -138,14 +138,23 @@ def test_k6_window_compiles_without_spills(d, causal, window, seqlen):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d", [96, 192, 256])
-def test_k6_window_compiles_without_spills_at_wide_head_dims(d):
+def test_k6_window_compiles_without_spills_at_d96():
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
-    art = compile_artifacts(registry.get("k6"), d, True, seqlen=1000, window=(127, -1))
+    art = compile_artifacts(registry.get("k6"), 96, True, seqlen=1000, window=(127, -1))
     assert art["ok"], art.get("error")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_k6_refuses_windows_at_d192_and_d256(d):
+    """The H200 found their LSE wrong (results/h200/2026-11-29_window.json; outputs right):
+    refused before any launch until that is fixed."""
+    from hopper_attn import k6
+    problem = Problem(1, 4, 1000, d, True, window_left=127)
+    with pytest.raises(ValueError, match="window_size at head_dim 192/256"):
+        k6.compile_kernel(problem)
 
 
 @pytest.mark.compile
@@ -207,7 +216,7 @@ def test_forward_matches_fp32(seqlen, causal, window, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [96, 192, 256])
+@pytest.mark.parametrize("d", [96])                    # (192, 256: refused, LSE unverified)
 @pytest.mark.parametrize("causal,window", [(True, (127, 0)), (False, (256, 256))])
 def test_forward_wide_head_dims_match_fp32(causal, window, d):
     import hopper_attn

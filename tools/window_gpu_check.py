@@ -8,8 +8,8 @@
    (SDPA with the window as a boolean mask; + 2^-10 for O, 2^-12 max|ref| for gradients,
    as tests/test_gpu.py); `ratio` = error / bound (<= 1 passes). Forward: lengths 1, 17,
    113, 1000, 4096, windows (0,0) (3,0) (127,0) (128,0) (4095,0) causal, (256,256) and
-   (-1,64) without causal, d = 128 (d = 64 on three windows; d = 96, 192, 256 on (127,0)
-   at 1000); backward the same windows at 17 and 1000; GQA 8/2 (1000 queries, 1300 keys);
+   (-1,64) without causal, d = 128 (d = 64 on three windows; d = 96 on (127,0) at 1000;
+   192 and 256 are refused: their LSE was wrong on the H200, 2026-11-29_window.json); backward the same windows at 17 and 1000; GQA 8/2 (1000 queries, 1300 keys);
    cross lengths whose first rows see no key (zero output, LSE -inf) or whose first keys
    no query sees (dK, dV zero). One compile per window size and policy row: most of the
    run. FA4 is skipped once 100 s have passed (its compiles are slow).
@@ -116,8 +116,8 @@ def correctness(log) -> list:
             run("fwd d128", forward_case, 2, n, n, 4, 2, 128, causal, window)
         for causal, window in D64_WINDOWS:
             run("fwd d64", forward_case, 2, n, n, 4, 2, 64, causal, window)
-    for d in (96, 192, 256):
-        run("fwd d96-256", forward_case, 1, 1000, 1000, 4, 4, d, True, (127, 0))
+    for d in (96,):
+        run("fwd d96", forward_case, 1, 1000, 1000, 4, 4, d, True, (127, 0))
     for n in (17, 1000):
         for causal, window in FWD_WINDOWS:
             run("bwd d128", backward_case, 2, n, n, 4, 4, 128, causal, window)

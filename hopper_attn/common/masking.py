@@ -93,10 +93,11 @@ class TileSchedule:
         return self.n_block_count_rows(m_block, self.block_m, seqlen_q, seqlen_k)
 
     @cute.jit
-    def n_block_count_rows(self, m_block, rows, seqlen_q, seqlen_k) -> Int32:
+    def n_block_count_rows(self, m_block, rows, seqlen_q, seqlen_k, n_base=None) -> Int32:
         """`n_block_count_kv` for the first `rows` query rows of tile m_block only (k6's
         `wg_causal_limit`: a consumer warpgroup's rows end `rows` = 64 (wg + 1) into the tile,
-        and with a causal mask the upper warpgroups may see one kv tile fewer)."""
+        and with a causal mask the upper warpgroups may see one kv tile fewer); with a
+        window's left side counted from the item's first kv tile, n_base."""
         count = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.bounded_right):
             visible = m_block * self.block_m + rows + seqlen_k - seqlen_q
@@ -104,6 +105,8 @@ class TileSchedule:
                 visible = visible + self.right
             visible = cutlass.max(visible, 1)
             count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
+        if cutlass.const_expr(self.window_left >= 0 and n_base is not None):
+            count = count - n_base
         return count
 
     @cute.jit

@@ -28,6 +28,8 @@ from cutlass import BFloat16, Float16, Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from hopper_attn.common.contract import LOG2_E
+
 LN_2 = 0.6931471805599453
 
 # 2^x without the SFU (MUFU.EX2): with t = x + 1.5 * 2^23 rounded to an integer j in t's low
@@ -86,98 +88,25 @@ def tanh_approx(x: Float32, *, loc=None, ip=None) -> Float32:
                                    loc=loc, ip=ip))
 
 
-# tanh(x) without the SFU: with e = 2^(-2 log2(e) |x|) in (0, 1] (`_EXP2_FMA_PTX`'s cubic,
-# clamped at 2^-127), tanh|x| = (1 - e) / (1 + e) = 2 y - 1 with y = 1 / (1 + e), d = 1 + e in
-# (1, 2]: y from the line 24/17 - 8/17 d (relative error <= 1/17) and two Newton steps
-# y += y (1 - d y) (1/17^4 = 1.2e-5); the sign copied from x. Absolute error < 1.1e-4
-# (the cubic's; MUFU.TANH's is up to 4.9e-4 near +-1). About 15 FMA-pipe instructions.
-_TANH_FMA_PTX = """{
- .reg .f32 x, t, j, f, p, e, d, nd, y, r;
- .reg .b32 tb, pb;
- abs.f32 x, $1;
- mul.rn.f32 x, x, 0fC038AA3B;
- max.f32 x, x, 0fC2FE0000;
- add.rn.f32 t, x, 0f4B400000;
- sub.rn.f32 j, t, 0f4B400000;
- sub.rn.f32 f, x, j;
- fma.rn.f32 p, f, 0f3D59A02E, 0f3E78574E;
- fma.rn.f32 p, p, f, 0f3F319B9C;
- fma.rn.f32 p, p, f, 0f3F800000;
- mov.b32 tb, t;
- mov.b32 pb, p;
- shl.b32 tb, tb, 23;
- add.s32 pb, pb, tb;
- mov.b32 e, pb;
- add.rn.f32 d, e, 0f3F800000;
- neg.f32 nd, d;
- fma.rn.f32 y, d, 0fBEF0F0F1, 0f3FB4B4B5;
- fma.rn.f32 r, nd, y, 0f3F800000;
- fma.rn.f32 y, y, r, y;
- fma.rn.f32 r, nd, y, 0f3F800000;
- fma.rn.f32 y, y, r, y;
- fma.rn.f32 y, y, 0f40000000, 0fBF800000;
- copysign.f32 $0, $1, y;
-}"""
-
-
-@dsl_user_op
-def tanh_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """tanh(x) computed with FMA-pipe instructions instead of MUFU.TANH (see above)."""
-    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
-                                   _TANH_FMA_PTX, "=f,f", has_side_effects=False,
-                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                   loc=loc, ip=ip))
-
-
-# tanh of two fp32 values by one `tanh.approx.f16x2` (in fp16: the pair packed with
-# round-to-nearest, each result widened back); |x| > 65504 saturates to +-1 as it should
-_TANH_PAIR_F16_PTX = """{
- .reg .b32 x, t;
- .reg .b16 lo, hi;
- cvt.rn.f16x2.f32 x, $3, $2;
- tanh.approx.f16x2 t, x;
- mov.b32 {lo, hi}, t;
- cvt.f32.f16 $0, lo;
- cvt.f32.f16 $1, hi;
-}"""
-
-
-@dsl_user_op
-def tanh_pair_f16(a: Float32, b: Float32, *, loc=None, ip=None):
-    """(tanh(a), tanh(b)) computed in fp16 by one `tanh.approx.f16x2` (absolute error about
-    2^-11 near +-1, fp16's spacing): `softcap_scores`' cheaper option."""
-    pair = llvm.inline_asm(llvm.StructType.get_literal([Float32.mlir_type, Float32.mlir_type]),
-                           [Float32(a).ir_value(loc=loc, ip=ip),
-                            Float32(b).ir_value(loc=loc, ip=ip)],
-                           _TANH_PAIR_F16_PTX, "=f,=f,f,f", has_side_effects=False,
-                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                           loc=loc, ip=ip)
-    return (Float32(llvm.extractvalue(Float32.mlir_type, pair, [0], loc=loc, ip=ip)),
-            Float32(llvm.extractvalue(Float32.mlir_type, pair, [1], loc=loc, ip=ip)))
+def softcap_scales(scale_log2, cap: float):
+    """(the scores' factor before the tanh, the softmax's scale_log2) for logit softcapping
+    with `cap` (0: none, (None, scale_log2)): tanh(s * scale / cap), then exponents in units
+    of cap log2(e), so the kernel's one runtime scalar stays the softmax scale."""
+    if cap <= 0.0:
+        return None, scale_log2
+    return scale_log2 * (1.0 / (cap * LOG2_E)), Float32(cap * LOG2_E)
 
 
 @cute.jit
-def softcap_scores(s_rc: cute.Tensor, prescale: Float32, tanh_f16: cutlass.Constexpr = False,
-                   fma_every: cutlass.Constexpr = 0):
+def softcap_scores(s_rc: cute.Tensor, prescale: Float32):
     """Logit softcapping, in place on raw q.k scores (before any mask: tanh(-inf) would be
     -1): s -> tanh(s * prescale), prescale = softmax_scale / cap. The caller's softmax then
     runs with scale_log2 = cap * log2(e), so its exponents are cap * tanh(s * scale / cap) in
     base 2, and its LSE the natural-log LSE of the capped scores. One MUFU.TANH per score on
-    top of the exp2's MUFU.EX2 (tanh_f16: one tanh.approx.f16x2 per pair of scores, which
-    ptxas splits into two MUFU.TANH.F16; fma_every = n: every n-th column's tanh on the FMA
-    pipe, `tanh_on_fma`, which the softmax otherwise leaves partly idle)."""
-    cols = cute.size(s_rc, mode=[1])
+    top of the exp2's MUFU.EX2 (docs/softcap.md: the cheaper tanhs tried)."""
     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
-        if cutlass.const_expr(tanh_f16):
-            for c in cutlass.range_constexpr(0, cols, 2):
-                s_rc[r, c], s_rc[r, c + 1] = tanh_pair_f16(s_rc[r, c] * prescale,
-                                                           s_rc[r, c + 1] * prescale)
-        else:
-            for c in cutlass.range_constexpr(cols):
-                if cutlass.const_expr(fma_every > 0 and c % fma_every == fma_every - 1):
-                    s_rc[r, c] = tanh_on_fma(s_rc[r, c] * prescale)
-                else:
-                    s_rc[r, c] = tanh_approx(s_rc[r, c] * prescale)
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            s_rc[r, c] = tanh_approx(s_rc[r, c] * prescale)
 
 
 # a pair of fp32 values rounded to the 16-bit type P is converted to for the PV GEMM, and
