@@ -1,5 +1,7 @@
 """Host vs GPU us per call (B1 16/4 d128 causal: host = enqueue time, GPU = calls back to back behind a sleep), gradients in the layouts the overhead branch reads in place (max error / (2x SDPA-bf16's + max|ref|/4096) vs fp32, <= 1 passes), the provider's decode split by layer, the models probe; JSON to $OUT/overhead.json."""
-import json, os, statistics as st, time, torch, torch.nn.functional as F, hopper_attn
+import json, os, statistics as st, sys, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the checkout
+import torch, torch.nn.functional as F, hopper_attn  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel; from hopper_attn.harness import models; from hopper_attn.integrations import sdpa as hs, transformers as htf
 T, res, grad, bf = lambda t: t.transpose(1, 2), {"host_gpu_us": {}, "grad_ratio": {}}, torch.autograd.grad, dict(device="cuda", dtype=torch.bfloat16)
 def ratio(got, ref, base): return [round(((g.float() - r).abs().max() / (2 * (b.float() - r).abs().max() + r.abs().max() / 4096)).item(), 3) for g, r, b in zip(got, ref, base)]
