@@ -580,6 +580,47 @@ def test_gpu_llama_training_matches_sdpa():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_gpu_window_softcap_training_matches_eager(family):
+    """Logits, loss and every gradient of a 2-layer random Mistral (window 128 on every
+    layer) or Gemma 2 (softcap 50, window 128 on alternate layers), head_dim 128, in bf16
+    with hopper_attn: about as far from the same model in fp32 (eager attention) as bf16
+    eager is."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    name = hopper_tf.register()
+    common = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  sliding_window=128, attn_implementation="eager")
+    torch.manual_seed(0)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    else:
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            head_dim=128, query_pre_attn_scalar=128, attn_logit_softcapping=50.0, **common))
+    model = model.to("cuda", torch.bfloat16).train()
+    fp32_model = copy.deepcopy(model).float()
+    ids = torch.randint(0, 256, (2, 384), device="cuda")
+
+    def step(m, impl):
+        m.set_attn_implementation(impl)
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        result = {"logits": out.logits.float(), "loss": out.loss.float().reshape(1)}
+        result.update({n: p.grad.float().clone() for n, p in m.named_parameters()})
+        m.zero_grad(set_to_none=True)
+        return result
+
+    truth, eager, ours = step(fp32_model, "eager"), step(model, "eager"), step(model, name)
+    for what, want in truth.items():
+        scale = want.abs().max().clamp_min(1e-6)
+        err_eager = float((eager[what] - want).abs().max() / scale)
+        err_ours = float((ours[what] - want).abs().max() / scale)
+        assert err_ours <= 3 * err_eager + 2e-3, \
+            f"{what}: error vs fp32 {err_ours:.3g}, bf16 eager's {err_eager:.3g}"
+
+
+@pytest.mark.gpu
 def test_gpu_llama_generate_matches_sdpa():
     """Greedy tokens with a KV cache (prefill, then one query per step) as SDPA's: every
     step until the first where SDPA's top two logits are a near tie."""
