@@ -195,8 +195,9 @@ def hopper_attn_mask(batch_size: int, q_length: Optional[int] = None,
                      attention_mask: Optional[torch.Tensor] = None, cache_position=None,
                      **kwargs):
     """transformers mask function for "hopper_attn": None (no mask: the attention call's
-    causal flag and sliding_window say everything) or UnsupportedFeature. (transformers before 5.8 passes the
-    query positions as `cache_position` instead of q_length / q_offset.)"""
+    causal flag and sliding_window say everything) or UnsupportedFeature. (transformers
+    before 5.8 passes the query positions as `cache_position` instead of q_length /
+    q_offset.)"""
     if q_length is None and cache_position is not None:
         q_length, q_offset = cache_position.shape[0], cache_position[0]
     check_mask_request(q_length, kv_length, q_offset, kv_offset, mask_function,
