@@ -16,15 +16,29 @@ from hopper_attn.integrations import transformers as hopper_tf
 from hopper_attn.integrations.transformers import UnsupportedFeature, plan_call
 
 
-def reference(q, k, v, causal, softmax_scale):
-    """(batch, seqlen, heads, head_dim) attention in fp32, GQA, causal bottom-right."""
+def reference(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
+    """(batch, seqlen, heads, head_dim) attention in fp32, GQA, causal and the window
+    bottom-right (query i at row r = i + nk - nq sees keys r - left <= j <= r + right),
+    softcap as cap * tanh(s / cap) on the scaled scores: `hopper_attn.attention`'s
+    definitions."""
     nq, nk = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
     scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    row = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+    col = torch.arange(nk, device=q.device)[None, :]
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    left, right = window_size
     if causal:
-        keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+        keep &= col <= row
+    if left >= 0:
+        keep &= col >= row - left
+    if right >= 0:
+        keep &= col <= row + right
+    if not bool(keep.all()):
         s = s.masked_fill(~keep, float("-inf"))
     p = s.softmax(-1)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(q.dtype)
@@ -93,6 +107,12 @@ def sliding_window_overlay(sliding_window):
     return inner_mask
 
 
+def sliding_window_bidirectional_overlay(sliding_window):
+    def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+        return abs(q_idx - kv_idx) <= sliding_window
+    return inner_mask
+
+
 def test_mask_function_parts():
     assert hopper_tf.mask_function_parts(causal_mask_function) == ("causal_mask_function",)
     packed = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 4)))
@@ -111,10 +131,17 @@ def test_mask_request_plain():
     assert check(1, 21, 20, 0, causal_mask_function, torch.ones(2, 21, dtype=torch.bool),
                  compiling=False) is True
     assert check(1, 21, torch.tensor(20), 0, causal_mask_function, None, compiling=False)
+    # a causal sliding window: no mask, the attention call's sliding_window applies it;
+    # a sliding layer's trimmed cache (window 8: the last 7 keys and 1 new query at 20)
+    sliding = and_masks(sliding_window_overlay(8), causal_mask_function)
+    assert check(16, 16, 0, 0, sliding, None, compiling=False) is True
+    assert check(1, 8, 20, 13, sliding, torch.ones(2, 21, dtype=torch.bool),
+                 compiling=False) is True
 
 
 @pytest.mark.parametrize("case, words", [
-    ("packed", "packed sequences"), ("sliding", "sliding window"),
+    ("packed", "packed sequences"), ("sliding_bidirectional", "bidirectional sliding window"),
+    ("sliding_padding", "padding"),
     ("padding", "padding"), ("static", "static"), ("static_compiled", "static"),
     ("mask4d", "4-D"), ("custom", "custom mask function"),
 ])
@@ -123,7 +150,10 @@ def test_mask_request_refusals(case, words):
     causal = causal_mask_function
     args = {
         "packed": (8, 8, 0, 0, and_masks(causal, packed_sequence_mask_function(None)), None),
-        "sliding": (8, 8, 0, 0, and_masks(sliding_window_overlay(4), causal), None),
+        "sliding_bidirectional": (8, 8, 0, 0, and_masks(sliding_window_bidirectional_overlay(4),
+                                                        bidirectional_mask_function), None),
+        "sliding_padding": (8, 8, 0, 0, and_masks(sliding_window_overlay(4), causal),
+                            torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1]]).bool()),
         "padding": (8, 8, 0, 0, causal, torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]]).bool()),
         "static": (8, 64, 0, 0, causal, None),             # keys = the preallocated length
         "static_compiled": (1, 64, torch.tensor(9), 0, causal, None),
@@ -148,10 +178,39 @@ def test_plan_call_causality_and_scale():
     assert plan_call(Module(True), bhnd(2, 8, 4), bhnd(2, 2, 40), bhnd(2, 2, 40), None).causal
 
 
+def test_plan_call_window_and_softcap():
+    """transformers' sliding_window=N (the query and the N - 1 keys before it) is
+    window_size=(N - 1, 0) with causal; softcap passes through as a float."""
+    q, k = bhnd(2, 8, 16), bhnd(2, 2, 16)
+    plan = plan_call(Module(True), q, k, k, None, 0.0, 0.125, sliding_window=4096)
+    assert plan == hopper_tf.CallPlan(causal=True, softmax_scale=0.125,
+                                      window_size=(4095, 0))
+    assert plan.features() == {"window_size": (4095, 0)}
+    assert plan_call(Module(True), q, k, k, None, sliding_window=1).window_size == (0, 0)
+    plan = plan_call(Module(True), q, k, k, None, softcap=50)
+    assert plan.softcap == 50.0 and isinstance(plan.softcap, float)
+    assert plan.window_size == (-1, -1) and plan.features() == {"softcap": 50.0}
+    # Gemma 2's sliding layer: both
+    plan = plan_call(Module(True), q, k, k, None, sliding_window=4, softcap=50.0)
+    assert plan.features() == {"window_size": (3, 0), "softcap": 50.0}
+    # neither: the backend gets no extra arguments
+    assert plan_call(Module(True), q, k, k, None).features() == {}
+    # one query over a cache keeps the window (the no-window shortcut drops causal)
+    one = plan_call(Module(True), bhnd(2, 8, 1), bhnd(2, 2, 40), bhnd(2, 2, 40), None,
+                    sliding_window=8)
+    assert one.causal and one.window_size == (7, 0)
+    assert hopper_tf.window_from_sliding_window(None, False) == (-1, -1)
+    assert hopper_tf.softcap_value(None) == 0.0
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     (dict(dropout=0.1), UnsupportedFeature, "dropout"),
-    (dict(sliding_window=4096), UnsupportedFeature, "sliding window"),
-    (dict(softcap=30.0), UnsupportedFeature, "softcapping"),
+    (dict(sliding_window=8, is_causal=False), UnsupportedFeature, "bidirectional sliding"),
+    (dict(sliding_window=0), ValueError, "sliding_window"),
+    (dict(sliding_window=4.5), ValueError, "sliding_window"),
+    (dict(softcap=-30.0), ValueError, "softcap"),
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
     (dict(s_aux=torch.zeros(8)), UnsupportedFeature, "sinks"),
     (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), UnsupportedFeature, "packed"),
     (dict(attention_mask=torch.zeros(2, 1, 16, 16)), UnsupportedFeature, "mask"),
@@ -177,6 +236,40 @@ def test_default_backend_refuses_fp32_before_launch():
     with pytest.raises(ValueError, match="bf16 or fp16"):
         hopper_tf.hopper_attention_forward(Module(), bhnd(1, 2, 8), bhnd(1, 2, 8),
                                            bhnd(1, 2, 8), None)
+
+
+@pytest.mark.parametrize("nq, nk, window, softcap", [(16, 16, 4, None), (16, 16, None, 5.0),
+                                                    (16, 16, 6, 2.0), (1, 24, 8, None),
+                                                    (5, 24, 8, 3.0), (5, 24, 30, None)])
+def test_forward_window_and_softcap(nq, nk, window, softcap):
+    """The backend gets window_size=(N - 1, 0) and softcap; the stand-in's result is
+    transformers' eager attention: capped scores, then the sliding causal mask."""
+    seen = []
+
+    def backend(q, k, v, c, scale, **features):
+        seen.append((c, features))
+        return reference(q, k, v, c, scale, **features)[0]
+
+    forward = hopper_tf.make_attention_forward(backend)
+    q, k, v = bhnd(2, 8, nq), bhnd(2, 2, nk), bhnd(2, 2, nk)
+    out, _ = forward(Module(True), q, k, v, None, scaling=0.3, sliding_window=window,
+                     softcap=softcap)
+    expected_features = {}
+    if window is not None:
+        expected_features["window_size"] = (window - 1, 0)
+    if softcap is not None:
+        expected_features["softcap"] = softcap
+    assert seen == [(window is not None or nq > 1, expected_features)]
+    # eager, written out: query i at position p = i + nk - nq sees p - window < j <= p
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(4, 1)) * 0.3
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    pos = torch.arange(nq)[:, None] + nk - nq
+    j = torch.arange(nk)[None, :]
+    keep = (j <= pos) & ((j > pos - window) if window is not None else True)
+    s = s.masked_fill(~keep, float("-inf"))
+    expected = (s.softmax(-1) @ v.repeat_interleave(4, 1)).transpose(1, 2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("nq, nk, causal", [(16, 16, True), (16, 16, False), (1, 24, True),
@@ -230,7 +323,8 @@ def _tiny_llama(attn, layers=2, hidden=128, heads=4, kv_heads=2, vocab=128, **co
 def _register_cpu_standin():
     pytest.importorskip("transformers")
     return hopper_tf.register("hopper_attn_cpu",
-                              backend=lambda q, k, v, c, s: reference(q, k, v, c, s)[0])
+                              backend=lambda q, k, v, c, s, **features:
+                              reference(q, k, v, c, s, **features)[0])
 
 
 def test_transformers_cpu_model_matches_sdpa():
@@ -263,12 +357,68 @@ def test_transformers_cpu_refusals():
         with pytest.raises(UnsupportedFeature, match="static"):
             model.generate(ids, max_new_tokens=2, do_sample=False,
                            cache_implementation="static")
-    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1, vocab_size=128, sliding_window=4,
-                                     attn_implementation=name)
-    with pytest.raises(UnsupportedFeature, match="sliding window"):
-        transformers.MistralForCausalLM(cfg)(ids)
+    model = _tiny_mistral(name, sliding_window=4).eval()
+    with torch.no_grad(), pytest.raises(UnsupportedFeature, match="padding"):
+        model(ids, attention_mask=padded)
+
+
+def _tiny_mistral(attn, sliding_window):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MistralConfig(hidden_size=128, intermediate_size=256,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=128,
+                                     sliding_window=sliding_window, attn_implementation=attn)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _tiny_gemma2(attn, sliding_window, softcap=50.0):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma2Config(hidden_size=128, intermediate_size=256,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=32, vocab_size=128,
+                                    query_pre_attn_scalar=32, sliding_window=sliding_window,
+                                    attn_logit_softcapping=softcap, attn_implementation=attn)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    # random weights give scores far below a cap of 50: make the cap bite
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight.data *= 8
+        layer.self_attn.k_proj.weight.data *= 8
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("family, reference_impl", [("mistral", "sdpa"), ("mistral", "eager"),
+                                                    ("gemma2", "eager")])
+def test_transformers_cpu_window_softcap_models(family, reference_impl):
+    """A tiny Mistral (sliding_window 6 on every layer) and Gemma 2 (softcap, window 6 on
+    alternate layers) on 24-token prompts: the stand-in gives transformers' own logits, and
+    the same greedy tokens with the cache (a sliding layer's cache is trimmed to the
+    window)."""
+    name = _register_cpu_standin()
+    model = (_tiny_mistral if family == "mistral" else _tiny_gemma2)(reference_impl, 6).eval()
+    ids = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        expected = model(ids).logits
+        generated = model.generate(ids, max_new_tokens=6, do_sample=False,
+                                   attention_mask=torch.ones_like(ids))
+        model.set_attn_implementation(name)
+        got = model(ids).logits
+        again = model.generate(ids, max_new_tokens=6, do_sample=False,
+                               attention_mask=torch.ones_like(ids))
+        # the features matter here: a backend that drops them gives other logits
+        blind = hopper_tf.register("hopper_attn_cpu_blind", backend=lambda q, k, v, c, s,
+                                   **features: reference(q, k, v, c, s)[0])
+        model.set_attn_implementation(blind)
+        without = model(ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(generated, again)
+    assert (without - expected).abs().max() > 1e-2
 
 
 # --- SDPA provider, on the CPU ---------------------------------------------------------------
@@ -427,6 +577,47 @@ def test_gpu_llama_training_matches_sdpa():
         err_ours = float((ours[what] - want).abs().max() / scale)
         assert err_ours <= 3 * err_sdpa + 2e-3, \
             f"{what}: error vs fp32 {err_ours:.3g}, bf16 SDPA's {err_sdpa:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_gpu_window_softcap_training_matches_eager(family):
+    """Logits, loss and every gradient of a 2-layer random Mistral (window 128 on every
+    layer) or Gemma 2 (softcap 50, window 128 on alternate layers), head_dim 128, in bf16
+    with hopper_attn: about as far from the same model in fp32 (eager attention) as bf16
+    eager is."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    name = hopper_tf.register()
+    common = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  sliding_window=128, attn_implementation="eager")
+    torch.manual_seed(0)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    else:
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            head_dim=128, query_pre_attn_scalar=128, attn_logit_softcapping=50.0, **common))
+    model = model.to("cuda", torch.bfloat16).train()
+    fp32_model = copy.deepcopy(model).float()
+    ids = torch.randint(0, 256, (2, 384), device="cuda")
+
+    def step(m, impl):
+        m.set_attn_implementation(impl)
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        result = {"logits": out.logits.float(), "loss": out.loss.float().reshape(1)}
+        result.update({n: p.grad.float().clone() for n, p in m.named_parameters()})
+        m.zero_grad(set_to_none=True)
+        return result
+
+    truth, eager, ours = step(fp32_model, "eager"), step(model, "eager"), step(model, name)
+    for what, want in truth.items():
+        scale = want.abs().max().clamp_min(1e-6)
+        err_eager = float((eager[what] - want).abs().max() / scale)
+        err_ours = float((ours[what] - want).abs().max() / scale)
+        assert err_ours <= 3 * err_eager + 2e-3, \
+            f"{what}: error vs fp32 {err_ours:.3g}, bf16 eager's {err_eager:.3g}"
 
 
 @pytest.mark.gpu

@@ -89,8 +89,10 @@ def implementations(model, wanted) -> tuple:
                 notes["fa4"] = "transformers attn_implementation='flash_attention_4'"
             except Exception as exc:  # noqa: BLE001 - transformers did not take it: ours
 
-                def fa4(q, k, v, causal, softmax_scale):
-                    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+                def fa4(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
+                    window = tuple(None if side < 0 else side for side in window_size)
+                    return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                           window_size=window, softcap=softcap)
                 impls["fa4"] = hopper_tf.register("fa4", backend=fa4)
                 notes["fa4"] = (f"flash_attn.cute.flash_attn_func registered as 'fa4' "
                                 f"(flash_attention_4: {type(exc).__name__}: "

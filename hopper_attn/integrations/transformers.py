@@ -18,21 +18,30 @@ What runs: causal (decoder) and non-causal (encoder, cross-attention) modules, G
 in place, the module's `scaling`, and generation with a growing KV cache (`DynamicCache`,
 the default): a query block shorter than the keys is aligned bottom-right, as a cache needs.
 bf16 or fp16, the head dims `hopper_attn.attention` runs (64, 96, 128, 192, 256; training
-at 64, 128, 256).
+at 64, 128, 256). Causal sliding windows (Mistral, Qwen2, Gemma 2/3's local layers: the
+call's `sliding_window=N`, a query sees itself and the N - 1 keys before it, which is
+`window_size=(N - 1, 0)`; head dims 64, 96, 128) and logit softcapping (Gemma 2: the call's
+`softcap`, `attention(softcap=...)`; training at head dims 64 and 128); a sliding-window
+layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since its keys end at the last
+query.
 
 What is refused, before any launch (`UnsupportedFeature`, both a ValueError and a
 NotImplementedError, naming the feature), rather than computed differently: a padding mask
 with real padding (a 2-D mask with zeros, or any 4-D mask), packed sequences (position ids
 that restart, which transformers looks for when there is neither a mask nor a cache, as in
-training; or `cu_seq_lens_q/k` from a flattening collator), sliding windows, chunked
-attention, logit softcapping, attention sinks (`s_aux`), dropout > 0, a static
-(preallocated) KV cache; and (a plain ValueError) a causal call with more queries than keys.
+training; or `cu_seq_lens_q/k` from a flattening collator), bidirectional sliding windows
+(eager/SDPA and transformers' flash path disagree on their width), chunked attention,
+attention sinks (`s_aux`), dropout > 0, a static (preallocated) KV cache; and (a plain
+ValueError) a causal call with more queries than keys, a softcap that is not a positive
+number, a sliding window below 1.
 
 The mask function is where padding, packing and static caches are seen: transformers hands
 it the 2-D padding mask, the mask pattern it built (causal, or causal and "same document"
 for packed sequences, ...) and the query/key offsets of the cache, once per forward. It
-returns None when the call is plain causal or bidirectional attention over every key, and
-raises otherwise.
+returns None when the call is plain causal or bidirectional attention over every key, or
+causal attention in a sliding window (the window's width reaches the attention call as its
+`sliding_window` argument, which every transformers model that builds a sliding mask passes
+to its sliding layers), and raises otherwise.
 
 The mapping is plain functions (`plan_call`, `check_mask_request`, `mask_function_parts`)
 that need neither a GPU nor transformers; nothing here imports transformers until
@@ -42,6 +51,7 @@ that need neither a GPU nor transformers; nothing here imports transformers unti
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Callable, Optional
 
@@ -60,9 +70,23 @@ class UnsupportedFeature(UnsupportedProblem, NotImplementedError):
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     """What one attention call of a model becomes: `attention(q, k, v, causal=...,
-    softmax_scale=...)` on the (batch, seqlen, heads, head_dim) views of its inputs."""
+    softmax_scale=..., window_size=..., softcap=...)` on the (batch, seqlen, heads,
+    head_dim) views of its inputs. window_size (-1, -1) and softcap 0.0: none."""
     causal: bool
     softmax_scale: Optional[float]
+    window_size: tuple = (-1, -1)
+    softcap: float = 0.0
+
+    def features(self) -> dict:
+        """The keyword arguments a backend gets beyond (q, k, v, causal, softmax_scale):
+        only those that are set, so that a backend without windows or softcap still runs
+        every call that has neither."""
+        out = {}
+        if self.window_size != (-1, -1):
+            out["window_size"] = self.window_size
+        if self.softcap:
+            out["softcap"] = self.softcap
+        return out
 
 
 # transformers' mask pieces, by the name of the function that builds them, and what a user
@@ -70,13 +94,14 @@ class CallPlan:
 _MASK_FEATURES = {
     "packed_sequence_mask_function": "packed sequences (position_ids that restart inside a "
                                      "row: several documents in one sequence)",
-    "sliding_window_overlay": "a sliding window",
-    "sliding_window_bidirectional_overlay": "a sliding window",
+    "sliding_window_bidirectional_overlay": "a bidirectional sliding window",
     "chunked_overlay": "chunked attention",
     "padding_mask_function": "a padding mask",
     "blockwise_overlay": "a block-wise (bidirectional within blocks) mask",
 }
 _PLAIN_MASKS = {"causal_mask_function": True, "bidirectional_mask_function": False}
+# run without a mask when the attention call carries the window (`sliding_window`)
+_WINDOW_MASKS = {"sliding_window_overlay"}
 _COMBINATORS = {"and_masks", "or_masks", "add_offsets_to_mask_function"}
 
 
@@ -104,6 +129,10 @@ def _refused_mask_features(parts: tuple) -> list:
     for part in parts:
         if part in _PLAIN_MASKS:
             continue
+        if part in _WINDOW_MASKS:
+            if "causal_mask_function" not in parts:
+                features.append("a sliding window without a causal mask")
+            continue
         feature = _MASK_FEATURES.get(part, f"a custom mask function ({part})")
         if feature not in features:
             features.append(feature)
@@ -129,6 +158,8 @@ def check_mask_request(q_length: int, kv_length: int, q_offset=0, kv_offset: int
                                  "attn_implementation='sdpa' (or 'flash_attention_4') for this "
                                  "model or batch")
     causal = "causal_mask_function" in parts
+    # A sliding-window layer's cache (DynamicSlidingWindowLayer) keeps the last window - 1
+    # keys: its kv_offset moves with it, and the keys still end at the last query.
     if isinstance(q_offset, torch.Tensor):
         # a StaticLayer's offset (a tensor, so that torch.compile does not specialize on it)
         if compiling:
@@ -164,8 +195,9 @@ def hopper_attn_mask(batch_size: int, q_length: Optional[int] = None,
                      attention_mask: Optional[torch.Tensor] = None, cache_position=None,
                      **kwargs):
     """transformers mask function for "hopper_attn": None (no mask: the attention call's
-    causal flag says everything) or UnsupportedFeature. (transformers before 5.8 passes the
-    query positions as `cache_position` instead of q_length / q_offset.)"""
+    causal flag and sliding_window say everything) or UnsupportedFeature. (transformers
+    before 5.8 passes the query positions as `cache_position` instead of q_length /
+    q_offset.)"""
     if q_length is None and cache_position is not None:
         q_length, q_offset = cache_position.shape[0], cache_position[0]
     check_mask_request(q_length, kv_length, q_offset, kv_offset, mask_function,
@@ -194,12 +226,6 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if dropout:
         raise UnsupportedFeature(f"hopper_attn has no attention dropout (dropout={dropout}); "
                                  "set the config's attention_dropout to 0 or call model.eval()")
-    if sliding_window is not None:
-        raise UnsupportedFeature(f"hopper_attn does not run a sliding window "
-                                 f"(sliding_window={sliding_window}) yet")
-    if softcap is not None:
-        raise UnsupportedFeature(f"hopper_attn does not run logit softcapping "
-                                 f"(softcap={softcap}) yet")
     if s_aux is not None:
         raise UnsupportedFeature("hopper_attn does not run attention sinks (s_aux) yet")
     for name, feature in _SIMPLE_KWARGS_REFUSED.items():
@@ -217,22 +243,57 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal)
+    window_size = window_from_sliding_window(sliding_window, causal)
+    softcap = softcap_value(softcap)
     q_length, kv_length = query.shape[2], key.shape[2]
-    if causal and q_length == 1:
+    if causal and q_length == 1 and window_size == (-1, -1):
         causal = False         # one query over the whole cache: the same thing, fewer checks
     if causal and q_length > kv_length:
         raise ValueError(f"a causal call with more queries ({q_length}) than keys "
                          f"({kv_length}): transformers aligns such a mask top-left, "
                          "hopper_attn bottom-right")
-    return CallPlan(causal=causal, softmax_scale=None if scaling is None else float(scaling))
+    return CallPlan(causal=causal, softmax_scale=None if scaling is None else float(scaling),
+                    window_size=window_size, softcap=softcap)
 
 
-def _default_backend(q, k, v, causal, softmax_scale):
+def window_from_sliding_window(sliding_window: Optional[int], causal: bool) -> tuple:
+    """transformers' `sliding_window=N` as `attention()`'s window_size: (-1, -1) for None.
+    transformers' causal sliding mask keeps key j for query i when i - N < j <= i
+    (masking_utils.sliding_window_overlay: the query and the N - 1 keys before it), and its
+    flash path passes window_size=(N - 1, N - 1) with causal=True; so (N - 1, 0)."""
+    if sliding_window is None:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) \
+            or sliding_window < 1:
+        raise ValueError(f"sliding_window must be an int >= 1 (the tokens a query sees, "
+                         f"itself included), got {sliding_window!r}")
+    if not causal:
+        # eager/SDPA's bidirectional window keeps |i - j| <= N, transformers' flash path
+        # |i - j| <= N - 1: no one answer to match
+        raise UnsupportedFeature(f"hopper_attn does not run a bidirectional sliding window "
+                                 f"(sliding_window={sliding_window} on a non-causal call) yet")
+    return (sliding_window - 1, 0)
+
+
+def softcap_value(softcap: Optional[float]) -> float:
+    """transformers' `softcap` (Gemma 2's attn_logit_softcapping: cap * tanh(s / cap) on the
+    scaled scores, as `attention(softcap=cap)`) as a float; 0.0 for None."""
+    if softcap is None:
+        return 0.0
+    value = float(softcap)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap must be a positive number (Gemma 2: "
+                         f"attn_logit_softcapping), got {softcap!r}")
+    return value
+
+
+def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
     from hopper_attn.api import attention
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"hopper_attn runs bf16 or fp16, got {q.dtype}: load the model "
                          "with dtype=torch.bfloat16")
-    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, softcap=softcap)
 
 
 _warned_output_attentions = False
@@ -240,7 +301,8 @@ _warned_output_attentions = False
 
 def make_attention_forward(backend: Optional[Callable] = None) -> Callable:
     """A transformers attention function that runs `backend(q, k, v, causal,
-    softmax_scale) -> out` on (batch, seqlen, heads, head_dim) views (default:
+    softmax_scale, **features) -> out` on (batch, seqlen, heads, head_dim) views, features
+    being `window_size=(left, right)` and `softcap=cap` when the call has them (default:
     `hopper_attn.attention`; another one, e.g. FlashAttention-4's `flash_attn_func`, gets
     the same mapping and the same refusals)."""
     run = backend or _default_backend
@@ -255,7 +317,7 @@ def make_attention_forward(backend: Optional[Callable] = None) -> Callable:
         plan = plan_call(module, query, key, value, attention_mask, dropout, scaling,
                          sliding_window, softcap, is_causal, s_aux, **kwargs)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        out = run(q, k, v, plan.causal, plan.softmax_scale)
+        out = run(q, k, v, plan.causal, plan.softmax_scale, **plan.features())
         if isinstance(out, tuple):           # (out, lse) from FlashAttention-4's interface
             out = out[0]
         return out, None
