@@ -161,11 +161,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if handle.workspace_fn is None:            # a stage that does not write the LSE (k4)
         lse.fill_(float("nan"))
         run_attention(handle, q, k, v, out, softmax_scale, checked=True)
-    elif handle.spec.name == "decode":         # its own workspace: partials, counters
-        from hopper_attn import decode
-        decode.run(handle, q, k, v, out, lse, softmax_scale, checked=True)
-    else:
-        run_attention(handle, q, k, v, out, softmax_scale, workspace=[lse], checked=True)
+    else:                                      # (decode: its partials and counters follow)
+        run_attention(handle, q, k, v, out, softmax_scale, checked=True, lse=lse)
     return out, lse
 
 

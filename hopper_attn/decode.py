@@ -111,6 +111,7 @@ SPEC = KernelSpec(
     grid_per_tile=False,
     extra_limits=_limits,
     workspace_bytes=_workspace_bytes,
+    keeps_workspace=True,       # [LSE, partial O, partial LSE, counters]: a caller's LSE first
 )
 
 
@@ -607,8 +608,4 @@ def run_kernel(handle, q, k, v, out):
 def run(handle, q, k, v, out, lse=None, softmax_scale=None, checked: bool = False):
     """`run_kernel` writing the LSE into `lse` ((batch, heads, seqlen_q) fp32; None: the
     handle's own buffer), for `attention(..., return_lse=True)`."""
-    if not handle.workspace:
-        handle.spec.check(handle.problem)
-        handle.workspace = handle.workspace_fn(handle.problem, q.device)
-    workspace = handle.workspace if lse is None else [lse, *handle.workspace[1:]]
-    run_attention(handle, q, k, v, out, softmax_scale, workspace=workspace, checked=checked)
+    run_attention(handle, q, k, v, out, softmax_scale, checked=checked, lse=lse)

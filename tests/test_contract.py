@@ -129,3 +129,31 @@ def test_problem_from_tensor_refuses_an_empty_k():
     for shape in ((2, 0, 4, 64), (2, 17, 0, 64)):
         with pytest.raises(ValueError, match="at least one key"):
             Problem.from_tensor(q, k=torch.empty(shape, dtype=torch.bfloat16))
+
+
+def test_a_callers_lse_replaces_only_the_first_workspace_tensor():
+    """run_attention(..., lse=): a stage whose workspace is its LSE alone gets [lse]; one that
+    keeps more (decode: partials, counters, allocated once per handle) gets [lse, *the rest]."""
+    import dataclasses
+    import types
+    from hopper_attn.common.contract import KernelSpec, run_attention
+    q = torch.zeros(1, 2, 2, 64)
+    lse = torch.zeros(1, 2, 2)
+    for keeps, expect in ((False, 1), (True, 3)):
+        spec = KernelSpec("x", "x", (64,), keeps_workspace=keeps)
+        made = []
+        calls = []
+
+        def workspace_fn(problem, device, made=made):
+            made.append(1)
+            return [torch.ones(1), torch.ones(2), torch.ones(3)]
+
+        handle = types.SimpleNamespace(problem=Problem(1, 2, 2, 64), spec=spec, tvm_ffi=True,
+                                       workspace_fn=workspace_fn, workspace=None,
+                                       compiled=lambda *args, calls=calls: calls.append(args))
+        for _ in range(2):
+            run_attention(handle, q, q, q, q, checked=True, lse=lse)
+        workspace = calls[-1][4:-1]
+        assert len(workspace) == expect and workspace[0] is lse
+        assert len(made) == (1 if keeps else 0)           # allocated once, or never
+        assert dataclasses.is_dataclass(spec)

@@ -215,6 +215,9 @@ class KernelSpec:
     grid_per_tile: bool = True
     # the kernel takes the current stream's work counter after its workspace (k5, k6)
     takes_work_counter: bool = False
+    # the workspace holds more than the LSE (its first tensor), kept across calls: a caller's
+    # LSE replaces only that first tensor (decode: the partials and counters stay)
+    keeps_workspace: bool = False
     # the dtype q, k, v arrive in when it is not the problem's (k7: e4m3, quantized from the
     # problem's bf16 by the module's `prepare_inputs`); the output stays in the problem's
     input_dtype: Optional[torch.dtype] = None
@@ -449,12 +452,14 @@ def check_descales(problem: Problem, descales) -> None:
 
 def run_attention(handle: CompiledAttention, q, k, v, out,
                   softmax_scale: Optional[float] = None, workspace: Optional[list] = None,
-                  checked: bool = False, extra_inputs: tuple = ()) -> None:
+                  checked: bool = False, extra_inputs: tuple = (), lse=None) -> None:
     """Check the tensors against the handle's problem (unless the caller has, for this
     layout: `checked`), then launch on the current stream. `softmax_scale` defaults to
     1/sqrt(head_dim). `workspace`: the kernel's extra tensors (k5/k6: the log-sum-exp) to use
-    instead of the handle's own (allocated once). Kernels that take a work counter get the
-    current stream's (`work_counter`), looked up per call."""
+    instead of the handle's own (allocated once); `lse`: the log-sum-exp to write instead of
+    the handle's own first workspace tensor (with `keeps_workspace` the rest of the handle's
+    workspace follows it). Kernels that take a work counter get the current stream's
+    (`work_counter`), looked up per call."""
     problem = handle.problem
     if not checked:
         check_tensors(problem, q, k, v, out, strided=handle.spec.strided_inputs,
@@ -463,12 +468,14 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
         if handle.spec.extra_inputs is not None:
             check_descales(problem, extra_inputs)
     rt = _cute()
+    if workspace is None and lse is not None and not handle.spec.keeps_workspace:
+        workspace = [lse]
     if workspace is None:
         if handle.workspace_fn is not None and not handle.workspace:
             # re-check memory right before allocating, so we refuse instead of failing mid-run
             handle.spec.check(problem)
             handle.workspace = handle.workspace_fn(problem, q.device)
-        workspace = handle.workspace
+        workspace = handle.workspace if lse is None else [lse, *handle.workspace[1:]]
     if handle.spec.takes_work_counter:
         workspace = [*workspace, kernel_counter(handle, q.device)]
     scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
