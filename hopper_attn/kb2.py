@@ -2,60 +2,40 @@
 
 What changes from kb1:
 
-* Warp specialization (common/warp_roles.py, as in k5). Warpgroup 0 is the producer: its
-  warp 0 issues every TMA load (K and V once; then per query tile Q with its LSE row and dO
-  with its D row), its warp 1 is the dQ writer (below), warps 2-3 idle. Warpgroups 1-2 are
-  the consumers (64 keys each) and only compute. `setmaxnreg`: 24 registers for the producer
-  warpgroup, 240 for the consumers.
+* Warp specialization (common/warp_roles.py, as in k5). Warpgroup 0 is the producer: warp 0
+  issues every TMA load, warp 1 is the dQ writer (below), warps 2-3 idle. Warpgroups 1-2 are
+  the consumers (64 keys each). `setmaxnreg`: 24 registers producer, 240 consumers.
 * Q and dO through separate 2-stage rings, each with its per-row statistic loaded by TMA
   into the same stage (lse2 with Q, D with dO): S^T = K Q^T starts as soon as Q has landed,
   and the statistics are read from SMEM rather than from global memory.
-* dQ through SMEM and a bulk reduce-add. kb1 issued 32 `red.global.add.f32` per thread and
-  query tile. Here a consumer warpgroup writes its 64 x d/2 fp32 dQ partial to SMEM (16-byte
-  vector stores, in the accumulator's own register order: no shuffling), and the dQ writer
-  warp adds the whole 16 KiB block to global memory with one
-  `cp.reduce.async.bulk.global.shared::cta.add.f32` (tma.bulk_reduce_add_f32). The global
-  buffer is therefore in "fragment order"; the postprocess (`DqConvertFragments`) knows the
-  mapping back to (row, column). Two named barriers per warpgroup hand the SMEM buffer back
-  and forth (dQ full: 128 consumer threads arrive, the writer waits; dQ empty: the writer
-  arrives once the copy engine has read it, the consumers wait before writing the next).
+* dQ through SMEM and a bulk reduce-add (kb1: 32 `red.global.add.f32` per thread and tile):
+  a consumer warpgroup writes its fp32 dQ partial to SMEM in its register order, and the dQ
+  writer warp adds the block to global memory with one bulk `cp.reduce.async` (so the buffer
+  is in "fragment order", which `DqConvertFragments` maps back). Named barriers per
+  warpgroup hand the SMEM buffer back and forth (dQ full, dQ empty).
 * The consumer's order (FlashAttention-3's): S^T and dP^T issued back to back (each
   thread's lse2 values read from SMEM meanwhile); P^T while dP^T still runs; dS^T; dS^T ->
   SMEM (stmatrix) and dV += P^T dO issued (with a mask its first 16 queries go right after
   P^T instead, the rest after the dS^T stores: `early_dv`, `split_dv`); one barrier;
   dQ = dS K issued, waiting only for dV; dK += dS^T Q issued, waiting only for dQ;
-  dQ -> SMEM while dK runs. The tensor core always has the next GEMM queued behind the
-  current one.
-
+  dQ -> SMEM while dK runs: the tensor core always has the next GEMM queued.
 * GQA / MQA (`gqa`, a variant compiled where k and v have fewer heads than q): one CTA per
   (kv tile, dK head, batch) walks the query tiles of every query head of its group, head
-  after head (the producer loads Q, dO, lse2 and D of (head, query tile) pairs; the dQ
-  writer adds into each query head's dQ), keeps dK and dV in its accumulators across the
-  group and stores them once. Before, one dK / dV per query head went to a scratch buffer
-  that torch summed (kb1 still does). dK heads are the k/v heads, or, where whole groups
-  leave too few CTAs (MQA, small batches), each k/v head split in parts (`dkv_parts`) that
-  run_backward sums. A CTA's length now varies `group` times more with a mask, so the long
-  ones start first: the longest-first grid counting a dK head as one query head's rows
-  (d = 128), or the (heads, kv tiles, batch) grid (`heads_first`, d = 64). The
-  deterministic mode is unchanged: dQ tile (head, m) still receives one add per kv tile
-  of head's k/v head, in kv tile order.
-
+  after head, and stores dK and dV once (kb1: per query head, summed by torch). Too few
+  CTAs (MQA, small batches): each k/v head split in parts (masking.dkv_parts) that
+  run_backward sums. With a mask the long CTAs start first (longest first at d = 128,
+  `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
 
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
-as in kb1 (gqa: per dK head); at d = 128 with a causal mask they are launched longest first
-inside groups of heads that share L2 (`longest_first`, masking.KVTileSchedule), so the grid
-does not end on the long CTAs of the last heads. Query tiles (`POLICY`, FlashAttention-3's
-choices): 128 rows at d = 64; at d = 128 80 rows without a mask (dQ computed transposed,
-`dq_swap_ab`; dS^T's SMEM addresses recomputed per tile, or one register spills) and 64 with
-one. At d = 128 the prologue is FA4's: K rides on the first Q stage's barrier and V on the
-first dO stage's (S^T of the first tile waits for K and Q only), and the main kernel is a
-programmatic dependent launch of the preprocess (its first loads start before the
-preprocess has finished; lse2, D and the zeroed dQ buffer are read after
-`griddepcontrol.wait`), as is the dQ conversion of the main kernel.
+as in kb1 (gqa: per dK head); at d = 128 with a causal mask launched longest first inside
+head groups that share L2 (`longest_first`). Query tiles (`POLICY`, FlashAttention-3's):
+128 rows at d = 64; at d = 128 80 without a mask (dQ transposed, `dq_swap_ab`) and 64 with
+one. At d = 128 the prologue is FA4's (K and V on the first Q / dO stages' barriers), and
+the main kernel and the dQ conversion are programmatic dependent launches.
 
 Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
@@ -71,8 +51,6 @@ consumer warpgroup, 128 + 32 threads).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import heapq
 import math
 from typing import Optional
 
@@ -91,7 +69,7 @@ from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_b
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
-from hopper_attn.common.masking import KVTileSchedule, mask_scores
+from hopper_attn.common.masking import KVTileSchedule, dkv_parts, mask_scores, window_options
 from hopper_attn.common.softmax import softcap_scores
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.warp_roles import WarpRoles
@@ -113,15 +91,17 @@ class FlashAttentionBackwardKB2:
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
+    stages = 2                         # Q / dO ring depth (a third stage: docs/kb2.md)
+
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
-                 stages: int = 2, rotate: bool = False, deterministic: bool = False,
-                 stmatrix: bool = True, early_dv=None, dp_first: bool = False,
-                 ds_address_per_tile: bool = False, kv_with_first_tile: bool = False,
-                 pdl: bool = False, split_dv: int = 0, longest_first: bool = False,
-                 group_mib: int = 32, group_heads: int = 0, trace: bool = False,
-                 convert_per_head: bool = False, gqa: bool = False, heads_first: bool = False,
-                 softcap: float = 0.0, window_left: int = -1, window_right: int = -1):
-        # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none, today's kernel)
+                 deterministic: bool = False, stmatrix: bool = True, early_dv=None,
+                 dp_first: bool = False, ds_address_per_tile: bool = False,
+                 kv_with_first_tile: bool = False, pdl: bool = False, split_dv: int = 0,
+                 longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
+                 trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
+                 heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
+                 window_right: int = -1):
+        # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
             raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
@@ -134,81 +114,53 @@ class FlashAttentionBackwardKB2:
         if self.dq_swap_ab and head_dim != 128:
             raise ValueError(f"kb2 takes 80-row query tiles at head_dim 128 only, got {head_dim}")
         self.head_dim, self.causal = head_dim, causal
-        self.block_m, self.block_n, self.stages = block_m, block_n, stages
+        self.block_m, self.block_n = block_m, block_n
         self.warpgroups = block_n // 64                     # consumer warpgroups
         self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
         self.threads = self.roles.threads
-        # longest_first (causal): the CTAs launched in groups of heads whose Q, dO and fp32 dQ
-        # take `group_mib` MiB (N x d x 8 bytes per head; they share L2), and inside a group
-        # kv tile 0 of every head first (its CTA walks the most query tiles), so the grid
-        # does not end on a long CTA (masking.KVTileSchedule). 32 MiB measured best or within
-        # 1% of it at N >= 2k (16-48 MiB on the H100, 12-50 on an H200; docs/kb2.md)
+        # longest_first (causal): head groups whose Q, dO and fp32 dQ (N x d x 8 bytes a head)
+        # share `group_mib` MiB of L2, kv tile 0 of every head first (masking.KVTileSchedule)
         self.longest_first = bool(longest_first) and causal
         l2_rows = (group_mib << 20) // (head_dim * 8) if self.longest_first else 0
-        # heads_first (causal, without longest_first): the grid (heads, kv tiles, batch), kv
-        # tile 0 of every head first (masking.KVTileSchedule)
+        # heads_first (causal): the grid (heads, kv tiles, batch), kv tile 0 of every head first
         self.heads_first = bool(heads_first) and causal and not self.longest_first
-        # a sliding window (compile-time sizes): kv tile n walks the query tiles whose
-        # window reaches its keys (KVTileSchedule.m_block_range), masked at the edges
+        # a sliding window (compile-time sizes): kv tile n walks the query tiles it reaches
         window = {} if window_left < 0 and (causal or window_right < 0) else \
             dict(window_left=int(window_left), window_right=-1 if causal else int(window_right))
         if window and deterministic:
             raise ValueError("kb2: the deterministic mode has no sliding window")
         self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads,
                                        heads_first=self.heads_first, **window)
-        # rotate: kv tile n starts its walk at query tile (n mod count), so that the CTAs of
-        # one head do not all reduce-add into the same dQ tile at the same time. Off by
-        # default: timed round-robin against FA4 it gains nothing without a mask and costs
-        # 3-4% with a causal one (results/h100/2026-11-23_kb2_ab.json, docs/kb2.md)
-        self.rotate = rotate and not deterministic
-        # deterministic: the kv tiles add into each dQ tile in the order 0, 1, 2, ... (a
-        # turn counter per query tile), so dQ has the same bits on every run
+        # deterministic: kv tiles add into a dQ tile in order (a turn counter per query tile)
         self.deterministic = deterministic
-        # stmatrix: dS^T -> SMEM with `stmatrix` (four 8 x 8 blocks per warp instruction)
-        # instead of one 4-byte store (and its swizzled address) per register pair
+        # stmatrix: dS^T -> SMEM four 8 x 8 blocks a warp instruction, not 4 bytes a store
         self.stmatrix = stmatrix
-        # ds_address_per_tile: the stmatrix addresses of dS^T derived from an opaque thread
-        # index inside the loop (compiler_hints.opaque), so they are not held in a register
-        # across it: at 80 query rows that register was spilled (4 bytes) and reloaded every
-        # tile; at 64 rows, which do not spill, recomputing them costs 3-4%
+        # ds_address_per_tile: dS^T's stmatrix addresses recomputed per tile from an opaque
+        # thread index, not held across the loop (at 80 rows that register spilled)
         self.ds_address_per_tile = bool(ds_address_per_tile)
-        # early_dv: issue dV += P^T dO as soon as P^T is in registers, before waiting for
-        # dP^T, instead of after dS^T. It gives the tensor core queued work while dS^T is
-        # computed, and it is what makes ptxas keep the exp2 loop ahead of that wait (with
-        # dV later, the compiled code waited for dP^T before the first exp2). Default: on at
-        # d = 128 on 64-row tiles (+1-2%), off at d = 64, where all of dV early measured 5%
-        # slower; `POLICY` turns it on at d = 64 with a mask, split (split_dv below)
+        # early_dv: dV += P^T dO issued before the wait for dP^T (queued tensor-core work, and
+        # ptxas keeps the exp2 loop ahead of that wait); on at d = 128 on 64-row tiles
         self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
             else bool(early_dv)
-        # dp_first: dP^T is issued first and starts from -D (see `consume`), S^T behind it;
-        # the exp2 loop then waits for both. Saves the D registers (what lets 128 x 128
-        # tiles at d = 64 run without spills) but gives up dP^T's overlap with the exp2s
+        # dp_first: dP^T issued first, from -D (no D registers), S^T behind it
         self.dp_first = dp_first
-        # kv_with_first_tile: K arrives on the first Q stage's barrier and V on the first dO
-        # stage's (FA4's prologue), so S^T of the first tile waits for K and Q only
+        # kv_with_first_tile: K on the first Q stage's barrier, V on the first dO stage's
         self.kv_with_first_tile = bool(kv_with_first_tile)
-        # pdl: launched as a programmatic dependent of the preprocess (its loads of K, V, Q
-        # and dO start before the preprocess has finished; lse2, D and the zeroed dQ buffer
-        # are read after `griddepcontrol.wait`), and lets the dQ conversion launch early
+        # pdl: a programmatic dependent launch of the preprocess, and of the dQ conversion
         self.pdl = bool(pdl)
-        # split_dv (with early_dv): only dV's first `split_dv` K blocks (16 queries each) go
-        # early, enough to keep the exp2s ahead of the wait for dP^T; the rest is issued
-        # between the dS^T stores and their fence, FA4's place for dV, so the tensor core has
-        # dV to run while the two warpgroups meet at the dS^T barrier (`POLICY`: 1 with a mask)
+        # split_dv (with early_dv): dV's first `split_dv` K blocks early, the rest between
+        # the dS^T stores and their fence (FA4's place), running through the dS^T barrier
         self.split_dv = int(split_dv)
         if self.split_dv and not self.early_dv:
             raise ValueError("kb2: split_dv splits the early dV (early_dv)")
-        # convert_per_head: at its end each CTA waits for its dQ adds to land and counts
-        # itself in counters[b, h, 0] (release); the dQ conversion, launched early, starts a
-        # head as soon as all its kv tiles have counted (common/backward.DqConvertFragments)
+        # convert_per_head: each CTA counts itself in counters[b, h, 0] once its dQ adds have
+        # landed; the early dQ conversion starts a head when all have (DqConvertFragments)
         self.convert_per_head = bool(convert_per_head)
         if self.convert_per_head and (deterministic or not pdl):
             raise ValueError("kb2: convert_per_head needs pdl and not the deterministic mode "
                              "(whose turns use the same counters)")
-        # gqa (k and v with fewer heads than q): one CTA per (kv tile, dK head, batch) walks
-        # the query tiles of every query head of its group (or part of it: `dkv_parts`),
-        # head after head, and stores dK and dV once; dQ stays per query head. A separate
-        # variant, so that the MHA kernels compile as before
+        # gqa: a CTA walks every query head of its group (or part: `dkv_parts`), stores dK
+        # and dV once; a separate variant, so the MHA kernels compile as before
         self.gqa = bool(gqa)
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
@@ -216,24 +168,14 @@ class FlashAttentionBackwardKB2:
                              "for dP^T before the exp2 loop)")
 
     @cute.jit
-    def query_tile(self, it, n_block, m_first, m_count):
-        """The `it`-th query tile a CTA visits (every role walks the same order)."""
-        m_block = m_first + it
-        if cutlass.const_expr(self.rotate):
-            m_block = m_first + (it + n_block) % m_count
-        return m_block
-
-    @cute.jit
-    def work_item(self, it, n_block, m_first, m_count):
+    def work_item(self, it, m_first, m_count):
         """gqa: the `it`-th (query head of the group, query tile) pair a CTA visits: each
-        head's query tiles in `query_tile`'s order, the group's heads one after the other."""
+        head's query tiles in order, the group's heads one after the other."""
         head_in_group = it // m_count
-        return head_in_group, self.query_tile(it - head_in_group * m_count, n_block, m_first,
-                                              m_count)
+        return head_in_group, m_first + (it - head_in_group * m_count)
 
     def visits(self, m_count, group):
-        """How many query tiles a CTA walks: its query tiles, times the group's query heads
-        with gqa."""
+        """How many query tiles a CTA walks (gqa: times the group's query heads)."""
         return m_count * group if self.gqa else m_count
 
     def dkv_heads(self, problem) -> int:
@@ -375,9 +317,8 @@ class FlashAttentionBackwardKB2:
     @cute.jit
     def load(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD, kv_pipe,
              q_pipe, do_pipe, n_block, head, batch, kv_head, m_first, m_count, group):
-        """The producer warp: K and V of kv tile `n_block`, then Q with its lse2 row and dO
-        with its D row for every query tile it visits (gqa: of every query head of the
-        group, `head` the first)."""
+        """The producer warp: K and V of kv tile `n_block`, then Q + lse2 and dO + D for every
+        query tile it visits (gqa: of every query head of the group, `head` the first)."""
         tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum = loads
         k_load = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
         v_load = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
@@ -394,14 +335,14 @@ class FlashAttentionBackwardKB2:
         produce = tma.producer_state(self.stages)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):        # this tile's query head's copies
-                head_in_group, m_block = self.work_item(it, n_block, m_first, m_count)
+                head_in_group, m_block = self.work_item(it, m_first, m_count)
                 q_head = head + head_in_group
                 head_loads = (tma.TmaTiles.partition(tma_q, mQ, q_head, batch, sQ),
                               tma.TmaTiles.partition(tma_do, mdO, q_head, batch, sdO),
                               tma.TmaTiles.partition_rows(tma_lse, mLSE2, q_head, batch, sLSE),
                               tma.TmaTiles.partition_rows(tma_dsum, mD, q_head, batch, sD))
             else:
-                m_block = self.query_tile(it, n_block, m_first, m_count)
+                m_block = m_first + it
                 head_loads = (q_load, do_load, lse_load, dsum_load)
             phase = self.trace.start("load_q")
             q_pipe.producer_acquire(produce)
@@ -429,8 +370,7 @@ class FlashAttentionBackwardKB2:
     @cute.jit
     def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
                  head, batch, m_first, m_count, group):
-        """The dQ writer warp: each consumer warpgroup's dQ block of every query tile of kv
-        tile `n_block` (gqa: of every query head of the group, `head` the first),
+        """The dQ writer warp: each consumer warpgroup's dQ block of every query tile visited,
         reduce-added from SMEM to the fp32 dQ buffer."""
         bm, d = self.block_m, self.head_dim
         dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
@@ -438,11 +378,11 @@ class FlashAttentionBackwardKB2:
             dq_accum = mdQacc[batch, head, None, None].iterator
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):
-                head_in_group, m_block = self.work_item(it, n_block, m_first, m_count)
+                head_in_group, m_block = self.work_item(it, m_first, m_count)
                 q_head = head + head_in_group
                 dq_head = mdQacc[batch, q_head, None, None].iterator
             else:
-                m_block = self.query_tile(it, n_block, m_first, m_count)
+                m_block = m_first + it
             # hand each staging buffer back once the copy engine has read it (the
             # previous tile's copies were committed in warpgroup order)
             for wg in cutlass.range_constexpr(self.warpgroups):
@@ -485,9 +425,8 @@ class FlashAttentionBackwardKB2:
                 scale_log2: Float32, softmax_scale: Float32, mdK: cute.Tensor,
                 mdV: cute.Tensor, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, warp,
                 n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k, group):
-        """One consumer warpgroup's work on kv tile `n_block` of (head, batch): every query
-        tile it visits (gqa: of every query head of the group), then dK and dV out (`head`:
-        the k/v head)."""
+        """One consumer warpgroup on kv tile `n_block`: every query tile it visits, then dK
+        and dV out (`head`: the k/v head)."""
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
                                          sdSt, dtype, self.dq_swap_ab)  # kb1's five GEMMs
@@ -505,21 +444,19 @@ class FlashAttentionBackwardKB2:
             kv_pipe.consumer_wait(tma.consumer_state(1))
         consume = tma.consumer_state(self.stages)
         causal_offset = seqlen_k - seqlen_q
-        # the exponents' factor: scale log2(e) on raw scores, or with a softcap cap log2(e)
-        # on tanh(s scale / cap)
+        # the exponents' factor: scale log2(e), or with a softcap cap log2(e) (on tanh)
         score_log2 = scale_log2
         if cutlass.const_expr(self.softcap > 0.0):
             score_log2 = Float32(self.softcap * LOG2_E)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):
-                # the query tiles of a head recomputed from opaque copies of the kv tile
-                # index and the lengths (which the compiler cannot hoist) rather than held
-                # through the loop: with one register more held, d = 64 with a mask spilled
+                # a head's query tiles recomputed from opaque inputs, not held through the
+                # loop: one register more spilled at d = 64 with a mask
                 first, end = self.schedule.m_block_range(opaque(n_block), opaque(seqlen_q),
                                                          opaque(seqlen_k))
-                _, m_block = self.work_item(it, n_block, first, end - first)
+                _, m_block = self.work_item(it, first, end - first)
             else:
-                m_block = self.query_tile(it, n_block, m_first, m_count)
+                m_block = m_first + it
             stage = consume.index
             phase = self.trace.start("wait_q")
             q_pipe.consumer_wait(consume)
@@ -532,10 +469,8 @@ class FlashAttentionBackwardKB2:
             if cutlass.const_expr(self.softcap > 0.0 and not self.dp_first):
                 tanh_slope = cute.make_rmem_tensor(st_rc.shape, Float16)     # 1 - t^2
             if cutlass.const_expr(self.dp_first):
-                # dP^T - D straight out of the GEMM: it starts from -D instead of zero, so no
-                # D register is held through the tile. A WGMMA whose accumulator was written
-                # by other instructions waits for every earlier WGMMA (ptxas inserts the
-                # wait), so dP^T goes first and S^T queues behind it
+                # dP^T - D out of the GEMM (it starts from -D: no D registers); ptxas makes it
+                # wait for every earlier WGMMA, so it goes first and S^T queues behind it
                 do_pipe.consumer_wait(consume)
                 dsum = column_stats(sD, st_coords, stage, cols)
                 for c in cutlass.range_constexpr(cols):
@@ -545,8 +480,8 @@ class FlashAttentionBackwardKB2:
                            mmas.do_frag[None, None, None, stage], zero_init=False)
             wgmma.gemm(mmas.mma_sdp, acc_st, mmas.k_frag, mmas.q_frag[None, None, None, stage],
                        zero_init=True)
-            # this thread's LSE (and below D) values, loaded while the GEMMs run: read after
-            # the wait, their SMEM latency stalled the exp2 loop (ncu: 9% of warp samples)
+            # this thread's LSE (and below D) values, read while the GEMMs run (after the
+            # wait their SMEM latency stalled the exp2 loop)
             lse2 = column_stats(sLSE, st_coords, stage, cols)
             if cutlass.const_expr(self.dp_first):
                 self.trace.end(phase)
@@ -562,9 +497,8 @@ class FlashAttentionBackwardKB2:
             self.trace.end(phase)
             phase = self.trace.start("exp2")
             if cutlass.const_expr(self.softcap > 0.0):
-                # t = tanh(s scale / cap) before the mask (tanh(-inf) is -1); P from the
-                # forward's LSE of the capped scores cap t; dS^T times d(cap t)/ds = 1 - t^2:
-                # with dP^T landed (dp_first) in the exp2 loop, else kept in fp16 until dS^T
+                # t = tanh(s scale / cap) before the mask; dS^T times 1 - t^2 (docs/softcap.md):
+                # in the exp2 loop with dp_first, else kept in fp16 until dS^T
                 softcap_scores(st_rc, scale_log2 * (1.0 / (self.softcap * LOG2_E)))
                 if cutlass.const_expr(not self.dp_first):
                     for c in cutlass.range_constexpr(cols):
@@ -678,7 +612,6 @@ class FlashAttentionBackwardKB2:
             store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
         self.trace.end(phase)
 
-
     @cute.jit
     def issue_dv(self, mmas, acc_dv: cute.Tensor, stage, first: cutlass.Constexpr,
                  end: cutlass.Constexpr):
@@ -698,15 +631,8 @@ def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutla
     return vals
 
 
-# --------------------------------------------------------------------------------------------
-# Policy: what a problem compiles with. `DEFAULTS` where no row says otherwise; then the row of
-# its head dim and mask (only when block_m is not given: the rows tune the tile); then, in the
-# deterministic mode, that mode's row for the head dim; then, with fewer k/v heads than query
-# heads, the GQA rows (and those of GQA in the deterministic mode); an argument given to
-# compile_kernel overrides all of them. Each row: the settings, why (one line), and the
-# results file(s) that measured it (round-robin against FA4; docs/kb2.md tells the longer
-# story). None of kb2's settings depends on the length.
-# --------------------------------------------------------------------------------------------
+# Policy: `DEFAULTS`, then the matching rows in `policy`'s mode order; compile_kernel's
+# arguments override all. Each row: settings, why (one line), the results that measured it.
 
 DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None,
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
@@ -763,10 +689,8 @@ POLICY = (
                "results/h100/2026-11-26_kb2_longest_first_causal.json",
                "results/h100/2026-11-26_backward_kb2_per_head.json",
                "results/h100/2026-11-26_backward_kb2_per_head_run2.json")),
-    # the deterministic mode: its CTAs wait for each other's dQ adds, far less longest first;
-    # its turns use the counters the per-head conversion counts in; head groups of a fixed
-    # size (the heads a 32 MiB group holds at N = 2k), as larger ones start a kv tile later
-    # behind the one before it
+    # the deterministic mode: CTAs wait for each other's dQ adds (longest first helps far
+    # less); its turns use the per-head conversion's counters; fixed-size head groups
     PolicyRow(64, None, "deterministic", {"longest_first": True, "convert_per_head": False,
                                           "group_heads": 32},
               "32-head groups: +14 / +19% at N = 8k / 16k against 32 MiB groups",
@@ -777,15 +701,12 @@ POLICY = (
               "16-head groups: +17 / +23% at N = 8k / 16k against 32 MiB groups",
               ("results/h100/2026-11-26_kb2_deterministic_group_heads_d128.json",
                "results/h100/2026-11-26_kb2_deterministic_longest_first_d128.json")),
-    # GQA / MQA: dK and dV summed over the group inside the CTA of the k/v head, instead of one
-    # copy per query head summed by torch afterwards (issue 59)
+    # GQA / MQA: dK and dV summed over the group inside the CTA (issue 59)
     PolicyRow(None, None, "gqa", {"gqa": True},
               "no per-query-head dK/dV scratch nor torch sum (not yet measured)",
               ("tools/bwd_gqa_gpu_check.py",)),        # its results: to be run
-    # a CTA walks its whole group, so with a mask its length varies `group` times more than
-    # in MHA: at d = 128 the longest-first grid of the MHA row; at d = 64 (where MHA measured
-    # no gain from it, and its 1-D grid's index arithmetic spills one register in the gqa
-    # variant) the (heads, kv tiles, batch) grid, kv tile 0 of every head first
+    # with a mask a CTA's length varies `group` times more: d = 128 keeps the MHA row's
+    # longest first; d = 64 heads first (the 1-D grid's index arithmetic spills there)
     PolicyRow(64, True, "gqa", {"heads_first": True},
               "kv tile 0 of every head first: grid time estimated 1.24 -> 1.01x ideal at 32/8 "
               "B1 N = 8k (dkv_parts' model; not yet measured)",
@@ -829,9 +750,8 @@ SOFTCAP_TILES = {64: (64, None, None), 128: (64, True, False)}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
-                   block_n: int = 128, stages: int = 2, rotate: bool = False,
-                   deterministic: bool = False, stmatrix: Optional[bool] = None,
-                   early_dv=None, dp_first: Optional[bool] = None,
+                   block_n: int = 128, deterministic: bool = False,
+                   stmatrix: Optional[bool] = None, early_dv=None, dp_first: Optional[bool] = None,
                    ds_address_per_tile: Optional[bool] = None,
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
                    split_dv: Optional[int] = None, longest_first: Optional[bool] = None,
@@ -840,16 +760,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
                    softcap: float = 0.0):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
-    deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower).
-    block_m, stmatrix, early_dv, dp_first, ds_address_per_tile, kv_with_first_tile, pdl,
-    split_dv, longest_first, group_mib, group_heads, convert_per_head, gqa, heads_first: None
-    takes
-    `policy` (`POLICY`'s rows over `DEFAULTS`; the head dim and mask's row only when block_m
-    is not given); convert_per_head is also off where pdl is (the early-launched conversion
-    is what waits per head).
-    gqa: the GQA variant (dK/dV summed in the kernel); by default where k/v have fewer heads.
-    trace: iket phase ranges (harness/timeline.py). softcap: logit softcapping's cap
-    (compile time; 0: none), the forward's (k6 softcap)."""
+    deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
+    option left None takes `policy`'s (the head dim and mask's row only when block_m is not
+    given); convert_per_head is also off where pdl is (the early conversion waits per head).
+    trace: iket phase ranges (harness/timeline.py). softcap: the forward's cap (0: none)."""
     softcap = float(softcap)
     if softcap and block_m is None:
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
@@ -870,63 +784,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     options = {name: bool(value) for name, value in settings.items()
                if name not in ("block_m", "split_dv", "group_mib", "group_heads")}
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
-                            {"block_m": int(settings["block_m"]), "block_n": block_n,
-                             "stages": stages, "rotate": bool(rotate),
-                             "deterministic": bool(deterministic),
-                             "stmatrix": options["stmatrix"], "dp_first": options["dp_first"],
-                             "early_dv": early,
-                             "ds_address_per_tile": options["ds_address_per_tile"],
-                             "kv_with_first_tile": options["kv_with_first_tile"],
-                             "pdl": options["pdl"], "split_dv": int(settings["split_dv"]),
-                             "longest_first": options["longest_first"],
+                            {**options, "block_m": int(settings["block_m"]), "block_n": block_n,
+                             "deterministic": bool(deterministic), "early_dv": early,
+                             "split_dv": int(settings["split_dv"]),
                              "group_mib": int(settings["group_mib"]),
-                             "group_heads": int(settings["group_heads"]),
-                             "trace": bool(trace),
-                             "convert_per_head": options["convert_per_head"],
-                             "gqa": options["gqa"],
-                             "heads_first": options["heads_first"],
+                             "group_heads": int(settings["group_heads"]), "trace": bool(trace),
                              **({"softcap": float(softcap)} if softcap else {}),
                              **window_options(problem)},
                             compile_options=compile_options)
-
-
-def window_options(problem) -> dict:
-    """The problem's sliding window as kernel options (none without one: the options, and
-    so the compile cache's key, of a call without a window stay as they were)."""
-    if not getattr(problem, "windowed", False):
-        return {}
-    return {"window_left": problem.window_left, "window_right": problem.window_right}
-
-
-# gqa: a CTA walks every query head of its group, so with few k/v heads (MQA, small
-# batches) the grid has few, long CTAs, and with a mask the longest ones set its end (8 query
-# heads on one k/v head at B = 1, N = 8k, d = 128: 64 CTAs for 132 SMs). Each k/v head is
-# then split in parts (query heads `walk` = group / parts per CTA), each with its own dK / dV
-# rows that run_backward sums: the fewest parts whose estimated grid time (CTAs in launch
-# order on the first free SM, each its query tiles plus CTA_OVERHEAD_TILES for K / V in and
-# dK / dV out) is within PARTS_SLACK of the best divisor's.
-CTA_OVERHEAD_TILES = 1.0
-PARTS_SLACK = 1.03
-
-
-@functools.lru_cache(maxsize=256)
-def dkv_parts(schedule: KVTileSchedule, heads: int, kv_heads: int, batch: int, seqlen_q: int,
-              seqlen_k: int, sms: int) -> int:
-    """How many parts each k/v head's dK / dV is split in (see above)."""
-    group = heads // kv_heads
-    tiles = [schedule.host_tiles(n, seqlen_q, seqlen_k)
-             for n in range(-(-seqlen_k // schedule.block_n))]
-    estimates = {}
-    for parts in (p for p in range(1, group + 1) if group % p == 0):
-        walk = group // parts
-        free = [0.0] * sms
-        for n_block, _ in schedule.host_order(seqlen_q, seqlen_k, kv_heads * parts, batch,
-                                              walk):
-            start = heapq.heappop(free)
-            heapq.heappush(free, start + tiles[n_block] * walk + CTA_OVERHEAD_TILES)
-        estimates[parts] = max(free)
-    best = min(estimates.values())
-    return min(p for p, t in estimates.items() if t <= PARTS_SLACK * best)
 
 
 def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None, checked=False):

@@ -30,7 +30,7 @@ def test_kb2_gqa_backward_matches_fp32(heads_q, heads_kv, d, causal, nq, nk):
     (2, 32, 8, 2100, 64, True),      # heads first (d = 64)
 ])
 def test_kb2_gqa_parts_and_launch_orders(batch, heads_q, heads_kv, seqlen, d, causal):
-    """dK / dV split in parts (kb2.dkv_parts), and the launch orders with a mask: every
+    """dK / dV split in parts (masking.dkv_parts), and the launch orders with a mask: every
     (kv tile, dK head) visited once."""
     _backward_matches_fp32(batch, heads_q, heads_kv, seqlen, seqlen, d, causal,
                            seed=batch + heads_q + seqlen)

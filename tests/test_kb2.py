@@ -262,7 +262,6 @@ def test_gqa_deterministic_mode_compiles():
     ("kb2:deterministic=1", 128, False, torch.bfloat16),
     ("kb2:longest_first=0,heads_first=1", 128, True, torch.bfloat16),
     ("kb2:heads_first=0", 64, True, torch.bfloat16),
-    ("kb2:rotate=1", 128, True, torch.bfloat16),
     ("kb2", 128, True, torch.float16),
     ("kb2", 64, False, torch.float16),
 ])

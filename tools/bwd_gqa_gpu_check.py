@@ -6,7 +6,7 @@
    k/v have fewer heads): dQ, dK, dV against the fp32 reference
    (harness/reference_backward.py) for GQA 4:1 and 8:1, MQA and MHA, causal and not, d = 64
    and 128, lengths 1, 17, 113, 1000 and two cross lengths; cases whose dK / dV heads are
-   split in parts (`kb2.dkv_parts`) and cases with several longest-first head groups; the
+   split in parts (`masking.dkv_parts`) and cases with several longest-first head groups; the
    deterministic mode run twice (same bits) on GQA problems. A gradient passes when its
    max error <= 2x torch's own bf16 backward error on the same inputs (+ 2^-12 x max |ref|,
    as tests/test_gpu.py); `ratio` = error / that bound (<= 1 passes).

@@ -16,6 +16,8 @@ A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of B
   the window's left edge, its right (causal) edge or the key tail cross. The window sizes
   are compile-time fields: without a window every method compiles to the code it had before.
   `window_ranges` and `window_m_range` are the same ranges on the host (tests, estimates).
+* GQA backward (host side): `dkv_parts`, how many parts each k/v head's dK / dV is split
+  in, from an estimate of the grid's time in KVTileSchedule's launch order.
 * Scheduling: with a causal mask the last query tiles do the most work, so CTA x takes query
   tile (num_m_blocks - 1 - x): the longest CTAs start first and the short ones fill the tail.
 """
@@ -23,6 +25,8 @@ A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of B
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 
 import cutlass
 import cutlass.cute as cute
@@ -491,3 +495,42 @@ def window_m_range(n_block: int, block_m: int, block_n: int, seqlen_q: int, seql
         last = (n_block + 1) * block_n - 1 - offset + left
         end = max(min(end, max(last, 0) // block_m + 1), first + 1)
     return first, end
+
+
+def window_options(problem) -> dict:
+    """The problem's sliding window as kernel options (none without one: the options, and
+    so the compile cache's key, of a call without a window stay as they were)."""
+    if not getattr(problem, "windowed", False):
+        return {}
+    return {"window_left": problem.window_left, "window_right": problem.window_right}
+
+
+# gqa: a CTA walks every query head of its group, so with few k/v heads (MQA, small
+# batches) the grid has few, long CTAs, and with a mask the longest ones set its end (8 query
+# heads on one k/v head at B = 1, N = 8k, d = 128: 64 CTAs for 132 SMs). Each k/v head is
+# then split in parts (query heads `walk` = group / parts per CTA), each with its own dK / dV
+# rows that run_backward sums: the fewest parts whose estimated grid time (CTAs in launch
+# order on the first free SM, each its query tiles plus CTA_OVERHEAD_TILES for K / V in and
+# dK / dV out) is within PARTS_SLACK of the best divisor's.
+CTA_OVERHEAD_TILES = 1.0
+PARTS_SLACK = 1.03
+
+
+@functools.lru_cache(maxsize=256)
+def dkv_parts(schedule: KVTileSchedule, heads: int, kv_heads: int, batch: int, seqlen_q: int,
+              seqlen_k: int, sms: int) -> int:
+    """How many parts each k/v head's dK / dV is split in (see above)."""
+    group = heads // kv_heads
+    tiles = [schedule.host_tiles(n, seqlen_q, seqlen_k)
+             for n in range(-(-seqlen_k // schedule.block_n))]
+    estimates = {}
+    for parts in (p for p in range(1, group + 1) if group % p == 0):
+        walk = group // parts
+        free = [0.0] * sms
+        for n_block, _ in schedule.host_order(seqlen_q, seqlen_k, kv_heads * parts, batch,
+                                              walk):
+            start = heapq.heappop(free)
+            heapq.heappush(free, start + tiles[n_block] * walk + CTA_OVERHEAD_TILES)
+        estimates[parts] = max(free)
+    best = min(estimates.values())
+    return min(p for p, t in estimates.items() if t <= PARTS_SLACK * best)
