@@ -27,7 +27,6 @@ Prints < 60 lines; everything goes to $OUT/bwd_gqa.json (or --out), with the env
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 import hopper_attn  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
 from hopper_attn.harness.env import environment  # noqa: E402
+from hopper_attn.harness.gpu_check import Log, env_line, write_json  # noqa: E402
 from hopper_attn.harness.grad_check import _torch_lowp_grads  # noqa: E402
 from hopper_attn.harness.reference_backward import (attention_backward,  # noqa: E402
                                                     forward_with_lse)
@@ -278,15 +278,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="correctness only")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    lines = []
-
-    def log(line):
-        print(line, flush=True)
-        lines.append(line)
-
+    log = Log()
     env = environment()
-    log(f"{env.get('gpu')} driver {env.get('driver')} torch {env['torch']} "
-        f"cutlass-dsl {env['cutlass_dsl']} flash-attn-4 {env['flash_attn_4']}")
+    log(env_line(env))
     t0 = time.time()
     log("correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):")
     checks = correctness(log)
@@ -297,11 +291,8 @@ def main() -> int:
         log("speed, effective TFLOP/s (backward 2.5x, forward + backward 3.5x the forward's "
             "flops), round-robin medians:")
         result["speed"] = speed(log)
-    result["printed"] = lines
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bwd_gqa.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    result["printed"] = log.lines
+    path = write_json(result, "bwd_gqa.json", args.out)
     print(f"wrote {path}")
     return 0 if result["all_pass"] else 1
 

@@ -24,7 +24,6 @@ Prints < 40 lines; everything goes to $OUT/window.json (or --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.env import environment  # noqa: E402
+from hopper_attn.harness.gpu_check import Log, env_line, write_json  # noqa: E402
 from hopper_attn.harness.window_reference import (reference, torch_lowp,  # noqa: E402
                                                    window_mask)
 
@@ -229,15 +229,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="correctness only")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    lines = []
-
-    def log(line):
-        print(line, flush=True)
-        lines.append(line)
-
+    log = Log()
     env = environment()
-    log(f"{env.get('gpu')} torch {env['torch']} cutlass-dsl {env['cutlass_dsl']} "
-        f"flash-attn-4 {env['flash_attn_4']}")
+    log(env_line(env))
     t0 = time.time()
     log("correctness (ratio = max error / (2x the bf16 reference's error + floor), <= 1 passes):")
     checks = correctness(log)
@@ -251,11 +245,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - keep the correctness results
             log(f"  speed failed: {type(exc).__name__}: {str(exc)[:120]}")
             result["speed_error"] = repr(exc)
-    result["printed"] = lines
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "window.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    result["printed"] = log.lines
+    path = write_json(result, "window.json", args.out)
     print(f"wrote {path} ({time.time() - t0:.0f} s)")
     return 0 if result["all_pass"] else 1
 
