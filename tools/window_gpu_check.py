@@ -35,8 +35,8 @@ import torch  # noqa: E402
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.env import environment  # noqa: E402
 from hopper_attn.harness.gpu_check import Log, env_line, write_json  # noqa: E402
-from hopper_attn.harness.window_reference import (reference, torch_lowp,  # noqa: E402
-                                                   window_mask)
+from hopper_attn.harness.window_reference import (gradient_errors, reference,  # noqa: E402
+                                                   torch_lowp, window_inputs, window_mask)
 
 FWD_WINDOWS = [(True, (0, 0)), (True, (3, 0)), (True, (127, 0)), (True, (128, 0)),
                (True, (4095, 0)), (False, (256, 256)), (False, (-1, 64))]
@@ -44,16 +44,8 @@ D64_WINDOWS = [(True, (127, 0)), (False, (256, 256)), (False, (-1, 64))]
 LENGTHS = [1, 17, 113, 1000, 4096]
 
 
-def _inputs(batch, nq, nk, heads, heads_kv, d, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, nq, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn(batch, nk, heads_kv, d, device="cuda", generator=gen)
-            .to(torch.bfloat16) for _ in range(2))
-    return q, k, v
-
-
 def forward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dict:
-    q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
+    q, k, v = window_inputs(batch, nq, nk, heads, heads_kv, d, seed)
     out, lse = hopper_attn.attention(q, k, v, causal=causal, window_size=window,
                                      return_lse=True)
     right = 0 if causal else window[1]
@@ -74,23 +66,20 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dic
 
 
 def backward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dict:
-    q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
+    q, k, v = window_inputs(batch, nq, nk, heads, heads_kv, d, seed)
     do = torch.randn(batch, nq, heads, d, device="cuda").to(torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
     right = 0 if causal else window[1]
-    ins = [t.float().requires_grad_() for t in (q, k, v)]
-    o, _ = reference(*ins, window[0], right, d ** -0.5)
-    o.backward(do.float())
-    _, lowp = torch_lowp(q, k, v, window[0], right, d ** -0.5, do)
+    errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], window[0], right,
+                             d ** -0.5)
     unseen = ~window_mask(nq, nk, window[0], right).any(0)        # keys no query sees
     zero_ok = all(bool((leaf.grad[:, unseen] == 0).all()) for leaf in leaves[1:])
     ratio, ok = {}, zero_ok
-    for name, leaf, r, t in zip("qkv", leaves, [t.grad for t in ins], lowp):
-        grad = leaf.grad.float()
-        bound = 2 * (t - r).abs().max().item() + 2 ** -12 * max(1.0, r.abs().max().item())
-        nan = bool(grad.isnan().any())
-        ratio[name] = float("inf") if nan else (grad - r).abs().max().item() / bound
+    for name, leaf in zip("qkv", leaves):
+        err, _, bound = errors[name]
+        nan = bool(leaf.grad.isnan().any())
+        ratio[name] = float("inf") if nan else err / bound
         ok &= not nan and ratio[name] <= 1
     return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, causal, list(window)],
             "ratio": max(ratio.values()), "ratios": ratio, "unseen_keys": int(unseen.sum()),
@@ -163,7 +152,7 @@ def speed(log, deadline) -> list:
               ("w4096 causal B1 H16 d128 N64k", 1, 16, 16, 65536, 128, (4095, 0), True),
               ("gpt-oss 64/8 d64 w128 N8k", 1, 64, 8, 8192, 64, (128, 0), False)]
     for label, batch, heads, heads_kv, n, d, window, backward in shapes:
-        q, k, v = _inputs(batch, n, n, heads, heads_kv, d, seed=7)
+        q, k, v = window_inputs(batch, n, n, heads, heads_kv, d, seed=7)
         calls = {"window": lambda: hopper_attn.attention(q, k, v, causal=True,
                                                          window_size=window),
                  "full_causal": lambda: hopper_attn.attention(q, k, v, causal=True)}
