@@ -38,6 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
+from hopper_attn.harness.baselines import fa4  # noqa: E402
 from hopper_attn.harness.env import environment  # noqa: E402
 from hopper_attn.harness.gpu_check import Log, env_line, write_json  # noqa: E402
 from hopper_attn.harness.grad_check import _torch_lowp_grads  # noqa: E402
@@ -165,15 +166,6 @@ def _sdpa(backend):
     return forward
 
 
-def _fa4():
-    from flash_attn.cute.interface import flash_attn_func
-
-    def forward(q, k, v, causal):
-        out = flash_attn_func(q, k, v, causal=causal)
-        return out[0] if isinstance(out, tuple) else out
-    return forward
-
-
 def _hopper(q, k, v, causal):
     return hopper_attn.attention(q, k, v, causal=causal)
 
@@ -220,7 +212,7 @@ def _direct(name, q, k, v, do, causal):
 def speed(log) -> list:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
     providers = {"hopper": _hopper, "fa4": None, "cudnn": None, "sdpa_flash": None}
-    for name, make in (("fa4", _fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION")),
+    for name, make in (("fa4", fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION")),
                        ("sdpa_flash", lambda: _sdpa("FLASH_ATTENTION"))):
         try:
             providers[name] = make()

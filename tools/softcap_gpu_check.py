@@ -4,7 +4,7 @@ fixed 0) / none / FA4 cap 50 and none, fwd and fwd+bwd (d 256: fwd only, no kb2)
 import os, sys
 sys.path[:0] = [root := os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.join(root, "tests")]
 import torch, hopper_attn; from test_softcap import check_softcap, within  # noqa: E402, E702
-from hopper_attn.harness.timing import L2Flush, benchmark_interleaved; from hopper_attn.harness.env import environment  # noqa
+from hopper_attn.harness.timing import L2Flush, benchmark_interleaved; from hopper_attn.harness.env import environment; from hopper_attn.harness import baselines  # noqa
 from hopper_attn.harness.gpu_check import env_line, write_json; res = {"env": environment(), "correct": [], "speed": {}}; print(env_line(res["env"]))  # noqa
 for case in [(64, True, 1000, 50., 1, 2, 1), (64, False, 17, 15., 6, 4, 1),
         (128, False, 113, 15., 6, 2, 1), (128, True, 1000, 50., 8, 2, 1), (128, True, 1, 50., 1, 4, 1),
@@ -13,9 +13,7 @@ for case in [(64, True, 1000, 50., 1, 2, 1), (64, False, 17, 15., 6, 4, 1),
     e = check_softcap(*case[:6], backward=bool(case[6]))
     res["correct"].append([*case, e, within(e)])
     print(*case, "PASS" if within(e) else f"FAIL {e}")
-def fa4(q, k, v, causal, cap):
-    from flash_attn.cute.interface import flash_attn_func; out = flash_attn_func(q, k, v, causal=causal, softcap=cap)  # noqa
-    return out[0] if isinstance(out, tuple) else out
+def fa4(q, k, v, causal, cap): return baselines.fa4(softcap=cap)(q, k, v, causal)  # noqa: E704
 def ok(name, f):                # a provider that fails (FA4 without a case) is left out
     try: return f() is not None or True  # noqa: E701
     except Exception as e: return print(name, "left out:", repr(e)[:150])  # noqa: E701

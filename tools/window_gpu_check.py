@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
+from hopper_attn.harness.baselines import fa4  # noqa: E402
 from hopper_attn.harness.env import environment  # noqa: E402
 from hopper_attn.harness.gpu_check import Log, env_line, write_json  # noqa: E402
 from hopper_attn.harness.window_reference import (gradient_errors, reference,  # noqa: E402
@@ -137,12 +138,9 @@ def correctness(log) -> list:
 
 
 def _fa4(window):
-    from flash_attn.cute.interface import flash_attn_func
-
-    def forward(q, k, v):
-        out = flash_attn_func(q, k, v, causal=True, window_size=window)
-        return out[0] if isinstance(out, tuple) else out
-    return forward
+    """FA4 with `window`, causal: forward(q, k, v)."""
+    run = fa4(window_size=window)
+    return lambda q, k, v: run(q, k, v, True)
 
 
 def speed(log, deadline) -> list:
