@@ -143,6 +143,17 @@ def _fa4(window):
     return lambda q, k, v: run(q, k, v, True)
 
 
+def _speed_line(label, what, ms) -> str:
+    """One printed line: the window's and the full causal call's ms, their ratio, and FA4's
+    where it ran."""
+    line = (f"  {label:30} {what} ms: window {ms['window']:.3f} full {ms['full_causal']:.3f}"
+            f" -> {ms['full_causal'] / ms['window']:.2f}x")
+    if "fa4_window" in ms:
+        line += (f"; fa4 window {ms['fa4_window']:.3f} (ours/fa4 time "
+                 f"{ms['window'] / ms['fa4_window']:.2f})")
+    return line
+
+
 def speed(log, deadline) -> list:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
     flush, rows = L2Flush(), []
@@ -168,13 +179,7 @@ def speed(log, deadline) -> list:
                "notes": notes}
         timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
         row["fwd"] = {name: t["ms"] for name, t in timed.items()}
-        fwd = row["fwd"]
-        line = (f"  {label:30} fwd ms: window {fwd['window']:.3f} full {fwd['full_causal']:.3f}"
-                f" -> {fwd['full_causal'] / fwd['window']:.2f}x")
-        if "fa4_window" in fwd:
-            line += f"; fa4 window {fwd['fa4_window']:.3f} (ours/fa4 time " \
-                    f"{fwd['window'] / fwd['fa4_window']:.2f})"
-        log(line)
+        log(_speed_line(label, "fwd", row["fwd"]))
         if backward:
             do = torch.randn_like(q)
             bwd = {}
@@ -195,13 +200,7 @@ def speed(log, deadline) -> list:
                     notes["fa4_bwd"] = f"{type(exc).__name__}: {str(exc)[:100]}"
             timed = benchmark_interleaved(bwd, flush, target_ms=150, max_reps=20)
             row["bwd"] = {name: t["ms"] for name, t in timed.items()}
-            b = row["bwd"]
-            line = (f"  {'':30} bwd ms: window {b['window']:.3f} full {b['full_causal']:.3f}"
-                    f" -> {b['full_causal'] / b['window']:.2f}x")
-            if "fa4_window" in b:
-                line += f"; fa4 window {b['fa4_window']:.3f} (ours/fa4 time " \
-                        f"{b['window'] / b['fa4_window']:.2f})"
-            log(line)
+            log(_speed_line("", "bwd", row["bwd"]))
             del bwd, out, leaves, do
         if notes:
             log(f"  {'':30} notes: " + "; ".join(f"{k}: {v[:60]}" for k, v in notes.items()))
