@@ -26,10 +26,8 @@ Prints < 60 lines; everything goes to $OUT/bwd_gqa.json (or --out), with the env
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,8 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 import hopper_attn  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
 from hopper_attn.harness.baselines import fa4  # noqa: E402
-from hopper_attn.harness.env import environment  # noqa: E402
-from hopper_attn.harness.gpu_check import Log, env_line, write_json  # noqa: E402
+from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 from hopper_attn.harness.grad_check import _torch_lowp_grads  # noqa: E402
 from hopper_attn.harness.reference_backward import (attention_backward,  # noqa: E402
                                                     forward_with_lse)
@@ -266,27 +263,11 @@ def speed(log) -> list:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="correctness only")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
-    log = Log()
-    env = environment()
-    log(env_line(env))
-    t0 = time.time()
-    log("correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):")
-    checks = correctness(log)
-    result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
-    log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
-        f"({len(checks)} cases, {time.time() - t0:.0f} s)")
-    if not args.quick:
-        log("speed, effective TFLOP/s (backward 2.5x, forward + backward 3.5x the forward's "
-            "flops), round-robin medians:")
-        result["speed"] = speed(log)
-    result["printed"] = log.lines
-    path = write_json(result, "bwd_gqa.json", args.out)
-    print(f"wrote {path}")
-    return 0 if result["all_pass"] else 1
+    return run_check(
+        __doc__, "bwd_gqa.json", correctness, lambda log, t0: speed(log),
+        "correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):",
+        "speed, effective TFLOP/s (backward 2.5x, forward + backward 3.5x the forward's flops), "
+        "round-robin medians:")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Prints < 40 lines; everything goes to $OUT/window.json (or --out).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -34,8 +33,7 @@ import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.baselines import fa4  # noqa: E402
-from hopper_attn.harness.env import environment  # noqa: E402
-from hopper_attn.harness.gpu_check import Log, env_line, write_json  # noqa: E402
+from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 from hopper_attn.harness.window_reference import (gradient_errors, reference,  # noqa: E402
                                                    torch_lowp, window_inputs, window_mask)
 
@@ -211,30 +209,10 @@ def speed(log, deadline) -> list:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="correctness only")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
-    log = Log()
-    env = environment()
-    log(env_line(env))
-    t0 = time.time()
-    log("correctness (ratio = max error / (2x the bf16 reference's error + floor), <= 1 passes):")
-    checks = correctness(log)
-    result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
-    log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
-        f"({len(checks)} cases, {time.time() - t0:.0f} s)")
-    if not args.quick:
-        log("speed (ms, round-robin medians; window vs full causal = full / window):")
-        try:
-            result["speed"] = speed(log, deadline=t0 + 100)
-        except Exception as exc:  # noqa: BLE001 - keep the correctness results
-            log(f"  speed failed: {type(exc).__name__}: {str(exc)[:120]}")
-            result["speed_error"] = repr(exc)
-    result["printed"] = log.lines
-    path = write_json(result, "window.json", args.out)
-    print(f"wrote {path} ({time.time() - t0:.0f} s)")
-    return 0 if result["all_pass"] else 1
+    return run_check(
+        __doc__, "window.json", correctness, lambda log, t0: speed(log, deadline=t0 + 100),
+        "correctness (ratio = max error / (2x the bf16 reference's error + floor), <= 1 passes):",
+        "speed (ms, round-robin medians; window vs full causal = full / window):")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """What the GPU check scripts (tools/*_gpu_check.py) share: the line they open with (GPU,
 driver and versions from `env.environment()`), a log that prints and keeps its lines for
-the JSON, and the JSON itself, written under $OUT with the environment in it."""
+the JSON, and the JSON itself, written under $OUT with the environment in it; and `run_check`, the main()
+of a check made of a correctness part and a speed part."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import time
 
 
 def env_line(env: dict) -> str:
@@ -37,3 +40,37 @@ def write_json(result: dict, name: str, out_dir: str | None = None) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
     return path
+
+
+def run_check(doc: str, json_name: str, correctness, speed, correctness_legend: str,
+              speed_legend: str) -> int:
+    """Parse --quick (correctness only) and --out (default $OUT); print the environment;
+    run `correctness(log)` (rows, each with "ok") and print the verdict; then, without
+    --quick, `speed(log, t0)` (t0: the start, time.time()), whose failure is logged and
+    recorded without losing the correctness rows; write it all, with the printed lines, to
+    --out/json_name. Returns the exit status: 1 if a case failed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="correctness only")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    from hopper_attn.harness.env import environment
+    log = Log()
+    env = environment()
+    log(env_line(env))
+    t0 = time.time()
+    log(correctness_legend)
+    checks = correctness(log)
+    result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
+    log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
+        f"({len(checks)} cases, {time.time() - t0:.0f} s)")
+    if not args.quick:
+        log(speed_legend)
+        try:
+            result["speed"] = speed(log, t0)
+        except Exception as exc:  # noqa: BLE001 - keep the correctness results
+            log(f"  speed failed: {type(exc).__name__}: {str(exc)[:120]}")
+            result["speed_error"] = repr(exc)
+    result["printed"] = log.lines
+    path = write_json(result, json_name, args.out)
+    print(f"wrote {path} ({time.time() - t0:.0f} s)")
+    return 0 if result["all_pass"] else 1
