@@ -327,18 +327,23 @@ def _register_cpu_standin():
                               reference(q, k, v, c, s, **features)[0])
 
 
+def _logits_and_greedy_tokens(model, ids):
+    """The logits for `ids`, and 6 greedy tokens after them (with the cache)."""
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False,
+                                attention_mask=torch.ones_like(ids))
+    return logits, tokens
+
+
 def test_transformers_cpu_model_matches_sdpa():
     name = _register_cpu_standin()
     model = _tiny_llama("sdpa").eval()
     ids = torch.randint(0, 128, (2, 24))
-    with torch.no_grad():
-        expected = model(ids).logits
-        generated = model.generate(ids, max_new_tokens=6, do_sample=False,
-                                   attention_mask=torch.ones_like(ids))
-        model.set_attn_implementation(name)
-        torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
-        again = model.generate(ids, max_new_tokens=6, do_sample=False,
-                               attention_mask=torch.ones_like(ids))
+    expected, generated = _logits_and_greedy_tokens(model, ids)
+    model.set_attn_implementation(name)
+    got, again = _logits_and_greedy_tokens(model, ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(generated, again)
 
 
@@ -403,14 +408,10 @@ def test_transformers_cpu_window_softcap_models(family, reference_impl):
     name = _register_cpu_standin()
     model = (_tiny_mistral if family == "mistral" else _tiny_gemma2)(reference_impl, 6).eval()
     ids = torch.randint(0, 128, (2, 24))
+    expected, generated = _logits_and_greedy_tokens(model, ids)
+    model.set_attn_implementation(name)
+    got, again = _logits_and_greedy_tokens(model, ids)
     with torch.no_grad():
-        expected = model(ids).logits
-        generated = model.generate(ids, max_new_tokens=6, do_sample=False,
-                                   attention_mask=torch.ones_like(ids))
-        model.set_attn_implementation(name)
-        got = model(ids).logits
-        again = model.generate(ids, max_new_tokens=6, do_sample=False,
-                               attention_mask=torch.ones_like(ids))
         # the features matter here: a backend that drops them gives other logits
         blind = hopper_tf.register("hopper_attn_cpu_blind", backend=lambda q, k, v, c, s,
                                    **features: reference(q, k, v, c, s)[0])
