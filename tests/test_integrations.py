@@ -327,18 +327,23 @@ def _register_cpu_standin():
                               reference(q, k, v, c, s, **features)[0])
 
 
+def _logits_and_greedy_tokens(model, ids):
+    """The logits for `ids`, and 6 greedy tokens after them (with the cache)."""
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False,
+                                attention_mask=torch.ones_like(ids))
+    return logits, tokens
+
+
 def test_transformers_cpu_model_matches_sdpa():
     name = _register_cpu_standin()
     model = _tiny_llama("sdpa").eval()
     ids = torch.randint(0, 128, (2, 24))
-    with torch.no_grad():
-        expected = model(ids).logits
-        generated = model.generate(ids, max_new_tokens=6, do_sample=False,
-                                   attention_mask=torch.ones_like(ids))
-        model.set_attn_implementation(name)
-        torch.testing.assert_close(model(ids).logits, expected, atol=1e-4, rtol=1e-4)
-        again = model.generate(ids, max_new_tokens=6, do_sample=False,
-                               attention_mask=torch.ones_like(ids))
+    expected, generated = _logits_and_greedy_tokens(model, ids)
+    model.set_attn_implementation(name)
+    got, again = _logits_and_greedy_tokens(model, ids)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(generated, again)
 
 
@@ -403,14 +408,10 @@ def test_transformers_cpu_window_softcap_models(family, reference_impl):
     name = _register_cpu_standin()
     model = (_tiny_mistral if family == "mistral" else _tiny_gemma2)(reference_impl, 6).eval()
     ids = torch.randint(0, 128, (2, 24))
+    expected, generated = _logits_and_greedy_tokens(model, ids)
+    model.set_attn_implementation(name)
+    got, again = _logits_and_greedy_tokens(model, ids)
     with torch.no_grad():
-        expected = model(ids).logits
-        generated = model.generate(ids, max_new_tokens=6, do_sample=False,
-                                   attention_mask=torch.ones_like(ids))
-        model.set_attn_implementation(name)
-        got = model(ids).logits
-        again = model.generate(ids, max_new_tokens=6, do_sample=False,
-                               attention_mask=torch.ones_like(ids))
         # the features matter here: a backend that drops them gives other logits
         blind = hopper_tf.register("hopper_attn_cpu_blind", backend=lambda q, k, v, c, s,
                                    **features: reference(q, k, v, c, s)[0])
@@ -549,34 +550,44 @@ def _gpu_llama(attn):
     return model.to("cuda", torch.bfloat16)
 
 
+def _training_step(model, impl, ids):
+    """One training step of `model` with attention `impl`: logits, loss and every
+    parameter's gradient, in fp32."""
+    model.set_attn_implementation(impl)
+    out = model(ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    result = {"logits": out.logits.float(), "loss": out.loss.float().reshape(1)}
+    result.update({n: p.grad.float().clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def _assert_training_as_close_as(model, baseline, name):
+    """bf16 `model` with hopper_attn (`name`): logits, loss and every gradient within 3x
+    (+ 2e-3, relative to the largest) the error of bf16 `baseline` attention, both against
+    the same model in fp32 with `baseline`."""
+    import copy
+    fp32_model = copy.deepcopy(model).float()
+    ids = torch.randint(0, 256, (2, 384), device="cuda")
+    truth = _training_step(fp32_model, baseline, ids)
+    base, ours = _training_step(model, baseline, ids), _training_step(model, name, ids)
+    for what, want in truth.items():
+        scale = want.abs().max().clamp_min(1e-6)
+        err_base = float((base[what] - want).abs().max() / scale)
+        err_ours = float((ours[what] - want).abs().max() / scale)
+        assert err_ours <= 3 * err_base + 2e-3, \
+            f"{what}: error vs fp32 {err_ours:.3g}, bf16 {baseline}'s {err_base:.3g}"
+
+
 @pytest.mark.gpu
 def test_gpu_llama_training_matches_sdpa():
     """Logits, loss and every gradient of a 2-layer random Llama (head_dim 128, GQA 4/2) in
     bf16 with hopper_attn: about as far from the same model in fp32 as bf16 SDPA is (a
     wrong mask or scale would be 10-100x further)."""
-    import copy
     pytest.importorskip("transformers")
     name = hopper_tf.register()
     model = _gpu_llama("sdpa").train()
-    fp32_model = copy.deepcopy(model).float()
-    ids = torch.randint(0, 256, (2, 384), device="cuda")
-
-    def step(m, impl):
-        m.set_attn_implementation(impl)
-        out = m(ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        result = {"logits": out.logits.float(), "loss": out.loss.float().reshape(1)}
-        result.update({n: p.grad.float().clone() for n, p in m.named_parameters()})
-        m.zero_grad(set_to_none=True)
-        return result
-
-    truth, sdpa, ours = step(fp32_model, "sdpa"), step(model, "sdpa"), step(model, name)
-    for what, want in truth.items():
-        scale = want.abs().max().clamp_min(1e-6)
-        err_sdpa = float((sdpa[what] - want).abs().max() / scale)
-        err_ours = float((ours[what] - want).abs().max() / scale)
-        assert err_ours <= 3 * err_sdpa + 2e-3, \
-            f"{what}: error vs fp32 {err_ours:.3g}, bf16 SDPA's {err_sdpa:.3g}"
+    _assert_training_as_close_as(model, "sdpa", name)
 
 
 @pytest.mark.gpu
@@ -586,7 +597,6 @@ def test_gpu_window_softcap_training_matches_eager(family):
     layer) or Gemma 2 (softcap 50, window 128 on alternate layers), head_dim 128, in bf16
     with hopper_attn: about as far from the same model in fp32 (eager attention) as bf16
     eager is."""
-    import copy
     transformers = pytest.importorskip("transformers")
     name = hopper_tf.register()
     common = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
@@ -599,25 +609,7 @@ def test_gpu_window_softcap_training_matches_eager(family):
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             head_dim=128, query_pre_attn_scalar=128, attn_logit_softcapping=50.0, **common))
     model = model.to("cuda", torch.bfloat16).train()
-    fp32_model = copy.deepcopy(model).float()
-    ids = torch.randint(0, 256, (2, 384), device="cuda")
-
-    def step(m, impl):
-        m.set_attn_implementation(impl)
-        out = m(ids, labels=ids, use_cache=False)
-        out.loss.backward()
-        result = {"logits": out.logits.float(), "loss": out.loss.float().reshape(1)}
-        result.update({n: p.grad.float().clone() for n, p in m.named_parameters()})
-        m.zero_grad(set_to_none=True)
-        return result
-
-    truth, eager, ours = step(fp32_model, "eager"), step(model, "eager"), step(model, name)
-    for what, want in truth.items():
-        scale = want.abs().max().clamp_min(1e-6)
-        err_eager = float((eager[what] - want).abs().max() / scale)
-        err_ours = float((ours[what] - want).abs().max() / scale)
-        assert err_ours <= 3 * err_eager + 2e-3, \
-            f"{what}: error vs fp32 {err_ours:.3g}, bf16 eager's {err_eager:.3g}"
+    _assert_training_as_close_as(model, "eager", name)
 
 
 @pytest.mark.gpu

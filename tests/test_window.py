@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hopper_attn.common.contract import Problem, normalize_window
-from hopper_attn.harness.window_reference import reference, torch_lowp, window_mask
+from hopper_attn.harness.window_reference import (gradient_errors, reference, torch_lowp,
+                                                   window_inputs as _inputs, window_mask)
 from hopper_attn.common.masking import (window_m_range, window_needs_mask, window_ranges,
                                         window_visible)
 
@@ -184,14 +185,6 @@ def test_window_with_softcap_compiles_without_spills(stage, d):
 
 # ---- GPU ----
 
-def _inputs(batch, nq, nk, heads, heads_kv, d, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, nq, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn(batch, nk, heads_kv, d, device="cuda", generator=gen)
-            .to(torch.bfloat16) for _ in range(2))
-    return q, k, v
-
-
 GPU_WINDOWS = [(True, (0, 0)), (True, (3, 0)), (True, (127, 0)), (True, (128, 0)),
                (True, (4095, 0)), (False, (256, 256)), (False, (-1, 64))]
 
@@ -262,18 +255,12 @@ def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
     right = 0 if causal else window[1]
-    ins = [t.float().requires_grad_() for t in (q, k, v)]
-    o, _ = reference(*ins, window[0], right, d ** -0.5)
-    o.backward(do.float())
-    _, lowp = torch_lowp(q, k, v, window[0], right, d ** -0.5, do)
-    errors = {}
-    for name, leaf, r, t in zip("qkv", leaves, [t.grad for t in ins], lowp):
-        grad = leaf.grad.float()
-        assert not grad.isnan().any(), name
-        err, torch_err = (grad - r).abs().max().item(), (t - r).abs().max().item()
-        errors[name] = (err, torch_err)
-        assert err <= 2 * torch_err + 2 ** -12 * max(1.0, r.abs().max().item()), (name, err,
-                                                                                   torch_err)
+    errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], window[0], right,
+                             d ** -0.5)
+    for name, leaf in zip("qkv", leaves):
+        assert not leaf.grad.isnan().any(), name
+        err, torch_err, bound = errors[name]
+        assert err <= bound, (name, err, torch_err)
     return errors
 
 

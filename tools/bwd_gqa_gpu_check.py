@@ -26,11 +26,8 @@ Prints < 60 lines; everything goes to $OUT/bwd_gqa.json (or --out), with the env
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +36,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
-from hopper_attn.harness.env import environment  # noqa: E402
+from hopper_attn.harness.baselines import fa4  # noqa: E402
+from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 from hopper_attn.harness.grad_check import _torch_lowp_grads  # noqa: E402
 from hopper_attn.harness.reference_backward import (attention_backward,  # noqa: E402
                                                     forward_with_lse)
@@ -165,15 +163,6 @@ def _sdpa(backend):
     return forward
 
 
-def _fa4():
-    from flash_attn.cute.interface import flash_attn_func
-
-    def forward(q, k, v, causal):
-        out = flash_attn_func(q, k, v, causal=causal)
-        return out[0] if isinstance(out, tuple) else out
-    return forward
-
-
 def _hopper(q, k, v, causal):
     return hopper_attn.attention(q, k, v, causal=causal)
 
@@ -220,7 +209,7 @@ def _direct(name, q, k, v, do, causal):
 def speed(log) -> list:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
     providers = {"hopper": _hopper, "fa4": None, "cudnn": None, "sdpa_flash": None}
-    for name, make in (("fa4", _fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION")),
+    for name, make in (("fa4", fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION")),
                        ("sdpa_flash", lambda: _sdpa("FLASH_ATTENTION"))):
         try:
             providers[name] = make()
@@ -274,36 +263,11 @@ def speed(log) -> list:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="correctness only")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
-    lines = []
-
-    def log(line):
-        print(line, flush=True)
-        lines.append(line)
-
-    env = environment()
-    log(f"{env.get('gpu')} driver {env.get('driver')} torch {env['torch']} "
-        f"cutlass-dsl {env['cutlass_dsl']} flash-attn-4 {env['flash_attn_4']}")
-    t0 = time.time()
-    log("correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):")
-    checks = correctness(log)
-    result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
-    log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
-        f"({len(checks)} cases, {time.time() - t0:.0f} s)")
-    if not args.quick:
-        log("speed, effective TFLOP/s (backward 2.5x, forward + backward 3.5x the forward's "
-            "flops), round-robin medians:")
-        result["speed"] = speed(log)
-    result["printed"] = lines
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bwd_gqa.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    print(f"wrote {path}")
-    return 0 if result["all_pass"] else 1
+    return run_check(
+        __doc__, "bwd_gqa.json", correctness, lambda log, t0: speed(log),
+        "correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):",
+        "speed, effective TFLOP/s (backward 2.5x, forward + backward 3.5x the forward's flops), "
+        "round-robin medians:")
 
 
 if __name__ == "__main__":

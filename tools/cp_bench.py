@@ -38,6 +38,8 @@ import torch.distributed as dist               # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hopper_attn.harness.timing import elapsed_ms  # noqa: E402
+
 
 def _args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -61,13 +63,7 @@ def _timed(fn, warmup: int, iters: int) -> float:
     times = []
     for _ in range(iters):
         dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(elapsed_ms(fn) / 1e3)
     t = torch.tensor(sorted(times)[len(times) // 2], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()

@@ -25,7 +25,6 @@ call / torch), < 40 lines.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -179,6 +178,10 @@ def torch_cp_hooks():
 
 
 def main():
+    from hopper_attn.harness.env import environment
+    from hopper_attn.harness.gpu_check import env_line, write_json
+    env = environment()
+    print(env_line(env))
     props = torch.cuda.get_device_properties(0)
     print(f"cp_gpu_check: {props.name}, torch {torch.__version__}; worst of out/dq/dk/dv: "
           "ring error / torch bf16 ring's (judged, <= 2x), / one torch bf16 call's, and the "
@@ -212,9 +215,8 @@ def main():
     print(f"refused with ValueError: {refused} (want 2)")
     print(f"{passed}/{len(cases)} cases pass, {time.time() - t0:.0f} s")
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "cp_gpu_check.json"), "w") as f:
-            json.dump(dict(device=props.name, torch=torch.__version__, cases=cases,
-                           refused=refused, torch_cp_hooks=hooks), f, indent=1)
+        write_json(dict(env=env, device=props.name, torch=torch.__version__, cases=cases,
+                        refused=refused, torch_cp_hooks=hooks), "cp_gpu_check.json")
     return 0 if passed == len(cases) and len(refused) == 2 else 1
 
 

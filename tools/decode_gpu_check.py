@@ -21,7 +21,6 @@ output differs from SDPA's by more than 0.02. Everything goes to $OUT/decode.jso
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -318,9 +317,9 @@ def main():
     args = parser.parse_args()
     variants = parse_variants(args.variants)
     from hopper_attn.harness.env import environment
+    from hopper_attn.harness.gpu_check import env_line, write_json
     env = environment()
-    print(f"{env.get('gpu')} driver {env.get('driver')} torch {env['torch']} cute-dsl "
-          f"{env.get('cutlass_dsl')} fa4 {env.get('flash_attn_4')}")
+    print(env_line(env))
     result = {"env": env}
     try:
         if not args.no_correctness:
@@ -332,11 +331,8 @@ def main():
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()
         print(result["error"][-1500:])
-    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "decode.json" if args.variants == "default" else "decode_ab.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    path = write_json(result, "decode.json" if args.variants == "default" else "decode_ab.json",
+                      os.environ.get("OUT") or os.path.join(ROOT, "results"))
     print(f"wrote {path}")
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
 def run_tests(out_dir: str | None) -> int:
@@ -47,7 +48,6 @@ def run_tests(out_dir: str | None) -> int:
 
 
 def main() -> int:
-    sys.path.insert(0, ROOT)
     os.chdir(ROOT)
     out_dir = os.environ.get("OUT")
     if out_dir:

@@ -1,10 +1,11 @@
 """Softcap on the GPU (issue 61): `source .gpu/prelude.sh && python tools/softcap_gpu_check.py`. Correctness (test_softcap.check_softcap:
 o, dq, dk, dv vs fp32, PASS within 2x torch's bf16 error); round-robin median ms: k6 softcap 50 (bf16 d 128 / 256: POLICY's exponents against a
 fixed 0) / none / FA4 cap 50 and none, fwd and fwd+bwd (d 256: fwd only, no kb2). JSON: $OUT/softcap.json."""
-import json, os, sys
+import os, sys
 sys.path[:0] = [root := os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.join(root, "tests")]
 import torch, hopper_attn; from test_softcap import check_softcap, within  # noqa: E402, E702
-from hopper_attn.harness.timing import L2Flush, benchmark_interleaved; res = {"correct": [], "speed": {}}  # noqa
+from hopper_attn.harness.timing import L2Flush, benchmark_interleaved; from hopper_attn.harness.env import environment; from hopper_attn.harness import baselines  # noqa
+from hopper_attn.harness.gpu_check import env_line, write_json; res = {"env": environment(), "correct": [], "speed": {}}; print(env_line(res["env"]))  # noqa
 for case in [(64, True, 1000, 50., 1, 2, 1), (64, False, 17, 15., 6, 4, 1),
         (128, False, 113, 15., 6, 2, 1), (128, True, 1000, 50., 8, 2, 1), (128, True, 1, 50., 1, 4, 1),
         (256, True, 1000, 50., 6, 2, 0), (256, False, 17, 15., 1, 2, 0), (96, True, 113, 50., 8, 4, 0),
@@ -12,9 +13,7 @@ for case in [(64, True, 1000, 50., 1, 2, 1), (64, False, 17, 15., 6, 4, 1),
     e = check_softcap(*case[:6], backward=bool(case[6]))
     res["correct"].append([*case, e, within(e)])
     print(*case, "PASS" if within(e) else f"FAIL {e}")
-def fa4(q, k, v, causal, cap):
-    from flash_attn.cute.interface import flash_attn_func; out = flash_attn_func(q, k, v, causal=causal, softcap=cap)  # noqa
-    return out[0] if isinstance(out, tuple) else out
+def fa4(q, k, v, causal, cap): return baselines.fa4(softcap=cap)(q, k, v, causal)  # noqa: E704
 def ok(name, f):                # a provider that fails (FA4 without a case) is left out
     try: return f() is not None or True  # noqa: E701
     except Exception as e: return print(name, "left out:", repr(e)[:150])  # noqa: E701
@@ -32,5 +31,4 @@ for label, B, H, Hkv, N, d, causal, bwd in [("d128 causal N16k B1 H16", 1, 16, 1
         res["speed"][f"{label} {what}"] = ms = {n: t["ms"] for n, t in benchmark_interleaved(fns, L2Flush()).items()}
         print(f"{label} {what} ms:", " ".join(f"{n} {t:.3f}" for n, t in ms.items()),
               f"| cap50/none {ms['cap50'] / ms['none']:.3f} fa4_cap50/cap50 {ms.get('fa4_cap50', 0) / ms['cap50']:.2f}")
-os.makedirs(out := os.environ.get("OUT", "."), exist_ok=True)
-json.dump(res, open(os.path.join(out, "softcap.json"), "w"), indent=1, default=str)
+print("wrote", write_json(res, "softcap.json"))

@@ -23,8 +23,6 @@ Prints < 40 lines; everything goes to $OUT/window.json (or --out).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -34,9 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
-from hopper_attn.harness.env import environment  # noqa: E402
-from hopper_attn.harness.window_reference import (reference, torch_lowp,  # noqa: E402
-                                                   window_mask)
+from hopper_attn.harness.baselines import fa4  # noqa: E402
+from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.window_reference import (gradient_errors, reference,  # noqa: E402
+                                                   torch_lowp, window_inputs, window_mask)
 
 FWD_WINDOWS = [(True, (0, 0)), (True, (3, 0)), (True, (127, 0)), (True, (128, 0)),
                (True, (4095, 0)), (False, (256, 256)), (False, (-1, 64))]
@@ -44,16 +43,8 @@ D64_WINDOWS = [(True, (127, 0)), (False, (256, 256)), (False, (-1, 64))]
 LENGTHS = [1, 17, 113, 1000, 4096]
 
 
-def _inputs(batch, nq, nk, heads, heads_kv, d, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(batch, nq, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn(batch, nk, heads_kv, d, device="cuda", generator=gen)
-            .to(torch.bfloat16) for _ in range(2))
-    return q, k, v
-
-
 def forward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dict:
-    q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
+    q, k, v = window_inputs(batch, nq, nk, heads, heads_kv, d, seed)
     out, lse = hopper_attn.attention(q, k, v, causal=causal, window_size=window,
                                      return_lse=True)
     right = 0 if causal else window[1]
@@ -74,23 +65,20 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dic
 
 
 def backward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dict:
-    q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
+    q, k, v = window_inputs(batch, nq, nk, heads, heads_kv, d, seed)
     do = torch.randn(batch, nq, heads, d, device="cuda").to(torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
     right = 0 if causal else window[1]
-    ins = [t.float().requires_grad_() for t in (q, k, v)]
-    o, _ = reference(*ins, window[0], right, d ** -0.5)
-    o.backward(do.float())
-    _, lowp = torch_lowp(q, k, v, window[0], right, d ** -0.5, do)
+    errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], window[0], right,
+                             d ** -0.5)
     unseen = ~window_mask(nq, nk, window[0], right).any(0)        # keys no query sees
     zero_ok = all(bool((leaf.grad[:, unseen] == 0).all()) for leaf in leaves[1:])
     ratio, ok = {}, zero_ok
-    for name, leaf, r, t in zip("qkv", leaves, [t.grad for t in ins], lowp):
-        grad = leaf.grad.float()
-        bound = 2 * (t - r).abs().max().item() + 2 ** -12 * max(1.0, r.abs().max().item())
-        nan = bool(grad.isnan().any())
-        ratio[name] = float("inf") if nan else (grad - r).abs().max().item() / bound
+    for name, leaf in zip("qkv", leaves):
+        err, _, bound = errors[name]
+        nan = bool(leaf.grad.isnan().any())
+        ratio[name] = float("inf") if nan else err / bound
         ok &= not nan and ratio[name] <= 1
     return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, causal, list(window)],
             "ratio": max(ratio.values()), "ratios": ratio, "unseen_keys": int(unseen.sum()),
@@ -148,12 +136,20 @@ def correctness(log) -> list:
 
 
 def _fa4(window):
-    from flash_attn.cute.interface import flash_attn_func
+    """FA4 with `window`, causal: forward(q, k, v)."""
+    run = fa4(window_size=window)
+    return lambda q, k, v: run(q, k, v, True)
 
-    def forward(q, k, v):
-        out = flash_attn_func(q, k, v, causal=True, window_size=window)
-        return out[0] if isinstance(out, tuple) else out
-    return forward
+
+def _speed_line(label, what, ms) -> str:
+    """One printed line: the window's and the full causal call's ms, their ratio, and FA4's
+    where it ran."""
+    line = (f"  {label:30} {what} ms: window {ms['window']:.3f} full {ms['full_causal']:.3f}"
+            f" -> {ms['full_causal'] / ms['window']:.2f}x")
+    if "fa4_window" in ms:
+        line += (f"; fa4 window {ms['fa4_window']:.3f} (ours/fa4 time "
+                 f"{ms['window'] / ms['fa4_window']:.2f})")
+    return line
 
 
 def speed(log, deadline) -> list:
@@ -163,7 +159,7 @@ def speed(log, deadline) -> list:
               ("w4096 causal B1 H16 d128 N64k", 1, 16, 16, 65536, 128, (4095, 0), True),
               ("gpt-oss 64/8 d64 w128 N8k", 1, 64, 8, 8192, 64, (128, 0), False)]
     for label, batch, heads, heads_kv, n, d, window, backward in shapes:
-        q, k, v = _inputs(batch, n, n, heads, heads_kv, d, seed=7)
+        q, k, v = window_inputs(batch, n, n, heads, heads_kv, d, seed=7)
         calls = {"window": lambda: hopper_attn.attention(q, k, v, causal=True,
                                                          window_size=window),
                  "full_causal": lambda: hopper_attn.attention(q, k, v, causal=True)}
@@ -181,13 +177,7 @@ def speed(log, deadline) -> list:
                "notes": notes}
         timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
         row["fwd"] = {name: t["ms"] for name, t in timed.items()}
-        fwd = row["fwd"]
-        line = (f"  {label:30} fwd ms: window {fwd['window']:.3f} full {fwd['full_causal']:.3f}"
-                f" -> {fwd['full_causal'] / fwd['window']:.2f}x")
-        if "fa4_window" in fwd:
-            line += f"; fa4 window {fwd['fa4_window']:.3f} (ours/fa4 time " \
-                    f"{fwd['window'] / fwd['fa4_window']:.2f})"
-        log(line)
+        log(_speed_line(label, "fwd", row["fwd"]))
         if backward:
             do = torch.randn_like(q)
             bwd = {}
@@ -208,13 +198,7 @@ def speed(log, deadline) -> list:
                     notes["fa4_bwd"] = f"{type(exc).__name__}: {str(exc)[:100]}"
             timed = benchmark_interleaved(bwd, flush, target_ms=150, max_reps=20)
             row["bwd"] = {name: t["ms"] for name, t in timed.items()}
-            b = row["bwd"]
-            line = (f"  {'':30} bwd ms: window {b['window']:.3f} full {b['full_causal']:.3f}"
-                    f" -> {b['full_causal'] / b['window']:.2f}x")
-            if "fa4_window" in b:
-                line += f"; fa4 window {b['fa4_window']:.3f} (ours/fa4 time " \
-                        f"{b['window'] / b['fa4_window']:.2f})"
-            log(line)
+            log(_speed_line("", "bwd", row["bwd"]))
             del bwd, out, leaves, do
         if notes:
             log(f"  {'':30} notes: " + "; ".join(f"{k}: {v[:60]}" for k, v in notes.items()))
@@ -225,39 +209,10 @@ def speed(log, deadline) -> list:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="correctness only")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = parser.parse_args()
-    lines = []
-
-    def log(line):
-        print(line, flush=True)
-        lines.append(line)
-
-    env = environment()
-    log(f"{env.get('gpu')} torch {env['torch']} cutlass-dsl {env['cutlass_dsl']} "
-        f"flash-attn-4 {env['flash_attn_4']}")
-    t0 = time.time()
-    log("correctness (ratio = max error / (2x the bf16 reference's error + floor), <= 1 passes):")
-    checks = correctness(log)
-    result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
-    log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
-        f"({len(checks)} cases, {time.time() - t0:.0f} s)")
-    if not args.quick:
-        log("speed (ms, round-robin medians; window vs full causal = full / window):")
-        try:
-            result["speed"] = speed(log, deadline=t0 + 100)
-        except Exception as exc:  # noqa: BLE001 - keep the correctness results
-            log(f"  speed failed: {type(exc).__name__}: {str(exc)[:120]}")
-            result["speed_error"] = repr(exc)
-    result["printed"] = lines
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "window.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    print(f"wrote {path} ({time.time() - t0:.0f} s)")
-    return 0 if result["all_pass"] else 1
+    return run_check(
+        __doc__, "window.json", correctness, lambda log, t0: speed(log, deadline=t0 + 100),
+        "correctness (ratio = max error / (2x the bf16 reference's error + floor), <= 1 passes):",
+        "speed (ms, round-robin medians; window vs full causal = full / window):")
 
 
 if __name__ == "__main__":

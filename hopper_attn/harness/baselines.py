@@ -19,12 +19,20 @@ def _sdpa(backend_name: str):
     return run
 
 
-def _fa4():
-    from flash_attn.cute.interface import flash_attn_func   # noqa: F401  (raises if absent)
+def fa4(**options):
+    """FlashAttention-4's `flash_attn_func` as run(q, k, v, causal) -> the output (not the
+    (out, lse) pair some versions return), with `options` (window_size=, softcap=, ...)
+    passed through. Raises ImportError where FA4 is not installed."""
+    from flash_attn.cute.interface import flash_attn_func
 
     def run(q, k, v, causal):
-        return flash_attn_func(q, k, v, causal=causal)
+        out = flash_attn_func(q, k, v, causal=causal, **options)
+        return out[0] if isinstance(out, tuple) else out
     return run
+
+
+def _fa4():
+    return fa4()
 
 
 def _fa4_no_overlap():

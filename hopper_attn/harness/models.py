@@ -255,12 +255,8 @@ def _attention_ops(names) -> dict:
         ops["sdpa"] = sdpa
     if "fa4" in names:
         try:
-            from flash_attn.cute.interface import flash_attn_func
-
-            def fa4(q, k, v, c):
-                out = flash_attn_func(q, k, v, causal=c)
-                return out[0] if isinstance(out, tuple) else out
-            ops["fa4"] = fa4
+            from hopper_attn.harness.baselines import fa4
+            ops["fa4"] = fa4()
         except Exception:  # noqa: BLE001
             pass
     if "hopper_attn" in names:

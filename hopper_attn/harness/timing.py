@@ -21,18 +21,23 @@ class L2Flush:
         self.buffer.zero_()
 
 
-def benchmark(fn, flush: L2Flush | None = None, *, target_ms: float = 400.0,
-              min_reps: int = 5, max_reps: int = 100, warmup: int = 2) -> dict:
-    """Time `fn()` (already compiled). Returns median/min/max milliseconds and repetitions."""
-    flush = flush or L2Flush()
-    fn()                                   # first call: module load, lazy allocations
+def elapsed_ms(fn) -> float:
+    """Milliseconds of one `fn()` between CUDA events, the GPU idle before and after."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end), 1e-3)
+    return start.elapsed_time(end)
+
+
+def benchmark(fn, flush: L2Flush | None = None, *, target_ms: float = 400.0,
+              min_reps: int = 5, max_reps: int = 100, warmup: int = 2) -> dict:
+    """Time `fn()` (already compiled). Returns median/min/max milliseconds and repetitions."""
+    flush = flush or L2Flush()
+    fn()                                   # first call: module load, lazy allocations
+    estimate = max(elapsed_ms(fn), 1e-3)
     reps = int(min(max_reps, max(min_reps, target_ms / estimate)))
     if estimate > 100.0:                   # slow kernels (k1 at large N): already warm, 3 runs
         reps, warmup = 3, 0
@@ -77,13 +82,7 @@ def benchmark_interleaved(fns: dict, flush: L2Flush | None = None, *,
     estimate = {}
     for name in names:
         fns[name]()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fns[name]()
-        end.record()
-        torch.cuda.synchronize()
-        estimate[name] = max(start.elapsed_time(end), 1e-3)
+        estimate[name] = max(elapsed_ms(fns[name]), 1e-3)
     per_fn_budget = target_ms / max(estimate.values())
     reps = int(min(max_reps, max(min_reps, per_fn_budget)))
     for _ in range(warmup):

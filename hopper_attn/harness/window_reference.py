@@ -1,6 +1,7 @@
 """References for sliding-window attention (tests/test_window.py, tools/window_gpu_check.py):
 the window's boolean mask, fp32 attention with it (differentiable), and torch's own bf16
-result (SDPA with the mask) for the error bound."""
+result (SDPA with the mask) for the error bound; seeded inputs, and the gradients' errors
+against both with the bound the two share."""
 
 from __future__ import annotations
 
@@ -51,3 +52,29 @@ def torch_lowp(q, k, v, left, right, scale, do=None):
     do[:, ~seen.any(-1)] = 0
     o.backward(do.transpose(1, 2))
     return out, [t.grad.transpose(1, 2).float().nan_to_num(0.0) for t in (qt, kt, vt)]
+
+
+def window_inputs(batch, nq, nk, heads, heads_kv, d, seed):
+    """Random bf16 q (batch, nq, heads, d), k and v (batch, nk, heads_kv, d) on the GPU,
+    seeded."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, nq, heads, d, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(batch, nk, heads_kv, d, device="cuda", generator=gen)
+            .to(torch.bfloat16) for _ in range(2))
+    return q, k, v
+
+
+def gradient_errors(q, k, v, do, grads, left, right, scale):
+    """For `grads` (dQ, dK, dV of bf16 q, k, v with output gradient `do`): per name "q",
+    "k", "v", (max error against the fp32 reference, torch's own bf16 error, the bound 2x
+    torch's error + 2^-12 max|ref|, at least 2^-12)."""
+    ins = [t.float().requires_grad_() for t in (q, k, v)]
+    o, _ = reference(*ins, left, right, scale)
+    o.backward(do.float())
+    _, lowp = torch_lowp(q, k, v, left, right, scale, do)
+    errors = {}
+    for name, grad, ref, low in zip("qkv", grads, [t.grad for t in ins], lowp):
+        torch_err = (low - ref).abs().max().item()
+        errors[name] = ((grad.float() - ref).abs().max().item(), torch_err,
+                        2 * torch_err + 2 ** -12 * max(1.0, ref.abs().max().item()))
+    return errors

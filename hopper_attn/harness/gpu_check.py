@@ -1,0 +1,76 @@
+"""What the GPU check scripts (tools/*_gpu_check.py) share: the line they open with (GPU,
+driver and versions from `env.environment()`), a log that prints and keeps its lines for
+the JSON, and the JSON itself, written under $OUT with the environment in it; and `run_check`, the main()
+of a check made of a correctness part and a speed part."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def env_line(env: dict) -> str:
+    """One line: GPU, driver, torch, CuTe DSL and FA4 versions."""
+    return (f"{env.get('gpu')} driver {env.get('driver')} torch {env.get('torch')} "
+            f"cutlass-dsl {env.get('cutlass_dsl')} flash-attn-4 {env.get('flash_attn_4')}")
+
+
+class Log:
+    """Print a line at once (flushed: a long run shows progress) and keep it."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def write_json(result: dict, name: str, out_dir: str | None = None) -> str:
+    """Write `result` to out_dir/name (default: $OUT, else the current directory), adding
+    the environment under "env" if it is not there yet. Returns the path."""
+    if "env" not in result:
+        from hopper_attn.harness.env import environment
+        result = {"env": environment(), **result}
+    out_dir = out_dir or os.environ.get("OUT") or "."
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    return path
+
+
+def run_check(doc: str, json_name: str, correctness, speed, correctness_legend: str,
+              speed_legend: str) -> int:
+    """Parse --quick (correctness only) and --out (default $OUT); print the environment;
+    run `correctness(log)` (rows, each with "ok") and print the verdict; then, without
+    --quick, `speed(log, t0)` (t0: the start, time.time()), whose failure is logged and
+    recorded without losing the correctness rows; write it all, with the printed lines, to
+    --out/json_name. Returns the exit status: 1 if a case failed."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="correctness only")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    from hopper_attn.harness.env import environment
+    log = Log()
+    env = environment()
+    log(env_line(env))
+    t0 = time.time()
+    log(correctness_legend)
+    checks = correctness(log)
+    result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
+    log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
+        f"({len(checks)} cases, {time.time() - t0:.0f} s)")
+    if not args.quick:
+        log(speed_legend)
+        try:
+            result["speed"] = speed(log, t0)
+        except Exception as exc:  # noqa: BLE001 - keep the correctness results
+            log(f"  speed failed: {type(exc).__name__}: {str(exc)[:120]}")
+            result["speed_error"] = repr(exc)
+    result["printed"] = log.lines
+    path = write_json(result, json_name, args.out)
+    print(f"wrote {path} ({time.time() - t0:.0f} s)")
+    return 0 if result["all_pass"] else 1
