@@ -6,7 +6,9 @@ What changes from k6 (the `varlen` flag of k5's kernel, common/varlen.py):
   sum over the sequences' tile counts (scheduler.varlen_item) on k6's persistent grid, always
   with the dynamic schedule (sequences differ in length, so items differ in cost with or
   without a mask): the producer warp decodes each item and passes it on. With a causal mask
-  or a window a sequence's last query tile (its longest) comes first.
+  or a window a sequence's last query tile (its longest) comes first, and where the POLICY
+  row orders the dense problem longest first by head groups (`longest_first`), a sequence's
+  heads are taken in such groups too (groups of about that many rows, each sequence's own).
 * Lengths per item: each item reads its sequence's offsets and lengths (cu_seqlens_q/k,
   seqused_k) once; k6's masks, tile counts and the tail test take them as they take the
   problem's lengths. A sequence without keys still visits one fully masked tile (zero rows).
@@ -15,8 +17,7 @@ What changes from k6 (the `varlen` flag of k5's kernel, common/varlen.py):
   sequence's end; the LSE ((heads, total_q) fp32) is written row by row below the end.
 
 What stays: everything else of k6, with the POLICY row of the dense problem at max_seqlen_q
-(stream-K and longest-first head groups off: both assume items of one length; the tail test
-always on).
+(stream-K off: it assumes items of one length; the tail test always on).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class FlashAttentionK6Varlen(FlashAttentionK6):
         super().__init__(*args, **kwargs)
         self.schedule = dataclasses.replace(self.schedule, varlen=True)
         self.scheduler = dataclasses.replace(self.scheduler, varlen=True, dynamic=True,
-                                             l2_rows=0, stream_k=False)
+                                             stream_k=False)
 
 
 def problem_for(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int,
@@ -49,7 +50,7 @@ def problem_for(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int,
 
 def settings_for_varlen(problem: Problem, **overrides) -> dict:
     settings = settings_for(problem, **overrides)
-    settings.update(stream_k=False, longest_first=0, kv_tail=True)
+    settings.update(stream_k=False, kv_tail=True)
     return settings
 
 

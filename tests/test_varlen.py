@@ -28,14 +28,19 @@ def test_decode_item_covers_every_tile_once():
     heads, block_m = 3, 128
     tiles = varlen.query_tiles(cu, block_m, heads)
     assert tiles == [0, 3, 3, 3, 24, 0]
-    for last_first in (False, True):
-        seen = [varlen.decode_item(i, tiles, heads, last_first) for i in range(sum(tiles))]
+    for last_first, groups in ((False, None), (True, None), (True, [2] * 6), (True, [3] * 6)):
+        seen = [varlen.decode_item(i, tiles, heads, last_first, groups)
+                for i in range(sum(tiles))]
         assert len(set(seen)) == len(seen) == sum(tiles)
         assert varlen.decode_item(sum(tiles), tiles, heads) is None
         assert all(m < -(-(cu[b + 1] - cu[b]) // block_m) for b, m, _ in seen)
     # the last query tile first, then the next head
     assert varlen.decode_item(9, tiles, heads, True) == (4, 7, 0)
     assert varlen.decode_item(17, tiles, heads, True) == (4, 7, 1)
+    # head groups of 2 (the remainder, head 0, first): head 0's tiles, then heads 1 and 2
+    # alternating, the longest first
+    assert [varlen.decode_item(i, tiles, heads, True, [2] * 6)[1:] for i in (9, 16, 17, 18)] \
+        == [(7, 0), (0, 0), (7, 1), (7, 2)]
 
 
 def _packed(total_q=40, total_k=48, heads=4, heads_kv=2, d=64, dtype=torch.bfloat16):

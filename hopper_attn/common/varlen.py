@@ -257,15 +257,27 @@ def query_tiles(cu_seqlens_q, block_m: int, heads: int = 1) -> list:
     return [-(-(b - a) // block_m) * heads for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
 
 
-def decode_item(index: int, tiles_per_sequence, heads: int = 1, last_first: bool = False):
+def decode_item(index: int, tiles_per_sequence, heads: int = 1, last_first: bool = False,
+                groups=None):
     """(sequence, query tile, head) of work item `index` of the varlen work list
     (scheduler.varlen_item), or None past its end: sequences in order, inside one the query
-    tile fastest, then the head (last_first: the last query tile, the longest with a causal
-    mask, first)."""
+    tile fastest, then the head, or (groups[b]: heads per group in sequence b) the heads in
+    groups, the remainder group first, inside a group tile 0 of every head, then tile 1, ...
+    (scheduler.head_group_order); last_first: tiles counted from the last (the longest with
+    a causal mask)."""
     for b, count in enumerate(tiles_per_sequence):
         if index < count:
             m_blocks = count // heads
-            head, slot = divmod(index, m_blocks)
+            if groups is None:
+                head, slot = divmod(index, m_blocks)
+            else:
+                group, first = groups[b], heads % groups[b]
+                if index < first * m_blocks:
+                    slot, head = divmod(index, first)
+                else:
+                    rest = index - first * m_blocks
+                    slot = rest % (group * m_blocks) // group
+                    head = first + rest // (group * m_blocks) * group + rest % group
             return b, (m_blocks - 1 - slot if last_first else slot), head
         index -= count
     return None
