@@ -90,6 +90,22 @@ def test_attention_varlen_fake_traces_without_reading_cu_seqlens():
     assert out.shape == q.shape and lse.shape == (4, 40) and lse.dtype == torch.float32
 
 
+def test_attention_varlen_traces_in_one_graph():
+    """torch.compile(fullgraph=True) sees one op (a backend that only records the graph)."""
+    from hopper_attn import attention_varlen
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: (None, None)
+
+    f = torch.compile(lambda *a: attention_varlen(*a, 23, 43, causal=True, return_lse=True),
+                      fullgraph=True, backend=backend)
+    f(*_packed())
+    calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and torch.ops.hopper_attn.attention_varlen in calls
+
+
 def test_varlen_backward_hook_is_not_there_yet():
     from hopper_attn import api
     with pytest.raises(ValueError, match="varlen backward"):
