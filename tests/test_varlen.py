@@ -43,6 +43,38 @@ def test_decode_item_covers_every_tile_once():
         == [(7, 0), (0, 0), (7, 1), (7, 2)]
 
 
+def _warp_decode(index, cu, block_m, heads, last_first):
+    """scheduler.varlen_item's steps in python: 32 lanes, an inclusive scan, a ballot."""
+    first, rel, batch = 0, index, len(cu) - 1
+    while first < batch:
+        m_blocks = [-(-(cu[b + 1] - cu[b]) // block_m) if b < batch else 0
+                    for b in range(first, first + 32)]
+        running = [sum(m * heads for m in m_blocks[:lane + 1]) for lane in range(32)]
+        if rel < running[31]:
+            at = sum(r <= rel for r in running)
+            within = rel - (running[at] - m_blocks[at] * heads)
+            m, head = within % m_blocks[at], within // m_blocks[at]
+            return first + at, (m_blocks[at] - 1 - m if last_first else m), head
+        rel, first = rel - running[31], first + 32
+    return None
+
+
+def test_warp_prefix_sum_decode_matches_the_work_list():
+    """Over more than one warp step, with empty sequences among them."""
+    import random
+    rng = random.Random(3)
+    lengths = [rng.choice([0, 0, 1, 63, 64, 65, 128, 129, 700]) for _ in range(75)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    for block_m, heads in ((128, 2), (192, 3)):
+        tiles = varlen.query_tiles(cu, block_m, heads)
+        for last_first in (False, True):
+            for i in range(sum(tiles) + 3):
+                assert _warp_decode(i, cu, block_m, heads, last_first) == \
+                    varlen.decode_item(i, tiles, heads, last_first)
+
+
 def _packed(total_q=40, total_k=48, heads=4, heads_kv=2, d=64, dtype=torch.bfloat16):
     q = torch.zeros(total_q, heads, d, dtype=dtype)
     k = torch.zeros(total_k, heads_kv, d, dtype=dtype)
