@@ -91,7 +91,20 @@ def compile_varlen(problem: Problem, has_seqused_k: bool, compile_options: str =
     return compiled, kernel
 
 
-_BOUND: dict = {}          # the last call's CuTe tensors, by pointers, shapes and strides
+_BOUND: dict = {}          # CuTe views of recent tensors, by pointer, shape, stride, dtype
+
+
+def _cute_view(t: torch.Tensor, packed: bool):
+    """The CuTe tensor of `t` ((1, ...) + its shape where `packed`), made once per layout and
+    address (about 10 us each otherwise)."""
+    from hopper_attn.common import cute_runtime as rt
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, packed)
+    view = _BOUND.get(key)
+    if view is None:
+        if len(_BOUND) >= 256:
+            _BOUND.clear()
+        view = _BOUND[key] = rt.to_cute_tensor(t.unsqueeze(0) if packed else t)
+    return view
 
 
 def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -102,21 +115,11 @@ def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
     import cutlass
     if q.shape[0] == 0:
         return
-    counter = work_counter(q.device)
-    tensors = (q, k, v, out, lse, counter, cu_seqlens_q, cu_seqlens_k) + \
-        (() if seqused_k is None else (seqused_k,))
-    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
-    args = _BOUND.get(key)
-    if args is None:
-        args = [rt.to_cute_tensor(t.unsqueeze(0)) for t in (q, k, v, out, lse)]
-        args += [rt.to_cute_tensor(t) for t in tensors[5:]]
-        if seqused_k is None:
-            args.append(None)
-        if len(_BOUND) > 64:
-            _BOUND.clear()
-        _BOUND[key] = args
+    args = [_cute_view(t, True) for t in (q, k, v, out, lse)]
+    args += [_cute_view(t, False) for t in (work_counter(q.device), cu_seqlens_q,
+                                            cu_seqlens_k)]
     compiled(*args[:6], cutlass.Float32(softmax_scale * LOG2_E), rt.current_stream(),
-             *args[6:])
+             *args[6:], None if seqused_k is None else _cute_view(seqused_k, False))
 
 
 __all__ = ["FlashAttentionK6Varlen", "compile_varlen", "run_varlen", "problem_for",
