@@ -91,8 +91,9 @@ def compile_varlen(problem: Problem, has_seqused_k: bool, compile_options: str =
     return compiled, kernel
 
 
-# The last call's CuTe tensors, by the torch tensors' pointers, shapes and strides (about
-# 10 us saved per tensor). Only one call's: a CuTe tensor keeps its torch tensor's memory.
+# The last call's CuTe tensors of its inputs, by their pointers, shapes and strides (about
+# 10 us saved per tensor); the outputs are converted every call. Only one call's: a CuTe
+# tensor keeps its torch tensor's memory.
 _BOUND: dict = {}
 
 
@@ -104,19 +105,20 @@ def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
     import cutlass
     if q.shape[0] == 0:
         return
-    tensors = (q, k, v, out, lse, work_counter(q.device), cu_seqlens_q, cu_seqlens_k) + \
+    inputs = (q, k, v, work_counter(q.device), cu_seqlens_q, cu_seqlens_k) + \
         (() if seqused_k is None else (seqused_k,))
-    key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
-    args = _BOUND.get(key)
-    if args is None:
-        args = [rt.to_cute_tensor(t.unsqueeze(0)) for t in tensors[:5]]
-        args += [rt.to_cute_tensor(t) for t in tensors[5:]]
+    key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in inputs)
+    bound = _BOUND.get(key)
+    if bound is None:
+        bound = [rt.to_cute_tensor(t.unsqueeze(0)) for t in inputs[:3]]
+        bound += [rt.to_cute_tensor(t) for t in inputs[3:]]
         if seqused_k is None:
-            args.append(None)
+            bound.append(None)
         _BOUND.clear()
-        _BOUND[key] = args
-    compiled(*args[:6], cutlass.Float32(softmax_scale * LOG2_E), rt.current_stream(),
-             *args[6:])
+        _BOUND[key] = bound
+    outputs = [rt.to_cute_tensor(t.unsqueeze(0)) for t in (out, lse)]
+    compiled(*bound[:3], *outputs, bound[3], cutlass.Float32(softmax_scale * LOG2_E),
+             rt.current_stream(), *bound[4:])
 
 
 __all__ = ["FlashAttentionK6Varlen", "compile_varlen", "run_varlen", "problem_for",
