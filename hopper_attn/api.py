@@ -561,6 +561,11 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
+    # (the kernel is compiled for 16-byte aligned tensors: a slice of a larger cu_seqlens
+    # is copied, on the device)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = (
+        t if t is None or (t.data_ptr() % 16 == 0 and t.is_contiguous()) else t.clone()
+        for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
     scale = default_scale if softmax_scale is None else float(softmax_scale)
     k6_varlen.run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                          scale)
