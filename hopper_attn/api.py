@@ -663,7 +663,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     ValueError before any launch for what is visible without reading device memory: dtypes
     (cu_seqlens int32), devices, shapes, cu_seqlens_q and cu_seqlens_k of different lengths,
-    seqused_k's shape, max_seqlen out of range, layouts. Not checked (it would need a device
+    seqused_k's shape, max_seqlen out of range, more queries than batch x max_seqlen_q,
+    layouts. Not checked (it would need a device
     sync; nothing here reads cu_seqlens on the host, so the call can be captured in a CUDA
     graph): cu_seqlens_q[-1] == total_q and cu_seqlens_k[-1] <= total_k, offsets
     non-decreasing, lengths <= max_seqlen_*; breaking these reads or writes out of bounds.

@@ -90,6 +90,7 @@ def _packed(total_q=40, total_k=48, heads=4, heads_kv=2, d=64, dtype=torch.bfloa
     (dict(cu_k=torch.tensor([0, 48], dtype=torch.int32)), "same length"),
     (dict(max_q=-1), "max_seqlen_q"),
     (dict(max_q=1 << 30), "max_seqlen_q"),
+    (dict(max_q=13), "do not fit"),
     (dict(max_k=2.5), "python int"),
     (dict(seqused_k=torch.zeros(2, dtype=torch.int32)), "seqused_k"),
     (dict(seqused_k=torch.zeros(3, dtype=torch.int64)), "seqused_k"),
