@@ -30,6 +30,7 @@ tools/varlen_gpu_check.py --quick).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -111,14 +112,18 @@ def case(label, q_lens, k_lens, heads, heads_kv, d, causal, seed, *, max_extra=0
     nan = bool(out.isnan().any())
     err = (out.float() - ref).abs().max().item() if ref.numel() else 0.0
     finite = ref_lse.isfinite()
-    lse_ok = bool(torch.equal(lse.isfinite(), finite)) and (
-        not finite.any() or (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3)
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    # d 192 / 256: POLICY's lazy rescale sums P rounded to bf16 (what the PV GEMM adds), so
+    # l, and the LSE, may differ from the exact sums by up to log(1 + 2^-8), as in the dense call
+    lse_ok = bool(torch.equal(lse.isfinite(), finite)) and \
+        lse_err < (1e-3 if d <= 128 else math.log1p(2 ** -8))
     ok = not nan and err <= bound and lse_ok and intact and same_bits
     return {"case": [label, q_lens if len(q_lens) <= 16 else f"{len(q_lens)} sequences",
                      k_lens if len(k_lens) <= 16 else "", heads, heads_kv, d, causal,
                      str(dtype).replace("torch.", ""), max_extra, seqused, list(window),
                      softcap, scale],
             "ratio": float("inf") if nan else err / bound, "error": err, "lse_ok": lse_ok,
+            "lse_error": lse_err,
             "poison_intact": intact, "same_bits": same_bits, "ok": ok}
 
 
