@@ -72,6 +72,7 @@ from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_
 from hopper_attn.common.masking import KVTileSchedule, dkv_parts, mask_scores, window_options
 from hopper_attn.common.softmax import softcap_scores
 from hopper_attn.common.trace import PhaseTrace
+from hopper_attn.common.varlen_backward import VarlenKVTileSchedule
 from hopper_attn.common.warp_roles import WarpRoles
 
 SPEC = KernelSpec(
@@ -100,7 +101,7 @@ class FlashAttentionBackwardKB2:
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1):
+                 window_right: int = -1, varlen: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -129,8 +130,14 @@ class FlashAttentionBackwardKB2:
             dict(window_left=int(window_left), window_right=-1 if causal else int(window_right))
         if window and deterministic:
             raise ValueError("kb2: the deterministic mode has no sliding window")
-        self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads,
-                                       heads_first=self.heads_first, **window)
+        # varlen: a packed batch, a work list of (sequence, kv tile) (common/varlen_backward.py)
+        self.varlen = bool(varlen)
+        if self.varlen and (deterministic or self.longest_first or self.heads_first):
+            raise ValueError("kb2: varlen runs its work list without the deterministic mode "
+                             "or another launch order")
+        self.schedule = (VarlenKVTileSchedule if self.varlen else KVTileSchedule)(
+            block_m, block_n, causal, l2_rows, group_heads, heads_first=self.heads_first,
+            **window)
         # deterministic: kv tiles add into a dQ tile in order (a turn counter per query tile)
         self.deterministic = deterministic
         # stmatrix: dS^T -> SMEM four 8 x 8 blocks a warp instruction, not 4 bytes a store
@@ -156,7 +163,7 @@ class FlashAttentionBackwardKB2:
         # convert_per_head: each CTA counts itself in counters[b, h, 0] once its dQ adds have
         # landed; the early dQ conversion starts a head when all have (DqConvertFragments)
         self.convert_per_head = bool(convert_per_head)
-        if self.convert_per_head and (deterministic or not pdl):
+        if self.convert_per_head and (deterministic or not pdl or self.varlen):
             raise ValueError("kb2: convert_per_head needs pdl and not the deterministic mode "
                              "(whose turns use the same counters)")
         # gqa: a CTA walks every query head of its group (or part: `dkv_parts`), stores dK
@@ -201,7 +208,8 @@ class FlashAttentionBackwardKB2:
                       for t in (mLSE2, mD)]                                     # (rows, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type
-        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages)
+        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
+                                     packed=self.varlen)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
         # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
         row_stride = -(-bm // 32) * 32
@@ -234,7 +242,7 @@ class FlashAttentionBackwardKB2:
                     mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
                     row_layout).launch(
             grid=self.schedule.grid(tiles.seqlen_k, mdK.shape[2] if self.gqa else tiles.heads,
-                                    tiles.batch),
+                                    mSem.shape[1] - 1 if self.varlen else tiles.batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,
@@ -256,7 +264,13 @@ class FlashAttentionBackwardKB2:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         group = 1
-        if cutlass.const_expr(self.gqa):
+        if cutlass.const_expr(self.varlen):
+            # this CTA's sequence, seen as a batch of one (mSem: the sequence table)
+            (n_block, dk_head, kv_head, group, seqlen_q, seqlen_k, m_first, m_count,
+             (mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc)) = self.schedule.cta_work_varlen(
+                mSem, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc)
+            head, batch = dk_head * group, Int32(0)
+        elif cutlass.const_expr(self.gqa):
             (n_block, dk_head, kv_head, batch, group, seqlen_q, seqlen_k, m_first,
              m_count) = self.schedule.cta_work_kv(mQ, mK, mdK)
             head = dk_head * group                  # the first query head it walks
@@ -389,11 +403,11 @@ class FlashAttentionBackwardKB2:
                 cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
                                          number_of_threads=DQ_HANDOFF_THREADS)
-            if cutlass.const_expr(self.gqa):
-                turn = mSem[batch, q_head, None].iterator + m_block
-            else:
-                turn = mSem[batch, head, None].iterator + m_block
             if cutlass.const_expr(self.deterministic):
+                if cutlass.const_expr(self.gqa):       # (varlen: mSem is no counter)
+                    turn = mSem[batch, q_head, None].iterator + m_block
+                else:
+                    turn = mSem[batch, head, None].iterator + m_block
                 if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
                     wait_for_count(turn, n_block)
                 cute.arch.sync_warp()
@@ -758,12 +772,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    group_mib: Optional[int] = None, group_heads: Optional[int] = None,
                    trace: bool = False, convert_per_head: Optional[bool] = None,
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, varlen: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
     given); convert_per_head is also off where pdl is (the early conversion waits per head).
-    trace: iket phase ranges (harness/timeline.py). softcap: the forward's cap (0: none)."""
+    trace: iket phase ranges (harness/timeline.py). softcap: the forward's cap (0: none).
+    varlen: for packed batches (common/varlen_backward.py; its own launch order)."""
     softcap = float(softcap)
     if softcap and block_m is None:
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
@@ -780,6 +795,9 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     settings.update({name: value for name, value in given.items() if value is not None})
     if not settings["pdl"] and convert_per_head is None:
         settings["convert_per_head"] = False
+    if varlen:
+        settings.update(longest_first=False, heads_first=False, convert_per_head=False,
+                        gqa=problem.kv_heads != problem.heads)
     early = settings.pop("early_dv")
     options = {name: bool(value) for name, value in settings.items()
                if name not in ("block_m", "split_dv", "group_mib", "group_heads")}
@@ -790,6 +808,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "group_mib": int(settings["group_mib"]),
                              "group_heads": int(settings["group_heads"]), "trace": bool(trace),
                              **({"softcap": float(softcap)} if softcap else {}),
+                             **({"varlen": True} if varlen else {}),
                              **window_options(problem)},
                             compile_options=compile_options)
 

@@ -1,0 +1,428 @@
+"""The backward of a packed (variable-length) batch: kb2's kernels over a list of sequences.
+
+A packed batch (common/varlen.py) holds its sequences back to back: q, out, dout and dq are
+(total_q, H, d), k, v, dk and dv (total_k, H_kv, d), the forward's LSE (H, total_q) fp32.
+The backward runs the three launches of the dense one (common/backward.py), each over a work
+list instead of a (tiles, heads, batch) grid:
+
+1. `VarlenPreprocess`, one CTA per (query tile of a sequence, head): D = rowsum(dO * O) and
+   lse2 = lse * log2(e) into a *padded* per-sequence layout, (1, H, total_q + batch x
+   block_m): sequence b's rows start at the tile-aligned row
+       padded_q(b) = (cu_seqlens_q[b] + b block_m) // block_m x block_m
+   (each sequence's rows move down by less than b + 1 tiles, so the sequences' whole tiles
+   never overlap). Rows past a sequence's end in its last tile get D = 0 and lse2 = +inf, as
+   the dense preprocess pads, so P = 0 there. The fp32 dQ buffer (1, H, padded rows, d)
+   is zeroed tile by tile on the same layout.
+2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head):
+   the CTA finds its sequence and kv tile from its index (`locate_tile`), then sees its
+   sequence through views (`cta_work_varlen`): Q, dO, K, V and dK, dV through common/varlen's
+   ragged TMA tensors (loads past the sequence's end zero-filled, stores past it dropped),
+   lse2, D and the dQ buffer offset to padded_q(b), so the whole kernel runs as on a batch
+   of one. Causal masks and windows are aligned per sequence (bottom-right), as each
+   sequence's lengths are. GQA: kb2's gqa variant, a CTA walks its group's query heads
+   (never split in parts here).
+3. `VarlenDqConvert`, one CTA per (query tile of a sequence, head): the padded fragment-order
+   dQ buffer -> dq's rows of the sequence, times the softmax scale.
+
+Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end and
+CTA x takes its x-th entry. Each CTA finds its entry itself (no host read of cu_seqlens, no
+extra launch): every warp reads 32 sequences' lengths at a time, takes a prefix sum by
+shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
+ceil(total / block) + batch (the sum of the ceilings is below it), and CTAs past the list's
+end do nothing (the main kernel's run with zero lengths: their stores are dropped).
+
+The sequence table. The kernels read the lengths from one int32 tensor (3, batch + 1):
+cu_seqlens_q, cu_seqlens_k, and the keys each sequence uses (seqused_k, or the differences
+of cu_seqlens_k; entry `batch` unused), built on the device (`sequence_table`). kb2 takes it
+in the place of its dQ turn counters (`mSem`), which the varlen mode does not use (it has
+neither the deterministic mode nor the per-head dQ conversion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Optional
+
+import torch
+
+from . import cute_runtime as rt    # sets the target architecture before cutlass is imported
+from .contract import LOG2_E, Problem
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .backward import (CHUNK, HELPER_THREADS, _COMPILED, CompiledBackward, DqConvertFragments,
+                       _aligned, _chunk, _tile_rows, fragment_slot)
+from .layouts import ndhb_view, transposed
+from .masking import KVTileSchedule
+from .varlen import SeqInfo, check_inputs, sequence_batch, sequence_rows
+from .wgmma import dq_mma, dq_tile_shape
+
+
+def sequence_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   seqused_k: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(3, batch + 1) int32 on the device: cu_seqlens_q, cu_seqlens_k, keys used per
+    sequence (see the module doc). Device ops only (CUDA-graph capturable)."""
+    used = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k
+    return torch.stack([cu_seqlens_q, cu_seqlens_k,
+                        torch.nn.functional.pad(used, (0, 1))]).to(torch.int32)
+
+
+def padded_rows(total_q: int, batch: int, block_m: int) -> int:
+    """Rows of the padded per-sequence layout (lse2, D, the dQ buffer)."""
+    return total_q + batch * block_m
+
+
+# --------------------------------------------------------------------------------------------
+# device side
+# --------------------------------------------------------------------------------------------
+
+@cute.jit
+def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
+                keys: cutlass.Constexpr[bool]):
+    """(sequence, tile inside it) of entry `tile` of the work list that lays the sequences'
+    tiles of `block` rows (query rows, or with `keys` the keys used) end to end; the
+    sequence is `batch` past the list's end. Every lane of the calling warp gets the same
+    answer (32 sequences a step: prefix sum by shuffles, the first covering lane by ballot)."""
+    batch = seqs.shape[1] - 1
+    lane = cute.arch.lane_idx()
+    seq, local = Int32(batch), Int32(0)
+    before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
+    while chunk < batch and seq == batch:
+        b = chunk + lane
+        rows = Int32(0)
+        if b < batch:
+            if cutlass.const_expr(keys):
+                rows = seqs[2, b]
+            else:
+                rows = seqs[0, b + 1] - seqs[0, b]
+        tiles = (rows + (block - 1)) // block
+        upto = tiles                         # inclusive prefix sum over the lanes
+        for i in cutlass.range_constexpr(5):
+            got = cute.arch.shuffle_sync_up(upto, 1 << i)
+            if lane >= (1 << i):
+                upto = upto + got
+        covered = cute.arch.vote_ballot_sync(tile < before + upto)
+        if covered != 0:
+            first = Int32(cute.arch.popc((covered & -covered) - 1))    # its lowest lane
+            seq = chunk + first
+            local = tile - before - cute.arch.shuffle_sync(upto - tiles, first)
+        before = before + cute.arch.shuffle_sync(upto, 31)
+        chunk = chunk + 32
+    return seq, local
+
+
+@cute.jit
+def sequence_tensor(tma_tensor: cute.Tensor, offset, length):
+    """One sequence of a ragged TMA tensor (common/varlen.py) as an (N, d, H, 1) tensor, the
+    layout kb2 indexes with (head, batch 0)."""
+    rows = sequence_rows(tma_tensor, length)[None, None, None, sequence_batch(offset, length)]
+    return cute.make_tensor(rows.iterator,
+                            cute.append(rows.layout, cute.make_layout(1, stride=0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class VarlenKVTileSchedule(KVTileSchedule):
+    """KVTileSchedule over a packed batch: a 1-D work list of (sequence, kv tile) per dK head
+    (grid (list bound, dK heads, 1)); the mask and the query tiles a kv tile walks are the
+    dense ones with the sequence's lengths."""
+
+    def grid(self, total_k, heads, sequences):
+        return [cute.ceil_div(total_k, self.block_n) + sequences, heads, 1]
+
+    @cute.jit
+    def cta_work_varlen(self, seqs: cute.Tensor, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV,
+                        mdQacc):
+        """This CTA's (n_block, dK head, k/v head, query heads per dK head, seqlen_q,
+        seqlen_k, m_first, m_count) and its sequence's views of (mQ, mdO, mK, mV, mLSE2,
+        mD, mdK, mdV, mdQacc) (batch 0 of each). Past the list's end, or for a sequence
+        without queries, m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
+        tile, dk_head, _ = cute.arch.block_idx()
+        batch = seqs.shape[1] - 1
+        seq, n_block = locate_tile(seqs, Int32(tile), self.block_n, True)
+        uniform = cute.arch.make_warp_uniform
+        seq, n_block = uniform(seq), uniform(n_block)
+        b = cutlass.min(seq, batch - 1)
+        info = SeqInfo.create(b, seqs[0, None], seqs[1, None], seqs[2, None])
+        seqlen_q, seqlen_k = info.seqlen_q, info.seqlen_k
+        if seq >= batch:
+            seqlen_q, seqlen_k = Int32(0), Int32(0)
+        m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
+        m_count = m_end - m_first
+        if seqlen_q == 0:
+            m_count = Int32(0)
+        dk_head = Int32(dk_head)
+        group = mQ.shape[2] // mdK.shape[2]
+        kv_head = dk_head // (mdK.shape[2] // mK.shape[2])
+        padded_q = (info.offset_q + b * self.block_m) // self.block_m * self.block_m
+        views = (sequence_tensor(mQ, info.offset_q, seqlen_q),
+                 sequence_tensor(mdO, info.offset_q, seqlen_q),
+                 sequence_tensor(mK, info.offset_k, seqlen_k),
+                 sequence_tensor(mV, info.offset_k, seqlen_k),
+                 cute.domain_offset((padded_q, 0, 0), mLSE2),
+                 cute.domain_offset((padded_q, 0, 0), mD),
+                 sequence_tensor(mdK, info.offset_k, seqlen_k),
+                 sequence_tensor(mdV, info.offset_k, seqlen_k),
+                 cute.domain_offset((0, 0, padded_q, 0), mdQacc))
+        return (n_block, dk_head, kv_head, group, seqlen_q, seqlen_k, m_first, m_count,
+                views)
+
+
+@cute.jit
+def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int]):
+    """The calling helper CTA's (sequence, query tile, offset_q, seqlen_q, padded_q, head);
+    sequence = batch past the work list's end."""
+    tile, head, _ = cute.arch.block_idx()
+    batch = seqs.shape[1] - 1
+    seq, m_block = locate_tile(seqs, Int32(tile), block_m, False)
+    b = cutlass.min(seq, batch - 1)
+    offset = seqs[0, b]
+    padded = (offset + b * block_m) // block_m * block_m
+    return seq, m_block, offset, seqs[0, b + 1] - offset, padded, Int32(head)
+
+
+class VarlenPreprocess:
+    """BackwardPreprocess over the query tiles of a packed batch (see the module doc): lse
+    (H, total_q) in, lse2 and D (1, H, padded rows) out, the tile's dQ block zeroed."""
+
+    def __init__(self, head_dim: int, block_m: int, pdl: bool = False):
+        self.head_dim, self.rows, self.pdl = head_dim, block_m, pdl
+        self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mSeqs: cute.Tensor,
+                 stream):
+        o, do = ndhb_view(mO), ndhb_view(mdO)                  # (total_q, d, H, 1)
+        self.kernel(o, do, mLSE, mLSE2, mD, mdQacc, mSeqs).launch(
+            grid=[cute.ceil_div(o.shape[0], self.rows) + (mSeqs.shape[1] - 1), o.shape[2], 1],
+            block=[HELPER_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, o: cute.Tensor, do: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+               mD: cute.Tensor, mdQacc: cute.Tensor, mSeqs: cute.Tensor):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        seq, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, self.rows)
+        if seq < mSeqs.shape[1] - 1:
+            lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+            passes = self.rows // self.rows_per_pass
+            o_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
+            do_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
+            lse_rows = cute.make_rmem_tensor((passes,), Float32)
+            for p in cutlass.range_constexpr(passes):     # every load first (BackwardPreprocess)
+                token = offset + cutlass.min(m_block * self.rows + p * self.rows_per_pass
+                                             + lane_row, seqlen - 1)
+                cute.autovec_copy(_chunk(o, token, col0, head, 0), o_rows[None, p])
+                cute.autovec_copy(_chunk(do, token, col0, head, 0), do_rows[None, p])
+                lse_rows[p] = mLSE[head, token]
+            block = self.rows * self.head_dim
+            base = mdQacc[0, head, None, None].iterator + (padded + m_block * self.rows) \
+                * self.head_dim
+            zeros = cute.make_rmem_tensor((4,), Float32)
+            zeros.fill(0.0)
+            for i in cutlass.range_constexpr(block // (4 * HELPER_THREADS)):
+                cute.autovec_copy(zeros, _aligned(base + (i * HELPER_THREADS + tidx) * 4, 4))
+            for p in cutlass.range_constexpr(passes):
+                row = m_block * self.rows + p * self.rows_per_pass + lane_row
+                prod = o_rows[None, p].load().to(Float32) * do_rows[None, p].load().to(Float32)
+                partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
+                if tidx % self.lanes == 0:
+                    lse2 = Float32.inf
+                    if row < seqlen:
+                        if lse_rows[p] != -Float32.inf:
+                            lse2 = lse_rows[p] * LOG2_E
+                    else:
+                        dsum = Float32(0.0)
+                    mD[0, head, padded + row] = dsum
+                    mLSE2[0, head, padded + row] = lse2
+
+
+class VarlenDqConvert(DqConvertFragments):
+    """DqConvertFragments over the query tiles of a packed batch: the padded fragment-order
+    dQ buffer -> dq (total_q, H, d), rows of the sequence only."""
+
+    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False):
+        super().__init__(head_dim, block_m, swap_ab, pdl)
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqs: cute.Tensor,
+                 scale: Float32, stream):
+        dq = ndhb_view(mdQ)                                    # (total_q, d, H, 1)
+        self.dtype = mdQ.element_type
+        self.kernel(mdQacc, dq, mSeqs, scale).launch(
+            grid=[cute.ceil_div(dq.shape[0], self.block_m) + (mSeqs.shape[1] - 1), dq.shape[2],
+                  1],
+            block=[256, 1, 1], stream=stream, use_pdl=self.pdl)
+
+    @cute.kernel
+    def kernel(self, acc_all: cute.Tensor, dq: cute.Tensor, mSeqs: cute.Tensor, scale: Float32):
+        bm, d = self.block_m, self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
+        seq, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, bm)
+        smem = cutlass.memory.SmemAllocator()
+        tile = smem.allocate_tensor(self.dtype, cute.make_layout((bm, d), stride=(d + CHUNK, 1)),
+                                    byte_alignment=16)
+        if seq < mSeqs.shape[1] - 1:
+            thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
+            acc = cute.make_rmem_tensor(
+                thr.partition_shape_C(dq_tile_shape(bm, d, self.swap_ab)), Float32)
+            src = fragment_slot(acc_all[0, head, None, None].iterator + padded * d, m_block,
+                                tidx, bm, d, cute.size(acc))
+            cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
+            converted = cute.make_rmem_tensor_like(acc, self.dtype)
+            converted.store((acc.load() * scale).to(self.dtype))
+            cute.autovec_copy(converted,
+                              thr.partition_C(transposed(tile) if self.swap_ab else tile))
+            cute.arch.sync_threads()
+            lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+            for p in cutlass.range_constexpr(bm // self.rows_per_pass):
+                r = p * self.rows_per_pass + lane_row
+                row = m_block * bm + r
+                if row < seqlen:
+                    out = cute.make_rmem_tensor((CHUNK,), self.dtype)
+                    cute.autovec_copy(_aligned(tile[r, None].iterator + col0, CHUNK), out)
+                    cute.autovec_copy(out, _chunk(dq, offset + row, col0, head, 0))
+
+
+# --------------------------------------------------------------------------------------------
+# host side
+# --------------------------------------------------------------------------------------------
+
+def _example(shape, dtype):
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def compile_varlen_backward(spec, kernel_factory, problem: Problem, options: dict,
+                            compile_options: str = "") -> CompiledBackward:
+    """compile_backward for a packed batch (options with varlen=True): the main kernel
+    against packed example tensors, and the varlen pre- and post-processing kernels."""
+    options = dict(options)
+    spec.check(problem)
+    d, dt = problem.head_dim, problem.dtype
+    ffi = rt.tvm_ffi_available()
+    key = ("varlen", spec.name, kernel_factory, d, problem.causal, dt,
+           tuple(sorted(options.items())), compile_options, ffi)
+    cached = _COMPILED.get(key)
+    if cached is not None:
+        return CompiledBackward(spec, problem, options, *cached, 0.0, ffi)
+    t0 = time.perf_counter()
+    kernel = kernel_factory(d, problem.causal, **options)
+    n, h, h_kv, batch = 256, 2, 2, 2
+    if getattr(kernel, "gqa", False):
+        h, h_kv = 4, 2
+    bm, pdl = kernel.block_m, bool(getattr(kernel, "pdl", False))
+    rows = padded_rows(n, batch, bm)
+    qkv = [_example((1, n, heads, d), dt) for heads in (h, h_kv, h_kv, h)]   # q, k, v, dO
+    stats = [_example((1, h, rows), torch.float32) for _ in range(2)]         # lse2, D
+    dq_accum = _example((1, h, rows, d), torch.float32)
+    dkv = [_example((1, n, h_kv, d), dt) for _ in range(2)]
+    seqs = _example((3, batch + 1), torch.int32)
+    main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, seqs,
+                                   scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
+    pre_key = ("varlen preprocess", d, dt, bm, ffi, pdl)
+    if pre_key not in _COMPILED:
+        lse = _example((h, n), torch.float32)
+        _COMPILED[pre_key] = rt.compile_with_tensors(VarlenPreprocess(d, bm, pdl), qkv[0],
+                                                     qkv[3], lse, *stats, dq_accum, seqs,
+                                                     tvm_ffi=ffi)
+    swap_ab = bool(getattr(kernel, "dq_swap_ab", False))
+    post_key = ("varlen postprocess", d, dt, bm, swap_ab, ffi, pdl)
+    if post_key not in _COMPILED:
+        _COMPILED[post_key] = rt.compile_with_tensors(VarlenDqConvert(d, bm, swap_ab, pdl),
+                                                      dq_accum, qkv[0], seqs, scalars=(1.0,),
+                                                      tvm_ffi=ffi)
+    _COMPILED[key] = (kernel, main, _COMPILED[pre_key], _COMPILED[post_key])
+    return CompiledBackward(spec, problem, options, kernel, main, _COMPILED[pre_key],
+                            _COMPILED[post_key], time.perf_counter() - t0, ffi)
+
+
+def run_varlen_backward(handle: CompiledBackward, q, k, v, out, dout, lse, seqs, dq, dk, dv,
+                        softmax_scale: float) -> None:
+    """dq, dk, dv (written in place; packed like q, k, v) of a packed batch whose sequence
+    table is `seqs` (`sequence_table`); lse (H, total_q) fp32. Three launches on the current
+    stream. dk / dv rows of keys no sequence uses (past seqused_k) are not written."""
+    heads, d = q.shape[1], q.shape[2]
+    rows = padded_rows(q.shape[0], seqs.shape[1] - 1, handle.block_m)
+    dev = q.device
+    lse2 = torch.empty((1, heads, rows), dtype=torch.float32, device=dev)
+    dsum = torch.empty_like(lse2)
+    dq_accum = torch.empty((1, heads, rows, d), dtype=torch.float32, device=dev)
+    q4, k4, v4, o4, do4, dq4, dk4, dv4 = (t.unsqueeze(0) for t in (q, k, v, out, dout, dq, dk,
+                                                                    dv))
+    if handle.tvm_ffi:
+        handle.preprocess(o4, do4, lse, lse2, dsum, dq_accum, seqs)
+        handle.main(q4, k4, v4, do4, lse2, dsum, dq_accum, dk4, dv4, seqs,
+                    softmax_scale * LOG2_E, softmax_scale)
+        handle.postprocess(dq_accum, dq4, seqs, softmax_scale)
+    else:
+        stream = rt.current_stream()
+        t = rt.to_cute_tensor
+        handle.preprocess(t(o4), t(do4), t(lse), t(lse2), t(dsum), t(dq_accum), t(seqs), stream)
+        handle.main(t(q4), t(k4), t(v4), t(do4), t(lse2), t(dsum), t(dq_accum), t(dk4), t(dv4),
+                    t(seqs), softmax_scale * LOG2_E, softmax_scale, stream)
+        handle.postprocess(t(dq_accum), t(dq4), t(seqs), softmax_scale, stream)
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """TMA and the helpers read `t` in place: last dim contiguous, the other strides
+    multiples of 16 bytes, 16-byte aligned."""
+    return (t.stride(-1) == 1 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % 16 == 0)
+
+
+def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
+                deterministic: bool = False, max_seqlen_q: int = 1, max_seqlen_k: int = 1):
+    """kb2's varlen kernels for packed q (total_q, H, d), k (total_k, H_kv, d): ValueError
+    (UnsupportedProblem) for what kb2 does not run."""
+    from hopper_attn import kb2
+    if deterministic:
+        raise ValueError("the varlen backward has no deterministic mode")
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
+    problem = Problem(1, q.shape[1], max(int(max_seqlen_q), 1), q.shape[2], bool(causal),
+                      q.dtype, heads_kv=k.shape[1], seqlen_k=max(int(max_seqlen_k), 1),
+                      window_left=left, window_right=-1 if causal else right)
+    return kb2.compile_kernel(problem, varlen=True, softcap=softcap)
+
+
+def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, softmax_scale: Optional[float] = None,
+                    seqused_k: Optional[torch.Tensor] = None, window=(-1, -1),
+                    softcap: float = 0.0):
+    """(dq, dk, dv) of attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) = out with
+    LSE `lse` ((H, total_q) fp32) for the incoming gradient dout (packed like q). Every
+    ValueError before a launch; nothing reads cu_seqlens on the host. dk and dv rows of keys
+    past seqused_k are 0."""
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    for name, t in (("out", out), ("dout", dout)):
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype \
+                or t.device != q.device:
+            raise ValueError(f"{name} must be a {q.dtype} tensor of q's shape "
+                             f"{tuple(q.shape)} on {q.device}")
+    want = (q.shape[1], q.shape[0])
+    if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 \
+            or tuple(lse.shape) != want or lse.device != q.device:
+        raise ValueError(f"lse must be an fp32 tensor of shape {want} (heads, total_q) on "
+                         f"{q.device}, as attention_varlen returns it")
+    handle = compile_for(q, k, causal, window, softcap, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k)
+    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    q, k, v, out, dout = (t if _readable(t) else t.contiguous() for t in (q, k, v, out, dout))
+    lse = lse.contiguous()
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # keys past seqused_k belong to no sequence: their rows are not written
+    new = torch.empty if seqused_k is None else torch.zeros
+    dk, dv = (new(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return dq, dk.zero_(), dv.zero_()
+    seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k)
+    run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
+    return dq, dk, dv
