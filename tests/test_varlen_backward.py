@@ -1,0 +1,104 @@
+"""The varlen backward (common/varlen_backward.py, kb2 with `varlen`): its refusals, the
+padded per-sequence layout's index math, one compile for sm_90a, and (GPU) gradients against
+per-sequence fp32 references (tools/varlen_bwd_gpu_check.py runs the full set)."""
+
+import random
+import tempfile
+
+import pytest
+import torch
+
+from hopper_attn import kb2
+from hopper_attn.common.contract import Problem
+from hopper_attn.common.varlen_backward import compile_for, padded_rows, varlen_backward
+from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+from ptx import TMA_STORE, count
+
+
+def _packed(lengths_q, lengths_k, heads=4, heads_kv=2, d=64, device="cpu"):
+    cu = [torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32,
+                       device=device) for ls in (lengths_q, lengths_k)]
+    q, do = (torch.randn(sum(lengths_q), heads, d, device=device).to(torch.bfloat16)
+             for _ in range(2))
+    k, v = (torch.randn(sum(lengths_k), heads_kv, d, device=device).to(torch.bfloat16)
+            for _ in range(2))
+    lse = torch.zeros(heads, sum(lengths_q), device=device)
+    return q, k, v, q.clone(), do, lse, *cu
+
+
+def test_padded_tiles_never_overlap():
+    """Sequence b's query tiles start at (cu[b] + b bm) // bm x bm: whole tiles of different
+    sequences are disjoint and inside padded_rows."""
+    rng = random.Random(0)
+    for block_m in (64, 80, 128):
+        lengths = [rng.choice([0, 1, 17, 63, 64, 65, 80, 81, 1000]) for _ in range(40)]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        taken = []
+        for b, n in enumerate(lengths):
+            start = (cu[b] + b * block_m) // block_m * block_m
+            taken.append((start, start + -(-n // block_m) * block_m))
+        taken.sort()
+        assert all(a[1] <= b[0] for a, b in zip(taken, taken[1:]))
+        assert taken[-1][1] <= padded_rows(cu[-1], len(lengths), block_m)
+
+
+def test_refusals_before_any_launch():
+    q, k, v, out, do, lse, cu_q, cu_k = _packed([3, 5], [4, 4])
+    with pytest.raises(ValueError, match="lse"):
+        varlen_backward(q, k, v, out, do, lse.t(), cu_q, cu_k, 5, 4, True)
+    with pytest.raises(ValueError, match="int32"):
+        varlen_backward(q, k, v, out, do, lse, cu_q.long(), cu_k, 5, 4, True)
+    with pytest.raises(ValueError, match="dout"):
+        varlen_backward(q, k, v, out, do[:-1], lse, cu_q, cu_k, 5, 4, True)
+    with pytest.raises(ValueError, match="deterministic"):
+        compile_for(q, k, True, deterministic=True)
+    with pytest.raises(ValueError, match="varlen"):
+        kb2.FlashAttentionBackwardKB2(128, True, deterministic=True, varlen=True)
+
+
+@pytest.mark.compile
+def test_compiles_without_spills():
+    """GQA at d = 128 with a mask (the gqa variant's work list): no spills, dK / dV through
+    5-D (ragged) TMA stores, dQ still one bulk reduce-add per warpgroup and tile."""
+    problem = Problem(1, 4, 1000, 128, True, torch.bfloat16, heads_kv=2)
+    with tempfile.TemporaryDirectory() as dump:
+        handle = kb2.compile_kernel(problem, varlen=True, compile_options=(
+            f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))
+        ptx, cubin = handle.main.__ptx__.rstrip("\0"), handle.main.__cubin__
+    assert handle.options["varlen"] and handle.options["gqa"]
+    for fn in resource_usage(cubin):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert count(ptx, TMA_STORE) == count(ptx, r"cp\.async\.bulk\.tensor\.5d\.global") == 4
+    assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_gradients_match_per_sequence_references(d, causal):
+    from hopper_attn.harness.grad_check import _torch_lowp_grads
+    from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse
+    lq, lk = [0, 1, 17, 113, 300], [5, 1, 40, 113, 0]
+    q, k, v, _, do, _, cu_q, cu_k = _packed(lq, lk, 4, 2, d, device="cuda")
+    out = torch.zeros_like(q)
+    lse = torch.full((4, q.shape[0]), float("-inf"), device="cuda")
+    refs = [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]
+    lows = [torch.zeros(t.shape, device="cuda") for t in (q, k, v)]
+    qs, ks = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(lq)):
+        if lq[b] == 0 or lk[b] == 0:
+            continue
+        sq, sk = slice(qs[b], qs[b + 1]), slice(ks[b], ks[b + 1])
+        o, l_ = forward_with_lse(q[None, sq], k[None, sk], v[None, sk], causal)
+        out[sq], lse[:, sq] = o[0].to(q.dtype), l_[0]
+        grads = attention_backward(q[None, sq], k[None, sk], v[None, sk], o, l_, do[None, sq],
+                                   causal)
+        low = _torch_lowp_grads(q[None, sq], k[None, sk], v[None, sk], do[None, sq], causal)
+        for i, sl in enumerate((sq, sk, sk)):
+            refs[i][sl], lows[i][sl] = grads[i][0], low[i][0].float()
+    got = varlen_backward(q, k, v, out, do, lse, cu_q, cu_k, max(lq), max(lk), causal)
+    for g, r, lw in zip(got, refs, lows):
+        bound = 2 * (lw - r).abs().max().item() + 2 ** -12 * max(1.0, r.abs().max().item())
+        assert not g.isnan().any()
+        assert (g.float() - r).abs().max().item() <= bound

@@ -1,0 +1,354 @@
+"""GPU check of the varlen backward (issue 60): correctness, then speed against FA4 and torch.
+
+    python tools/varlen_bwd_gpu_check.py [--quick] [--out DIR]
+
+1. Correctness: dq, dk, dv of a packed batch against per-sequence references. The forward is
+   `hopper_attn.attention_varlen` (its autograd backward, when the package has it; else the
+   forward is fp32 torch per sequence, its output cast to bf16, and the backward is called
+   directly: common/varlen_backward.varlen_backward). References: fp32 per sequence
+   (harness/reference_backward.py; with a window or a softcap an fp32 autograd of the same
+   masked softmax), and torch's own bf16 backward per sequence (SDPA; with a window or
+   softcap the same autograd in bf16). FlashAttention's rule: a gradient passes when its
+   max error <= 2x torch's bf16 error (+ 2^-12 x max |ref|). Inputs live inside NaN-filled
+   buffers (a read past a tensor's rows shows as NaN). Lengths 0, 1, 17, 113, 1000, GQA with
+   cross lengths, seqused_k, causal and not, d 64 and 128, a window and a softcap.
+2. Speed (skipped with --quick): the backward alone (autograd.grad on a kept graph; CUDA
+   events, L2 flushed, round-robin medians) for document mixes: lognormal lengths (median
+   1k, sigma 1, capped at 16k, seed stated) filling 16k and 64k tokens, and 8 x 2k equal
+   lengths (also timed dense, kb2 through hopper_attn.attention at (8, 2k)); MHA 16 heads
+   and GQA 16/4, d 64 and 128, causal and not; hopper vs FA4's flash_attn_varlen_func and
+   torch's varlen_attn. TFLOP/s from the real per-sequence work, backward = 2.5x forward.
+
+Prints one line per case; everything goes to $OUT/varlen_bwd.json (or --out).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import hopper_attn  # noqa: E402
+from hopper_attn.common.contract import Problem  # noqa: E402
+from hopper_attn.common.varlen_backward import varlen_backward  # noqa: E402
+from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.grad_check import _torch_lowp_grads  # noqa: E402
+from hopper_attn.harness.reference_backward import (attention_backward,  # noqa: E402
+                                                    forward_with_lse)
+
+GUARD = 256          # NaN rows before and after every input
+
+
+def _guarded(rows, heads, d, dtype, gen, fill=True):
+    buf = torch.full((rows + 2 * GUARD, heads, d), float("nan"), dtype=dtype, device="cuda")
+    view = buf[GUARD:GUARD + rows]
+    if fill:
+        view.copy_(torch.randn(rows, heads, d, device="cuda", generator=gen).to(dtype))
+    return view
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _masked_scores(q, k, causal, window, softcap, scale):
+    """(H, Lq, Lk) scores of one sequence (k already repeated to q's heads), masked."""
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    lq, lk = q.shape[0], k.shape[0]
+    r = torch.arange(lq, device=q.device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=q.device)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    hidden = torch.zeros(lq, lk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        hidden |= j > r + right
+    if left >= 0:
+        hidden |= j < r - left
+    return s.masked_fill(hidden, float("-inf"))
+
+
+def _autograd_sequence(q, k, v, do, causal, window, softcap, dtype):
+    """(out, lse, dq, dk, dv) of one sequence in `dtype` math (fp32 reference, or bf16 for
+    torch's error), by autograd through the masked softmax."""
+    group = q.shape[1] // k.shape[1]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    kk, vv = (t.repeat_interleave(group, 1) for t in leaves[1:])
+    s = _masked_scores(leaves[0], kk, causal, window, softcap, 1 / math.sqrt(q.shape[2]))
+    lse = torch.logsumexp(s.float(), -1)
+    p = torch.exp(s.float() - lse[..., None]).nan_to_num(0.0).to(dtype)
+    out = torch.einsum("hqk,khd->qhd", p, vv)
+    out.backward(do.to(dtype))
+    return (out.detach(), lse.detach(), *[t.grad.float() for t in leaves])
+
+
+def _sequences(cu_q, cu_k, used):
+    return [(cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b] + used[b]) for b in range(len(used))]
+
+
+def check_case(lq, lk, heads, heads_kv, d, causal, seed, used=None, window=(-1, -1),
+               softcap=0.0, direct=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch.bfloat16
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    used = list(lk) if used is None else used
+    q, do = (_guarded(cu_q[-1], heads, d, dt, gen) for _ in range(2))
+    k, v = (_guarded(cu_k[-1], heads_kv, d, dt, gen) for _ in range(2))
+    cu_qt, cu_kt = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k))
+    seqused = None if used == list(lk) else torch.tensor(used, dtype=torch.int32, device="cuda")
+    special = softcap > 0 or window != (-1, -1)
+    seqs = _sequences(cu_q, cu_k, used)
+    # references per sequence (and the fp32 forward for the direct path)
+    shape = {"q": q.shape, "k": k.shape, "v": v.shape}
+    ref = {n: torch.zeros(s, device="cuda") for n, s in shape.items()}
+    low = {n: torch.zeros(s, device="cuda") for n, s in shape.items()}
+    out32 = torch.zeros(q.shape, device="cuda")
+    lse32 = torch.full((heads, cu_q[-1]), float("-inf"), device="cuda")
+    for q0, q1, k0, k1 in seqs:
+        if q1 == q0 or k1 == k0:
+            continue
+        qs, ks, vs, dos = q[q0:q1], k[k0:k1], v[k0:k1], do[q0:q1]
+        if special:
+            o, lse, *grads = _autograd_sequence(qs, ks, vs, dos, causal, window, softcap,
+                                                torch.float32)
+            lowp = _autograd_sequence(qs, ks, vs, dos, causal, window, softcap, dt)[2:]
+        else:
+            o, lse = forward_with_lse(qs[None], ks[None], vs[None], causal)
+            grads = attention_backward(qs[None], ks[None], vs[None], o, lse, dos[None], causal)
+            grads = [g[0] for g in grads]
+            lowp = [g[0].float() for g in _torch_lowp_grads(qs[None], ks[None], vs[None],
+                                                            dos[None], causal)]
+            o, lse = o[0], lse[0]
+        out32[q0:q1], lse32[:, q0:q1] = o, lse
+        for n, g, lg in zip("qkv", grads, lowp):
+            sl = slice(q0, q1) if n == "q" else slice(k0, k1)
+            ref[n][sl], low[n][sl] = g, lg
+    fn = getattr(hopper_attn, "attention_varlen", None)
+    path = "direct" if fn is None or direct else "autograd"
+    if path == "autograd":
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        kwargs = {"causal": causal}
+        if seqused is not None:
+            kwargs["seqused_k"] = seqused
+        if window != (-1, -1):
+            kwargs["window_size"] = window
+        if softcap:
+            kwargs["softcap"] = softcap
+        out = fn(*leaves, cu_qt, cu_kt, max(lq), max(lk), **kwargs)
+        out.backward(do)
+        grads = [t.grad for t in leaves]
+    else:
+        out = _guarded(cu_q[-1], heads, d, dt, gen, fill=False)
+        out.copy_(out32.to(dt))
+        grads = varlen_backward(q, k, v, out, do, lse32, cu_qt, cu_kt, max(lq), max(lk),
+                                causal, seqused_k=seqused, window=window, softcap=softcap)
+    row = {"lengths_q": lq, "lengths_k": lk, "used_k": used, "heads": [heads, heads_kv],
+           "d": d, "causal": causal, "window": list(window), "softcap": softcap,
+           "path": path, "ratio": {}, "error": {}, "torch_error": {}, "ok": True}
+    for n, g in zip("qkv", grads):
+        r = ref[n]
+        err = (g.float() - r).abs().max().item() if r.numel() else 0.0
+        torch_err = (low[n] - r).abs().max().item() if r.numel() else 0.0
+        bound = 2 * torch_err + 2 ** -12 * max(1.0, r.abs().max().item() if r.numel() else 0)
+        nan = bool(g.isnan().any())
+        row["error"][n], row["torch_error"][n] = err, torch_err
+        row["ratio"][n] = float("inf") if nan else err / bound
+        row["ok"] &= not nan and err <= bound
+    return row
+
+
+CASES = [  # (label, lengths_q, lengths_k, used_k, heads, heads_kv, window, softcap)
+    ("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4, (-1, -1), 0.0),
+    ("MHA tails", [63, 64, 65, 79, 81, 127, 129, 200], None, None, 2, 2, (-1, -1), 0.0),
+    ("GQA 8:2 cross", [1, 17, 113, 1000, 0, 40], [300, 5, 113, 517, 64, 0], None, 8, 2,
+     (-1, -1), 0.0),
+    ("MQA", [17, 700, 5], [17, 700, 5], None, 4, 1, (-1, -1), 0.0),
+    ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2, (-1, -1), 0.0),
+    ("window 64,32", [1, 300, 1000], None, None, 4, 2, (64, 32), 0.0),
+    ("softcap 30", [17, 500], [17, 700], None, 4, 4, (-1, -1), 30.0),
+]
+
+
+def correctness(log, direct=False) -> list:
+    rows, seed = [], 0
+    for label, lq, lk, used, heads, heads_kv, window, softcap in CASES:
+        for d in (64, 128):
+            for causal in (False, True):
+                seed += 1
+                w = window
+                if causal and window != (-1, -1):
+                    w = (window[0], 0)
+                try:
+                    row = check_case(lq, lk or lq, heads, heads_kv, d, causal, seed, used, w,
+                                     softcap, direct)
+                except Exception as exc:  # noqa: BLE001 - one failing case, not the run
+                    row = {"ok": False, "error_text": f"{type(exc).__name__}: {exc}"[:300],
+                           "ratio": {}}
+                row["label"] = label
+                rows.append(row)
+                ratio = " ".join(f"d{n} {row['ratio'].get(n, float('nan')):.2f}" for n in "qkv")
+                log(f"  {label:14} d{d:<3} {'causal' if causal else 'full':6} "
+                    f"{row.get('path', '-'):8} ratio {ratio}  {'PASS' if row['ok'] else 'FAIL'}"
+                    + (f"  {row['error_text'][:100]}" if "error_text" in row else ""))
+    return rows
+
+
+# ------------------------------------------------------------------------------ speed
+
+def lognormal_lengths(total: int, seed: int, median: int = 1024, sigma: float = 1.0,
+                      cap: int = 16384) -> list:
+    """Document lengths drawn lognormal (median, sigma), capped, until `total` tokens (the
+    last one cut to fit)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        n = int(min(cap, max(1, round(median * math.exp(sigma * torch.randn(1, generator=gen)
+                                                        .item())))))
+        lengths.append(min(n, total - sum(lengths)))
+    return lengths
+
+
+def _flops(lengths, heads, heads_kv, d, causal) -> float:
+    return sum(Problem(1, heads, n, d, causal, heads_kv=heads_kv).flops for n in lengths if n)
+
+
+def _providers(log):
+    out = {}
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        def fa4(q, k, v, cu, mx, causal):
+            o = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx,
+                                       max_seqlen_k=mx, causal=causal)
+            return o[0] if isinstance(o, tuple) else o
+        out["fa4"] = fa4
+    except Exception as exc:  # noqa: BLE001 - not installed here
+        log(f"  fa4 unavailable: {type(exc).__name__}: {str(exc)[:80]}")
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        def torch_varlen(q, k, v, cu, mx, causal):
+            return varlen_attn(q, k, v, cu, cu, mx, mx, window_size=(-1, 0) if causal
+                               else (-1, -1), enable_gqa=q.shape[1] != k.shape[1])
+        out["varlen_attn"] = torch_varlen
+    except Exception as exc:  # noqa: BLE001
+        log(f"  torch varlen_attn unavailable: {type(exc).__name__}: {str(exc)[:80]}")
+    return out
+
+
+def _hopper_backward(q, k, v, do, cu, mx, causal):
+    """Our backward alone: through attention_varlen's autograd where it exists, else the
+    direct call on an fp32-reference forward's output."""
+    fn = getattr(hopper_attn, "attention_varlen", None)
+    if fn is not None:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, cu, cu, mx, mx, causal=causal)
+        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+    cu_list = cu.tolist()
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]), device="cuda")
+    for a, b in zip(cu_list[:-1], cu_list[1:]):
+        o, l_ = forward_with_lse(q[None, a:b], k[None, a:b], v[None, a:b], causal)
+        out[a:b], lse[:, a:b] = o[0].to(q.dtype), l_[0]
+    return lambda: varlen_backward(q, k, v, out, do, lse, cu, cu, mx, mx, causal)
+
+
+def speed(log) -> list:
+    from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
+    providers = _providers(log)
+    flush, rows = L2Flush(), []
+    mixes = [("lognormal 16k", lognormal_lengths(16384, seed=1)),
+             ("lognormal 64k", lognormal_lengths(65536, seed=2)),
+             ("equal 8x2k", [2048] * 8)]
+    for mix, lengths in mixes:
+        log(f"  {mix}: {len(lengths)} documents, seed {1 if '16k' in mix else 2}: {lengths}"
+            if "lognormal" in mix else f"  {mix}")
+    columns = ["hopper", *providers, "dense kb2"]
+    log(f"  {'mix':14} {'heads':6} {'d':>3} {'mask':6}" + "".join(f"{c:>12}" for c in columns)
+        + "   /fa4  /varlen_attn")
+    for mix, lengths in mixes:
+        cu = torch.tensor(_cu(lengths), dtype=torch.int32, device="cuda")
+        mx, total = max(lengths), sum(lengths)
+        for heads, heads_kv in ((16, 16), (16, 4)):
+            for d in (64, 128):
+                for causal in (False, True):
+                    gen = torch.Generator(device="cuda").manual_seed(7)
+                    q, do = (torch.randn(total, heads, d, device="cuda", generator=gen)
+                             .to(torch.bfloat16) for _ in range(2))
+                    k, v = (torch.randn(total, heads_kv, d, device="cuda", generator=gen)
+                            .to(torch.bfloat16) for _ in range(2))
+                    calls, notes = {}, {}
+                    try:
+                        calls["hopper"] = _hopper_backward(q, k, v, do, cu, mx, causal)
+                    except Exception as exc:  # noqa: BLE001
+                        notes["hopper"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                    for name, fwd in providers.items():
+                        try:
+                            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                            out = fwd(*leaves, cu, mx, causal)
+                            calls[name] = (lambda o=out, lv=leaves: torch.autograd.grad(
+                                o, lv, do, retain_graph=True))
+                        except Exception as exc:  # noqa: BLE001
+                            notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                    if mix.startswith("equal"):
+                        b, n = len(lengths), lengths[0]
+                        leaves = [t.detach().view(b, n, *t.shape[1:]).clone().requires_grad_()
+                                  for t in (q, k, v)]
+                        out = hopper_attn.attention(*leaves, causal=causal)
+                        calls["dense kb2"] = (lambda o=out, lv=leaves: torch.autograd.grad(
+                            o, lv, do.view(b, n, heads, d), retain_graph=True))
+                    for name, call in list(calls.items()):
+                        try:
+                            call()
+                        except Exception as exc:  # noqa: BLE001
+                            notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                            del calls[name]
+                    torch.cuda.synchronize()
+                    flops = 2.5 * _flops(lengths, heads, heads_kv, d, causal)
+                    timed = benchmark_interleaved(calls, flush) if calls else {}
+                    row = {"mix": mix, "lengths": lengths, "heads": [heads, heads_kv], "d": d,
+                           "causal": causal, "flops_backward": flops, "unavailable": notes,
+                           "bwd": {n: {**t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
+                                   for n, t in timed.items()}}
+                    tf = {n: row["bwd"][n]["tflops"] for n in row["bwd"]}
+                    ratios = [tf["hopper"] / tf[p] if "hopper" in tf and p in tf
+                              else float("nan") for p in ("fa4", "varlen_attn")]
+                    row["hopper_over_fa4"], row["hopper_over_varlen_attn"] = ratios
+                    if "dense kb2" in tf and "hopper" in tf:
+                        row["varlen_over_dense"] = tf["hopper"] / tf["dense kb2"]
+                    rows.append(row)
+                    log(f"  {mix:14} {heads}/{heads_kv:<3} {d:>3} "
+                        f"{'causal' if causal else 'full':6}"
+                        + "".join(f"{tf[c]:12.1f}" if c in tf else f"{'-':>12}"
+                                  for c in columns)
+                        + f"  {ratios[0]:5.3f} {ratios[1]:6.3f}"
+                        + (f"  varlen/dense {row['varlen_over_dense']:.3f}"
+                           if "varlen_over_dense" in row else "")
+                        + (f"  not run: {notes}" if notes else ""))
+                    del q, k, v, do, calls
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    direct = "--direct" in sys.argv
+    if direct:
+        sys.argv.remove("--direct")
+    return run_check(
+        __doc__, "varlen_bwd.json", lambda log: correctness(log, direct),
+        lambda log, t0: speed(log),
+        "correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):",
+        "speed, backward alone, effective TFLOP/s (2.5x the real per-sequence forward flops), "
+        "round-robin medians:")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
