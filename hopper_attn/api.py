@@ -484,3 +484,162 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     result = (out, k7.output_descale(descales[-1], problem.heads)) if fp8_out else (out,)
     result += (lse,) if return_lse else ()
     return result[0] if len(result) == 1 else result
+
+
+# --------------------------------------------------------------------------------------------
+# Packed batches of variable-length sequences (docs/varlen.md)
+# --------------------------------------------------------------------------------------------
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                  seqused_k, window_size, softcap, on_device: bool = True):
+    """Every check of a varlen call that reads no device memory; returns (batch, window,
+    softcap)."""
+    from hopper_attn.common import varlen
+    batch = varlen.check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, seqused_k)
+    softcap = _check_softcap(softcap)
+    window = normalize_window(window_size, bool(causal))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        unit = 16 // t.element_size()
+        if t.stride(-1) != 1 or any(st % unit for st in t.stride()[:2]):
+            raise ValueError(f"{name}: the head dim must be contiguous and the other strides "
+                             f"multiples of 16 bytes, got strides {t.stride()}")
+    if on_device and not q.is_cuda:
+        raise ValueError(f"q, k, v are on {q.device}; the kernels run on a CUDA device")
+    return batch, window, softcap
+
+
+def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                causal: bool, softmax_scale: Optional[float], seqused_k, window: tuple,
+                softcap: float):
+    from hopper_attn import k6_varlen
+    batch, window, softcap = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, causal, seqused_k, window, softcap)
+    for t in (q, k, v):
+        if t.data_ptr() % 16:
+            raise ValueError("q, k, v must be 16-byte aligned")
+    problem = k6_varlen.problem_for(q, k, batch, max_seqlen_q, max_seqlen_k, causal, window)
+    overrides = {"softcap": softcap} if softcap else {}
+    compiled, _ = k6_varlen.compile_varlen(problem, seqused_k is not None,
+                                           **overrides)   # UnsupportedProblem: d, dtype
+    out = torch.empty_like(q)
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    if batch == 0 or q.shape[0] == 0:
+        return out, lse
+    if k.shape[0] == 0:                        # no keys anywhere: every row is empty
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
+    k6_varlen.run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         scale)
+    return out, lse
+
+
+@torch.library.custom_op("hopper_attn::attention_varlen", mutates_args=())
+def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                         softmax_scale: Optional[float], seqused_k: Optional[torch.Tensor],
+                         window_left: int = -1, window_right: int = -1, softcap: float = 0.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       softmax_scale, seqused_k, (window_left, window_right), softcap)
+
+
+@_attention_varlen_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      seqused_k, window_left=-1, window_right=-1, softcap=0.0):
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                  seqused_k, (window_left, window_right), softcap, on_device=False)
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                     max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
+                     seqused_k, window: tuple, softcap: float):
+    """dq, dk, dv of `attention_varlen` (laid out like q, k, v): the varlen backward (kb2)."""
+    raise ValueError("varlen backward: not yet")
+
+
+@torch.library.custom_op("hopper_attn::attention_varlen_backward", mutates_args=())
+def _attention_varlen_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                                  max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                                  softmax_scale: Optional[float],
+                                  seqused_k: Optional[torch.Tensor], window_left: int = -1,
+                                  window_right: int = -1, softcap: float = 0.0
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                            max_seqlen_k, causal, softmax_scale, seqused_k,
+                            (window_left, window_right), softcap)
+
+
+@_attention_varlen_backward_op.register_fake
+def _(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, seqused_k, window_left=-1, window_right=-1, softcap=0.0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+     seqused_k, window_left, window_right, softcap) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    ctx.rest = (window_left, window_right, softcap)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_autograd(ctx, dout, dlse):
+    if dout is None:
+        return (None,) * 13
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.hopper_attn.attention_varlen_backward(
+        q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seqused_k, *ctx.rest)
+    return (dq, dk, dv) + (None,) * 10
+
+
+_attention_varlen_op.register_autograd(_varlen_autograd, setup_context=_setup_varlen_context)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     softmax_scale: Optional[float] = None, return_lse: bool = False,
+                     seqused_k: Optional[torch.Tensor] = None, window_size: tuple = (-1, -1),
+                     softcap: float = 0.0):
+    """`attention` over a packed batch of variable-length sequences (flash_attn_varlen_func's
+    convention): q (total_q, heads, head_dim), k and v (total_k, heads_kv, head_dim), sequence
+    b at tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and cu_seqlens_k[b] ..
+    cu_seqlens_k[b + 1] - 1 of k and v (int32 CUDA tensors of batch + 1 entries, starting at 0
+    and non-decreasing). `seqused_k` (int32 (batch,)): sequence b uses only its first
+    seqused_k[b] keys. max_seqlen_q / max_seqlen_k: python ints, at least the longest
+    sequence's length (they pick the kernel's tiles, POLICY's row at that length; larger is
+    allowed). Each sequence attends to its own keys only; the causal mask and a window are
+    aligned bottom-right per sequence (query i of a sequence with n_q queries and n_k keys
+    sees keys j <= i + n_k - n_q); a sequence may have no queries or no keys (zero output
+    rows, LSE -inf). GQA/MQA, head dims, dtypes, softcap and windows as `attention` (k6).
+
+    Returns the output (total_q, heads, head_dim) and with `return_lse` also the LSE, fp32
+    (heads, total_q). Tokens past cu_seqlens_q[-1] are not written.
+
+    ValueError before any launch for what is visible without reading device memory: dtypes
+    (cu_seqlens int32), devices, shapes, cu_seqlens_q and cu_seqlens_k of different lengths,
+    seqused_k's shape, max_seqlen out of range, layouts. Not checked (it would need a device
+    sync; nothing here reads cu_seqlens on the host, so the call can be captured in a CUDA
+    graph): cu_seqlens_q[-1] == total_q and cu_seqlens_k[-1] <= total_k, offsets
+    non-decreasing, lengths <= max_seqlen_*; breaking these reads or writes out of bounds.
+
+    A torch custom op (`torch.ops.hopper_attn.attention_varlen`) with a fake implementation:
+    torch.compile(fullgraph=True) traces through it. Differentiable through
+    `attention_varlen_backward` (the varlen backward).
+    """
+    _, window, softcap = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, causal, seqused_k, window_size, softcap,
+                                       on_device=False)
+    out, lse = torch.ops.hopper_attn.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
+        softmax_scale, seqused_k, *window, float(softcap))
+    return (out, lse) if return_lse else out

@@ -64,13 +64,15 @@ inits), 1 = epilogue (consumer threads), 2.. = one scheduler barrier per consume
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
-from hopper_attn.common import tma, wgmma
+from hopper_attn.common import tma, varlen, wgmma
 from hopper_attn.common.compiler_hints import opaque
 from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
@@ -100,6 +102,9 @@ class FlashAttentionK5:
     # masked tiles: two compares per element (k6 and k7 take one key limit per row instead,
     # common/masking.py)
     mask_per_row = False
+    # a packed batch (common/varlen.py; k6_varlen.py sets it): per-sequence lengths, ragged
+    # TMA views, the varlen work list
+    varlen = False
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False):
@@ -147,13 +152,27 @@ class FlashAttentionK5:
         dynamic schedule has one)."""
         return None
 
-    def first_item(self, mQ: cute.Tensor, seqlen_k=None):
+    def first_item(self, mQ: cute.Tensor, seqlen_k=None, packed=None):
         """(heads, batch size, the scheduler's iterator, and this CTA's first work item:
-        query tile, head, batch, valid)."""
-        heads, batch_size = mQ.shape[2], mQ.shape[3]
+        query tile, head, batch, valid); packed: a varlen.PackedBatch."""
+        heads, batch_size, seqlen_q = mQ.shape[2], mQ.shape[3], mQ.shape[0]
+        if cutlass.const_expr(packed is not None):
+            batch_size, seqlen_q = packed.batch_size, packed.cu_seqlens_q
         tiles = self.scheduler.start()
         return (heads, batch_size, tiles,
-                *self.scheduler.work(tiles, mQ.shape[0], heads, batch_size, seqlen_k))
+                *self.scheduler.work(tiles, seqlen_q, heads, batch_size, seqlen_k))
+
+    @cute.jit
+    def item_lengths(self, packed, batch, seqlen_q, seqlen_k, mO: cute.Tensor,
+                     mLSE: cute.Tensor):
+        """A work item's (query length, key length, O's TMA tensor, LSE, batch coordinate):
+        the problem's, or in a packed batch its sequence's (common/varlen.py)."""
+        if cutlass.const_expr(packed is None):
+            return seqlen_q, seqlen_k, mO, mLSE, batch
+        seq = packed.sequence(batch)
+        return (seq.seqlen_q, seq.seqlen_k, varlen.sequence_rows(mO, seq.seqlen_q),
+                varlen.lse_rows(mLSE, seq.offset_q, seq.seqlen_q),
+                varlen.sequence_batch(seq.offset_q, seq.seqlen_q))
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
@@ -178,8 +197,17 @@ class FlashAttentionK5:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream):
+                 mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream,
+                 mCuSeqlensQ: Optional[cute.Tensor] = None,
+                 mCuSeqlensK: Optional[cute.Tensor] = None,
+                 mSeqUsedK: Optional[cute.Tensor] = None):
+        # (varlen: q, k, v, o as (1, total, H, d), the LSE (1, H, total_q), cu_seqlens_q/k
+        # (batch + 1) and seqused_k (batch) int32; common/varlen.py)
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
+        seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
+        if cutlass.const_expr(self.varlen):
+            q, k, v, o = [varlen.ragged(t) for t in (q, k, v, o)]
+            batch = mCuSeqlensQ.shape[0] - 1
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type                            # bf16 or fp16 (SPEC.dtypes)
         q_layout = smem_tile_layout(self.dtype, bm, d)          # also O's staging buffer
@@ -204,9 +232,8 @@ class FlashAttentionK5:
         self.shared_storage = self.with_buffers(SharedStorage, q_layout)
         self.smem_bytes = self.shared_storage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
-        seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
         self.kernel(*coords, o_coords, o, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
-                    kv_layout, q, k).launch(
+                    kv_layout, q, k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
@@ -218,7 +245,10 @@ class FlashAttentionK5:
                mOut: cute.Tensor, mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, q_mem: cute.Tensor, k_mem: cute.Tensor):
+               kv_layout: cute.ComposedLayout, q_mem: cute.Tensor, k_mem: cute.Tensor,
+               mCuSeqlensQ: Optional[cute.Tensor] = None,
+               mCuSeqlensK: Optional[cute.Tensor] = None,
+               mSeqUsedK: Optional[cute.Tensor] = None):
         # (q_mem, k_mem: q and k again, unused since k6's exp_first left at 2031291; kept
         # so that the kernel's parameters, and with them its PTX, stay as measured)
         schedule, roles, scheduler = self.schedule, self.roles, self.scheduler
@@ -246,13 +276,19 @@ class FlashAttentionK5:
 
         # Every role walks the same work items (one per CTA here; k6: a persistent loop),
         # each with its own iterator. A work item: query tile m_block of (head, batch).
-        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ, seqlen_k)
+        packed = None               # a packed batch: lengths per sequence, from global memory
+        if cutlass.const_expr(self.varlen):
+            packed = varlen.PackedBatch(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        heads, batch_size, tiles, m_block, head, batch, valid = self.first_item(mQ, seqlen_k,
+                                                                                packed)
+        if cutlass.const_expr(self.varlen):
+            seqlen_q = mCuSeqlensQ                  # (what the scheduler decodes items by)
         if warp < 4:
             # ---------------- producer warpgroup ----------------
             roles.become_producer()
             if warp == 0:
                 self.load_loop(loads, queue, mCounter, tiles, m_block, head, batch, valid,
-                               seqlen_q, seqlen_k, heads, batch_size, group)
+                               seqlen_q, seqlen_k, heads, batch_size, group, packed)
         else:
             # ---------------- consumer warpgroups 1..W ----------------
             roles.become_consumer()
@@ -274,10 +310,12 @@ class FlashAttentionK5:
             if has_items:
                 self.pingpong.start(wg)     # warpgroup 0 holds the first turn, for the CTA
             while valid:
-                n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)
+                item_q, item_k, item_o, item_lse, item_batch = self.item_lengths(
+                    packed, batch, seqlen_q, seqlen_k, mO, mLSE)
+                n_count = schedule.n_block_count_kv(m_block, item_q, item_k)
                 k0, k1 = 0, n_count                     # (k6's stream_k: a piece of the item)
                 if cutlass.const_expr(schedule.window_left >= 0):   # (k6's sliding window)
-                    k0 = schedule.n_block_first(m_block, seqlen_q, seqlen_k)
+                    k0 = schedule.n_block_first(m_block, item_q, item_k)
                 if cutlass.const_expr(scheduler.stream_k):
                     _, _, k0, k1 = scheduler.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
                 acc_o.fill(0.0)
@@ -286,7 +324,7 @@ class FlashAttentionK5:
                 loads.wait_q(q_state)
                 self.trace.end(phase)
                 k_state, v_state = self.mainloop(
-                    loads, wg, m_block, k1 - k0, seqlen_q, seqlen_k, mmas.mma_qk, mmas.mma_pv,
+                    loads, wg, m_block, k1 - k0, item_q, item_k, mmas.mma_qk, mmas.mma_pv,
                     mmas.q_frag, mmas.k_frag, mmas.vt_frag, mmas.p_frag, acc_s, acc_o,
                     mmas.s_coords, softmax, k_state, v_state, n_base=k0)
                 if cutlass.const_expr(self.o_apart_from_q()):
@@ -295,9 +333,9 @@ class FlashAttentionK5:
 
                 # Epilogue: O / l -> bf16 (fp16) -> SMEM (Q's buffer) -> one TMA store.
                 phase = self.trace.start("epilogue")
-                self.item_epilogue(softmax, mmas, ctidx, warp, wg, acc_o, o_out, mLSE, mOut,
-                                   sO_buffer, tma_o, mO, mCounter, m_block, head, batch,
-                                   seqlen_q, k0, k1, n_count)
+                self.item_epilogue(softmax, mmas, ctidx, warp, wg, acc_o, o_out, item_lse, mOut,
+                                   sO_buffer, tma_o, item_o, mCounter, m_block, head,
+                                   item_batch, item_q, k0, k1, n_count)
                 if cutlass.const_expr(not self.o_apart_from_q()):
                     loads.release(loads.q_pipe, q_state)    # the next Q may overwrite it
                     q_state.advance()
@@ -412,8 +450,10 @@ class FlashAttentionK5:
 
     @cute.jit
     def load_loop(self, loads: tma.SplitKVLoads, queue, mCounter: cute.Tensor, tiles,
-                  m_block, head, batch, valid, seqlen_q, seqlen_k, heads, batch_size, group):
-        """The producer warp (warp 0): every TMA load of every work item of this CTA."""
+                  m_block, head, batch, valid, seqlen_q, seqlen_k, heads, batch_size, group,
+                  packed=None):
+        """The producer warp (warp 0): every TMA load of every work item of this CTA
+        (packed: a varlen.PackedBatch; seqlen_q is then cu_seqlens_q)."""
         schedule, scheduler = self.schedule, self.scheduler
         # Per work item K_0, Q, K_1, V_0, K_2, V_1, ..., V_last: a consumer uses K_j one tile
         # before V_j (S_j = Q K_j^T goes with O += P_{j-1} V_{j-1}), so K_{j+1} does not queue
@@ -428,16 +468,23 @@ class FlashAttentionK5:
         produce_v = tma.producer_state(self.stages) if self.v_lags_k else None
         item_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         while valid:
-            n_count = schedule.n_block_count_kv(m_block, seqlen_q, seqlen_k)   # >= 1
+            item_q, item_k = seqlen_q, seqlen_k
+            if cutlass.const_expr(packed is not None):
+                seq = packed.sequence(batch)
+                item_q, item_k = seq.seqlen_q, seq.seqlen_k
+            n_count = schedule.n_block_count_kv(m_block, item_q, item_k)   # >= 1
             first = 0                                   # (k6's stream_k: the piece's tiles)
             if cutlass.const_expr(schedule.window_left >= 0):   # (k6's sliding window)
-                first = schedule.n_block_first(m_block, seqlen_q, seqlen_k)
+                first = schedule.n_block_first(m_block, item_q, item_k)
                 n_count = n_count - first
             if cutlass.const_expr(scheduler.stream_k):
                 _, _, first, k1 = scheduler.piece(tiles, seqlen_q, seqlen_k, heads,
                                                   batch_size)
                 n_count = k1 - first
-            work = loads.at(head, head // group, batch)
+            if cutlass.const_expr(packed is not None):
+                work = varlen.sequence_loads(loads, head, head // group, seq)
+            else:
+                work = loads.at(head, head // group, batch)
             if cutlass.const_expr(self.v_lags_k):
                 work.load_k(produce, first)
                 produce.advance()

@@ -28,10 +28,82 @@ def test_decode_item_covers_every_tile_once():
     heads, block_m = 3, 128
     tiles = varlen.query_tiles(cu, block_m, heads)
     assert tiles == [0, 3, 3, 3, 24, 0]
-    for longest_first in (False, True):
-        seen = [varlen.decode_item(i, tiles, heads, longest_first) for i in range(sum(tiles))]
+    for last_first in (False, True):
+        seen = [varlen.decode_item(i, tiles, heads, last_first) for i in range(sum(tiles))]
         assert len(set(seen)) == len(seen) == sum(tiles)
         assert varlen.decode_item(sum(tiles), tiles, heads) is None
         assert all(m < -(-(cu[b + 1] - cu[b]) // block_m) for b, m, _ in seen)
-    # longest first: a sequence's last query tile before its first
+    # the last query tile first, then the next head
     assert varlen.decode_item(9, tiles, heads, True) == (4, 7, 0)
+    assert varlen.decode_item(17, tiles, heads, True) == (4, 7, 1)
+
+
+def _packed(total_q=40, total_k=48, heads=4, heads_kv=2, d=64, dtype=torch.bfloat16):
+    q = torch.zeros(total_q, heads, d, dtype=dtype)
+    k = torch.zeros(total_k, heads_kv, d, dtype=dtype)
+    v = torch.zeros_like(k)
+    cu_q = torch.tensor([0, 0, 17, 40], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 5, 48], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(cu_q=torch.tensor([0, 0, 17, 40], dtype=torch.int64)), "int32"),
+    (dict(cu_k=torch.tensor([[0, 5, 5, 48]], dtype=torch.int32)), "1-D"),
+    (dict(cu_k=torch.tensor([0, 48], dtype=torch.int32)), "same length"),
+    (dict(max_q=-1), "max_seqlen_q"),
+    (dict(max_q=41), "exceeds"),
+    (dict(max_k=2.5), "python int"),
+    (dict(seqused_k=torch.zeros(2, dtype=torch.int32)), "seqused_k"),
+    (dict(seqused_k=torch.zeros(3, dtype=torch.int64)), "seqused_k"),
+    (dict(k=torch.zeros(48, 3, 64, dtype=torch.bfloat16)), "multiple"),
+    (dict(q=torch.zeros(40, 4, 64, dtype=torch.float16)), "dtype"),
+    (dict(q=torch.zeros(1, 40, 4, 64, dtype=torch.bfloat16)), "total_tokens"),
+    (dict(window_size=(3, 2), causal=True), "window_size"),
+    (dict(softcap=-1.0), "softcap"),
+])
+def test_attention_varlen_refuses_bad_arguments(change, message):
+    """ValueError before anything is compiled or launched (no GPU here)."""
+    from hopper_attn import attention_varlen
+    q, k, v, cu_q, cu_k = _packed()
+    args = dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=23, max_k=43)
+    kwargs = dict(causal=False)
+    for key, value in change.items():
+        (args if key in args else kwargs)[key] = value
+    if "k" in change:
+        args["v"] = change["k"]
+    with pytest.raises(ValueError, match=message):
+        attention_varlen(args["q"], args["k"], args["v"], args["cu_q"], args["cu_k"],
+                         args["max_q"], args["max_k"], **kwargs)
+
+
+def test_attention_varlen_fake_traces_without_reading_cu_seqlens():
+    """The fake implementation (torch.compile, meta tensors): shapes only."""
+    from hopper_attn import attention_varlen
+    q, k, v, cu_q, cu_k = (t.to("meta") for t in _packed())
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, 23, 43, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 40) and lse.dtype == torch.float32
+
+
+def test_varlen_backward_hook_is_not_there_yet():
+    from hopper_attn import api
+    with pytest.raises(ValueError, match="varlen backward"):
+        api._varlen_backward(*([None] * 15))
+
+
+def test_k6_varlen_compiles_for_sm90a():
+    """One compile of the varlen kernel (d 128, causal, GQA, seqused_k): 5-D ragged TMA for
+    Q, K, V and O, the warp prefix sum of the work list, no spills."""
+    import tempfile
+    from hopper_attn import k6_varlen
+    q, k, _, _, _ = _packed(d=128)
+    problem = k6_varlen.problem_for(q, k, 3, 1000, 1000, True)
+    with tempfile.TemporaryDirectory() as d:
+        compiled, kernel = k6_varlen.compile_varlen(
+            problem, True, compile_options=f"--keep-ptx --dump-dir={d} --ptxas-options="
+            "'--warn-on-spills --warning-as-error'")
+        ptx = compiled.__ptx__
+    assert kernel.scheduler.varlen and kernel.scheduler.dynamic and kernel.schedule.varlen
+    assert "cp.async.bulk.tensor.5d.shared::cta.global" in ptx      # Q, K, V loads
+    assert "cp.async.bulk.tensor.5d.global.shared::cta" in ptx      # O's store
+    assert "vote.sync.ballot" in ptx

@@ -46,6 +46,9 @@ class TileSchedule:
     # the sliding window (see the module doc); -1: unbounded on that side
     window_left: int = -1
     window_right: int = -1
+    # a packed batch (common/varlen.py): a sequence may have no keys at all; its query
+    # tiles still visit one (zero-filled, fully masked) kv tile, as rows that see no key do
+    varlen: bool = False
 
     @property
     def bounded_right(self) -> bool:
@@ -109,6 +112,8 @@ class TileSchedule:
                 visible = visible + self.right
             visible = cutlass.max(visible, 1)
             count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
+        if cutlass.const_expr(self.varlen):
+            count = cutlass.max(count, 1)
         if cutlass.const_expr(self.window_left >= 0 and n_base is not None):
             count = count - n_base
         return count

@@ -28,6 +28,14 @@ kv tiles it may see (`masking.TileSchedule` says which). Two schedules:
       a head's long items no longer start behind the previous head's short ones, so the
       schedule does not end on long items (FlashAttention-4's causal forward orders its
       tiles this way too; docs/lab/k6.md "Longest first, by head group").
+* ``varlen=True`` (a packed batch, common/varlen.py): the work list holds the query tiles of
+  every sequence, sequence by sequence (no empty items): `varlen_item` finds an item's
+  sequence by a warp-wide prefix sum of the per-sequence item counts (ceil(seqlen_q / block_m)
+  x heads), 32 sequences per step; inside a sequence the query tile runs fastest, then the
+  head, as above (with a causal mask the last query tile first). The host bounds the grid
+  by (ceil(total_q / block_m) + batch) x heads items without reading the lengths; items past
+  the real count are invalid. In the persistent grid the dynamic schedule's producer warp
+  decodes each item (as with `l2_rows`) and passes it on.
   (cutlass.utils' StaticPersistentTileScheduler walks the same kind of index, but it is
   deprecated in CuTe DSL 4.8 and moving to the examples; the loop here is a few lines.)
 """
@@ -96,17 +104,23 @@ class TileScheduler:
     # no mask: every item has the same ceil(seqlen_k / block_n) kv tiles). See `piece`.
     stream_k: bool = False
     block_n: int = 0             # (stream_k: the kv tile)
+    # a packed batch (module doc): `seqlen_q` in `grid` is the total query count and in
+    # `work` the cu_seqlens_q tensor; batch_size the number of sequences
+    varlen: bool = False
 
     @property
     def by_head_group(self) -> bool:
         """Items decoded by `head_group_order`: then the producer warp decodes each one and
         passes (query tile, head, batch, valid) on through the `ItemQueue` (seven integer
         divisions in every consumer thread cost 0.5-2% in k6's loop, docs/k6.md)."""
-        return self.l2_rows > 0 and self.dynamic
+        return (self.l2_rows > 0 or self.varlen) and self.dynamic
 
     def grid(self, seqlen_q, heads, batch):
         """Host side (inside the @cute.jit __call__)."""
         m_blocks = cute.ceil_div(seqlen_q, self.block_m)
+        if cutlass.const_expr(self.varlen):        # at most one partial tile per sequence
+            items = (m_blocks + batch) * heads
+            return [cutlass.min(items, self.ctas) if self.persistent else items, 1, 1]
         if cutlass.const_expr(not self.persistent):
             return [m_blocks, heads, batch]
         return [cutlass.min(m_blocks * heads * batch, self.ctas), 1, 1]
@@ -167,7 +181,21 @@ class TileScheduler:
     @cute.jit
     def work(self, tiles, seqlen_q, heads, batch_size, seqlen_k=None):
         """(query tile, head, batch, valid) of the current work item (stream_k: of the
-        current piece; then seqlen_k is needed)."""
+        current piece; then seqlen_k is needed; varlen: seqlen_q is cu_seqlens_q)."""
+        if cutlass.const_expr(self.varlen):
+            item = tiles                                # dynamic, or one CTA per item
+            if cutlass.const_expr(self.persistent and not self.dynamic):
+                cta, _, _ = cute.arch.block_idx()
+                grid, _, _ = cute.arch.grid_dim()
+                item = tiles * Int32(grid) + Int32(cta)
+            elif cutlass.const_expr(not self.persistent):
+                cta, _, _ = cute.arch.block_idx()
+                item = Int32(cta)
+            m_block, head, batch, valid = varlen_item(item, seqlen_q, self.block_m, heads,
+                                                      batch_size, self.causal)
+            if cutlass.const_expr(not self.persistent):
+                valid = valid and tiles == 0
+            return m_block, head, batch, valid
         m_blocks = cute.ceil_div(seqlen_q, self.block_m)
         if cutlass.const_expr(not self.persistent):
             bx, head, batch = cute.arch.block_idx()
@@ -203,6 +231,50 @@ class TileScheduler:
         # warp-uniform: ptxas may keep them in uniform registers, off the consumers' budget
         uniform = cute.arch.make_warp_uniform
         return uniform(Int32(m_block)), uniform(Int32(head)), uniform(Int32(batch)), valid
+
+
+@cute.jit
+def varlen_item(index, cu_seqlens_q: cute.Tensor, block_m: int, heads, batch_size,
+                last_first: bool):
+    """(query tile, head, sequence, valid) of work item `index` of a packed batch (module
+    doc; every lane of the warp calls it). Each step loads the lengths of 32 sequences, one
+    per lane, and prefix-sums their item counts across the warp: the item lies in this step
+    when its index is below the sum, in the sequence of the first lane whose running sum
+    passes it (the count of lanes at or below it, by a ballot)."""
+    lane = cute.arch.lane_idx()
+    first = Int32(0)                    # the step's first sequence
+    rel = Int32(index)                  # the index counted from that sequence's first item
+    m_block, head, batch, valid = Int32(0), Int32(0), Int32(0), False
+    searching = first < batch_size
+    while searching:
+        b = first + lane
+        m_blocks = Int32(0)
+        if b < batch_size:
+            m_blocks = cute.ceil_div(cu_seqlens_q[b + 1] - cu_seqlens_q[b], block_m)
+        count = m_blocks * heads
+        running = count                 # inclusive prefix sum over the lanes
+        for i in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(running, 1 << i)
+            if lane >= (1 << i):
+                running = running + up
+        step_items = cute.arch.shuffle_sync(running, 31)
+        if rel < step_items:
+            at = cute.arch.popc(cute.arch.vote_ballot_sync(running <= rel))
+            tiles = cute.arch.shuffle_sync(m_blocks, at)
+            within = rel - cute.arch.shuffle_sync(running - count, at)
+            m_block = within % tiles
+            head = within // tiles
+            if cutlass.const_expr(last_first):
+                m_block = tiles - 1 - m_block
+            batch = first + at
+            valid = True
+            searching = False
+        else:
+            rel = rel - step_items
+            first = first + 32
+            searching = first < batch_size
+    uniform = cute.arch.make_warp_uniform
+    return uniform(m_block), uniform(head), uniform(batch), valid
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,11 @@ Interface (stable; additions only):
 * ``SeqInfo.create(batch, cu_seqlens_q, cu_seqlens_k, seqused_k=None)`` (device): the
   sequence's ``offset_q, seqlen_q, offset_k, seqlen_k`` (Int32), read from global memory
   once per work item.
+* ``PackedBatch(cu_seqlens_q, cu_seqlens_k, seqused_k)`` (device; a trace-time holder of the
+  kernel's tensors): ``.sequence(batch)`` is ``SeqInfo.create(...)``, ``.batch_size`` the
+  number of sequences.
+* ``sequence_loads(loads, head, kv_head, seq)`` (device): k5/k6's `tma.SplitKVLoads` bound to
+  one sequence (`SplitKVLoads.at` for a packed batch), tiles counted from its first token.
 * ``ragged(t)`` (host, inside a @cute.jit before `make_tiled_tma_atom`): the TMA view of a
   packed tensor `t` given as an (N, d, H, 1) tensor (the (1, total, H, d) torch view through
   `layouts.ndhb_view`): (BIG, d, H, (MAX, MAX)), every extent and stride chosen so that
@@ -136,6 +141,36 @@ class SeqInfo:
         return SeqInfo(*(Int32(v) for v in values))
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """The kernel's packed-batch tensors (seqused_k may be None)."""
+
+    cu_seqlens_q: cute.Tensor
+    cu_seqlens_k: cute.Tensor
+    seqused_k: Optional[cute.Tensor] = None
+
+    @property
+    def batch_size(self):
+        return self.cu_seqlens_q.shape[0] - 1
+
+    def sequence(self, batch) -> SeqInfo:
+        return SeqInfo.create(batch, self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k)
+
+
+def sequence_loads(loads, head, kv_head, seq: SeqInfo):
+    """`loads.at(head, kv_head, batch)` for sequence `seq` of a packed batch: Q's tiles from
+    its queries, K's and V's from its keys, each clipped at the sequence's end."""
+    from hopper_attn.common.tma import TmaTiles
+    q_rows = (seq.offset_q, seq.seqlen_q)
+    kv_rows = (seq.offset_k, seq.seqlen_k)
+    q, k, v = (TmaTiles.partition(atom, sequence_rows(tensor, rows[1]), h,
+                                  sequence_batch(*rows), smem)
+               for atom, tensor, smem, h, rows in zip(loads.atoms, loads.tensors, loads.smem,
+                                                      (head, kv_head, kv_head),
+                                                      (q_rows, kv_rows, kv_rows)))
+    return dataclasses.replace(loads, q=q, k=k, v=v)
+
+
 # ---------------------------------------------------------------------------------------------
 # host checks (no device reads)
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +227,7 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                              f"{q.device}, got {got}")
     for name, m, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
                            ("max_seqlen_k", max_seqlen_k, k.shape[0])):
-        if isinstance(m, bool) or not isinstance(m, int):
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
             raise ValueError(f"{name} must be a python int, got {type(m).__name__}")
         if m < 0 or m >= BIG:
             raise ValueError(f"{name} must be in [0, {BIG}), got {m}")
@@ -225,14 +260,15 @@ def query_tiles(cu_seqlens_q, block_m: int, heads: int = 1) -> list:
     return [-(-(b - a) // block_m) * heads for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
 
 
-def decode_item(index: int, tiles_per_sequence, heads: int = 1, longest_first: bool = False):
-    """(sequence, query tile, head) of work item `index` of the varlen work list, or None past
-    its end: sequences in order, inside one its query tiles x heads with the head fastest
-    (longest_first: the last query tile, the longest with a causal mask, first)."""
+def decode_item(index: int, tiles_per_sequence, heads: int = 1, last_first: bool = False):
+    """(sequence, query tile, head) of work item `index` of the varlen work list
+    (scheduler.varlen_item), or None past its end: sequences in order, inside one the query
+    tile fastest, then the head (last_first: the last query tile, the longest with a causal
+    mask, first)."""
     for b, count in enumerate(tiles_per_sequence):
         if index < count:
-            slot, head = divmod(index, heads)
             m_blocks = count // heads
-            return b, (m_blocks - 1 - slot if longest_first else slot), head
+            head, slot = divmod(index, m_blocks)
+            return b, (m_blocks - 1 - slot if last_first else slot), head
         index -= count
     return None

@@ -1,0 +1,111 @@
+"""References for packed batches (hopper_attn.attention_varlen; tests/test_varlen.py,
+tools/varlen_gpu_check.py): each sequence on its own through the window references (fp32,
+and torch's bf16 SDPA for the error bound), document lengths for benchmarks, the real
+per-sequence work in FLOPs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hopper_attn.harness import window_reference
+
+
+def sequences(cu_seqlens_q, cu_seqlens_k, seqused_k=None):
+    """[(q0, q1, k0, k1)] per sequence, read on the host."""
+    cq = [int(x) for x in cu_seqlens_q.tolist()]
+    ck = [int(x) for x in cu_seqlens_k.tolist()]
+    used = None if seqused_k is None else [int(x) for x in seqused_k.tolist()]
+    out = []
+    for b in range(len(cq) - 1):
+        k1 = ck[b + 1] if used is None else ck[b] + used[b]
+        out.append((cq[b], cq[b + 1], ck[b], k1))
+    return out
+
+
+@torch.no_grad()
+def reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, softmax_scale=None,
+              seqused_k=None, window=(-1, -1), softcap: float = 0.0, lowp: bool = False):
+    """Per sequence: (out (total_q, H, d) fp32, lse (H, total_q) fp32) in fp32 math, or with
+    `lowp` torch's own SDPA in the input dtype (its output only; lse None). Tokens outside
+    every sequence: out 0, lse NaN. Causal and windows aligned bottom-right per sequence."""
+    scale = softmax_scale or 1.0 / math.sqrt(q.shape[-1])
+    left, right = window
+    if causal:
+        right = 0
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device)
+    for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k, seqused_k):
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            lse[:, q0:q1] = float("-inf")
+            continue
+        qs, ks, vs = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]
+        if lowp:
+            if softcap:
+                o = _lowp_softcap(qs, ks, vs, left, right, scale, softcap)
+            else:
+                o, _ = window_reference.torch_lowp(qs, ks, vs, left, right, scale)
+            out[q0:q1] = o[0]
+        else:
+            o, l = window_reference.reference(qs, ks, vs, left, right, scale, softcap)
+            out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, (None if lowp else lse)
+
+
+def _lowp_softcap(q, k, v, left, right, scale, softcap):
+    """Softcapped attention in the input dtype (scores rounded, softmax in fp32 rounded back,
+    P V in the input dtype): torch has no softcap in SDPA."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    s = (softcap * torch.tanh(s.float() / softcap))
+    seen = window_reference.window_mask(q.shape[1], k.shape[1], left, right, q.device)
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0).to(q.dtype)
+    return torch.einsum("bhij,bjhd->bihd", p, v).float()
+
+
+def visible_pairs(nq: int, nk: int, causal: bool, window=(-1, -1)) -> int:
+    """Query-key pairs a sequence computes (bottom-right aligned mask)."""
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return nq * nk
+    total = 0
+    for i in range(nq):
+        r = i + nk - nq
+        hi = min(nk - 1, r + right) if right >= 0 else nk - 1
+        lo = max(0, r - left) if left >= 0 else 0
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def flops(cu_q, cu_k, heads: int, head_dim: int, causal: bool, window=(-1, -1)) -> float:
+    """The forward's real work: 4 x heads x d per visible pair, summed over sequences."""
+    pairs = sum(visible_pairs(cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], causal, window)
+                for b in range(len(cu_q) - 1))
+    return 4.0 * heads * head_dim * pairs
+
+
+def lognormal_lengths(total: int, seed: int, median: int = 1024, sigma: float = 1.0,
+                      cap: int = 16384) -> list:
+    """Document lengths drawn lognormal (median `median`, capped at `cap`, at least 1) until
+    they fill `total` tokens (the last one cut to fit)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < total:
+        x = float(torch.empty(1).log_normal_(math.log(median), sigma, generator=gen))
+        lengths.append(max(1, min(cap, int(x))))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def cu_seqlens(lengths, device="cuda") -> torch.Tensor:
+    """int32 [0, l0, l0 + l1, ...]."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=torch.int32, device=device)
