@@ -25,6 +25,8 @@ What changes from kb1:
   CTAs (MQA, small batches): each k/v head split in parts (masking.dkv_parts) that
   run_backward sums. With a mask the long CTAs start first (longest first at d = 128,
   `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged.
+* Packed batches (`varlen`, common/varlen_backward.py): one CTA per (kv tile of a sequence,
+  dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
 
@@ -63,9 +65,9 @@ from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
-                                         fragment_slot, run_backward, stage_dkv, store_dkv,
-                                         wait_for_count)
+from hopper_attn.common.backward import (BackwardTiles, backward_smem, column_stats,
+                                         compile_backward, fragment_slot, run_backward,
+                                         stage_dkv, store_dkv, wait_for_count)
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
@@ -133,8 +135,7 @@ class FlashAttentionBackwardKB2:
         # varlen: a packed batch, a work list of (sequence, kv tile) (common/varlen_backward.py)
         self.varlen = bool(varlen)
         if self.varlen and (deterministic or self.longest_first or self.heads_first):
-            raise ValueError("kb2: varlen runs its work list without the deterministic mode "
-                             "or another launch order")
+            raise ValueError("kb2: varlen has its own launch order, no deterministic mode")
         self.schedule = (VarlenKVTileSchedule if self.varlen else KVTileSchedule)(
             block_m, block_n, causal, l2_rows, group_heads, heads_first=self.heads_first,
             **window)
@@ -635,16 +636,6 @@ class FlashAttentionBackwardKB2:
                    zero_init=False, k_blocks=(first, end))
 
 
-@cute.jit
-def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
-    """The per-query statistic (lse2 or D) of each S^T column this thread holds, from the
-    stage's SMEM row into registers."""
-    vals = cute.make_rmem_tensor((cols,), Float32)
-    for c in cutlass.range_constexpr(cols):
-        vals[c] = s_rows[st_coords[0, c][1], stage]
-    return vals
-
-
 # Policy: `DEFAULTS`, then the matching rows in `policy`'s mode order; compile_kernel's
 # arguments override all. Each row: settings, why (one line), the results that measured it.
 
@@ -778,7 +769,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
     given); convert_per_head is also off where pdl is (the early conversion waits per head).
     trace: iket phase ranges (harness/timeline.py). softcap: the forward's cap (0: none).
-    varlen: for packed batches (common/varlen_backward.py; its own launch order)."""
+    varlen: packed batches (common/varlen_backward.compile_for sets the other options)."""
     softcap = float(softcap)
     if softcap and block_m is None:
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
@@ -795,9 +786,6 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     settings.update({name: value for name, value in given.items() if value is not None})
     if not settings["pdl"] and convert_per_head is None:
         settings["convert_per_head"] = False
-    if varlen:
-        settings.update(longest_first=False, heads_first=False, convert_per_head=False,
-                        gqa=problem.kv_heads != problem.heads)
     early = settings.pop("early_dv")
     options = {name: bool(value) for name, value in settings.items()
                if name not in ("block_m", "split_dv", "group_mib", "group_heads")}

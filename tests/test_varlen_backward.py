@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hopper_attn import kb2
-from hopper_attn.common.contract import Problem
 from hopper_attn.common.varlen_backward import compile_for, padded_rows, varlen_backward
 from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
 from ptx import TMA_STORE, count
@@ -62,9 +61,10 @@ def test_refusals_before_any_launch():
 def test_compiles_without_spills():
     """GQA at d = 128 with a mask (the gqa variant's work list): no spills, dK / dV through
     5-D (ragged) TMA stores, dQ still one bulk reduce-add per warpgroup and tile."""
-    problem = Problem(1, 4, 1000, 128, True, torch.bfloat16, heads_kv=2)
+    q, k = torch.empty(1000, 4, 128, dtype=torch.bfloat16), torch.empty(1000, 2, 128,
+                                                                         dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory() as dump:
-        handle = kb2.compile_kernel(problem, varlen=True, compile_options=(
+        handle = compile_for(q, k, True, compile_options=(
             f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))
         ptx, cubin = handle.main.__ptx__.rstrip("\0"), handle.main.__cubin__
     assert handle.options["varlen"] and handle.options["gqa"]

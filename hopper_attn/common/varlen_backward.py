@@ -6,8 +6,8 @@ The backward runs the three launches of the dense one (common/backward.py), each
 list instead of a (tiles, heads, batch) grid:
 
 1. `VarlenPreprocess`, one CTA per (query tile of a sequence, head): D = rowsum(dO * O) and
-   lse2 = lse * log2(e) into a *padded* per-sequence layout, (1, H, total_q + batch x
-   block_m): sequence b's rows start at the tile-aligned row
+   lse2 = lse * log2(e) into a *padded* per-sequence layout, (1, H, about total_q + batch x
+   block_m rows, `padded_rows`): sequence b's rows start at the tile-aligned row
        padded_q(b) = (cu_seqlens_q[b] + b block_m) // block_m x block_m
    (each sequence's rows move down by less than b + 1 tiles, so the sequences' whole tiles
    never overlap). Rows past a sequence's end in its last tile get D = 0 and lse2 = +inf, as
@@ -72,8 +72,10 @@ def sequence_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
 
 
 def padded_rows(total_q: int, batch: int, block_m: int) -> int:
-    """Rows of the padded per-sequence layout (lse2, D, the dQ buffer)."""
-    return total_q + batch * block_m
+    """Rows of the padded per-sequence layout (lse2, D, the dQ buffer): total_q + batch x
+    block_m, rounded up to whole tiles (TMA reads lse2 and D rows: a head's stride must be a
+    multiple of 16 bytes)."""
+    return -(-(total_q + batch * block_m) // block_m) * block_m
 
 
 # --------------------------------------------------------------------------------------------
@@ -380,7 +382,8 @@ def _readable(t: torch.Tensor) -> bool:
 
 
 def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
-                deterministic: bool = False, max_seqlen_q: int = 1, max_seqlen_k: int = 1):
+                deterministic: bool = False, max_seqlen_q: int = 1, max_seqlen_k: int = 1,
+                compile_options: str = ""):
     """kb2's varlen kernels for packed q (total_q, H, d), k (total_k, H_kv, d): ValueError
     (UnsupportedProblem) for what kb2 does not run."""
     from hopper_attn import kb2
@@ -390,7 +393,12 @@ def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
     problem = Problem(1, q.shape[1], max(int(max_seqlen_q), 1), q.shape[2], bool(causal),
                       q.dtype, heads_kv=k.shape[1], seqlen_k=max(int(max_seqlen_k), 1),
                       window_left=left, window_right=-1 if causal else right)
-    return kb2.compile_kernel(problem, varlen=True, softcap=softcap)
+    # the work list is the launch order, the dQ conversion waits for the whole main kernel,
+    # and GQA always sums a group's dK / dV in the CTA (no parts)
+    return kb2.compile_kernel(problem, varlen=True, softcap=softcap, longest_first=False,
+                              heads_first=False, convert_per_head=False,
+                              gqa=problem.kv_heads != problem.heads,
+                              compile_options=compile_options)
 
 
 def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
