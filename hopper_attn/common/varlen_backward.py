@@ -58,7 +58,7 @@ from .backward import (CHUNK, HELPER_THREADS, _COMPILED, CompiledBackward, DqCon
                        _aligned, _chunk, _tile_rows, fragment_slot)
 from .layouts import ndhb_view, transposed
 from .masking import KVTileSchedule
-from .varlen import SeqInfo, check_inputs, sequence_batch, sequence_rows
+from .varlen import check_inputs, sequence_batch, sequence_rows
 from .wgmma import dq_mma, dq_tile_shape
 
 
@@ -85,22 +85,26 @@ def padded_rows(total_q: int, batch: int, block_m: int) -> int:
 @cute.jit
 def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
                 keys: cutlass.Constexpr[bool]):
-    """(sequence, tile inside it) of entry `tile` of the work list that lays the sequences'
-    tiles of `block` rows (query rows, or with `keys` the keys used) end to end; the
-    sequence is `batch` past the list's end. Every lane of the calling warp gets the same
-    answer (32 sequences a step: prefix sum by shuffles, the first covering lane by ballot)."""
+    """Entry `tile` of the work list that lays the sequences' tiles of `block` rows (query
+    rows, or with `keys` the keys used) end to end: (sequence, tile inside it, offset_q,
+    seqlen_q, offset_k, seqlen_k); past the list's end the sequence is `batch` and both
+    lengths are 0. Every lane of the calling warp gets the same answer: 32 sequences a step,
+    each lane loads its sequence's entries (one memory round trip for all of them), prefix
+    sum by shuffles, the first lane whose range covers `tile` by ballot."""
     batch = seqs.shape[1] - 1
     lane = cute.arch.lane_idx()
     seq, local = Int32(batch), Int32(0)
+    offset_q, seqlen_q, offset_k, seqlen_k = Int32(0), Int32(0), Int32(0), Int32(0)
     before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
     while chunk < batch and seq == batch:
         b = chunk + lane
-        rows = Int32(0)
+        lane_oq, lane_lq, lane_ok, lane_lk = Int32(0), Int32(0), Int32(0), Int32(0)
         if b < batch:
-            if cutlass.const_expr(keys):
-                rows = seqs[2, b]
-            else:
-                rows = seqs[0, b + 1] - seqs[0, b]
+            lane_oq, lane_ok, lane_lk = seqs[0, b], seqs[1, b], seqs[2, b]
+            lane_lq = seqs[0, b + 1] - lane_oq
+        rows = lane_lq
+        if cutlass.const_expr(keys):
+            rows = lane_lk
         tiles = (rows + (block - 1)) // block
         upto = tiles                         # inclusive prefix sum over the lanes
         for i in cutlass.range_constexpr(5):
@@ -112,9 +116,13 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
             first = Int32(cute.arch.popc((covered & -covered) - 1))    # its lowest lane
             seq = chunk + first
             local = tile - before - cute.arch.shuffle_sync(upto - tiles, first)
+            offset_q = cute.arch.shuffle_sync(lane_oq, first)
+            seqlen_q = cute.arch.shuffle_sync(lane_lq, first)
+            offset_k = cute.arch.shuffle_sync(lane_ok, first)
+            seqlen_k = cute.arch.shuffle_sync(lane_lk, first)
         before = before + cute.arch.shuffle_sync(upto, 31)
         chunk = chunk + 32
-    return seq, local
+    return seq, local, offset_q, seqlen_q, offset_k, seqlen_k
 
 
 @cute.jit
@@ -143,15 +151,9 @@ class VarlenKVTileSchedule(KVTileSchedule):
         mD, mdK, mdV, mdQacc) (batch 0 of each). Past the list's end, or for a sequence
         without queries, m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
         tile, dk_head, _ = cute.arch.block_idx()
-        batch = seqs.shape[1] - 1
-        seq, n_block = locate_tile(seqs, Int32(tile), self.block_n, True)
-        uniform = cute.arch.make_warp_uniform
-        seq, n_block = uniform(seq), uniform(n_block)
-        b = cutlass.min(seq, batch - 1)
-        info = SeqInfo.create(b, seqs[0, None], seqs[1, None], seqs[2, None])
-        seqlen_q, seqlen_k = info.seqlen_q, info.seqlen_k
-        if seq >= batch:
-            seqlen_q, seqlen_k = Int32(0), Int32(0)
+        seq, n_block, offset_q, seqlen_q, offset_k, seqlen_k = [
+            cute.arch.make_warp_uniform(x)
+            for x in locate_tile(seqs, Int32(tile), self.block_n, True)]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         m_count = m_end - m_first
         if seqlen_q == 0:
@@ -159,15 +161,15 @@ class VarlenKVTileSchedule(KVTileSchedule):
         dk_head = Int32(dk_head)
         group = mQ.shape[2] // mdK.shape[2]
         kv_head = dk_head // (mdK.shape[2] // mK.shape[2])
-        padded_q = (info.offset_q + b * self.block_m) // self.block_m * self.block_m
-        views = (sequence_tensor(mQ, info.offset_q, seqlen_q),
-                 sequence_tensor(mdO, info.offset_q, seqlen_q),
-                 sequence_tensor(mK, info.offset_k, seqlen_k),
-                 sequence_tensor(mV, info.offset_k, seqlen_k),
+        padded_q = (offset_q + seq * self.block_m) // self.block_m * self.block_m
+        views = (sequence_tensor(mQ, offset_q, seqlen_q),
+                 sequence_tensor(mdO, offset_q, seqlen_q),
+                 sequence_tensor(mK, offset_k, seqlen_k),
+                 sequence_tensor(mV, offset_k, seqlen_k),
                  cute.domain_offset((padded_q, 0, 0), mLSE2),
                  cute.domain_offset((padded_q, 0, 0), mD),
-                 sequence_tensor(mdK, info.offset_k, seqlen_k),
-                 sequence_tensor(mdV, info.offset_k, seqlen_k),
+                 sequence_tensor(mdK, offset_k, seqlen_k),
+                 sequence_tensor(mdV, offset_k, seqlen_k),
                  cute.domain_offset((0, 0, padded_q, 0), mdQacc))
         return (n_block, dk_head, kv_head, group, seqlen_q, seqlen_k, m_first, m_count,
                 views)
@@ -178,12 +180,9 @@ def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int]):
     """The calling helper CTA's (sequence, query tile, offset_q, seqlen_q, padded_q, head);
     sequence = batch past the work list's end."""
     tile, head, _ = cute.arch.block_idx()
-    batch = seqs.shape[1] - 1
-    seq, m_block = locate_tile(seqs, Int32(tile), block_m, False)
-    b = cutlass.min(seq, batch - 1)
-    offset = seqs[0, b]
-    padded = (offset + b * block_m) // block_m * block_m
-    return seq, m_block, offset, seqs[0, b + 1] - offset, padded, Int32(head)
+    seq, m_block, offset, seqlen, _, _ = locate_tile(seqs, Int32(tile), block_m, False)
+    padded = (offset + seq * block_m) // block_m * block_m
+    return seq, m_block, offset, seqlen, padded, Int32(head)
 
 
 class VarlenPreprocess:
