@@ -509,19 +509,50 @@ def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return batch, window, softcap
 
 
+# Varlen calls that passed every check once, by everything the checks looked at except the
+# data pointers -> (batch, compiled kernel, softmax scale)
+_VARLEN_FAST: dict = {}
+
+
+def _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                seqused_k, window, softcap):
+    try:
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + \
+            (() if seqused_k is None else (seqused_k,))
+        return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
+                seqused_k is None, max_seqlen_q, max_seqlen_k, causal, tuple(window),
+                softcap)
+    except (AttributeError, TypeError):          # not tensors: the checks say so
+        return None
+
+
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                 causal: bool, softmax_scale: Optional[float], seqused_k, window: tuple,
                 softcap: float):
     from hopper_attn import k6_varlen
-    batch, window, softcap = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, causal, seqused_k, window, softcap)
-    for t in (q, k, v):
-        if t.data_ptr() % 16:
-            raise ValueError("q, k, v must be 16-byte aligned")
-    problem = k6_varlen.problem_for(q, k, batch, max_seqlen_q, max_seqlen_k, causal, window)
-    overrides = {"softcap": softcap} if softcap else {}
-    compiled, _ = k6_varlen.compile_varlen(problem, seqused_k is not None,
-                                           **overrides)   # UnsupportedProblem: d, dtype
+    key = _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      causal, seqused_k, window, softcap)
+    try:
+        fast = _VARLEN_FAST.get(key) if key is not None else None
+    except TypeError:                          # (symbolic shapes do not hash)
+        key = fast = None
+    if fast is None:
+        batch, window, softcap = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                               max_seqlen_q, max_seqlen_k, causal, seqused_k,
+                                               window, softcap)
+        problem = k6_varlen.problem_for(q, k, batch, max_seqlen_q, max_seqlen_k, causal,
+                                        window)
+        overrides = {"softcap": softcap} if softcap else {}
+        compiled, _ = k6_varlen.compile_varlen(problem, seqused_k is not None,
+                                               **overrides)   # UnsupportedProblem: d, dtype
+        fast = (batch, compiled, problem.softmax_scale)
+        if key is not None:
+            if len(_VARLEN_FAST) >= _FAST_LIMIT:
+                _VARLEN_FAST.clear()
+            _VARLEN_FAST[key] = fast
+    batch, compiled, default_scale = fast
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+        raise ValueError("q, k, v must be 16-byte aligned")
     out = torch.empty_like(q)
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     if batch == 0 or q.shape[0] == 0:
@@ -530,7 +561,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    scale = problem.softmax_scale if softmax_scale is None else float(softmax_scale)
+    scale = default_scale if softmax_scale is None else float(softmax_scale)
     k6_varlen.run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                          scale)
     return out, lse
@@ -639,9 +670,17 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     torch.compile(fullgraph=True) traces through it. Differentiable through
     `attention_varlen_backward` (the varlen backward).
     """
-    _, window, softcap = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                       max_seqlen_k, causal, seqused_k, window_size, softcap,
-                                       on_device=False)
+    window = normalize_window(window_size, bool(causal))
+    softcap = _check_softcap(softcap)
+    try:
+        checked = _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              bool(causal), seqused_k, window, softcap) in _VARLEN_FAST
+    except TypeError:                          # (traced: symbolic shapes do not hash)
+        checked = False
+    if not checked:
+        # (before the op: its schema would refuse some arguments with a TypeError)
+        _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                      seqused_k, window, softcap, on_device=False)
     out, lse = torch.ops.hopper_attn.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
         softmax_scale, seqused_k, *window, float(softcap))

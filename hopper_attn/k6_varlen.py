@@ -90,6 +90,9 @@ def compile_varlen(problem: Problem, has_seqused_k: bool, compile_options: str =
     return compiled, kernel
 
 
+_BOUND: dict = {}          # the last call's CuTe tensors, by pointers, shapes and strides
+
+
 def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                softmax_scale: float) -> None:
     """Launch on the current stream: q, k, v, out (total, H, d), lse (H, total_q) fp32.
@@ -98,11 +101,21 @@ def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
     import cutlass
     if q.shape[0] == 0:
         return
-    tensors = [t.unsqueeze(0) for t in (q, k, v, out, lse)]
-    args = [rt.to_cute_tensor(t) for t in (*tensors, work_counter(q.device))]
-    tail = [rt.to_cute_tensor(cu_seqlens_q), rt.to_cute_tensor(cu_seqlens_k),
-            None if seqused_k is None else rt.to_cute_tensor(seqused_k)]
-    compiled(*args, cutlass.Float32(softmax_scale * LOG2_E), rt.current_stream(), *tail)
+    counter = work_counter(q.device)
+    tensors = (q, k, v, out, lse, counter, cu_seqlens_q, cu_seqlens_k) + \
+        (() if seqused_k is None else (seqused_k,))
+    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in tensors)
+    args = _BOUND.get(key)
+    if args is None:
+        args = [rt.to_cute_tensor(t.unsqueeze(0)) for t in (q, k, v, out, lse)]
+        args += [rt.to_cute_tensor(t) for t in tensors[5:]]
+        if seqused_k is None:
+            args.append(None)
+        if len(_BOUND) > 64:
+            _BOUND.clear()
+        _BOUND[key] = args
+    compiled(*args[:6], cutlass.Float32(softmax_scale * LOG2_E), rt.current_stream(),
+             *args[6:])
 
 
 __all__ = ["FlashAttentionK6Varlen", "compile_varlen", "run_varlen", "problem_for",

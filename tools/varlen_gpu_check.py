@@ -1,0 +1,262 @@
+"""GPU check of packed variable-length batches (issue 60): correctness, then speed.
+
+    source .gpu/prelude.sh && python tools/varlen_gpu_check.py [--quick] [--out DIR]
+
+1. Correctness of `hopper_attn.attention_varlen` (k6 with `varlen`) per sequence against an
+   fp32 reference (harness/varlen_reference.py), FlashAttention's rule: error at most 2x
+   torch's own bf16 error on the same sequence (SDPA; + 2^-10), LSE within 1e-3 of the
+   reference where finite and -inf where it is (a sequence without keys). Lengths 0, 1, 17,
+   113, 1000 and the tails of 64/128/192-row tiles; max_seqlen larger than the longest; GQA
+   8/2 with key lengths other than the query lengths (and sequences without queries or
+   without keys); seqused_k with the unused keys NaN; 70 sequences (the work list's prefix
+   sum over more than one warp step); causal and not; d 64 and 128 (96, 192, 256, fp16, a
+   window and a softcap once each). Every case runs the kernel on views into NaN-poisoned
+   buffers (64 tokens before and after q, k, v, the output and the LSE): the poison around
+   the output and the LSE must stay NaN (nothing written outside the sequences), and two
+   runs must give the same bits (and the public call the same bits as the direct one).
+2. Speed (skipped with --quick), CUDA events, L2 flushed, round-robin medians: lognormal
+   document lengths (median 1k, capped at 16k; seeds printed, lengths in the JSON) filling
+   16k and 64k tokens, causal and not, d 64 and 128, 16 heads MHA and GQA 16/4, against
+   FlashAttention-4's `flash_attn_varlen_func` and torch's `varlen_attn` (k and v repeated
+   for GQA outside the timed call); TFLOP/s from the real per-sequence work. Then equal
+   lengths packed against the dense `attention()` call of the same shape (target: within
+   3%).
+
+Prints one line per group or timed case; everything goes to $OUT/varlen.json (or --out).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import hopper_attn  # noqa: E402
+from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.varlen_reference import (cu_seqlens, flops,  # noqa: E402
+                                                  lognormal_lengths, reference)
+
+PAD = 64                    # poisoned tokens before and after every tensor
+TAILS = [0, 1, 17, 113, 1000, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 300]
+
+
+def poisoned(tokens: int, heads: int, d: int, dtype, seed: int, fill: bool = True):
+    """A (tokens, heads, d) view into a buffer with PAD NaN tokens on each side (random
+    normal values inside when `fill`) and the buffer."""
+    buf = torch.full((tokens + 2 * PAD, heads, d), float("nan"), dtype=dtype, device="cuda")
+    view = buf[PAD:PAD + tokens]
+    if fill:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        view.copy_(torch.randn(view.shape, generator=gen, device="cuda").to(dtype))
+    return view, buf
+
+
+def run_direct(q, k, v, cu_q, cu_k, max_q, max_k, causal, seqused_k, window, softcap):
+    """k6 varlen through k6_varlen.run_varlen on poisoned output and LSE buffers: (out, lse,
+    the poison around them intact)."""
+    from hopper_attn import k6_varlen
+    from hopper_attn.common.contract import normalize_window
+    total, heads, d = q.shape
+    out, out_buf = poisoned(total, heads, d, q.dtype, 0, fill=False)
+    lse_buf = torch.full((heads, total + 2 * PAD), float("nan"), device="cuda")
+    lse = lse_buf[:, PAD:PAD + total]
+    batch = cu_q.shape[0] - 1
+    window = normalize_window(window, causal)
+    problem = k6_varlen.problem_for(q, k, batch, max_q, max_k, causal, window)
+    compiled, _ = k6_varlen.compile_varlen(problem, seqused_k is not None,
+                                           **({"softcap": softcap} if softcap else {}))
+    k6_varlen.run_varlen(compiled, q, k, v, out, lse, cu_q, cu_k, seqused_k, d ** -0.5)
+    intact = bool(out_buf[:PAD].isnan().all() and out_buf[PAD + total:].isnan().all()
+                  and lse_buf[:, :PAD].isnan().all() and lse_buf[:, PAD + total:].isnan().all())
+    return out, lse, intact
+
+
+def case(label, q_lens, k_lens, heads, heads_kv, d, causal, seed, *, max_extra=0,
+         dtype=torch.bfloat16, seqused=None, window=(-1, -1), softcap=0.0) -> dict:
+    """One packed batch: sequence b has q_lens[b] queries, k_lens[b] keys (seqused: it uses
+    only the first seqused[b], the rest NaN)."""
+    cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
+    q, _ = poisoned(sum(q_lens), heads, d, dtype, seed)
+    k, _ = poisoned(sum(k_lens), heads_kv, d, dtype, seed + 1)
+    v, _ = poisoned(sum(k_lens), heads_kv, d, dtype, seed + 2)
+    seqused_k = None
+    if seqused is not None:
+        seqused_k = torch.tensor(seqused, dtype=torch.int32, device="cuda")
+        for b, used in enumerate(seqused):         # the keys past seqused_k: NaN
+            k[int(cu_k[b]) + used:int(cu_k[b + 1])] = float("nan")
+            v[int(cu_k[b]) + used:int(cu_k[b + 1])] = float("nan")
+    max_q, max_k = max(q_lens) + max_extra, max(k_lens) + max_extra
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, seqused_k, window, softcap)
+    out, lse, intact = run_direct(*args)
+    out2, lse2, _ = run_direct(*args)
+    public, public_lse = hopper_attn.attention_varlen(
+        q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True, seqused_k=seqused_k,
+        window_size=window, softcap=softcap)
+    same_bits = bool(torch.equal(out, out2) and torch.equal(lse.nan_to_num(), lse2.nan_to_num())
+                     and torch.equal(out, public)
+                     and torch.equal(lse.nan_to_num(), public_lse.nan_to_num()))
+    ref, ref_lse = reference(q, k, v, cu_q, cu_k, causal, None, seqused_k, window, softcap)
+    low, _ = reference(q, k, v, cu_q, cu_k, causal, None, seqused_k, window, softcap,
+                       lowp=True)
+    bound = 2 * (low - ref).abs().max().item() + 2 ** -10 if ref.numel() else 1.0
+    nan = bool(out.isnan().any())
+    err = (out.float() - ref).abs().max().item() if ref.numel() else 0.0
+    finite = ref_lse.isfinite()
+    lse_ok = bool(torch.equal(lse.isfinite(), finite)) and (
+        not finite.any() or (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3)
+    ok = not nan and err <= bound and lse_ok and intact and same_bits
+    return {"case": [label, q_lens if len(q_lens) <= 16 else f"{len(q_lens)} sequences",
+                     k_lens if len(k_lens) <= 16 else "", heads, heads_kv, d, causal,
+                     str(dtype).replace("torch.", ""), max_extra, seqused, list(window),
+                     softcap],
+            "ratio": float("inf") if nan else err / bound, "error": err, "lse_ok": lse_ok,
+            "poison_intact": intact, "same_bits": same_bits, "ok": ok}
+
+
+def correctness(log) -> list:
+    groups, seed = {}, 0
+
+    def run(label, *args, **kwargs):
+        nonlocal seed
+        seed += 3
+        try:
+            row = case(label, *args, seed, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported as a failure
+            row = {"case": [label, *args[2:], kwargs], "ok": False, "ratio": float("inf"),
+                   "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        groups.setdefault(label, []).append(row)
+
+    rng = torch.Generator().manual_seed(5)
+    many = [int(x) for x in torch.randint(0, 200, (70,), generator=rng)]
+    cross_q, cross_k = [17, 300, 1000, 5, 0, 129], [40, 100, 1300, 0, 7, 129]
+    for d in (64, 128):
+        for causal in (False, True):
+            run(f"tails d{d}", TAILS, TAILS, 4, 4, d, causal)
+            run(f"max_seqlen+3000 d{d}", TAILS, TAILS, 4, 4, d, causal, max_extra=3000)
+            run(f"gqa 8/2 cross d{d}", cross_q, cross_k, 8, 2, d, causal)
+            run(f"seqused_k d{d}", cross_q, [n + 9 for n in cross_k], 8, 2, d, causal,
+                seqused=cross_k)
+            run(f"70 sequences d{d}", many, many[::-1], 4, 2, d, causal)
+    for d in (96, 192, 256):
+        for causal in (False, True):
+            run("d 96/192/256", [1000, 17, 300], [1000, 17, 300], 4, 4, d, causal)
+    run("fp16", TAILS, TAILS, 4, 2, 128, True, dtype=torch.float16)
+    run("window (127, 0)", TAILS, TAILS, 4, 2, 128, True, window=(127, 0))
+    run("softcap 30", TAILS, TAILS, 4, 2, 128, True, softcap=30.0)
+    rows = []
+    for label, group in groups.items():
+        bad = [r for r in group if not r["ok"]]
+        log(f"  {label:24} {len(group):3} cases, worst ratio "
+            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")
+        rows += group
+    for row in [r for r in rows if not r["ok"]][:6]:
+        log(f"  FAILED {row['case']}: ratio {row['ratio']:.3g} {row.get('exception', '')[:90]}"
+            f" lse_ok {row.get('lse_ok')} poison {row.get('poison_intact')} "
+            f"bits {row.get('same_bits')}")
+    return rows
+
+
+def _fa4_varlen():
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                     max_seqlen_q=max_q, max_seqlen_k=max_k, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    return run
+
+
+def _torch_varlen():
+    from torch.nn.attention.varlen import varlen_attn
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, causal):
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k,
+                           window_size=(-1, 0) if causal else (-1, -1))
+    return run
+
+
+def speed(log, t0) -> dict:
+    from hopper_attn.harness.timing import L2Flush, benchmark_interleaved, tflops
+    flush, rows, baselines, notes = L2Flush(), [], {}, {}
+    for name, make in (("fa4", _fa4_varlen), ("torch_varlen", _torch_varlen)):
+        try:
+            baselines[name] = make()
+        except Exception as exc:  # noqa: BLE001 - not installed
+            notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    mixes = []
+    for total, seed in ((16384, 16), (65536, 64)):
+        lengths = lognormal_lengths(total, seed)
+        mixes.append((f"lognormal {total // 1024}k", seed, lengths))
+        log(f"  mix {total // 1024}k seed {seed}: {len(lengths)} documents, max {max(lengths)}"
+            f", lengths {lengths if len(lengths) <= 20 else str(lengths[:20])[:-1] + ', ...]'}")
+    for label, seed, lengths in mixes:
+        cu = cu_seqlens(lengths)
+        n_max = max(lengths)
+        for d in (64, 128):
+            for heads, heads_kv in ((16, 16), (16, 4)):
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                q = torch.randn(sum(lengths), heads, d, device="cuda", generator=gen).bfloat16()
+                k = torch.randn(sum(lengths), heads_kv, d, device="cuda", generator=gen) \
+                    .bfloat16()
+                v = torch.randn_like(k)
+                k_rep, v_rep = (t.repeat_interleave(heads // heads_kv, dim=1) for t in (k, v))
+                for causal in (False, True):
+                    calls = {"ours": lambda: hopper_attn.attention_varlen(
+                        q, k, v, cu, cu, n_max, n_max, causal=causal)}
+                    for name, fn in baselines.items():
+                        kk, vv = (k_rep, v_rep) if name == "torch_varlen" else (k, v)
+                        try:
+                            fn(q, kk, vv, cu, cu, n_max, n_max, causal)
+                            calls[name] = (lambda fn=fn, kk=kk, vv=vv:
+                                           fn(q, kk, vv, cu, cu, n_max, n_max, causal))
+                        except Exception as exc:  # noqa: BLE001
+                            notes[f"{name} {label} d{d} {heads}/{heads_kv} {causal}"] = \
+                                f"{type(exc).__name__}: {str(exc)[:100]}"
+                    timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
+                    work = flops([int(x) for x in cu.tolist()], [int(x) for x in cu.tolist()],
+                                 heads, d, causal)
+                    ms = {name: t["ms"] for name, t in timed.items()}
+                    row = {"mix": label, "seed": seed, "d": d, "heads": heads,
+                           "heads_kv": heads_kv, "causal": causal, "ms": ms,
+                           "tflops": {n: tflops(work, t) for n, t in ms.items()}}
+                    rows.append(row)
+                    line = (f"  {label} d{d} {heads}/{heads_kv} "
+                            f"{'causal' if causal else 'full  '} ours "
+                            f"{row['tflops']['ours']:.0f} TF/s")
+                    for name in baselines:
+                        if name in ms:
+                            line += f"; {name} {row['tflops'][name]:.0f} " \
+                                    f"({ms[name] / ms['ours']:.2f}x)"
+                    log(line)
+    dense_rows = []
+    for batch, n in ((8, 2048), (4, 16384)):
+        for d in (64, 128):
+            for causal in (False, True):
+                gen = torch.Generator(device="cuda").manual_seed(n)
+                q, k, v = (torch.randn(batch, n, 16, d, device="cuda", generator=gen)
+                           .bfloat16() for _ in range(3))
+                qp, kp, vp = (t.reshape(batch * n, 16, d) for t in (q, k, v))
+                cu = cu_seqlens([n] * batch)
+                calls = {"varlen": lambda: hopper_attn.attention_varlen(
+                             qp, kp, vp, cu, cu, n, n, causal=causal),
+                         "dense": lambda: hopper_attn.attention(q, k, v, causal=causal)}
+                timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
+                ms = {name: t["ms"] for name, t in timed.items()}
+                dense_rows.append({"batch": batch, "seqlen": n, "d": d, "causal": causal,
+                                   "ms": ms, "varlen_over_dense": ms["varlen"] / ms["dense"]})
+                log(f"  equal lengths B{batch} N{n} d{d} {'causal' if causal else 'full  '}: "
+                    f"varlen {ms['varlen']:.3f} ms dense {ms['dense']:.3f} ms -> "
+                    f"{ms['varlen'] / ms['dense']:.3f}x time")
+    return {"mixes": [{"label": m[0], "seed": m[1], "lengths": m[2]} for m in mixes],
+            "rows": rows, "equal_lengths": dense_rows, "notes": notes}
+
+
+if __name__ == "__main__":
+    sys.exit(run_check(__doc__, "varlen.json", correctness, speed,
+                       "correctness (per-sequence fp32 reference; ratio = error / bound, "
+                       "<= 1 passes):",
+                       "speed (TFLOP/s of the real work; (x): baseline time / ours):"))
