@@ -13,11 +13,13 @@
    buffers (a read past a tensor's rows shows as NaN). Lengths 0, 1, 17, 113, 1000, GQA with
    cross lengths, seqused_k, causal and not, d 64 and 128, a window and a softcap.
 2. Speed (skipped with --quick): the backward alone (autograd.grad on a kept graph; CUDA
-   events, L2 flushed, round-robin medians) for document mixes: lognormal lengths (median
-   1k, sigma 1, capped at 16k, seed stated) filling 16k and 64k tokens, and 8 x 2k equal
-   lengths (also timed dense, kb2 through hopper_attn.attention at (8, 2k)); MHA 16 heads
-   and GQA 16/4, d 64 and 128, causal and not; hopper vs FA4's flash_attn_varlen_func and
-   torch's varlen_attn. TFLOP/s from the real per-sequence work, backward = 2.5x forward.
+   events, L2 flushed, round-robin medians) on tools/varlen_gpu_check.py's document mixes
+   (lognormal lengths, median 1k, capped at 16k, seeds 16 and 64, filling 16k and 64k
+   tokens; harness/varlen_reference.py), MHA 16 heads and GQA 16/4, d 64 and 128, causal
+   and not: ours (attention_varlen's autograd) against FA4's flash_attn_varlen_func and
+   torch's varlen_attn (k, v repeated for GQA); TFLOP/s of the real per-sequence work,
+   backward = 2.5x the forward's. Then equal lengths (8 x 2k, 4 x 16k, 16 heads) against
+   the dense call's backward (kb2) of the same shape.
 
 Prints one line per case; everything goes to $OUT/varlen_bwd.json (or --out).
 """
@@ -33,7 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
-from hopper_attn.common.contract import Problem  # noqa: E402
 from hopper_attn.common.varlen_backward import varlen_backward  # noqa: E402
 from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 from hopper_attn.harness.grad_check import _torch_lowp_grads  # noqa: E402
@@ -203,31 +204,15 @@ def correctness(log, direct=False) -> list:
 
 # ------------------------------------------------------------------------------ speed
 
-def lognormal_lengths(total: int, seed: int, median: int = 1024, sigma: float = 1.0,
-                      cap: int = 16384) -> list:
-    """Document lengths drawn lognormal (median, sigma), capped, until `total` tokens (the
-    last one cut to fit)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = []
-    while sum(lengths) < total:
-        n = int(min(cap, max(1, round(median * math.exp(sigma * torch.randn(1, generator=gen)
-                                                        .item())))))
-        lengths.append(min(n, total - sum(lengths)))
-    return lengths
-
-
-def _flops(lengths, heads, heads_kv, d, causal) -> float:
-    return sum(Problem(1, heads, n, d, causal, heads_kv=heads_kv).flops for n in lengths if n)
-
-
 def _providers(log):
+    """Baselines' forwards (run(q, k, v, cu, max) -> out), each differentiated by autograd."""
     out = {}
     try:
-        from flash_attn.cute import flash_attn_varlen_func
+        from flash_attn.cute.interface import flash_attn_varlen_func
 
         def fa4(q, k, v, cu, mx, causal):
-            o = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx,
-                                       max_seqlen_k=mx, causal=causal)
+            o = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                       max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
             return o[0] if isinstance(o, tuple) else o
         out["fa4"] = fa4
     except Exception as exc:  # noqa: BLE001 - not installed here
@@ -236,106 +221,101 @@ def _providers(log):
         from torch.nn.attention.varlen import varlen_attn
 
         def torch_varlen(q, k, v, cu, mx, causal):
-            return varlen_attn(q, k, v, cu, cu, mx, mx, window_size=(-1, 0) if causal
-                               else (-1, -1), enable_gqa=q.shape[1] != k.shape[1])
+            group = q.shape[1] // k.shape[1]      # (k, v repeated for GQA: inside the graph)
+            k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
+            return varlen_attn(q, k, v, cu, cu, mx, mx,
+                               window_size=(-1, 0) if causal else (-1, -1))
         out["varlen_attn"] = torch_varlen
     except Exception as exc:  # noqa: BLE001
         log(f"  torch varlen_attn unavailable: {type(exc).__name__}: {str(exc)[:80]}")
     return out
 
 
-def _hopper_backward(q, k, v, do, cu, mx, causal):
-    """Our backward alone: through attention_varlen's autograd where it exists, else the
-    direct call on an fp32-reference forward's output."""
-    fn = getattr(hopper_attn, "attention_varlen", None)
-    if fn is not None:
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves, cu, cu, mx, mx, causal=causal)
-        return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
-    cu_list = cu.tolist()
-    out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), device="cuda")
-    for a, b in zip(cu_list[:-1], cu_list[1:]):
-        o, l_ = forward_with_lse(q[None, a:b], k[None, a:b], v[None, a:b], causal)
-        out[a:b], lse[:, a:b] = o[0].to(q.dtype), l_[0]
-    return lambda: varlen_backward(q, k, v, out, do, lse, cu, cu, mx, mx, causal)
+def _backward_call(forward, q, k, v, do):
+    """The backward alone of `forward(q, k, v)`: autograd.grad on a kept graph."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = forward(*leaves)
+    call = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
+    call()
+    return call
 
 
-def speed(log) -> list:
-    from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
+def speed(log) -> dict:
+    from hopper_attn.harness.timing import L2Flush, benchmark_interleaved, tflops
+    from hopper_attn.harness.varlen_reference import cu_seqlens, flops, lognormal_lengths
     providers = _providers(log)
-    flush, rows = L2Flush(), []
-    mixes = [("lognormal 16k", lognormal_lengths(16384, seed=1)),
-             ("lognormal 64k", lognormal_lengths(65536, seed=2)),
-             ("equal 8x2k", [2048] * 8)]
-    for mix, lengths in mixes:
-        log(f"  {mix}: {len(lengths)} documents, seed {1 if '16k' in mix else 2}: {lengths}"
-            if "lognormal" in mix else f"  {mix}")
-    columns = ["hopper", *providers, "dense kb2"]
-    log(f"  {'mix':14} {'heads':6} {'d':>3} {'mask':6}" + "".join(f"{c:>12}" for c in columns)
-        + "   /fa4  /varlen_attn")
-    for mix, lengths in mixes:
-        cu = torch.tensor(_cu(lengths), dtype=torch.int32, device="cuda")
-        mx, total = max(lengths), sum(lengths)
-        for heads, heads_kv in ((16, 16), (16, 4)):
-            for d in (64, 128):
+    flush, rows, notes = L2Flush(), [], {}
+    mixes = []
+    for total, seed in ((16384, 16), (65536, 64)):       # tools/varlen_gpu_check.py's mixes
+        lengths = lognormal_lengths(total, seed)
+        mixes.append((f"lognormal {total // 1024}k", seed, lengths))
+        log(f"  mix {total // 1024}k seed {seed}: {len(lengths)} documents, max {max(lengths)}"
+            f", lengths {lengths if len(lengths) <= 20 else str(lengths[:20])[:-1] + ', ...]'}")
+    for label, seed, lengths in mixes:
+        cu, mx = cu_seqlens(lengths), max(lengths)
+        for d in (64, 128):
+            for heads, heads_kv in ((16, 16), (16, 4)):
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                q, do = (torch.randn(sum(lengths), heads, d, device="cuda", generator=gen)
+                         .bfloat16() for _ in range(2))
+                k, v = (torch.randn(sum(lengths), heads_kv, d, device="cuda", generator=gen)
+                        .bfloat16() for _ in range(2))
                 for causal in (False, True):
-                    gen = torch.Generator(device="cuda").manual_seed(7)
-                    q, do = (torch.randn(total, heads, d, device="cuda", generator=gen)
-                             .to(torch.bfloat16) for _ in range(2))
-                    k, v = (torch.randn(total, heads_kv, d, device="cuda", generator=gen)
-                            .to(torch.bfloat16) for _ in range(2))
-                    calls, notes = {}, {}
-                    try:
-                        calls["hopper"] = _hopper_backward(q, k, v, do, cu, mx, causal)
-                    except Exception as exc:  # noqa: BLE001
-                        notes["hopper"] = f"{type(exc).__name__}: {str(exc)[:100]}"
-                    for name, fwd in providers.items():
+                    fwds = {"ours": lambda q_, k_, v_: hopper_attn.attention_varlen(
+                        q_, k_, v_, cu, cu, mx, mx, causal=causal)}
+                    for name, fn in providers.items():
+                        fwds[name] = (lambda q_, k_, v_, fn=fn: fn(q_, k_, v_, cu, mx, causal))
+                    calls = {}
+                    for name, fwd in fwds.items():
                         try:
-                            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-                            out = fwd(*leaves, cu, mx, causal)
-                            calls[name] = (lambda o=out, lv=leaves: torch.autograd.grad(
-                                o, lv, do, retain_graph=True))
+                            calls[name] = _backward_call(fwd, q, k, v, do)
                         except Exception as exc:  # noqa: BLE001
-                            notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
-                    if mix.startswith("equal"):
-                        b, n = len(lengths), lengths[0]
-                        leaves = [t.detach().view(b, n, *t.shape[1:]).clone().requires_grad_()
-                                  for t in (q, k, v)]
-                        out = hopper_attn.attention(*leaves, causal=causal)
-                        calls["dense kb2"] = (lambda o=out, lv=leaves: torch.autograd.grad(
-                            o, lv, do.view(b, n, heads, d), retain_graph=True))
-                    for name, call in list(calls.items()):
-                        try:
-                            call()
-                        except Exception as exc:  # noqa: BLE001
-                            notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
-                            del calls[name]
+                            notes[f"{name} {label} d{d} {heads}/{heads_kv} {causal}"] = \
+                                f"{type(exc).__name__}: {str(exc)[:100]}"
                     torch.cuda.synchronize()
-                    flops = 2.5 * _flops(lengths, heads, heads_kv, d, causal)
-                    timed = benchmark_interleaved(calls, flush) if calls else {}
-                    row = {"mix": mix, "lengths": lengths, "heads": [heads, heads_kv], "d": d,
-                           "causal": causal, "flops_backward": flops, "unavailable": notes,
-                           "bwd": {n: {**t, "tflops": flops / (t["ms"] * 1e-3) / 1e12}
-                                   for n, t in timed.items()}}
-                    tf = {n: row["bwd"][n]["tflops"] for n in row["bwd"]}
-                    ratios = [tf["hopper"] / tf[p] if "hopper" in tf and p in tf
-                              else float("nan") for p in ("fa4", "varlen_attn")]
-                    row["hopper_over_fa4"], row["hopper_over_varlen_attn"] = ratios
-                    if "dense kb2" in tf and "hopper" in tf:
-                        row["varlen_over_dense"] = tf["hopper"] / tf["dense kb2"]
+                    timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
+                    work = 2.5 * flops([int(x) for x in cu.tolist()],
+                                       [int(x) for x in cu.tolist()], heads, d, causal)
+                    ms = {name: t["ms"] for name, t in timed.items()}
+                    row = {"mix": label, "seed": seed, "d": d, "heads": heads,
+                           "heads_kv": heads_kv, "causal": causal, "ms": ms,
+                           "tflops": {n: tflops(work, t) for n, t in ms.items()}}
                     rows.append(row)
-                    log(f"  {mix:14} {heads}/{heads_kv:<3} {d:>3} "
-                        f"{'causal' if causal else 'full':6}"
-                        + "".join(f"{tf[c]:12.1f}" if c in tf else f"{'-':>12}"
-                                  for c in columns)
-                        + f"  {ratios[0]:5.3f} {ratios[1]:6.3f}"
-                        + (f"  varlen/dense {row['varlen_over_dense']:.3f}"
-                           if "varlen_over_dense" in row else "")
-                        + (f"  not run: {notes}" if notes else ""))
-                    del q, k, v, do, calls
-                    torch.cuda.empty_cache()
-    return rows
+                    line = (f"  {label} d{d} {heads}/{heads_kv} "
+                            f"{'causal' if causal else 'full  '} bwd ours "
+                            + (f"{row['tflops']['ours']:.0f} TF/s" if "ours" in ms else "-"))
+                    for name in providers:
+                        if name in ms and "ours" in ms:
+                            line += (f"; {name} {row['tflops'][name]:.0f} "
+                                     f"({ms[name] / ms['ours']:.2f}x)")
+                    log(line)
+                del q, k, v, do
+                torch.cuda.empty_cache()
+    dense_rows = []
+    for batch, n in ((8, 2048), (4, 16384)):
+        for d in (64, 128):
+            for causal in (False, True):
+                gen = torch.Generator(device="cuda").manual_seed(n)
+                q, k, v, do = (torch.randn(batch, n, 16, d, device="cuda", generator=gen)
+                               .bfloat16() for _ in range(4))
+                cu = cu_seqlens([n] * batch)
+                flat = [t.reshape(batch * n, 16, d) for t in (q, k, v, do)]
+                calls = {
+                    "varlen": _backward_call(lambda q_, k_, v_: hopper_attn.attention_varlen(
+                        q_, k_, v_, cu, cu, n, n, causal=causal), *flat),
+                    "dense": _backward_call(lambda q_, k_, v_: hopper_attn.attention(
+                        q_, k_, v_, causal=causal), q, k, v, do)}
+                timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
+                ms = {name: t["ms"] for name, t in timed.items()}
+                dense_rows.append({"batch": batch, "seqlen": n, "d": d, "causal": causal,
+                                   "ms": ms, "varlen_over_dense": ms["varlen"] / ms["dense"]})
+                log(f"  equal lengths B{batch} N{n} d{d} {'causal' if causal else 'full  '}: "
+                    f"bwd varlen {ms['varlen']:.3f} ms dense {ms['dense']:.3f} ms -> "
+                    f"{ms['varlen'] / ms['dense']:.3f}x time")
+                del q, k, v, do, flat, calls
+                torch.cuda.empty_cache()
+    return {"mixes": [{"label": m[0], "seed": m[1], "lengths": m[2]} for m in mixes],
+            "rows": rows, "equal_lengths": dense_rows, "notes": notes}
 
 
 def main() -> int:
@@ -346,8 +326,8 @@ def main() -> int:
         __doc__, "varlen_bwd.json", lambda log: correctness(log, direct),
         lambda log, t0: speed(log),
         "correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):",
-        "speed, backward alone, effective TFLOP/s (2.5x the real per-sequence forward flops), "
-        "round-robin medians:")
+        "speed, the backward alone, TFLOP/s of the real per-sequence work (2.5x the forward's); "
+        "(x): baseline time / ours:")
 
 
 if __name__ == "__main__":
