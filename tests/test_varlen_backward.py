@@ -107,7 +107,8 @@ def test_gradients_match_per_sequence_references(d, causal):
 @pytest.mark.gpu
 def test_attention_varlen_autograd_matches_the_direct_backward():
     """attention_varlen(...).backward() runs the varlen kb2 backward on its own forward's
-    output and LSE: the same gradients (same bits) as the direct call."""
+    output and LSE: the gradients of the direct call (dK, dV the same bits; dQ's fp32 adds
+    land in any order)."""
     from hopper_attn import attention_varlen
     lq = [3, 130, 0, 64]
     q, k, v, _, do, _, cu_q, cu_k = _packed(lq, lq, 4, 1, 128, device="cuda")
@@ -116,5 +117,6 @@ def test_attention_varlen_autograd_matches_the_direct_backward():
     out.backward(do)
     direct = varlen_backward(q, k, v, out.detach(), do, lse.detach(), cu_q, cu_k, 130, 130,
                              True)
-    for leaf, g in zip(leaves, direct):
+    torch.testing.assert_close(leaves[0].grad, direct[0], atol=1e-2, rtol=1e-2)
+    for leaf, g in zip(leaves[1:], direct[1:]):
         assert torch.equal(leaf.grad, g)
