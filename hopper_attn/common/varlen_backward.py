@@ -41,6 +41,7 @@ neither the deterministic mode nor the per-head dQ conversion).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Optional
@@ -381,23 +382,28 @@ def _readable(t: torch.Tensor) -> bool:
 
 
 def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
-                deterministic: bool = False, max_seqlen_q: int = 1, max_seqlen_k: int = 1,
-                compile_options: str = ""):
+                deterministic: bool = False, compile_options: str = ""):
     """kb2's varlen kernels for packed q (total_q, H, d), k (total_k, H_kv, d): ValueError
-    (UnsupportedProblem) for what kb2 does not run."""
-    from hopper_attn import kb2
+    (UnsupportedProblem) for what kb2 does not run. Cached per configuration (a call's host
+    time: kb2's policy is looked up once)."""
     if deterministic:
         raise ValueError("the varlen backward has no deterministic mode")
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-    problem = Problem(1, q.shape[1], max(int(max_seqlen_q), 1), q.shape[2], bool(causal),
-                      q.dtype, heads_kv=k.shape[1], seqlen_k=max(int(max_seqlen_k), 1),
-                      window_left=left, window_right=-1 if causal else right)
+    return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left,
+                     -1 if causal else right, float(softcap), compile_options)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, compile_options):
+    from hopper_attn import kb2
+    # (the lengths pick nothing in kb2's policy: a problem of one token stands for them)
+    problem = Problem(1, heads, 1, head_dim, causal, dtype, heads_kv=heads_kv,
+                      window_left=left, window_right=right)
     # the work list is the launch order, the dQ conversion waits for the whole main kernel,
     # and GQA always sums a group's dK / dV in the CTA (no parts)
     return kb2.compile_kernel(problem, varlen=True, softcap=softcap, longest_first=False,
                               heads_first=False, convert_per_head=False,
-                              gqa=problem.kv_heads != problem.heads,
-                              compile_options=compile_options)
+                              gqa=heads_kv != heads, compile_options=compile_options)
 
 
 def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -419,8 +425,7 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
             or tuple(lse.shape) != want or lse.device != q.device:
         raise ValueError(f"lse must be an fp32 tensor of shape {want} (heads, total_q) on "
                          f"{q.device}, as attention_varlen returns it")
-    handle = compile_for(q, k, causal, window, softcap, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_k=max_seqlen_k)
+    handle = compile_for(q, k, causal, window, softcap)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     q, k, v, out, dout = (t if _readable(t) else t.contiguous() for t in (q, k, v, out, dout))
     lse = lse.contiguous()
