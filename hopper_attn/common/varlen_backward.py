@@ -24,18 +24,20 @@ list instead of a (tiles, heads, batch) grid:
 3. `VarlenDqConvert`, one CTA per (query tile of a sequence, head): the padded fragment-order
    dQ buffer -> dq's rows of the sequence, times the softmax scale.
 
-Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end and
-CTA x takes its x-th entry. Each CTA finds its entry itself (no host read of cu_seqlens, no
-extra launch): every warp reads 32 sequences' lengths at a time, takes a prefix sum by
-shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
+Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end (the
+sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`) and CTA x
+takes its x-th entry. Each CTA finds its entry itself (no host read of cu_seqlens, no
+extra launch): every warp reads 32 sequences' columns at a time, takes a prefix sum of their
+tile counts by shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
 ceil(total / block) + batch (the sum of the ceilings is below it), and CTAs past the list's
 end do nothing (the main kernel's run with zero lengths: their stores are dropped).
 
-The sequence table. The kernels read the lengths from one int32 tensor (3, batch + 1):
-cu_seqlens_q, cu_seqlens_k, and the keys each sequence uses (seqused_k, or the differences
-of cu_seqlens_k; entry `batch` unused), built on the device (`sequence_table`). kb2 takes it
-in the place of its dQ turn counters (`mSem`), which the varlen mode does not use (it has
-neither the deterministic mode nor the per-head dQ conversion).
+The sequence table. The kernels read the sequences from one int32 tensor (5, batch), a
+column per sequence in the list's order: offset_q, seqlen_q, offset_k, seqlen_k (seqused_k,
+or the differences of cu_seqlens_k), the sequence's index in the batch (for its padded
+rows), built on the device (`sequence_table`). kb2 takes it in the place of its dQ turn
+counters (`mSem`), which the varlen mode does not use (it has neither the deterministic
+mode nor the per-head dQ conversion).
 """
 
 from __future__ import annotations
@@ -64,12 +66,25 @@ from .wgmma import dq_mma, dq_tile_shape
 
 
 def sequence_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                   seqused_k: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(3, batch + 1) int32 on the device: cu_seqlens_q, cu_seqlens_k, keys used per
-    sequence (see the module doc). Device ops only (CUDA-graph capturable)."""
-    used = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k
-    return torch.stack([cu_seqlens_q, cu_seqlens_k,
-                        torch.nn.functional.pad(used, (0, 1))]).to(torch.int32)
+                   seqused_k: Optional[torch.Tensor] = None,
+                   longest_first: bool = False) -> torch.Tensor:
+    """(5, batch) int32 on the device, a column per sequence in work-list order: offset_q,
+    seqlen_q, offset_k, seqlen_k (the keys used), the sequence's index in the batch (see
+    the module doc). `longest_first`: sequences by decreasing work (query tiles x keys).
+    Device ops only (CUDA-graph capturable)."""
+    seqlen_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    seqlen_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k
+    index = torch.arange(seqlen_q.shape[0], dtype=torch.int32, device=seqlen_q.device)
+    table = torch.stack([cu_seqlens_q[:-1], seqlen_q, cu_seqlens_k[:-1], seqlen_k, index])
+    if longest_first:
+        work = seqlen_q.to(torch.int64) * seqlen_k
+        table = table[:, torch.argsort(work, descending=True, stable=True)]
+    return table
+
+
+# The work list's order: the sequences by decreasing work (their long CTAs start first and the
+# short ones fill the tail), or as given (False)
+LONGEST_FIRST = True
 
 
 def padded_rows(total_q: int, batch: int, block_m: int) -> int:
@@ -86,23 +101,25 @@ def padded_rows(total_q: int, batch: int, block_m: int) -> int:
 @cute.jit
 def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
                 keys: cutlass.Constexpr[bool]):
-    """Entry `tile` of the work list that lays the sequences' tiles of `block` rows (query
-    rows, or with `keys` the keys used) end to end: (sequence, tile inside it, offset_q,
-    seqlen_q, offset_k, seqlen_k); past the list's end the sequence is `batch` and both
-    lengths are 0. Every lane of the calling warp gets the same answer: 32 sequences a step,
-    each lane loads its sequence's entries (one memory round trip for all of them), prefix
-    sum by shuffles, the first lane whose range covers `tile` by ballot."""
-    batch = seqs.shape[1] - 1
+    """Entry `tile` of the work list that lays the tiles of the sequence table's sequences
+    (`sequence_table`; tiles of `block` rows: query rows, or with `keys` the keys used) end
+    to end: (valid, tile inside its sequence, offset_q, seqlen_q, offset_k, seqlen_k, the
+    sequence's index in the batch); past the list's end valid is 0 and both lengths 0.
+    Every lane of the calling warp gets the same answer: 32 sequences a step, each lane
+    loads its sequence's column (one memory round trip for all of them), prefix sum by
+    shuffles, the first lane whose range covers `tile` by ballot."""
+    batch = seqs.shape[1]
     lane = cute.arch.lane_idx()
-    seq, local = Int32(batch), Int32(0)
+    valid, local, index = Int32(0), Int32(0), Int32(0)
     offset_q, seqlen_q, offset_k, seqlen_k = Int32(0), Int32(0), Int32(0), Int32(0)
     before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
-    while chunk < batch and seq == batch:
-        b = chunk + lane
-        lane_oq, lane_lq, lane_ok, lane_lk = Int32(0), Int32(0), Int32(0), Int32(0)
-        if b < batch:
-            lane_oq, lane_ok, lane_lk = seqs[0, b], seqs[1, b], seqs[2, b]
-            lane_lq = seqs[0, b + 1] - lane_oq
+    while chunk < batch and valid == 0:
+        j = chunk + lane
+        lane_oq, lane_lq, lane_ok, lane_lk, lane_b = (Int32(0), Int32(0), Int32(0), Int32(0),
+                                                      Int32(0))
+        if j < batch:
+            lane_oq, lane_lq, lane_ok, lane_lk, lane_b = (seqs[0, j], seqs[1, j], seqs[2, j],
+                                                          seqs[3, j], seqs[4, j])
         rows = lane_lq
         if cutlass.const_expr(keys):
             rows = lane_lk
@@ -115,7 +132,8 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
         covered = cute.arch.vote_ballot_sync(tile < before + upto)
         if covered != 0:
             first = Int32(cute.arch.popc((covered & -covered) - 1))    # its lowest lane
-            seq = chunk + first
+            valid = Int32(1)
+            index = cute.arch.shuffle_sync(lane_b, first)
             local = tile - before - cute.arch.shuffle_sync(upto - tiles, first)
             offset_q = cute.arch.shuffle_sync(lane_oq, first)
             seqlen_q = cute.arch.shuffle_sync(lane_lq, first)
@@ -123,7 +141,7 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
             seqlen_k = cute.arch.shuffle_sync(lane_lk, first)
         before = before + cute.arch.shuffle_sync(upto, 31)
         chunk = chunk + 32
-    return seq, local, offset_q, seqlen_q, offset_k, seqlen_k
+    return valid, local, offset_q, seqlen_q, offset_k, seqlen_k, index
 
 
 @cute.jit
@@ -152,7 +170,7 @@ class VarlenKVTileSchedule(KVTileSchedule):
         mD, mdK, mdV, mdQacc) (batch 0 of each). Past the list's end, or for a sequence
         without queries, m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
         tile, dk_head, _ = cute.arch.block_idx()
-        seq, n_block, offset_q, seqlen_q, offset_k, seqlen_k = [
+        _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq = [
             cute.arch.make_warp_uniform(x)
             for x in locate_tile(seqs, Int32(tile), self.block_n, True)]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
@@ -178,12 +196,12 @@ class VarlenKVTileSchedule(KVTileSchedule):
 
 @cute.jit
 def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int]):
-    """The calling helper CTA's (sequence, query tile, offset_q, seqlen_q, padded_q, head);
-    sequence = batch past the work list's end."""
+    """The calling helper CTA's (valid, query tile, offset_q, seqlen_q, padded_q, head);
+    valid is 0 past the work list's end."""
     tile, head, _ = cute.arch.block_idx()
-    seq, m_block, offset, seqlen, _, _ = locate_tile(seqs, Int32(tile), block_m, False)
+    valid, m_block, offset, seqlen, _, _, seq = locate_tile(seqs, Int32(tile), block_m, False)
     padded = (offset + seq * block_m) // block_m * block_m
-    return seq, m_block, offset, seqlen, padded, Int32(head)
+    return valid, m_block, offset, seqlen, padded, Int32(head)
 
 
 class VarlenPreprocess:
@@ -200,7 +218,7 @@ class VarlenPreprocess:
                  stream):
         o, do = ndhb_view(mO), ndhb_view(mdO)                  # (total_q, d, H, 1)
         self.kernel(o, do, mLSE, mLSE2, mD, mdQacc, mSeqs).launch(
-            grid=[cute.ceil_div(o.shape[0], self.rows) + (mSeqs.shape[1] - 1), o.shape[2], 1],
+            grid=[cute.ceil_div(o.shape[0], self.rows) + mSeqs.shape[1], o.shape[2], 1],
             block=[HELPER_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -209,8 +227,8 @@ class VarlenPreprocess:
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
-        seq, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, self.rows)
-        if seq < mSeqs.shape[1] - 1:
+        valid, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, self.rows)
+        if valid != 0:
             lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
             passes = self.rows // self.rows_per_pass
             o_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
@@ -258,8 +276,7 @@ class VarlenDqConvert(DqConvertFragments):
         dq = ndhb_view(mdQ)                                    # (total_q, d, H, 1)
         self.dtype = mdQ.element_type
         self.kernel(mdQacc, dq, mSeqs, scale).launch(
-            grid=[cute.ceil_div(dq.shape[0], self.block_m) + (mSeqs.shape[1] - 1), dq.shape[2],
-                  1],
+            grid=[cute.ceil_div(dq.shape[0], self.block_m) + mSeqs.shape[1], dq.shape[2], 1],
             block=[256, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -268,11 +285,11 @@ class VarlenDqConvert(DqConvertFragments):
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
-        seq, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, bm)
+        valid, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, bm)
         smem = cutlass.memory.SmemAllocator()
         tile = smem.allocate_tensor(self.dtype, cute.make_layout((bm, d), stride=(d + CHUNK, 1)),
                                     byte_alignment=16)
-        if seq < mSeqs.shape[1] - 1:
+        if valid != 0:
             thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
             acc = cute.make_rmem_tensor(
                 thr.partition_shape_C(dq_tile_shape(bm, d, self.swap_ab)), Float32)
@@ -327,7 +344,7 @@ def compile_varlen_backward(spec, kernel_factory, problem: Problem, options: dic
     stats = [_example((1, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((1, h, rows, d), torch.float32)
     dkv = [_example((1, n, h_kv, d), dt) for _ in range(2)]
-    seqs = _example((3, batch + 1), torch.int32)
+    seqs = _example((5, batch), torch.int32)
     main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, seqs,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pre_key = ("varlen preprocess", d, dt, bm, ffi, pdl)
@@ -353,7 +370,7 @@ def run_varlen_backward(handle: CompiledBackward, q, k, v, out, dout, lse, seqs,
     table is `seqs` (`sequence_table`); lse (H, total_q) fp32. Three launches on the current
     stream. dk / dv rows of keys no sequence uses (past seqused_k) are not written."""
     heads, d = q.shape[1], q.shape[2]
-    rows = padded_rows(q.shape[0], seqs.shape[1] - 1, handle.block_m)
+    rows = padded_rows(q.shape[0], seqs.shape[1], handle.block_m)
     dev = q.device
     lse2 = torch.empty((1, heads, rows), dtype=torch.float32, device=dev)
     dsum = torch.empty_like(lse2)
@@ -414,7 +431,8 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     LSE `lse` ((H, total_q) fp32) for the incoming gradient dout (packed like q). Every
     ValueError before a launch; nothing reads cu_seqlens on the host. dk and dv rows of keys
     past seqused_k are 0."""
-    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    batch = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         seqused_k)
     for name, t in (("out", out), ("dout", dout)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.dtype != q.dtype \
                 or t.device != q.device:
@@ -435,6 +453,9 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     dk, dv = (new(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
     if q.shape[0] == 0 or k.shape[0] == 0:
         return dq, dk.zero_(), dv.zero_()
-    seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k)
+    # longest first where the lengths may differ (max_seqlen x batch above the token count)
+    longest_first = LONGEST_FIRST and (max_seqlen_q * batch > q.shape[0]
+                                       or max_seqlen_k * batch > k.shape[0])
+    seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first)
     run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
     return dq, dk, dv
