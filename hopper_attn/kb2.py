@@ -134,7 +134,7 @@ class FlashAttentionBackwardKB2:
             raise ValueError("kb2: the deterministic mode has no sliding window")
         # varlen: a packed batch, a work list of (sequence, kv tile) (common/varlen_backward.py)
         self.varlen = bool(varlen)
-        if self.varlen and (deterministic or self.longest_first or self.heads_first):
+        if self.varlen and (deterministic or self.heads_first):
             raise ValueError("kb2: varlen has its own launch order, no deterministic mode")
         self.schedule = (VarlenKVTileSchedule if self.varlen else KVTileSchedule)(
             block_m, block_n, causal, l2_rows, group_heads, heads_first=self.heads_first,

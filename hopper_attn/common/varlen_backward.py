@@ -99,27 +99,55 @@ def padded_rows(total_q: int, batch: int, block_m: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 @cute.jit
+def _column(seqs: cute.Tensor, j, batch):
+    """Sequence table column j (offset_q, seqlen_q, offset_k, seqlen_k, index), zeros past
+    the last."""
+    oq, lq, ok, lk, index = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+    if j < batch:
+        oq, lq, ok, lk, index = seqs[0, j], seqs[1, j], seqs[2, j], seqs[3, j], seqs[4, j]
+    return oq, lq, ok, lk, index
+
+
+@cute.jit
 def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
-                keys: cutlass.Constexpr[bool]):
+                keys: cutlass.Constexpr[bool], tile_major: cutlass.Constexpr[bool] = False):
     """Entry `tile` of the work list that lays the tiles of the sequence table's sequences
     (`sequence_table`; tiles of `block` rows: query rows, or with `keys` the keys used) end
     to end: (valid, tile inside its sequence, offset_q, seqlen_q, offset_k, seqlen_k, the
     sequence's index in the batch); past the list's end valid is 0 and both lengths 0.
     Every lane of the calling warp gets the same answer: 32 sequences a step, each lane
     loads its sequence's column (one memory round trip for all of them), prefix sum by
-    shuffles, the first lane whose range covers `tile` by ballot."""
+    shuffles, the first lane whose range covers `tile` by ballot.
+
+    `tile_major`: where at most 32 sequences all have one tile count (equal lengths), the
+    list takes tile 0 of every sequence, then tile 1, ... instead (with a causal mask kv
+    tile 0 walks the most query tiles: the longest CTAs first, as kb2's dense
+    `longest_first`)."""
     batch = seqs.shape[1]
     lane = cute.arch.lane_idx()
     valid, local, index = Int32(0), Int32(0), Int32(0)
     offset_q, seqlen_q, offset_k, seqlen_k = Int32(0), Int32(0), Int32(0), Int32(0)
     before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
+    lane_oq, lane_lq, lane_ok, lane_lk, lane_b = _column(seqs, lane, batch)
+    if cutlass.const_expr(tile_major):
+        lane_tiles = (lane_lk if cutlass.const_expr(keys) else lane_lq) + (block - 1)
+        lane_tiles = lane_tiles // block
+        count = cute.arch.shuffle_sync(lane_tiles, 0)
+        same = cute.arch.vote_all_sync(lane >= batch or lane_tiles == count)
+        if batch <= 32 and same:
+            chunk = Int32(32)                # decided here: no scan
+            if tile < count * batch:
+                pick = tile % batch
+                valid = Int32(1)
+                local = tile // batch
+                index = cute.arch.shuffle_sync(lane_b, pick)
+                offset_q = cute.arch.shuffle_sync(lane_oq, pick)
+                seqlen_q = cute.arch.shuffle_sync(lane_lq, pick)
+                offset_k = cute.arch.shuffle_sync(lane_ok, pick)
+                seqlen_k = cute.arch.shuffle_sync(lane_lk, pick)
     while chunk < batch and valid == 0:
-        j = chunk + lane
-        lane_oq, lane_lq, lane_ok, lane_lk, lane_b = (Int32(0), Int32(0), Int32(0), Int32(0),
-                                                      Int32(0))
-        if j < batch:
-            lane_oq, lane_lq, lane_ok, lane_lk, lane_b = (seqs[0, j], seqs[1, j], seqs[2, j],
-                                                          seqs[3, j], seqs[4, j])
+        if chunk > 0:                        # (the first chunk's columns are loaded)
+            lane_oq, lane_lq, lane_ok, lane_lk, lane_b = _column(seqs, chunk + lane, batch)
         rows = lane_lq
         if cutlass.const_expr(keys):
             rows = lane_lk
@@ -157,7 +185,8 @@ def sequence_tensor(tma_tensor: cute.Tensor, offset, length):
 class VarlenKVTileSchedule(KVTileSchedule):
     """KVTileSchedule over a packed batch: a 1-D work list of (sequence, kv tile) per dK head
     (grid (list bound, dK heads, 1)); the mask and the query tiles a kv tile walks are the
-    dense ones with the sequence's lengths."""
+    dense ones with the sequence's lengths. `l2_rows` > 0 (kb2's longest_first): equal
+    lengths take the list tile-major (`locate_tile`)."""
 
     def grid(self, total_k, heads, sequences):
         return [cute.ceil_div(total_k, self.block_n) + sequences, heads, 1]
@@ -172,7 +201,7 @@ class VarlenKVTileSchedule(KVTileSchedule):
         tile, dk_head, _ = cute.arch.block_idx()
         _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq = [
             cute.arch.make_warp_uniform(x)
-            for x in locate_tile(seqs, Int32(tile), self.block_n, True)]
+            for x in locate_tile(seqs, Int32(tile), self.block_n, True, self.l2_rows > 0)]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         m_count = m_end - m_first
         if seqlen_q == 0:
@@ -416,10 +445,11 @@ def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, co
     # (the lengths pick nothing in kb2's policy: a problem of one token stands for them)
     problem = Problem(1, heads, 1, head_dim, causal, dtype, heads_kv=heads_kv,
                       window_left=left, window_right=right)
-    # the work list is the launch order, the dQ conversion waits for the whole main kernel,
-    # and GQA always sums a group's dK / dV in the CTA (no parts)
-    return kb2.compile_kernel(problem, varlen=True, softcap=softcap, longest_first=False,
-                              heads_first=False, convert_per_head=False,
+    # the work list is the launch order (longest_first: tile-major at equal lengths), the
+    # dQ conversion waits for the whole main kernel, GQA always sums a group's dK / dV in
+    # the CTA (no parts)
+    return kb2.compile_kernel(problem, varlen=True, softcap=softcap, heads_first=False,
+                              convert_per_head=False,
                               gqa=heads_kv != heads, compile_options=compile_options)
 
 
