@@ -120,3 +120,25 @@ def test_attention_varlen_autograd_matches_the_direct_backward():
     torch.testing.assert_close(leaves[0].grad, direct[0], atol=1e-2, rtol=1e-2)
     for leaf, g in zip(leaves[1:], direct[1:]):
         assert torch.equal(leaf.grad, g)
+
+
+@pytest.mark.gpu
+def test_backward_captures_in_a_cuda_graph_and_follows_new_lengths():
+    """Nothing reads cu_seqlens on the host: a captured backward replayed after the lengths
+    changed in place (same totals) gives the eager backward of the new lengths."""
+    q, k, v, _, do, lse, cu_q, cu_k = _packed([100, 0, 700], [100, 5, 700], 4, 2, 128,
+                                              device="cuda")
+    out = torch.randn_like(q)
+    args = (q, k, v, out, do, lse, cu_q, cu_k, 800, 800, True)
+    varlen_backward(*args)                                   # compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = varlen_backward(*args)
+    cu_q.copy_(torch.tensor([0, 300, 450, 800], dtype=torch.int32))
+    cu_k.copy_(torch.tensor([0, 5, 405, 805], dtype=torch.int32))
+    graph.replay()
+    eager = varlen_backward(*args)
+    torch.testing.assert_close(captured[0], eager[0], atol=1e-2, rtol=1e-2)
+    for c, e in zip(captured[1:], eager[1:]):
+        assert torch.equal(c, e)
