@@ -164,7 +164,7 @@ class FlashAttentionBackwardKB2:
         # convert_per_head: each CTA counts itself in counters[b, h, 0] once its dQ adds have
         # landed; the early dQ conversion starts a head when all have (DqConvertFragments)
         self.convert_per_head = bool(convert_per_head)
-        if self.convert_per_head and (deterministic or not pdl or self.varlen):
+        if self.convert_per_head and (deterministic or not pdl):
             raise ValueError("kb2: convert_per_head needs pdl and not the deterministic mode "
                              "(whose turns use the same counters)")
         # gqa: a CTA walks every query head of its group (or part: `dkv_parts`), stores dK
@@ -266,10 +266,11 @@ class FlashAttentionBackwardKB2:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         group = 1
         if cutlass.const_expr(self.varlen):
-            # this CTA's sequence, seen as a batch of one (mSem: the sequence table)
+            # this CTA's sequence, seen as a batch of one (mSem: the sequence table, then its
+            # dQ counters)
             (n_block, dk_head, kv_head, group, seqlen_q, seqlen_k, m_first, m_count,
-             (mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc)) = self.schedule.cta_work_varlen(
-                mSem, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc)
+             (mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc, mSem)) = \
+                self.schedule.cta_work_varlen(mSem, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc)
             head, batch = dk_head * group, Int32(0)
         elif cutlass.const_expr(self.gqa):
             (n_block, dk_head, kv_head, batch, group, seqlen_q, seqlen_k, m_first,

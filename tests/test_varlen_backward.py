@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hopper_attn import kb2
-from hopper_attn.common.varlen_backward import compile_for, padded_rows, varlen_backward
+from hopper_attn.common.varlen_backward import (compile_for, padded_rows, sequence_table,
+                                                 varlen_backward)
 from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
 from ptx import TMA_STORE, count
 
@@ -41,6 +42,21 @@ def test_padded_tiles_never_overlap():
         taken.sort()
         assert all(a[1] <= b[0] for a, b in zip(taken, taken[1:]))
         assert taken[-1][1] <= padded_rows(cu[-1], len(lengths), block_m)
+
+
+def test_sequence_table_columns():
+    """A column per sequence (offsets, lengths, batch index), longest first when asked,
+    zeroed dQ counters below, a spare last column."""
+    cu_q = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9, 9], dtype=torch.int32)
+    table = sequence_table(cu_q, cu_k, torch.tensor([2, 5, 0], dtype=torch.int32), False, 2)
+    assert table.tolist() == [[0, 3, 3, 0], [3, 0, 7, 0], [0, 4, 9, 0], [2, 5, 0, 0],
+                              [0, 1, 2, 0], [0] * 4, [0] * 4]
+    table = sequence_table(cu_q, cu_k, None, True, 1)            # work 12, 0, 0
+    assert table[:5, 0].tolist() == [0, 3, 0, 4, 0] and table.shape == (6, 4)
+    cu_q = torch.tensor([0, 1, 11], dtype=torch.int32)           # work 1 x 4 < 10 x 5
+    table = sequence_table(cu_q, cu_k[:3], None, True)
+    assert table[4, :2].tolist() == [1, 0]
 
 
 def test_refusals_before_any_launch():

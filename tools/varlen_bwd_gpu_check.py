@@ -18,7 +18,8 @@
    tokens; harness/varlen_reference.py), MHA 16 heads and GQA 16/4, d 64 and 128, causal
    and not: ours (attention_varlen's autograd) against FA4's flash_attn_varlen_func and
    torch's varlen_attn (k, v repeated for GQA), and ours with the work list in the batch's
-   order instead of longest first; TFLOP/s of the real per-sequence work, backward = 2.5x
+   order instead of longest first, and with the dQ conversion after the whole main kernel
+   (no per-sequence early start); TFLOP/s of the real per-sequence work, backward = 2.5x
    the forward's. Then equal lengths (8 x 2k, 4 x 16k, 16 heads) against
    the dense call's backward (kb2) of the same shape.
 
@@ -241,16 +242,17 @@ def _backward_call(forward, q, k, v, do):
     return call
 
 
-def _given_order(call):
-    """`call` with the work list in the batch's order (varlen_backward.LONGEST_FIRST off)."""
+def _switched_off(call, switch):
+    """`call` with varlen_backward's module switch `switch` (LONGEST_FIRST: the work list in
+    the batch's order; CONVERT_PER_HEAD: dQ converted after the whole main kernel) off."""
     from hopper_attn.common import varlen_backward as vb
 
     def run():
-        vb.LONGEST_FIRST = False
+        setattr(vb, switch, False)
         try:
             return call()
         finally:
-            vb.LONGEST_FIRST = True
+            setattr(vb, switch, True)
     return run
 
 
@@ -286,8 +288,11 @@ def speed(log) -> dict:
                         except Exception as exc:  # noqa: BLE001
                             notes[f"{name} {label} d{d} {heads}/{heads_kv} {causal}"] = \
                                 f"{type(exc).__name__}: {str(exc)[:100]}"
-                    if "ours" in calls:          # the other order of the work list
-                        calls["ours, given order"] = _given_order(calls["ours"])
+                    if "ours" in calls:          # the other order, the late dQ conversion
+                        calls["ours, given order"] = _switched_off(calls["ours"],
+                                                                   "LONGEST_FIRST")
+                        calls["ours, late dQ"] = _switched_off(calls["ours"],
+                                                               "CONVERT_PER_HEAD")
                     torch.cuda.synchronize()
                     timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=30)
                     work = 2.5 * flops([int(x) for x in cu.tolist()],
@@ -300,7 +305,7 @@ def speed(log) -> dict:
                     line = (f"  {label} d{d} {heads}/{heads_kv} "
                             f"{'causal' if causal else 'full  '} bwd ours "
                             + (f"{row['tflops']['ours']:.0f} TF/s" if "ours" in ms else "-"))
-                    for name in (*providers, "ours, given order"):
+                    for name in (*providers, "ours, given order", "ours, late dQ"):
                         if name in ms and "ours" in ms:
                             line += (f"; {name} {row['tflops'][name]:.0f} "
                                      f"({ms[name] / ms['ours']:.2f}x)")

@@ -22,22 +22,27 @@ list instead of a (tiles, heads, batch) grid:
    sequence's lengths are. GQA: kb2's gqa variant, a CTA walks its group's query heads
    (never split in parts here).
 3. `VarlenDqConvert`, one CTA per (query tile of a sequence, head): the padded fragment-order
-   dQ buffer -> dq's rows of the sequence, times the softmax scale.
+   dQ buffer -> dq's rows of the sequence, times the softmax scale. Where kb2's policy
+   converts dQ per head (`convert_per_head`, launched early), a CTA here waits only for the
+   kv tiles of its own sequence (a counter per sequence and head), so finished sequences
+   convert during the main kernel's tail.
 
 Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end (the
-sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`) and CTA x
-takes its x-th entry. Each CTA finds its entry itself (no host read of cu_seqlens, no
-extra launch): every warp reads 32 sequences' columns at a time, takes a prefix sum of their
-tile counts by shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
+sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`; tile-major at
+equal lengths where kb2 orders the dense grid longest first) and CTA x takes its x-th
+entry. Each CTA finds its entry itself (no host read of cu_seqlens, no extra launch): every
+warp reads 32 sequences' table columns at a time, takes a prefix sum of their tile counts by
+shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
 ceil(total / block) + batch (the sum of the ceilings is below it), and CTAs past the list's
 end do nothing (the main kernel's run with zero lengths: their stores are dropped).
 
-The sequence table. The kernels read the sequences from one int32 tensor (5, batch), a
-column per sequence in the list's order: offset_q, seqlen_q, offset_k, seqlen_k (seqused_k,
-or the differences of cu_seqlens_k), the sequence's index in the batch (for its padded
-rows), built on the device (`sequence_table`). kb2 takes it in the place of its dQ turn
-counters (`mSem`), which the varlen mode does not use (it has neither the deterministic
-mode nor the per-head dQ conversion).
+The sequence table (`sequence_table`), one int32 tensor (5 + H, batch + 1) built on the
+device: a column per sequence in the list's order with offset_q, seqlen_q, offset_k,
+seqlen_k (seqused_k, or the differences of cu_seqlens_k), the sequence's index in the batch
+(for its padded rows), then one zeroed dQ counter per head; the last column is spare (the
+counters of CTAs past the list's end). kb2 takes it in the place of its per-head counters
+(`mSem`; the varlen mode has no deterministic mode, whose turns use them too) and sees its
+column's counters in their layout.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .backward import (CHUNK, HELPER_THREADS, _COMPILED, CompiledBackward, DqConvertFragments,
-                       _aligned, _chunk, _tile_rows, fragment_slot)
+                       _aligned, _chunk, _tile_rows, fragment_slot, wait_for_count)
 from .layouts import ndhb_view, transposed
 from .masking import KVTileSchedule
 from .varlen import check_inputs, sequence_batch, sequence_rows
@@ -66,25 +71,32 @@ from .wgmma import dq_mma, dq_tile_shape
 
 
 def sequence_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                   seqused_k: Optional[torch.Tensor] = None,
-                   longest_first: bool = False) -> torch.Tensor:
-    """(5, batch) int32 on the device, a column per sequence in work-list order: offset_q,
-    seqlen_q, offset_k, seqlen_k (the keys used), the sequence's index in the batch (see
-    the module doc). `longest_first`: sequences by decreasing work (query tiles x keys).
-    Device ops only (CUDA-graph capturable)."""
+                   seqused_k: Optional[torch.Tensor] = None, longest_first: bool = False,
+                   heads: int = 0) -> torch.Tensor:
+    """(5 + heads, batch + 1) int32 on the device (see the module doc): column j < batch is
+    the work list's j-th sequence, rows offset_q, seqlen_q, offset_k, seqlen_k (the keys
+    used), its index in the batch, then a zeroed dQ counter per head; column `batch` is
+    spare (zeros: the counters CTAs past the list's end count in). `longest_first`:
+    sequences by decreasing work (queries x keys). Device ops only (CUDA-graph capturable)."""
+    batch = cu_seqlens_q.shape[0] - 1
     seqlen_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     seqlen_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1] if seqused_k is None else seqused_k
-    index = torch.arange(seqlen_q.shape[0], dtype=torch.int32, device=seqlen_q.device)
-    table = torch.stack([cu_seqlens_q[:-1], seqlen_q, cu_seqlens_k[:-1], seqlen_k, index])
+    index = torch.arange(batch, dtype=torch.int32, device=seqlen_q.device)
+    columns = torch.stack([cu_seqlens_q[:-1], seqlen_q, cu_seqlens_k[:-1], seqlen_k, index])
     if longest_first:
         work = seqlen_q.to(torch.int64) * seqlen_k
-        table = table[:, torch.argsort(work, descending=True, stable=True)]
+        columns = columns[:, torch.argsort(work, descending=True, stable=True)]
+    table = torch.zeros((5 + heads, batch + 1), dtype=torch.int32, device=seqlen_q.device)
+    table[:5, :batch] = columns
     return table
 
 
 # The work list's order: the sequences by decreasing work (their long CTAs start first and the
 # short ones fill the tail), or as given (False)
 LONGEST_FIRST = True
+# kb2's early dQ conversion where its policy takes it: per (sequence, head), each CTA of the
+# conversion waiting for its sequence's kv tiles (False: after the whole main kernel)
+CONVERT_PER_HEAD = True
 
 
 def padded_rows(total_q: int, batch: int, block_m: int) -> int:
@@ -114,7 +126,8 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
     """Entry `tile` of the work list that lays the tiles of the sequence table's sequences
     (`sequence_table`; tiles of `block` rows: query rows, or with `keys` the keys used) end
     to end: (valid, tile inside its sequence, offset_q, seqlen_q, offset_k, seqlen_k, the
-    sequence's index in the batch); past the list's end valid is 0 and both lengths 0.
+    sequence's index in the batch, its table column); past the list's end valid is 0, both
+    lengths 0 and the column the spare one (`batch`).
     Every lane of the calling warp gets the same answer: 32 sequences a step, each lane
     loads its sequence's column (one memory round trip for all of them), prefix sum by
     shuffles, the first lane whose range covers `tile` by ballot.
@@ -123,9 +136,9 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
     list takes tile 0 of every sequence, then tile 1, ... instead (with a causal mask kv
     tile 0 walks the most query tiles: the longest CTAs first, as kb2's dense
     `longest_first`)."""
-    batch = seqs.shape[1]
+    batch = seqs.shape[1] - 1
     lane = cute.arch.lane_idx()
-    valid, local, index = Int32(0), Int32(0), Int32(0)
+    valid, local, index, column = Int32(0), Int32(0), Int32(0), Int32(batch)
     offset_q, seqlen_q, offset_k, seqlen_k = Int32(0), Int32(0), Int32(0), Int32(0)
     before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
     lane_oq, lane_lq, lane_ok, lane_lk, lane_b = _column(seqs, lane, batch)
@@ -138,7 +151,7 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
             chunk = Int32(32)                # decided here: no scan
             if tile < count * batch:
                 pick = tile % batch
-                valid = Int32(1)
+                valid, column = Int32(1), pick
                 local = tile // batch
                 index = cute.arch.shuffle_sync(lane_b, pick)
                 offset_q = cute.arch.shuffle_sync(lane_oq, pick)
@@ -160,7 +173,7 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
         covered = cute.arch.vote_ballot_sync(tile < before + upto)
         if covered != 0:
             first = Int32(cute.arch.popc((covered & -covered) - 1))    # its lowest lane
-            valid = Int32(1)
+            valid, column = Int32(1), chunk + first
             index = cute.arch.shuffle_sync(lane_b, first)
             local = tile - before - cute.arch.shuffle_sync(upto - tiles, first)
             offset_q = cute.arch.shuffle_sync(lane_oq, first)
@@ -169,7 +182,7 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
             seqlen_k = cute.arch.shuffle_sync(lane_lk, first)
         before = before + cute.arch.shuffle_sync(upto, 31)
         chunk = chunk + 32
-    return valid, local, offset_q, seqlen_q, offset_k, seqlen_k, index
+    return valid, local, offset_q, seqlen_q, offset_k, seqlen_k, index, column
 
 
 @cute.jit
@@ -179,6 +192,15 @@ def sequence_tensor(tma_tensor: cute.Tensor, offset, length):
     rows = sequence_rows(tma_tensor, length)[None, None, None, sequence_batch(offset, length)]
     return cute.make_tensor(rows.iterator,
                             cute.append(rows.layout, cute.make_layout(1, stride=0)))
+
+
+@cute.jit
+def sequence_counters(seqs: cute.Tensor, column, heads):
+    """The dQ counters of table column `column` as kb2 indexes its per-head counters:
+    view[0, head, 0] = seqs[5 + head, column]."""
+    base = cute.domain_offset((5, column), seqs).iterator
+    return cute.make_tensor(base, cute.make_layout((1, heads, 1),
+                                                   stride=(0, seqs.layout.stride[0], 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,10 +218,11 @@ class VarlenKVTileSchedule(KVTileSchedule):
                         mdQacc):
         """This CTA's (n_block, dK head, k/v head, query heads per dK head, seqlen_q,
         seqlen_k, m_first, m_count) and its sequence's views of (mQ, mdO, mK, mV, mLSE2,
-        mD, mdK, mdV, mdQacc) (batch 0 of each). Past the list's end, or for a sequence
-        without queries, m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
+        mD, mdK, mdV, mdQacc) (batch 0 of each) and of its dQ counters (kb2's per-head
+        counters, [0, head, 0]). Past the list's end, or for a sequence without queries,
+        m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
         tile, dk_head, _ = cute.arch.block_idx()
-        _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq = [
+        _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq, column = [
             cute.arch.make_warp_uniform(x)
             for x in locate_tile(seqs, Int32(tile), self.block_n, True, self.l2_rows > 0)]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
@@ -218,19 +241,21 @@ class VarlenKVTileSchedule(KVTileSchedule):
                  cute.domain_offset((padded_q, 0, 0), mD),
                  sequence_tensor(mdK, offset_k, seqlen_k),
                  sequence_tensor(mdV, offset_k, seqlen_k),
-                 cute.domain_offset((0, 0, padded_q, 0), mdQacc))
+                 cute.domain_offset((0, 0, padded_q, 0), mdQacc),
+                 sequence_counters(seqs, column, mQ.shape[2]))
         return (n_block, dk_head, kv_head, group, seqlen_q, seqlen_k, m_first, m_count,
                 views)
 
 
 @cute.jit
 def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int]):
-    """The calling helper CTA's (valid, query tile, offset_q, seqlen_q, padded_q, head);
-    valid is 0 past the work list's end."""
+    """The calling helper CTA's (valid, query tile, offset_q, seqlen_q, padded_q, head,
+    seqlen_k, table column); valid is 0 past the work list's end."""
     tile, head, _ = cute.arch.block_idx()
-    valid, m_block, offset, seqlen, _, _, seq = locate_tile(seqs, Int32(tile), block_m, False)
+    valid, m_block, offset, seqlen, _, seqlen_k, seq, column = locate_tile(
+        seqs, Int32(tile), block_m, False)
     padded = (offset + seq * block_m) // block_m * block_m
-    return valid, m_block, offset, seqlen, padded, Int32(head)
+    return valid, m_block, offset, seqlen, padded, Int32(head), seqlen_k, column
 
 
 class VarlenPreprocess:
@@ -247,7 +272,7 @@ class VarlenPreprocess:
                  stream):
         o, do = ndhb_view(mO), ndhb_view(mdO)                  # (total_q, d, H, 1)
         self.kernel(o, do, mLSE, mLSE2, mD, mdQacc, mSeqs).launch(
-            grid=[cute.ceil_div(o.shape[0], self.rows) + mSeqs.shape[1], o.shape[2], 1],
+            grid=[cute.ceil_div(o.shape[0], self.rows) + (mSeqs.shape[1] - 1), o.shape[2], 1],
             block=[HELPER_THREADS, 1, 1], stream=stream)
 
     @cute.kernel
@@ -256,7 +281,7 @@ class VarlenPreprocess:
         if cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
-        valid, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, self.rows)
+        valid, m_block, offset, seqlen, padded, head, _, _ = _query_tile(mSeqs, self.rows)
         if valid != 0:
             lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
             passes = self.rows // self.rows_per_pass
@@ -294,10 +319,15 @@ class VarlenPreprocess:
 
 class VarlenDqConvert(DqConvertFragments):
     """DqConvertFragments over the query tiles of a packed batch: the padded fragment-order
-    dQ buffer -> dq (total_q, H, d), rows of the sequence only."""
+    dQ buffer -> dq (total_q, H, d), rows of the sequence only. `per_head` (kb2's
+    convert_per_head): launched early, a CTA waits until every kv tile of its sequence has
+    counted its dQ adds for its head (the table's counters; `block_n`: kb2's kv tile), so
+    sequences that are done convert in the main kernel's tail."""
 
-    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False):
-        super().__init__(head_dim, block_m, swap_ab, pdl)
+    def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False,
+                 per_head: bool = False, block_n: int = 128):
+        super().__init__(head_dim, block_m, swap_ab, pdl, per_head)
+        self.block_n = block_n
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mSeqs: cute.Tensor,
@@ -305,16 +335,25 @@ class VarlenDqConvert(DqConvertFragments):
         dq = ndhb_view(mdQ)                                    # (total_q, d, H, 1)
         self.dtype = mdQ.element_type
         self.kernel(mdQacc, dq, mSeqs, scale).launch(
-            grid=[cute.ceil_div(dq.shape[0], self.block_m) + mSeqs.shape[1], dq.shape[2], 1],
+            grid=[cute.ceil_div(dq.shape[0], self.block_m) + (mSeqs.shape[1] - 1), dq.shape[2],
+                  1],
             block=[256, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, acc_all: cute.Tensor, dq: cute.Tensor, mSeqs: cute.Tensor, scale: Float32):
         bm, d = self.block_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        if cutlass.const_expr(self.pdl):
+        if cutlass.const_expr(self.pdl and not self.per_head):
             cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
-        valid, m_block, offset, seqlen, padded, head = _query_tile(mSeqs, bm)
+        valid, m_block, offset, seqlen, padded, head, seqlen_k, column = _query_tile(mSeqs, bm)
+        kv_tiles = (seqlen_k + (self.block_n - 1)) // self.block_n
+        if cutlass.const_expr(self.per_head):
+            # every kv tile's adds landed (a sequence without keys has none: its dQ is 0,
+            # written without reading the buffer, which the preprocess may still be zeroing)
+            if valid != 0 and kv_tiles > 0 and tidx == 0:
+                wait_for_count(sequence_counters(mSeqs, column, dq.shape[2])[0, head, None]
+                               .iterator, kv_tiles)
+            cute.arch.sync_threads()
         smem = cutlass.memory.SmemAllocator()
         tile = smem.allocate_tensor(self.dtype, cute.make_layout((bm, d), stride=(d + CHUNK, 1)),
                                     byte_alignment=16)
@@ -322,9 +361,11 @@ class VarlenDqConvert(DqConvertFragments):
             thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
             acc = cute.make_rmem_tensor(
                 thr.partition_shape_C(dq_tile_shape(bm, d, self.swap_ab)), Float32)
-            src = fragment_slot(acc_all[0, head, None, None].iterator + padded * d, m_block,
-                                tidx, bm, d, cute.size(acc))
-            cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
+            acc.fill(0.0)
+            if kv_tiles > 0:
+                src = fragment_slot(acc_all[0, head, None, None].iterator + padded * d,
+                                    m_block, tidx, bm, d, cute.size(acc))
+                cute.autovec_copy(src, cute.make_tensor(acc.iterator, src.layout.shape))
             converted = cute.make_rmem_tensor_like(acc, self.dtype)
             converted.store((acc.load() * scale).to(self.dtype))
             cute.autovec_copy(converted,
@@ -338,6 +379,9 @@ class VarlenDqConvert(DqConvertFragments):
                     out = cute.make_rmem_tensor((CHUNK,), self.dtype)
                     cute.autovec_copy(_aligned(tile[r, None].iterator + col0, CHUNK), out)
                     cute.autovec_copy(out, _chunk(dq, offset + row, col0, head, 0))
+        if cutlass.const_expr(self.per_head):
+            # do not complete before the main kernel (DqConvertFragments' reason)
+            cute.arch.griddepcontrol_wait()
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,7 +417,7 @@ def compile_varlen_backward(spec, kernel_factory, problem: Problem, options: dic
     stats = [_example((1, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((1, h, rows, d), torch.float32)
     dkv = [_example((1, n, h_kv, d), dt) for _ in range(2)]
-    seqs = _example((5, batch), torch.int32)
+    seqs = _example((5 + h, batch + 1), torch.int32)
     main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, seqs,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pre_key = ("varlen preprocess", d, dt, bm, ffi, pdl)
@@ -383,11 +427,12 @@ def compile_varlen_backward(spec, kernel_factory, problem: Problem, options: dic
                                                      qkv[3], lse, *stats, dq_accum, seqs,
                                                      tvm_ffi=ffi)
     swap_ab = bool(getattr(kernel, "dq_swap_ab", False))
-    post_key = ("varlen postprocess", d, dt, bm, swap_ab, ffi, pdl)
+    per_head, bn = bool(getattr(kernel, "convert_per_head", False)), kernel.block_n
+    post_key = ("varlen postprocess", d, dt, bm, swap_ab, ffi, pdl, per_head, bn)
     if post_key not in _COMPILED:
-        _COMPILED[post_key] = rt.compile_with_tensors(VarlenDqConvert(d, bm, swap_ab, pdl),
-                                                      dq_accum, qkv[0], seqs, scalars=(1.0,),
-                                                      tvm_ffi=ffi)
+        convert = VarlenDqConvert(d, bm, swap_ab, pdl, per_head, bn)
+        _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], seqs,
+                                                      scalars=(1.0,), tvm_ffi=ffi)
     _COMPILED[key] = (kernel, main, _COMPILED[pre_key], _COMPILED[post_key])
     return CompiledBackward(spec, problem, options, kernel, main, _COMPILED[pre_key],
                             _COMPILED[post_key], time.perf_counter() - t0, ffi)
@@ -399,7 +444,7 @@ def run_varlen_backward(handle: CompiledBackward, q, k, v, out, dout, lse, seqs,
     table is `seqs` (`sequence_table`); lse (H, total_q) fp32. Three launches on the current
     stream. dk / dv rows of keys no sequence uses (past seqused_k) are not written."""
     heads, d = q.shape[1], q.shape[2]
-    rows = padded_rows(q.shape[0], seqs.shape[1], handle.block_m)
+    rows = padded_rows(q.shape[0], seqs.shape[1] - 1, handle.block_m)
     dev = q.device
     lse2 = torch.empty((1, heads, rows), dtype=torch.float32, device=dev)
     dsum = torch.empty_like(lse2)
@@ -436,20 +481,23 @@ def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
         raise ValueError("the varlen backward has no deterministic mode")
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left,
-                     -1 if causal else right, float(softcap), compile_options)
+                     -1 if causal else right, float(softcap), compile_options,
+                     CONVERT_PER_HEAD)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, compile_options):
+def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, compile_options,
+              per_head):
     from hopper_attn import kb2
     # (the lengths pick nothing in kb2's policy: a problem of one token stands for them)
     problem = Problem(1, heads, 1, head_dim, causal, dtype, heads_kv=heads_kv,
                       window_left=left, window_right=right)
-    # the work list is the launch order (longest_first: tile-major at equal lengths), the
-    # dQ conversion waits for the whole main kernel, GQA always sums a group's dK / dV in
-    # the CTA (no parts)
+    # the work list is the launch order (longest_first: tile-major at equal lengths), GQA
+    # always sums a group's dK / dV in the CTA (no parts); the dQ conversion per head as
+    # kb2's policy says (per sequence and head here), or, with CONVERT_PER_HEAD off, after
+    # the whole main kernel
     return kb2.compile_kernel(problem, varlen=True, softcap=softcap, heads_first=False,
-                              convert_per_head=False,
+                              convert_per_head=None if per_head else False,
                               gqa=heads_kv != heads, compile_options=compile_options)
 
 
@@ -486,6 +534,6 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     # longest first where the lengths may differ (max_seqlen x batch above the token count)
     longest_first = LONGEST_FIRST and (max_seqlen_q * batch > q.shape[0]
                                        or max_seqlen_k * batch > k.shape[0])
-    seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first)
+    seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first, q.shape[1])
     run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
     return dq, dk, dv
