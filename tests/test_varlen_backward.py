@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hopper_attn import kb2
-from hopper_attn.common.varlen_backward import (compile_for, padded_rows, sequence_table,
-                                                 varlen_backward)
+from hopper_attn.common.varlen_backward import (compile_for, dkv_parts, padded_rows,
+                                                 sequence_table, varlen_backward)
 from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
 from ptx import TMA_STORE, count
 
@@ -59,6 +59,11 @@ def test_sequence_table_columns():
     assert table[4, :2].tolist() == [1, 0]
 
 
+def test_gqa_parts_only_where_whole_groups_leave_few_ctas():
+    assert dkv_parts(16, 1, 16384, 13) == 4 and dkv_parts(16, 4, 16384, 13) == 1
+    assert dkv_parts(16, 1, 65536, 42) == 1 and dkv_parts(8, 8, 100, 1) == 1
+
+
 def test_refusals_before_any_launch():
     q, k, v, out, do, lse, cu_q, cu_k = _packed([3, 5], [4, 4])
     with pytest.raises(ValueError, match="lse"):
@@ -91,8 +96,11 @@ def test_compiles_without_spills():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
-def test_gradients_match_per_sequence_references(d, causal):
+@pytest.mark.parametrize("d,causal,waves", [(64, False, 4), (128, True, 4), (128, False, 0)])
+def test_gradients_match_per_sequence_references(d, causal, waves, monkeypatch):
+    """(waves 4: this small batch's GQA groups split in parts; 0: whole groups per CTA)"""
+    from hopper_attn.common import varlen_backward as vb
+    monkeypatch.setattr(vb, "PARTS_WAVES", waves)
     from hopper_attn.harness.grad_check import _torch_lowp_grads
     from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse
     lq, lk = [0, 1, 17, 113, 300], [5, 1, 40, 113, 0]

@@ -11,7 +11,8 @@
    softcap the same autograd in bf16). FlashAttention's rule: a gradient passes when its
    max error <= 2x torch's bf16 error (+ 2^-12 x max |ref|). Inputs live inside NaN-filled
    buffers (a read past a tensor's rows shows as NaN). Lengths 0, 1, 17, 113, 1000, GQA with
-   cross lengths, seqused_k, causal and not, d 64 and 128, a window and a softcap.
+   cross lengths (groups split in parts, as such small batches are, and whole), MQA,
+   seqused_k, causal and not, d 64 and 128, a window and a softcap.
 2. Speed (skipped with --quick): the backward alone (autograd.grad on a kept graph; CUDA
    events, L2 flushed, round-robin medians) on tools/varlen_gpu_check.py's document mixes
    (lognormal lengths, median 1k, capped at 16k, seeds 16 and 64, filling 16k and 64k
@@ -168,12 +169,17 @@ def check_case(lq, lk, heads, heads_kv, d, causal, seed, used=None, window=(-1, 
     return row
 
 
-CASES = [  # (label, lengths_q, lengths_k, used_k, heads, heads_kv, window, softcap)
+CASES = [  # (label, lengths_q, lengths_k, used_k, heads, heads_kv, window, softcap); a label
+    # ending in "whole" runs with PARTS_WAVES = 0 (GQA groups never split in parts, which
+    # batches this small would otherwise be)
     ("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4, (-1, -1), 0.0),
     ("MHA tails", [63, 64, 65, 79, 81, 127, 129, 200], None, None, 2, 2, (-1, -1), 0.0),
     ("GQA 8:2 cross", [1, 17, 113, 1000, 0, 40], [300, 5, 113, 517, 64, 0], None, 8, 2,
      (-1, -1), 0.0),
+    ("GQA 8:2 whole", [1, 17, 113, 1000, 0, 40], [300, 5, 113, 517, 64, 0], None, 8, 2,
+     (-1, -1), 0.0),
     ("MQA", [17, 700, 5], [17, 700, 5], None, 4, 1, (-1, -1), 0.0),
+    ("MQA whole", [17, 700, 5], [17, 700, 5], None, 4, 1, (-1, -1), 0.0),
     ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2, (-1, -1), 0.0),
     ("window 64,32", [1, 300, 1000], None, None, 4, 2, (64, 32), 0.0),
     ("softcap 30", [17, 500], [17, 700], None, 4, 4, (-1, -1), 30.0),
@@ -181,6 +187,7 @@ CASES = [  # (label, lengths_q, lengths_k, used_k, heads, heads_kv, window, soft
 
 
 def correctness(log, direct=False) -> list:
+    from hopper_attn.common import varlen_backward as vb
     rows, seed = [], 0
     for label, lq, lk, used, heads, heads_kv, window, softcap in CASES:
         for d in (64, 128):
@@ -189,12 +196,18 @@ def correctness(log, direct=False) -> list:
                 w = window
                 if causal and window != (-1, -1):
                     w = (window[0], 0)
+                waves = vb.PARTS_WAVES
+                vb.PARTS_WAVES = 0 if label.endswith("whole") else waves
                 try:
                     row = check_case(lq, lk or lq, heads, heads_kv, d, causal, seed, used, w,
                                      softcap, direct)
                 except Exception as exc:  # noqa: BLE001 - one failing case, not the run
                     row = {"ok": False, "error_text": f"{type(exc).__name__}: {exc}"[:300],
                            "ratio": {}}
+                finally:
+                    vb.PARTS_WAVES = waves
+                row["dkv_parts"] = 1 if label.endswith("whole") else vb.dkv_parts(
+                    heads, heads_kv, sum(lk or lq), len(lq))
                 row["label"] = label
                 rows.append(row)
                 ratio = " ".join(f"d{n} {row['ratio'].get(n, float('nan')):.2f}" for n in "qkv")

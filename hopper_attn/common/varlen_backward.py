@@ -13,14 +13,14 @@ list instead of a (tiles, heads, batch) grid:
    never overlap). Rows past a sequence's end in its last tile get D = 0 and lse2 = +inf, as
    the dense preprocess pads, so P = 0 there. The fp32 dQ buffer (1, H, padded rows, d)
    is zeroed tile by tile on the same layout.
-2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head):
-   the CTA finds its sequence and kv tile from its index (`locate_tile`), then sees its
+2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head),
+   the head fastest in the grid: the CTA finds its sequence and kv tile from its index (`locate_tile`), then sees its
    sequence through views (`cta_work_varlen`): Q, dO, K, V and dK, dV through common/varlen's
    ragged TMA tensors (loads past the sequence's end zero-filled, stores past it dropped),
    lse2, D and the dQ buffer offset to padded_q(b), so the whole kernel runs as on a batch
    of one. Causal masks and windows are aligned per sequence (bottom-right), as each
-   sequence's lengths are. GQA: kb2's gqa variant, a CTA walks its group's query heads
-   (never split in parts here).
+   sequence's lengths are. GQA: kb2's gqa variant, a CTA walks its group's query heads, or
+   where that leaves too few CTAs a part of them (`dkv_parts`; their dK / dV summed after).
 3. `VarlenDqConvert`, one CTA per (query tile of a sequence, head): the padded fragment-order
    dQ buffer -> dq's rows of the sequence, times the softmax scale. Where kb2's policy
    converts dQ per head (`convert_per_head`, launched early), a CTA here waits only for the
@@ -205,13 +205,14 @@ def sequence_counters(seqs: cute.Tensor, column, heads):
 
 @dataclasses.dataclass(frozen=True)
 class VarlenKVTileSchedule(KVTileSchedule):
-    """KVTileSchedule over a packed batch: a 1-D work list of (sequence, kv tile) per dK head
-    (grid (list bound, dK heads, 1)); the mask and the query tiles a kv tile walks are the
-    dense ones with the sequence's lengths. `l2_rows` > 0 (kb2's longest_first): equal
-    lengths take the list tile-major (`locate_tile`)."""
+    """KVTileSchedule over a packed batch: a work list of (sequence, kv tile) times the dK
+    heads, the head fastest (a 1-D grid: the list's first, longest entries start on every
+    head first); the mask and the query tiles a kv tile walks are the dense ones with the
+    sequence's lengths. `l2_rows` > 0 (kb2's longest_first): equal lengths take the list
+    tile-major (`locate_tile`)."""
 
     def grid(self, total_k, heads, sequences):
-        return [cute.ceil_div(total_k, self.block_n) + sequences, heads, 1]
+        return [(cute.ceil_div(total_k, self.block_n) + sequences) * heads, 1, 1]
 
     @cute.jit
     def cta_work_varlen(self, seqs: cute.Tensor, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV,
@@ -221,15 +222,16 @@ class VarlenKVTileSchedule(KVTileSchedule):
         mD, mdK, mdV, mdQacc) (batch 0 of each) and of its dQ counters (kb2's per-head
         counters, [0, head, 0]). Past the list's end, or for a sequence without queries,
         m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
-        tile, dk_head, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
+        tile, dk_head = Int32(cta) // mdK.shape[2], Int32(cta) % mdK.shape[2]
         _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq, column = [
             cute.arch.make_warp_uniform(x)
-            for x in locate_tile(seqs, Int32(tile), self.block_n, True, self.l2_rows > 0)]
+            for x in locate_tile(seqs, tile, self.block_n, True, self.l2_rows > 0)]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         m_count = m_end - m_first
         if seqlen_q == 0:
             m_count = Int32(0)
-        dk_head = Int32(dk_head)
+        dk_head = cute.arch.make_warp_uniform(dk_head)
         group = mQ.shape[2] // mdK.shape[2]
         kv_head = dk_head // (mdK.shape[2] // mK.shape[2])
         padded_q = (offset_q + seq * self.block_m) // self.block_m * self.block_m
@@ -535,5 +537,31 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     longest_first = LONGEST_FIRST and (max_seqlen_q * batch > q.shape[0]
                                        or max_seqlen_k * batch > k.shape[0])
     seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first, q.shape[1])
-    run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
+    parts = dkv_parts(q.shape[1], k.shape[1], k.shape[0], batch)
+    if parts == 1:
+        run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
+        return dq, dk, dv
+    # each k/v head's group in `parts` parts, each with its own dK / dV rows, summed in fp32
+    shape = (k.shape[0], k.shape[1] * parts, k.shape[2])
+    dk_parts, dv_parts = (new(shape, dtype=k.dtype, device=k.device) for _ in range(2))
+    run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk_parts, dv_parts, scale)
+    split = (k.shape[0], k.shape[1], parts, k.shape[2])
+    torch.sum(dk_parts.view(split), 2, out=dk)
+    torch.sum(dv_parts.view(split), 2, out=dv)
     return dq, dk, dv
+
+
+# GQA / MQA: a CTA walks its whole group of query heads, so with few k/v heads and few
+# tokens the grid has few, long CTAs (MQA 16:1 over 16k tokens: ~140 kv tiles x 1 head).
+# Each k/v head's group is then split in parts (the fewest that give PARTS_WAVES waves of
+# CTAs on the GPU's SMs, counted from the token count: the lengths are not known here).
+PARTS_WAVES = 4
+
+
+def dkv_parts(heads: int, heads_kv: int, total_k: int, batch: int, block_n: int = 128) -> int:
+    """How many parts each k/v head's dK / dV is split in (a divisor of the group)."""
+    from .scheduler import sm_count
+    group = heads // heads_kv
+    ctas = (-(-total_k // block_n) + batch) * heads_kv
+    return next(p for p in range(1, group + 1)
+                if group % p == 0 and (ctas * p >= PARTS_WAVES * sm_count() or p == group))
