@@ -561,6 +561,11 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
+    # (the kernel is compiled for 16-byte aligned tensors: a slice of a larger cu_seqlens
+    # is copied, on the device)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = (
+        t if t is None or (t.data_ptr() % 16 == 0 and t.is_contiguous()) else t.clone()
+        for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
     scale = default_scale if softmax_scale is None else float(softmax_scale)
     k6_varlen.run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                          scale)
@@ -661,7 +666,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     ValueError before any launch for what is visible without reading device memory: dtypes
     (cu_seqlens int32), devices, shapes, cu_seqlens_q and cu_seqlens_k of different lengths,
-    seqused_k's shape, max_seqlen out of range, layouts. Not checked (it would need a device
+    seqused_k's shape, max_seqlen out of range, more queries than batch x max_seqlen_q,
+    layouts. Not checked (it would need a device
     sync; nothing here reads cu_seqlens on the host, so the call can be captured in a CUDA
     graph): cu_seqlens_q[-1] == total_q and cu_seqlens_k[-1] <= total_k, offsets
     non-decreasing, lengths <= max_seqlen_*; breaking these reads or writes out of bounds.
@@ -672,11 +678,11 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     window = normalize_window(window_size, bool(causal))
     softcap = _check_softcap(softcap)
-    try:
+    if torch.compiler.is_compiling():          # (the fake implementation checks)
+        checked = True
+    else:
         checked = _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               bool(causal), seqused_k, window, softcap) in _VARLEN_FAST
-    except TypeError:                          # (traced: symbolic shapes do not hash)
-        checked = False
     if not checked:
         # (before the op: its schema would refuse some arguments with a TypeError)
         _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,

@@ -46,7 +46,9 @@ k5's behaviour by extending `__init__` (its scheduler, turns, settings) and over
 work items stay here whole, with the scheduler's modes (k6's dynamic queue, stream-K pieces)
 and both load orders (k6's `v_lags_k`): the DSL carries a pipeline state from one item to
 the next only where the loop itself advances it, so these cannot move into methods without
-changing the kernels. The kernel launches in `__call__` below.
+changing the kernels. The kernel launches in `__call__` below. With the `varlen` flag
+(k6_varlen.py: a packed batch) the loops take each item's lengths, TMA views and LSE rows
+from its sequence (common/varlen.py), and the scheduler decodes items by cu_seqlens_q.
 
 What stays: k4's tiles (d = 128: 128 x 128; d = 64: 192 x 128; 2 stages), WGMMA for both
 GEMMs with P handed over in registers, the online softmax on the accumulator, the tile

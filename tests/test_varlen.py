@@ -28,14 +28,51 @@ def test_decode_item_covers_every_tile_once():
     heads, block_m = 3, 128
     tiles = varlen.query_tiles(cu, block_m, heads)
     assert tiles == [0, 3, 3, 3, 24, 0]
-    for last_first in (False, True):
-        seen = [varlen.decode_item(i, tiles, heads, last_first) for i in range(sum(tiles))]
+    for last_first, groups in ((False, None), (True, None), (True, [2] * 6), (True, [3] * 6)):
+        seen = [varlen.decode_item(i, tiles, heads, last_first, groups)
+                for i in range(sum(tiles))]
         assert len(set(seen)) == len(seen) == sum(tiles)
         assert varlen.decode_item(sum(tiles), tiles, heads) is None
         assert all(m < -(-(cu[b + 1] - cu[b]) // block_m) for b, m, _ in seen)
     # the last query tile first, then the next head
     assert varlen.decode_item(9, tiles, heads, True) == (4, 7, 0)
     assert varlen.decode_item(17, tiles, heads, True) == (4, 7, 1)
+    # head groups of 2 (the remainder, head 0, first): head 0's tiles, then heads 1 and 2
+    # alternating, the longest first
+    assert [varlen.decode_item(i, tiles, heads, True, [2] * 6)[1:] for i in (9, 16, 17, 18)] \
+        == [(7, 0), (0, 0), (7, 1), (7, 2)]
+
+
+def _warp_decode(index, cu, block_m, heads, last_first):
+    """scheduler.varlen_item's steps in python: 32 lanes, an inclusive scan, a ballot."""
+    first, rel, batch = 0, index, len(cu) - 1
+    while first < batch:
+        m_blocks = [-(-(cu[b + 1] - cu[b]) // block_m) if b < batch else 0
+                    for b in range(first, first + 32)]
+        running = [sum(m * heads for m in m_blocks[:lane + 1]) for lane in range(32)]
+        if rel < running[31]:
+            at = sum(r <= rel for r in running)
+            within = rel - (running[at] - m_blocks[at] * heads)
+            m, head = within % m_blocks[at], within // m_blocks[at]
+            return first + at, (m_blocks[at] - 1 - m if last_first else m), head
+        rel, first = rel - running[31], first + 32
+    return None
+
+
+def test_warp_prefix_sum_decode_matches_the_work_list():
+    """Over more than one warp step, with empty sequences among them."""
+    import random
+    rng = random.Random(3)
+    lengths = [rng.choice([0, 0, 1, 63, 64, 65, 128, 129, 700]) for _ in range(75)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    for block_m, heads in ((128, 2), (192, 3)):
+        tiles = varlen.query_tiles(cu, block_m, heads)
+        for last_first in (False, True):
+            for i in range(sum(tiles) + 3):
+                assert _warp_decode(i, cu, block_m, heads, last_first) == \
+                    varlen.decode_item(i, tiles, heads, last_first)
 
 
 def _packed(total_q=40, total_k=48, heads=4, heads_kv=2, d=64, dtype=torch.bfloat16):
@@ -53,6 +90,7 @@ def _packed(total_q=40, total_k=48, heads=4, heads_kv=2, d=64, dtype=torch.bfloa
     (dict(cu_k=torch.tensor([0, 48], dtype=torch.int32)), "same length"),
     (dict(max_q=-1), "max_seqlen_q"),
     (dict(max_q=1 << 30), "max_seqlen_q"),
+    (dict(max_q=13), "do not fit"),
     (dict(max_k=2.5), "python int"),
     (dict(seqused_k=torch.zeros(2, dtype=torch.int32)), "seqused_k"),
     (dict(seqused_k=torch.zeros(3, dtype=torch.int64)), "seqused_k"),
@@ -83,6 +121,22 @@ def test_attention_varlen_fake_traces_without_reading_cu_seqlens():
     q, k, v, cu_q, cu_k = (t.to("meta") for t in _packed())
     out, lse = attention_varlen(q, k, v, cu_q, cu_k, 23, 43, causal=True, return_lse=True)
     assert out.shape == q.shape and lse.shape == (4, 40) and lse.dtype == torch.float32
+
+
+def test_attention_varlen_traces_in_one_graph():
+    """torch.compile(fullgraph=True) sees one op (a backend that only records the graph)."""
+    from hopper_attn import attention_varlen
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: (None, None)
+
+    f = torch.compile(lambda *a: attention_varlen(*a, 23, 43, causal=True, return_lse=True),
+                      fullgraph=True, backend=backend)
+    f(*_packed())
+    calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and torch.ops.hopper_attn.attention_varlen in calls
 
 
 def test_varlen_backward_hook_checks_its_arguments():

@@ -23,6 +23,9 @@
    3%).
 
 Prints one line per group or timed case; everything goes to $OUT/varlen.json (or --out).
+VARLEN_ONLY=<text> keeps the correctness groups whose label contains it (for
+compute-sanitizer: VARLEN_ONLY="tails d64" compute-sanitizer --tool memcheck python
+tools/varlen_gpu_check.py --quick).
 """
 
 from __future__ import annotations
@@ -44,14 +47,15 @@ PAD = 64                    # poisoned tokens before and after every tensor
 TAILS = [0, 1, 17, 113, 1000, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 300]
 
 
-def poisoned(tokens: int, heads: int, d: int, dtype, seed: int, fill: bool = True):
+def poisoned(tokens: int, heads: int, d: int, dtype, seed: int, fill: bool = True,
+             scale: float = 1.0):
     """A (tokens, heads, d) view into a buffer with PAD NaN tokens on each side (random
-    normal values inside when `fill`) and the buffer."""
+    normal values times `scale` inside when `fill`) and the buffer."""
     buf = torch.full((tokens + 2 * PAD, heads, d), float("nan"), dtype=dtype, device="cuda")
     view = buf[PAD:PAD + tokens]
     if fill:
         gen = torch.Generator(device="cuda").manual_seed(seed)
-        view.copy_(torch.randn(view.shape, generator=gen, device="cuda").to(dtype))
+        view.copy_((torch.randn(view.shape, generator=gen, device="cuda") * scale).to(dtype))
     return view, buf
 
 
@@ -76,12 +80,13 @@ def run_direct(q, k, v, cu_q, cu_k, max_q, max_k, causal, seqused_k, window, sof
 
 
 def case(label, q_lens, k_lens, heads, heads_kv, d, causal, seed, *, max_extra=0,
-         dtype=torch.bfloat16, seqused=None, window=(-1, -1), softcap=0.0) -> dict:
+         dtype=torch.bfloat16, seqused=None, window=(-1, -1), softcap=0.0,
+         scale=1.0) -> dict:
     """One packed batch: sequence b has q_lens[b] queries, k_lens[b] keys (seqused: it uses
     only the first seqused[b], the rest NaN)."""
     cu_q, cu_k = cu_seqlens(q_lens), cu_seqlens(k_lens)
-    q, _ = poisoned(sum(q_lens), heads, d, dtype, seed)
-    k, _ = poisoned(sum(k_lens), heads_kv, d, dtype, seed + 1)
+    q, _ = poisoned(sum(q_lens), heads, d, dtype, seed, scale=scale)
+    k, _ = poisoned(sum(k_lens), heads_kv, d, dtype, seed + 1, scale=scale)
     v, _ = poisoned(sum(k_lens), heads_kv, d, dtype, seed + 2)
     seqused_k = None
     if seqused is not None:
@@ -112,7 +117,7 @@ def case(label, q_lens, k_lens, heads, heads_kv, d, causal, seed, *, max_extra=0
     return {"case": [label, q_lens if len(q_lens) <= 16 else f"{len(q_lens)} sequences",
                      k_lens if len(k_lens) <= 16 else "", heads, heads_kv, d, causal,
                      str(dtype).replace("torch.", ""), max_extra, seqused, list(window),
-                     softcap],
+                     softcap, scale],
             "ratio": float("inf") if nan else err / bound, "error": err, "lse_ok": lse_ok,
             "poison_intact": intact, "same_bits": same_bits, "ok": ok}
 
@@ -120,9 +125,13 @@ def case(label, q_lens, k_lens, heads, heads_kv, d, causal, seed, *, max_extra=0
 def correctness(log) -> list:
     groups, seed = {}, 0
 
+    only = os.environ.get("VARLEN_ONLY", "")      # e.g. "tails d64" (compute-sanitizer runs)
+
     def run(label, *args, **kwargs):
         nonlocal seed
         seed += 3
+        if only not in label:
+            return
         try:
             row = case(label, *args, seed, **kwargs)
         except Exception as exc:  # noqa: BLE001 - reported as a failure
@@ -147,6 +156,7 @@ def correctness(log) -> list:
     run("fp16", TAILS, TAILS, 4, 2, 128, True, dtype=torch.float16)
     run("window (127, 0)", TAILS, TAILS, 4, 2, 128, True, window=(127, 0))
     run("softcap 30", TAILS, TAILS, 4, 2, 128, True, softcap=30.0)
+    run("large scores (inputs x4)", TAILS, TAILS, 4, 2, 128, False, scale=4.0)
     rows = []
     for label, group in groups.items():
         bad = [r for r in group if not r["ok"]]
@@ -161,7 +171,10 @@ def correctness(log) -> list:
 
 
 def _fa4_varlen():
-    from flash_attn.cute.interface import flash_attn_varlen_func
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        from flash_attn.cute.interface import flash_attn_varlen_func
 
     def run(q, k, v, cu_q, cu_k, max_q, max_k, causal):
         out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,

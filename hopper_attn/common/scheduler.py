@@ -32,7 +32,8 @@ kv tiles it may see (`masking.TileSchedule` says which). Two schedules:
   every sequence, sequence by sequence (no empty items): `varlen_item` finds an item's
   sequence by a warp-wide prefix sum of the per-sequence item counts (ceil(seqlen_q / block_m)
   x heads), 32 sequences per step; inside a sequence the query tile runs fastest, then the
-  head, as above (with a causal mask the last query tile first). The host bounds the grid
+  head, as above, or with `l2_rows` in head groups, the longest query tile of every head of
+  a group first (with a causal mask the last query tile first). The host bounds the grid
   by (ceil(total_q / block_m) + batch) x heads items without reading the lengths; items past
   the real count are invalid. In the persistent grid the dynamic schedule's producer warp
   decodes each item (as with `l2_rows`) and passes it on.
@@ -192,7 +193,7 @@ class TileScheduler:
                 cta, _, _ = cute.arch.block_idx()
                 item = Int32(cta)
             m_block, head, batch, valid = varlen_item(item, seqlen_q, self.block_m, heads,
-                                                      batch_size, self.causal)
+                                                      batch_size, self.causal, self.l2_rows)
             if cutlass.const_expr(not self.persistent):
                 valid = valid and tiles == 0
             return m_block, head, batch, valid
@@ -235,12 +236,13 @@ class TileScheduler:
 
 @cute.jit
 def varlen_item(index, cu_seqlens_q: cute.Tensor, block_m: int, heads, batch_size,
-                last_first: bool):
+                last_first: bool, l2_rows: int = 0):
     """(query tile, head, sequence, valid) of work item `index` of a packed batch (module
     doc; every lane of the warp calls it). Each step loads the lengths of 32 sequences, one
     per lane, and prefix-sums their item counts across the warp: the item lies in this step
     when its index is below the sum, in the sequence of the first lane whose running sum
-    passes it (the count of lanes at or below it, by a ballot)."""
+    passes it (the count of lanes at or below it, by a ballot). Inside the sequence: query
+    tile fastest, or (l2_rows) `head_group_order`'s head groups of about l2_rows rows."""
     lane = cute.arch.lane_idx()
     first = Int32(0)                    # the step's first sequence
     rel = Int32(index)                  # the index counted from that sequence's first item
@@ -248,9 +250,10 @@ def varlen_item(index, cu_seqlens_q: cute.Tensor, block_m: int, heads, batch_siz
     searching = first < batch_size
     while searching:
         b = first + lane
-        m_blocks = Int32(0)
+        m_blocks, length = Int32(0), Int32(0)
         if b < batch_size:
-            m_blocks = cute.ceil_div(cu_seqlens_q[b + 1] - cu_seqlens_q[b], block_m)
+            length = cu_seqlens_q[b + 1] - cu_seqlens_q[b]
+            m_blocks = cute.ceil_div(length, block_m)
         count = m_blocks * heads
         running = count                 # inclusive prefix sum over the lanes
         for i in cutlass.range_constexpr(5):
@@ -262,8 +265,12 @@ def varlen_item(index, cu_seqlens_q: cute.Tensor, block_m: int, heads, batch_siz
             at = cute.arch.popc(cute.arch.vote_ballot_sync(running <= rel))
             tiles = cute.arch.shuffle_sync(m_blocks, at)
             within = rel - cute.arch.shuffle_sync(running - count, at)
-            m_block = within % tiles
-            head = within // tiles
+            if cutlass.const_expr(l2_rows > 0):
+                group = heads_per_group(l2_rows, cute.arch.shuffle_sync(length, at), heads)
+                m_block, head = head_group_order(within, tiles, heads, group)
+            else:
+                m_block = within % tiles
+                head = within // tiles
             if cutlass.const_expr(last_first):
                 m_block = tiles - 1 - m_block
             batch = first + at

@@ -180,7 +180,8 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """ValueError for anything wrong that is visible without reading device memory; returns
     the batch size. q: (total_q, H, d), k and v: (total_k, H_kv, d) with H a multiple of
     H_kv; cu_seqlens_*: int32, 1-D, batch + 1 entries each, on q's device; seqused_k: int32
-    (batch,); max_seqlen_*: python ints >= 0 (larger than the longest sequence is fine). Not checked (they
+    (batch,); max_seqlen_*: python ints >= 0 (larger than the longest sequence is fine);
+    total_q <= batch x max_seqlen_q. Not checked (they
     would need a sync): cu_seqlens_*[-1] equal to the token counts, offsets non-decreasing,
     every length <= max_seqlen_*, seqused_k[b] <= the sequence's key count."""
     import torch
@@ -231,6 +232,10 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"{name} must be a python int, got {type(m).__name__}")
         if m < 0 or m >= BIG:
             raise ValueError(f"{name} must be in [0, {BIG}), got {m}")
+    if q.shape[0] > batch * max_seqlen_q:
+        raise ValueError(f"q's {q.shape[0]} tokens do not fit {batch} sequences of at most "
+                         f"max_seqlen_q = {max_seqlen_q} tokens (cu_seqlens_q[-1] must be "
+                         f"q's token count)")
     if q.shape[0] >= BIG or k.shape[0] >= BIG:
         raise ValueError(f"at most {BIG - 1} tokens")
     return batch
@@ -257,15 +262,27 @@ def query_tiles(cu_seqlens_q, block_m: int, heads: int = 1) -> list:
     return [-(-(b - a) // block_m) * heads for a, b in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:])]
 
 
-def decode_item(index: int, tiles_per_sequence, heads: int = 1, last_first: bool = False):
+def decode_item(index: int, tiles_per_sequence, heads: int = 1, last_first: bool = False,
+                groups=None):
     """(sequence, query tile, head) of work item `index` of the varlen work list
     (scheduler.varlen_item), or None past its end: sequences in order, inside one the query
-    tile fastest, then the head (last_first: the last query tile, the longest with a causal
-    mask, first)."""
+    tile fastest, then the head, or (groups[b]: heads per group in sequence b) the heads in
+    groups, the remainder group first, inside a group tile 0 of every head, then tile 1, ...
+    (scheduler.head_group_order); last_first: tiles counted from the last (the longest with
+    a causal mask)."""
     for b, count in enumerate(tiles_per_sequence):
         if index < count:
             m_blocks = count // heads
-            head, slot = divmod(index, m_blocks)
+            if groups is None:
+                head, slot = divmod(index, m_blocks)
+            else:
+                group, first = groups[b], heads % groups[b]
+                if index < first * m_blocks:
+                    slot, head = divmod(index, first)
+                else:
+                    rest = index - first * m_blocks
+                    slot = rest % (group * m_blocks) // group
+                    head = first + rest // (group * m_blocks) * group + rest % group
             return b, (m_blocks - 1 - slot if last_first else slot), head
         index -= count
     return None
