@@ -526,7 +526,8 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     handle = compile_for(q, k, causal, window, softcap)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     q, k, v, out, dout = (t if _readable(t) else t.contiguous() for t in (q, k, v, out, dout))
-    lse = lse.contiguous()
+    lse = lse if lse.is_contiguous() and lse.data_ptr() % 16 == 0 else lse.clone(
+        memory_format=torch.contiguous_format)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     # keys past seqused_k belong to no sequence: their rows are not written
     new = torch.empty if seqused_k is None else torch.zeros
