@@ -243,7 +243,7 @@ class FlashAttentionBackwardKB2:
                     mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
                     row_layout).launch(
             grid=self.schedule.grid(tiles.seqlen_k, mdK.shape[2] if self.gqa else tiles.heads,
-                                    mSem.shape[1] if self.varlen else tiles.batch),
+                                    mSem.shape[1] - 1 if self.varlen else tiles.batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,

@@ -14,13 +14,14 @@ list instead of a (tiles, heads, batch) grid:
    the dense preprocess pads, so P = 0 there. The fp32 dQ buffer (1, H, padded rows, d)
    is zeroed tile by tile on the same layout.
 2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head),
-   the head fastest in the grid: the CTA finds its sequence and kv tile from its index (`locate_tile`), then sees its
-   sequence through views (`cta_work_varlen`): Q, dO, K, V and dK, dV through common/varlen's
-   ragged TMA tensors (loads past the sequence's end zero-filled, stores past it dropped),
-   lse2, D and the dQ buffer offset to padded_q(b), so the whole kernel runs as on a batch
-   of one. Causal masks and windows are aligned per sequence (bottom-right), as each
-   sequence's lengths are. GQA: kb2's gqa variant, a CTA walks its group's query heads, or
-   where that leaves too few CTAs a part of them (`dkv_parts`; their dK / dV summed after).
+   the head fastest in the grid: the CTA finds its sequence and kv tile from its index
+   (`locate_tile`), then sees its sequence through views (`cta_work_varlen`): Q, dO, K, V
+   and dK, dV through common/varlen's ragged TMA tensors (loads past the sequence's end
+   zero-filled, stores past it dropped), lse2, D and the dQ buffer offset to padded_q(b), so
+   the whole kernel runs as on a batch of one. Causal masks and windows are aligned per
+   sequence (bottom-right), as each sequence's lengths are. GQA: kb2's gqa variant, a CTA
+   walks its group's query heads, or where that leaves too few CTAs a part of them
+   (`dkv_parts`; their dK / dV summed after).
 3. `VarlenDqConvert`, one CTA per (query tile of a sequence, head): the padded fragment-order
    dQ buffer -> dq's rows of the sequence, times the softmax scale. Where kb2's policy
    converts dQ per head (`convert_per_head`, launched early), a CTA here waits only for the
