@@ -594,8 +594,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 def _varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                      max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
                      seqused_k, window: tuple, softcap: float):
-    """dq, dk, dv of `attention_varlen` (laid out like q, k, v): the varlen backward (kb2)."""
-    raise ValueError("varlen backward: not yet")
+    """dq, dk, dv of `attention_varlen` (laid out like q, k, v): the varlen backward (kb2,
+    common/varlen_backward.py)."""
+    from hopper_attn.common.varlen_backward import varlen_backward
+    return varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, softmax_scale, seqused_k, window, softcap)
 
 
 @torch.library.custom_op("hopper_attn::attention_varlen_backward", mutates_args=())

@@ -25,6 +25,8 @@ What changes from kb1:
   CTAs (MQA, small batches): each k/v head split in parts (masking.dkv_parts) that
   run_backward sums. With a mask the long CTAs start first (longest first at d = 128,
   `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged.
+* Packed batches (`varlen`, common/varlen_backward.py): one CTA per (kv tile of a sequence,
+  dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
 
@@ -63,15 +65,16 @@ from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, backward_smem, compile_backward,
-                                         fragment_slot, run_backward, stage_dkv, store_dkv,
-                                         wait_for_count)
+from hopper_attn.common.backward import (BackwardTiles, backward_smem, column_stats,
+                                         compile_backward, fragment_slot, run_backward,
+                                         stage_dkv, store_dkv, wait_for_count)
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, dkv_parts, mask_scores, window_options
 from hopper_attn.common.softmax import softcap_scores
 from hopper_attn.common.trace import PhaseTrace
+from hopper_attn.common.varlen_backward import VarlenKVTileSchedule
 from hopper_attn.common.warp_roles import WarpRoles
 
 SPEC = KernelSpec(
@@ -100,7 +103,7 @@ class FlashAttentionBackwardKB2:
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1):
+                 window_right: int = -1, varlen: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -129,8 +132,13 @@ class FlashAttentionBackwardKB2:
             dict(window_left=int(window_left), window_right=-1 if causal else int(window_right))
         if window and deterministic:
             raise ValueError("kb2: the deterministic mode has no sliding window")
-        self.schedule = KVTileSchedule(block_m, block_n, causal, l2_rows, group_heads,
-                                       heads_first=self.heads_first, **window)
+        # varlen: a packed batch, a work list of (sequence, kv tile) (common/varlen_backward.py)
+        self.varlen = bool(varlen)
+        if self.varlen and (deterministic or self.heads_first):
+            raise ValueError("kb2: varlen has its own launch order, no deterministic mode")
+        self.schedule = (VarlenKVTileSchedule if self.varlen else KVTileSchedule)(
+            block_m, block_n, causal, l2_rows, group_heads, heads_first=self.heads_first,
+            **window)
         # deterministic: kv tiles add into a dQ tile in order (a turn counter per query tile)
         self.deterministic = deterministic
         # stmatrix: dS^T -> SMEM four 8 x 8 blocks a warp instruction, not 4 bytes a store
@@ -201,7 +209,8 @@ class FlashAttentionBackwardKB2:
                       for t in (mLSE2, mD)]                                     # (rows, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type
-        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages)
+        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
+                                     packed=self.varlen)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
         # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
         row_stride = -(-bm // 32) * 32
@@ -234,7 +243,7 @@ class FlashAttentionBackwardKB2:
                     mdQacc, mSem, scale_log2, softmax_scale, q_layout, kv_layout, ds_layout,
                     row_layout).launch(
             grid=self.schedule.grid(tiles.seqlen_k, mdK.shape[2] if self.gqa else tiles.heads,
-                                    tiles.batch),
+                                    mSem.shape[1] - 1 if self.varlen else tiles.batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
             stream=stream,
@@ -256,7 +265,14 @@ class FlashAttentionBackwardKB2:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         group = 1
-        if cutlass.const_expr(self.gqa):
+        if cutlass.const_expr(self.varlen):
+            # this CTA's sequence, seen as a batch of one (mSem: the sequence table, then its
+            # dQ counters)
+            (n_block, dk_head, kv_head, group, seqlen_q, seqlen_k, m_first, m_count,
+             (mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc, mSem)) = \
+                self.schedule.cta_work_varlen(mSem, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV, mdQacc)
+            head, batch = dk_head * group, Int32(0)
+        elif cutlass.const_expr(self.gqa):
             (n_block, dk_head, kv_head, batch, group, seqlen_q, seqlen_k, m_first,
              m_count) = self.schedule.cta_work_kv(mQ, mK, mdK)
             head = dk_head * group                  # the first query head it walks
@@ -389,11 +405,11 @@ class FlashAttentionBackwardKB2:
                 cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
                 cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
                                          number_of_threads=DQ_HANDOFF_THREADS)
-            if cutlass.const_expr(self.gqa):
-                turn = mSem[batch, q_head, None].iterator + m_block
-            else:
-                turn = mSem[batch, head, None].iterator + m_block
             if cutlass.const_expr(self.deterministic):
+                if cutlass.const_expr(self.gqa):       # (varlen: mSem is no counter)
+                    turn = mSem[batch, q_head, None].iterator + m_block
+                else:
+                    turn = mSem[batch, head, None].iterator + m_block
                 if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
                     wait_for_count(turn, n_block)
                 cute.arch.sync_warp()
@@ -621,16 +637,6 @@ class FlashAttentionBackwardKB2:
                    zero_init=False, k_blocks=(first, end))
 
 
-@cute.jit
-def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
-    """The per-query statistic (lse2 or D) of each S^T column this thread holds, from the
-    stage's SMEM row into registers."""
-    vals = cute.make_rmem_tensor((cols,), Float32)
-    for c in cutlass.range_constexpr(cols):
-        vals[c] = s_rows[st_coords[0, c][1], stage]
-    return vals
-
-
 # Policy: `DEFAULTS`, then the matching rows in `policy`'s mode order; compile_kernel's
 # arguments override all. Each row: settings, why (one line), the results that measured it.
 
@@ -758,12 +764,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    group_mib: Optional[int] = None, group_heads: Optional[int] = None,
                    trace: bool = False, convert_per_head: Optional[bool] = None,
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, varlen: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
     given); convert_per_head is also off where pdl is (the early conversion waits per head).
-    trace: iket phase ranges (harness/timeline.py). softcap: the forward's cap (0: none)."""
+    trace: iket phase ranges (harness/timeline.py). softcap: the forward's cap (0: none).
+    varlen: packed batches (common/varlen_backward.compile_for sets the other options)."""
     softcap = float(softcap)
     if softcap and block_m is None:
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
@@ -790,6 +797,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                              "group_mib": int(settings["group_mib"]),
                              "group_heads": int(settings["group_heads"]), "trace": bool(trace),
                              **({"softcap": float(softcap)} if softcap else {}),
+                             **({"varlen": True} if varlen else {}),
                              **window_options(problem)},
                             compile_options=compile_options)
 

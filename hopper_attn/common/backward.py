@@ -97,6 +97,9 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     post-processing kernels for its head dim, mask, dtype and options. `compile_options`
     (e.g. --keep-ptx) apply to the main kernel."""
     options = dict(options or {})
+    if options.get("varlen"):                  # a packed batch (common/varlen_backward.py)
+        from .varlen_backward import compile_varlen_backward
+        return compile_varlen_backward(spec, kernel_factory, problem, options, compile_options)
     spec.check(problem)
     d, dt = problem.head_dim, problem.dtype
     ffi = rt.tvm_ffi_available()
@@ -242,8 +245,14 @@ class BackwardTiles:
 
     @staticmethod
     def create(mQ, mK, mV, mdO, mdK, mdV, block_m: int, block_n: int, head_dim: int,
-               stages: int, dkv_cols: int = 0) -> "BackwardTiles":
+               stages: int, dkv_cols: int = 0, packed: bool = False) -> "BackwardTiles":
+        """`packed`: (1, total, H, d) tensors of a packed batch, moved through common/varlen's
+        ragged TMA views (seqlen_k: k's token count)."""
         q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
+        extents = (k.shape[0], q.shape[2], q.shape[3])
+        if packed:
+            from .varlen import ragged
+            q, k, v, do, dk, dv = [ragged(t) for t in (q, k, v, do, dk, dv)]
         bm, bn, d, dtype = block_m, block_n, head_dim, mQ.element_type
         cols = dkv_cols or d
         q_layout = smem_tile_layout(dtype, bm, d, stages)
@@ -255,8 +264,7 @@ class BackwardTiles:
                   tma.make_tma_store(dk, dkv_layout, bn, cols),
                   tma.make_tma_store(dv, dkv_layout, bn, cols)]
         return BackwardTiles(q_layout, kv_layout, ds_layout, tuple(c[0] for c in copies),
-                             tuple(c[1] for c in copies), k.shape[0], q.shape[2], q.shape[3],
-                             dkv_layout)
+                             tuple(c[1] for c in copies), *extents, dkv_layout)
 
 
 def backward_smem(storage, q_layout, kv_layout, ds_layout):
@@ -495,6 +503,16 @@ def wait_for_count(counter: cute.Pointer, target):
     seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
     while seen < target:
         seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
+
+
+@cute.jit
+def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
+    """The per-query statistic (lse2 or D) of each S^T column a kb2 consumer thread holds,
+    from the stage's SMEM row into registers."""
+    vals = cute.make_rmem_tensor((cols,), Float32)
+    for c in cutlass.range_constexpr(cols):
+        vals[c] = s_rows[st_coords[0, c][1], stage]
+    return vals
 
 
 def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int, regs: int):
