@@ -24,6 +24,12 @@ What changes from the prefill stages (k4-k6), which tile one query head's rows 1
   fenced for the async proxy. O is stored from registers (a row's (query, head) is no TMA
   box either): the output of a decode step is a few KiB.
 
+The `kv_cache` variant (`kv_cache_call`, for hopper_attn/kvcache.py): each request's key
+count comes from a device tensor (the bottom-right diagonal and the splits per request), K
+and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from the pages
+that a page table names: common/paged.py), and the last tile's V rows past the request's
+keys are zeroed in shared memory before P V (a cache may hold NaN there).
+
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
 and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
@@ -50,7 +56,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 import torch
 
-from hopper_attn.common import tma, wgmma
+from hopper_attn.common import paged, tma, wgmma
 from hopper_attn.common.contract import (LOG2_E, MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
@@ -198,8 +204,16 @@ def prefers(problem) -> bool:
 
 class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
-                 combine_chunk: int = COMBINE_CHUNK):
+                 combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
+                 page_size: int = 0):
+        """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
+        key count read from a device tensor, a contiguous (page_size 0) or paged cache."""
         block_n, stages = tile_config(head_dim, block_n, stages)
+        from hopper_attn.kvcache import PAGE_SIZES
+        if page_size and (not kv_cache or page_size not in PAGE_SIZES):
+            raise ValueError(f"page_size must be one of {PAGE_SIZES} (kv_cache only), "
+                             f"got {page_size}")
+        self.kv_cache, self.page_size = kv_cache, page_size
         smem = smem_estimate(head_dim, block_n, stages)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
@@ -222,6 +236,24 @@ class DecodeAttention:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mOPart: cute.Tensor, mLSEPart: cute.Tensor,
                  mCount: cute.Tensor, scale_log2: Float32, stream):
+        self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, None, None, scale_log2,
+                    stream)
+
+    @cute.jit
+    def kv_cache_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                      mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+                      mLSEPart: cute.Tensor, mCount: cute.Tensor, mSeqlensK: cute.Tensor,
+                      mPageTable: cute.Tensor, scale_log2: Float32, stream):
+        """k and v a cache: (batch, capacity, kv_heads, d), or with a page size (num_pages,
+        page_size, kv_heads, d) and the (batch, max_pages) int32 page table; request b sees
+        its first mSeqlensK[b] keys (int32, (batch,))."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, mSeqlensK,
+                    mPageTable if self.page_size else None, scale_log2, stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mOPart: cute.Tensor, mLSEPart: cute.Tensor,
+               mCount: cute.Tensor, mSeqlensK, mPageTable, scale_log2: Float32, stream):
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bn, d = self.block_n, self.head_dim
         self.dtype = mQ.element_type
@@ -233,8 +265,11 @@ class DecodeAttention:
                                   cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
         q_layout = smem_tile_layout(self.dtype, ROWS, d)
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
-        tma_k, k_coords = tma.make_tma_load(k, kv_layout, bn, d)
-        tma_v, v_coords = tma.make_tma_load(v, kv_layout, bn, d)
+        load_rows = paged.box_rows(self.page_size, bn) if self.page_size else bn
+        box_layout = smem_tile_layout(self.dtype, load_rows, d) if self.page_size \
+            else kv_layout
+        tma_k, k_coords = tma.make_tma_load(k, box_layout, load_rows, d)
+        tma_v, v_coords = tma.make_tma_load(v, box_layout, load_rows, d)
         self.tile_bytes = tma.tma_bytes(self.dtype, kv_layout)
 
         @cute.struct
@@ -253,7 +288,7 @@ class DecodeAttention:
         tiles_m = cute.ceil_div((heads // heads_kv) * seqlen_q, ROWS)
         splits = mLSEPart.shape[0]
         self.kernel(q, o, k_coords, v_coords, tma_k, tma_v, mLSE, o_part, mLSEPart, mCount,
-                    scale_log2, q_layout, kv_layout).launch(
+                    scale_log2, q_layout, kv_layout, mSeqlensK, mPageTable).launch(
             grid=[splits, heads_kv, batch * tiles_m],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=self.ctas_per_sm,
@@ -267,7 +302,7 @@ class DecodeAttention:
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, mLSE: cute.Tensor,
                mOPart: cute.Tensor, mLSEPart: cute.Tensor, mCount: cute.Tensor,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout):
+               kv_layout: cute.ComposedLayout, mSeqlensK, mPageTable):
         bn, d = self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -281,6 +316,8 @@ class DecodeAttention:
         tiles_m = cute.ceil_div(rows_total, ROWS)
         batch = tile // tiles_m
         m_tile = tile - batch * tiles_m
+        if cutlass.const_expr(self.kv_cache):
+            seqlen_k = mSeqlensK[batch]                     # this request's keys
         row0 = m_tile * ROWS
         rows_valid = cutlass.min(rows_total - row0, ROWS)
         part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
@@ -307,14 +344,34 @@ class DecodeAttention:
 
         if warp == PRODUCER_WARP:
             # ---------------- producer warp: K_j, V_j of this split's kv tiles ----------------
-            k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
-            v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
+            if cutlass.const_expr(self.page_size):
+                last_slot = paged.last_page_slot(seqlen_k, self.page_size)
+            else:
+                k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
+                v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
             produce = tma.producer_state(self.stages)
             for j in cutlass.range(n_count, unroll=1):
+                if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
+                    pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
+                                             self.page_size, bn)
                 tma.acquire_empty(k_pipe, produce)
-                k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce), produce.index)
+                if cutlass.const_expr(self.page_size):
+                    paged.copy_paged_tile(tma_k, mK, pages, sK[None, None, produce.index],
+                                          n_first + j, kv_head,
+                                          k_pipe.producer_get_barrier(produce),
+                                          self.page_size, bn)
+                else:
+                    k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce),
+                                 produce.index)
                 tma.acquire_empty(v_pipe, produce)
-                v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce), produce.index)
+                if cutlass.const_expr(self.page_size):
+                    paged.copy_paged_tile(tma_v, mV, pages, sV[None, None, produce.index],
+                                          n_first + j, kv_head,
+                                          v_pipe.producer_get_barrier(produce),
+                                          self.page_size, bn)
+                else:
+                    v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
+                                 produce.index)
                 produce.advance()
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
@@ -368,6 +425,14 @@ class DecodeAttention:
                 mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             if n_count > 0:                                 # the last tile's PV
                 v_pipe.consumer_wait(v_state)
+                if cutlass.const_expr(self.kv_cache):
+                    # a cache's rows past the request's keys may hold anything, NaN too:
+                    # zero them (their P is 0, but 0 x NaN is NaN)
+                    tail = seqlen_k - (n_first + n_count - 1) * bn
+                    if tail < bn:
+                        paged.clear_rows_from(sV[None, None, v_state.index], tail, tidx, 128)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        consumers.arrive_and_wait()
                 wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
                            mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
                 warpgroup.wait_group(0)
