@@ -74,6 +74,10 @@ def quick_cases() -> list[Case]:
         Case((1000, 200), 1024, 64, heads=64, seqlen_q=16, seqlen_new=16),  # 2 M tiles
         Case((500, 1020), 1024, 16, dtype=torch.float16, seqlen_q=4, seqlen_new=4),
         Case((5000, 7), 8192, 64, num_splits=128),
+        # 20 requests x 8 kv heads: more items than SMs, the 64-key tile (2 boxes of a
+        # 32-token page; half of a 128-token page)
+        Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 32, seqlen_new=1),
+        Case(tuple(i * 131 % 1022 for i in range(20)), 1024, 128, seqlen_q=4, seqlen_new=2),
         Case((100, 1000, 16, 1), 1024, 16, unused="far"),
         Case((100, 1000, 128, 1), 1024, 128, unused="far", seqlen_new=2),
     ]
