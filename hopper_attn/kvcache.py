@@ -25,6 +25,13 @@ from hopper_attn.common.contract import LOG2_E, Problem, UnsupportedProblem
 PAGE_SIZES = (16, 32, 64, 128, 256)
 MAX_QUERIES = 16            # new queries per request (one decode M tile at group <= 4)
 MAX_SPLITS = 128            # decode.MAX_SPLITS (not imported here: that loads the CuTe DSL)
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_stages(head_dim: int) -> int:
+    """e4m3 ring depth of the fp8 cache: 4 (3 at d = 256: one 16-bit K and V tile and the
+    rings must fit the CTAs per SM of the 16-bit tile `tile_for` picked)."""
+    return 3 if head_dim == 256 else 4
 DTYPES = (torch.bfloat16, torch.float16)
 
 _COMPILED: dict = {}
@@ -50,7 +57,8 @@ def _strided_ok(name, t):
 
 
 def check_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None, v_new=None,
-                 num_splits: int = 0, softmax_scale=None) -> tuple[int, int]:
+                 num_splits: int = 0, softmax_scale=None, k_descale=None,
+                 v_descale=None) -> tuple[int, int]:
     """Every check the host can make (ValueError, before any launch); returns (page_size
     (0: contiguous), capacity: keys a request can hold)."""
     _tensor("q", q, 4)
@@ -66,9 +74,14 @@ def check_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None
     if tuple(k_cache.shape) != tuple(v_cache.shape):
         raise ValueError(f"k_cache and v_cache must have the same shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    fp8 = k_cache.dtype == FP8
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype}, expected q's {q.dtype}")
+        if t.dtype != q.dtype and not (t.dtype == FP8 and q.dtype == torch.bfloat16):
+            raise ValueError(f"{name} has dtype {t.dtype}, expected q's {q.dtype} (or "
+                             f"float8_e4m3fn with bf16 q)")
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must have one dtype, got {k_cache.dtype} and "
+                         f"{v_cache.dtype}")
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache's head_dim ({k_cache.shape[3]}) must be q's ({head_dim})")
@@ -110,8 +123,10 @@ def check_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None
                                                                                  head_dim):
                 raise ValueError(f"{name} must be (batch={batch}, seqlen_new >= 1, kv_heads="
                                  f"{kv_heads}, d={head_dim}), got {tuple(t.shape)}")
-            if t.dtype != q.dtype:
-                raise ValueError(f"{name} has dtype {t.dtype}, expected q's {q.dtype}")
+            if t.dtype != k_cache.dtype:
+                raise ValueError(f"{name} has dtype {t.dtype}, expected the cache's "
+                                 f"{k_cache.dtype} (an e4m3 cache takes keys quantized with "
+                                 f"its descales)")
         if tuple(k_new.shape) != tuple(v_new.shape):
             raise ValueError(f"k_new and v_new must have the same shape, got "
                              f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")
@@ -126,8 +141,20 @@ def check_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None
                                           and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite number or None, got "
                          f"{softmax_scale!r}")
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            continue
+        if not fp8:
+            raise ValueError(f"{name}: descales go with an e4m3 (float8_e4m3fn) cache only")
+        _tensor(name, t)
+        if t.dtype != torch.float32 or tuple(t.shape) not in ((batch, kv_heads), (kv_heads,)):
+            raise ValueError(f"{name} must be fp32 of shape (batch, kv_heads) = "
+                             f"{(batch, kv_heads)} or (kv_heads,), got {tuple(t.shape)} "
+                             f"{t.dtype}")
     tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                ("cache_seqlens", cache_seqlens)]
+    tensors += [(n, t) for n, t in (("k_descale", k_descale), ("v_descale", v_descale))
+                if t is not None]
     tensors += [("page_table", page_table)] if page_table is not None else []
     tensors += [("k_new", k_new), ("v_new", v_new)] if k_new is not None else []
     for name, t in tensors:
@@ -161,11 +188,14 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table=None) ->
     else:
         page_size = k_cache.shape[1]
         index = (page_table.long().gather(1, pos // page_size), pos % page_size)
-    k_cache[index] = k_new
-    v_cache[index] = v_new
+    for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        if cache.dtype == FP8:              # (as bytes: index_put_ has no e4m3 kernel)
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache[index] = new
 
 
 def _int_tensor(t, tvm_ffi: bool):
+    """A small int32 / fp32 tensor, read one element at a time (4-byte alignment)."""
     from cutlass.cute.runtime import from_dlpack
     return from_dlpack(t.detach(), assumed_align=4, enable_tvm_ffi=tvm_ffi) \
         .mark_layout_dynamic(leading_dim=t.dim() - 1)
@@ -173,17 +203,21 @@ def _int_tensor(t, tvm_ffi: bool):
 
 def _args(tensors, tvm_ffi: bool) -> list:
     """The kernel's tensors as CuTe tensors: q, k, v, out, the fp32 workspace (16-byte
-    aligned), the int32 key counts and page table (4)."""
+    aligned), then the key counts, the page table and the descales (4-byte aligned)."""
     from hopper_attn.common import cute_runtime as rt
-    return [_int_tensor(t, tvm_ffi) if t.dtype == torch.int32 and i >= 8
-            else rt.to_cute_tensor(t, tvm_ffi) for i, t in enumerate(tensors)]
+    return [_int_tensor(t, tvm_ffi) if i >= 8 else rt.to_cute_tensor(t, tvm_ffi)
+            for i, t in enumerate(tensors)]
 
 
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
-                   stages: int, tvm_ffi: bool = False, compile_options: str = ""):
+                   stages: int, tvm_ffi: bool = False, compile_options: str = "",
+                   kv_dtype=None):
     """The decode stage's `kv_cache_call` for one (head dim, mask, dtype, page size (0:
-    contiguous), tile), compiled once: (compiled function, kernel object)."""
-    key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options)
+    contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant)), compiled
+    once: (compiled function, kernel object)."""
+    kv_dtype = kv_dtype or dtype
+    key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options,
+           kv_dtype)
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
@@ -193,17 +227,19 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     from cutlass.cute.runtime import make_fake_stream
     from hopper_attn import decode
     kernel = decode.DecodeAttention(head_dim, causal, block_n, stages, kv_cache=True,
-                                    page_size=page_size)
+                                    page_size=page_size, fp8=kv_dtype == FP8)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     batch, heads, pages = 2, 2, 4
     q = torch.empty((batch, 2, heads, head_dim), dtype=dtype, device=device)
     cache = torch.empty((pages if page_size else batch, page_size or 128, heads, head_dim),
-                        dtype=dtype, device=device)
+                        dtype=kv_dtype, device=device)
     problem = Problem(batch, heads, 2, head_dim, bool(causal), dtype, seqlen_k=128)
     workspace = decode.decode_workspace(problem, device, block_n, stages, 2)
     seqlens = torch.zeros((batch,), dtype=torch.int32, device=device)
     table = torch.zeros((batch, 2), dtype=torch.int32, device=device)
-    tensors = [q, cache, cache.clone(), torch.empty_like(q), *workspace, seqlens, table]
+    descale = torch.ones((batch, heads), dtype=torch.float32, device=device)
+    tensors = [q, cache, cache.clone(), torch.empty_like(q), *workspace, seqlens, table,
+               descale, descale.clone()]
     if tvm_ffi:
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         compile_options = f"{compile_options} {rt.TVM_FFI}"
@@ -228,12 +264,31 @@ def _workspace(problem: Problem, device, block_n: int, stages: int, splits: int)
     return ws
 
 
-def plan(problem: Problem, num_splits: int = 0) -> tuple[int, int, int]:
-    """(kv tile, stages, splits) for a problem, from its shapes only."""
+def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int, int, int]:
+    """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the 16-bit
+    tile's choice, with `fp8_stages` e4m3 stages: the same CTAs per SM)."""
     from hopper_attn import decode
     block_n, stages = decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
-    return block_n, stages, splits
+    return block_n, fp8_stages(problem.head_dim) if fp8 else stages, splits
+
+
+_ONES: dict = {}
+
+
+def _ones(device, batch: int, kv_heads: int) -> torch.Tensor:
+    """fp32 ones (batch, kv_heads), made once: the descales of an fp8 call without them,
+    and what a 16-bit cache's kernel gets in their place (never read)."""
+    key = (device, batch, kv_heads)
+    if key not in _ONES:
+        _ONES[key] = torch.ones((batch, kv_heads), dtype=torch.float32, device=device)
+    return _ONES[key]
+
+
+def _descale(t, ones) -> torch.Tensor:
+    if t is None:
+        return ones
+    return t if t.dim() == 2 and t.is_contiguous() else t.expand(ones.shape).contiguous()
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -242,7 +297,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            k_new: Optional[torch.Tensor] = None,
                            v_new: Optional[torch.Tensor] = None, causal: bool = True,
                            softmax_scale: Optional[float] = None, return_lse: bool = False,
-                           num_splits: int = 0):
+                           num_splits: int = 0, k_descale: Optional[torch.Tensor] = None,
+                           v_descale: Optional[torch.Tensor] = None):
     """Attention of a few new queries per request over its KV cache (a decode step).
 
     q: (batch, seqlen_q, heads, d), seqlen_q 1-16, bf16 or fp16, d 64, 128 or 256.
@@ -258,6 +314,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     updated.
     causal: bottom-right aligned per request: query i sees keys j <= i + keys_b - seqlen_q.
     A request with no key (or a query that sees none) gets zeros, LSE -inf.
+    FP8 cache: k_cache, v_cache (and k_new, v_new) float8_e4m3fn with bf16 q; the real
+    keys and values are k_cache x k_descale, v_cache x v_descale, fp32 (batch, kv_heads)
+    or (kv_heads,) (None: 1). The kernel widens each e4m3 tile to bf16 in shared memory
+    (exact), folds k_descale into the softmax scale and v_descale into the output's 1 / l.
     Returns out (batch, seqlen_q, heads, d) in q's dtype, and with `return_lse` the fp32
     log-sum-exp (batch, heads, seqlen_q). num_splits: 0 chooses from the shapes (the
     capacity standing for the key count), 1-128 forces a count.
@@ -273,15 +333,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     outside these read or write outside the cache.
     """
     page_size, capacity = check_inputs(q, k_cache, v_cache, cache_seqlens, page_table, k_new,
-                                       v_new, num_splits, softmax_scale)
+                                       v_new, num_splits, softmax_scale, k_descale, v_descale)
+    fp8 = k_cache.dtype == FP8
     from hopper_attn import decode
     problem = problem_for(q, k_cache.shape[2], capacity, causal)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
-    block_n, stages, splits = plan(problem, num_splits)
+    block_n, stages, splits = plan(problem, num_splits, fp8)
     from hopper_attn.common import cute_runtime as rt
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
-                                 block_n, stages, tvm_ffi)
+                                 block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype)
     _, *rest = _workspace(problem, q.device, block_n, stages, splits)
     seqlens = cache_seqlens
     if k_new is not None:
@@ -292,7 +353,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                       device=q.device)
     # (a contiguous cache has no table: the key counts stand in, never read as one)
     table = page_table if page_table is not None else seqlens.view(-1, 1)
-    tensors = [q, k_cache, v_cache, out, lse, *rest, seqlens, table]
+    ones = _ones(q.device, q.shape[0], k_cache.shape[2])
+    tensors = [q, k_cache, v_cache, out, lse, *rest, seqlens, table,
+               _descale(k_descale, ones), _descale(v_descale, ones)]
     scale = (1.0 / math.sqrt(problem.head_dim) if softmax_scale is None
              else float(softmax_scale)) * LOG2_E
     if tvm_ffi:

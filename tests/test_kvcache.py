@@ -3,7 +3,8 @@
 On the CPU: refusals raise ValueError before any launch; the page-table gather and append
 math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
 one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
-per page, pages as large as the tile or larger: one box per tile) for sm_90a, no spills.
+per page, pages as large as the tile or larger: one box per tile; an e4m3 cache) for
+sm_90a, no spills.
 
 On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
 gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
@@ -31,7 +32,8 @@ def _inputs(**over):
 
 def _refused(match, **over):
     t = _inputs(**over)
-    extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits") if k in t}
+    extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits", "k_descale", "v_descale")
+             if k in t}
     with pytest.raises(ValueError, match=match):
         kvcache.attention_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"],
                                        page_table=t["page_table"], **extra)
@@ -60,6 +62,14 @@ def test_refusals_before_any_launch():
     _refused("more than the cache", k_new=torch.zeros(2, 49, 2, 128, dtype=bf),
              v_new=torch.zeros(2, 49, 2, 128, dtype=bf))
     _refused("num_splits", num_splits=129)
+    _refused("e4m3", k_descale=torch.ones(2, 2))                 # descales with a bf16 cache
+    f8 = torch.float8_e4m3fn
+    _refused("one dtype", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8))
+    _refused("fp32 of shape", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+             v_cache=torch.zeros(6, 16, 2, 128, dtype=f8), k_descale=torch.ones(2, 3))
+    _refused("quantized", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+             v_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+             k_new=torch.zeros(2, 1, 2, 128, dtype=bf), v_new=torch.zeros(2, 1, 2, 128, dtype=bf))
     _refused("CUDA device")                          # valid but on the CPU: nothing launched
 
 
@@ -97,20 +107,26 @@ def test_page_table_gather_and_append_math():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("page_size,block_n,stages,boxes", [(0, 128, 3, 1), (16, 128, 3, 8),
-                                                            (256, 64, 2, 1)])
-def test_kv_cache_variants_compile(page_size, block_n, stages, boxes):
+@pytest.mark.parametrize("page_size,block_n,stages,fp8,boxes", [
+    (0, 128, 3, False, 1), (16, 128, 3, False, 8), (256, 64, 2, False, 1),
+    (16, 128, 4, True, 8), (0, 64, 4, True, 1)])
+def test_kv_cache_variants_compile(page_size, block_n, stages, fp8, boxes):
     from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
     with tempfile.TemporaryDirectory() as dump:
         compiled, kernel = kvcache.compile_kernel(
             128, True, torch.bfloat16, page_size, block_n, stages,
-            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}")
+            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
+            kv_dtype=kvcache.FP8 if fp8 else None)
         ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
     (fn,) = resource_usage(cubin)
     assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert fn["registers"] * 160 * kernel.ctas_per_sm <= 65536, fn
-    # K and V: `boxes` TMA boxes per tile, two 64-column halves each at d = 128
-    assert ptx.count("cp.async.bulk.tensor") == 2 * boxes * 2
+    # K and V: `boxes` TMA boxes per tile, each one instruction per 128-byte row chunk
+    # (d = 128: two in bf16, one in e4m3)
+    assert ptx.count("cp.async.bulk.tensor") == 2 * boxes * (1 if fp8 else 2)
+    assert kernel.smem_bytes <= (114 if kernel.ctas_per_sm == 2 else 227) * 1024
+    if fp8:     # e4m3 pairs widened (through f16) in shared memory
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
 
 
 @pytest.mark.gpu

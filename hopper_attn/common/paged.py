@@ -80,6 +80,27 @@ def clear_rows_from(tile: cute.Tensor, first_row, tidx, threads: cutlass.Constex
             cute.autovec_copy(zeros, cute.local_tile(tile[row, None], (8,), (index % chunks,)))
 
 
+@cute.jit
+def widen_tile(src: cute.Tensor, dst: cute.Tensor, tidx, threads: cutlass.Constexpr):
+    """An e4m3 (block_n, d) SMEM tile into a 16-bit one of the same shape (both swizzled):
+    16 bytes (16 values) a load, two 16-byte stores, from each of `threads` threads (e4m3
+    is exact in bf16 and fp16: the descales are applied outside). The caller fences for the
+    async proxy and syncs."""
+    rows, d = cute.size(src, mode=[0]), cute.size(src, mode=[1])
+    chunks = d // 16
+    for i in cutlass.range_constexpr(rows * chunks // threads):
+        index = tidx + threads * i
+        row = index // chunks
+        col = index % chunks
+        narrow = cute.make_rmem_tensor((16,), src.element_type)
+        cute.autovec_copy(cute.local_tile(src[row, None], (16,), (col,)), narrow)
+        wide = cute.make_rmem_tensor((16,), dst.element_type)
+        wide.store(narrow.load().to(dst.element_type))
+        for half in cutlass.range_constexpr(2):
+            cute.autovec_copy(cute.local_tile(wide, (8,), (half,)),
+                              cute.local_tile(dst[row, None], (8,), (2 * col + half,)))
+
+
 def last_page_slot(seqlen_k, page_size: int):
     """The page-table slot of a request's last key (0 for an empty request)."""
     return cutlass.max(seqlen_k - 1, Int32(0)) // page_size

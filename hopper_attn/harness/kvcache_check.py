@@ -6,7 +6,8 @@ random keys and values written into each request's first `lens[b]` rows only; un
 page-table slots point at a NaN page (or, `unused="far"`, at indices far outside the cache:
 never read); optional k_new / v_new appended by the call. The check: outputs free of NaN,
 error against an fp32 reference over the gathered cache at most 2x PyTorch's own (SDPA in
-the same dtype on the same keys) + 2^-10, the LSE within 1e-3 (-inf where a request has no
+the same dtype on the same keys; an e4m3 cache: the reference over the cache dequantized in
+fp32, PyTorch's SDPA over it dequantized to bf16) + 2^-10, the LSE within 1e-3 (-inf where a request has no
 key), the same bits on a second run, and every cache byte after the call equal to the
 expected cache (the NaN-filled one with the new rows written by a plain Python loop).
 """
@@ -33,6 +34,7 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     num_splits: int = 0
     unused: str = "nan"           # unused page-table slots: "nan" (a NaN page), "far"
+    fp8: bool = False             # an e4m3 cache, per-kv-head descales
 
     @property
     def batch(self) -> int:
@@ -47,7 +49,8 @@ class Case:
                 + (f" new{self.seqlen_new}" if self.seqlen_new else "")
                 + (" fp16" if self.dtype == torch.float16 else "")
                 + (f" s{self.num_splits}" if self.num_splits else "")
-                + (f" {self.unused}" if self.unused != "nan" else ""))
+                + (f" {self.unused}" if self.unused != "nan" else "")
+                + (" e4m3" if self.fp8 else ""))
 
 
 def quick_cases() -> list[Case]:
@@ -78,6 +81,12 @@ def quick_cases() -> list[Case]:
         # 32-token page; half of a 128-token page)
         Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 32, seqlen_new=1),
         Case(tuple(i * 131 % 1022 for i in range(20)), 1024, 128, seqlen_q=4, seqlen_new=2),
+        # e4m3 caches: contiguous and paged, appends, 4 and 16 queries, d 64
+        Case((0, 1, 127, 128, 129, 1000, 1023, 1024), 1024, 0, fp8=True),
+        Case((5, 300, 1000, 777), 1024, 16, seqlen_q=4, seqlen_new=4, fp8=True),
+        Case((3000, 8189, 4096, 1), 8192, 128, seqlen_q=16, seqlen_new=3, fp8=True),
+        Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 64, seqlen_new=1, fp8=True),
+        Case((1000, 2046, 15, 0), 2048, 32, head_dim=64, seqlen_new=2, fp8=True),
         Case((100, 1000, 16, 1), 1024, 16, unused="far"),
         Case((100, 1000, 128, 1), 1024, 128, unused="far", seqlen_new=2),
     ]
@@ -130,10 +139,28 @@ def make_case(case: Case, device, seed: int = 0) -> dict:
     q = randn(b, case.seqlen_q, case.heads, d)
     new = [randn(b, case.seqlen_new, hkv, d) for _ in range(2)] if case.seqlen_new \
         else [None, None]
+    descales = [None, None]
+    if case.fp8:        # per kv head (the same for every request), from the amax (+ 2x)
+        for i in range(2):
+            amax = caches[i].float().nan_to_num(0.0).abs().amax(dim=(0, 1, 3)).clamp(min=1.0)
+            descales[i] = (2 * amax / 448.0).expand(b, hkv).contiguous()
+            caches[i] = quantize(caches[i], descales[i][0])
+            new[i] = None if new[i] is None else quantize(new[i], descales[i][0])
     to = (lambda t: None if t is None else t.to(device))
     return {"q": to(q), "k_cache": to(caches[0]), "v_cache": to(caches[1]),
             "cache_seqlens": torch.tensor(case.lens, dtype=torch.int32, device=device),
-            "page_table": to(table), "k_new": to(new[0]), "v_new": to(new[1])}
+            "page_table": to(table), "k_new": to(new[0]), "v_new": to(new[1]),
+            "k_descale": to(descales[0]), "v_descale": to(descales[1])}
+
+
+def quantize(t, head_descale) -> torch.Tensor:
+    """(..., kv_heads, d) -> e4m3 of t / descale per kv head (NaN stays NaN)."""
+    return (t.float() / head_descale[:, None]).to(torch.float8_e4m3fn)
+
+
+def dequantized(cache, descale) -> torch.Tensor:
+    """An e4m3 cache as fp32 values (x its kv heads' descales; every request's alike)."""
+    return cache.float() * descale[0][:, None]
 
 
 def cache_index(pos: torch.Tensor, request: int, table, page_size: int) -> tuple:
@@ -145,10 +172,14 @@ def cache_index(pos: torch.Tensor, request: int, table, page_size: int) -> tuple
 
 
 def expected_cache(cache, new, lens, table, page_size: int) -> torch.Tensor:
-    """The cache after an append of `new` (batch, seqlen_new, ...), one row at a time."""
+    """The cache after an append of `new` (batch, seqlen_new, ...), one row at a time (an
+    e4m3 cache as bytes)."""
     out = cache.clone()
     if new is None:
         return out
+    if cache.dtype == torch.float8_e4m3fn:
+        return expected_cache(cache.view(torch.uint8), new.view(torch.uint8), lens, table,
+                              page_size).view(cache.dtype)
     for r, n in enumerate(lens):
         for i in range(new.shape[1]):
             pos = n + i
@@ -218,11 +249,12 @@ def _call(inputs, case: Case, **kw):
     return attention_with_kvcache(i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"],
                                   page_table=i["page_table"], k_new=i["k_new"],
                                   v_new=i["v_new"], causal=case.causal, return_lse=True,
-                                  num_splits=case.num_splits, **kw)
+                                  num_splits=case.num_splits, k_descale=i["k_descale"],
+                                  v_descale=i["v_descale"], **kw)
 
 
 def _same_bits(a, b) -> bool:
-    view = torch.int32 if a.element_size() == 4 else torch.int16
+    view = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[a.element_size()]
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
@@ -241,9 +273,13 @@ def check_case(case: Case, seed: int = 0) -> dict:
         _same_bits(inputs["v_cache"], expect_v)
     keys = [n + case.seqlen_new for n in lens]
     scale = case.head_dim ** -0.5
+    if case.fp8:    # the reference over the dequantized cache; torch's error: bf16 of it
+        expect_k = dequantized(expect_k, inputs["k_descale"])
+        expect_v = dequantized(expect_v, inputs["v_descale"])
     ref, ref_lse = reference(inputs["q"], expect_k, expect_v, keys, table, ps, case.causal,
                              scale)
-    t_err = torch_error(inputs["q"], expect_k, expect_v, keys, table, ps, case.causal, ref)
+    t_err = torch_error(inputs["q"], expect_k.to(case.dtype), expect_v.to(case.dtype), keys,
+                        table, ps, case.causal, ref)
     err = (out.float() - ref).abs().max().item()
     finite = ref_lse.isfinite()
     lse_ok = bool(torch.equal(lse.isfinite(), finite))
@@ -256,7 +292,7 @@ def check_case(case: Case, seed: int = 0) -> dict:
     return {"case": case.label(), "ok": bool(ok), "err": err, "torch_err": t_err,
             "ratio": err / max(t_err, 2 ** -10), "lse_err": lse_err, "lse_inf_ok": lse_ok,
             "same_bits": same, "no_nan": no_nan, "cache_ok": cache_ok,
-            "plan": kvcache.plan(problem, case.num_splits)}
+            "plan": kvcache.plan(problem, case.num_splits, case.fp8)}
 
 
 def check_graph(case: Case = Case((1000, 4095, 17, 0), 4096, 16, seqlen_new=1),
