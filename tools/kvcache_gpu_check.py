@@ -17,7 +17,8 @@ Sweep (1 query, Hq 32 / Hkv 8, d 128, bf16, causal, every request at the full le
 this project's contiguous cache and paged caches of 16 and 128 tokens (shuffled tables),
 FA4's `flash_attn_varlen_func` with `seqused_k` (contiguous) and `page_table` (16, 128),
 SDPA over the cache gathered through the table (the gather timed with it) and SDPA over the
-contiguous cache. Round-robin timing as tools/decode_gpu_check.py (each call alone after a
+contiguous cache; and this project's e4m3 cache (the same values, half the bytes; TB/s of
+the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu_check.py (each call alone after a
 sleep kernel, on the next of enough cache copies to exceed the L2, medians of 30 rounds).
 TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. Everything goes to
 $OUT/kvcache.json.
@@ -102,7 +103,7 @@ def _calls(batch: int, n: int, copies: int):
     seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
     qt = q.transpose(1, 2)
     sets = {ps: [_caches(batch, n, ps, gen) for _ in range(copies)] for ps in (0, 16, 128)}
-    calls, outputs = {}, {}
+    calls, outputs, sets8 = {}, {}, {}
 
     def gather(cache, table):
         return cache[table.long()].flatten(1, 2)[:, :n]
@@ -111,6 +112,11 @@ def _calls(batch: int, n: int, copies: int):
         calls[label] = [lambda k=k, v=v, t=t: attention_with_kvcache(q, k, v, seqlens,
                                                                       page_table=t)
                         for k, v, t in sets[ps]]
+        # the same values in e4m3 (|x| < 6: descale 1), half the bytes
+        sets8[ps] = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), t)
+                     for k, v, t in sets[ps]]
+        calls["fp8-" + label] = [lambda k=k, v=v, t=t: attention_with_kvcache(
+            q, k, v, seqlens, page_table=t) for k, v, t in sets8[ps]]
         if ps:
             calls[f"sdpa-g{ps}"] = [
                 lambda k=k, v=v, t=t: F.scaled_dot_product_attention(
@@ -129,9 +135,12 @@ def _calls(batch: int, n: int, copies: int):
         for label in ("fa4", "fa4-p16", "fa4-p128"):
             calls[label] = f"{type(exc).__name__}: {str(exc)[:100]}"
     # outputs of the first copy, each against SDPA on its own (gathered) cache
-    for ps, labels in ((0, ("contig", "fa4")), (16, ("p16", "fa4-p16")),
-                       (128, ("p128", "fa4-p128"))):
-        k, v, t = sets[ps][0]
+    for ps, labels, kvs in ((0, ("contig", "fa4"), sets[0]), (16, ("p16", "fa4-p16"), sets[16]),
+                            (128, ("p128", "fa4-p128"), sets[128]),
+                            (0, ("fp8-contig",), sets8[0]), (16, ("fp8-p16",), sets8[16]),
+                            (128, ("fp8-p128",), sets8[128])):
+        k, v, t = (x.to(torch.bfloat16) if x is not None and x.dtype != torch.int32 else x
+                   for x in kvs[0])
         ref = F.scaled_dot_product_attention(
             qt, (gather(k, t) if ps else k).transpose(1, 2),
             (gather(v, t) if ps else v).transpose(1, 2), enable_gqa=True).transpose(1, 2)
@@ -150,7 +159,8 @@ def _calls(batch: int, n: int, copies: int):
 def benchmark(shapes) -> list:
     from decode_gpu_check import round_robin
     rows = []
-    print("shape: name us TB/s ... | p16/contig p128/contig, best(fa4-pX, sdpa-gX)/pX")
+    print("shape: name us TB/s ... || fp8/bf16 per layout, p16/contig p128/contig, "
+          "best(fa4-pX, sdpa-gX)/pX")
     for batch, n in shapes:
         kv_bytes = 2 * batch * n * HKV * D * 2
         copies = max(2, math.ceil(2 * L2_BYTES / kv_bytes))
@@ -166,14 +176,18 @@ def benchmark(shapes) -> list:
             torch.cuda.empty_cache()
             continue
         for name, entry in timed.items():
-            if "ms" in entry:
-                entry["tb_s"] = kv_bytes / (entry["ms"] * 1e-3) / 1e12
+            if "ms" in entry:       # (e4m3: the bytes it reads, half)
+                read = kv_bytes / 2 if name.startswith("fp8") else kv_bytes
+                entry["tb_s"] = read / (entry["ms"] * 1e-3) / 1e12
             if name in diffs:
                 entry["max_diff_vs_sdpa"] = diffs[name]
         row["timed"] = timed
         us = {k: e["ms"] * 1e3 for k, e in timed.items() if "ms" in e}
         cells = [f"{k} {us[k]:.1f} {timed[k]['tb_s']:.2f}" for k in timed if k in us]
         ratios = {}
+        for label in ("contig", "p16", "p128"):
+            if label in us and "fp8-" + label in us:
+                ratios[f"fp8/{label}"] = us[label] / us["fp8-" + label]
         for ps in (16, 128):
             mine = us.get(f"p{ps}")
             if mine and "contig" in us:
