@@ -28,7 +28,10 @@ The `kv_cache` variant (`kv_cache_call`, for hopper_attn/kvcache.py): each reque
 count comes from a device tensor (the bottom-right diagonal and the splits per request), K
 and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from the pages
 that a page table names: common/paged.py), and the last tile's V rows past the request's
-keys are zeroed in shared memory before P V (a cache may hold NaN there).
+keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
+cache (`fp8`), TMA fills rings of e4m3 tiles, the consumers widen each into one fp16 tile
+and the WGMMAs run in fp16 (Q converted when loaded), the descales folded into the softmax
+scale (K) and 1 / l (V).
 
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
@@ -212,8 +215,9 @@ class DecodeAttention:
                  page_size: int = 0, fp8: bool = False):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
-        `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, each widened into one 16-bit
-        K or V tile for the WGMMAs) with per-(request, k/v head) descales."""
+        `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, each widened into one fp16 K or
+        V tile; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v head)
+        descales."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
@@ -269,14 +273,17 @@ class DecodeAttention:
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bn, d = self.block_n, self.head_dim
         self.dtype = mQ.element_type
+        # the WGMMAs' type: q's, or fp16 with an e4m3 cache (one cvt widens two e4m3 values
+        # to fp16, exactly; bf16 takes three more through fp32)
+        self.mma_dtype = cutlass.Float16 if self.fp8 else self.dtype
         # the partial O rows are d fp32 apart (16-byte multiples): vector loads and stores
         row_stride = mOPart.layout.stride[0]
         if cutlass.const_expr(not isinstance(row_stride, int)):
             row_stride = cute.assume(row_stride, divby=4)
         o_part = cute.make_tensor(mOPart.iterator,
                                   cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
-        q_layout = smem_tile_layout(self.dtype, ROWS, d)
-        kv_layout = smem_tile_layout(self.dtype, bn, d, 1 if self.fp8 else self.stages)
+        q_layout = smem_tile_layout(self.mma_dtype, ROWS, d)
+        kv_layout = smem_tile_layout(self.mma_dtype, bn, d, 1 if self.fp8 else self.stages)
         # (fp8: TMA fills rings of e4m3 tiles; kv_layout is the one 16-bit tile of each)
         load_dtype = mK.element_type
         load_layout = smem_tile_layout(load_dtype, bn, d, self.stages) if self.fp8 \
@@ -294,11 +301,11 @@ class DecodeAttention:
                 k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 last: cute.struct.MemRange[Int32, 4]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)],
-                                      1024]
-                sK: cute.struct.Align[cute.struct.MemRange[self.dtype,
+                sQ: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
+                                                           cute.cosize(q_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
                                                            cute.cosize(kv_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[self.dtype,
+                sV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
                                                            cute.cosize(kv_layout)], 1024]
                 sK8: cute.struct.Align[cute.struct.MemRange[load_dtype,
                                                             cute.cosize(load_layout)], 1024]
@@ -420,7 +427,7 @@ class DecodeAttention:
             consumers.arrive_and_wait()
 
             mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx, sQ, sK, transposed(sV),
-                                              self.dtype)
+                                              self.mma_dtype)
             acc_o = mmas.new_o_accumulator(ROWS, d)
             acc_s = mmas.new_s_accumulator(ROWS, bn)
             o_rc = acc_rows_cols(acc_o)
@@ -469,7 +476,7 @@ class DecodeAttention:
                                 s_rc[r, c] = -Float32.inf
                 alpha = softmax.step(s_rc)
                 scale_rows(o_rc, alpha)
-                mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
             if n_count > 0:                                 # the last tile's PV
                 v_pipe.consumer_wait(v_state)
                 if cutlass.const_expr(self.fp8):
@@ -569,6 +576,10 @@ class DecodeAttention:
                 p = row0 + row
                 src = q[p // group, None, kv_head * group + p % group, batch]
                 cute.autovec_copy(cute.local_tile(src, (8,), (col,)), frag)
+            if cutlass.const_expr(self.mma_dtype != self.dtype):     # (fp8: bf16 -> fp16)
+                wide = cute.make_rmem_tensor((8,), self.mma_dtype)
+                wide.store(frag.load().to(self.mma_dtype))
+                frag = wide
             cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
 
     @cute.jit

@@ -316,8 +316,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     A request with no key (or a query that sees none) gets zeros, LSE -inf.
     FP8 cache: k_cache, v_cache (and k_new, v_new) float8_e4m3fn with bf16 q; the real
     keys and values are k_cache x k_descale, v_cache x v_descale, fp32 (batch, kv_heads)
-    or (kv_heads,) (None: 1). The kernel widens each e4m3 tile to bf16 in shared memory
-    (exact), folds k_descale into the softmax scale and v_descale into the output's 1 / l.
+    or (kv_heads,) (None: 1). The kernel widens each e4m3 tile to fp16 in shared memory
+    (exact) and runs its WGMMAs in fp16 (q converted once: |q| < 65504), folds k_descale
+    into the softmax scale and v_descale into the output's 1 / l.
     Returns out (batch, seqlen_q, heads, d) in q's dtype, and with `return_lse` the fp32
     log-sum-exp (batch, heads, seqlen_q). num_splits: 0 chooses from the shapes (the
     capacity standing for the key count), 1-128 forces a count.
