@@ -274,6 +274,25 @@ def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int,
 
 
 _ONES: dict = {}
+_FAST: dict = {}
+
+
+def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_descale,
+             v_descale, causal, num_splits) -> tuple:
+    """Every check of a call (ValueError before any launch), then (compiled kernel, its
+    workspace after the LSE, TVM-FFI or not, head_dim)."""
+    from hopper_attn import decode
+    from hopper_attn.common import cute_runtime as rt
+    page_size, capacity = check_inputs(q, k_cache, v_cache, cache_seqlens, page_table, k_new,
+                                       v_new, num_splits, None, k_descale, v_descale)
+    problem = problem_for(q, k_cache.shape[2], capacity, causal)
+    decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
+    block_n, stages, splits = plan(problem, num_splits, k_cache.dtype == FP8)
+    tvm_ffi = rt.tvm_ffi_available()
+    compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
+                                 block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype)
+    _, *rest = _workspace(problem, q.device, block_n, stages, splits)
+    return compiled, rest, tvm_ffi, problem.head_dim
 
 
 def _ones(device, batch: int, kv_heads: int) -> torch.Tensor:
@@ -333,18 +352,25 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     seqlen_new) within the capacity (max_seqlen, or max_pages x page_size) and >= 0; values
     outside these read or write outside the cache.
     """
-    page_size, capacity = check_inputs(q, k_cache, v_cache, cache_seqlens, page_table, k_new,
-                                       v_new, num_splits, softmax_scale, k_descale, v_descale)
-    fp8 = k_cache.dtype == FP8
-    from hopper_attn import decode
-    problem = problem_for(q, k_cache.shape[2], capacity, causal)
-    decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
-    block_n, stages, splits = plan(problem, num_splits, fp8)
-    from hopper_attn.common import cute_runtime as rt
-    tvm_ffi = rt.tvm_ffi_available()
-    compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
-                                 block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype)
-    _, *rest = _workspace(problem, q.device, block_n, stages, splits)
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number or None, got "
+                         f"{softmax_scale!r}")
+    tensors = (q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_descale,
+               v_descale)
+    try:        # calls that passed every check once, by all the checks looked at
+        key = (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                     for t in tensors), bool(causal), num_splits, type(num_splits))
+        prepared = _FAST.get(key)
+    except (AttributeError, TypeError):     # not tensors: the checks say so
+        key = prepared = None
+    if prepared is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+        prepared = _prepare(*tensors, causal, num_splits)
+        if key is not None:
+            if len(_FAST) >= 4096:
+                _FAST.clear()
+            _FAST[key] = prepared
+    compiled, rest, tvm_ffi, head_dim = prepared
     seqlens = cache_seqlens
     if k_new is not None:
         append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
@@ -357,11 +383,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ones = _ones(q.device, q.shape[0], k_cache.shape[2])
     tensors = [q, k_cache, v_cache, out, lse, *rest, seqlens, table,
                _descale(k_descale, ones), _descale(v_descale, ones)]
-    scale = (1.0 / math.sqrt(problem.head_dim) if softmax_scale is None
+    scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
              else float(softmax_scale)) * LOG2_E
     if tvm_ffi:
         compiled(*tensors, scale)
     else:
+        from hopper_attn.common import cute_runtime as rt
         compiled(*_args(tensors, False), scale, rt.current_stream())
     return (out, lse) if return_lse else out
 
