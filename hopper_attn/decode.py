@@ -31,7 +31,8 @@ that a page table names: common/paged.py), and the last tile's V rows past the r
 keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
 cache (`fp8`), TMA fills rings of e4m3 tiles, the consumers widen each into one fp16 tile
 and the WGMMAs run in fp16 (Q converted when loaded), the descales folded into the softmax
-scale (K) and 1 / l (V).
+scale (K) and 1 / l (V): 128 x 4 e4m3 stages at d = 128 is Q 16 + one fp16 K and V tile 64
++ rings 128 + 1 = 209 KiB, one CTA per SM; 64 x 4 is 113 KiB, two per SM.
 
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
@@ -433,7 +434,7 @@ class DecodeAttention:
             o_rc = acc_rows_cols(acc_o)
             s_coords = mmas.s_coords
             rows = cute.size(s_coords, mode=[0])
-            if cutlass.const_expr(self.fp8):                # K's descale into the scores'
+            if cutlass.const_expr(self.fp8):                # k_descale: a factor of every score
                 scale_log2 = scale_log2 * mKDescale[batch, kv_head]
             softmax = OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4)
             # the first hidden key of each of this thread's rows (padding rows: as the last
