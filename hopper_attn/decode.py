@@ -319,8 +319,10 @@ class DecodeAttention:
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 last: cute.struct.MemRange[Int32, 4]               # this CTA combines (0 / 1)
                 sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype,
+                                                           cute.cosize(kv_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype,
+                                                           cute.cosize(kv_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()

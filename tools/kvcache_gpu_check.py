@@ -18,8 +18,9 @@ this project's contiguous cache and paged caches of 16 and 128 tokens (shuffled 
 FA4's `flash_attn_varlen_func` with `seqused_k` (contiguous) and `page_table` (16, 128),
 SDPA over the cache gathered through the table (the gather timed with it) and SDPA over the
 contiguous cache; and this project's e4m3 cache (the same values, half the bytes; TB/s of
-the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu_check.py (each call alone after a
-sleep kernel, on the next of enough cache copies to exceed the L2, medians of 30 rounds).
+the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu_check.py
+(each call alone after a sleep kernel, on the next of enough cache copies to exceed the
+L2, medians of 30 rounds).
 TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. Everything goes to
 $OUT/kvcache.json.
 """

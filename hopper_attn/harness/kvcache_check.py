@@ -6,10 +6,11 @@ random keys and values written into each request's first `lens[b]` rows only; un
 page-table slots point at a NaN page (or, `unused="far"`, at indices far outside the cache:
 never read); optional k_new / v_new appended by the call. The check: outputs free of NaN,
 error against an fp32 reference over the gathered cache at most 2x PyTorch's own (SDPA in
-the same dtype on the same keys; an e4m3 cache: the reference over the cache dequantized in
-fp32, PyTorch's SDPA over it dequantized to bf16) + 2^-10, the LSE within 1e-3 (-inf where a request has no
-key), the same bits on a second run, and every cache byte after the call equal to the
-expected cache (the NaN-filled one with the new rows written by a plain Python loop).
+the same dtype on the same keys; an e4m3 cache: the reference over the cache dequantized
+in fp32, PyTorch's SDPA over it dequantized to bf16) + 2^-10, the LSE within 1e-3 (-inf
+where a request has no key), the same bits on a second run, and every cache byte after
+the call equal to the expected cache (the NaN-filled one with the new rows written by a
+plain Python loop).
 """
 
 from __future__ import annotations
