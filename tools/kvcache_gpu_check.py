@@ -11,7 +11,8 @@ lengths, lengths 0 .. capacity and at page and tile boundaries, 1 / 4 / 16 queri
 32/8, d 128 and 64, appends across pages with every other cache byte checked, forced split
 counts, out-of-cache indices in unused slots; fp32 reference over the gathered cache, 2x
 PyTorch's error, LSE, same bits twice) and a CUDA graph capture + replay of one decode step.
-One line per case.
+One line per case; then whether NaN in unused page slots reaches the output, here and in
+FA4's paged path (pages of 16, 64, 128).
 
 Sweep (1 query, Hq 32 / Hkv 8, d 128, bf16, causal, every request at the full length):
 this project's contiguous cache and paged caches of 16 and 128 tokens (shuffled tables),
@@ -66,6 +67,37 @@ def correctness() -> list:
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass, max error ratio "
           f"{max(ratios, default=float('nan')):.2f} (limit 2 + 2^-10 / torch error)")
+    return rows
+
+
+def nan_probe() -> list:
+    """FA4's paged path and this one on caches whose unused page slots hold NaN (the
+    issue's anchor failure: FA4 with 128-token pages), one line per page size."""
+    from hopper_attn.harness import kvcache_check as kc
+    rows = []
+    for ps in (16, 64, 128):
+        case = kc.Case((100, 1000, 129, 1), 1024, ps)
+        i = kc.make_case(case, "cuda", seed=ps)
+        row = {"page_size": ps}
+        try:
+            out = kc._call(i, case)[0]
+            row["ours_nan"] = bool(out.isnan().any().item())
+        except Exception as exc:  # noqa: BLE001
+            row["ours_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        try:
+            from flash_attn.cute.interface import flash_attn_varlen_func
+            out = flash_attn_varlen_func(i["q"], i["k_cache"], i["v_cache"],
+                                         seqused_k=i["cache_seqlens"],
+                                         page_table=i["page_table"], causal=True)
+            out = out[0] if isinstance(out, tuple) else out
+            row["fa4_nan"] = bool(out.isnan().any().item())
+        except Exception as exc:  # noqa: BLE001
+            row["fa4_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        verdict = {who: ("NaN" if row[f"{who}_nan"] else "clean") if f"{who}_nan" in row
+                   else row.get(f"{who}_error", "")[:60] for who in ("ours", "fa4")}
+        print(f"NaN in unused page slots, page {ps}: ours {verdict['ours']}, FA4 "
+              f"{verdict['fa4']}", flush=True)
+        rows.append(row)
     return rows
 
 
@@ -221,6 +253,7 @@ def main():
     try:
         if not args.no_correctness:
             result["correctness"] = correctness()
+            result["nan_probe"] = nan_probe()
         if not args.quick:
             result["benchmark"] = benchmark(SMALL if args.shapes == "small" else SHAPES)
     except Exception:  # noqa: BLE001 - keep what was measured
