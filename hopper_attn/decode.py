@@ -24,6 +24,16 @@ What changes from the prefill stages (k4-k6), which tile one query head's rows 1
   fenced for the async proxy. O is stored from registers (a row's (query, head) is no TMA
   box either): the output of a decode step is a few KiB.
 
+The `kv_cache` variant (`kv_cache_call`, for hopper_attn/kvcache.py): each request's key
+count comes from a device tensor (the bottom-right diagonal and the splits per request), K
+and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from the pages
+that a page table names: common/paged.py), and the last tile's V rows past the request's
+keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
+cache (`fp8`), TMA fills rings of e4m3 tiles, the consumers widen each into one fp16 tile
+and the WGMMAs run in fp16 (Q converted when loaded), the descales folded into the softmax
+scale (K) and 1 / l (V): 128 x 4 e4m3 stages at d = 128 is Q 16 + one fp16 K and V tile 64
++ rings 128 + 1 = 209 KiB, one CTA per SM; 64 x 4 is 113 KiB, two per SM.
+
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
 and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
@@ -50,7 +60,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 import torch
 
-from hopper_attn.common import tma, wgmma
+from hopper_attn.common import paged, tma, wgmma
 from hopper_attn.common.contract import (LOG2_E, MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
@@ -124,15 +134,19 @@ def tile_config(head_dim: int, block_n: int = 0, stages: int = 0) -> tuple[int, 
     return block_n, stages
 
 
-def smem_estimate(head_dim: int, block_n: int, stages: int) -> int:
-    """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements."""
+def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
+    """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
+    rings of `stages` and one 16-bit K and V tile they are widened into)."""
+    if fp8:
+        return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(block_n * head_dim * 2) \
+            + 2 * smem_bytes(stages * block_n * head_dim)
     return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
 
 
-def ctas_per_sm(head_dim: int, block_n: int, stages: int) -> int:
+def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
     """CTAs one SM holds by shared memory (1 KiB reserved per CTA), at most 2 (registers:
     2 x 160 threads x 204)."""
-    return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages) + 1024)))
+    return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages, fp8) + 1024)))
 
 
 def max_splits(head_dim: int = 0, block_n: int = 0, stages: int = 0) -> int:
@@ -198,15 +212,28 @@ def prefers(problem) -> bool:
 
 class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
-                 combine_chunk: int = COMBINE_CHUNK):
+                 combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
+                 page_size: int = 0, fp8: bool = False):
+        """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
+        key count read from a device tensor, a contiguous (page_size 0) or paged cache;
+        `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, each widened into one fp16 K or
+        V tile; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v head)
+        descales."""
         block_n, stages = tile_config(head_dim, block_n, stages)
-        smem = smem_estimate(head_dim, block_n, stages)
+        from hopper_attn.kvcache import PAGE_SIZES
+        if page_size and (not kv_cache or page_size not in PAGE_SIZES):
+            raise ValueError(f"page_size must be one of {PAGE_SIZES} (kv_cache only), "
+                             f"got {page_size}")
+        if fp8 and not kv_cache:
+            raise ValueError("fp8: kv_cache only")
+        self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
+        smem = smem_estimate(head_dim, block_n, stages, fp8)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
                              f"{smem} bytes of shared memory; a CTA gets at most {SMEM_PER_CTA}")
         self.head_dim, self.causal = head_dim, causal
         self.block_n, self.stages = block_n, stages
-        self.ctas_per_sm = ctas_per_sm(head_dim, block_n, stages)
+        self.ctas_per_sm = ctas_per_sm(head_dim, block_n, stages, fp8)
         self.max_splits = max_splits(head_dim, block_n, stages)
         if not 1 <= combine_chunk <= 32:
             raise ValueError(f"combine_chunk must be 1-32, got {combine_chunk}")
@@ -222,29 +249,80 @@ class DecodeAttention:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mOPart: cute.Tensor, mLSEPart: cute.Tensor,
                  mCount: cute.Tensor, scale_log2: Float32, stream):
+        self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, None, None, scale_log2,
+                    stream)
+
+    @cute.jit
+    def kv_cache_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                      mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+                      mLSEPart: cute.Tensor, mCount: cute.Tensor, mSeqlensK: cute.Tensor,
+                      mPageTable: cute.Tensor, mKDescale: cute.Tensor, mVDescale: cute.Tensor,
+                      scale_log2: Float32, stream):
+        """k and v a cache: (batch, capacity, kv_heads, d), or with a page size (num_pages,
+        page_size, kv_heads, d) and the (batch, max_pages) int32 page table; request b sees
+        its first mSeqlensK[b] keys (int32, (batch,)). With `fp8`, k and v are e4m3 and
+        mKDescale, mVDescale fp32 (batch, kv_heads) (unused otherwise)."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, mSeqlensK,
+                    mPageTable if self.page_size else None, scale_log2, stream,
+                    *((mKDescale, mVDescale) if self.fp8 else (None, None)))
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mOPart: cute.Tensor, mLSEPart: cute.Tensor,
+               mCount: cute.Tensor, mSeqlensK, mPageTable, scale_log2: Float32, stream,
+               mKDescale=None, mVDescale=None):
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bn, d = self.block_n, self.head_dim
         self.dtype = mQ.element_type
+        # the WGMMAs' type: q's, or fp16 with an e4m3 cache (one cvt widens two e4m3 values
+        # to fp16, exactly; bf16 takes three more through fp32)
+        self.mma_dtype = cutlass.Float16 if self.fp8 else self.dtype
         # the partial O rows are d fp32 apart (16-byte multiples): vector loads and stores
         row_stride = mOPart.layout.stride[0]
         if cutlass.const_expr(not isinstance(row_stride, int)):
             row_stride = cute.assume(row_stride, divby=4)
         o_part = cute.make_tensor(mOPart.iterator,
                                   cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
-        q_layout = smem_tile_layout(self.dtype, ROWS, d)
-        kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
-        tma_k, k_coords = tma.make_tma_load(k, kv_layout, bn, d)
-        tma_v, v_coords = tma.make_tma_load(v, kv_layout, bn, d)
-        self.tile_bytes = tma.tma_bytes(self.dtype, kv_layout)
+        q_layout = smem_tile_layout(self.mma_dtype, ROWS, d)
+        kv_layout = smem_tile_layout(self.mma_dtype, bn, d, 1 if self.fp8 else self.stages)
+        # (fp8: TMA fills rings of e4m3 tiles; kv_layout is the one 16-bit tile of each)
+        load_dtype = mK.element_type
+        load_layout = smem_tile_layout(load_dtype, bn, d, self.stages) if self.fp8 \
+            else kv_layout
+        load_rows = paged.box_rows(self.page_size, bn) if self.page_size else bn
+        box_layout = smem_tile_layout(load_dtype, load_rows, d) if self.page_size \
+            else load_layout
+        tma_k, k_coords = tma.make_tma_load(k, box_layout, load_rows, d)
+        tma_v, v_coords = tma.make_tma_load(v, box_layout, load_rows, d)
+        self.tile_bytes = tma.tma_bytes(load_dtype, load_layout)
 
-        @cute.struct
-        class SharedStorage:
-            k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            last: cute.struct.MemRange[Int32, 4]               # this CTA combines (0 / 1)
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+        if cutlass.const_expr(self.fp8):
+            @cute.struct
+            class SharedStorage:
+                k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                last: cute.struct.MemRange[Int32, 4]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
+                                                           cute.cosize(q_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
+                                                           cute.cosize(kv_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
+                                                           cute.cosize(kv_layout)], 1024]
+                sK8: cute.struct.Align[cute.struct.MemRange[load_dtype,
+                                                            cute.cosize(load_layout)], 1024]
+                sV8: cute.struct.Align[cute.struct.MemRange[load_dtype,
+                                                            cute.cosize(load_layout)], 1024]
+        else:
+            @cute.struct
+            class SharedStorage:
+                k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                last: cute.struct.MemRange[Int32, 4]               # this CTA combines (0 / 1)
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype,
+                                                           cute.cosize(kv_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype,
+                                                           cute.cosize(kv_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -253,7 +331,8 @@ class DecodeAttention:
         tiles_m = cute.ceil_div((heads // heads_kv) * seqlen_q, ROWS)
         splits = mLSEPart.shape[0]
         self.kernel(q, o, k_coords, v_coords, tma_k, tma_v, mLSE, o_part, mLSEPart, mCount,
-                    scale_log2, q_layout, kv_layout).launch(
+                    scale_log2, q_layout, kv_layout, mSeqlensK, mPageTable, mKDescale,
+                    mVDescale, load_layout if self.fp8 else None).launch(
             grid=[splits, heads_kv, batch * tiles_m],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=self.ctas_per_sm,
@@ -267,7 +346,8 @@ class DecodeAttention:
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, mLSE: cute.Tensor,
                mOPart: cute.Tensor, mLSEPart: cute.Tensor, mCount: cute.Tensor,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout):
+               kv_layout: cute.ComposedLayout, mSeqlensK, mPageTable, mKDescale, mVDescale,
+               load_layout):
         bn, d = self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -281,6 +361,8 @@ class DecodeAttention:
         tiles_m = cute.ceil_div(rows_total, ROWS)
         batch = tile // tiles_m
         m_tile = tile - batch * tiles_m
+        if cutlass.const_expr(self.kv_cache):
+            seqlen_k = mSeqlensK[batch]                     # this request's keys
         row0 = m_tile * ROWS
         rows_valid = cutlass.min(rows_total - row0, ROWS)
         part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
@@ -299,6 +381,10 @@ class DecodeAttention:
             tma.prefetch_descriptors(tma_k, tma_v)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ, sK, sV = qkv_smem(storage, q_layout, kv_layout)
+        sK_load, sV_load = sK, sV                           # where TMA writes K and V
+        if cutlass.const_expr(self.fp8):
+            sK_load, sV_load = (buf.get_tensor(load_layout.outer, swizzle=load_layout.inner)
+                                for buf in (storage.sK8, storage.sV8))
         k_pipe = tma.make_tma_ring(storage.k_barriers.data_ptr(), self.stages, 4,
                                    self.tile_bytes)
         v_pipe = tma.make_tma_ring(storage.v_barriers.data_ptr(), self.stages, 4,
@@ -307,14 +393,34 @@ class DecodeAttention:
 
         if warp == PRODUCER_WARP:
             # ---------------- producer warp: K_j, V_j of this split's kv tiles ----------------
-            k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
-            v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
+            if cutlass.const_expr(self.page_size):
+                last_slot = paged.last_page_slot(seqlen_k, self.page_size)
+            else:
+                k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK_load)
+                v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV_load)
             produce = tma.producer_state(self.stages)
             for j in cutlass.range(n_count, unroll=1):
+                if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
+                    pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
+                                             self.page_size, bn)
                 tma.acquire_empty(k_pipe, produce)
-                k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce), produce.index)
+                if cutlass.const_expr(self.page_size):
+                    paged.copy_paged_tile(tma_k, mK, pages, sK_load[None, None, produce.index],
+                                          n_first + j, kv_head,
+                                          k_pipe.producer_get_barrier(produce),
+                                          self.page_size, bn)
+                else:
+                    k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce),
+                                 produce.index)
                 tma.acquire_empty(v_pipe, produce)
-                v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce), produce.index)
+                if cutlass.const_expr(self.page_size):
+                    paged.copy_paged_tile(tma_v, mV, pages, sV_load[None, None, produce.index],
+                                          n_first + j, kv_head,
+                                          v_pipe.producer_get_barrier(produce),
+                                          self.page_size, bn)
+                else:
+                    v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
+                                 produce.index)
                 produce.advance()
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
@@ -324,12 +430,14 @@ class DecodeAttention:
             consumers.arrive_and_wait()
 
             mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx, sQ, sK, transposed(sV),
-                                              self.dtype)
+                                              self.mma_dtype)
             acc_o = mmas.new_o_accumulator(ROWS, d)
             acc_s = mmas.new_s_accumulator(ROWS, bn)
             o_rc = acc_rows_cols(acc_o)
             s_coords = mmas.s_coords
             rows = cute.size(s_coords, mode=[0])
+            if cutlass.const_expr(self.fp8):                # k_descale: a factor of every score
+                scale_log2 = scale_log2 * mKDescale[batch, kv_head]
             softmax = OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4)
             # the first hidden key of each of this thread's rows (padding rows: as the last
             # real query or later, so never fewer keys than the real rows)
@@ -344,13 +452,19 @@ class DecodeAttention:
             v_state = tma.consumer_state(self.stages)
             for j in cutlass.range(n_count, unroll=1):
                 k_pipe.consumer_wait(k_state)
+                if cutlass.const_expr(self.fp8):            # e4m3 stages -> the 16-bit tiles
+                    self.widen(sK_load, sK, k_state, v_pipe, sV_load, sV, v_state, j > 0,
+                               tidx, consumers)
                 if j > 0:                                   # O += P_{j-1} V_{j-1}
                     v_pipe.consumer_wait(v_state)
                     wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                               mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                               mmas.vt_frag[None, None, None, self.stage16(v_state)],
+                               zero_init=False)
                 wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
-                           mmas.k_frag[None, None, None, k_state.index], zero_init=True)
+                           mmas.k_frag[None, None, None, self.stage16(k_state)], zero_init=True)
                 warpgroup.wait_group(0)
+                if cutlass.const_expr(self.fp8):            # every warp done with the tiles
+                    consumers.arrive_and_wait()
                 if j > 0:
                     tma.release_stage(v_pipe, v_state)
                     v_state.advance()
@@ -365,16 +479,35 @@ class DecodeAttention:
                                 s_rc[r, c] = -Float32.inf
                 alpha = softmax.step(s_rc)
                 scale_rows(o_rc, alpha)
-                mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
             if n_count > 0:                                 # the last tile's PV
                 v_pipe.consumer_wait(v_state)
+                if cutlass.const_expr(self.fp8):
+                    paged.widen_tile(sV_load[None, None, v_state.index], sV[None, None, 0],
+                                     tidx, 128)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    consumers.arrive_and_wait()
+                if cutlass.const_expr(self.kv_cache):
+                    # a cache's rows past the request's keys may hold anything, NaN too:
+                    # zero them (their P is 0, but 0 x NaN is NaN)
+                    tail = seqlen_k - (n_first + n_count - 1) * bn
+                    if tail < bn:
+                        paged.clear_rows_from(sV[None, None, self.stage16(v_state)], tail,
+                                              tidx, 128)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        consumers.arrive_and_wait()
                 wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                           mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                           mmas.vt_frag[None, None, None, self.stage16(v_state)],
+                           zero_init=False)
                 warpgroup.wait_group(0)
                 tma.release_stage(v_pipe, v_state)
 
             inv = softmax.finalize()                        # 1 / l, 0 for a row without keys
             lse = softmax.log_sum_exp(inv)                  # natural log, -inf without keys
+            if cutlass.const_expr(self.fp8):                # V's descale into 1 / l
+                v_descale = mVDescale[batch, kv_head]
+                for r in cutlass.range_constexpr(rows):
+                    inv[r] = inv[r] * v_descale
             scale_rows(o_rc, inv)
             o_coords = mmas.thr_pv.partition_C(cute.make_identity_tensor((ROWS, d)))
             if splits == 1:
@@ -414,6 +547,22 @@ class DecodeAttention:
                     self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
                                  part_rows, row0, group, kv_head, batch, tidx)
 
+    def stage16(self, state):
+        """The 16-bit K / V tile a ring stage's WGMMAs read: the stage's own, or with `fp8`
+        the one tile the e4m3 stages are widened into."""
+        return 0 if self.fp8 else state.index
+
+    @cute.jit
+    def widen(self, sK8, sK, k_state, v_pipe, sV8, sV, v_state, with_v, tidx, consumers):
+        """fp8: K_j's e4m3 stage (landed) and, `with_v`, V_{j-1}'s (waited for here) widened
+        into the 16-bit tiles, fenced for the WGMMAs, the warpgroup synced."""
+        paged.widen_tile(sK8[None, None, k_state.index], sK[None, None, 0], tidx, 128)
+        if with_v:
+            v_pipe.consumer_wait(v_state)
+            paged.widen_tile(sV8[None, None, v_state.index], sV[None, None, 0], tidx, 128)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        consumers.arrive_and_wait()
+
     @cute.jit
     def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
                batch):
@@ -430,6 +579,10 @@ class DecodeAttention:
                 p = row0 + row
                 src = q[p // group, None, kv_head * group + p % group, batch]
                 cute.autovec_copy(cute.local_tile(src, (8,), (col,)), frag)
+            if cutlass.const_expr(self.mma_dtype != self.dtype):     # (fp8: bf16 -> fp16)
+                wide = cute.make_rmem_tensor((8,), self.mma_dtype)
+                wide.store(frag.load().to(self.mma_dtype))
+                frag = wide
             cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
 
     @cute.jit

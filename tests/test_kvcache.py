@@ -1,0 +1,142 @@
+"""`attention_with_kvcache` (hopper_attn/kvcache.py, the decode stage's kv_cache variant).
+
+On the CPU: refusals raise ValueError before any launch; the page-table gather and append
+math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
+one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
+per page, pages as large as the tile or larger: one box per tile; an e4m3 cache) for
+sm_90a, no spills.
+
+On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
+gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
+byte, same bits twice) and a CUDA graph replay.
+"""
+
+import tempfile
+
+import pytest
+import torch
+
+from hopper_attn import kvcache
+from hopper_attn.harness import kvcache_check as kc
+
+
+def _inputs(**over):
+    t = dict(q=torch.zeros(2, 1, 8, 128, dtype=torch.bfloat16),
+             k_cache=torch.zeros(6, 16, 2, 128, dtype=torch.bfloat16),
+             v_cache=torch.zeros(6, 16, 2, 128, dtype=torch.bfloat16),
+             cache_seqlens=torch.zeros(2, dtype=torch.int32),
+             page_table=torch.zeros(2, 3, dtype=torch.int32))
+    t.update(over)
+    return t
+
+
+def _refused(match, **over):
+    t = _inputs(**over)
+    extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits", "k_descale", "v_descale")
+             if k in t}
+    with pytest.raises(ValueError, match=match):
+        kvcache.attention_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"],
+                                       page_table=t["page_table"], **extra)
+
+
+def test_refusals_before_any_launch():
+    bf = torch.bfloat16
+    _refused("chunked prefill", q=torch.zeros(2, 17, 8, 128, dtype=bf))
+    _refused("bf16 or fp16", q=torch.zeros(2, 1, 8, 128))
+    _refused("same shape", v_cache=torch.zeros(6, 32, 2, 128, dtype=bf))
+    _refused("dtype", k_cache=torch.zeros(6, 16, 2, 128, dtype=torch.float16),
+             v_cache=torch.zeros(6, 16, 2, 128, dtype=torch.float16))
+    _refused("multiple of", q=torch.zeros(2, 1, 7, 128, dtype=bf))
+    _refused("head_dim", q=torch.zeros(2, 1, 8, 64, dtype=bf))
+    _refused("cache_seqlens", cache_seqlens=torch.zeros(2, dtype=torch.int64))
+    _refused("cache_seqlens", cache_seqlens=torch.zeros(3, dtype=torch.int32))
+    _refused("page_table", page_table=torch.zeros(2, 3, dtype=torch.int64))
+    _refused("page_table", page_table=torch.zeros(3, 3, dtype=torch.int32))
+    _refused("page_table", page_table=torch.zeros(2, 6, dtype=torch.int32)[:, ::2])
+    _refused("page_size", k_cache=torch.zeros(6, 8, 2, 128, dtype=bf),
+             v_cache=torch.zeros(6, 8, 2, 128, dtype=bf))
+    _refused("batch", page_table=None)
+    _refused("together", k_new=torch.zeros(2, 1, 2, 128, dtype=bf), v_new=None)
+    _refused("seqlen_new", k_new=torch.zeros(2, 1, 3, 128, dtype=bf),
+             v_new=torch.zeros(2, 1, 3, 128, dtype=bf))
+    _refused("more than the cache", k_new=torch.zeros(2, 49, 2, 128, dtype=bf),
+             v_new=torch.zeros(2, 49, 2, 128, dtype=bf))
+    _refused("num_splits", num_splits=129)
+    _refused("e4m3", k_descale=torch.ones(2, 2))                 # descales with a bf16 cache
+    f8 = torch.float8_e4m3fn
+    _refused("one dtype", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8))
+    _refused("fp32 of shape", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+             v_cache=torch.zeros(6, 16, 2, 128, dtype=f8), k_descale=torch.ones(2, 3))
+    _refused("quantized", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+             v_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+             k_new=torch.zeros(2, 1, 2, 128, dtype=bf), v_new=torch.zeros(2, 1, 2, 128, dtype=bf))
+    _refused("CUDA device")                          # valid but on the CPU: nothing launched
+
+
+def test_page_table_gather_and_append_math():
+    """A paged cache built from a contiguous one through a shuffled page table gathers back
+    to the same keys; append_kv (vectorised index ops) writes what a row-by-row loop
+    writes, across page boundaries, and nothing else; the fp32 reference agrees on both
+    layouts."""
+    case = kc.Case((0, 15, 16, 40), 64, 16, seqlen_q=4, seqlen_new=3, heads=4, heads_kv=2,
+                   head_dim=64)
+    i = kc.make_case(case, "cpu", seed=3)
+    table, ps = i["page_table"], case.page_size
+    for name, new in (("k_cache", i["k_new"]), ("v_cache", i["v_new"])):
+        expect = kc.expected_cache(i[name], new, case.lens, table, ps)
+        got = i[name].clone()
+        kvcache.append_kv(got, got.clone(), new, new, i["cache_seqlens"], table)
+        assert torch.equal(got.view(torch.int16), expect.view(torch.int16))
+    # the same keys laid out contiguously
+    k_paged = kc.expected_cache(i["k_cache"], i["k_new"], case.lens, table, ps)
+    v_paged = kc.expected_cache(i["v_cache"], i["v_new"], case.lens, table, ps)
+    keys = [n + case.seqlen_new for n in case.lens]
+    k_flat = torch.full((case.batch, case.capacity, 2, 64), float("nan"), dtype=torch.bfloat16)
+    v_flat = k_flat.clone()
+    for r, n in enumerate(keys):
+        pages = table[r, :-(-n // ps)].long()
+        k_flat[r, :n] = k_paged[pages].flatten(0, 1)[:n]
+        v_flat[r, :n] = v_paged[pages].flatten(0, 1)[:n]
+        assert torch.equal(kc.gathered(k_paged, r, n, table, ps), k_flat[r, :n])
+    ref_paged = kc.reference(i["q"], k_paged, v_paged, keys, table, ps, True, 0.125)
+    ref_flat = kc.reference(i["q"], k_flat, v_flat, keys, None, 0, True, 0.125)
+    assert torch.equal(ref_paged[0], ref_flat[0]) and torch.equal(ref_paged[1], ref_flat[1])
+    assert not ref_paged[0].isnan().any()
+    # request 0: 3 keys (all new), 4 queries: the first sees none
+    assert ref_paged[1][0, :, 0].isinf().all() and ref_paged[1][0, :, 1:].isfinite().all()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,block_n,stages,fp8,boxes", [
+    (0, 128, 3, False, 1), (16, 128, 3, False, 8), (256, 64, 2, False, 1),
+    (16, 128, 4, True, 8), (0, 64, 4, True, 1)])
+def test_kv_cache_variants_compile(page_size, block_n, stages, fp8, boxes):
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = kvcache.compile_kernel(
+            128, True, torch.bfloat16, page_size, block_n, stages,
+            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
+            kv_dtype=kvcache.FP8 if fp8 else None)
+        ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
+    (fn,) = resource_usage(cubin)
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert fn["registers"] * 160 * kernel.ctas_per_sm <= 65536, fn
+    # K and V: `boxes` TMA boxes per tile, each one instruction per 128-byte row chunk
+    # (d = 128: two in bf16, one in e4m3)
+    assert ptx.count("cp.async.bulk.tensor") == 2 * boxes * (1 if fp8 else 2)
+    assert kernel.smem_bytes <= (114 if kernel.ctas_per_sm == 2 else 227) * 1024
+    if fp8:     # e4m3 pairs widened (through f16) in shared memory
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(kc.quick_cases())))
+def test_quick_case(index):
+    row = kc.check_case(kc.quick_cases()[index], seed=index)
+    assert row["ok"], row
+
+
+@pytest.mark.gpu
+def test_graph_replay():
+    row = kc.check_graph()
+    assert row["ok"], row

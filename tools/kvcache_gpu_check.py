@@ -1,0 +1,268 @@
+"""`attention_with_kvcache` on a GPU: correctness, then a decode sweep against FA4's paged
+path and SDPA over a gathered cache.
+
+    python tools/kvcache_gpu_check.py --quick        # correctness only (< 2 min)
+    python tools/kvcache_gpu_check.py                # correctness + the sweep
+    python tools/kvcache_gpu_check.py --no-correctness --shapes small
+
+Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
+and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
+lengths, lengths 0 .. capacity and at page and tile boundaries, 1 / 4 / 16 queries, GQA
+32/8, d 128 and 64, appends across pages with every other cache byte checked, forced split
+counts, out-of-cache indices in unused slots; fp32 reference over the gathered cache, 2x
+PyTorch's error, LSE, same bits twice) and a CUDA graph capture + replay of one decode step.
+One line per case; then whether NaN in unused page slots reaches the output, here and in
+FA4's paged path (pages of 16, 64, 128).
+
+Sweep (1 query, Hq 32 / Hkv 8, d 128, bf16, causal, every request at the full length):
+this project's contiguous cache and paged caches of 16 and 128 tokens (shuffled tables),
+FA4's `flash_attn_varlen_func` with `seqused_k` (contiguous) and `page_table` (16, 128),
+SDPA over the cache gathered through the table (the gather timed with it) and SDPA over the
+contiguous cache; and this project's e4m3 cache (the same values, half the bytes; TB/s of
+the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu_check.py
+(each call alone after a sleep kernel, on the next of enough cache copies to exceed the
+L2, medians of 30 rounds).
+TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. Everything goes to
+$OUT/kvcache.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import torch  # noqa: E402
+
+SHAPES = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (32, 4096),
+          (32, 16384), (64, 4096), (64, 16384), (128, 2048), (128, 8192), (256, 1024),
+          (256, 4096)]
+SMALL = [(1, 32768), (1, 131072), (64, 4096), (256, 4096)]
+HQ, HKV, D = 32, 8, 128
+L2_BYTES = 50e6
+
+
+def correctness() -> list:
+    from hopper_attn.harness import kvcache_check as kc
+    rows = []
+    for i, case in enumerate(kc.quick_cases()):
+        try:
+            rows.append(kc.check_case(case, seed=i))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            rows.append({"case": case.label(), "ok": False,
+                         "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        print(_line(rows[-1]), flush=True)
+    try:
+        rows.append(kc.check_graph())
+    except Exception as exc:  # noqa: BLE001
+        rows.append({"case": "graph", "ok": False,
+                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    print(_line(rows[-1]), flush=True)
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass, max error ratio "
+          f"{max(ratios, default=float('nan')):.2f} (limit 2 + 2^-10 / torch error)")
+    return rows
+
+
+def nan_probe() -> list:
+    """FA4's paged path and this one on caches whose unused page slots hold NaN (the
+    issue's anchor failure: FA4 with 128-token pages), one line per page size."""
+    from hopper_attn.harness import kvcache_check as kc
+    rows = []
+    for ps in (16, 64, 128):
+        case = kc.Case((100, 1000, 129, 1), 1024, ps)
+        i = kc.make_case(case, "cuda", seed=ps)
+        row = {"page_size": ps}
+        try:
+            out = kc._call(i, case)[0]
+            row["ours_nan"] = bool(out.isnan().any().item())
+        except Exception as exc:  # noqa: BLE001
+            row["ours_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        try:
+            from flash_attn.cute.interface import flash_attn_varlen_func
+            out = flash_attn_varlen_func(i["q"], i["k_cache"], i["v_cache"],
+                                         seqused_k=i["cache_seqlens"],
+                                         page_table=i["page_table"], causal=True)
+            out = out[0] if isinstance(out, tuple) else out
+            row["fa4_nan"] = bool(out.isnan().any().item())
+        except Exception as exc:  # noqa: BLE001
+            row["fa4_error"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        verdict = {who: ("NaN" if row[f"{who}_nan"] else "clean") if f"{who}_nan" in row
+                   else row.get(f"{who}_error", "")[:60] for who in ("ours", "fa4")}
+        print(f"NaN in unused page slots, page {ps}: ours {verdict['ours']}, FA4 "
+              f"{verdict['fa4']}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def _line(r: dict) -> str:
+    if "error" in r:
+        return f"FAIL {r['case']}: {r['error'][:100]}"
+    if "ratio" not in r:
+        return f"{'ok  ' if r['ok'] else 'FAIL'} {r['case']}"
+    flags = "" if r["ok"] else (" nan" * (not r["no_nan"]) + " bits" * (not r["same_bits"])
+                                + " cache" * (not r["cache_ok"])
+                                + " lse-inf" * (not r["lse_inf_ok"])
+                                + f" lse{r['lse_err']:.1e}" * (r["lse_err"] > 1e-3))
+    bn, st, splits = r["plan"]
+    return (f"{'ok  ' if r['ok'] else 'FAIL'} {r['ratio']:4.2f} {bn}x{st} s{splits:<3d} "
+            f"{r['case']}{flags}")
+
+
+def _caches(batch: int, n: int, page_size: int, gen):
+    """k, v (contiguous, or a page pool with a shuffled table), the table."""
+    if not page_size:
+        k = torch.randn(batch, n, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+        return k, torch.randn_like(k), None
+    per = -(-n // page_size)
+    pages = batch * per
+    k = torch.randn(pages, page_size, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+    perm = torch.randperm(pages, device="cuda", generator=gen).int()
+    return k, torch.randn_like(k), perm.view(batch, per)
+
+
+def _calls(batch: int, n: int, copies: int):
+    """name -> list of calls over the copies, the reference output (SDPA, contiguous)."""
+    import torch.nn.functional as F
+    from hopper_attn import attention_with_kvcache
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
+    q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    qt = q.transpose(1, 2)
+    sets = {ps: [_caches(batch, n, ps, gen) for _ in range(copies)] for ps in (0, 16, 128)}
+    calls, outputs, sets8 = {}, {}, {}
+
+    def gather(cache, table):
+        return cache[table.long()].flatten(1, 2)[:, :n]
+
+    for ps, label in ((0, "contig"), (16, "p16"), (128, "p128")):
+        calls[label] = [lambda k=k, v=v, t=t: attention_with_kvcache(q, k, v, seqlens,
+                                                                      page_table=t)
+                        for k, v, t in sets[ps]]
+        # the same values in e4m3 (|x| < 6: descale 1), half the bytes
+        sets8[ps] = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn), t)
+                     for k, v, t in sets[ps]]
+        calls["fp8-" + label] = [lambda k=k, v=v, t=t: attention_with_kvcache(
+            q, k, v, seqlens, page_table=t) for k, v, t in sets8[ps]]
+        if ps:
+            calls[f"sdpa-g{ps}"] = [
+                lambda k=k, v=v, t=t: F.scaled_dot_product_attention(
+                    qt, gather(k, t).transpose(1, 2), gather(v, t).transpose(1, 2),
+                    enable_gqa=True)
+                for k, v, t in sets[ps]]
+    calls["sdpa"] = [lambda k=k, v=v: F.scaled_dot_product_attention(
+        qt, k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True) for k, v, _ in sets[0]]
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+        for ps, label in ((0, "fa4"), (16, "fa4-p16"), (128, "fa4-p128")):
+            calls[label] = [lambda k=k, v=v, t=t: flash_attn_varlen_func(
+                q, k, v, seqused_k=seqlens, page_table=t, causal=True)
+                for k, v, t in sets[ps]]
+    except Exception as exc:  # noqa: BLE001 - FA4 absent: say so
+        for label in ("fa4", "fa4-p16", "fa4-p128"):
+            calls[label] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    # outputs of the first copy, each against SDPA on its own (gathered) cache
+    for ps, labels, kvs in ((0, ("contig", "fa4"), sets[0]), (16, ("p16", "fa4-p16"), sets[16]),
+                            (128, ("p128", "fa4-p128"), sets[128]),
+                            (0, ("fp8-contig",), sets8[0]), (16, ("fp8-p16",), sets8[16]),
+                            (128, ("fp8-p128",), sets8[128])):
+        k, v, t = (x.to(torch.bfloat16) if x is not None and x.dtype != torch.int32 else x
+                   for x in kvs[0])
+        ref = F.scaled_dot_product_attention(
+            qt, (gather(k, t) if ps else k).transpose(1, 2),
+            (gather(v, t) if ps else v).transpose(1, 2), enable_gqa=True).transpose(1, 2)
+        for label in labels:
+            if isinstance(calls[label], str):
+                continue
+            try:
+                out = calls[label][0]()
+                out = out[0] if isinstance(out, tuple) else out
+                outputs[label] = (out.float() - ref.float()).abs().max().item()
+            except Exception as exc:  # noqa: BLE001
+                calls[label] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    return calls, outputs
+
+
+def benchmark(shapes) -> list:
+    from decode_gpu_check import round_robin
+    rows = []
+    print("shape: name us TB/s ... || fp8/bf16 per layout, p16/contig p128/contig, "
+          "best(fa4-pX, sdpa-gX)/pX")
+    for batch, n in shapes:
+        kv_bytes = 2 * batch * n * HKV * D * 2
+        copies = max(2, math.ceil(2 * L2_BYTES / kv_bytes))
+        row = {"batch": batch, "seqlen_k": n, "heads": HQ, "heads_kv": HKV, "head_dim": D,
+               "kv_bytes": kv_bytes, "copies": copies}
+        try:
+            calls, diffs = _calls(batch, n, copies)
+            timed = round_robin(calls)
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"B{batch} {n // 1024}k: FAILED {row['error'][:100]}")
+            rows.append(row)
+            torch.cuda.empty_cache()
+            continue
+        for name, entry in timed.items():
+            if "ms" in entry:       # (e4m3: the bytes it reads, half)
+                read = kv_bytes / 2 if name.startswith("fp8") else kv_bytes
+                entry["tb_s"] = read / (entry["ms"] * 1e-3) / 1e12
+            if name in diffs:
+                entry["max_diff_vs_sdpa"] = diffs[name]
+        row["timed"] = timed
+        us = {k: e["ms"] * 1e3 for k, e in timed.items() if "ms" in e}
+        cells = [f"{k} {us[k]:.1f} {timed[k]['tb_s']:.2f}" for k in timed if k in us]
+        ratios = {}
+        for label in ("contig", "p16", "p128"):
+            if label in us and "fp8-" + label in us:
+                ratios[f"fp8/{label}"] = us[label] / us["fp8-" + label]
+        for ps in (16, 128):
+            mine = us.get(f"p{ps}")
+            if mine and "contig" in us:
+                ratios[f"p{ps}/contig"] = us["contig"] / mine
+            others = [us[k] for k in (f"fa4-p{ps}", f"sdpa-g{ps}") if k in us]
+            if mine and others:
+                ratios[f"best/p{ps}"] = min(others) / mine
+        row["ratios"] = ratios
+        wrong = [k for k, d in diffs.items() if d > 0.02]
+        print(f"B{batch} {n // 1024}k: " + " | ".join(cells) + "  || "
+              + " ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+              + (f"  WRONG? {wrong}" if wrong else ""), flush=True)
+        rows.append(row)
+        del calls
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="correctness only")
+    parser.add_argument("--no-correctness", action="store_true")
+    parser.add_argument("--shapes", choices=("all", "small"), default="all")
+    args = parser.parse_args()
+    from hopper_attn.harness.env import environment
+    from hopper_attn.harness.gpu_check import env_line, write_json
+    env = environment()
+    print(env_line(env))
+    result = {"env": env}
+    try:
+        if not args.no_correctness:
+            result["correctness"] = correctness()
+            result["nan_probe"] = nan_probe()
+        if not args.quick:
+            result["benchmark"] = benchmark(SMALL if args.shapes == "small" else SHAPES)
+    except Exception:  # noqa: BLE001 - keep what was measured
+        result["error"] = traceback.format_exc()
+        print(result["error"][-1500:])
+    path = write_json(result, "kvcache.json", os.environ.get("OUT") or os.path.join(ROOT,
+                                                                                   "results"))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
