@@ -140,7 +140,8 @@ def test_mask_request_plain():
 
 
 @pytest.mark.parametrize("case, words", [
-    ("packed", "packed sequences"), ("sliding_bidirectional", "bidirectional sliding window"),
+    ("packed_compiled", "torch.compile"), ("packed_cache", "without a padding mask or a KV"),
+    ("sliding_bidirectional", "bidirectional sliding window"),
     ("sliding_padding", "padding"),
     ("padding", "padding"), ("static", "static"), ("static_compiled", "static"),
     ("mask4d", "4-D"), ("custom", "custom mask function"),
@@ -149,7 +150,10 @@ def test_mask_request_refusals(case, words):
     check = hopper_tf.check_mask_request
     causal = causal_mask_function
     args = {
-        "packed": (8, 8, 0, 0, and_masks(causal, packed_sequence_mask_function(None)), None),
+        "packed_compiled": (8, 8, 0, 0, and_masks(causal, packed_sequence_mask_function(None)),
+                            None),
+        "packed_cache": (1, 9, 8, 0, and_masks(causal, packed_sequence_mask_function(None)),
+                         None),
         "sliding_bidirectional": (8, 8, 0, 0, and_masks(sliding_window_bidirectional_overlay(4),
                                                         bidirectional_mask_function), None),
         "sliding_padding": (8, 8, 0, 0, and_masks(sliding_window_overlay(4), causal),
@@ -161,7 +165,7 @@ def test_mask_request_refusals(case, words):
         "custom": (8, 8, 0, 0, lambda b, h, q, kv: True, None),
     }[case]
     with pytest.raises(UnsupportedFeature, match=words) as info:
-        check(*args, compiling=case == "static_compiled")
+        check(*args, compiling=case in ("static_compiled", "packed_compiled"))
     assert isinstance(info.value, ValueError) and isinstance(info.value, NotImplementedError)
 
 
@@ -212,7 +216,7 @@ def test_plan_call_window_and_softcap():
     (dict(softcap=0.0), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, "softcap"),
     (dict(s_aux=torch.zeros(8)), UnsupportedFeature, "sinks"),
-    (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), UnsupportedFeature, "packed"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), ValueError, "max_length_q"),
     (dict(attention_mask=torch.zeros(2, 1, 16, 16)), UnsupportedFeature, "mask"),
     (dict(position_bias=torch.zeros(1, 8, 16, 16)), UnsupportedFeature, "position bias"),
 ])
@@ -221,6 +225,31 @@ def test_plan_call_refusals(kwargs, error, words):
     mask = kwargs.pop("attention_mask", None)
     with pytest.raises(error, match=words):
         plan_call(Module(), q, k, k, mask, **kwargs)
+
+
+def test_packed_sequences_from_position_ids_and_collator_kwargs():
+    """Documents packed in rows: the mask function finds transformers' document index in
+    the mask pattern and returns their offsets (PackedSequences); plan_call maps that, or
+    the flattening collator's cu_seq_lens / max_length kwargs, to attention_varlen's
+    arguments."""
+    # position ids [0 1 2 0 1 | 0 1 2 3 0] -> document index [0 0 0 1 1 | 0 0 0 0 1]
+    ids = torch.tensor([[0, 0, 0, 1, 1], [0, 0, 0, 0, 1]])
+    fn = and_masks(causal_mask_function, packed_sequence_mask_function(ids))
+    assert hopper_tf.packed_document_ids(fn) is ids
+    assert hopper_tf.packed_document_ids(causal_mask_function) is None
+    packed = hopper_tf.hopper_attn_mask(2, 5, 5, 0, 0, fn, None)
+    assert packed.cu_seqlens.tolist() == [0, 3, 5, 9, 10] and packed.max_seqlen == 4
+    assert packed.cu_seqlens.dtype == torch.int32
+    assert hopper_tf.hopper_attn_mask(2, 5, 5, 0, 0, causal_mask_function, None) is None
+    q, k = bhnd(2, 8, 5), bhnd(2, 2, 5)
+    plan = plan_call(Module(True), q, k, k, packed)
+    assert plan.causal and plan.varlen[2:] == (4, 4)
+    assert plan.varlen[0] is packed.cu_seqlens and plan.varlen[1] is packed.cu_seqlens
+    cu = torch.tensor([0, 3, 10])
+    plan = plan_call(Module(True), q, k, k, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                     max_length_q=7, max_length_k=7)
+    assert plan.varlen[0].tolist() == [0, 3, 10] and plan.varlen[2:] == (7, 7)
+    assert plan_call(Module(True), q, k, k, None).varlen is None
 
 
 def test_plan_call_shape_refusals():
@@ -610,6 +639,44 @@ def test_gpu_window_softcap_training_matches_eager(family):
             head_dim=128, query_pre_attn_scalar=128, attn_logit_softcapping=50.0, **common))
     model = model.to("cuda", torch.bfloat16).train()
     _assert_training_as_close_as(model, "eager", name)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_training_matches_separate_documents():
+    """A 2-layer random Llama trained on one row of three packed documents (position ids
+    that restart; and again with the collator's cu_seq_lens kwargs): logits and every
+    gradient within the bf16 rule of SDPA run on each document separately."""
+    pytest.importorskip("transformers")
+    name = hopper_tf.register()
+    model = _gpu_llama("sdpa").train()
+    lengths = [300, 17, 195]
+    ids = torch.randint(0, 256, (1, sum(lengths)), device="cuda")
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    cu = torch.tensor([0, 300, 317, 512], dtype=torch.int32, device="cuda")
+
+    def step(impl, dtype, **kw):
+        m = model.to(dtype)
+        m.zero_grad(set_to_none=True)
+        m.set_attn_implementation(impl)
+        if impl == "sdpa":          # each document alone
+            logits = torch.cat([m(ids[:, a:b], use_cache=False).logits
+                                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
+        else:
+            logits = m(ids, position_ids=pos, use_cache=False, **kw).logits
+        logits.float().square().mean().backward()
+        out = {"logits": logits.float().detach()}
+        out.update({n: p.grad.float().clone() for n, p in m.named_parameters()})
+        return out
+    truth = step("sdpa", torch.float32)
+    base = step("sdpa", torch.bfloat16)
+    flash_kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=300,
+                        max_length_k=300)
+    for ours in (step(name, torch.bfloat16), step(name, torch.bfloat16, **flash_kwargs)):
+        for what, want in truth.items():
+            scale = want.abs().max().clamp_min(1e-6)
+            err_base = float((base[what] - want).abs().max() / scale)
+            err_ours = float((ours[what] - want).abs().max() / scale)
+            assert err_ours <= 3 * err_base + 2e-3, (what, err_ours, err_base)
 
 
 @pytest.mark.gpu

@@ -25,11 +25,17 @@ call's `sliding_window=N`, a query sees itself and the N - 1 keys before it, whi
 layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since its keys end at the last
 query.
 
+Packed sequences (several documents in one row, as `DataCollatorWithFlattening` makes
+them) run through `hopper_attn.attention_varlen`: either from the `cu_seq_lens_q/k` and
+`max_length_q/k` the collator passes (`return_flash_attn_kwargs=True`: nothing read on the
+host), or from position ids that restart, which transformers turns into a "same document"
+mask pattern when there is neither a mask nor a cache: the mask function then reads the
+document boundaries once per forward (one host synchronisation; eager only, so under
+torch.compile pass the collator's kwargs).
+
 What is refused, before any launch (`UnsupportedFeature`, both a ValueError and a
 NotImplementedError, naming the feature), rather than computed differently: a padding mask
-with real padding (a 2-D mask with zeros, or any 4-D mask), packed sequences (position ids
-that restart, which transformers looks for when there is neither a mask nor a cache, as in
-training; or `cu_seq_lens_q/k` from a flattening collator), bidirectional sliding windows
+with real padding (a 2-D mask with zeros, or any 4-D mask), bidirectional sliding windows
 (eager/SDPA and transformers' flash path disagree on their width), chunked attention,
 attention sinks (`s_aux`), dropout > 0, a static (preallocated) KV cache; and (a plain
 ValueError) a causal call with more queries than keys, a softcap that is not a positive
@@ -71,11 +77,14 @@ class UnsupportedFeature(UnsupportedProblem, NotImplementedError):
 class CallPlan:
     """What one attention call of a model becomes: `attention(q, k, v, causal=...,
     softmax_scale=..., window_size=..., softcap=...)` on the (batch, seqlen, heads,
-    head_dim) views of its inputs. window_size (-1, -1) and softcap 0.0: none."""
+    head_dim) views of its inputs. window_size (-1, -1) and softcap 0.0: none. varlen:
+    packed sequences, `attention_varlen`'s (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k) over the (batch x seqlen) tokens; None: a plain call."""
     causal: bool
     softmax_scale: Optional[float]
     window_size: tuple = (-1, -1)
     softcap: float = 0.0
+    varlen: Optional[tuple] = None
 
     def features(self) -> dict:
         """The keyword arguments a backend gets beyond (q, k, v, causal, softmax_scale):
@@ -92,8 +101,6 @@ class CallPlan:
 # transformers' mask pieces, by the name of the function that builds them, and what a user
 # would call them (transformers/masking_utils.py)
 _MASK_FEATURES = {
-    "packed_sequence_mask_function": "packed sequences (position_ids that restart inside a "
-                                     "row: several documents in one sequence)",
     "sliding_window_bidirectional_overlay": "a bidirectional sliding window",
     "chunked_overlay": "chunked attention",
     "padding_mask_function": "a padding mask",
@@ -103,6 +110,51 @@ _PLAIN_MASKS = {"causal_mask_function": True, "bidirectional_mask_function": Fal
 # run without a mask when the attention call carries the window (`sliding_window`)
 _WINDOW_MASKS = {"sliding_window_overlay"}
 _COMBINATORS = {"and_masks", "or_masks", "add_offsets_to_mask_function"}
+# documents packed in a row (position ids that restart): run as a varlen batch
+_PACKED_MASK = "packed_sequence_mask_function"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedSequences:
+    """Documents packed along the rows of a batch, as `attention_varlen` takes them: the
+    (batch x seqlen) tokens flattened, document b at tokens cu_seqlens[b] ..
+    cu_seqlens[b + 1] - 1 (int32, on the tokens' device), the longest `max_seqlen` long.
+    What this integration's mask function returns for a packed batch (transformers hands it
+    to every attention call as its `attention_mask`)."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+    @classmethod
+    def from_document_ids(cls, ids: torch.Tensor) -> "PackedSequences":
+        """From transformers' per-token document index (batch, seqlen), which counts up
+        inside a row (masking_utils.find_packed_sequence_indices). Reads the boundaries on
+        the host (one synchronisation)."""
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        first = starts.flatten().nonzero().flatten()
+        end = torch.tensor([ids.numel()], dtype=first.dtype, device=ids.device)
+        cu_seqlens = torch.cat([first, end]).to(torch.int32)
+        return cls(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+
+
+def packed_document_ids(fn) -> Optional[torch.Tensor]:
+    """The document-index tensor inside mask function `fn` (transformers'
+    packed_sequence_mask_function closes over it), or None."""
+    outer = getattr(fn, "__qualname__", type(fn).__name__).split(".")[0]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:
+            continue
+        if outer == _PACKED_MASK and isinstance(inner, torch.Tensor):
+            return inner
+        if outer in _COMBINATORS:
+            for item in (inner if isinstance(inner, (tuple, list)) else (inner,)):
+                if callable(item) and not isinstance(item, (torch.Tensor, type)):
+                    found = packed_document_ids(item)
+                    if found is not None:
+                        return found
+    return None
 
 
 def mask_function_parts(fn) -> tuple:
@@ -127,7 +179,7 @@ def mask_function_parts(fn) -> tuple:
 def _refused_mask_features(parts: tuple) -> list:
     features = []
     for part in parts:
-        if part in _PLAIN_MASKS:
+        if part in _PLAIN_MASKS or part == _PACKED_MASK:
             continue
         if part in _WINDOW_MASKS:
             if "causal_mask_function" not in parts:
@@ -158,6 +210,16 @@ def check_mask_request(q_length: int, kv_length: int, q_offset=0, kv_offset: int
                                  "attn_implementation='sdpa' (or 'flash_attention_4') for this "
                                  "model or batch")
     causal = "causal_mask_function" in parts
+    if _PACKED_MASK in parts:
+        if compiling:
+            raise UnsupportedFeature("hopper_attn reads packed documents' boundaries from "
+                                     "position ids only in eager mode; under torch.compile "
+                                     "pass cu_seq_lens_q/k and max_length_q/k (the "
+                                     "flattening collator's return_flash_attn_kwargs=True)")
+        if attention_mask is not None or q_offset != 0 or kv_offset != 0 \
+                or q_length != kv_length:
+            raise UnsupportedFeature("hopper_attn runs packed sequences without a padding "
+                                     "mask or a KV cache only")
     # A sliding-window layer's cache (DynamicSlidingWindowLayer) keeps the last window - 1
     # keys: its kv_offset moves with it, and the keys still end at the last query.
     if isinstance(q_offset, torch.Tensor):
@@ -195,19 +257,18 @@ def hopper_attn_mask(batch_size: int, q_length: Optional[int] = None,
                      attention_mask: Optional[torch.Tensor] = None, cache_position=None,
                      **kwargs):
     """transformers mask function for "hopper_attn": None (no mask: the attention call's
-    causal flag and sliding_window say everything) or UnsupportedFeature. (transformers
-    before 5.8 passes the query positions as `cache_position` instead of q_length /
-    q_offset.)"""
+    causal flag and sliding_window say everything), PackedSequences for documents packed in
+    the rows (position ids that restart), or UnsupportedFeature. (transformers before 5.8
+    passes the query positions as `cache_position` instead of q_length / q_offset.)"""
     if q_length is None and cache_position is not None:
         q_length, q_offset = cache_position.shape[0], cache_position[0]
     check_mask_request(q_length, kv_length, q_offset, kv_offset, mask_function,
                        attention_mask)
-    return None
+    ids = packed_document_ids(mask_function) if mask_function is not None else None
+    return None if ids is None else PackedSequences.from_document_ids(ids)
 
 
 _SIMPLE_KWARGS_REFUSED = {
-    "cu_seq_lens_q": "packed sequences (cu_seq_lens_q/k from a flattening data collator)",
-    "cu_seq_lens_k": "packed sequences (cu_seq_lens_q/k from a flattening data collator)",
     "position_bias": "an additive position bias (T5-style)",
 }
 
@@ -231,6 +292,9 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     for name, feature in _SIMPLE_KWARGS_REFUSED.items():
         if kwargs.get(name) is not None:
             raise UnsupportedFeature(f"hopper_attn does not run {feature} yet")
+    varlen = packed_call(kwargs, attention_mask)
+    if isinstance(attention_mask, PackedSequences):
+        attention_mask = None                   # (its documents are in `varlen`)
     if attention_mask is not None:
         raise UnsupportedFeature(
             "hopper_attn takes no attention mask (a padding mask or a custom "
@@ -248,12 +312,34 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q_length, kv_length = query.shape[2], key.shape[2]
     if causal and q_length == 1 and window_size == (-1, -1):
         causal = False         # one query over the whole cache: the same thing, fewer checks
+    if varlen is not None and (q_length != kv_length or query.shape[0] * q_length
+                               != key.shape[0] * kv_length):
+        raise UnsupportedFeature("hopper_attn runs packed sequences without a KV cache only")
     if causal and q_length > kv_length:
         raise ValueError(f"a causal call with more queries ({q_length}) than keys "
                          f"({kv_length}): transformers aligns such a mask top-left, "
                          "hopper_attn bottom-right")
     return CallPlan(causal=causal, softmax_scale=None if scaling is None else float(scaling),
-                    window_size=window_size, softcap=softcap)
+                    window_size=window_size, softcap=softcap, varlen=varlen)
+
+
+def packed_call(kwargs: dict, attention_mask) -> Optional[tuple]:
+    """attention_varlen's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) for a
+    packed batch: the flattening collator's `cu_seq_lens_q/k` and `max_length_q/k` when
+    the call has them, else the documents this integration's mask function found
+    (PackedSequences); None for a plain call."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        if isinstance(attention_mask, PackedSequences):
+            m = attention_mask
+            return (m.cu_seqlens, m.cu_seqlens, m.max_seqlen, m.max_seqlen)
+        return None
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        raise ValueError("packed sequences need all of cu_seq_lens_q, cu_seq_lens_k, "
+                         "max_length_q and max_length_k (a flattening collator with "
+                         "return_flash_attn_kwargs=True passes them)")
+    return (cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
 
 
 def window_from_sliding_window(sliding_window: Optional[int], causal: bool) -> tuple:
@@ -287,6 +373,14 @@ def softcap_value(softcap: Optional[float]) -> float:
     return value
 
 
+def _default_varlen_backend(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
+                            window_size=(-1, -1), softcap=0.0):
+    from hopper_attn.api import attention_varlen
+    return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                            softmax_scale=softmax_scale, window_size=window_size,
+                            softcap=softcap)
+
+
 def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
     from hopper_attn.api import attention
     if q.dtype not in (torch.bfloat16, torch.float16):
@@ -299,13 +393,18 @@ def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softc
 _warned_output_attentions = False
 
 
-def make_attention_forward(backend: Optional[Callable] = None) -> Callable:
+def make_attention_forward(backend: Optional[Callable] = None,
+                           varlen_backend: Optional[Callable] = None) -> Callable:
     """A transformers attention function that runs `backend(q, k, v, causal,
     softmax_scale, **features) -> out` on (batch, seqlen, heads, head_dim) views, features
     being `window_size=(left, right)` and `softcap=cap` when the call has them (default:
     `hopper_attn.attention`; another one, e.g. FlashAttention-4's `flash_attn_func`, gets
-    the same mapping and the same refusals)."""
+    the same mapping and the same refusals). Packed sequences run `varlen_backend(q, k, v,
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+    **features)` on (tokens, heads, head_dim) views (default with the default backend:
+    `hopper_attn.attention_varlen`; a backend without one refuses them)."""
     run = backend or _default_backend
+    run_varlen = varlen_backend or (_default_varlen_backend if backend is None else None)
 
     def attention_forward(module, query, key, value, attention_mask, dropout=0.0,
                           scaling=None, sliding_window=None, softcap=None, is_causal=None,
@@ -316,6 +415,15 @@ def make_attention_forward(backend: Optional[Callable] = None) -> Callable:
             warnings.warn("hopper_attn returns no attention weights (output_attentions)")
         plan = plan_call(module, query, key, value, attention_mask, dropout, scaling,
                          sliding_window, softcap, is_causal, s_aux, **kwargs)
+        if plan.varlen is not None:
+            if run_varlen is None:
+                raise UnsupportedFeature("this backend runs no packed sequences")
+            b, h, n, _ = query.shape
+            q, k, v = (t.transpose(1, 2).reshape(b * n, t.shape[1], t.shape[3])
+                       for t in (query, key, value))
+            out = run_varlen(q, k, v, *plan.varlen, plan.causal, plan.softmax_scale,
+                             **plan.features())
+            return out.view(b, n, h, out.shape[-1]), None
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         out = run(q, k, v, plan.causal, plan.softmax_scale, **plan.features())
         if isinstance(out, tuple):           # (out, lse) from FlashAttention-4's interface
