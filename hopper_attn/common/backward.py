@@ -311,9 +311,18 @@ HELPER_THREADS = 128
 def _tile_rows(head_dim: int, threads: int):
     """How `threads` threads cover rows of `head_dim` elements in 8-element (16-byte) chunks:
     (lanes per row, rows per pass). A row's lanes are consecutive, so one warp instruction
-    reads whole rows: coalesced."""
-    lanes = head_dim // CHUNK
+    reads whole rows: coalesced. Their number is a power of two (the preprocess sums a row
+    by shuffles within its lanes): at d = 96 and 192 (12 and 24 chunks) 16 and 32 lanes,
+    the last 4 or 8 padding (`_padding_lane`)."""
+    lanes = 1 << (head_dim // CHUNK - 1).bit_length()
     return lanes, threads // lanes
+
+
+def _padding_lane(col0, head_dim: int):
+    """(whether lane column `col0` is one of the row's, the column it reads): a padding
+    lane reads (and the conversions store again, with the same values) the row's last
+    chunk, so that every address stays inside the row."""
+    return col0 < head_dim, cutlass.min(col0, head_dim - CHUNK)
 
 
 def _aligned(ptr: cute.Pointer, size: int) -> cute.Tensor:
@@ -340,6 +349,7 @@ class BackwardPreprocess:
     def __init__(self, head_dim: int, rows_per_cta: int, pdl: bool = False):
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
+        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -360,6 +370,8 @@ class BackwardPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        if cutlass.const_expr(self.padded):
+            own_column, col0 = _padding_lane(col0, self.head_dim)
         passes = self.rows // self.rows_per_pass
         seqlen = o.shape[0]
         # Every load first, then the stores: a store to mD may alias o or dO as far as the
@@ -387,6 +399,9 @@ class BackwardPreprocess:
             row = m_block * self.rows + p * self.rows_per_pass + lane_row
             prod = o_rows[None, p].load().to(Float32) * do_rows[None, p].load().to(Float32)
             partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(self.padded):
+                if not own_column:                  # a padding lane counts nothing
+                    partial = Float32(0.0)
             dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
             if tidx % self.lanes == 0:
                 lse2 = Float32.inf
@@ -406,6 +421,7 @@ class DqConvert:
     def __init__(self, head_dim: int, rows_per_cta: int = 64, pdl: bool = False):
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
+        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
@@ -423,6 +439,8 @@ class DqConvert:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        if cutlass.const_expr(self.padded):
+            _, col0 = _padding_lane(col0, self.head_dim)
         base = mdQacc[batch, head, None, None].iterator
         for p in cutlass.range_constexpr(self.rows // self.rows_per_pass):
             row = m_block * self.rows + p * self.rows_per_pass + lane_row
@@ -452,6 +470,7 @@ class DqConvertFragments:
         # so conversions of finished heads run in the main kernel's tail
         self.per_head = per_head
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, 256)
+        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
@@ -488,6 +507,8 @@ class DqConvertFragments:
         cute.autovec_copy(converted, thr.partition_C(transposed(tile) if self.swap_ab else tile))
         cute.arch.sync_threads()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        if cutlass.const_expr(self.padded):
+            _, col0 = _padding_lane(col0, d)
         for p in cutlass.range_constexpr(bm // self.rows_per_pass):
             r = p * self.rows_per_pass + lane_row
             row = m_block * bm + r
