@@ -33,8 +33,8 @@ What changes from kb1:
   tile, S^T and dP^T split by queries, dK, dV and dQ by columns (96 + 96 + 48 floats), P^T
   through SMEM like dS^T, dV issued after the dS^T barrier (docs/kb2.md).
 
-What stays: kb1's 128-key tiles (d = 192: 64), the transposed formulation (P^T and dS^T from registers
-into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
+What stays: kb1's 128-key tiles (d = 192: 64), the transposed formulation (P^T and dS^T
+from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
 as in kb1 (gqa: per dK head); at d = 128 with a causal mask launched longest first inside
 head groups that share L2 (`longest_first`). Query tiles (`POLICY`, FlashAttention-3's):
@@ -47,7 +47,7 @@ Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM
 ~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
 S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
 producer thread. d = 192 (64 x 64): K + V 48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T)
-32 KiB, dQ staging 48 KiB, rows 1 KiB: 226 KiB (+ 1 KiB static: 227 KiB, the limit).
+32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB.
 
 Named barriers: 0 = the CTA-wide sync publishing the mbarrier inits; 1 = dS^T written
 (256 consumer threads); 2 = epilogue (consumers); 3-4 = dQ full, 5-6 = dQ empty (one per
@@ -86,9 +86,9 @@ SPEC = KernelSpec(
     head_dims=(64, 96, 128, 192),
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,
-    window=True,                # sliding windows (compiled per window size): d = 64 and 128
-    extra_limits=lambda p: "sliding windows at head_dim 64 and 128 only" if p.windowed and
-    p.head_dim not in SOFTCAP_TILES else None,
+    window=True,                # sliding windows (compiled per window size), d = 64 and 128:
+    extra_limits=lambda p: "sliding windows at head_dim 64 and 128 only" if p.windowed
+    and p.head_dim not in (64, 128) else None,
 )
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
@@ -154,10 +154,9 @@ class FlashAttentionBackwardKB2:
         # ptxas keeps the exp2 loop ahead of that wait); on at d = 128 on 64-row tiles
         self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
             else bool(early_dv)
-        if self.shared_keys and (self.early_dv or dp_first or self.dq_swap_ab or softcap
-                                 or not stmatrix):
+        if self.shared_keys and (self.early_dv or dp_first or softcap or not stmatrix):
             raise ValueError("kb2: shared_keys issues dV after the dS^T barrier and stores "
-                             "P^T by stmatrix (no early_dv, dp_first, 80 rows nor softcap)")
+                             "P^T by stmatrix (no early_dv, dp_first nor softcap)")
         # dp_first: dP^T issued first, from -D (no D registers), S^T behind it
         self.dp_first = dp_first
         # kv_with_first_tile: K on the first Q stage's barrier, V on the first dO stage's
@@ -700,15 +699,10 @@ POLICY = (
                              "pdl": True, "longest_first": True, "convert_per_head": True},
               "d = 128's causal row (64 rows, dV split, longest first); not yet measured",
               ("tools/bwd_dims_gpu_check.py",)),
-    PolicyRow(192, False, "", {"shared_keys": True, "kv_with_first_tile": True, "pdl": True,
-                               "convert_per_head": True},
-              "the tile whose dK and dV fit the registers (64 x 64, shared_keys); not yet "
-              "measured",
-              ("tools/bwd_dims_gpu_check.py",)),
-    PolicyRow(192, True, "", {"shared_keys": True, "kv_with_first_tile": True, "pdl": True,
+    PolicyRow(192, None, "", {"shared_keys": True, "kv_with_first_tile": True, "pdl": True,
                               "longest_first": True, "convert_per_head": True},
-              "shared_keys; longest first as at d = 128; not yet measured",
-              ("tools/bwd_dims_gpu_check.py",)),
+              "the tile whose dK and dV fit (64 x 64, shared_keys); with a mask longest first "
+              "as at d = 128; not yet measured", ("tools/bwd_dims_gpu_check.py",)),
     # the deterministic mode: CTAs wait for each other's dQ adds (longest first helps far
     # less); its turns use the per-head conversion's counters; fixed-size head groups
     PolicyRow(64, None, "deterministic", {"longest_first": True, "convert_per_head": False,
