@@ -17,7 +17,9 @@
    and 192, N 2k-16k (batch x N = 32k tokens), causal and not, MHA (16 heads) and GQA
    (16 / 4), against FA4's sm90 backward (flash_attn.cute; it runs d <= 128 and (192, 128)
    only, so at d = 192 it is recorded as unavailable) and SDPA's cuDNN and flash backends.
-   Effective TFLOP/s: the backward counts 2.5x the forward's flops.
+   Effective TFLOP/s: the backward counts 2.5x the forward's flops. Then POLICY's settings
+   at these head dims (none measured yet) against variants without each (`VARIANTS`, kb2
+   launched directly, backward alone) on MHA N = 8k, causal and not.
 
 Prints one line per group of cases (< 60 lines); everything goes to $OUT/bwd_dims.json (or
 --out), with the environment (GPU, driver, torch, CuTe DSL, FA4).
@@ -48,6 +50,12 @@ DETERMINISTIC = [(8, 2, 2, 2100, True), (4, 4, 1, 777, False)]
 PLAIN = "kb2:kv_with_first_tile=0,pdl=0,convert_per_head=0,longest_first=0"
 SEQLENS = (2048, 4096, 8192, 16384)
 TOKENS = 32768
+# POLICY's rows at d = 96 / 192, each setting turned off in turn ("kb2": the defaults)
+VARIANTS = {96: ["kb2", "kb2:early_dv=0,split_dv=0", "kb2:split_dv=0",
+                 "kb2:kv_with_first_tile=0", "kb2:convert_per_head=0", "kb2:longest_first=0"],
+            192: ["kb2", "kb2:kv_with_first_tile=0", "kb2:convert_per_head=0",
+                  "kb2:pdl=0,convert_per_head=0", "kb2:longest_first=0"]}
+CAUSAL_ONLY = ("kb2:split_dv=0", "kb2:longest_first=0")       # (the mask-free rows' own)
 
 
 def _plain_case(batch, heads, heads_kv, nq, nk, d, causal, seed) -> dict:
@@ -171,6 +179,35 @@ def speed(log) -> list:
                     rows.append(row)
                     del q, k, v, do, calls
                     torch.cuda.empty_cache()
+    return rows + variants(log, flush)
+
+
+def variants(log, flush) -> list:
+    """POLICY's settings at d = 96 / 192 against each turned off: backward alone, kb2
+    launched directly (bwd_gqa_gpu_check._direct), MHA B4 H16 N = 8k."""
+    from bwd_gqa_gpu_check import _direct
+    from hopper_attn.harness.timing import benchmark_interleaved
+    rows = []
+    for d, names in VARIANTS.items():
+        for causal in (False, True):
+            q, k, v, do = _inputs(4, 16, 16, 8192, 8192, d, seed=9)
+            calls, notes = {}, {}
+            for name in names:
+                if name in CAUSAL_ONLY and not causal:
+                    continue
+                try:
+                    calls[name] = _direct(name, q, k, v, do, causal)
+                except Exception as exc:  # noqa: BLE001 - recorded, the others still run
+                    notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+            timed = benchmark_interleaved(calls, flush)
+            shape = f"d{d} MHA 16 B4 N8k {'causal' if causal else 'full'}"
+            rows.append({"shape": shape, "variants": timed, "unavailable": notes})
+            base = timed["kb2"]["ms"] if "kb2" in timed else float("nan")
+            log(f"  {shape}: default {base:.3f} ms; time / default's: " + ", ".join(
+                f"{n[4:]} {t['ms'] / base:.3f}" for n, t in timed.items() if n != "kb2")
+                + "".join(f"; {n} failed" for n in notes))
+            del q, k, v, do, calls
+            torch.cuda.empty_cache()
     return rows
 
 
