@@ -69,7 +69,7 @@ def _first_supporting(names, problem: Problem, what: str):
 
 
 def _backward_entry(problem: Problem, deterministic: bool = False, softcap: float = 0.0):
-    if softcap:                                # kb2 alone takes a softcap (d = 64, 128)
+    if softcap:                                # kb2 alone takes a softcap (d = 64-192)
         from hopper_attn.kb2 import SOFTCAP_TILES
         if problem.head_dim not in SOFTCAP_TILES:
             raise UnsupportedProblem(f"no backward stage with softcap supports head_dim "
@@ -408,14 +408,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its
     head dims; the cap is compiled in: one compile per cap value), differentiable at
-    head_dim 64 and 128 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
+    head_dim 64 to 192 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
     non-finite cap, or a stage without it.
 
     `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
     i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
     r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
     (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6 and kb2 only (head
-    dims 64 and 128 with gradients; not deterministic); compiled once per window size. A row
+    dims 64, 96 and 128 with gradients; not deterministic); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
     """
     softcap = _check_softcap(softcap)

@@ -86,9 +86,9 @@ SPEC = KernelSpec(
     head_dims=(64, 96, 128, 192),
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,
-    window=True,                # sliding windows (compiled per window size), d = 64 and 128:
-    extra_limits=lambda p: "sliding windows at head_dim 64 and 128 only" if p.windowed
-    and p.head_dim not in (64, 128) else None,
+    window=True,                # sliding windows (compiled per window size), d = 64-128:
+    extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed
+    and p.head_dim > 128 else None,
 )
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
@@ -154,9 +154,9 @@ class FlashAttentionBackwardKB2:
         # ptxas keeps the exp2 loop ahead of that wait); on at d = 128 on 64-row tiles
         self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
             else bool(early_dv)
-        if self.shared_keys and (self.early_dv or dp_first or softcap or not stmatrix):
+        if self.shared_keys and (self.early_dv or dp_first or not stmatrix):
             raise ValueError("kb2: shared_keys issues dV after the dS^T barrier and stores "
-                             "P^T by stmatrix (no early_dv, dp_first nor softcap)")
+                             "P^T by stmatrix (no early_dv nor dp_first)")
         # dp_first: dP^T issued first, from -D (no D registers), S^T behind it
         self.dp_first = dp_first
         # kv_with_first_tile: K on the first Q stage's barrier, V on the first dO stage's
@@ -753,7 +753,8 @@ def policy(problem, deterministic: bool = False, tuned: bool = True) -> dict:
 
 # softcap (block_m, dp_first, early_dv) per head dim: 64-row query tiles, at d = 128 with dP^T
 # first (1 - t^2 used in the exp2 loop, not held until dS^T); the default tiles spill
-SOFTCAP_TILES = {64: (64, None, None), 128: (64, True, False)}
+SOFTCAP_TILES = {64: (64, None, None), 96: (64, None, None), 128: (64, True, False),
+                 192: (64, None, None)}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,

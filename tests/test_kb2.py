@@ -420,15 +420,28 @@ def test_swizzle_atom_cols():
 
 
 def test_shared_keys_refusals():
-    """shared_keys issues dV after the dS^T barrier: no early dV, softcap or 80-row tiles;
-    d = 96 and 192 take no sliding window (kb2 refuses before compiling)."""
+    """shared_keys issues dV after the dS^T barrier: no early dV, dP^T first or 80-row
+    tiles; d = 192 takes no sliding window (kb2 refuses before compiling)."""
     from hopper_attn import kb2
     from hopper_attn.common.contract import Problem, UnsupportedProblem
-    for options in ({"early_dv": True}, {"softcap": 30.0}, {"block_m": 80}):
+    for options in ({"early_dv": True}, {"dp_first": True}, {"block_m": 80}):
         with pytest.raises(ValueError, match="shared_keys|80-row"):
             kb2.compile_kernel(Problem(1, 2, 128, 192, False), **options)
     with pytest.raises(UnsupportedProblem, match="sliding windows"):
-        kb2.compile_kernel(Problem(1, 2, 128, 96, True, window_left=64))
+        kb2.compile_kernel(Problem(1, 2, 128, 192, True, window_left=64))
+
+
+@pytest.mark.parametrize("name,d,heads_kv,window", [("kb2:softcap=30.0", 192, 1, (-1, -1)),
+                                                    ("kb2", 96, 0, (127, -1))])
+def test_softcap_at_d192_and_window_at_d96_compile_without_spills(name, d, heads_kv, window):
+    """The softcap's tanh and 1 - t^2 with shared_keys (GQA); a window's two limits at d = 96
+    on d = 128's causal row."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get(name), d, True, heads_kv=heads_kv, window=window)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
 # ------------------------------------------------------------- the policy table (issue 58)

@@ -7,9 +7,13 @@
    reference (harness/reference_backward.py), d = 96 and 192, MHA (4 heads) and GQA 4:1
    (8 / 2), causal and not, lengths 1, 17, 113, 1000 and the cross lengths 113 / 300 and
    1000 / 517; GQA cases whose dK / dV are split in parts and a multi-tile causal MHA case;
-   the deterministic mode run twice (same bits), MHA and GQA. A gradient passes when its max
-   error <= 2x torch's own bf16 backward error on the same inputs (+ 2^-12 x max |ref|,
-   FlashAttention's rule as tests/test_gpu.py applies it); `ratio` = error / that bound.
+   the deterministic mode run twice (same bits), MHA and GQA; logit softcapping (caps 50
+   and 15, q and k times 6 to saturate the tanh: tests/test_softcap.check_softcap) at both,
+   and sliding windows at d = 96 (tools/window_gpu_check.backward_case: (127, 0) and
+   (4095, 0) causal, (256, 256) GQA cross lengths; d = 192 refused, as k6 does). A gradient
+   passes when its max error <= 2x torch's own bf16 backward error on the same inputs
+   (+ 2^-12 x max |ref|, FlashAttention's rule as tests/test_gpu.py applies it); `ratio` =
+   error / that bound.
    Where a default fails, the same case through kb2 with the prologue, PDL and the per-head
    dQ conversion off (`PLAIN`, launched directly) tells the tile from those options.
 2. Speed (skipped with --quick): the backward alone (autograd.grad of a kept graph), CUDA
@@ -32,6 +36,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
 
 import torch  # noqa: E402
 
@@ -47,6 +53,11 @@ LENGTHS = [(1, 1), (17, 17), (113, 113), (1000, 1000), (113, 300), (1000, 517)]
 LARGER = [("MQA parts", 8, 1, 1, 4096, True), ("MHA long", 4, 4, 1, 3000, True),
           ("8:1 parts", 16, 2, 1, 2048, False)]
 DETERMINISTIC = [(8, 2, 2, 2100, True), (4, 4, 1, 777, False)]
+# (causal, n, cap, magnitude, heads_kv) of check_softcap (4 query heads)
+SOFTCAP = [(True, 1000, 50.0, 1.0, 2), (False, 113, 15.0, 6.0, 4), (True, 17, 15.0, 6.0, 4)]
+# (causal, window, nq, nk, heads, heads_kv) at d = 96, batch 2
+WINDOWS = [(True, (127, 0), 1000, 1000, 4, 4), (True, (4095, 0), 3000, 3000, 4, 1),
+           (False, (256, 256), 1000, 1300, 8, 2)]
 PLAIN = "kb2:kv_with_first_tile=0,pdl=0,convert_per_head=0,longest_first=0"
 SEQLENS = (2048, 4096, 8192, 16384)
 TOKENS = 32768
@@ -121,7 +132,11 @@ def correctness(log) -> list:
             failures += [] if row["ok"] else [row]
             _log_row(log, row, f"d{d} deterministic {heads}/{heads_kv} B{batch} N{n} "
                                f"{'causal' if causal else 'full'}")
+        rows += _softcap_and_windows(log, d, failures)
     for row in failures[:4]:
+        if "shape" not in row:              # softcap / window: no plain rerun
+            log(f"  FAILED {row}")
+            continue
         batch, heads, heads_kv, nq, nk, d, causal = row["shape"]
         try:
             row["plain_ratio"] = _plain_case(batch, heads, heads_kv, nq, nk, d, causal,
@@ -130,6 +145,31 @@ def correctness(log) -> list:
         except Exception as exc:  # noqa: BLE001 - a diagnosis, not a verdict
             note = f"{type(exc).__name__}: {str(exc)[:80]}"
         log(f"  FAILED {row['label']} {row['shape']}: ratio {row['ratio']}; {PLAIN}: {note}")
+    return rows
+
+
+def _softcap_and_windows(log, d, failures) -> list:
+    from test_softcap import check_softcap, within
+    from window_gpu_check import backward_case
+    rows = []
+    for causal, n, cap, magnitude, heads_kv in SOFTCAP:
+        errors = check_softcap(d, causal, n, cap, magnitude, heads_kv, seed=d + n)
+        row = {"label": "softcap", "case": [d, causal, n, cap, magnitude, heads_kv],
+               "errors": errors, "ok": within(errors)}
+        rows.append(row)
+        failures += [] if row["ok"] else [row]
+        worst = max(e / (2 * t + 2 ** -12 * max(1.0, r)) for e, t, r in errors.values())
+        log(f"  d{d} softcap {cap:g} x{magnitude:g} 4/{heads_kv} N{n} "
+            f"{'causal' if causal else 'full':6}: worst ratio {worst:.2f}  "
+            f"{'PASS' if row['ok'] else 'FAIL'}")
+    for causal, window, nq, nk, heads, heads_kv in WINDOWS if d == 96 else []:
+        row = backward_case(2, nq, nk, heads, heads_kv, d, causal, window, seed=nq + nk)
+        row["label"] = "window"
+        rows.append(row)
+        failures += [] if row["ok"] else [row]
+        log(f"  d{d} window {window} {heads}/{heads_kv} {nq}/{nk} "
+            f"{'causal' if causal else 'full':6}: worst ratio {row['ratio']:.2f}  "
+            f"{'PASS' if row['ok'] else 'FAIL'}")
     return rows
 
 
