@@ -9,8 +9,8 @@
    1000 / 517; GQA cases whose dK / dV are split in parts and a multi-tile causal MHA case;
    the deterministic mode run twice (same bits), MHA and GQA; logit softcapping (caps 50
    and 15, q and k times 6 to saturate the tanh: tests/test_softcap.check_softcap) at both,
-   and sliding windows at d = 96 (tools/window_gpu_check.backward_case: (127, 0) and
-   (4095, 0) causal, (256, 256) GQA cross lengths; d = 192 refused, as k6 does). A gradient
+   and sliding windows at d = 96 (tools/window_gpu_check.backward_case: (127, 0) causal,
+   (256, 256) GQA cross lengths; d = 192 refused, as k6 does). A gradient
    passes when its max error <= 2x torch's own bf16 backward error on the same inputs
    (+ 2^-12 x max |ref|, FlashAttention's rule as tests/test_gpu.py applies it); `ratio` =
    error / that bound.
@@ -54,10 +54,9 @@ LARGER = [("MQA parts", 8, 1, 1, 4096, True), ("MHA long", 4, 4, 1, 3000, True),
           ("8:1 parts", 16, 2, 1, 2048, False)]
 DETERMINISTIC = [(8, 2, 2, 2100, True), (4, 4, 1, 777, False)]
 # (causal, n, cap, magnitude, heads_kv) of check_softcap (4 query heads)
-SOFTCAP = [(True, 1000, 50.0, 1.0, 2), (False, 113, 15.0, 6.0, 4), (True, 17, 15.0, 6.0, 4)]
+SOFTCAP = [(True, 1000, 50.0, 1.0, 2), (False, 113, 15.0, 6.0, 4)]
 # (causal, window, nq, nk, heads, heads_kv) at d = 96, batch 2
-WINDOWS = [(True, (127, 0), 1000, 1000, 4, 4), (True, (4095, 0), 3000, 3000, 4, 1),
-           (False, (256, 256), 1000, 1300, 8, 2)]
+WINDOWS = [(True, (127, 0), 1000, 1000, 4, 4), (False, (256, 256), 1000, 1300, 8, 2)]
 PLAIN = "kb2:kv_with_first_tile=0,pdl=0,convert_per_head=0,longest_first=0"
 SEQLENS = (2048, 4096, 8192, 16384)
 TOKENS = 32768
