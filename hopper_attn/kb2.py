@@ -552,7 +552,7 @@ class FlashAttentionBackwardKB2:
             self.trace.end(phase)
             if cutlass.const_expr(self.early_dv):
                 phase = self.trace.start("dv")
-                self.issue_dv(mmas, acc_dv, stage, 0, self.split_dv or bm // 16)
+                mmas.issue_dv(acc_dv, stage, (0, self.split_dv or bm // 16))
                 self.trace.end(phase)
                 phase = self.trace.start("wait_dp")
                 warpgroup.wait_group(1)                                 # dP^T has landed
@@ -589,7 +589,7 @@ class FlashAttentionBackwardKB2:
                 cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
             if cutlass.const_expr((not self.early_dv or self.split_dv > 0)
                                   and not self.shared_keys):
-                self.issue_dv(mmas, acc_dv, stage, self.split_dv, bm // 16)  # (the rest of) dV
+                mmas.issue_dv(acc_dv, stage, (self.split_dv, bm // 16))  # (the rest of) dV
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
             self.trace.end(phase)
             phase = self.trace.start("ds_barrier")
@@ -597,7 +597,7 @@ class FlashAttentionBackwardKB2:
             self.trace.end(phase)
             phase = self.trace.start("dq_dk")
             if cutlass.const_expr(self.shared_keys):            # P^T of both warpgroups
-                self.issue_dv(mmas, acc_dv, stage, 0, bm // 16, buf)
+                mmas.issue_dv(acc_dv, stage, (0, bm // 16), buf)
             acc_dq = mmas.new_dq_accumulator(bm, d)
             wgmma.gemm(mmas.mma_dq, acc_dq, *mmas.dq_operands(buf),
                        zero_init=True)
@@ -640,14 +640,6 @@ class FlashAttentionBackwardKB2:
         if warp == 4:                                       # the first consumer warp
             store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
         self.trace.end(phase)
-
-    @cute.jit
-    def issue_dv(self, mmas, acc_dv: cute.Tensor, stage, first: cutlass.Constexpr,
-                 end: cutlass.Constexpr, buf=0):
-        """dV += P^T dO over P^T's K blocks (16 queries each) first .. end - 1, as one WGMMA
-        batch: all bm / 16 of them at once, or in the two parts of `split_dv`."""
-        wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.dkv_operand_a(mmas.pt_frag, buf),
-                   mmas.dot_frag[None, None, None, stage], zero_init=False, k_blocks=(first, end))
 
 
 # Policy: `DEFAULTS`, then the matching rows in `policy`'s mode order; compile_kernel's
@@ -693,8 +685,8 @@ POLICY = (
     # d = 96 and 192 (issue 63; tools/bwd_dims_gpu_check.py's results: to be run)
     PolicyRow(96, False, "", {"early_dv": True, "kv_with_first_tile": True, "pdl": True,
                               "convert_per_head": True},
-              "d = 128's settings on 64-row tiles (80 need dQ^T: d = 96 is not 64k); not yet "
-              "measured", ("tools/bwd_dims_gpu_check.py",)),
+              "d = 128's settings on 64-row tiles (80 rows need dQ^T, whose M = d is not a "
+              "multiple of 64 here); not yet measured", ("tools/bwd_dims_gpu_check.py",)),
     PolicyRow(96, True, "", {"early_dv": True, "split_dv": 1, "kv_with_first_tile": True,
                              "pdl": True, "longest_first": True, "convert_per_head": True},
               "d = 128's causal row (64 rows, dV split, longest first); not yet measured",

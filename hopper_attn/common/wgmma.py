@@ -252,6 +252,13 @@ class BackwardMmas:
             st_coords=acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm)))),
             dq_swap_ab=dq_swap_ab, shared_keys=shared_keys)
 
+    def issue_dv(self, acc_dv: cute.Tensor, stage, k_blocks: tuple, buf=0):
+        """dV += P^T dO over P^T's K blocks (16 queries each) first .. end - 1 (`k_blocks`),
+        one WGMMA batch: all of them at once, or in the two parts of kb2's `split_dv`;
+        dO from Q / dO ring stage `stage`, P^T (shared_keys) from SMEM buffer `buf`."""
+        gemm(self.mma_dkv, acc_dv, self.dkv_operand_a(self.pt_frag, buf),
+             self.dot_frag[None, None, None, stage], zero_init=False, k_blocks=k_blocks)
+
     def dkv_operand_a(self, frag: cute.Tensor, buf) -> cute.Tensor:
         """P^T (pt_frag) or dS^T (dst_frag) as dV's or dK's A operand: the registers, or
         with shared_keys the SMEM buffer `buf`."""
