@@ -327,12 +327,12 @@ class FlashAttentionBackwardKB2:
             self.roles.become_consumer()
             ctidx = tidx - 128                              # 0 .. 255
             wg = warp // 4 - 1
+            sPt = storage.sPt.get_tensor(ds_layout.outer, swizzle=ds_layout.inner) \
+                if self.shared_keys else None                    # P^T (shared_keys)
             self.consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
                          dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
                          n_block, dk_head if self.gqa else head, batch, m_first, m_count,
-                         seqlen_q, seqlen_k, group, storage.sPt.get_tensor(
-                             ds_layout.outer, swizzle=ds_layout.inner) if cutlass.const_expr(
-                             self.shared_keys) else None)
+                         seqlen_q, seqlen_k, group, sPt)
 
     @cute.jit
     def load(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD, kv_pipe,
