@@ -23,9 +23,9 @@ packed (batch, seqlen, 3, heads, head_dim) QKV tensor: read in place, no copies.
 
 Gradients: when q, k or v requires grad, the op records what its backward needs (q, k, v,
 the output and the LSE) and `.backward()` runs the first backward stage of
-`BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64 and 128, bf16 and fp16,
-GQA, cross-attention; kb1 the same at head_dim 256); a problem none supports is refused in
-the forward, before any launch. The LSE output itself is not differentiable. The backward
+`BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64, 96, 128 and 192, bf16
+and fp16, GQA, cross-attention; kb1 the same at head_dim 256); a problem none supports is
+refused in the forward, before any launch. The LSE output itself is not differentiable. The backward
 reads q, k, v, the output and its gradient in place in the strided layouts the forward takes
 (transformers' and SDPA's (batch, heads, seqlen, head_dim) views, packed QKV) and returns
 dq, dk, dv laid out like q, k, v where those are dense. In eager mode the autograd node is
@@ -69,7 +69,11 @@ def _first_supporting(names, problem: Problem, what: str):
 
 
 def _backward_entry(problem: Problem, deterministic: bool = False, softcap: float = 0.0):
-    if softcap:                                # kb2 alone takes a softcap (d = 64, 128)
+    if softcap:                                # kb2 alone takes a softcap (d = 64-192)
+        from hopper_attn.kb2 import SOFTCAP_TILES
+        if problem.head_dim not in SOFTCAP_TILES:
+            raise UnsupportedProblem(f"no backward stage with softcap supports head_dim "
+                                     f"{problem.head_dim} (kb2: {sorted(SOFTCAP_TILES)})")
         options = f"softcap={softcap!r}" + (",deterministic=1" if deterministic else "")
         return _first_supporting((f"kb2:{options}",), problem, "backward stage with softcap")
     names = ("kb2:deterministic=1",) if deterministic else BACKWARD_PREFERENCE
@@ -396,22 +400,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     combination needs). `stage` picks a stage by name (e.g. "k4", which writes no LSE: NaN)
     instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
     128, 192 or 256 (k6; k5 and k4: 64 and 128, bf16), any sequence length;
-    anything else raises ValueError before a launch. Differentiable at head_dim 64 and 128
-    (the backward runs kb2) and 256 (kb1); with `deterministic` (kb2 only: 64 and 128), dQ's
-    additions happen in a fixed order, so the gradients have the same bits on every run
+    anything else raises ValueError before a launch. Differentiable at head_dim 64, 96, 128
+    and 192 (the backward runs kb2) and 256 (kb1); with `deterministic` (kb2 only: 64-192),
+    dQ's additions happen in a fixed order, so the gradients have the same bits on every run
     (slower: docs/kb2.md).
 
     `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its
     head dims; the cap is compiled in: one compile per cap value), differentiable at
-    head_dim 64 and 128 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
+    head_dim 64 to 192 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
     non-finite cap, or a stage without it.
 
     `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
     i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
     r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
     (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6 and kb2 only (head
-    dims 64 and 128 with gradients; not deterministic); compiled once per window size. A row
+    dims 64, 96 and 128 with gradients; not deterministic); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
     """
     softcap = _check_softcap(softcap)

@@ -29,9 +29,14 @@ What changes from kb1:
   dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
+* Head dims 96 and 192 (issue 63). d = 96 runs d = 128's consumer on 64-row tiles, K in a
+  32-byte swizzle (dQ reads K^T in 48 columns a warpgroup). At d = 192 a thread would hold
+  192 + 192 dK and dV floats: `shared_keys` puts both consumer warpgroups on one 64-key
+  tile, S^T and dP^T split by queries, dK, dV and dQ by columns (96 + 96 + 48 floats), P^T
+  through SMEM like dS^T, dV issued after the dS^T barrier (docs/kb2.md).
 
-What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
-into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
+What stays: kb1's 128-key tiles (d = 192: 64), the transposed formulation (P^T and dS^T
+from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
 as in kb1 (gqa: per dK head); at d = 128 with a causal mask launched longest first inside
 head groups that share L2 (`longest_first`). Query tiles (`POLICY`, FlashAttention-3's):
@@ -43,7 +48,8 @@ Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
 ~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
 S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
-producer thread.
+producer thread. d = 192 (64 x 64): K + V 48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T)
+32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB.
 
 Named barriers: 0 = the CTA-wide sync publishing the mbarrier inits; 1 = dS^T written
 (256 consumer threads); 2 = epilogue (consumers); 3-4 = dQ full, 5-6 = dQ empty (one per
@@ -52,7 +58,6 @@ consumer warpgroup, 128 + 32 threads).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -65,8 +70,9 @@ from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, backward_smem, column_stats,
-                                         compile_backward, fragment_slot, run_backward,
+from hopper_attn.common.backward import (BackwardTiles, PolicyRow, backward_smem,
+                                         column_stats, compile_backward, converted,
+                                         fragment_slot, policy_settings, run_backward,
                                          stage_dkv, store_dkv, wait_for_count)
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
@@ -80,10 +86,12 @@ from hopper_attn.common.warp_roles import WarpRoles
 SPEC = KernelSpec(
     name="kb2",
     summary="kb1 + producer warpgroup, setmaxnreg, Q/dO rings with LSE/D, dQ by bulk reduce-add",
-    head_dims=(64, 128),
+    head_dims=(64, 96, 128, 192),
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,
-    window=True,                # sliding windows (compiled per window size)
+    window=True,                # sliding windows (compiled per window size), d = 64-128:
+    extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed
+    and p.head_dim > 128 else None,
 )
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
@@ -103,14 +111,18 @@ class FlashAttentionBackwardKB2:
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, varlen: bool = False):
+                 window_right: int = -1, shared_keys: bool = False, varlen: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
             raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
-        if block_m not in (64, 80, 128) or block_n != 128:
-            raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys) and "
-                             f"64, 80 or 128 queries; got {block_m} x {block_n}")
+        # shared_keys (d = 192): both consumer warpgroups on one 64-key tile, dK and dV split
+        # by columns (wgmma.BackwardMmas), P^T through SMEM; dV issued after the dS^T barrier
+        self.shared_keys = bool(shared_keys)
+        if block_m not in (64, 80, 128) or block_n != (64 if shared_keys else 128):
+            raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys; "
+                             "shared_keys: 64) and 64, 80 or 128 queries; got "
+                             f"{block_m} x {block_n}")
         # dq_swap_ab: 80 query rows are not a multiple of WGMMA's M (64), so dQ is computed
         # transposed, dQ^T = K^T dS^T, with head_dim split between the warpgroups
         self.dq_swap_ab = block_m % 64 != 0
@@ -118,7 +130,7 @@ class FlashAttentionBackwardKB2:
             raise ValueError(f"kb2 takes 80-row query tiles at head_dim 128 only, got {head_dim}")
         self.head_dim, self.causal = head_dim, causal
         self.block_m, self.block_n = block_m, block_n
-        self.warpgroups = block_n // 64                     # consumer warpgroups
+        self.warpgroups = 2                                 # consumer warpgroups
         self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
         self.threads = self.roles.threads
         # longest_first (causal): head groups whose Q, dO and fp32 dQ (N x d x 8 bytes a head)
@@ -150,6 +162,9 @@ class FlashAttentionBackwardKB2:
         # ptxas keeps the exp2 loop ahead of that wait); on at d = 128 on 64-row tiles
         self.early_dv = (head_dim == 128 and block_m == 64) if early_dv is None \
             else bool(early_dv)
+        if self.shared_keys and (self.early_dv or dp_first or not stmatrix):
+            raise ValueError("kb2: shared_keys issues dV after the dS^T barrier and stores "
+                             "P^T by stmatrix (no early_dv nor dp_first)")
         # dp_first: dP^T issued first, from -D (no D registers), S^T behind it
         self.dp_first = dp_first
         # kv_with_first_tile: K on the first Q stage's barrier, V on the first dO stage's
@@ -195,9 +210,8 @@ class FlashAttentionBackwardKB2:
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
-                "block_n": self.block_n, "dq_swap_ab": self.dq_swap_ab,
-                "stages": self.stages, "threads": self.threads,
-                "producer_regs": self.roles.producer_regs,
+                "block_n": self.block_n, "dq_swap_ab": self.dq_swap_ab, "stages": self.stages,
+                "threads": self.threads, "producer_regs": self.roles.producer_regs,
                 "consumer_regs": self.roles.consumer_regs}
 
     @cute.jit
@@ -210,7 +224,7 @@ class FlashAttentionBackwardKB2:
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type
         tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
-                                     packed=self.varlen)
+                                     shared_keys=self.shared_keys, packed=self.varlen)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
         # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
         row_stride = -(-bm // 32) * 32
@@ -234,6 +248,9 @@ class FlashAttentionBackwardKB2:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
+            if cutlass.const_expr(self.shared_keys):    # P^T, by buffer as dS^T
+                sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)],
+                                       1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
 
         self.shared_storage = SharedStorage
@@ -325,10 +342,12 @@ class FlashAttentionBackwardKB2:
             self.roles.become_consumer()
             ctidx = tidx - 128                              # 0 .. 255
             wg = warp // 4 - 1
+            sPt = storage.sPt.get_tensor(ds_layout.outer, swizzle=ds_layout.inner) \
+                if self.shared_keys else None                    # P^T (shared_keys)
             self.consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
                          dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
                          n_block, dk_head if self.gqa else head, batch, m_first, m_count,
-                         seqlen_q, seqlen_k, group)
+                         seqlen_q, seqlen_k, group, sPt)
 
     @cute.jit
     def load(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD, kv_pipe,
@@ -440,12 +459,12 @@ class FlashAttentionBackwardKB2:
                 sdSt: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, sdQ: cute.Pointer,
                 scale_log2: Float32, softmax_scale: Float32, mdK: cute.Tensor,
                 mdV: cute.Tensor, tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, warp,
-                n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k, group):
+                n_block, head, batch, m_first, m_count, seqlen_q, seqlen_k, group, sPt=None):
         """One consumer warpgroup on kv tile `n_block`: every query tile it visits, then dK
-        and dV out (`head`: the k/v head)."""
+        and dV out (`head`: the k/v head; sPt: P^T's SMEM with shared_keys)."""
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
-                                         sdSt, dtype, self.dq_swap_ab)  # kb1's five GEMMs
+                                         sdSt, dtype, self.dq_swap_ab, sPt=sPt)  # kb1's GEMMs
         st_coords = mmas.st_coords
         acc_dk = mmas.new_dkv_accumulator(bn, d)
         acc_dv = mmas.new_dkv_accumulator(bn, d)
@@ -540,11 +559,15 @@ class FlashAttentionBackwardKB2:
                             1.0 - t * t, Float32(0.0))                  # dS^T
             if cutlass.const_expr(not self.dp_first):
                 dsum = column_stats(sD, st_coords, stage, cols)
-            mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
+            if cutlass.const_expr(self.shared_keys):    # P^T -> SMEM (stmatrix) for dV
+                cute.copy(store_ds, thr_store_ds.retile(converted(acc_st, dtype)),
+                          thr_store_ds.partition_D(sPt)[None, None, None, it % 2])
+            else:
+                mmas.pt_frag.store(acc_as_operand_a(acc_st).load().to(dtype))
             self.trace.end(phase)
             if cutlass.const_expr(self.early_dv):
                 phase = self.trace.start("dv")
-                self.issue_dv(mmas, acc_dv, stage, 0, self.split_dv or bm // 16)
+                mmas.issue_dv(acc_dv, stage, (0, self.split_dv or bm // 16))
                 self.trace.end(phase)
                 phase = self.trace.start("wait_dp")
                 warpgroup.wait_group(1)                                 # dP^T has landed
@@ -563,10 +586,12 @@ class FlashAttentionBackwardKB2:
                         dpt_rc[r, c] = st_rc[r, c] * (dpt_rc[r, c] - dsum[c])  # dS^T
                         if cutlass.const_expr(self.softcap > 0.0):
                             dpt_rc[r, c] = dpt_rc[r, c] * Float32(tanh_slope[r, c])
-            mmas.dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
-            pin(mmas.dst_frag)                          # one conversion for both readers
+            if cutlass.const_expr(not self.shared_keys):
+                mmas.dst_frag.store(acc_as_operand_a(acc_dpt).load().to(dtype))
+                pin(mmas.dst_frag)                      # one conversion for both readers
             buf = it % 2
-            ds_out = operand_a_as_acc(mmas.dst_frag, acc_dpt)         # dS^T, converted once
+            ds_out = converted(acc_dpt, dtype) if self.shared_keys else \
+                operand_a_as_acc(mmas.dst_frag, acc_dpt)              # dS^T, converted once
             if cutlass.const_expr(self.stmatrix):
                 if cutlass.const_expr(self.ds_address_per_tile):
                     thr_ds = store_ds.get_slice(opaque(ctidx))
@@ -577,14 +602,17 @@ class FlashAttentionBackwardKB2:
                               ds_smem[None, None, None, buf])
             else:
                 cute.autovec_copy(ds_out, mmas.thr_sdp.partition_C(sdSt[None, None, buf]))
-            if cutlass.const_expr(not self.early_dv or self.split_dv > 0):
-                self.issue_dv(mmas, acc_dv, stage, self.split_dv, bm // 16)  # (the rest of) dV
+            if cutlass.const_expr((not self.early_dv or self.split_dv > 0)
+                                  and not self.shared_keys):
+                mmas.issue_dv(acc_dv, stage, (self.split_dv, bm // 16))  # (the rest of) dV
             cute.arch.fence_proxy("async.shared", space="cta")   # dS^T visible to the WGMMAs
             self.trace.end(phase)
             phase = self.trace.start("ds_barrier")
             ds_written.arrive_and_wait()                         # ... of both warpgroups
             self.trace.end(phase)
             phase = self.trace.start("dq_dk")
+            if cutlass.const_expr(self.shared_keys):            # P^T of both warpgroups
+                mmas.issue_dv(acc_dv, stage, (0, bm // 16), buf)
             acc_dq = mmas.new_dq_accumulator(bm, d)
             wgmma.gemm(mmas.mma_dq, acc_dq, *mmas.dq_operands(buf),
                        zero_init=True)
@@ -594,8 +622,8 @@ class FlashAttentionBackwardKB2:
             self.trace.end(phase)
             phase = self.trace.start("dq_dk")
             do_pipe.consumer_release(consume)
-            wgmma.gemm(mmas.mma_dkv, acc_dk, mmas.dst_frag, mmas.qt_frag[None, None, None, stage],
-                       zero_init=False)                                  # dK += dS^T Q
+            wgmma.gemm(mmas.mma_dkv, acc_dk, mmas.dkv_operand_a(mmas.dst_frag, buf),
+                       mmas.qt_frag[None, None, None, stage], zero_init=False)  # dK += dS^T Q
             self.trace.end(phase)
             phase = self.trace.start("wait_dv_dq")
             warpgroup.wait_group(1)                                     # dQ is done
@@ -628,14 +656,6 @@ class FlashAttentionBackwardKB2:
             store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
         self.trace.end(phase)
 
-    @cute.jit
-    def issue_dv(self, mmas, acc_dv: cute.Tensor, stage, first: cutlass.Constexpr,
-                 end: cutlass.Constexpr):
-        """dV += P^T dO over P^T's K blocks (16 queries each) first .. end - 1, as one WGMMA
-        batch: all bm / 16 of them at once, or in the two parts of `split_dv`."""
-        wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
-                   zero_init=False, k_blocks=(first, end))
-
 
 # Policy: `DEFAULTS`, then the matching rows in `policy`'s mode order; compile_kernel's
 # arguments override all. Each row: settings, why (one line), the results that measured it.
@@ -643,25 +663,7 @@ class FlashAttentionBackwardKB2:
 DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None,
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
-            "convert_per_head": False, "gqa": False, "heads_first": False}
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyRow:
-    """Settings for problems of `head_dim` (None: any) and `causal` (None: either) in `mode`
-    ("": every problem, "deterministic", "gqa": fewer k/v heads than query heads, "gqa
-    deterministic": both)."""
-
-    head_dim: Optional[int]
-    causal: Optional[bool]
-    mode: str
-    settings: dict
-    reason: str
-    results: tuple          # paths from the repository root
-
-    def matches(self, head_dim: int, causal: bool, mode: str) -> bool:
-        return (self.mode == mode and self.head_dim in (None, head_dim)
-                and self.causal in (None, causal))
+            "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False}
 
 
 POLICY = (
@@ -695,6 +697,19 @@ POLICY = (
                "results/h100/2026-11-26_kb2_longest_first_causal.json",
                "results/h100/2026-11-26_backward_kb2_per_head.json",
                "results/h100/2026-11-26_backward_kb2_per_head_run2.json")),
+    # d = 96 and 192 (issue 63; tools/bwd_dims_gpu_check.py's results: to be run)
+    PolicyRow(96, False, "", {"early_dv": True, "kv_with_first_tile": True, "pdl": True,
+                              "convert_per_head": True},
+              "d = 128's settings on 64-row tiles (80 rows need dQ^T, whose M = d is not a "
+              "multiple of 64 here); not yet measured", ("tools/bwd_dims_gpu_check.py",)),
+    PolicyRow(96, True, "", {"early_dv": True, "split_dv": 1, "kv_with_first_tile": True,
+                             "pdl": True, "longest_first": True, "convert_per_head": True},
+              "d = 128's causal row (64 rows, dV split, longest first); not yet measured",
+              ("tools/bwd_dims_gpu_check.py",)),
+    PolicyRow(192, None, "", {"shared_keys": True, "kv_with_first_tile": True, "pdl": True,
+                              "longest_first": True, "convert_per_head": True},
+              "the tile whose dK and dV fit (64 x 64, shared_keys); with a mask longest first "
+              "as at d = 128; not yet measured", ("tools/bwd_dims_gpu_check.py",)),
     # the deterministic mode: CTAs wait for each other's dQ adds (longest first helps far
     # less); its turns use the per-head conversion's counters; fixed-size head groups
     PolicyRow(64, None, "deterministic", {"longest_first": True, "convert_per_head": False,
@@ -707,6 +722,13 @@ POLICY = (
               "16-head groups: +17 / +23% at N = 8k / 16k against 32 MiB groups",
               ("results/h100/2026-11-26_kb2_deterministic_group_heads_d128.json",
                "results/h100/2026-11-26_kb2_deterministic_longest_first_d128.json")),
+    PolicyRow(96, None, "deterministic", {"longest_first": True, "convert_per_head": False,
+                                          "group_heads": 16},
+              "d = 128's 16-head groups; not yet measured", ("tools/bwd_dims_gpu_check.py",)),
+    PolicyRow(192, None, "deterministic", {"longest_first": True, "convert_per_head": False,
+                                           "group_heads": 8},
+              "d = 128's groups scaled to 1.5x the bytes a head; not yet measured",
+              ("tools/bwd_dims_gpu_check.py",)),
     # GQA / MQA: dK and dV summed over the group inside the CTA (issue 59)
     PolicyRow(None, None, "gqa", {"gqa": True},
               "no per-query-head dK/dV scratch nor torch sum (not yet measured)",
@@ -731,32 +753,19 @@ POLICY = (
 
 
 def policy(problem, deterministic: bool = False, tuned: bool = True) -> dict:
-    """The settings `POLICY` gives `problem` (`tuned`: take the head dim and mask's row, as
-    compile_kernel does when block_m is not given), and the rows they came from ("rows")."""
-    settings, rows = dict(DEFAULTS), []
-    # a sliding window takes the causal rows (masked tiles)
-    masked = problem.causal or getattr(problem, "windowed", False)
-    modes = [""] if tuned else []
-    modes += ["window"] if tuned and getattr(problem, "windowed", False) else []
-    modes += ["deterministic"] if deterministic else []
-    modes += ["gqa"] if problem.kv_heads != problem.heads else []
-    modes += ["gqa deterministic"] if deterministic and "gqa" in modes else []
-    for mode in modes:
-        for row in POLICY:
-            if row.matches(problem.head_dim, masked, mode):
-                settings.update(row.settings)
-                rows.append(row)
-    settings["rows"] = rows
-    return settings
+    """The settings `POLICY` gives `problem` (`tuned`: the head dim and mask's rows, as
+    compile_kernel takes them when block_m is not given), and their rows ("rows")."""
+    return policy_settings(POLICY, DEFAULTS, problem, deterministic, tuned)
 
 
 # softcap (block_m, dp_first, early_dv) per head dim: 64-row query tiles, at d = 128 with dP^T
 # first (1 - t^2 used in the exp2 loop, not held until dS^T); the default tiles spill
-SOFTCAP_TILES = {64: (64, None, None), 128: (64, True, False)}
+SOFTCAP_TILES = {64: (64, None, None), 96: (64, None, None), 128: (64, True, False),
+                 192: (64, None, None)}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
-                   block_n: int = 128, deterministic: bool = False,
+                   block_n: Optional[int] = None, deterministic: bool = False,
                    stmatrix: Optional[bool] = None, early_dv=None, dp_first: Optional[bool] = None,
                    ds_address_per_tile: Optional[bool] = None,
                    kv_with_first_tile: Optional[bool] = None, pdl: Optional[bool] = None,
@@ -764,7 +773,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    group_mib: Optional[int] = None, group_heads: Optional[int] = None,
                    trace: bool = False, convert_per_head: Optional[bool] = None,
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
-                   softcap: float = 0.0, varlen: bool = False):
+                   softcap: float = 0.0, shared_keys: Optional[bool] = None,
+                   varlen: bool = False):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
@@ -776,12 +786,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
         block_m, dp_first, early_dv = SOFTCAP_TILES.get(problem.head_dim,
                                                         (block_m, dp_first, early_dv))
+    if shared_keys is None and problem.head_dim == 192:
+        shared_keys = True          # the one kb2 tile whose dK / dV fit the registers there
     given = {"block_m": block_m, "stmatrix": stmatrix, "early_dv": early_dv,
              "dp_first": dp_first, "ds_address_per_tile": ds_address_per_tile,
              "kv_with_first_tile": kv_with_first_tile, "pdl": pdl, "split_dv": split_dv,
              "longest_first": longest_first, "group_mib": group_mib,
              "group_heads": group_heads, "convert_per_head": convert_per_head, "gqa": gqa,
-             "heads_first": heads_first}
+             "heads_first": heads_first, "shared_keys": shared_keys}
     settings = policy(problem, deterministic, tuned=block_m is None)
     settings.pop("rows")
     settings.update({name: value for name, value in given.items() if value is not None})
@@ -791,7 +803,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
     options = {name: bool(value) for name, value in settings.items()
                if name not in ("block_m", "split_dv", "group_mib", "group_heads")}
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
-                            {**options, "block_m": int(settings["block_m"]), "block_n": block_n,
+                            {**options, "block_m": int(settings["block_m"]),
+                             "block_n": block_n or (64 if settings["shared_keys"] else 128),
                              "deterministic": bool(deterministic), "early_dv": early,
                              "split_dv": int(settings["split_dv"]),
                              "group_mib": int(settings["group_mib"]),

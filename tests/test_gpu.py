@@ -339,10 +339,11 @@ def test_k6_runs_more_than_65535_heads():
 
 @pytest.mark.parametrize("heads_kv,seqlen_k", [(4, 0), (2, 0), (4, 700), (1, 300)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_attention_backward_matches_fp32(d, causal, heads_kv, seqlen_k):
-    """attention(...).backward() (k6 forward, kb2 backward; kb1 at d = 256) against the fp32
-    reference gradients, within 2x torch's own bf16 backward error on the same inputs."""
+    """attention(...).backward() (k6 forward, kb2 backward, at d = 192 with shared_keys; kb1
+    at d = 256) against the fp32 reference gradients, within 2x torch's own bf16 backward
+    error on the same inputs."""
     _backward_matches_fp32(2, 4, heads_kv, 500, seqlen_k or 500, d, causal,
                            seed=d + 10 * heads_kv + seqlen_k + causal)
 
@@ -405,6 +406,7 @@ def test_attention_backward_under_torch_compile():
     (2, 4, 1000, 128),
     (5, 7, 2100, 128),      # longest first: 35 heads in groups of 16 after 3
     (3, 4, 2100, 64),       # longest first (the deterministic mode's order at d = 64 too)
+    (2, 4, 1000, 96), (3, 9, 2100, 192),        # issue 63 (192: 8-head groups)
 ])
 def test_attention_backward_deterministic_mode_gives_the_same_bits(batch, heads, seqlen, d):
     import hopper_attn

@@ -387,6 +387,63 @@ def test_gqa_refusals():
         kb2.compile_kernel(Problem(1, 8, 128, 256, heads_kv=2))
 
 
+# ------------------------------------------------------------ head dims 96 and 192 (issue 63)
+
+@pytest.mark.parametrize("d,causal", [(96, True), (192, False)])
+def test_head_dims_96_and_192_compile_without_spills(d, causal):
+    """d = 96: d = 128's consumer on 64-row tiles (dV and dK with A from registers); d = 192:
+    `shared_keys`, both consumer warpgroups on one 64-key tile, P^T and dS^T stored by
+    stmatrix and read from SMEM by dV and dK (no register-A WGMMA). Both within 227 KiB of
+    SMEM (dynamic + static) and without spills, dQ out by one bulk add per warpgroup."""
+    art = compiled("kb2", d, causal)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+        assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
+    ptx, kernel = art["ptx"], art["kernel"]
+    assert kernel["threads"] == 384 and kernel["block_m"] == 64
+    assert kernel["block_n"] == (64 if d == 192 else 128)
+    assert kernel["options"]["shared_keys"] == (d == 192)
+    assert count(ptx, r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;") == 1
+    assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
+    register_a = count(ptx, r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*\{")
+    assert register_a == (0 if d == 192 else 2 * 64 // 16)
+    # stmatrix.x4 per thread and tile: dS^T's 64 x 64 (d = 96), or P^T's and dS^T's 64 x 32
+    assert count(ptx, r"stmatrix\.sync\.aligned") == 4
+
+
+def test_swizzle_atom_cols():
+    """A narrower swizzle only where a warpgroup's MN-major columns split the row's atom."""
+    from hopper_attn.common.backward import swizzle_atom_cols
+    assert [swizzle_atom_cols(d, d // 2) for d in (64, 96, 128, 192, 256)] == \
+        [None, 16, None, 32, None]
+    assert swizzle_atom_cols(96, 96) is None and swizzle_atom_cols(192, 192) is None
+
+
+def test_shared_keys_refusals():
+    """shared_keys issues dV after the dS^T barrier: no early dV, dP^T first or 80-row
+    tiles; d = 192 takes no sliding window (kb2 refuses before compiling)."""
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem, UnsupportedProblem
+    for options in ({"early_dv": True}, {"dp_first": True}, {"block_m": 80}):
+        with pytest.raises(ValueError, match="shared_keys|80-row"):
+            kb2.compile_kernel(Problem(1, 2, 128, 192, False), **options)
+    with pytest.raises(UnsupportedProblem, match="sliding windows"):
+        kb2.compile_kernel(Problem(1, 2, 128, 192, True, window_left=64))
+
+
+@pytest.mark.parametrize("name,d,heads_kv,window", [("kb2:softcap=30.0", 192, 1, (-1, -1)),
+                                                    ("kb2", 96, 0, (127, -1))])
+def test_softcap_at_d192_and_window_at_d96_compile_without_spills(name, d, heads_kv, window):
+    """The softcap's tanh and 1 - t^2 with shared_keys (GQA); a window's two limits at d = 96
+    on d = 128's causal row."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get(name), d, True, heads_kv=heads_kv, window=window)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
 # ------------------------------------------------------------- the policy table (issue 58)
 
 def test_policy_rows_name_their_reason_and_results():
@@ -417,6 +474,11 @@ def test_policy_rows_name_their_reason_and_results():
     (128, True, True, 2, {"gqa": True, "longest_first": True, "group_heads": 16}),
     (128, True, False, 2, {"gqa": True, "longest_first": True, "heads_first": False}),
     (128, False, False, 2, {"gqa": True, "block_m": 80}),
+    (96, True, False, 0, {"block_m": 64, "early_dv": True, "split_dv": 1,
+                          "longest_first": True}),
+    (192, False, False, 0, {"shared_keys": True, "block_m": 64, "early_dv": None}),
+    (192, True, True, 2, {"shared_keys": True, "gqa": True, "group_heads": 8,
+                          "convert_per_head": False}),
 ])
 def test_policy(d, causal, deterministic, heads_kv, expect):
     from hopper_attn import kb2

@@ -163,7 +163,7 @@ def test_softcap_forward_matches_fp32(d, causal, n, cap, magnitude):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 17, 113, 1000])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192])
 @pytest.mark.parametrize("heads_kv", [4, 2])             # MHA, GQA 2:1
 @pytest.mark.parametrize("cap,magnitude", [(50.0, 1.0), (15.0, 6.0)])
 def test_softcap_backward_matches_fp32(d, causal, n, heads_kv, cap, magnitude):

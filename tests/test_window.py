@@ -265,7 +265,7 @@ def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,window", GPU_WINDOWS)
 @pytest.mark.parametrize("seqlen", [17, 113, 1000])
 def test_backward_matches_fp32(seqlen, causal, window, d):
@@ -273,7 +273,7 @@ def test_backward_matches_fp32(seqlen, causal, window, d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("causal,window", [(True, (127, 0)), (False, (256, 256))])
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (700, 1300), (4096, 4096)])
 def test_backward_gqa_matches_fp32(nq, nk, causal, window, d):
@@ -303,7 +303,7 @@ def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_window_with_softcap_matches_fp32(d):
     """Gemma-2-like: a window and logit softcapping together, forward and gradients within
     a plain bound (what a wrong mask or cap would break by far: errors of order 1)."""

@@ -222,6 +222,18 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
 # The main kernels' tiles (host side, inside their @cute.jit __call__) and epilogue (device).
 # --------------------------------------------------------------------------------------------
 
+def swizzle_atom_cols(head_dim: int, block: int):
+    """The swizzle atom (in 16-bit elements: 64, 32 or 16 for 128-, 64- and 32-byte) of a
+    tile with `head_dim`-element rows that a WGMMA also reads MN-major in `block`-column
+    pieces (per warpgroup), where the widest atom dividing the row does not fit those pieces
+    (neither divides the other); None where it does (every tile at d = 64, 128, 256).
+    d = 96: K^T in 48 columns for dQ -> 16 (the row's 32 does not divide 48); d = 192 with
+    `shared_keys`: Q^T, dO^T and K^T in 96 columns -> 32 (the row's 64 does not)."""
+    widths = [w for w in (64, 32, 16) if head_dim % w == 0]
+    fits = [w for w in widths if block % w == 0 or w % block == 0]
+    return None if fits[:1] == widths[:1] else fits[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class BackwardTiles:
     """What a backward main kernel (kb1, kb2) sets up on the host: the swizzled SMEM layouts
@@ -245,9 +257,12 @@ class BackwardTiles:
 
     @staticmethod
     def create(mQ, mK, mV, mdO, mdK, mdV, block_m: int, block_n: int, head_dim: int,
-               stages: int, dkv_cols: int = 0, packed: bool = False) -> "BackwardTiles":
-        """`packed`: (1, total, H, d) tensors of a packed batch, moved through common/varlen's
-        ragged TMA views (seqlen_k: k's token count)."""
+               stages: int, dkv_cols: int = 0, shared_keys: bool = False,
+               packed: bool = False) -> "BackwardTiles":
+        """`shared_keys` (kb2): dK and dV split by columns between two warpgroups, so Q^T and
+        dO^T are read MN-major in d / 2 columns (dQ always reads K^T in d / 2). `packed`:
+        (1, total, H, d) tensors of a packed batch, moved through common/varlen's ragged TMA
+        views (seqlen_k: k's token count)."""
         q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         extents = (k.shape[0], q.shape[2], q.shape[3])
         if packed:
@@ -255,8 +270,9 @@ class BackwardTiles:
             q, k, v, do, dk, dv = [ragged(t) for t in (q, k, v, do, dk, dv)]
         bm, bn, d, dtype = block_m, block_n, head_dim, mQ.element_type
         cols = dkv_cols or d
-        q_layout = smem_tile_layout(dtype, bm, d, stages)
-        kv_layout = smem_tile_layout(dtype, bn, d)
+        q_layout = smem_tile_layout(dtype, bm, d, stages, swizzle_atom_cols(
+            d, d // 2 if shared_keys else d))
+        kv_layout = smem_tile_layout(dtype, bn, d, atom_cols=swizzle_atom_cols(d, d // 2))
         dkv_layout = kv_layout if cols == d else smem_tile_layout(dtype, bn, cols)
         ds_layout = smem_tile_layout(dtype, bn, bm, 2)
         copies = [tma.make_tma_load(q, q_layout, bm, d), tma.make_tma_load(do, q_layout, bm, d),
@@ -304,9 +320,18 @@ HELPER_THREADS = 128
 def _tile_rows(head_dim: int, threads: int):
     """How `threads` threads cover rows of `head_dim` elements in 8-element (16-byte) chunks:
     (lanes per row, rows per pass). A row's lanes are consecutive, so one warp instruction
-    reads whole rows: coalesced."""
-    lanes = head_dim // CHUNK
+    reads whole rows: coalesced. Their number is a power of two (the preprocess sums a row
+    by shuffles within its lanes): at d = 96 and 192 (12 and 24 chunks) 16 and 32 lanes,
+    the last 4 or 8 padding (`_padding_lane`)."""
+    lanes = 1 << (head_dim // CHUNK - 1).bit_length()
     return lanes, threads // lanes
+
+
+def _padding_lane(col0, head_dim: int):
+    """(whether lane column `col0` is one of the row's, the column it reads): a padding
+    lane reads (and the conversions store again, with the same values) the row's last
+    chunk, so that every address stays inside the row."""
+    return col0 < head_dim, cutlass.min(col0, head_dim - CHUNK)
 
 
 def _aligned(ptr: cute.Pointer, size: int) -> cute.Tensor:
@@ -333,6 +358,7 @@ class BackwardPreprocess:
     def __init__(self, head_dim: int, rows_per_cta: int, pdl: bool = False):
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
+        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -353,6 +379,8 @@ class BackwardPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        if cutlass.const_expr(self.padded):
+            own_column, col0 = _padding_lane(col0, self.head_dim)
         passes = self.rows // self.rows_per_pass
         seqlen = o.shape[0]
         # Every load first, then the stores: a store to mD may alias o or dO as far as the
@@ -380,6 +408,9 @@ class BackwardPreprocess:
             row = m_block * self.rows + p * self.rows_per_pass + lane_row
             prod = o_rows[None, p].load().to(Float32) * do_rows[None, p].load().to(Float32)
             partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if cutlass.const_expr(self.padded):
+                if not own_column:                  # a padding lane counts nothing
+                    partial = Float32(0.0)
             dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
             if tidx % self.lanes == 0:
                 lse2 = Float32.inf
@@ -399,6 +430,7 @@ class DqConvert:
     def __init__(self, head_dim: int, rows_per_cta: int = 64, pdl: bool = False):
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
+        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
@@ -416,6 +448,8 @@ class DqConvert:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        if cutlass.const_expr(self.padded):
+            _, col0 = _padding_lane(col0, self.head_dim)
         base = mdQacc[batch, head, None, None].iterator
         for p in cutlass.range_constexpr(self.rows // self.rows_per_pass):
             row = m_block * self.rows + p * self.rows_per_pass + lane_row
@@ -445,6 +479,7 @@ class DqConvertFragments:
         # so conversions of finished heads run in the main kernel's tail
         self.per_head = per_head
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, 256)
+        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
@@ -481,6 +516,8 @@ class DqConvertFragments:
         cute.autovec_copy(converted, thr.partition_C(transposed(tile) if self.swap_ab else tile))
         cute.arch.sync_threads()
         lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+        if cutlass.const_expr(self.padded):
+            _, col0 = _padding_lane(col0, d)
         for p in cutlass.range_constexpr(bm // self.rows_per_pass):
             r = p * self.rows_per_pass + lane_row
             row = m_block * bm + r
@@ -525,3 +562,62 @@ def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int
     return cute.make_tensor(cute.make_ptr(ptr.dtype, ptr.toint(), ptr.memspace,
                                           assumed_align=16),
                             cute.make_layout((4, regs // 4), stride=(1, 4 * 128)))
+
+
+@cute.jit
+def converted(acc: cute.Tensor, dtype) -> cute.Tensor:
+    """A copy of an accumulator in `dtype`, same layout (kb2's shared_keys: P^T and dS^T
+    for stmatrix only, no register operand)."""
+    out = cute.make_rmem_tensor_like(acc, dtype)
+    out.store(acc.load().to(dtype))
+    return out
+
+
+@cute.jit
+def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
+    """The per-query statistic (lse2 or D) of each S^T column this thread holds, from the
+    stage's SMEM row into registers."""
+    vals = cute.make_rmem_tensor((cols,), Float32)
+    for c in cutlass.range_constexpr(cols):
+        vals[c] = s_rows[st_coords[0, c][1], stage]
+    return vals
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRow:
+    """Settings for problems of `head_dim` (None: any) and `causal` (None: either) in `mode`
+    ("": every problem, "deterministic", "gqa": fewer k/v heads than query heads, "gqa
+    deterministic": both)."""
+
+    head_dim: Optional[int]
+    causal: Optional[bool]
+    mode: str
+    settings: dict
+    reason: str
+    results: tuple          # paths from the repository root
+
+    def matches(self, head_dim: int, causal: bool, mode: str) -> bool:
+        return (self.mode == mode and self.head_dim in (None, head_dim)
+                and self.causal in (None, causal))
+
+
+def policy_settings(rows, defaults: dict, problem, deterministic: bool = False,
+                    tuned: bool = True) -> dict:
+    """`defaults` updated by the `PolicyRow`s of `rows` that match `problem`, in mode order
+    ("" and "window" when `tuned`, then "deterministic", "gqa", "gqa deterministic"), and
+    the rows they came from ("rows")."""
+    settings, used = dict(defaults), []
+    # a sliding window takes the causal rows (masked tiles)
+    masked = problem.causal or getattr(problem, "windowed", False)
+    modes = [""] if tuned else []
+    modes += ["window"] if tuned and getattr(problem, "windowed", False) else []
+    modes += ["deterministic"] if deterministic else []
+    modes += ["gqa"] if problem.kv_heads != problem.heads else []
+    modes += ["gqa deterministic"] if deterministic and "gqa" in modes else []
+    for mode in modes:
+        for row in rows:
+            if row.matches(problem.head_dim, masked, mode):
+                settings.update(row.settings)
+                used.append(row)
+    settings["rows"] = used
+    return settings

@@ -28,15 +28,18 @@ def ndhb_view(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.make_layout(layout.shape, stride=strides))
 
 
-def smem_tile_layout(dtype, rows: int, cols: int, stages: int | None = None):
+def smem_tile_layout(dtype, rows: int, cols: int, stages: int | None = None,
+                     atom_cols: int | None = None):
     """Swizzled SMEM layout for a (rows, cols) tile with cols contiguous, times `stages`.
 
     The swizzle atom is the widest one the row length allows (128 B for head_dim >= 64 in
     bf16): 16-byte chunks of a row are XOR-permuted by the row index, which is what TMA's
     SWIZZLE_128B mode writes and what a K-major WGMMA descriptor reads. For scalar code the
     payoff is the same: 8 consecutive rows at the same column land in 8 different bank groups.
+    `atom_cols`: pick the atom for rows this many elements wide instead (a narrower swizzle,
+    for a tile also read MN-major in column blocks the row's atom does not divide).
     """
-    atom_kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+    atom_kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols)
     atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))

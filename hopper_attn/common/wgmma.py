@@ -183,6 +183,11 @@ class BackwardMmas:
 
     sQ and sdO have a stage mode, sdSt (keys x queries) a buffer mode. `st_coords[r, c]` is
     the (key, query) of S^T register [r, c] inside the tile.
+
+    `shared_keys` (kb2 at d = 192): both warpgroups on the same 64 keys, S^T and dP^T split
+    by queries (block_m / 2 each), dK and dV by columns (d / 2 each), so each thread holds
+    d / 2 dK and dV floats instead of d. Neither warpgroup then holds all of P^T or dS^T:
+    both go through SMEM (sPt, sdSt, by buffer) and pt_frag / dst_frag are SMEM fragments.
     """
 
     mma_sdp: cute.TiledMma
@@ -203,20 +208,25 @@ class BackwardMmas:
     kt_frag: cute.Tensor
     st_coords: cute.Tensor
     dq_swap_ab: bool = False
+    shared_keys: bool = False
 
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
                sdSt: cute.Tensor, dtype=BFloat16, dq_swap_ab: bool = False,
-               columns=None) -> "BackwardMmas":
+               columns=None, sPt=None) -> "BackwardMmas":
         """`columns`: (head_dim part, sK, sQ, sdO views of that part's columns) when this
         CTA computes dK, dV and dQ for part of d only (S^T and dP^T still contract over all
         of it); None: all of d."""
         bm, bn = block_m, block_n
         d_out, sK_out, sQ_out, sdO_out = columns or (head_dim, sK, sQ, sdO)
-        mma_sdp = qk_mma(warpgroups, 1, bm, dtype)
+        # shared_keys (see above): 64 keys x (queries, columns) split between warpgroups
+        shared_keys = sPt is not None
+        mma_sdp = qk_mma(1, 2, bm // 2, dtype) if shared_keys else qk_mma(warpgroups, 1, bm, dtype)
         wg_sdp, thr_sdp = warpgroup_slice(mma_sdp, tidx), mma_sdp.get_slice(tidx)
-        mma_dkv = pv_mma(warpgroups, d_out, dtype)
+        mma_dkv = smem_mma(1, 2, d_out // 2, cute.nvgpu.OperandMajorMode.K,
+                           cute.nvgpu.OperandMajorMode.MN, dtype) if shared_keys \
+            else pv_mma(warpgroups, d_out, dtype)
         wg_dkv, thr_dkv = warpgroup_slice(mma_dkv, tidx), mma_dkv.get_slice(tidx)
         mma_dq = dq_mma(d_out, dtype, dq_swap_ab, bm)
         wg_dq, thr_dq = warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
@@ -234,11 +244,25 @@ class BackwardMmas:
             do_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
             dot_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO_out))),
             qt_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ_out))),
-            pt_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
-            dst_frag=wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
+            pt_frag=wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt) if shared_keys
+                                           else wg_dkv.partition_shape_A((bn, bm))),
+            dst_frag=wg_dkv.make_fragment_A(wg_dkv.partition_A(sdSt) if shared_keys
+                                            else wg_dkv.partition_shape_A((bn, bm))),
             ds_frag=ds_frag, kt_frag=kt_frag,
             st_coords=acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm)))),
-            dq_swap_ab=dq_swap_ab)
+            dq_swap_ab=dq_swap_ab, shared_keys=shared_keys)
+
+    def issue_dv(self, acc_dv: cute.Tensor, stage, k_blocks: tuple, buf=0):
+        """dV += P^T dO over P^T's K blocks (16 queries each) first .. end - 1 (`k_blocks`),
+        one WGMMA batch: all of them at once, or in the two parts of kb2's `split_dv`;
+        dO from Q / dO ring stage `stage`, P^T (shared_keys) from SMEM buffer `buf`."""
+        gemm(self.mma_dkv, acc_dv, self.dkv_operand_a(self.pt_frag, buf),
+             self.dot_frag[None, None, None, stage], zero_init=False, k_blocks=k_blocks)
+
+    def dkv_operand_a(self, frag: cute.Tensor, buf) -> cute.Tensor:
+        """P^T (pt_frag) or dS^T (dst_frag) as dV's or dK's A operand: the registers, or
+        with shared_keys the SMEM buffer `buf`."""
+        return frag[None, None, None, buf] if self.shared_keys else frag
 
     def dq_operands(self, buf):
         """(A, B) of the dQ GEMM, dS^T read from SMEM buffer `buf`."""

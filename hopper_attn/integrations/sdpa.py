@@ -26,18 +26,18 @@ What reaches it: SDPA picks its flash backend only without an attn_mask, with he
 and v with fewer heads, `enable_gqa=True`), causal only with as many queries as keys; on
 Hopper with cuDNN > 9.15, torch 2.11 prefers cuDNN attention, so select flash with
 `sdpa_kernel(SDPBackend.FLASH_ATTENTION)` (or a priority list). Of those calls this project
-runs head_dim 64, 96, 128, 192, 256 forward (backward at 64, 128, 256), any length, GQA,
+runs head_dim 64, 96, 128, 192, 256 forward and backward, any length, GQA,
 strided (B, H, N, d) tensors read in place, dropout 0. Everything else falls back, per call,
 to torch's own flash kernel: the one this registration overrides, kept with
 `torch.library.get_kernel` before overriding (dropout > 0, return_debug_mask, head_dim 80,
-a backward at head_dim 96, fp32 inputs, ...). Where torch has no `get_kernel` (< 2.9) or no
+fp32 inputs, ...). Where torch has no `get_kernel` (< 2.9) or no
 CUDA kernel to keep, such a call raises the ValueError that says why. A forward from one
 side and a backward from the other combine correctly: both use the same natural-log LSE,
 (batch, heads, seqlen_q) fp32. `counts()` says how many calls ran here and how many fell
 back (and the last reason).
 
 `torch.are_deterministic_algorithms_enabled()` selects this project's deterministic
-backward (kb2, head_dim 64 and 128).
+backward (kb2, head_dim 64 to 192).
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ What runs: causal (decoder) and non-causal (encoder, cross-attention) modules, G
 in place, the module's `scaling`, and generation with a growing KV cache (`DynamicCache`,
 the default): a query block shorter than the keys is aligned bottom-right, as a cache needs.
 bf16 or fp16, the head dims `hopper_attn.attention` runs (64, 96, 128, 192, 256; training
-at 64, 128, 256). Causal sliding windows (Mistral, Qwen2, Gemma 2/3's local layers: the
+at all of them). Causal sliding windows (Mistral, Qwen2, Gemma 2/3's local layers: the
 call's `sliding_window=N`, a query sees itself and the N - 1 keys before it, which is
 `window_size=(N - 1, 0)`; head dims 64, 96, 128) and logit softcapping (Gemma 2: the call's
-`softcap`, `attention(softcap=...)`; training at head dims 64 and 128); a sliding-window
+`softcap`, `attention(softcap=...)`; training at head dims 64 to 192); a sliding-window
 layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since its keys end at the last
 query.
 
