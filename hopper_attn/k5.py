@@ -64,6 +64,8 @@ inits), 1 = epilogue (consumer threads), 2.. = one scheduler barrier per consume
 
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -72,7 +74,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.compiler_hints import opaque
-from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.contract import (LOG2_E, KernelSpec, compile_attention,
+                                         run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
@@ -100,6 +103,8 @@ class FlashAttentionK5:
     # masked tiles: two compares per element (k6 and k7 take one key limit per row instead,
     # common/masking.py)
     mask_per_row = False
+    # k6's attention sinks: the kernel's fp32 (heads,) sink logits while it is traced, or None
+    sink_logits = None
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False):
@@ -179,6 +184,13 @@ class FlashAttentionK5:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream):
+        self.launch(mQ, mK, mV, mO, mLSE, mCounter, scale_log2, stream)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream,
+               mSinks: Optional[cute.Tensor] = None):
+        """The launch (k6's attention sinks: `mSinks`, fp32 (heads,), else None)."""
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type                            # bf16 or fp16 (SPEC.dtypes)
@@ -206,7 +218,7 @@ class FlashAttentionK5:
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
         self.kernel(*coords, o_coords, o, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
-                    kv_layout, q, k).launch(
+                    kv_layout, q, k, mSinks).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
@@ -218,9 +230,11 @@ class FlashAttentionK5:
                mOut: cute.Tensor, mLSE: cute.Tensor, mCounter: cute.Tensor, tma_q: cute.CopyAtom,
                tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
-               kv_layout: cute.ComposedLayout, q_mem: cute.Tensor, k_mem: cute.Tensor):
+               kv_layout: cute.ComposedLayout, q_mem: cute.Tensor, k_mem: cute.Tensor,
+               mSinks: Optional[cute.Tensor] = None):
         # (q_mem, k_mem: q and k again, unused since k6's exp_first left at 2031291; kept
         # so that the kernel's parameters, and with them its PTX, stay as measured)
+        self.sink_logits = mSinks       # (k6's attention sinks, read by `finish_rows`)
         schedule, roles, scheduler = self.schedule, self.roles, self.scheduler
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -354,9 +368,15 @@ class FlashAttentionK5:
     def finish_rows(self, softmax: OnlineSoftmax, mmas, ctidx, mLSE: cute.Tensor, m_block,
                     head, batch, seqlen_q):
         """A work item's rows are complete: their log-sum-exp to mLSE; returns 1/l per row."""
-        inv_sum = softmax.finalize()
-        self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
-                       m_block * self.block_m, seqlen_q, head, batch)
+        if cutlass.const_expr(self.sink_logits is not None):
+            # (k6) the head's sink logit joins each row's denominator, once
+            inv_sum, lse = softmax.finalize_with_sink(self.sink_logits[head] * LOG2_E)
+            self.store_lse(mLSE, lse, mmas.s_coords, ctidx, m_block * self.block_m,
+                           seqlen_q, head, batch)
+        else:
+            inv_sum = softmax.finalize()
+            self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
+                           m_block * self.block_m, seqlen_q, head, batch)
         return inv_sum
 
     @cute.jit

@@ -195,6 +195,8 @@ def test_plan_call_window_and_softcap():
     assert plan.features() == {"window_size": (3, 0), "softcap": 50.0}
     # neither: the backend gets no extra arguments
     assert plan_call(Module(True), q, k, k, None).features() == {}
+    sinks = torch.zeros(q.shape[1])                        # gpt-oss's s_aux: passed through
+    assert plan_call(Module(True), q, k, k, None, s_aux=sinks).features()["sinks"] is sinks
     # one query over a cache keeps the window (the no-window shortcut drops causal)
     one = plan_call(Module(True), bhnd(2, 8, 1), bhnd(2, 2, 40), bhnd(2, 2, 40), None,
                     sliding_window=8)
@@ -211,7 +213,7 @@ def test_plan_call_window_and_softcap():
     (dict(softcap=-30.0), ValueError, "softcap"),
     (dict(softcap=0.0), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, "softcap"),
-    (dict(s_aux=torch.zeros(8)), UnsupportedFeature, "sinks"),
+    (dict(s_aux=torch.zeros(2)), ValueError, "s_aux"),
     (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), UnsupportedFeature, "packed"),
     (dict(attention_mask=torch.zeros(2, 1, 16, 16)), UnsupportedFeature, "mask"),
     (dict(position_bias=torch.zeros(1, 8, 16, 16)), UnsupportedFeature, "position bias"),

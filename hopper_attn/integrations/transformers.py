@@ -20,10 +20,11 @@ the default): a query block shorter than the keys is aligned bottom-right, as a 
 bf16 or fp16, the head dims `hopper_attn.attention` runs (64, 96, 128, 192, 256; training
 at 64, 128, 256). Causal sliding windows (Mistral, Qwen2, Gemma 2/3's local layers: the
 call's `sliding_window=N`, a query sees itself and the N - 1 keys before it, which is
-`window_size=(N - 1, 0)`; head dims 64, 96, 128) and logit softcapping (Gemma 2: the call's
-`softcap`, `attention(softcap=...)`; training at head dims 64 and 128); a sliding-window
-layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since its keys end at the last
-query.
+`window_size=(N - 1, 0)`; every head dim) and logit softcapping (Gemma 2: the call's
+`softcap`, `attention(softcap=...)`; training at head dims 64 and 128), attention sinks
+(gpt-oss: the call's `s_aux`, one logit per query head, `attention(sinks=...)`, gradients
+included); a sliding-window layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since
+its keys end at the last query.
 
 What is refused, before any launch (`UnsupportedFeature`, both a ValueError and a
 NotImplementedError, naming the feature), rather than computed differently: a padding mask
@@ -31,7 +32,7 @@ with real padding (a 2-D mask with zeros, or any 4-D mask), packed sequences (po
 that restart, which transformers looks for when there is neither a mask nor a cache, as in
 training; or `cu_seq_lens_q/k` from a flattening collator), bidirectional sliding windows
 (eager/SDPA and transformers' flash path disagree on their width), chunked attention,
-attention sinks (`s_aux`), dropout > 0, a static (preallocated) KV cache; and (a plain
+dropout > 0, a static (preallocated) KV cache; and (a plain
 ValueError) a causal call with more queries than keys, a softcap that is not a positive
 number, a sliding window below 1.
 
@@ -70,12 +71,14 @@ class UnsupportedFeature(UnsupportedProblem, NotImplementedError):
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     """What one attention call of a model becomes: `attention(q, k, v, causal=...,
-    softmax_scale=..., window_size=..., softcap=...)` on the (batch, seqlen, heads,
-    head_dim) views of its inputs. window_size (-1, -1) and softcap 0.0: none."""
+    softmax_scale=..., window_size=..., softcap=..., sinks=...)` on the (batch, seqlen,
+    heads, head_dim) views of its inputs. window_size (-1, -1), softcap 0.0, sinks None:
+    none."""
     causal: bool
     softmax_scale: Optional[float]
     window_size: tuple = (-1, -1)
     softcap: float = 0.0
+    sinks: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False)
 
     def features(self) -> dict:
         """The keyword arguments a backend gets beyond (q, k, v, causal, softmax_scale):
@@ -86,6 +89,8 @@ class CallPlan:
             out["window_size"] = self.window_size
         if self.softcap:
             out["softcap"] = self.softcap
+        if self.sinks is not None:
+            out["sinks"] = self.sinks
         return out
 
 
@@ -226,8 +231,11 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if dropout:
         raise UnsupportedFeature(f"hopper_attn has no attention dropout (dropout={dropout}); "
                                  "set the config's attention_dropout to 0 or call model.eval()")
-    if s_aux is not None:
-        raise UnsupportedFeature("hopper_attn does not run attention sinks (s_aux) yet")
+    if s_aux is not None and (not isinstance(s_aux, torch.Tensor)
+                              or tuple(s_aux.shape) != (query.shape[1],)):
+        raise ValueError(f"s_aux (attention sinks) must be a tensor of one logit per query "
+                         f"head, shape ({query.shape[1]},), got "
+                         f"{getattr(s_aux, 'shape', type(s_aux).__name__)}")
     for name, feature in _SIMPLE_KWARGS_REFUSED.items():
         if kwargs.get(name) is not None:
             raise UnsupportedFeature(f"hopper_attn does not run {feature} yet")
@@ -253,7 +261,7 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                          f"({kv_length}): transformers aligns such a mask top-left, "
                          "hopper_attn bottom-right")
     return CallPlan(causal=causal, softmax_scale=None if scaling is None else float(scaling),
-                    window_size=window_size, softcap=softcap)
+                    window_size=window_size, softcap=softcap, sinks=s_aux)
 
 
 def window_from_sliding_window(sliding_window: Optional[int], causal: bool) -> tuple:
@@ -287,13 +295,14 @@ def softcap_value(softcap: Optional[float]) -> float:
     return value
 
 
-def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
+def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
+                     sinks=None):
     from hopper_attn.api import attention
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"hopper_attn runs bf16 or fp16, got {q.dtype}: load the model "
                          "with dtype=torch.bfloat16")
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                     window_size=window_size, softcap=softcap)
+                     window_size=window_size, softcap=softcap, sinks=sinks)
 
 
 _warned_output_attentions = False
@@ -302,7 +311,8 @@ _warned_output_attentions = False
 def make_attention_forward(backend: Optional[Callable] = None) -> Callable:
     """A transformers attention function that runs `backend(q, k, v, causal,
     softmax_scale, **features) -> out` on (batch, seqlen, heads, head_dim) views, features
-    being `window_size=(left, right)` and `softcap=cap` when the call has them (default:
+    being `window_size=(left, right)`, `softcap=cap` and `sinks=s_aux` when the call has
+    them (default:
     `hopper_attn.attention`; another one, e.g. FlashAttention-4's `flash_attn_func`, gets
     the same mapping and the same refusals)."""
     run = backend or _default_backend
