@@ -77,7 +77,7 @@ def _backward_entry(problem: Problem, deterministic: bool = False, softcap: floa
 
 
 SOFTCAP_STAGES = ("k6",)       # the forward stages that take a softcap
-SINK_STAGES = ("k6",)          # ... and attention sinks (decode: routed to k6)
+SINK_STAGES = ("k6", "decode")  # ... and attention sinks
 
 
 def _check_softcap(softcap) -> float:
@@ -116,6 +116,10 @@ def _compile_options() -> str:
 
 
 def _entry_for(problem: Problem, stage: str, softcap: float = 0.0, sinks: bool = False):
+    if sinks and not softcap and not stage:
+        from hopper_attn import decode
+        if decode.prefers(problem):            # a few queries per k/v head, with sinks
+            return stages.get("decode:sinks=1")
     options = [f"softcap={softcap!r}"] * bool(softcap) + ["sinks=1"] * bool(sinks)
     if options:                                # k6 alone (decode, k4, k5, k7 refuse)
         name = stage.partition(":")[0] if stage else "k6"
@@ -164,6 +168,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         _FAST[key] = handle
     out = torch.empty_like(q)
     lse = _lse_like(q)
+    if sinks is not None and sinks.data_ptr() % 16:     # (a view: inputs are 16-byte aligned)
+        sinks = sinks.clone()
     if handle.workspace_fn is None:            # a stage that does not write the LSE (k4)
         lse.fill_(float("nan"))
         run_attention(handle, q, k, v, out, softmax_scale, checked=True)

@@ -93,6 +93,22 @@ def test_k6_sinks_compile_once_without_spills():
     assert again.compile_seconds == 0.0 and again.compiled is first.compiled
 
 
+@pytest.mark.compile
+def test_decode_sinks_compile_without_spills():
+    """The decode stage with sinks (joined in the one-split path and at the combine): one
+    more kernel parameter, no spills."""
+    import re
+    from hopper_attn.harness import registry
+    art = compile_artifacts(registry.get("decode:sinks=1"), 64, True, seqlen=1, heads=64,
+                            heads_kv=8)
+    plain = compile_artifacts(registry.get("decode"), 64, True, seqlen=1, heads=64, heads_kv=8)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    params = [len(re.findall(r"\.param\s", re.search(r"\.entry\s+\S+\((.*?)\)", a["ptx"],
+                                                        re.S).group(1))) for a in (art, plain)]
+    assert params[0] == params[1] + 1 and art["kernel"]["sinks"]
+
+
 def test_bad_sinks_are_refused_before_a_launch():
     q, k, v = (torch.zeros(1, 16, 4, 64, dtype=torch.bfloat16) for _ in range(3))
     for sinks, words in [(torch.zeros(3), "shape (4,)"), (torch.zeros(1, 4), "shape (4,)"),
@@ -102,12 +118,22 @@ def test_bad_sinks_are_refused_before_a_launch():
                          (torch.zeros(4, device="meta"), "is on meta")]:
         with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
             hopper_attn.attention(q, k, v, causal=True, sinks=sinks)
-    for stage in ("k5", "k4", "decode", "k7"):
+    for stage in ("k5", "k4", "k7", "kb2"):
         with pytest.raises(ValueError, match="no attention sinks"):
             hopper_attn.attention(q, k, v, causal=True, stage=stage, sinks=torch.zeros(4))
     # a good call gets as far as the device check (CPU tensors: no launch)
     with pytest.raises(ValueError, match="CUDA"):
         hopper_attn.attention(q, k, v, causal=True, sinks=torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_few_queries_with_sinks_take_the_decode_stage():
+    from hopper_attn import api
+    pick = lambda n, sinks, **kw: api._entry_for(Problem(1, 64, n, 64, True, heads_kv=8,  # noqa
+                                                         seqlen_k=4096), "", 0.0, sinks, **kw)
+    assert pick(1, True).name == "decode:sinks=1" and pick(1, False).name == "decode"
+    assert pick(64, True).name == "k6:sinks=1"
+    assert api._entry_for(Problem(1, 64, 1, 64, True, heads_kv=8, seqlen_k=4096), "",
+                          50.0, True).name == "k6:softcap=50.0,sinks=1"
 
 
 def test_sinks_trace_through_torch_compile_with_their_gradient():
@@ -215,6 +241,23 @@ def test_k6_sinks_forward_matches_float64(nq, nk, d, causal, left):
                                      sinks=sinks, return_lse=True)
     assert (out.double() - ref).abs().max().item() < 2 ** -7
     assert (lse.double() - ref_lse).abs().max().item() < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", ["", "decode:num_splits=1", "decode:num_splits=7"])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_decode_sinks_match_float64(stage, nq):
+    """gpt-oss decode steps (64 / 8 heads, d 64) over 3000 keys: the sink in the one-split
+    path and at the combine of several splits."""
+    q, k, v, sinks, _, ref, ref_lse = _gpu_case(1, nq, 3000, 64, 8, 64, True, -1, nq)
+    if not stage:
+        from hopper_attn import api
+        assert api._entry_for(Problem.from_tensor(q, True, k), "", 0.0, True).name == \
+            "decode:sinks=1"
+    out, lse = hopper_attn.attention(q, k, v, causal=True, sinks=sinks, return_lse=True,
+                                     stage=stage or None)
+    assert (out.double() - ref).abs().max().item() < 2 ** -7
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-3
 
 
 @pytest.mark.gpu

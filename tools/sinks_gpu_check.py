@@ -11,8 +11,9 @@
    for gradients; the LSE within 1e-3 (d <= 128). Cases: gpt-oss-shaped GQA 64/8 d 64,
    causal with and without window (128, 0), lengths 1, 17, 113, 1000 (forward) and 17,
    1000 (backward, dQ dK dV dsinks); d 128 GQA 8/2; cross lengths whose first rows see no
-   key (output 0, LSE the sink); one head's sink -inf (no sink) and one +8 (rows
-   dominated by it); outputs written into NaN-poisoned memory; the same bits twice.
+   key (output 0, LSE the sink); decode steps (1 and 4 queries over 3000 keys: the sink at
+   the splits' combine, and in the one-split path); one head's sink -inf (no sink) and one
+   +8 (rows dominated by it); outputs written into NaN-poisoned memory; the same bits twice.
    Windows at d 192 / 256 (no longer refused): O within the bound and the LSE within
    4e-3 = ln(1 + 2^-8), the bound of their lazy rescale's bf16-rounded row sums, with and
    without the window (the same error without one: docs/window.md), with and without sinks.
@@ -81,13 +82,15 @@ def _poison():
     torch.empty(min(free // 4, 2 << 30) // 4, device="cuda").fill_(float("nan"))
 
 
-def forward_case(batch, nq, nk, heads, heads_kv, d, causal, left, sinks, seed) -> dict:
+def forward_case(batch, nq, nk, heads, heads_kv, d, causal, left, sinks, seed,
+                 stage=None) -> dict:
     q, k, v, s = _inputs(batch, nq, nk, heads, heads_kv, d, seed, sinks)
     window = (left, -1)
     _poison()
     out, lse = hopper_attn.attention(q, k, v, causal=causal, window_size=window, sinks=s,
-                                     return_lse=True)
-    again = hopper_attn.attention(q, k, v, causal=causal, window_size=window, sinks=s)
+                                     return_lse=True, stage=stage)
+    again = hopper_attn.attention(q, k, v, causal=causal, window_size=window, sinks=s,
+                                  stage=stage)
     same = bool(torch.equal(out.view(torch.int16), again.view(torch.int16)))
     seen = window_mask(nq, nk, left, 0 if causal else -1)
     scale = d ** -0.5
@@ -104,7 +107,7 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, causal, left, sinks, seed) -
     lse_ok = bool(torch.equal(lse.isfinite(), finite)) and lse_err <= lse_tol
     blind = ~seen.any(-1)
     zero_ok = bool((out[:, blind] == 0).all()) if blind.any() else True
-    return {"case": ["fwd", batch, nq, nk, heads, heads_kv, d, causal, left, sinks],
+    return {"case": ["fwd", batch, nq, nk, heads, heads_kv, d, causal, left, sinks, stage],
             "ratio": float("inf") if nan else err / bound, "error": err, "lse_error": lse_err,
             "lse_ok": lse_ok, "blind_rows": int(blind.sum()), "zero_ok": zero_ok,
             "same_bits": same, "ok": not nan and err <= bound and lse_ok and zero_ok and same}
@@ -140,11 +143,11 @@ def backward_case(batch, nq, nk, heads, heads_kv, d, causal, left, sinks, seed) 
 def correctness(log) -> list:
     groups, seed = {}, 0
 
-    def run(label, fn, *args):
+    def run(label, fn, *args, **kwargs):
         nonlocal seed
         seed += 1
         try:
-            row = fn(*args, seed)
+            row = fn(*args, seed, **kwargs)
         except Exception as exc:  # noqa: BLE001 - reported as a failure
             row = {"case": [label, *args], "ok": False, "ratio": float("inf"),
                    "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
@@ -162,6 +165,9 @@ def correctness(log) -> list:
     for nq, nk in ((300, 100), (1000, 17)):             # first rows see no key
         run("cross (blind rows)", forward_case, 1, nq, nk, 8, 2, 64, True, 127, True)
         run("cross (blind rows)", forward_case, 1, nq, nk, 8, 2, 128, True, -1, True)
+    for nq in (1, 4):                                   # gpt-oss decode steps
+        for stage in (None, "decode:num_splits=1"):     # (None: decode's own split count)
+            run("decode", forward_case, 2, nq, 3000, 64, 8, 64, True, -1, True, stage=stage)
     for d in (192, 256):                                # windows there: no longer refused
         for n in (17, 1000):
             for left, sinks in ((127, False), (-1, False), (127, True)):

@@ -96,6 +96,8 @@ def check_sink_inputs(problem, extra_inputs) -> None:
     if len(extra_inputs) != 1:
         raise ValueError("a kernel compiled with sinks takes one sinks tensor")
     check_sinks(extra_inputs[0], problem.heads)
+    if extra_inputs[0].data_ptr() % 16:
+        raise ValueError("sinks must be 16-byte aligned (as every kernel input)")
     if not extra_inputs[0].is_cuda:
         raise ValueError(f"sinks is on {extra_inputs[0].device}; the kernels run on a CUDA "
                          f"device")
