@@ -54,6 +54,22 @@ def test_sink_grad_matches_autograd_float64(nq, nk, left, causal):
             assert torch.allclose(mine.double(), theirs, rtol=1e-4, atol=1e-5)
 
 
+def test_window_reference_takes_sinks():
+    """harness/window_reference.py's fp32 reference with sinks agrees with the float64 one
+    (rows that see no key included)."""
+    from hopper_attn.harness.window_reference import reference
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 9, 4, 16, generator=gen)
+    k, v = (torch.randn(1, 6, 2, 16, generator=gen) for _ in range(2))
+    sinks = torch.randn(4, generator=gen)
+    out, lse = reference(q, k, v, 2, 0, 0.25, sinks=sinks)
+    seen = window_mask(9, 6, 2, 0, "cpu")
+    ref, ref_lse = reference_with_sinks(_scores(q.double(), k.double(), 0.25), seen,
+                                        v.double(), sinks.double())
+    assert torch.allclose(out.double(), ref, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+
+
 def test_sinks_in_reference_match_an_extra_column():
     """The reference's sink is transformers' gpt-oss eager attention: the logit appended as
     a column, softmax, the column dropped; unscaled, in the scaled scores' units."""

@@ -218,13 +218,16 @@ def speed(log, t0) -> list:
             used = leaves if kw else leaves[:3]
             bwd[name] = (lambda o=out, u=used: torch.autograd.grad(o, u, do,
                                                                    retain_graph=True))
-        if "fa4_sinks" in fwd:
-            try:
+        for with_dsinks in ((True, False) if "fa4_sinks" in fwd else ()):
+            try:                                        # (without dsinks if FA4 has none)
                 leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, s)]
                 out = fa4(window_size=window, learnable_sink=leaves[3])(*leaves[:3], True)
-                bwd["fa4_sinks"] = (lambda o=out, u=leaves: torch.autograd.grad(
+                used = leaves if with_dsinks else leaves[:3]
+                bwd["fa4_sinks"] = (lambda o=out, u=used: torch.autograd.grad(
                     o, u, do, retain_graph=True))
                 bwd["fa4_sinks"]()
+                row["notes"]["fa4_bwd_dsinks"] = with_dsinks
+                break
             except Exception as exc:  # noqa: BLE001
                 bwd.pop("fa4_sinks", None)
                 row["notes"]["fa4_bwd"] = f"{type(exc).__name__}: {str(exc)[:100]}"
