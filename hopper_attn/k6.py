@@ -745,7 +745,7 @@ def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
 # of BASE (spin_waits, uniform_descriptors, mask_per_row, fast_divmod, stream_k) are POLICY's
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fma_exp2_every",
            "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail", "peel_first",
-           "longest_first", "softcap", "sinks")
+           "longest_first", "softcap")
 # softcapped exponents against a fixed 0 (OnlineSoftmax.fixed_max: no row maxima, no O
 # rescale) where the H200 measured them faster and correct: bf16 (P up to 2^(cap log2(e)),
 # past fp16's 2^16), cap <= 69 (cap log2(e) <= 100), d 128 and 256
@@ -782,16 +782,17 @@ def settings_for(problem, **overrides) -> dict:
     return settings
 
 
-def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, **overrides):
+def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, sinks: int = 0,
+                   **overrides):
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden (docs/k6.md): tile ("192x96":
     block_m x block_n), kv_tail (0: no tail test, for whole kv tiles; "whole": 0 where the
     key length allows), longest_first (MiB of K and V per head group), softcap (logit
     softcapping's cap, compile time; 0: none); the others as FlashAttentionK6's arguments.
-    trace: iket phase ranges (harness/timeline.py)."""
+    trace: iket phase ranges (harness/timeline.py); sinks: 1 for attention sinks, a runtime
+    (heads,) fp32 input after `out` (common/sinks.py)."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
     settings = {**settings_for(problem, **overrides), "trace": bool(trace)}
-    sinks = settings.pop("sinks", False)    # sinks=1: a runtime argument (common/sinks.py)
     return compile_attention(SINKS_SPEC if sinks else SPEC,
                              FlashAttentionK6Sinks if sinks else FlashAttentionK6, problem,
                              {**settings, "sinks": True} if sinks else settings,
