@@ -447,9 +447,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     fp32, bf16 or fp16 tensor on q's device: each row's softmax gets one more column with
     that logit (natural-log units, like the scaled scores; not scaled) and no value, so
     out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)) and the LSE includes it; a
-    row that sees no key: zero output, LSE the sink. k6 only (runtime values: one compile
-    for any), with windows and softcap; differentiable in q, k, v (kb2) and in the sinks
-    (docs/sinks.md).
+    row that sees no key: zero output, LSE the sink. k6 and the decode stage (runtime
+    values: one compile for any), with windows and softcap (k6); differentiable in q, k, v
+    (kb2) and in the sinks (docs/sinks.md).
     """
     softcap = _check_softcap(softcap)
     window = normalize_window(window_size, bool(causal))    # ValueError before anything
