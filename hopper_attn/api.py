@@ -81,6 +81,7 @@ def _backward_entry(problem: Problem, deterministic: bool = False, softcap: floa
 
 
 SOFTCAP_STAGES = ("k6",)       # the forward stages that take a softcap
+SINK_STAGES = ("k6", "decode")  # ... and attention sinks
 
 
 def _check_softcap(softcap) -> float:
@@ -118,14 +119,22 @@ def _compile_options() -> str:
     return "--enable-tvm-ffi" if importlib.util.find_spec("tvm_ffi") is not None else ""
 
 
-def _entry_for(problem: Problem, stage: str, softcap: float = 0.0):
-    if softcap:                                # k6 alone (decode, k4, k5, k7 refuse)
+def _entry_for(problem: Problem, stage: str, softcap: float = 0.0, sinks: bool = False):
+    if sinks and not softcap and not stage:
+        from hopper_attn import decode
+        if decode.prefers(problem):            # a few queries per k/v head, with sinks
+            return stages.get("decode:sinks=1")
+    options = [f"softcap={softcap!r}"] * bool(softcap) + ["sinks=1"] * bool(sinks)
+    if options:                                # k6 alone (decode, k4, k5, k7 refuse)
         name = stage.partition(":")[0] if stage else "k6"
-        if name not in SOFTCAP_STAGES:
+        if softcap and name not in SOFTCAP_STAGES:
             raise ValueError(f"stage {stage!r} has no logit softcapping; softcap runs on "
                              f"{', '.join(SOFTCAP_STAGES)}")
+        if sinks and name not in SINK_STAGES:
+            raise ValueError(f"stage {stage!r} has no attention sinks; sinks run on "
+                             f"{', '.join(SINK_STAGES)}")
         entry = stages.get(f"{stage or 'k6'}{',' if ':' in (stage or '') else ':'}"
-                           f"softcap={softcap!r}")
+                           + ",".join(options))
         entry.spec.check(problem)
         return entry
     if stage:
@@ -147,36 +156,40 @@ _FAST_LIMIT = 4096
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
          softmax_scale: Optional[float], stage: str, softcap: float = 0.0,
-         window: tuple = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+         window: tuple = (-1, -1), sinks: Optional[torch.Tensor] = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
                k.dtype, v.dtype, q.device, k.device, v.device, causal, stage, softcap,
-               window)
+               window, sinks is None)
         handle = _FAST.get(key)
     except AttributeError:                     # not tensors: the checks below say so
         key = handle = None
     if handle is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        handle = _checked_handle(q, k, v, causal, stage, softcap, window)
+        handle = _checked_handle(q, k, v, causal, stage, softcap, window, sinks is not None)
         if len(_FAST) >= _FAST_LIMIT:          # e.g. many sequence lengths: start over
             _FAST.clear()
         _FAST[key] = handle
     out = torch.empty_like(q)
     lse = _lse_like(q)
+    if sinks is not None and sinks.data_ptr() % 16:     # (a view: inputs are 16-byte aligned)
+        sinks = sinks.clone()
     if handle.workspace_fn is None:            # a stage that does not write the LSE (k4)
         lse.fill_(float("nan"))
         run_attention(handle, q, k, v, out, softmax_scale, checked=True)
     else:                                      # (decode: its partials and counters follow)
-        run_attention(handle, q, k, v, out, softmax_scale, checked=True, lse=lse)
+        run_attention(handle, q, k, v, out, softmax_scale, checked=True, lse=lse,
+                      extra_inputs=() if sinks is None else (sinks,))
     return out, lse
 
 
 def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,
-                    window: tuple = (-1, -1)):
+                    window: tuple = (-1, -1), sinks: bool = False):
     """Every check of a call (ValueError before any launch), then its compiled kernel."""
     _check(q, k, v)
     softcap = _check_softcap(softcap)
     problem = Problem.from_tensor(q, causal, k, window)
-    entry = _entry_for(problem, stage, softcap)
+    entry = _entry_for(problem, stage, softcap, sinks)
     check_tensors(problem, q, k, v, q,                 # dtype, device, layout: before compiling
                   strided=entry.spec.strided_inputs)
     return _handle(entry, problem, _compile_options())
@@ -194,9 +207,10 @@ def _handle(entry, problem: Problem, compile_options: str = ""):
 @torch.library.custom_op("hopper_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: Optional[float], stage: str, deterministic: bool = False,
-                  softcap: float = 0.0, window_left: int = -1, window_right: int = -1
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(q, k, v, causal, softmax_scale, stage, softcap, (window_left, window_right))
+                  softcap: float = 0.0, window_left: int = -1, window_right: int = -1,
+                  sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(q, k, v, causal, softmax_scale, stage, softcap, (window_left, window_right),
+                sinks)
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
@@ -205,7 +219,7 @@ def _lse_like(q: torch.Tensor) -> torch.Tensor:
 
 @_attention_op.register_fake
 def _(q, k, v, causal, softmax_scale, stage, deterministic=False, softcap=0.0, window_left=-1,
-      window_right=-1):
+      window_right=-1, sinks=None):
     _check(q, k, v)
     _check_softcap(softcap)
     normalize_window((window_left, window_right), causal)
@@ -306,9 +320,9 @@ def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, softc
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, stage, deterministic, softcap, window_left,
-     window_right) = inputs
+     window_right, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
     ctx.softcap, ctx.window = softcap, (window_left, window_right)
     # the LSE output has no gradient: without this autograd fills a zero tensor for it on
@@ -318,12 +332,14 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     if dout is None:                        # only the LSE was used: no gradient flows back
-        return None, None, None, None, None, None, None, None, None, None
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, ctx.causal,
-                                                          ctx.softmax_scale, ctx.deterministic,
-                                                          ctx.softcap, *ctx.window)
-    return dq, dk, dv, None, None, None, None, None, None, None
+        return (None,) * 11
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):
+        dq, dk, dv = torch.ops.hopper_attn.attention_backward(
+            q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+            ctx.softcap, *ctx.window)
+    return dq, dk, dv, *(None,) * 7, _sink_grad(ctx, sinks, out, dout, lse, 10)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -335,9 +351,10 @@ class _EagerAttention(torch.autograd.Function):
     microseconds less host time per training step (tools/host_overhead.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, stage, deterministic, softcap, window):
-        out, lse = _run(q, k, v, causal, softmax_scale, stage, softcap, window)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, causal, softmax_scale, stage, deterministic, softcap, window,
+                sinks):
+        out, lse = _run(q, k, v, causal, softmax_scale, stage, softcap, window, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.softcap, ctx.window = softcap, window
         ctx.mark_non_differentiable(lse)
@@ -348,11 +365,22 @@ class _EagerAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         if dout is None:
-            return None, None, None, None, None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale,
-                                    ctx.deterministic, ctx.softcap, ctx.window)
-        return dq, dk, dv, None, None, None, None, None, None
+            return (None,) * 10
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _backward_impl(q, k, v, out, dout, lse, ctx.causal,
+                                        ctx.softmax_scale, ctx.deterministic, ctx.softcap,
+                                        ctx.window)
+        return dq, dk, dv, *(None,) * 6, _sink_grad(ctx, sinks, out, dout, lse, 9)
+
+
+def _sink_grad(ctx, sinks, out, dout, lse, index: int):
+    """The sinks' gradient (common/sinks.py) where input `index` (the sinks) needs one."""
+    if sinks is None or not ctx.needs_input_grad[index]:
+        return None
+    from hopper_attn.common.sinks import sink_grad
+    return sink_grad(sinks, out, dout, lse)
 
 
 # Forwards whose backward was found runnable, by what that check looked at.
@@ -391,7 +419,8 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
               stage: Optional[str] = None, deterministic: bool = False,
-              softcap: float = 0.0, window_size: tuple = (-1, -1)):
+              softcap: float = 0.0, window_size: tuple = (-1, -1),
+              sinks: Optional[torch.Tensor] = None):
     """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
 
     softmax_scale defaults to 1/sqrt(head_dim). With `return_lse`, also returns the
@@ -417,28 +446,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6 and kb2 only (head
     dims 64, 96 and 128 with gradients; not deterministic); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
+
+    `sinks`: attention sinks (gpt-oss's `s_aux`), one logit per query head, a (heads,)
+    fp32, bf16 or fp16 tensor on q's device: each row's softmax gets one more column with
+    that logit (natural-log units, like the scaled scores; not scaled) and no value, so
+    out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)) and the LSE includes it; a
+    row that sees no key: zero output, LSE the sink. k6 and the decode stage (runtime
+    values: one compile for any), with windows and softcap (k6); differentiable in q, k, v
+    (kb2) and in the sinks (docs/sinks.md).
     """
     softcap = _check_softcap(softcap)
     window = normalize_window(window_size, bool(causal))    # ValueError before anything
     try:
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                  or v.requires_grad)
+        qkv_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                or v.requires_grad)
+        if sinks is not None:
+            from hopper_attn.common.sinks import as_kernel_sinks
+            sinks = as_kernel_sinks(sinks, q.shape[2], q.device)   # ValueError
     except AttributeError:                     # not tensors: the checks below say so
-        needs_grad = False
+        qkv_grad = False
+    needs_grad = qkv_grad or (sinks is not None and sinks.requires_grad
+                              and torch.is_grad_enabled())
     compiling = torch.compiler.is_compiling()
-    if needs_grad and not compiling:           # (traced: the backward op checks)
+    if qkv_grad and not compiling:             # (traced: the backward op checks)
         _check_differentiable(q, k, v, bool(causal), stage, bool(deterministic), softcap,
                               window)
     if compiling or (needs_grad and type(q) is not torch.Tensor):
         # the custom op: fake implementation, autograd (traced, fake or subclassed tensors)
         out, lse = torch.ops.hopper_attn.attention(q, k, v, bool(causal), softmax_scale,
                                                    stage or "", bool(deterministic), softcap,
-                                                   *window)
+                                                   *window, sinks)
     elif needs_grad:                           # eager autograd: no dispatcher round trips
         out, lse = _EagerAttention.apply(q, k, v, bool(causal), softmax_scale, stage or "",
-                                         bool(deterministic), softcap, window)
+                                         bool(deterministic), softcap, window, sinks)
     else:                                      # eager: no dispatcher round trip
-        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", softcap, window)
+        out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", softcap, window,
+                        sinks)
     return (out, lse) if return_lse else out
 
 

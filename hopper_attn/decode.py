@@ -34,6 +34,10 @@ and the WGMMAs run in fp16 (Q converted when loaded), the descales folded into t
 scale (K) and 1 / l (V): 128 x 4 e4m3 stages at d = 128 is Q 16 + one fp16 K and V tile 64
 + rings 128 + 1 = 209 KiB, one CTA per SM; 64 x 4 is 113 KiB, two per SM.
 
+Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
+joined once: at the combine (one more split: LSE the sink, O zero), or with one split
+folded into the row (`fold_sink`); a runtime argument, none without it.
+
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
 and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
@@ -52,6 +56,7 @@ works in registers (16 partial O pieces and LSEs in flight per lane), no shared 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -65,6 +70,7 @@ from hopper_attn.common.contract import (LOG2_E, MAX_GRID_YZ, KernelSpec, Unsupp
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
+from hopper_attn.common.sinks import sink_inputs, with_sinks
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 
 ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
@@ -270,7 +276,8 @@ class DecodeAttention:
     def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor, mOPart: cute.Tensor, mLSEPart: cute.Tensor,
                mCount: cute.Tensor, mSeqlensK, mPageTable, scale_log2: Float32, stream,
-               mKDescale=None, mVDescale=None):
+               mKDescale=None, mVDescale=None, mSinks: Optional[cute.Tensor] = None):
+        """The launch (attention sinks: `mSinks`, fp32 (heads,), else None)."""
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         bn, d = self.block_n, self.head_dim
         self.dtype = mQ.element_type
@@ -332,7 +339,7 @@ class DecodeAttention:
         splits = mLSEPart.shape[0]
         self.kernel(q, o, k_coords, v_coords, tma_k, tma_v, mLSE, o_part, mLSEPart, mCount,
                     scale_log2, q_layout, kv_layout, mSeqlensK, mPageTable, mKDescale,
-                    mVDescale, load_layout if self.fp8 else None).launch(
+                    mVDescale, load_layout if self.fp8 else None, mSinks).launch(
             grid=[splits, heads_kv, batch * tiles_m],
             block=[THREADS, 1, 1],
             min_blocks_per_mp=self.ctas_per_sm,
@@ -347,7 +354,7 @@ class DecodeAttention:
                mOPart: cute.Tensor, mLSEPart: cute.Tensor, mCount: cute.Tensor,
                scale_log2: Float32, q_layout: cute.ComposedLayout,
                kv_layout: cute.ComposedLayout, mSeqlensK, mPageTable, mKDescale, mVDescale,
-               load_layout):
+               load_layout, mSinks: Optional[cute.Tensor] = None):
         bn, d = self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -511,6 +518,11 @@ class DecodeAttention:
             scale_rows(o_rc, inv)
             o_coords = mmas.thr_pv.partition_C(cute.make_identity_tensor((ROWS, d)))
             if splits == 1:
+                if cutlass.const_expr(mSinks is not None):   # the sink joins here, once
+                    for r in cutlass.range_constexpr(rows):
+                        sink_head = kv_head * group + (row0 + s_coords[r, 0][0]) % group
+                        inv[r], lse[r] = fold_sink(lse[r], mSinks[sink_head])
+                    scale_rows(o_rc, inv)
                 o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
                 o_out.store(acc_o.load().to(self.dtype))
                 self.store_rows(o, o_out, o_coords, row0, rows_valid, group, kv_head, batch)
@@ -545,7 +557,7 @@ class DecodeAttention:
                 if flag[0] != 0:
                     cute.arch.fence_acq_rel_gpu()
                     self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
-                                 part_rows, row0, group, kv_head, batch, tidx)
+                                 part_rows, row0, group, kv_head, batch, tidx, mSinks)
 
     def stage16(self, state):
         """The 16-bit K / V tile a ring stage's WGMMAs read: the stage's own, or with `fp8`
@@ -615,7 +627,7 @@ class DecodeAttention:
 
     @cute.jit
     def combine(self, mOPart, mLSEPart, o: cute.Tensor, mLSE: cute.Tensor, item, splits,
-                rows_valid, part_rows, row0, group, kv_head, batch, tidx):
+                rows_valid, part_rows, row0, group, kv_head, batch, tidx, mSinks=None):
         """The last CTA of an item: O = sum_s exp(lse_s - lse) O_s, lse = log sum_s exp(lse_s).
 
         The real rows' O in 4-column pieces, `lanes` neighbouring lanes per piece (as many as
@@ -625,7 +637,8 @@ class DecodeAttention:
         a chunk costs one L2 round trip, not one per split; it keeps a running (max, sum,
         weighted sum) as the online softmax does. A butterfly merges the lanes' triples; one
         lane scales by 1 / sum and stores 4 outputs, and the row's LSE with its first piece.
-        No shared memory, no barrier."""
+        No shared memory, no barrier. An attention sink joins there, once: one more split
+        with the sink as its LSE and O = 0."""
         d = self.head_dim
         chunk = self.combine_chunk
         pieces_per_row = d // 4
@@ -681,6 +694,16 @@ class DecodeAttention:
                         acc[e] = acc[e] * mine + cute.arch.shuffle_sync_bfly(acc[e], offset) * other
                     m = m_new
             if piece < pieces and sub == 0:
+                if cutlass.const_expr(mSinks is not None):
+                    # (names of their own: the DSL sees every name assigned in this `if`)
+                    sink = mSinks[kv_head * group + (row0 + r) % group]
+                    sink_top = cute.arch.fmax(m, sink)
+                    sink_top = Float32(0.0) if sink_top == -Float32.inf else sink_top
+                    sink_keep = cute.math.exp2((m - sink_top) * LOG2_E, fastmath=True)
+                    total = total * sink_keep + cute.math.exp2((sink - sink_top) * LOG2_E,
+                                                               fastmath=True)
+                    acc.store(acc.load() * sink_keep)
+                    m = cute.arch.fmax(m, sink)
                 inv = Float32(0.0) if total == 0.0 else 1.0 / total
                 out = cute.make_rmem_tensor((4,), self.dtype)
                 out.store((acc.load() * inv).to(self.dtype))
@@ -693,6 +716,41 @@ class DecodeAttention:
                         m_safe = Float32(0.0) if m == -Float32.inf else m
                         lse = m_safe + cute.math.log2(total, fastmath=True) * LN_2
                     mLSE[batch, kv_head * group + p % group, p // group] = lse
+
+
+@cute.jit
+def fold_sink(lse: Float32, sink: Float32):
+    """A row's LSE (natural log; -inf: no key) with an attention sink's logit joined: (the
+    factor for its normalized O, the new LSE), exponents rebased to max(lse, sink)."""
+    top = cute.arch.fmax(lse, sink)
+    top = Float32(0.0) if top == -Float32.inf else top
+    own = cute.math.exp2((lse - top) * LOG2_E, fastmath=True)
+    total = own + cute.math.exp2((sink - top) * LOG2_E, fastmath=True)
+    factor, lse_new = Float32(0.0), Float32(-Float32.inf)
+    if total != 0.0:
+        factor = own / total
+        lse_new = top + cute.math.log2(total, fastmath=True) * LN_2
+    return factor, lse_new
+
+
+class DecodeAttentionSinks(DecodeAttention):
+    """The decode stage with attention sinks (`sinks=1`): the (heads,) logits after `out`."""
+
+    def __init__(self, *args, sinks: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "sinks": True}
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mSinks: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+                 mLSEPart: cute.Tensor, mCount: cute.Tensor, scale_log2: Float32, stream):
+        self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, None, None, scale_log2,
+                    stream, mSinks=mSinks)
+
+
+SINKS_SPEC = with_sinks(SPEC)
 
 
 def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
@@ -717,11 +775,12 @@ def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stages: int = 0,
-                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK):
+                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0):
     """Compile (or fetch from the cache) the decode stage; options: block_n (kv tile), stages
     (of each of the K and V rings; both 0: `tile_for`'s choice), num_splits (0:
     `num_splits_for`'s choice; the kernel is the same for every count, only the workspace
-    differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip)."""
+    differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip),
+    sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md)."""
     SPEC.check(problem)
     if not block_n and not stages:
         block_n, stages = tile_for(problem)
@@ -739,9 +798,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
         # compiler could take as a constant: the split count is the partial LSE's extent)
         return decode_workspace(p, device, block_n, stages, 2)
 
-    handle = compile_attention(SPEC, DecodeAttention, problem,
-                               {"block_n": block_n, "stages": stages,
-                                "combine_chunk": combine_chunk},
+    options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk}
+    handle = compile_attention(SINKS_SPEC if sinks else SPEC,
+                               DecodeAttentionSinks if sinks else DecodeAttention, problem,
+                               {**options, "sinks": True} if sinks else options,
                                workspace_fn=example_workspace, compile_options=compile_options)
     handle.workspace_fn = workspace
     handle.options["num_splits"] = num_splits
@@ -754,11 +814,13 @@ def splits_of(handle) -> int:
     return o.get("num_splits") or num_splits_for(handle.problem, o["block_n"], o["stages"])
 
 
-def run_kernel(handle, q, k, v, out):
-    run_attention(handle, q, k, v, out)
+def run_kernel(handle, q, k, v, out, sinks=None):
+    run_attention(handle, q, k, v, out, extra_inputs=sink_inputs(handle, sinks))
 
 
-def run(handle, q, k, v, out, lse=None, softmax_scale=None, checked: bool = False):
+def run(handle, q, k, v, out, lse=None, softmax_scale=None, checked: bool = False,
+        sinks=None):
     """`run_kernel` writing the LSE into `lse` ((batch, heads, seqlen_q) fp32; None: the
     handle's own buffer), for `attention(..., return_lse=True)`."""
-    run_attention(handle, q, k, v, out, softmax_scale, checked=checked, lse=lse)
+    run_attention(handle, q, k, v, out, softmax_scale, checked=checked, lse=lse,
+                  extra_inputs=sink_inputs(handle, sinks))

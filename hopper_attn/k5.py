@@ -76,7 +76,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, varlen, wgmma
 from hopper_attn.common.compiler_hints import opaque
-from hopper_attn.common.contract import KernelSpec, compile_attention, run_attention
+from hopper_attn.common.contract import (LOG2_E, KernelSpec, compile_attention,
+                                         run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.masking import TileSchedule, mask_scores
@@ -107,6 +108,8 @@ class FlashAttentionK5:
     # a packed batch (common/varlen.py; k6_varlen.py sets it): per-sequence lengths, ragged
     # TMA views, the varlen work list
     varlen = False
+    # k6's attention sinks: the kernel's fp32 (heads,) sink logits while it is traced, or None
+    sink_logits = None
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
                  stages: int = 2, trace: bool = False):
@@ -205,6 +208,17 @@ class FlashAttentionK5:
                  mSeqUsedK: Optional[cute.Tensor] = None):
         # (varlen: q, k, v, o as (1, total, H, d), the LSE (1, H, total_q), cu_seqlens_q/k
         # (batch + 1) and seqused_k (batch) int32; common/varlen.py)
+        self.launch(mQ, mK, mV, mO, mLSE, mCounter, scale_log2, stream, None, mCuSeqlensQ,
+                    mCuSeqlensK, mSeqUsedK)
+
+    @cute.jit
+    def launch(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream,
+               mSinks: Optional[cute.Tensor] = None,
+               mCuSeqlensQ: Optional[cute.Tensor] = None,
+               mCuSeqlensK: Optional[cute.Tensor] = None,
+               mSeqUsedK: Optional[cute.Tensor] = None):
+        """The launch (k6's attention sinks: `mSinks`, fp32 (heads,), else None)."""
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
         if cutlass.const_expr(self.varlen):
@@ -235,7 +249,7 @@ class FlashAttentionK5:
         self.smem_bytes = self.shared_storage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         self.kernel(*coords, o_coords, o, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
-                    kv_layout, q, k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK).launch(
+                    kv_layout, q, k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSinks).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
@@ -250,9 +264,11 @@ class FlashAttentionK5:
                kv_layout: cute.ComposedLayout, q_mem: cute.Tensor, k_mem: cute.Tensor,
                mCuSeqlensQ: Optional[cute.Tensor] = None,
                mCuSeqlensK: Optional[cute.Tensor] = None,
-               mSeqUsedK: Optional[cute.Tensor] = None):
+               mSeqUsedK: Optional[cute.Tensor] = None,
+               mSinks: Optional[cute.Tensor] = None):
         # (q_mem, k_mem: q and k again, unused since k6's exp_first left at 2031291; kept
         # so that the kernel's parameters, and with them its PTX, stay as measured)
+        self.sink_logits = mSinks       # (k6's attention sinks, read by `finish_rows`)
         schedule, roles, scheduler = self.schedule, self.roles, self.scheduler
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -394,9 +410,15 @@ class FlashAttentionK5:
     def finish_rows(self, softmax: OnlineSoftmax, mmas, ctidx, mLSE: cute.Tensor, m_block,
                     head, batch, seqlen_q):
         """A work item's rows are complete: their log-sum-exp to mLSE; returns 1/l per row."""
-        inv_sum = softmax.finalize()
-        self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
-                       m_block * self.block_m, seqlen_q, head, batch)
+        if cutlass.const_expr(self.sink_logits is not None):
+            # (k6) the head's sink logit joins each row's denominator, once
+            inv_sum, lse = softmax.finalize_with_sink(self.sink_logits[head] * LOG2_E)
+            self.store_lse(mLSE, lse, mmas.s_coords, ctidx, m_block * self.block_m,
+                           seqlen_q, head, batch)
+        else:
+            inv_sum = softmax.finalize()
+            self.store_lse(mLSE, softmax.log_sum_exp(inv_sum), mmas.s_coords, ctidx,
+                           m_block * self.block_m, seqlen_q, head, batch)
         return inv_sum
 
     @cute.jit

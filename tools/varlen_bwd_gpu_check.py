@@ -270,20 +270,38 @@ def _switched_off(call, switch):
     return run
 
 
+
+def speed_mixes() -> list:
+    """The (tokens, seed) document mixes timed: VARLEN_TOTALS="16384" keeps the 16k mix."""
+    keep = os.environ.get("VARLEN_TOTALS", "16384,65536").split(",")
+    return [(t, s) for t, s in ((16384, 16), (65536, 64)) if str(t) in keep]
+
+
+def speed_dims() -> list:
+    """Head dims timed: VARLEN_DIMS="128" keeps d 128."""
+    return [int(x) for x in os.environ.get("VARLEN_DIMS", "64,128").split(",")]
+
+
+def speed_equal_lengths() -> list:
+    """(batch, seqlen) of the equal-length comparisons with the dense call (the 4 x 16k one
+    only with the 64k mix)."""
+    return [(8, 2048)] + ([(4, 16384)] if any(t == 65536 for t, _ in speed_mixes()) else [])
+
+
 def speed(log) -> dict:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved, tflops
     from hopper_attn.harness.varlen_reference import cu_seqlens, flops, lognormal_lengths
     providers = _providers(log)
     flush, rows, notes = L2Flush(), [], {}
     mixes = []
-    for total, seed in ((16384, 16), (65536, 64)):       # tools/varlen_gpu_check.py's mixes
+    for total, seed in speed_mixes():       # tools/varlen_gpu_check.py's mixes
         lengths = lognormal_lengths(total, seed)
         mixes.append((f"lognormal {total // 1024}k", seed, lengths))
         log(f"  mix {total // 1024}k seed {seed}: {len(lengths)} documents, max {max(lengths)}"
             f", lengths {lengths if len(lengths) <= 20 else str(lengths[:20])[:-1] + ', ...]'}")
     for label, seed, lengths in mixes:
         cu, mx = cu_seqlens(lengths), max(lengths)
-        for d in (64, 128):
+        for d in speed_dims():
             for heads, heads_kv in ((16, 16), (16, 4)):
                 gen = torch.Generator(device="cuda").manual_seed(seed)
                 q, do = (torch.randn(sum(lengths), heads, d, device="cuda", generator=gen)
@@ -327,8 +345,8 @@ def speed(log) -> dict:
                 del q, k, v, do
                 torch.cuda.empty_cache()
     dense_rows = []
-    for batch, n in ((8, 2048), (4, 16384)):
-        for d in (64, 128):
+    for batch, n in speed_equal_lengths():
+        for d in speed_dims():
             for causal in (False, True):
                 gen = torch.Generator(device="cuda").manual_seed(n)
                 q, k, v, do = (torch.randn(batch, n, 16, d, device="cuda", generator=gen)

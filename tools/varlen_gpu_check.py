@@ -197,6 +197,24 @@ def _torch_varlen():
     return run
 
 
+
+def speed_mixes() -> list:
+    """The (tokens, seed) document mixes timed: VARLEN_TOTALS="16384" keeps the 16k mix."""
+    keep = os.environ.get("VARLEN_TOTALS", "16384,65536").split(",")
+    return [(t, s) for t, s in ((16384, 16), (65536, 64)) if str(t) in keep]
+
+
+def speed_dims() -> list:
+    """Head dims timed: VARLEN_DIMS="128" keeps d 128."""
+    return [int(x) for x in os.environ.get("VARLEN_DIMS", "64,128").split(",")]
+
+
+def speed_equal_lengths() -> list:
+    """(batch, seqlen) of the equal-length comparisons with the dense call (the 4 x 16k one
+    only with the 64k mix)."""
+    return [(8, 2048)] + ([(4, 16384)] if any(t == 65536 for t, _ in speed_mixes()) else [])
+
+
 def speed(log, t0) -> dict:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved, tflops
     flush, rows, baselines, notes = L2Flush(), [], {}, {}
@@ -206,7 +224,7 @@ def speed(log, t0) -> dict:
         except Exception as exc:  # noqa: BLE001 - not installed
             notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
     mixes = []
-    for total, seed in ((16384, 16), (65536, 64)):
+    for total, seed in speed_mixes():
         lengths = lognormal_lengths(total, seed)
         mixes.append((f"lognormal {total // 1024}k", seed, lengths))
         log(f"  mix {total // 1024}k seed {seed}: {len(lengths)} documents, max {max(lengths)}"
@@ -214,7 +232,7 @@ def speed(log, t0) -> dict:
     for label, seed, lengths in mixes:
         cu = cu_seqlens(lengths)
         n_max = max(lengths)
-        for d in (64, 128):
+        for d in speed_dims():
             for heads, heads_kv in ((16, 16), (16, 4)):
                 gen = torch.Generator(device="cuda").manual_seed(seed)
                 q = torch.randn(sum(lengths), heads, d, device="cuda", generator=gen).bfloat16()
@@ -251,8 +269,8 @@ def speed(log, t0) -> dict:
                                     f"({ms[name] / ms['ours']:.2f}x)"
                     log(line)
     dense_rows = []
-    for batch, n in ((8, 2048), (4, 16384)):
-        for d in (64, 128):
+    for batch, n in speed_equal_lengths():
+        for d in speed_dims():
             for causal in (False, True):
                 gen = torch.Generator(device="cuda").manual_seed(n)
                 q, k, v = (torch.randn(batch, n, 16, d, device="cuda", generator=gen)

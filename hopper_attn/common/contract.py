@@ -223,6 +223,8 @@ class KernelSpec:
     input_dtype: Optional[torch.dtype] = None
     # more input tensors after `out` (k7: the descales); returns examples to compile against
     extra_inputs: Optional[Callable[[Problem, Any], list]] = None
+    # run_attention's check of those (None: k7's descales, `check_descales`)
+    check_extra_inputs: Optional[Callable[[Problem, tuple], None]] = None
     # v stored with the sequence dim contiguous (v.stride(1) == 1, i.e. a (batch, heads,
     # head_dim, seqlen) buffer seen as (batch, seqlen, heads, head_dim)), seqlen padded to a
     # multiple of 16: k7's default (made by quantize_fp8(v, pack_v=True) or k7.pack_v)
@@ -466,7 +468,7 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
                       input_dtype=handle.spec.input_dtype, v_seq_major=handle.spec.v_seq_major,
                       output_dtype=handle.spec.output_dtype)
         if handle.spec.extra_inputs is not None:
-            check_descales(problem, extra_inputs)
+            (handle.spec.check_extra_inputs or check_descales)(problem, extra_inputs)
     rt = _cute()
     if workspace is None and lse is not None and not handle.spec.keeps_workspace:
         workspace = [lse]

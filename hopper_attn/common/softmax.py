@@ -339,6 +339,32 @@ class OnlineSoftmax:
         return inv
 
     @cute.jit
+    def finalize_with_sink(self, sink_log2: Float32):
+        """`finalize` and `log_sum_exp` with an attention sink: one more logit, sink_log2
+        (natural-log units times log2(e), unscaled: gpt-oss's per-head `s_aux`), in every
+        row's denominator and none in O. Returns (O's factor per row, the LSE per row).
+
+        A row's sum is rebased from its offset c (`row_offset`) to t = max(c, sink_log2):
+        L = l 2^(c - t) + 2^(sink_log2 - t), O's factor 2^(c - t) / L, LSE (t + log2 L) ln 2.
+        No overflow whatever the sink; a row that saw no key (c = -inf, l = 0): O's factor
+        0, LSE the sink; a sink of -inf adds nothing (and a row with neither: 0, -inf)."""
+        inv = cute.make_rmem_tensor((self.num_rows,), Float32)
+        lse = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = self.row_total(r)
+            offset = self.row_offset(r)
+            top = cute.arch.fmax(offset, sink_log2)
+            top = 0.0 if top == -Float32.inf else top
+            own = cute.math.exp2(offset - top, fastmath=True)
+            total = total * own + cute.math.exp2(sink_log2 - top, fastmath=True)
+            inv[r] = 0.0
+            lse[r] = -Float32.inf
+            if total != 0.0:
+                inv[r] = own / total
+                lse[r] = (top + cute.math.log2(total, fastmath=True)) * LN_2
+        return inv, lse
+
+    @cute.jit
     def row_total(self, r):
         """Row r's l: its lanes' partial sums added up."""
         return cute.arch.warp_reduction_sum(self.row_sum[r],

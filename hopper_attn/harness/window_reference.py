@@ -20,10 +20,11 @@ def window_mask(nq, nk, left, right, device="cuda"):
     return seen
 
 
-def reference(q, k, v, left, right, scale, softcap=0.0):
+def reference(q, k, v, left, right, scale, softcap=0.0, sinks=None):
     """Attention with the window's mask in fp32 (differentiable: give it fp32 leaves); rows
     that see no key: 0, LSE -inf (masked scores -1e30, not -inf, so no NaN reaches the
-    gradients)."""
+    gradients). `sinks` (heads,): attention sinks, one more column per row (docs/sinks.md;
+    rows that see no key: 0, LSE the sink)."""
     group = q.shape[2] // k.shape[2]
     k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
     s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
@@ -31,6 +32,11 @@ def reference(q, k, v, left, right, scale, softcap=0.0):
         s = softcap * torch.tanh(s / softcap)
     seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
     s = s.masked_fill(~seen, -1e30)
+    if sinks is not None:
+        column = sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)
+        s = torch.cat([s, column], -1)
+        p = torch.softmax(s, -1)[..., :-1] * seen.any(-1)[:, None].float()
+        return torch.einsum("bhij,bjhd->bihd", p, v), torch.logsumexp(s, -1)
     p = torch.softmax(s, -1) * seen.any(-1)[:, None].float()
     lse = torch.logsumexp(s, -1).masked_fill(~seen.any(-1), float("-inf"))
     return torch.einsum("bhij,bjhd->bihd", p, v), lse

@@ -20,10 +20,11 @@ the default): a query block shorter than the keys is aligned bottom-right, as a 
 bf16 or fp16, the head dims `hopper_attn.attention` runs (64, 96, 128, 192, 256; training
 at all of them). Causal sliding windows (Mistral, Qwen2, Gemma 2/3's local layers: the
 call's `sliding_window=N`, a query sees itself and the N - 1 keys before it, which is
-`window_size=(N - 1, 0)`; head dims 64, 96, 128) and logit softcapping (Gemma 2: the call's
-`softcap`, `attention(softcap=...)`; training at head dims 64 to 192); a sliding-window
-layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since its keys end at the last
-query.
+`window_size=(N - 1, 0)`; every head dim) and logit softcapping (Gemma 2: the call's
+`softcap`, `attention(softcap=...)`; training at head dims 64 to 192), attention sinks
+(gpt-oss: the call's `s_aux`, one logit per query head, `attention(sinks=...)`, gradients
+included); a sliding-window layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since
+its keys end at the last query.
 
 Packed sequences (several documents in one row, as `DataCollatorWithFlattening` makes
 them) run through `hopper_attn.attention_varlen`: either from the `cu_seq_lens_q/k` and
@@ -37,7 +38,7 @@ What is refused, before any launch (`UnsupportedFeature`, both a ValueError and 
 NotImplementedError, naming the feature), rather than computed differently: a padding mask
 with real padding (a 2-D mask with zeros, or any 4-D mask), bidirectional sliding windows
 (eager/SDPA and transformers' flash path disagree on their width), chunked attention,
-attention sinks (`s_aux`), dropout > 0, a static (preallocated) KV cache; and (a plain
+dropout > 0, a static (preallocated) KV cache; and (a plain
 ValueError) a causal call with more queries than keys, a softcap that is not a positive
 number, a sliding window below 1.
 
@@ -76,15 +77,16 @@ class UnsupportedFeature(UnsupportedProblem, NotImplementedError):
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     """What one attention call of a model becomes: `attention(q, k, v, causal=...,
-    softmax_scale=..., window_size=..., softcap=...)` on the (batch, seqlen, heads,
-    head_dim) views of its inputs. window_size (-1, -1) and softcap 0.0: none. varlen:
-    packed sequences, `attention_varlen`'s (cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-    max_seqlen_k) over the (batch x seqlen) tokens; None: a plain call."""
+    softmax_scale=..., window_size=..., softcap=..., sinks=...)` on the (batch, seqlen,
+    heads, head_dim) views of its inputs. window_size (-1, -1), softcap 0.0, sinks None:
+    none. varlen: packed sequences, `attention_varlen`'s (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k) over the (batch x seqlen) tokens; None: a plain call."""
     causal: bool
     softmax_scale: Optional[float]
     window_size: tuple = (-1, -1)
     softcap: float = 0.0
     varlen: Optional[tuple] = None
+    sinks: Optional[torch.Tensor] = dataclasses.field(default=None, compare=False)
 
     def features(self) -> dict:
         """The keyword arguments a backend gets beyond (q, k, v, causal, softmax_scale):
@@ -95,6 +97,8 @@ class CallPlan:
             out["window_size"] = self.window_size
         if self.softcap:
             out["softcap"] = self.softcap
+        if self.sinks is not None:
+            out["sinks"] = self.sinks
         return out
 
 
@@ -287,8 +291,11 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if dropout:
         raise UnsupportedFeature(f"hopper_attn has no attention dropout (dropout={dropout}); "
                                  "set the config's attention_dropout to 0 or call model.eval()")
-    if s_aux is not None:
-        raise UnsupportedFeature("hopper_attn does not run attention sinks (s_aux) yet")
+    if s_aux is not None and (not isinstance(s_aux, torch.Tensor)
+                              or tuple(s_aux.shape) != (query.shape[1],)):
+        raise ValueError(f"s_aux (attention sinks) must be a tensor of one logit per query "
+                         f"head, shape ({query.shape[1]},), got "
+                         f"{getattr(s_aux, 'shape', type(s_aux).__name__)}")
     for name, feature in _SIMPLE_KWARGS_REFUSED.items():
         if kwargs.get(name) is not None:
             raise UnsupportedFeature(f"hopper_attn does not run {feature} yet")
@@ -312,6 +319,9 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q_length, kv_length = query.shape[2], key.shape[2]
     if causal and q_length == 1 and window_size == (-1, -1):
         causal = False         # one query over the whole cache: the same thing, fewer checks
+    if varlen is not None and s_aux is not None:
+        raise UnsupportedFeature("hopper_attn does not run packed sequences with attention "
+                                 "sinks (s_aux) yet")
     if varlen is not None and (q_length != kv_length or query.shape[0] * q_length
                                != key.shape[0] * kv_length):
         raise UnsupportedFeature("hopper_attn runs packed sequences without a KV cache only")
@@ -320,7 +330,8 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                          f"({kv_length}): transformers aligns such a mask top-left, "
                          "hopper_attn bottom-right")
     return CallPlan(causal=causal, softmax_scale=None if scaling is None else float(scaling),
-                    window_size=window_size, softcap=softcap, varlen=varlen)
+                    window_size=window_size, softcap=softcap, varlen=varlen,
+                    sinks=s_aux)
 
 
 def packed_call(kwargs: dict, attention_mask) -> Optional[tuple]:
@@ -381,13 +392,14 @@ def _default_varlen_backend(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_s
                             softcap=softcap)
 
 
-def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0):
+def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
+                     sinks=None):
     from hopper_attn.api import attention
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"hopper_attn runs bf16 or fp16, got {q.dtype}: load the model "
                          "with dtype=torch.bfloat16")
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                     window_size=window_size, softcap=softcap)
+                     window_size=window_size, softcap=softcap, sinks=sinks)
 
 
 _warned_output_attentions = False
@@ -397,7 +409,8 @@ def make_attention_forward(backend: Optional[Callable] = None,
                            varlen_backend: Optional[Callable] = None) -> Callable:
     """A transformers attention function that runs `backend(q, k, v, causal,
     softmax_scale, **features) -> out` on (batch, seqlen, heads, head_dim) views, features
-    being `window_size=(left, right)` and `softcap=cap` when the call has them (default:
+    being `window_size=(left, right)`, `softcap=cap` and `sinks=s_aux` when the call has
+    them (default:
     `hopper_attn.attention`; another one, e.g. FlashAttention-4's `flash_attn_func`, gets
     the same mapping and the same refusals). Packed sequences run `varlen_backend(q, k, v,
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
