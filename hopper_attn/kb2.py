@@ -27,6 +27,7 @@ What changes from kb1:
   `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
+* v narrower than q and k (`head_dim_v`: (128, 64); docs/head-dim-v.md): V, dO, dV dv wide.
 
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
@@ -81,6 +82,7 @@ SPEC = KernelSpec(
     dtypes=(torch.bfloat16, torch.float16),
     separate_kv=True,
     window=True,                # sliding windows (compiled per window size)
+    head_dim_pairs=((128, 64),),    # v's head dim dv != d: V, dO, dV dv wide
 )
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
@@ -100,7 +102,7 @@ class FlashAttentionBackwardKB2:
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1):
+                 window_right: int = -1, head_dim_v: int = 0):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -113,7 +115,7 @@ class FlashAttentionBackwardKB2:
         self.dq_swap_ab = block_m % 64 != 0
         if self.dq_swap_ab and head_dim != 128:
             raise ValueError(f"kb2 takes 80-row query tiles at head_dim 128 only, got {head_dim}")
-        self.head_dim, self.causal = head_dim, causal
+        self.head_dim, self.causal, self.head_dim_v = head_dim, causal, head_dim_v or head_dim
         self.block_m, self.block_n = block_m, block_n
         self.warpgroups = block_n // 64                     # consumer warpgroups
         self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
@@ -201,8 +203,10 @@ class FlashAttentionBackwardKB2:
                       for t in (mLSE2, mD)]                                     # (rows, H, B)
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type
-        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages)
+        tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
+                                     head_dim_v=self.head_dim_v)   # (V, dO, dV: dv wide)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
+        v_layout, do_layout = tiles.v_layout, tiles.do_layout
         # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
         row_stride = -(-bm // 32) * 32
         row_layout = cute.make_layout((bm, self.stages), stride=(1, row_stride))
@@ -210,8 +214,9 @@ class FlashAttentionBackwardKB2:
         tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv = tiles.atoms
         tma_lse, lse_tiles = tma.make_tma_row_load(lse2, bm)
         tma_dsum, dsum_tiles = tma.make_tma_row_load(dsum, bm)
-        self.q_bytes = tma.tma_bytes(self.dtype, q_layout) + bm * 4     # + its lse2 (or D) row
-        self.kv_bytes = 2 * tma.tma_bytes(self.dtype, kv_layout)
+        self.q_bytes = tma.tma_bytes(self.dtype, q_layout) + bm * 4     # + its lse2 row
+        self.do_bytes = tma.tma_bytes(self.dtype, do_layout) + bm * 4   # + its D row
+        self.k_bytes, self.v_bytes = (tma.tma_bytes(self.dtype, t) for t in (kv_layout, v_layout))
 
         @cute.struct
         class SharedStorage:
@@ -221,9 +226,9 @@ class FlashAttentionBackwardKB2:
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(do_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
 
@@ -265,16 +270,17 @@ class FlashAttentionBackwardKB2:
              m_count) = self.schedule.cta_work(mQ, mK)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout)
+        sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout,
+                                              self.head_dim_v)
         sLSE, sD = storage.sLSE.get_tensor(row_layout), storage.sD.get_tensor(row_layout)
 
         consumer_warps = 4 * self.warpgroups
         kv_pipe = tma.make_tma_ring(storage.kv_barriers.data_ptr(), 1, consumer_warps,
-                                    self.kv_bytes)
+                                    self.k_bytes + self.v_bytes)
         q_pipe = tma.make_tma_ring(storage.q_barriers.data_ptr(), self.stages, consumer_warps,
                                    self.q_bytes)
         do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.stages,
-                                    consumer_warps, self.q_bytes)
+                                    consumer_warps, self.do_bytes)
         tma.barriers_ready()
         loads = (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum)
         dq_staging = storage.sdQ.data_ptr()
@@ -350,7 +356,7 @@ class FlashAttentionBackwardKB2:
             barrier = q_pipe.producer_get_barrier(produce)
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
-                    k_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
+                    k_load.copy_on_armed(n_block, barrier, self.k_bytes)
             head_loads[0].copy(m_block, barrier, produce.index)
             if cutlass.const_expr(self.pdl):
                 if it == 0:
@@ -362,7 +368,7 @@ class FlashAttentionBackwardKB2:
             barrier = do_pipe.producer_get_barrier(produce)
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
-                    v_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
+                    v_load.copy_on_armed(n_block, barrier, self.v_bytes)
             head_loads[1].copy(m_block, barrier, produce.index)
             head_loads[3].copy(m_block, barrier, produce.index)
             produce.advance()
@@ -429,10 +435,11 @@ class FlashAttentionBackwardKB2:
         and dV out (`head`: the k/v head)."""
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
-                                         sdSt, dtype, self.dq_swap_ab)  # kb1's five GEMMs
+                                         sdSt, dtype, self.dq_swap_ab,  # kb1's five GEMMs
+                                         head_dim_v=self.head_dim_v)
         st_coords = mmas.st_coords
         acc_dk = mmas.new_dkv_accumulator(bn, d)
-        acc_dv = mmas.new_dkv_accumulator(bn, d)
+        acc_dv = mmas.new_dv_accumulator(bn, self.head_dim_v)
         if cutlass.const_expr(self.stmatrix):
             store_ds = wgmma.stmatrix_store(mmas.mma_sdp, dtype)
             thr_store_ds = store_ds.get_slice(ctidx)
@@ -606,7 +613,7 @@ class FlashAttentionBackwardKB2:
         phase = self.trace.start("epilogue")
         acc_dk.store(acc_dk.load() * softmax_scale)
         epilogue.arrive_and_wait()                          # every WGMMA has read K and V
-        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype)
+        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype, mmas.thr_dv)
         epilogue.arrive_and_wait()
         if warp == 4:                                       # the first consumer warp
             store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
@@ -617,7 +624,7 @@ class FlashAttentionBackwardKB2:
                  end: cutlass.Constexpr):
         """dV += P^T dO over P^T's K blocks (16 queries each) first .. end - 1, as one WGMMA
         batch: all bm / 16 of them at once, or in the two parts of `split_dv`."""
-        wgmma.gemm(mmas.mma_dkv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
+        wgmma.gemm(mmas.mma_dv, acc_dv, mmas.pt_frag, mmas.dot_frag[None, None, None, stage],
                    zero_init=False, k_blocks=(first, end))
 
 
