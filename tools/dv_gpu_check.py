@@ -17,6 +17,7 @@
    * kb2 backward at (128, 64): dQ, dK, dV against the fp32 reference's gradients, the
      bound 2x torch's own bf16 gradients' error + 2^-12 max|ref| (window_reference.
      gradient_errors), lengths 17, 113, 1000, causal and not, GQA 8/2 with cross lengths;
+   * at (128, 64) a causal window (127, 0), forward (as above) and backward, GQA 4/2;
    * at (192, 128) gradients are refused (ValueError) before a launch: no backward stage
      runs d = 192 with dv = 128 yet.
 2. Speed (skipped with --quick), CUDA events, L2 flushed, round-robin medians: ours vs
@@ -30,9 +31,9 @@ Prints < 40 lines; everything goes to $OUT/dv.json (or --out).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,13 +59,13 @@ def inputs(batch, nq, nk, heads, heads_kv, d, dv, seed):
     return q, k, v
 
 
-def guarded_run(q, k, v, causal):
+def guarded_run(q, k, v, causal, window=(-1, -1)):
     """k6 on copies of q, k, v inside NaN guards, output and LSE NaN-poisoned: (out, lse,
     guards intact)."""
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem, run_attention
     from hopper_attn.harness.inputs import guarded_empty, guards_intact
-    problem = Problem.from_tensor(q, causal, k, v=v)
+    problem = Problem.from_tensor(q, causal, k, window, v)
     handle = k6.compile_kernel(problem)
     buffers, views = [], []
     for t in (q, k, v, None):
@@ -80,27 +81,29 @@ def guarded_run(q, k, v, causal):
     return views[3], lse, all(guards_intact(b) for b in buffers)
 
 
-def forward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed) -> dict:
+def forward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-1, -1)):
     q, k, v = inputs(batch, nq, nk, heads, heads_kv, d, dv, seed)
-    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
-    out2, lse2 = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
-    right = 0 if causal else -1
-    ref, ref_lse = reference(q, k, v, -1, right, d ** -0.5)
-    low, _ = torch_lowp(q, k, v, -1, right, d ** -0.5)
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True,
+                                     window_size=window)
+    out2, lse2 = hopper_attn.attention(q, k, v, causal=causal, return_lse=True,
+                                       window_size=window)
+    left, right = window[0], 0 if causal else window[1]
+    ref, ref_lse = reference(q, k, v, left, right, d ** -0.5)
+    low, _ = torch_lowp(q, k, v, left, right, d ** -0.5)
     bound = 2 * (low - ref).abs().max().item() + 2 ** -10
     err = (out.float() - ref).abs().max().item()
     finite = ref_lse.isfinite()
     lse_ok = bool(torch.equal(lse.isfinite(), finite)) and (
         not finite.any() or (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3)
-    blind = ~window_mask(nq, nk, -1, right).any(-1)
+    blind = ~window_mask(nq, nk, left, right).any(-1)
     zero_ok = bool((out[:, blind] == 0).all()) if blind.any() else True
     same_bits = bool(torch.equal(out.view(torch.int16), out2.view(torch.int16))
                      and torch.equal(lse.view(torch.int32), lse2.view(torch.int32)))
-    g_out, g_lse, guards = guarded_run(q, k, v, causal)
+    g_out, g_lse, guards = guarded_run(q, k, v, causal, window)
     poisoned_ok = bool(torch.equal(g_out.view(torch.int16), out.view(torch.int16))
                        and torch.equal(g_lse.view(torch.int32), lse.view(torch.int32)))
     nan = bool(out.isnan().any())
-    return {"case": [batch, nq, nk, heads, heads_kv, d, dv, causal],
+    return {"case": [batch, nq, nk, heads, heads_kv, d, dv, causal, list(window)],
             "ratio": float("inf") if nan else err / bound, "error": err, "bound": bound,
             "lse_ok": lse_ok, "blind_rows": int(blind.sum()), "zero_ok": zero_ok,
             "same_bits": same_bits, "guards_intact": guards, "poisoned_ok": poisoned_ok,
@@ -108,13 +111,13 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed) -> dict:
                    and poisoned_ok)}
 
 
-def backward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed) -> dict:
+def backward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-1, -1)):
     q, k, v = inputs(batch, nq, nk, heads, heads_kv, d, dv, seed)
     do = torch.randn(batch, nq, heads, dv, device="cuda").to(torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    hopper_attn.attention(*leaves, causal=causal).backward(do)
-    right = 0 if causal else -1
-    errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], -1, right,
+    hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
+    left, right = window[0], 0 if causal else window[1]
+    errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], left, right,
                              d ** -0.5)
     ratio, ok = {}, True
     for name, leaf in zip("qkv", leaves):
@@ -122,7 +125,7 @@ def backward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed) -> dict:
         nan = bool(leaf.grad.isnan().any())
         ratio[name] = float("inf") if nan else err / bound
         ok &= not nan and ratio[name] <= 1 and leaf.grad.shape == leaf.shape
-    return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, dv, causal],
+    return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, dv, causal, list(window)],
             "ratio": max(ratio.values()), "ratios": ratio, "ok": ok}
 
 
@@ -166,6 +169,10 @@ def correctness(log) -> list:
             for nq, nk, causal in ((1000, 1300, False), (1000, 1300, True)):
                 run(f"bwd gqa 8/2 cross ({d},{dv})", backward_case, 1, nq, nk, 8, 2, d, dv,
                     causal)
+            # a sliding window (k6's and kb2's window code with V dv wide)
+            for fn in (forward_case, backward_case):
+                run(f"window (127,0) ({d},{dv})", functools.partial(fn, window=(127, 0)), 2,
+                    1000, 1000, 4, 2, d, dv, True)
         else:
             groups.setdefault("backward refused", []).append(refused_case(d, dv))
     rows = []
