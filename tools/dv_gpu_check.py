@@ -24,7 +24,8 @@
    FA4's `flash_attn_func` with the same v, both pairs, N 2k / 4k / 8k / 16k (batch
    16k / N, 16 heads), causal and not: forward, and backward (through autograd, both
    sides) where ours runs it; at (192, 128) FA4's backward alone, the time a backward
-   has to beat.
+   has to beat. The forward also times other k6 tiles (VARIANTS: [tile ours/variant],
+   > 1: the variant faster) in the same rounds: POLICY's (d, dv) rows are not tuned yet.
 
 Prints < 40 lines; everything goes to $OUT/dv.json (or --out).
 """
@@ -46,6 +47,9 @@ from hopper_attn.harness.window_reference import (gradient_errors, reference,  #
                                                    torch_lowp, window_mask)
 
 PAIRS = [(192, 128), (128, 64)]
+# untuned POLICY rows: other k6 tiles timed in the same rounds, for the row to take
+VARIANTS = {(192, 128): ["k6:tile=128x112"],                   # d = 192's kv tile
+            (128, 64): ["k6:tile=192x128"]}                    # three warpgroups (no mask)
 BACKWARD_PAIRS = [(128, 64)]           # kb2's; the others are refused
 LENGTHS = [1, 17, 113, 1000]
 
@@ -206,6 +210,16 @@ def speed(log, t0) -> list:
                 problem = Problem.from_tensor(q, causal, k, v=v)
                 calls = {"ours": lambda: hopper_attn.attention(q, k, v, causal=causal)}
                 notes = {}
+                for stage in VARIANTS[(d, dv)]:
+                    if causal and stage == "k6:tile=192x128":     # (spills with a mask)
+                        continue
+                    try:
+                        hopper_attn.attention(q, k, v, causal=causal, stage=stage)
+                        calls[stage] = (lambda s=stage: hopper_attn.attention(
+                            q, k, v, causal=causal, stage=s))
+                    except Exception as exc:  # noqa: BLE001 - recorded, not timed
+                        notes[stage] = f"{type(exc).__name__}: {str(exc)[:100]}"
+
                 if run_fa4 is not None:
                     try:
                         run_fa4(q, k, v, causal)
@@ -223,6 +237,11 @@ def speed(log, t0) -> list:
                     ratio = round_ratios(timed["fa4"], timed["ours"])
                     row["fwd_fa4_over_ours"] = ratio
                     line += (f", fa4 {row['fwd_ms']['fa4']:.3f} -> {ratio['ratio']:.3f}x")
+                for stage in [n for n in timed if n.startswith("k6:")]:
+                    ratio = round_ratios(timed["ours"], timed[stage])   # > 1: the variant faster
+                    row.setdefault("variant_over_ours", {})[stage] = ratio
+                    line += f" [{stage[3:]} {ratio['ratio']:.3f}x]"
+
                 bwd = {}
                 do = torch.randn(batch, n, heads, dv, device="cuda").to(torch.bfloat16)
                 fns = {"ours": lambda *t: hopper_attn.attention(*t, causal=causal)}
