@@ -158,3 +158,57 @@ def test_backward_matches_fp32_at_128_64(nq, nk, heads_kv, causal):
                              128 ** -0.5)
     for name, (err, _, bound) in errors.items():
         assert err <= bound, (name, err, bound)
+
+
+def _tiny_deepseek_v3(transformers):
+    """A 2-layer random DeepSeek-V3 (MLA: q/k heads 128 + 64 rotary = 192, v heads 128),
+    dense MLPs, eager attention, fp32 on the CPU."""
+    config = transformers.DeepseekV3Config(
+        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=64,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=256,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+def test_transformers_mla_reaches_attention_with_dv():
+    """transformers' DeepSeek-V3 attention passes v 128 wide (unpadded) to a registered
+    attention: the integration hands (192, 192, 128) views to its backend and returns a
+    (B, N, H, 128) output (here an fp32 reference backend on the CPU: the eager logits)."""
+    transformers = pytest.importorskip("transformers")
+    import hopper_attn.integrations.transformers as hopper_tf
+    from hopper_attn.harness.window_reference import reference
+    seen = []
+
+    def backend(q, k, v, causal, softmax_scale, **features):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1], causal, features))
+        return reference(q, k, v, -1, 0 if causal else -1, softmax_scale)[0].to(q.dtype)
+
+    model = _tiny_deepseek_v3(transformers)
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.set_attn_implementation(hopper_tf.register("hopper_attn_dv_test", backend))
+        got = model(ids).logits
+    assert seen and all(s[:4] == (192, 192, 128, True) for s in seen)
+    assert (got - expected).abs().max() < 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_v3_logits_match_eager():
+    """The tiny DeepSeek-V3 in bf16 with hopper_attn ((192, 128) on k6): its logits about
+    as far from the fp32 model's as bf16 eager attention's are."""
+    transformers = pytest.importorskip("transformers")
+    import hopper_attn.integrations.transformers as hopper_tf
+    model = _tiny_deepseek_v3(transformers).to("cuda")
+    ids = torch.randint(0, 256, (2, 300), device="cuda")
+    with torch.no_grad():
+        truth = model(ids).logits
+        model = model.to(torch.bfloat16)
+        base = model(ids).logits.float()
+        model.set_attn_implementation(hopper_tf.register())
+        ours = model(ids).logits.float()
+    err_base, err_ours = ((x - truth).abs().max().item() for x in (base, ours))
+    assert err_ours <= 3 * err_base + 2e-3, (err_ours, err_base)

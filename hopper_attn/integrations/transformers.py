@@ -23,7 +23,8 @@ call's `sliding_window=N`, a query sees itself and the N - 1 keys before it, whi
 `window_size=(N - 1, 0)`; head dims 64, 96, 128) and logit softcapping (Gemma 2: the call's
 `softcap`, `attention(softcap=...)`; training at head dims 64 and 128); a sliding-window
 layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since its keys end at the last
-query.
+query. v narrower than q and k where `attention()` runs it (DeepSeek's MLA: (192, 128),
+forward; docs/head-dim-v.md).
 
 What is refused, before any launch (`UnsupportedFeature`, both a ValueError and a
 NotImplementedError, naming the feature), rather than computed differently: a padding mask
@@ -237,9 +238,9 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             f"{getattr(attention_mask, 'dim', lambda: '?')()}-D mask); its mask function "
             "(registered by hopper_attn.integrations.transformers.register) passes None for "
             "every mask it can run")
-    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"hopper_attn needs one head_dim for q, k and v, got "
-                         f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
+    if key.shape[-1] != query.shape[-1]:       # (v's may differ: DeepSeek's MLA, attention())
+        raise ValueError(f"hopper_attn needs one head_dim for q and k, got "
+                         f"{query.shape[-1]}, {key.shape[-1]}")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal)
