@@ -17,7 +17,8 @@
    * kb2 backward at (128, 64): dQ, dK, dV against the fp32 reference's gradients, the
      bound 2x torch's own bf16 gradients' error + 2^-12 max|ref| (window_reference.
      gradient_errors), lengths 17, 113, 1000, causal and not, GQA 8/2 with cross lengths;
-   * at (128, 64) a causal window (127, 0), forward (as above) and backward, GQA 4/2;
+   * at (128, 64) a causal window (127, 0), forward (as above) and backward, GQA 4/2; the
+     deterministic backward (same bits twice);
    * at (192, 128) gradients are refused (ValueError) before a launch: no backward stage
      runs d = 192 with dv = 128 yet.
 2. Speed (skipped with --quick), CUDA events, L2 flushed, round-robin medians: ours vs
@@ -115,22 +116,29 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-1
                    and poisoned_ok)}
 
 
-def backward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-1, -1)):
+def backward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-1, -1),
+                  deterministic=False):
     q, k, v = inputs(batch, nq, nk, heads, heads_kv, d, dv, seed)
     do = torch.randn(batch, nq, heads, dv, device="cuda").to(torch.bfloat16)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
+    runs = []
+    for _ in range(2 if deterministic else 1):      # deterministic: the same bits twice
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        hopper_attn.attention(*leaves, causal=causal, window_size=window,
+                              deterministic=deterministic).backward(do)
+        runs.append([leaf.grad.view(torch.int16) for leaf in leaves])
+    same_bits = all(torch.equal(a, b) for a, b in zip(runs[0], runs[-1]))
     left, right = window[0], 0 if causal else window[1]
     errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], left, right,
                              d ** -0.5)
-    ratio, ok = {}, True
+    ratio, ok = {}, same_bits
     for name, leaf in zip("qkv", leaves):
         err, _, bound = errors[name]
         nan = bool(leaf.grad.isnan().any())
         ratio[name] = float("inf") if nan else err / bound
         ok &= not nan and ratio[name] <= 1 and leaf.grad.shape == leaf.shape
-    return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, dv, causal, list(window)],
-            "ratio": max(ratio.values()), "ratios": ratio, "ok": ok}
+    return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, dv, causal, list(window),
+                     deterministic],
+            "ratio": max(ratio.values()), "ratios": ratio, "same_bits": same_bits, "ok": ok}
 
 
 def refused_case(d, dv) -> dict:
@@ -173,6 +181,8 @@ def correctness(log) -> list:
             for nq, nk, causal in ((1000, 1300, False), (1000, 1300, True)):
                 run(f"bwd gqa 8/2 cross ({d},{dv})", backward_case, 1, nq, nk, 8, 2, d, dv,
                     causal)
+            run(f"bwd deterministic ({d},{dv})", functools.partial(
+                backward_case, deterministic=True), 1, 1000, 1000, 4, 4, d, dv, True)
             # a sliding window (k6's and kb2's window code with V dv wide)
             for fn in (forward_case, backward_case):
                 run(f"window (127,0) ({d},{dv})", functools.partial(fn, window=(127, 0)), 2,
