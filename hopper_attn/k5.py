@@ -189,10 +189,11 @@ class FlashAttentionK5:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream):
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
-        bm, bn, d, dv = self.block_m, self.block_n, self.head_dim, self.head_dim_v
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type                            # bf16 or fp16 (SPEC.dtypes)
         q_layout = smem_tile_layout(self.dtype, bm, d)          # also O's staging buffer
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
+        dv = self.head_dim_v                                    # V's and O's head dim
         v_layout = kv_layout if dv == d else smem_tile_layout(self.dtype, bn, dv, self.stages)
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d, None if dv == d else v_layout, dv)
