@@ -35,10 +35,10 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   its own diagonal), `skip_idle_wgs`, `kv_tail` (no tail test for whole kv tiles),
   `peel_first` (an item's first kv tile before the loop), `fast_divmod`.
 
-* v narrower than q and k (`head_dim_v`, POLICY's (d, dv) rows; docs/head-dim-v.md): k5's.
 * Logit softcapping (`softcap`, a compile-time cap; docs/softcap.md): the raw scores through
   tanh(s scale / cap) before the mask, then the same softmax in units of cap log2(e); where
   measured (bf16, d 128 / 256, cap <= 69) against a fixed 0, without row maxima.
+* v narrower than q and k (`head_dim_v`, POLICY's (d, dv) rows; docs/head-dim-v.md): k5's.
 
 Where the kernel launches: k5's `__call__`; k6 replaces the consumer loop (`mainloop`) and
 overrides k5's hooks for the schedule and an item's end.

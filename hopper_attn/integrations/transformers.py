@@ -12,7 +12,9 @@ the attention with `(module, query, key, value, attention_mask, dropout, scaling
 q, k and v as (batch, heads, seqlen, head_dim) views, k and v with the model's KV heads (no
 repeat); this passes them to `hopper_attn.attention` as (batch, seqlen, heads, head_dim)
 views (for Llama-style projections those are the projections' own layout: no copy) and
-returns the output in that layout, which is what transformers expects.
+returns the output in that layout, which is what transformers expects. v may be narrower
+than q and k where `attention()` runs the pair (DeepSeek's MLA hands it v 128 wide with q
+and k 192: forward; docs/head-dim-v.md).
 
 What runs: causal (decoder) and non-causal (encoder, cross-attention) modules, GQA/MQA read
 in place, the module's `scaling`, and generation with a growing KV cache (`DynamicCache`,
@@ -23,8 +25,7 @@ call's `sliding_window=N`, a query sees itself and the N - 1 keys before it, whi
 `window_size=(N - 1, 0)`; head dims 64, 96, 128) and logit softcapping (Gemma 2: the call's
 `softcap`, `attention(softcap=...)`; training at head dims 64 and 128); a sliding-window
 layer's trimmed cache (`DynamicSlidingWindowLayer`) too, since its keys end at the last
-query. v narrower than q and k where `attention()` runs it (DeepSeek's MLA: (192, 128),
-forward; docs/head-dim-v.md).
+query.
 
 What is refused, before any launch (`UnsupportedFeature`, both a ValueError and a
 NotImplementedError, naming the feature), rather than computed differently: a padding mask
