@@ -408,6 +408,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     additions happen in a fixed order, so the gradients have the same bits on every run
     (slower: docs/kb2.md).
 
+    v may have its own head dim dv (DeepSeek MLA's (d, dv) = (192, 128), and (128, 64); k6,
+    docs/head-dim-v.md): v (batch, seqlen_k, heads_kv, dv), the output (batch, seqlen,
+    heads, dv); other pairs raise ValueError. Differentiable at (128, 64) (kb2); gradients
+    at (192, 128) raise ValueError (no backward for it yet).
+
     `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its
     head dims; the cap is compiled in: one compile per cap value), differentiable at
@@ -420,11 +425,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6 and kb2 only (head
     dims 64 and 128 with gradients; not deterministic); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
-
-    v may have its own head dim dv (DeepSeek MLA's (d, dv) = (192, 128), and (128, 64); k6,
-    docs/head-dim-v.md): v (batch, seqlen_k, heads_kv, dv), the output (batch, seqlen,
-    heads, dv); other pairs raise ValueError. Differentiable at (128, 64) (kb2); gradients
-    at (192, 128) raise ValueError (no backward for it yet).
     """
     softcap = _check_softcap(softcap)
     window = normalize_window(window_size, bool(causal))    # ValueError before anything
