@@ -19,6 +19,7 @@ What changes from kb1:
   P^T instead, the rest after the dS^T stores: `early_dv`, `split_dv`); one barrier;
   dQ = dS K issued, waiting only for dV; dK += dS^T Q issued, waiting only for dQ;
   dQ -> SMEM while dK runs: the tensor core always has the next GEMM queued.
+* v narrower than q and k (`head_dim_v`: (128, 64); docs/head-dim-v.md): V, dO, dV dv wide.
 * GQA / MQA (`gqa`, a variant compiled where k and v have fewer heads than q): one CTA per
   (kv tile, dK head, batch) walks the query tiles of every query head of its group, head
   after head, and stores dK and dV once (kb1: per query head, summed by torch). Too few
@@ -27,7 +28,6 @@ What changes from kb1:
   `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
-* v narrower than q and k (`head_dim_v`: (128, 64); docs/head-dim-v.md): V, dO, dV dv wide.
 
 What stays: kb1's 128-key tiles, the transposed formulation (P^T and dS^T from registers
 into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
@@ -80,9 +80,9 @@ SPEC = KernelSpec(
     summary="kb1 + producer warpgroup, setmaxnreg, Q/dO rings with LSE/D, dQ by bulk reduce-add",
     head_dims=(64, 128),
     dtypes=(torch.bfloat16, torch.float16),
+    head_dim_pairs=((128, 64),),    # v's head dim dv != d: V, dO, dV dv wide
     separate_kv=True,
     window=True,                # sliding windows (compiled per window size)
-    head_dim_pairs=((128, 64),),    # v's head dim dv != d: V, dO, dV dv wide
 )
 
 DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
@@ -97,12 +97,13 @@ class FlashAttentionBackwardKB2:
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  deterministic: bool = False, stmatrix: bool = True, early_dv=None,
+                 head_dim_v: int = 0,
                  dp_first: bool = False, ds_address_per_tile: bool = False,
                  kv_with_first_tile: bool = False, pdl: bool = False, split_dv: int = 0,
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, head_dim_v: int = 0):
+                 window_right: int = -1):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -115,11 +116,12 @@ class FlashAttentionBackwardKB2:
         self.dq_swap_ab = block_m % 64 != 0
         if self.dq_swap_ab and head_dim != 128:
             raise ValueError(f"kb2 takes 80-row query tiles at head_dim 128 only, got {head_dim}")
-        self.head_dim, self.causal, self.head_dim_v = head_dim, causal, head_dim_v or head_dim
+        self.head_dim, self.causal = head_dim, causal
         self.block_m, self.block_n = block_m, block_n
         self.warpgroups = block_n // 64                     # consumer warpgroups
         self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
         self.threads = self.roles.threads
+        self.head_dim_v = head_dim_v or head_dim            # V's, dO's and dV's
         # longest_first (causal): head groups whose Q, dO and fp32 dQ (N x d x 8 bytes a head)
         # share `group_mib` MiB of L2, kv tile 0 of every head first (masking.KVTileSchedule)
         self.longest_first = bool(longest_first) and causal

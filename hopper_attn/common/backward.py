@@ -130,7 +130,7 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     if pre_key not in _COMPILED:
         lse = _example((b, h, n), torch.float32)
         _COMPILED[pre_key] = rt.compile_with_tensors(
-            BackwardPreprocess(d, kernel.block_m, pdl, dv), qkv[0 if dv == d else 3], qkv[3],
+            BackwardPreprocess(dv, kernel.block_m, pdl, d), qkv[0 if dv == d else 3], qkv[3],
             lse, *stats, dq_accum, counters, tvm_ffi=ffi)
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
@@ -339,10 +339,10 @@ class BackwardPreprocess:
     (results/h200/2026-11-26_kernel_split_preprocess_2k.json)."""
 
     def __init__(self, head_dim: int, rows_per_cta: int, pdl: bool = False,
-                 head_dim_v: int = 0):
-        # (head_dim_v: O's and dO's head dim, D's sum, where not head_dim, dQ's)
+                 dq_head_dim: int = 0):
+        self.dq_head_dim = dq_head_dim or head_dim     # dQ's, where O's (dv) is not q's
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
-        self.lanes, self.rows_per_pass = _tile_rows(head_dim_v or head_dim, HELPER_THREADS)
+        self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -378,7 +378,7 @@ class BackwardPreprocess:
             cute.autovec_copy(_chunk(do, row, col0, head, batch), do_rows[None, p])
             lse_rows[p] = mLSE[batch, head, row]
         # zero this tile's rows x d floats of the dQ buffer (contiguous in either order)
-        block = self.rows * self.head_dim
+        block = self.rows * self.dq_head_dim
         base = mdQacc[batch, head, None, None].iterator + m_block * block
         zeros = cute.make_rmem_tensor((4,), Float32)
         zeros.fill(0.0)

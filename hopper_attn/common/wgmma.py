@@ -204,9 +204,9 @@ class BackwardMmas:
     ds_frag: cute.Tensor
     kt_frag: cute.Tensor
     st_coords: cute.Tensor
-    dq_swap_ab: bool = False
     mma_dv: cute.TiledMma = None    # dV += P^T dO where dV is narrower than dK (dv != d;
     thr_dv: object = None           # else mma_dkv and thr_dkv)
+    dq_swap_ab: bool = False
 
     @staticmethod
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
