@@ -102,9 +102,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), "
                              f"got shape {tuple(t.shape)}")
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]):
+        raise ValueError(f"k and v must have the same shape (but for v's head dim), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
                          "head_dim")
@@ -142,7 +142,7 @@ def _entry_for(problem: Problem, stage: str, softcap: float = 0.0, sinks: bool =
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
         return entry
     from hopper_attn import decode
-    if decode.prefers(problem):                # a few queries per k/v head: split-KV decode
+    if decode.prefers(problem) and not problem.head_dim_v:   # (decode: v as wide as k)
         return stages.get("decode")
     preference = PREFERENCE_BY_HEAD_DIM.get((problem.head_dim, problem.causal), PREFERENCE)
     return _first_supporting(preference, problem, "stage")
@@ -170,7 +170,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         if len(_FAST) >= _FAST_LIMIT:          # e.g. many sequence lengths: start over
             _FAST.clear()
         _FAST[key] = handle
-    out = torch.empty_like(q)
+    out = _out_like(q, v)
     lse = _lse_like(q)
     if sinks is not None and sinks.data_ptr() % 16:     # (a view: inputs are 16-byte aligned)
         sinks = sinks.clone()
@@ -188,10 +188,10 @@ def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,
     """Every check of a call (ValueError before any launch), then its compiled kernel."""
     _check(q, k, v)
     softcap = _check_softcap(softcap)
-    problem = Problem.from_tensor(q, causal, k, window)
+    problem = Problem.from_tensor(q, causal, k, window, v)
     entry = _entry_for(problem, stage, softcap, sinks)
-    check_tensors(problem, q, k, v, q,                 # dtype, device, layout: before compiling
-                  strided=entry.spec.strided_inputs)
+    check_tensors(problem, q, k, v, q[..., :problem.dv],   # dtype, device, layout: before
+                  strided=entry.spec.strided_inputs)       # compiling
     return _handle(entry, problem, _compile_options())
 
 
@@ -217,13 +217,20 @@ def _lse_like(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
+def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output: q's shape and layout, or with v's head dim dv != d (B, N, H, dv)."""
+    if v.shape[3] == q.shape[3]:
+        return torch.empty_like(q)
+    return q.new_empty((*q.shape[:3], v.shape[3]))
+
+
 @_attention_op.register_fake
 def _(q, k, v, causal, softmax_scale, stage, deterministic=False, softcap=0.0, window_left=-1,
       window_right=-1, sinks=None):
     _check(q, k, v)
     _check_softcap(softcap)
     normalize_window((window_left, window_right), causal)
-    return torch.empty_like(q), _lse_like(q)
+    return _out_like(q, v), _lse_like(q)
 
 
 # The backward stages read q, k, v, out, dout through their strides (TMA descriptors and the
@@ -294,7 +301,7 @@ def _checked_backward(tensors, lse, causal: bool, deterministic: bool, softcap: 
     copies = tuple(t.dim() != 4 or not _readable_in_place(t) for t in tensors)
     q, k, v, out, dout = (t.clone(memory_format=torch.contiguous_format) if c else t
                           for t, c in zip(tensors, copies))
-    problem = Problem.from_tensor(q, causal, k, window)
+    problem = Problem.from_tensor(q, causal, k, window, v)
     entry = _backward_entry(problem, deterministic, softcap)
     handle = _handle(entry, problem)
     check_backward_tensors(problem, q, k, v, out, dout, lse, q, k, v)
@@ -399,7 +406,7 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
     except AttributeError:
         key = None
     _check(q, k, v)
-    problem = Problem.from_tensor(q, causal, k, window)
+    problem = Problem.from_tensor(q, causal, k, window, v)
     if problem.windowed and deterministic:
         raise ValueError("window_size: the deterministic backward has no sliding window")
     if softcap:
@@ -433,6 +440,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     and 192 (the backward runs kb2) and 256 (kb1); with `deterministic` (kb2 only: 64-192),
     dQ's additions happen in a fixed order, so the gradients have the same bits on every run
     (slower: docs/kb2.md).
+
+    v may have its own head dim dv (DeepSeek MLA's (d, dv) = (192, 128), and (128, 64); k6,
+    docs/head-dim-v.md): v (batch, seqlen_k, heads_kv, dv), the output (batch, seqlen,
+    heads, dv); other pairs raise ValueError. Differentiable at (128, 64) (kb2); gradients
+    at (192, 128) raise ValueError (no backward for it yet).
 
     `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its

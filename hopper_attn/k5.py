@@ -112,12 +112,20 @@ class FlashAttentionK5:
     sink_logits = None
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 0, block_n: int = 128,
-                 stages: int = 2, trace: bool = False):
+                 stages: int = 2, trace: bool = False, head_dim_v: int = 0):
         block_m = block_m or DEFAULT_BLOCK_M.get(head_dim, 128)
         if block_m not in (64, 128, 192) or block_n % 16 or stages < 1:
             raise ValueError(f"bad tile: block_m={block_m} (64, 128 or 192: 1-3 consumer "
                              f"warpgroups), block_n={block_n} (multiple of 16), "
                              f"stages={stages} (>= 1)")
+        # v's and O's head dim (k6: MLA's (192, 128), (128, 64)): V's ring tiles, the PV
+        # GEMM's N, O's accumulator and store. O is staged in Q's buffer (or O's own) as a
+        # (block_m, dv) tile: dv a multiple of 64 and <= d keeps each row at its address
+        # in Q's 128-byte-swizzled layout (rows of a 64-column slab first)
+        self.head_dim_v = head_dim_v or head_dim
+        if self.head_dim_v != head_dim and (self.head_dim_v % 64 or self.head_dim_v > head_dim):
+            raise ValueError(f"head_dim_v={head_dim_v}: a multiple of 64, at most head_dim "
+                             f"({head_dim})")
         smem = self.smem_estimate(head_dim, block_m, block_n, stages)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"{block_m} x {block_n} tiles at d = {head_dim} with {stages} "
@@ -148,9 +156,9 @@ class FlashAttentionK5:
         self.v_lags_k = True
 
     def make_o_store(self, o: cute.Tensor, dtype):
-        """Host side: the TMA store of O's (block_m, d) tiles."""
-        return tma.make_tma_store(o, smem_tile_layout(dtype, self.block_m, self.head_dim),
-                                  self.block_m, self.head_dim)
+        """Host side: the TMA store of O's (block_m, dv) tiles."""
+        return tma.make_tma_store(o, smem_tile_layout(dtype, self.block_m, self.head_dim_v),
+                                  self.block_m, self.head_dim_v)
 
     def item_queue(self, storage, receivers: int):
         """A queue of work items from the producer warp to the consumers: none here (k6's
@@ -180,10 +188,11 @@ class FlashAttentionK5:
                 varlen.sequence_batch(seq.offset_q, seq.seqlen_q))
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
-        """Q + K and V rings (16-bit elements), each 1024-byte aligned, + 1 KiB of mbarriers
-        (k7 overrides it: FP8 rings, a V^T ring, an output buffer)."""
-        return 1024 + sum(smem_bytes(rows * head_dim * 2)
-                          for rows in (block_m, stages * block_n, stages * block_n))
+        """Q + K and V rings (16-bit elements; V's tiles dv wide), each 1024-byte aligned,
+        + 1 KiB of mbarriers (k7 overrides it: FP8 rings, a V^T ring, an output buffer)."""
+        return 1024 + sum(smem_bytes(rows * dim * 2)
+                          for rows, dim in ((block_m, head_dim), (stages * block_n, head_dim),
+                                            (stages * block_n, self.head_dim_v)))
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -228,9 +237,12 @@ class FlashAttentionK5:
         self.dtype = mQ.element_type                            # bf16 or fp16 (SPEC.dtypes)
         q_layout = smem_tile_layout(self.dtype, bm, d)          # also O's staging buffer
         kv_layout = smem_tile_layout(self.dtype, bn, d, self.stages)
+        dv = self.head_dim_v                                    # V's and O's head dim
+        v_layout = kv_layout if dv == d else smem_tile_layout(self.dtype, bn, dv, self.stages)
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
-            q, k, v, q_layout, kv_layout, bm, bn, d)
-        self.tile_bytes = kv_bytes // 2                         # one K (or V) tile
+            q, k, v, q_layout, kv_layout, bm, bn, d, None if dv == d else v_layout, dv)
+        self.tile_bytes = tma.tma_bytes(self.dtype, kv_layout)  # one K tile
+        self.v_tile_bytes = kv_bytes - self.tile_bytes          # one V tile (dv wide)
         tma_o, o_coords = self.make_o_store(o, self.dtype)
 
         @cute.struct
@@ -243,7 +255,7 @@ class FlashAttentionK5:
             items: cute.struct.MemRange[cutlass.Int32, 8]          # (4 values, 2 slots)
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
 
         self.shared_storage = self.with_buffers(SharedStorage, q_layout)
         self.smem_bytes = self.shared_storage.size_in_bytes()
@@ -280,15 +292,19 @@ class FlashAttentionK5:
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ, sK, sV = qkv_smem(storage, q_layout, kv_layout)    # (bm, d), (bn, d, stage) x 2
+        if cutlass.const_expr(self.head_dim_v != d):            # V's tiles (bn, dv, stage)
+            v_layout = smem_tile_layout(self.dtype, bn, self.head_dim_v, self.stages)
+            sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sO_buffer = self.o_buffer(storage, sQ, q_layout)       # where O is staged
-        sVt = transposed(sV)                                                    # (d, bn, stage)
+        sVt = transposed(sV)                                                   # (dv, bn, stage)
 
         # Warp 0 initialises every mbarrier; the one CTA-wide sync of the kernel publishes
         # them. After the split below nothing may use barrier 0: the producer's warps leave.
         loads = tma.SplitKVLoads.create(storage, 4 * self.warpgroups, self.stages,
                                         self.q_bytes, self.tile_bytes,
                                         (tma_q, tma_k, tma_v), (mQ, mK, mV), (sQ, sK, sV),
-                                        spin_waits=self.spin_waits)
+                                        spin_waits=self.spin_waits,
+                                        v_tile_bytes=self.v_tile_bytes)
         queue = self.item_queue(storage, roles.consumer_threads)
         tma.barriers_ready()
 
@@ -315,8 +331,9 @@ class FlashAttentionK5:
 
             # Each consumer warpgroup owns 64 query rows (as in k4, indexed by ctidx).
             mmas = wgmma.AttentionMmas.create(self.warpgroups, bm, bn, d, ctidx, sQ, sK, sVt,
-                                              self.dtype, self.uniform_descriptors)
-            acc_o = mmas.new_o_accumulator(bm, d)
+                                              self.dtype, self.uniform_descriptors,
+                                              head_dim_v=self.head_dim_v)
+            acc_o = mmas.new_o_accumulator(bm, self.head_dim_v)
             softmax = self.make_softmax(cute.size(mmas.s_coords, mode=[0]), scale_log2)
             acc_s = mmas.new_s_accumulator(bm, bn)
             o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)   # O in bf16 (fp16)
@@ -370,8 +387,18 @@ class FlashAttentionK5:
 
     def o_buffer(self, storage, sQ: cute.Tensor, q_layout):
         """Where O is staged for its TMA store: Q's buffer, free once the item's last QK has
-        read it (k6: also a buffer of its own, or per-warpgroup slabs)."""
-        return sQ
+        read it (k6: also a buffer of its own, or per-warpgroup slabs); with dv != d a
+        (block_m, dv) tile in it (`o_layout`)."""
+        if cutlass.const_expr(self.head_dim_v == self.head_dim):
+            return sQ
+        o_layout = self.o_layout(q_layout)
+        return storage.sQ.get_tensor(o_layout.outer, swizzle=o_layout.inner)
+
+    def o_layout(self, q_layout):
+        """O's staged (block_m, dv) tile: Q's layout where dv = d."""
+        if self.head_dim_v == self.head_dim:
+            return q_layout
+        return smem_tile_layout(self.dtype, self.block_m, self.head_dim_v)
 
     def o_apart_from_q(self) -> bool:
         """O staged elsewhere than in Q's buffer (k6, k7): Q is then free after the item's

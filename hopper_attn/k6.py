@@ -39,6 +39,7 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
 * Logit softcapping (`softcap`, a compile-time cap; docs/softcap.md): the raw scores through
   tanh(s scale / cap) before the mask, then the same softmax in units of cap log2(e); where
   measured (bf16, d 128 / 256, cap <= 69) against a fixed 0, without row maxima.
+* v narrower than q and k (`head_dim_v`, POLICY's (d, dv) rows; docs/head-dim-v.md): k5's.
 
 Where the kernel launches: k5's `__call__`; k6 replaces the consumer loop (`mainloop`) and
 overrides k5's hooks for the schedule and an item's end.
@@ -68,7 +69,7 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.contract import (LOG2_E, KernelSpec, check_whole_kv_tiles,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, smem_bytes,
-                                        smem_tile_layout)
+                                        smem_tile_layout, wg_major_o_buffer)
 from hopper_attn.common.masking import TileSchedule
 from hopper_attn.common.scheduler import ItemQueue, TileScheduler, sm_count
 from hopper_attn.common.sinks import SinkLogits, sink_inputs, with_sinks
@@ -88,6 +89,7 @@ SPEC = KernelSpec(
     grid_per_tile=False,        # persistent: any batch x heads
     takes_work_counter=True,    # the dynamic schedule's (causal)
     window=True,                # sliding windows (compiled per window size)
+    head_dim_pairs=((192, 128), (128, 64)),     # v's head dim dv != d (POLICY's (d, dv) rows)
 )
 SINKS_SPEC = with_sinks(SPEC)   # k6:sinks=1 (the sinks an input after out)
 
@@ -215,6 +217,11 @@ POLICY = [
      "longest items first, 32 MiB head groups", H100 + "26_k6_causal_long_d256_peel*.json"),
     (256, True, ALL, dict(D256, spin_waits=True, wg_causal_limit=True),
      "beyond the measured longest-first lengths", H100 + "26_k6_longest_first_*.json"),
+    # (d, dv), v narrower than q and k (docs/head-dim-v.md): d's rows, not tuned, no stream-K
+    *[((192, 128), c, ALL, dict(D192, block_n=128, spin_waits=c), "d = 192's; 128 x 128 tiles"
+       " fit, V 128 wide (209 KiB)", H200 + "28_k6_d192_*lazy_*.json") for c in (False, True)],
+    *[((128, 64), c, ALL, dict(D128, pv_wait="after7", v_release_last=True), "d = 128's",
+       H100 + "26_k6_pv_wait_after_*.json") for c in (False, True)],
 ]
 
 
@@ -222,15 +229,15 @@ def policy(problem) -> dict:
     """The settings of POLICY's first row for the problem's head dim, mask and query length
     (a sliding window takes the causal rows)."""
     masked = problem.causal or getattr(problem, "windowed", False)
-    seqlen = problem.seqlen
+    seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
     if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0:
         # a window's left side: two limits per row, with which 192-row tiles spill (as the
         # two-compare causal mask did): the 128-row causal row at every length
         seqlen = 0
     for d, causal, lengths, settings, _why, _results in POLICY:
-        if d == problem.head_dim and causal == masked and seqlen in lengths:
+        if d == dims and causal == masked and seqlen in lengths:
             return {**BASE, **settings}
-    raise ValueError(f"k6: no policy row for d = {problem.head_dim}")
+    raise ValueError(f"k6: no policy row for d = {dims}")
 
 
 class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
@@ -245,7 +252,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  fast_divmod: bool = False, stream_k: bool = False, kv_tail: bool = True,
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
-                 trace: bool = False, window_left: int = -1, window_right: int = -1):
+                 trace: bool = False, window_left: int = -1, window_right: int = -1,
+                 head_dim_v: int = 0):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -292,7 +300,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.skip_idle_wgs = bool(skip_idle_wgs)
         # one key limit per row in masked tiles: the 192-row causal tile fits without spills
         self.mask_per_row = bool(mask_per_row)
-        super().__init__(head_dim, causal, block_m, block_n, stages, trace)
+        super().__init__(head_dim, causal, block_m, block_n, stages, trace, head_dim_v)
         self.early_q_release, self.wg_store = early_q_release, wg_store
         self.defer_store_wait = defer_store_wait
         self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=bool(pingpong))
@@ -388,19 +396,20 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     def o_buffer(self, storage, sQ: cute.Tensor, q_layout):
-        """O's own buffer or Q's; with per-warpgroup stores as (rows, slabs): each
-        warpgroup's slab of O's own buffer, or its own rows of Q's (no slabs)."""
+        """O's own buffer or Q's (k5's: dv wide); with per-warpgroup stores as (rows, slabs):
+        each warpgroup's slab of O's own buffer, or its own rows of Q's (no slabs)."""
+        sQ, o_layout = super().o_buffer(storage, sQ, q_layout), self.o_layout(q_layout)
         if self.wg_store:
-            return wg_major_o_buffer(storage, self.dtype, self.warpgroups, self.head_dim) \
+            return wg_major_o_buffer(storage, self.dtype, self.warpgroups, self.head_dim_v) \
                 if self.o_apart_from_q() else (sQ, None)
-        return storage.sO.get_tensor(q_layout.outer, swizzle=q_layout.inner) \
+        return storage.sO.get_tensor(o_layout.outer, swizzle=o_layout.inner) \
             if self.own_o_buffer else sQ
 
     def make_o_store(self, o: cute.Tensor, dtype):
         """The whole tile's TMA store, or with per-warpgroup stores one of 64 rows."""
         rows = 64 if self.wg_store else self.block_m
-        return tma.make_tma_store(o, smem_tile_layout(dtype, rows, self.head_dim), rows,
-                                  self.head_dim)
+        return tma.make_tma_store(o, smem_tile_layout(dtype, rows, self.head_dim_v), rows,
+                                  self.head_dim_v)
 
     @cute.jit
     def q_read(self, loads: tma.SplitKVLoads, q_state):
@@ -464,7 +473,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         barrier.arrive_and_wait()
         if warp % 4 == 0:
             rows = sO_slabs[None, None, wg] if cutlass.const_expr(apart) else \
-                cute.local_tile(sO_rows, (64, self.head_dim), (wg, 0))
+                cute.local_tile(sO_rows, (64, self.head_dim_v), (wg, 0))
             o_store = tma.TmaTiles.partition(tma_o, mO, head, batch, rows)
             o_store.store(m_block * self.warpgroups + wg, wait_read=not apart)
 
@@ -726,18 +735,6 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                 v_state.advance()
         self.trace.end(phase)
         return v_state
-
-
-@cute.jit
-def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
-    """O's own buffer as one (64, d) TMA box per consumer warpgroup: (a (64 x W, d) view for
-    the stmatrix partition, the (64, d, W) slabs), one swizzle (slabs 1024-byte aligned)."""
-    slabs = smem_tile_layout(dtype, 64, head_dim, warpgroups)
-    outer = slabs.outer
-    rows = cute.make_layout(((outer.shape[0], outer.shape[2]), outer.shape[1]),
-                            stride=((outer.stride[0], outer.stride[2]), outer.stride[1]))
-    return (storage.sO.get_tensor(rows, swizzle=slabs.inner),
-            storage.sO.get_tensor(outer, swizzle=slabs.inner))
 
 
 # what a caller may set (`k6:name=value`), over the problem's POLICY row: the user features

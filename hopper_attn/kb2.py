@@ -19,6 +19,7 @@ What changes from kb1:
   P^T instead, the rest after the dS^T stores: `early_dv`, `split_dv`); one barrier;
   dQ = dS K issued, waiting only for dV; dK += dS^T Q issued, waiting only for dQ;
   dQ -> SMEM while dK runs: the tensor core always has the next GEMM queued.
+* v narrower than q and k (`head_dim_v`: (128, 64); docs/head-dim-v.md): V, dO, dV dv wide.
 * GQA / MQA (`gqa`, a variant compiled where k and v have fewer heads than q): one CTA per
   (kv tile, dK head, batch) walks the query tiles of every query head of its group, head
   after head, and stores dK and dV once (kb1: per query head, summed by torch). Too few
@@ -88,6 +89,7 @@ SPEC = KernelSpec(
     summary="kb1 + producer warpgroup, setmaxnreg, Q/dO rings with LSE/D, dQ by bulk reduce-add",
     head_dims=(64, 96, 128, 192),
     dtypes=(torch.bfloat16, torch.float16),
+    head_dim_pairs=((128, 64),),    # v's head dim dv != d: V, dO, dV dv wide
     separate_kv=True,
     window=True,                # sliding windows (compiled per window size), d = 64-128:
     extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed
@@ -106,6 +108,7 @@ class FlashAttentionBackwardKB2:
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  deterministic: bool = False, stmatrix: bool = True, early_dv=None,
+                 head_dim_v: int = 0,
                  dp_first: bool = False, ds_address_per_tile: bool = False,
                  kv_with_first_tile: bool = False, pdl: bool = False, split_dv: int = 0,
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
@@ -133,6 +136,7 @@ class FlashAttentionBackwardKB2:
         self.warpgroups = 2                                 # consumer warpgroups
         self.roles = WarpRoles.create(self.warpgroups)      # 24 / 240 registers
         self.threads = self.roles.threads
+        self.head_dim_v = head_dim_v or head_dim            # V's, dO's and dV's
         # longest_first (causal): head groups whose Q, dO and fp32 dQ (N x d x 8 bytes a head)
         # share `group_mib` MiB of L2, kv tile 0 of every head first (masking.KVTileSchedule)
         self.longest_first = bool(longest_first) and causal
@@ -224,8 +228,10 @@ class FlashAttentionBackwardKB2:
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         self.dtype = mQ.element_type
         tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
-                                     shared_keys=self.shared_keys, packed=self.varlen)
+                                     shared_keys=self.shared_keys, packed=self.varlen,
+                                     head_dim_v=self.head_dim_v)   # (V, dO, dV: dv wide)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
+        v_layout, do_layout = tiles.v_layout, tiles.do_layout
         # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
         row_stride = -(-bm // 32) * 32
         row_layout = cute.make_layout((bm, self.stages), stride=(1, row_stride))
@@ -233,8 +239,9 @@ class FlashAttentionBackwardKB2:
         tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv = tiles.atoms
         tma_lse, lse_tiles = tma.make_tma_row_load(lse2, bm)
         tma_dsum, dsum_tiles = tma.make_tma_row_load(dsum, bm)
-        self.q_bytes = tma.tma_bytes(self.dtype, q_layout) + bm * 4     # + its lse2 (or D) row
-        self.kv_bytes = 2 * tma.tma_bytes(self.dtype, kv_layout)
+        self.q_bytes = tma.tma_bytes(self.dtype, q_layout) + bm * 4     # + its lse2 row
+        self.do_bytes = tma.tma_bytes(self.dtype, do_layout) + bm * 4   # + its D row
+        self.k_bytes, self.v_bytes = (tma.tma_bytes(self.dtype, t) for t in (kv_layout, v_layout))
 
         @cute.struct
         class SharedStorage:
@@ -244,9 +251,9 @@ class FlashAttentionBackwardKB2:
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, row_stride * self.stages], 128]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(kv_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(v_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(do_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
             if cutlass.const_expr(self.shared_keys):    # P^T, by buffer as dS^T
                 sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)],
@@ -298,16 +305,17 @@ class FlashAttentionBackwardKB2:
              m_count) = self.schedule.cta_work(mQ, mK)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout)
+        sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout,
+                                              self.head_dim_v)
         sLSE, sD = storage.sLSE.get_tensor(row_layout), storage.sD.get_tensor(row_layout)
 
         consumer_warps = 4 * self.warpgroups
         kv_pipe = tma.make_tma_ring(storage.kv_barriers.data_ptr(), 1, consumer_warps,
-                                    self.kv_bytes)
+                                    self.k_bytes + self.v_bytes)
         q_pipe = tma.make_tma_ring(storage.q_barriers.data_ptr(), self.stages, consumer_warps,
                                    self.q_bytes)
         do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.stages,
-                                    consumer_warps, self.q_bytes)
+                                    consumer_warps, self.do_bytes)
         tma.barriers_ready()
         loads = (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum)
         dq_staging = storage.sdQ.data_ptr()
@@ -385,7 +393,7 @@ class FlashAttentionBackwardKB2:
             barrier = q_pipe.producer_get_barrier(produce)
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
-                    k_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
+                    k_load.copy_on_armed(n_block, barrier, self.k_bytes)
             head_loads[0].copy(m_block, barrier, produce.index)
             if cutlass.const_expr(self.pdl):
                 if it == 0:
@@ -397,7 +405,7 @@ class FlashAttentionBackwardKB2:
             barrier = do_pipe.producer_get_barrier(produce)
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
-                    v_load.copy_on_armed(n_block, barrier, self.kv_bytes // 2)
+                    v_load.copy_on_armed(n_block, barrier, self.v_bytes)
             head_loads[1].copy(m_block, barrier, produce.index)
             head_loads[3].copy(m_block, barrier, produce.index)
             produce.advance()
@@ -464,10 +472,11 @@ class FlashAttentionBackwardKB2:
         and dV out (`head`: the k/v head; sPt: P^T's SMEM with shared_keys)."""
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
-                                         sdSt, dtype, self.dq_swap_ab, sPt=sPt)  # kb1's GEMMs
+                                         sdSt, dtype, self.dq_swap_ab, sPt=sPt,
+                                         head_dim_v=self.head_dim_v)  # kb1's GEMMs
         st_coords = mmas.st_coords
         acc_dk = mmas.new_dkv_accumulator(bn, d)
-        acc_dv = mmas.new_dkv_accumulator(bn, d)
+        acc_dv = mmas.new_dv_accumulator(bn, self.head_dim_v)
         if cutlass.const_expr(self.stmatrix):
             store_ds = wgmma.stmatrix_store(mmas.mma_sdp, dtype)
             thr_store_ds = store_ds.get_slice(ctidx)
@@ -650,7 +659,7 @@ class FlashAttentionBackwardKB2:
         phase = self.trace.start("epilogue")
         acc_dk.store(acc_dk.load() * softmax_scale)
         epilogue.arrive_and_wait()                          # every WGMMA has read K and V
-        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype)
+        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype, mmas.thr_dv)
         epilogue.arrive_and_wait()
         if warp == 4:                                       # the first consumer warp
             store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)

@@ -260,7 +260,9 @@ def test_plan_call_shape_refusals():
     with pytest.raises(ValueError, match="more queries"):
         plan_call(Module(True), bhnd(1, 4, 32), bhnd(1, 4, 16), bhnd(1, 4, 16), None)
     with pytest.raises(ValueError, match="head_dim"):
-        plan_call(Module(True), bhnd(1, 4, 16), bhnd(1, 4, 16), bhnd(1, 4, 16, 32), None)
+        plan_call(Module(True), bhnd(1, 4, 16), bhnd(1, 4, 16, 32), bhnd(1, 4, 16), None)
+    # v's head dim may differ (MLA); attention() decides which pairs run
+    plan_call(Module(True), bhnd(1, 4, 16, 192), bhnd(1, 4, 16, 192), bhnd(1, 4, 16, 128), None)
     with pytest.raises(ValueError, match="4-D"):
         plan_call(Module(True), torch.zeros(4, 16, 64), bhnd(1, 4, 16), bhnd(1, 4, 16), None)
 

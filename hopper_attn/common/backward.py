@@ -101,7 +101,9 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
         from .varlen_backward import compile_varlen_backward
         return compile_varlen_backward(spec, kernel_factory, problem, options, compile_options)
     spec.check(problem)
-    d, dt = problem.head_dim, problem.dtype
+    d, dv, dt = problem.head_dim, problem.dv, problem.dtype
+    if dv != d:
+        options["head_dim_v"] = dv              # (a kernel argument only where it differs)
     ffi = rt.tvm_ffi_available()
     key = (spec.name, kernel_factory, d, problem.causal, dt, tuple(sorted(options.items())),
            compile_options, ffi)
@@ -115,10 +117,11 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     if getattr(kernel, "gqa", False):          # kb2's GQA variant: fewer k/v heads than q's
         h, h_kv = 4, 2
     rows = padded_rows(n, kernel.block_m)
-    qkv = [_example((b, n, heads, d), dt) for heads in (h, h_kv, h_kv, h)]  # q, k, v, dO
+    qkv = [_example((b, n, heads, dim), dt)                              # q, k, v, dO
+           for heads, dim in ((h, d), (h_kv, d), (h_kv, dv), (h, dv))]
     stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((b, h, rows, d), torch.float32)
-    dkv = [_example((b, n, h_kv, d), dt) for _ in range(2)]
+    dkv = [_example((b, n, h_kv, dim), dt) for dim in (d, dv)]
     # one int32 per (batch, head, query tile), zeroed by the preprocess: the turn counters
     # of kb2's deterministic mode (kb1 and kb2's default mode do not read them)
     counters = _example((b, h, rows // kernel.block_m), torch.int32)
@@ -126,12 +129,12 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pdl = bool(getattr(kernel, "pdl", False))     # programmatic dependent launches (kb2)
-    pre_key = ("preprocess", d, dt, kernel.block_m, ffi, pdl)
+    pre_key = ("preprocess", d, dt, kernel.block_m, ffi, pdl) + ((dv,) if dv != d else ())
     if pre_key not in _COMPILED:
         lse = _example((b, h, n), torch.float32)
-        _COMPILED[pre_key] = rt.compile_with_tensors(BackwardPreprocess(d, kernel.block_m, pdl),
-                                                     qkv[0], qkv[3], lse, *stats, dq_accum,
-                                                     counters, tvm_ffi=ffi)
+        _COMPILED[pre_key] = rt.compile_with_tensors(
+            BackwardPreprocess(dv, kernel.block_m, pdl, d), qkv[0 if dv == d else 3], qkv[3],
+            lse, *stats, dq_accum, counters, tvm_ffi=ffi)
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
     swap_ab = getattr(kernel, "dq_swap_ab", False)
@@ -156,8 +159,7 @@ def check_backward_tensors(problem: Problem, q, k, v, o, do, lse, dq, dk, dv) ->
     kernels move them with TMA through runtime strides, the pre- and post-processing index
     them through their strides."""
     check_tensors(problem, q, k, v, o, strided=True)
-    check_tensors(problem, do, k, v, dq, strided=True)
-    check_tensors(problem, q, dk, dv, q, strided=True)
+    check_tensors(problem, dq, dk, dv, do, strided=True)     # (do: out's shape, dv wide)
     want = (problem.batch, problem.heads, problem.seqlen)
     if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 \
             or tuple(lse.shape) != want or not lse.is_contiguous() or lse.device != q.device:
@@ -189,9 +191,8 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
             handle.kernel, "gqa", False) else p.heads)
     group = dkv_heads // p.kv_heads
     if group > 1:
-        dk_out = torch.empty((p.batch, p.kv_seqlen, dkv_heads, p.head_dim), dtype=q.dtype,
-                             device=dev)
-        dv_out = torch.empty_like(dk_out)
+        dk_out, dv_out = (torch.empty((p.batch, p.kv_seqlen, dkv_heads, dim), dtype=q.dtype,
+                                      device=dev) for dim in (p.head_dim, p.dv))
     else:
         dk_out, dv_out = dk, dv
     counters = torch.empty((p.batch, p.heads, rows // handle.block_m), dtype=torch.int32,
@@ -212,10 +213,10 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
                     t(dv_out), *[t(x) for x in sems], scale * LOG2_E, scale, stream)
         handle.postprocess(t(dq_accum), t(dq), t(counters), scale, float(kv_tiles), stream)
     if group > 1:
-        shape = (p.batch, p.kv_seqlen, p.kv_heads, group, p.head_dim)
+        shape = (p.batch, p.kv_seqlen, p.kv_heads, group)
         # one reduction kernel each, fp32 accumulation, written into dk / dv's own layout
-        torch.sum(dk_out.view(shape), 3, out=dk)
-        torch.sum(dv_out.view(shape), 3, out=dv)
+        torch.sum(dk_out.view(*shape, p.head_dim), 3, out=dk)
+        torch.sum(dv_out.view(*shape, p.dv), 3, out=dv)
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,54 +255,71 @@ class BackwardTiles:
     heads: object
     batch: object
     dkv_layout: object = None
+    do_layout: object = None     # (block_m, dv, stage) and (block_n, dv) where v's head dim
+    v_layout: object = None      # dv is not d (else q_layout and kv_layout)
 
     @staticmethod
     def create(mQ, mK, mV, mdO, mdK, mdV, block_m: int, block_n: int, head_dim: int,
                stages: int, dkv_cols: int = 0, shared_keys: bool = False,
-               packed: bool = False) -> "BackwardTiles":
+               packed: bool = False, head_dim_v: int = 0) -> "BackwardTiles":
         """`shared_keys` (kb2): dK and dV split by columns between two warpgroups, so Q^T and
         dO^T are read MN-major in d / 2 columns (dQ always reads K^T in d / 2). `packed`:
         (1, total, H, d) tensors of a packed batch, moved through common/varlen's ragged TMA
-        views (seqlen_k: k's token count)."""
+        views (seqlen_k: k's token count). `head_dim_v`: V, dO and dV dv wide (0: d)."""
         q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         extents = (k.shape[0], q.shape[2], q.shape[3])
         if packed:
             from .varlen import ragged
             q, k, v, do, dk, dv = [ragged(t) for t in (q, k, v, do, dk, dv)]
         bm, bn, d, dtype = block_m, block_n, head_dim, mQ.element_type
-        cols = dkv_cols or d
+        cols, vd = dkv_cols or d, head_dim_v or d        # vd: V's, dO's and dV's head dim
         q_layout = smem_tile_layout(dtype, bm, d, stages, swizzle_atom_cols(
             d, d // 2 if shared_keys else d))
         kv_layout = smem_tile_layout(dtype, bn, d, atom_cols=swizzle_atom_cols(d, d // 2))
         dkv_layout = kv_layout if cols == d else smem_tile_layout(dtype, bn, cols)
         ds_layout = smem_tile_layout(dtype, bn, bm, 2)
-        copies = [tma.make_tma_load(q, q_layout, bm, d), tma.make_tma_load(do, q_layout, bm, d),
-                  tma.make_tma_load(k, kv_layout, bn, d), tma.make_tma_load(v, kv_layout, bn, d),
+        do_layout, v_layout, dv_layout, dv_cols = q_layout, kv_layout, dkv_layout, cols
+        if vd != d:                                 # V, dO and dV dv wide
+            do_layout = smem_tile_layout(dtype, bm, vd, stages)
+            v_layout = dv_layout = smem_tile_layout(dtype, bn, vd)
+            dv_cols = vd
+        copies = [tma.make_tma_load(q, q_layout, bm, d), tma.make_tma_load(do, do_layout, bm, vd),
+                  tma.make_tma_load(k, kv_layout, bn, d), tma.make_tma_load(v, v_layout, bn, vd),
                   tma.make_tma_store(dk, dkv_layout, bn, cols),
-                  tma.make_tma_store(dv, dkv_layout, bn, cols)]
+                  tma.make_tma_store(dv, dv_layout, bn, dv_cols)]
         return BackwardTiles(q_layout, kv_layout, ds_layout, tuple(c[0] for c in copies),
-                             tuple(c[1] for c in copies), *extents, dkv_layout)
+                             tuple(c[1] for c in copies), *extents, dkv_layout, do_layout,
+                             v_layout)
 
 
-def backward_smem(storage, q_layout, kv_layout, ds_layout):
+def backward_smem(storage, q_layout, kv_layout, ds_layout, head_dim_v: int = 0):
     """The swizzled SMEM tensors of a backward CTA's SharedStorage (fields sK, sV, sQ, sdO,
-    sdS): K and V (block_n, d); Q and dO (block_m, d, stage); dS^T (block_n, block_m, 2)."""
+    sdS): K and V (block_n, d); Q and dO (block_m, d, stage); dS^T (block_n, block_m, 2);
+    with `head_dim_v` (not d) V and dO dv wide."""
     sK, sV = (buf.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
               for buf in (storage.sK, storage.sV))
     sQ, sdO = (buf.get_tensor(q_layout.outer, swizzle=q_layout.inner)
                for buf in (storage.sQ, storage.sdO))
     sdSt = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
+    # (a row of d = 192 is ((64, 3)) in a 128-byte-swizzled layout: compare sizes)
+    if cutlass.const_expr(head_dim_v and head_dim_v != cute.size(sK, mode=[1])):
+        dtype, (bm, _, stages) = sQ.element_type, sQ.shape
+        v_layout = smem_tile_layout(dtype, sK.shape[0], head_dim_v)
+        do_layout = smem_tile_layout(dtype, bm, head_dim_v, stages)
+        sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
     return sK, sV, sQ, sdO, sdSt
 
 
 def stage_dkv(thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor,
-              sV: cute.Tensor, dtype):
+              sV: cute.Tensor, dtype, thr_dv=None):
     """dK and dV (already scaled) -> dtype -> K's and V's SMEM buffers, fenced for the TMA
-    unit. The caller has made sure no WGMMA still reads K or V."""
-    for acc, smem in ((acc_dk, sK), (acc_dv, sV)):
+    unit (`thr_dv`: dV's partition where it is narrower than dK's). The caller has made sure
+    no WGMMA still reads K or V."""
+    for acc, smem, thr in ((acc_dk, sK, thr_dkv), (acc_dv, sV, thr_dv or thr_dkv)):
         out = cute.make_rmem_tensor_like(acc, dtype)
         out.store(acc.load().to(dtype))
-        cute.autovec_copy(out, thr_dkv.partition_C(smem))
+        cute.autovec_copy(out, thr.partition_C(smem))
     cute.arch.fence_proxy("async.shared", space="cta")       # visible to the TMA unit
 
 
@@ -355,7 +373,9 @@ class BackwardPreprocess:
     any store: 69.6 instead of 74.0 us at B8 H16 N2048 d128 on an H200, FA4's 68.9
     (results/h200/2026-11-26_kernel_split_preprocess_2k.json)."""
 
-    def __init__(self, head_dim: int, rows_per_cta: int, pdl: bool = False):
+    def __init__(self, head_dim: int, rows_per_cta: int, pdl: bool = False,
+                 dq_head_dim: int = 0):
+        self.dq_head_dim = dq_head_dim or head_dim     # dQ's, where O's (dv) is not q's
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
         self.padded = self.lanes * CHUNK != head_dim
@@ -396,7 +416,7 @@ class BackwardPreprocess:
             cute.autovec_copy(_chunk(do, row, col0, head, batch), do_rows[None, p])
             lse_rows[p] = mLSE[batch, head, row]
         # zero this tile's rows x d floats of the dQ buffer (contiguous in either order)
-        block = self.rows * self.head_dim
+        block = self.rows * self.dq_head_dim
         base = mdQacc[batch, head, None, None].iterator + m_block * block
         zeros = cute.make_rmem_tensor((4,), Float32)
         zeros.fill(0.0)

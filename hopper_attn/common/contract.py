@@ -56,6 +56,9 @@ class Problem:
     # window_right stays -1. (-1, -1): no window
     window_left: int = -1
     window_right: int = -1
+    # v's (and the output's) head dim when it is not q's and k's (0: head_dim), e.g.
+    # DeepSeek's MLA (192, 128)
+    head_dim_v: int = 0
 
     def __post_init__(self):
         for field in ("batch", "heads", "seqlen", "head_dim"):
@@ -64,7 +67,7 @@ class Problem:
                 raise ValueError(f"{field} must be an int, got {value!r}")
             if value < 1:
                 raise ValueError(f"{field} must be >= 1, got {value}")
-        for field in ("heads_kv", "seqlen_k"):
+        for field in ("heads_kv", "seqlen_k", "head_dim_v"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field} must be an int >= 1 (or 0: as q), got {value!r}")
@@ -93,8 +96,9 @@ class Problem:
 
     @classmethod
     def from_tensor(cls, q: torch.Tensor, causal: bool = False,
-                    k: Optional[torch.Tensor] = None, window_size=(-1, -1)) -> "Problem":
-        for name, t in (("q", q), ("k", k)):
+                    k: Optional[torch.Tensor] = None, window_size=(-1, -1),
+                    v: Optional[torch.Tensor] = None) -> "Problem":
+        for name, t in (("q", q), ("k", k), ("v", v)):
             if t is not None and t.dim() != 4:
                 raise ValueError(f"{name} must be 4-D (batch, seqlen, heads, head_dim), "
                                  f"got shape {tuple(t.shape)}")
@@ -104,10 +108,12 @@ class Problem:
             raise ValueError(f"k must have at least one key and one head, got shape "
                              f"{tuple(k.shape)}")
         left, right = normalize_window(window_size, causal)
+        dv = 0 if v is None or v.shape[3] == d else v.shape[3]
         if k is None or (k.shape[1] == n and k.shape[2] == h):
-            return cls(b, h, n, d, bool(causal), q.dtype, window_left=left, window_right=right)
+            return cls(b, h, n, d, bool(causal), q.dtype, window_left=left, window_right=right,
+                       head_dim_v=dv)
         return cls(b, h, n, d, bool(causal), q.dtype, heads_kv=k.shape[2], seqlen_k=k.shape[1],
-                   window_left=left, window_right=right)
+                   window_left=left, window_right=right, head_dim_v=dv)
 
     @property
     def kv_heads(self) -> int:
@@ -116,6 +122,16 @@ class Problem:
     @property
     def kv_seqlen(self) -> int:
         return self.seqlen_k or self.seqlen
+
+    @property
+    def dv(self) -> int:
+        """v's and the output's head dim."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def head_dims(self):
+        """head_dim, or (head_dim, dv) where v's differs (k6's POLICY keys)."""
+        return self.head_dim if self.dv == self.head_dim else (self.head_dim, self.dv)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -128,10 +144,21 @@ class Problem:
         return (self.batch, self.kv_seqlen, self.kv_heads, self.head_dim)
 
     @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        """v's torch shape: k's with head dim dv."""
+        return (*self.kv_shape[:3], self.dv)
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """The output's torch shape: q's with head dim dv."""
+        return (*self.shape[:3], self.dv)
+
+    @property
     def flops(self) -> float:
         """4*B*H*N^2*d for the two GEMMs (N^2: query-key pairs); half of that with a causal
         mask on a square problem. With seqlen_k != seqlen_q: 4*B*H*d times the number of
-        visible pairs (the causal mask aligned bottom-right)."""
+        visible pairs (the causal mask aligned bottom-right). With dv != d, 2*(d + dv)
+        in place of 4*d."""
         nq, nk = self.seqlen, self.kv_seqlen
         if self.windowed:          # query i sees keys max(0, r - left) .. min(nk - 1, r + right)
             left, right = self.window
@@ -144,7 +171,7 @@ class Problem:
             pairs = nq * nq / 2
         else:                      # query i sees min(nk, max(0, i + nk - nq + 1)) keys
             pairs = sum(min(nk, max(0, i + nk - nq + 1)) for i in range(nq))
-        return 4.0 * self.batch * self.heads * pairs * self.head_dim
+        return 2.0 * self.batch * self.heads * pairs * (self.head_dim + self.dv)
 
     @property
     def softmax_scale(self) -> float:
@@ -159,7 +186,8 @@ class Problem:
         if self.heads_kv or self.seqlen_k:
             kv = f" (k/v: H={self.kv_heads} N={self.kv_seqlen})"
         window = f" window={self.window}" if self.windowed else ""
-        return (f"B={self.batch} H={self.heads} N={self.seqlen} d={self.head_dim} "
+        dv = f" dv={self.dv}" if self.head_dim_v else ""
+        return (f"B={self.batch} H={self.heads} N={self.seqlen} d={self.head_dim}{dv} "
                 f"{'causal' if self.causal else 'full'}{kv}{window}")
 
     def as_dict(self) -> dict:
@@ -169,6 +197,8 @@ class Problem:
             out.update(heads_kv=self.kv_heads, seqlen_k=self.kv_seqlen)
         if self.windowed:
             out.update(window_left=self.window_left, window_right=self.window_right)
+        if self.head_dim_v:
+            out.update(head_dim_v=self.head_dim_v)
         return out
 
 
@@ -233,6 +263,8 @@ class KernelSpec:
     output_dtype: Optional[torch.dtype] = None
     # a sliding window (Problem.window_left / window_right)
     window: bool = False
+    # (head_dim, head_dim_v) pairs with v's head dim not q's (Problem.head_dim_v)
+    head_dim_pairs: tuple = ()
 
     def unsupported_reason(self, problem: Problem, *, check_memory: bool = True) -> Optional[str]:
         if problem.dtype not in self.dtypes:
@@ -240,6 +272,11 @@ class KernelSpec:
             return f"{self.name} supports dtype {names}, not {problem.dtype_name}"
         if problem.head_dim not in self.head_dims:
             return f"{self.name} supports head_dim in {list(self.head_dims)}, not {problem.head_dim}"
+        if problem.dv != problem.head_dim and \
+                (problem.head_dim, problem.dv) not in self.head_dim_pairs:
+            pairs = ", ".join(map(str, self.head_dim_pairs)) or "none"
+            return (f"{self.name}: v's head dim {problem.dv} differs from q's and k's "
+                    f"{problem.head_dim}; (d, dv) pairs supported: {pairs}")
         if (problem.heads_kv or problem.seqlen_k) and not self.separate_kv:
             return (f"{self.name} needs k and v with q's heads and sequence length "
                     f"(no GQA/MQA or cross-attention)")
@@ -288,13 +325,15 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
         want_dtype = (output_dtype if name == "out" else input_dtype) or problem.dtype
         if t.dtype != want_dtype:
             raise ValueError(f"{name} has dtype {t.dtype}, expected {want_dtype}")
-        want = problem.kv_shape if name in ("k", "v") else problem.shape
+        want = {"q": problem.shape, "k": problem.kv_shape, "v": problem.v_shape,
+                "out": problem.out_shape}[name]
         if name == "v" and v_seq_major:         # packed: seqlen rounded up to 16 (k7)
             want = (want[0], -(-want[1] // 16) * 16, *want[2:])
         if tuple(t.shape) != want:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want} "
                              "(batch, seqlen, heads, head_dim); q and out must match, and k "
-                             "and v must match each other")
+                             "and v must match each other, but for v's head dim (dv), "
+                             "which out has")
     for name, t in zip(names, tensors):          # ... then how and where they are stored
         if name == "v" and v_seq_major:
             unit = 16 // t.element_size()
@@ -408,6 +447,8 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
     """Validate `problem` for `spec`, then compile (or fetch from the cache) its kernel."""
     options = dict(options or {})
     spec.check(problem)
+    if problem.dv != problem.head_dim:
+        options["head_dim_v"] = problem.dv          # (a kernel argument only where it differs)
     rt = _cute()
     key = (spec.name, kernel_factory, problem.head_dim, problem.causal, problem.dtype,
            spec.output_dtype, tuple(sorted(options.items())), compile_options)
@@ -418,7 +459,8 @@ def compile_attention(spec: KernelSpec, kernel_factory: Callable[..., Any], prob
         compiled = rt.compile_for_example(kernel, problem.head_dim, workspace_fn, compile_options,
                                            problem.dtype, spec.takes_work_counter,
                                            spec.input_dtype, spec.extra_inputs,
-                                           spec.v_seq_major, spec.output_dtype)
+                                           spec.v_seq_major, spec.output_dtype,
+                                           head_dim_v=problem.dv)
         seconds = time.perf_counter() - t0
         if use_cache:
             _COMPILED[key] = (compiled, kernel)

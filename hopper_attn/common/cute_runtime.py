@@ -52,15 +52,19 @@ def current_stream():
 
 def example_tensors(head_dim: int, workspace_fn=None, dtype=torch.bfloat16,
                     work_counter: bool = False, input_dtype=None, extra_fn=None,
-                    output_dtype=None):
+                    output_dtype=None, head_dim_v: int = 0):
     """Small tensors (on the GPU when there is one, else on the CPU) to compile against:
     q, k, v (in `input_dtype` if given), out (in `output_dtype` if given), the extra inputs,
-    the workspace, the counter."""
+    the workspace, the counter; v and out with head dim `head_dim_v` (0: head_dim)."""
     from .contract import Problem, work_counter as counter_of
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     shape = (_EXAMPLE_BATCH, _EXAMPLE_SEQLEN, _EXAMPLE_HEADS, head_dim)
     tensors = [torch.empty(shape, dtype=input_dtype or dtype, device=device) for _ in range(3)]
     tensors.append(torch.empty(shape, dtype=output_dtype or dtype, device=device))
+    if head_dim_v and head_dim_v != head_dim:
+        for i in (2, 3):
+            tensors[i] = torch.empty((*shape[:3], head_dim_v), dtype=tensors[i].dtype,
+                                     device=device)
     problem = Problem(_EXAMPLE_BATCH, _EXAMPLE_HEADS, _EXAMPLE_SEQLEN, head_dim, dtype=dtype)
     if extra_fn is not None:
         tensors += extra_fn(problem, device)
@@ -73,12 +77,13 @@ def example_tensors(head_dim: int, workspace_fn=None, dtype=torch.bfloat16,
 
 def compile_for_example(kernel, head_dim: int, workspace_fn=None, compile_options: str = "",
                         dtype=torch.bfloat16, work_counter: bool = False, input_dtype=None,
-                        extra_fn=None, v_seq_major: bool = False, output_dtype=None):
+                        extra_fn=None, v_seq_major: bool = False, output_dtype=None,
+                        head_dim_v: int = 0):
     """cute.compile `kernel` (a @cute.jit callable object) against example tensors of
     `dtype` (kernels that take it from their tensors compile one version per dtype;
     `v_seq_major`: v stored with the sequence dim contiguous)."""
     tensors = example_tensors(head_dim, workspace_fn, dtype, work_counter, input_dtype,
-                              extra_fn, output_dtype)
+                              extra_fn, output_dtype, head_dim_v)
     if v_seq_major:
         b, n, h, d = tensors[2].shape
         tensors[2] = torch.empty((b, h, d, n), dtype=tensors[2].dtype,

@@ -11,6 +11,7 @@ Nothing here moves data: every function returns a new *view* (same memory, anoth
 * ``acc_rows_cols``: a WGMMA accumulator fragment seen as a (rows, cols) matrix per thread.
 * ``acc_as_operand_a``: the same registers seen as the A operand of a following WGMMA.
 * ``transposed``: the first two modes swapped (V (kv, d) read as (d, kv) for P @ V).
+* ``wg_major_o_buffer``: k6's and k7's own O buffer as one (64, d) slab per warpgroup.
 """
 
 from __future__ import annotations
@@ -136,3 +137,14 @@ def operand_a_as_acc(frag: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
         raise ValueError("operand_a_as_acc needs one MMA tile along M per warpgroup")
     return cute.make_tensor(frag.iterator, acc.layout)
 
+
+@cute.jit
+def wg_major_o_buffer(storage, dtype, warpgroups: int, head_dim: int):
+    """O's own buffer as one (64, d) TMA box per consumer warpgroup: (a (64 x W, d) view for
+    the stmatrix partition, the (64, d, W) slabs), one swizzle (slabs 1024-byte aligned)."""
+    slabs = smem_tile_layout(dtype, 64, head_dim, warpgroups)
+    outer = slabs.outer
+    rows = cute.make_layout(((outer.shape[0], outer.shape[2]), outer.shape[1]),
+                            stride=((outer.stride[0], outer.stride[2]), outer.stride[1]))
+    return (storage.sO.get_tensor(rows, swizzle=slabs.inner),
+            storage.sO.get_tensor(outer, swizzle=slabs.inner))

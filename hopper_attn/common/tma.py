@@ -107,18 +107,20 @@ def store_read_wait():
 
 
 def make_qkv_loads(q, k, v, q_layout, kv_layout, block_m: int, block_n: int, head_dim: int,
-                   v_layout=None):
+                   v_layout=None, head_dim_v: int = 0):
     """Host side, for the attention kernels: TMA atoms and TMA tensors for Q (one block_m x d
     tile) and K, V (block_n x d ring stages), and the bytes each Q load / K+V stage brings.
     `v_layout`: V's SMEM stage as a (block_n, d) view when it is not K's (k7 with V given
-    transposed: the (kv, d) view of a V^T stage)."""
+    transposed: the (kv, d) view of a V^T stage; k5-k6 with v's own head dim `head_dim_v`:
+    (block_n, dv))."""
+    v_layout = kv_layout if v_layout is None else v_layout
     tma_q = make_tma_load(q, q_layout, block_m, head_dim)
     tma_k = make_tma_load(k, kv_layout, block_n, head_dim)
-    tma_v = make_tma_load(v, kv_layout if v_layout is None else v_layout, block_n, head_dim)
+    tma_v = make_tma_load(v, v_layout, block_n, head_dim_v or head_dim)
     atoms = (tma_q[0], tma_k[0], tma_v[0])
     tensors = (tma_q[1], tma_k[1], tma_v[1])
     q_bytes = tma_bytes(q.element_type, q_layout)
-    kv_bytes = 2 * tma_bytes(k.element_type, kv_layout)
+    kv_bytes = tma_bytes(k.element_type, kv_layout) + tma_bytes(v.element_type, v_layout)
     return atoms, tensors, q_bytes, kv_bytes
 
 
@@ -342,13 +344,15 @@ class SplitKVLoads:
     @staticmethod
     def create(storage, consumer_warps: int, stages: int, q_bytes: int, tile_bytes: int,
                atoms, tensors, smem, spin_waits: bool = False,
-               elect_release: bool = True) -> "SplitKVLoads":
+               elect_release: bool = True, v_tile_bytes: int = 0) -> "SplitKVLoads":
         """`storage` has `q_barriers` (2), `k_barriers` and `v_barriers` (2 * stages each).
         Call `barriers_ready()` before the barriers are used. `spin_waits`: every wait of
-        the rings spins (`wait_full`, `acquire_empty`)."""
+        the rings spins (`wait_full`, `acquire_empty`). `v_tile_bytes`: a V tile's bytes
+        where they are not a K tile's (v's own head dim; 0: tile_bytes)."""
         q_pipe = make_tma_ring(storage.q_barriers.data_ptr(), 1, consumer_warps, q_bytes)
         k_pipe = make_tma_ring(storage.k_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
-        v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages, consumer_warps, tile_bytes)
+        v_pipe = make_tma_ring(storage.v_barriers.data_ptr(), stages, consumer_warps,
+                               v_tile_bytes or tile_bytes)
         return SplitKVLoads(q_pipe, k_pipe, v_pipe, tuple(atoms), tuple(tensors), tuple(smem),
                             spin_waits=bool(spin_waits), elect_release=bool(elect_release))
 

@@ -139,10 +139,12 @@ class AttentionMmas:
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sQ: cute.Tensor, sK: cute.Tensor, sVt: cute.Tensor,
                dtype=BFloat16, uniform: bool = True,
-               vt_k_major: bool = False, s_dtype=Float32) -> "AttentionMmas":
-        """`s_dtype`: S's accumulator type."""
+               vt_k_major: bool = False, s_dtype=Float32,
+               head_dim_v: int = 0) -> "AttentionMmas":
+        """`s_dtype`: S's accumulator type; `head_dim_v`: V's and O's head dim, the PV
+        GEMM's N (0: head_dim)."""
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype, s_dtype)
-        mma_pv = pv_mma(warpgroups, head_dim, dtype, vt_k_major)
+        mma_pv = pv_mma(warpgroups, head_dim_v or head_dim, dtype, vt_k_major)
         wg_qk = warpgroup_slice(mma_qk, tidx, uniform)
         wg_pv = warpgroup_slice(mma_pv, tidx, uniform)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
@@ -207,6 +209,8 @@ class BackwardMmas:
     ds_frag: cute.Tensor
     kt_frag: cute.Tensor
     st_coords: cute.Tensor
+    mma_dv: cute.TiledMma = None    # dV += P^T dO where dV is narrower than dK (dv != d;
+    thr_dv: object = None           # else mma_dkv and thr_dkv)
     dq_swap_ab: bool = False
     shared_keys: bool = False
 
@@ -214,10 +218,11 @@ class BackwardMmas:
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
                sdSt: cute.Tensor, dtype=BFloat16, dq_swap_ab: bool = False,
-               columns=None, sPt=None) -> "BackwardMmas":
+               columns=None, sPt=None, head_dim_v: int = 0) -> "BackwardMmas":
         """`columns`: (head_dim part, sK, sQ, sdO views of that part's columns) when this
         CTA computes dK, dV and dQ for part of d only (S^T and dP^T still contract over all
-        of it); None: all of d."""
+        of it); None: all of d. `head_dim_v`: V's, dO's and dV's head dim (0: head_dim;
+        dP^T = V dO^T then contracts over it)."""
         bm, bn = block_m, block_n
         d_out, sK_out, sQ_out, sdO_out = columns or (head_dim, sK, sQ, sdO)
         # shared_keys (see above): 64 keys x (queries, columns) split between warpgroups
@@ -228,6 +233,10 @@ class BackwardMmas:
                            cute.nvgpu.OperandMajorMode.MN, dtype) if shared_keys \
             else pv_mma(warpgroups, d_out, dtype)
         wg_dkv, thr_dkv = warpgroup_slice(mma_dkv, tidx), mma_dkv.get_slice(tidx)
+        mma_dv, wg_dv, thr_dv = mma_dkv, wg_dkv, thr_dkv
+        if head_dim_v and head_dim_v != head_dim:
+            mma_dv = pv_mma(warpgroups, head_dim_v, dtype)
+            wg_dv, thr_dv = warpgroup_slice(mma_dv, tidx), mma_dv.get_slice(tidx)
         mma_dq = dq_mma(d_out, dtype, dq_swap_ab, bm)
         wg_dq, thr_dq = warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
         if dq_swap_ab:          # dQ^T = K^T dS^T: K^T is A (d x keys), dS^T is B (queries x keys)
@@ -242,7 +251,7 @@ class BackwardMmas:
             v_frag=wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)),
             q_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
             do_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
-            dot_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO_out))),
+            dot_frag=wg_dv.make_fragment_B(wg_dv.partition_B(transposed(sdO_out))),
             qt_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ_out))),
             pt_frag=wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt) if shared_keys
                                            else wg_dkv.partition_shape_A((bn, bm))),
@@ -250,13 +259,14 @@ class BackwardMmas:
                                             else wg_dkv.partition_shape_A((bn, bm))),
             ds_frag=ds_frag, kt_frag=kt_frag,
             st_coords=acc_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((bn, bm)))),
-            dq_swap_ab=dq_swap_ab, shared_keys=shared_keys)
+            dq_swap_ab=dq_swap_ab, shared_keys=shared_keys, mma_dv=mma_dv,
+            thr_dv=thr_dv)
 
     def issue_dv(self, acc_dv: cute.Tensor, stage, k_blocks: tuple, buf=0):
         """dV += P^T dO over P^T's K blocks (16 queries each) first .. end - 1 (`k_blocks`),
         one WGMMA batch: all of them at once, or in the two parts of kb2's `split_dv`;
         dO from Q / dO ring stage `stage`, P^T (shared_keys) from SMEM buffer `buf`."""
-        gemm(self.mma_dkv, acc_dv, self.dkv_operand_a(self.pt_frag, buf),
+        gemm(self.mma_dv, acc_dv, self.dkv_operand_a(self.pt_frag, buf),
              self.dot_frag[None, None, None, stage], zero_init=False, k_blocks=k_blocks)
 
     def dkv_operand_a(self, frag: cute.Tensor, buf) -> cute.Tensor:
@@ -273,6 +283,13 @@ class BackwardMmas:
     def new_dkv_accumulator(self, block_n: int, head_dim: int) -> cute.Tensor:
         """dK or dV (fp32, per thread), zeroed."""
         acc = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((block_n, head_dim)), Float32)
+        acc.fill(0.0)
+        return acc
+
+    def new_dv_accumulator(self, block_n: int, head_dim_v: int) -> cute.Tensor:
+        """dV (fp32, per thread), zeroed: dK's where dv = d."""
+        acc = cute.make_rmem_tensor(self.thr_dv.partition_shape_C((block_n, head_dim_v)),
+                                    Float32)
         acc.fill(0.0)
         return acc
 

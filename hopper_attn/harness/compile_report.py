@@ -24,11 +24,12 @@ SPILLS_AS_ERRORS = "--ptxas-options='--warn-on-spills --warning-as-error'"
 
 def compile_artifacts(entry, head_dim: int, causal: bool, dtype=torch.bfloat16,
                       seqlen: int = 128, heads: int = 2, heads_kv: int = 0,
-                      window: tuple = (-1, -1)) -> dict:
+                      window: tuple = (-1, -1), head_dim_v: int = 0) -> dict:
     """Fresh compile (no cache) with PTX and cubin kept in memory (k6's defaults depend on
-    the length: `seqlen` picks which; kb2's on whether k/v have fewer heads: `heads_kv`)."""
+    the length: `seqlen` picks which; kb2's on whether k/v have fewer heads: `heads_kv`;
+    `head_dim_v`: v's head dim where it is not head_dim)."""
     problem = Problem(2, heads, seqlen, head_dim, causal, dtype, heads_kv=heads_kv,
-                      window_left=window[0], window_right=window[1])
+                      window_left=window[0], window_right=window[1], head_dim_v=head_dim_v)
     with tempfile.TemporaryDirectory() as dump:
         opts = f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"
         t0 = time.perf_counter()

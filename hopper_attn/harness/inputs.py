@@ -60,9 +60,9 @@ def make_inputs(problem: Problem, seed: int, scale: float = 1.0, device: str = "
     """
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    shape = problem.shape
+    shapes = (problem.shape, problem.kv_shape, problem.v_shape, problem.out_shape)
     buffers, tensors = [], []
-    for i in range(4):
+    for i, shape in enumerate(shapes):
         buffer, view = guarded_empty(shape, problem.dtype, device)
         if i < 3:
             view.copy_(torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale)

@@ -19,7 +19,8 @@ _CHUNK_ELEMENTS = 1 << 27     # fp32 scores per chunk (512 MiB)
 
 @torch.no_grad()
 def reference_attention(q, k, v, causal: bool, fp8_probs: bool = False) -> torch.Tensor:
-    """fp32 softmax(q k^T / sqrt(d)) v for (B, N, H, d) tensors; returns fp32 (B, N, H, d).
+    """fp32 softmax(q k^T / sqrt(d)) v for (B, N, H, d) tensors (v may be (B, N, H, dv));
+    returns fp32 (B, N, H, dv).
 
     `fp8_probs`: emulate an FP8 kernel's P V instead (the yardstick for k7's error): the
     unnormalized probabilities, scaled to a row maximum of 256 as k7 does, rounded to e4m3
@@ -29,7 +30,7 @@ def reference_attention(q, k, v, causal: bool, fp8_probs: bool = False) -> torch
     old_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.empty((*q.shape[:3], v.shape[3]), dtype=torch.float32, device=q.device)
         chunk = max(1, min(n, _CHUNK_ELEMENTS // max(1, h * n)))
         cols = torch.arange(n, device=q.device)
         for b in range(b_):

@@ -16,7 +16,8 @@ incoming gradient do, per (batch, head), with scale = softmax_scale:
 nothing; a row that sees no key (lse = -inf) gets P = 0 and dQ = 0. With GQA, the dK and
 dV of a k/v head are the sums over its group of query heads. Queries are processed in
 chunks of rows (as the forward reference does), so dK and dV accumulate across chunks,
-exactly the reduction kb1 does across Q tiles.
+exactly the reduction kb1 does across Q tiles. v (and o, do, dv) may have their own head
+dim dv (MLA-style (192, 128)): D, dV and dP then run over dv.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _pass(q, k, v, o, lse, do, causal, scale, backward):
     group = hq // hk
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     f32 = torch.float32
-    out = torch.empty(q.shape, dtype=f32, device=q.device) if not backward else None
+    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=f32, device=q.device) \
+        if not backward else None
     lse_out = torch.empty((b_, hq, nq), dtype=f32, device=q.device) if not backward else None
     dq = torch.zeros(q.shape, dtype=f32, device=q.device) if backward else None
     dk = torch.zeros(k.shape, dtype=f32, device=q.device) if backward else None
@@ -87,5 +89,5 @@ def _pass(q, k, v, o, lse, do, causal, scale, backward):
             dkb += torch.matmul(ds.transpose(1, 2), qc) * scale
         if backward:            # GQA: a k/v head's gradient sums over its query heads
             dk[b] = dkb.view(hk, group, nk, d).sum(1).transpose(0, 1)
-            dv[b] = dvb.view(hk, group, nk, d).sum(1).transpose(0, 1)
+            dv[b] = dvb.view(hk, group, nk, v.shape[3]).sum(1).transpose(0, 1)
     return out, lse_out, (dq, dk, dv)

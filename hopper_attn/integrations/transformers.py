@@ -12,7 +12,9 @@ the attention with `(module, query, key, value, attention_mask, dropout, scaling
 q, k and v as (batch, heads, seqlen, head_dim) views, k and v with the model's KV heads (no
 repeat); this passes them to `hopper_attn.attention` as (batch, seqlen, heads, head_dim)
 views (for Llama-style projections those are the projections' own layout: no copy) and
-returns the output in that layout, which is what transformers expects.
+returns the output in that layout, which is what transformers expects. v may be narrower
+than q and k where `attention()` runs the pair (DeepSeek's MLA hands it v 128 wide with q
+and k 192: forward; docs/head-dim-v.md).
 
 What runs: causal (decoder) and non-causal (encoder, cross-attention) modules, GQA/MQA read
 in place, the module's `scaling`, and generation with a growing KV cache (`DynamicCache`,
@@ -308,9 +310,9 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             f"{getattr(attention_mask, 'dim', lambda: '?')()}-D mask); its mask function "
             "(registered by hopper_attn.integrations.transformers.register) passes None for "
             "every mask it can run")
-    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
-        raise ValueError(f"hopper_attn needs one head_dim for q, k and v, got "
-                         f"{query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
+    if key.shape[-1] != query.shape[-1]:       # (v's may differ: DeepSeek's MLA, attention())
+        raise ValueError(f"hopper_attn needs one head_dim for q and k, got "
+                         f"{query.shape[-1]}, {key.shape[-1]}")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     causal = bool(is_causal)
