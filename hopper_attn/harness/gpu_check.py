@@ -44,13 +44,15 @@ def write_json(result: dict, name: str, out_dir: str | None = None) -> str:
 
 def run_check(doc: str, json_name: str, correctness, speed, correctness_legend: str,
               speed_legend: str) -> int:
-    """Parse --quick (correctness only) and --out (default $OUT); print the environment;
+    """Parse --quick (correctness only), --speed-only and --out (default $OUT); print the environment;
     run `correctness(log)` (rows, each with "ok") and print the verdict; then, without
     --quick, `speed(log, t0)` (t0: the start, time.time()), whose failure is logged and
     recorded without losing the correctness rows; write it all, with the printed lines, to
     --out/json_name. Returns the exit status: 1 if a case failed."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="correctness only")
+    parser.add_argument("--speed-only", action="store_true",
+                        help="no correctness cases (after a --quick run of the same tree)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     from hopper_attn.harness.env import environment
@@ -59,7 +61,7 @@ def run_check(doc: str, json_name: str, correctness, speed, correctness_legend: 
     log(env_line(env))
     t0 = time.time()
     log(correctness_legend)
-    checks = correctness(log)
+    checks = [] if args.speed_only else correctness(log)
     result = {"env": env, "correctness": checks, "all_pass": all(r["ok"] for r in checks)}
     log(f"correctness: {'ALL PASS' if result['all_pass'] else 'FAILURES'} "
         f"({len(checks)} cases, {time.time() - t0:.0f} s)")
