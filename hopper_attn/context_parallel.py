@@ -220,6 +220,89 @@ def _merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tenso
     lse_acc.copy_(lse)
 
 
+# ---------------------------------------------------------------- packed documents (pure) -
+
+def local_ranges(rank: int, world_size: int, layout: str, local_len: int,
+                 rows: slice) -> list:
+    """The global token ranges [(start, length), ...] that rows `rows` of rank `rank`'s local
+    slice hold, in local order (which is global order: a rank's chunks are increasing)."""
+    per_rank = _chunks_per_rank(layout)
+    chunk = local_len // per_rank
+    ranges = []
+    for a, c in enumerate(rank_chunks(rank, world_size, layout)):
+        lo, hi = max(rows.start, a * chunk), min(rows.stop, (a + 1) * chunk)
+        if lo < hi:
+            ranges.append((c * chunk + lo - a * chunk, hi - lo))
+    return ranges
+
+
+def clip_cu_seqlens(cu_seqlens: torch.Tensor, ranges) -> torch.Tensor:
+    """The documents of a packed sequence (global `cu_seqlens`, D + 1 offsets) restricted to
+    the tokens of `ranges` (increasing, disjoint (start, length)) laid end to end: entry b is
+    how many of those tokens lie before document b's first token, so document b's piece is
+    rows clipped[b] .. clipped[b + 1] - 1 (empty where the document has no token there).
+    Elementwise on cu_seqlens's device, in its dtype: no host sync."""
+    clipped = torch.zeros_like(cu_seqlens)
+    for start, length in ranges:
+        clipped += (cu_seqlens - start).clamp(0, length)
+    return clipped
+
+
+@dataclass(frozen=True)
+class DocumentBlock:
+    """A block of a packed ring as a varlen batch: one sequence per document (empty pieces
+    included), clipped to the block's query rows and key rows; max_seqlen_*: python bounds
+    on the pieces' lengths (the block's rows, or the longest document if smaller)."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+class _RankDocuments:
+    """One rank's `DocumentBlock` per task, built on the device once (forward) and reused
+    (backward). The zigzag schedule's blocks need no more than clipping: off the diagonal
+    every key of a block precedes every query, so a document's piece sees its keys in full
+    (non-causal); on the diagonal (own K/V) the query and key rows are the same tokens, so a
+    document's piece is square and the causal mask, top-left or bottom-right, is the
+    document's own."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: Optional[int], rank: int,
+                 world_size: int, layout: str, local_len: int):
+        self.cu_seqlens, self.max_seqlen = cu_seqlens, max_seqlen
+        self.rank, self.world_size, self.layout = rank, world_size, layout
+        self.local_len = local_len
+        self.blocks: dict = {}
+
+    def block(self, task: BlockTask) -> DocumentBlock:
+        key = (task.kv_rank, task.q_rows.start, task.q_rows.stop, task.kv_rows.start,
+               task.kv_rows.stop)
+        if key not in self.blocks:
+            sides = []
+            for owner, rows in ((self.rank, task.q_rows), (task.kv_rank, task.kv_rows)):
+                ranges = local_ranges(owner, self.world_size, self.layout, self.local_len,
+                                      rows)
+                bound = rows.stop - rows.start
+                if self.max_seqlen is not None:
+                    bound = min(bound, self.max_seqlen)
+                sides.append((clip_cu_seqlens(self.cu_seqlens, ranges), bound))
+            (cu_q, max_q), (cu_k, max_k) = sides
+            self.blocks[key] = DocumentBlock(cu_q, cu_k, max_q, max_k)
+        return self.blocks[key]
+
+
+@dataclass(frozen=True)
+class _Documents:
+    """The packed documents of a ring call, before the rank is known."""
+    cu_seqlens: torch.Tensor
+    max_seqlen: Optional[int]
+
+    def for_rank(self, rank: int, world_size: int, layout: str,
+                 local_len: int) -> _RankDocuments:
+        return _RankDocuments(self.cu_seqlens, self.max_seqlen, rank, world_size, layout,
+                              local_len)
+
+
 # ---------------------------------------------------------------- per-block ops --------
 
 BlockForward = Callable[..., tuple]     # (q, k, v, causal, scale) -> (out, lse fp32 (B,H,N))
@@ -236,6 +319,44 @@ def kernel_block_backward(q, k, v, out, dout, lse, causal: bool, scale: float):
     """One block's (dq, dk, dv) from the backward op, given the final out and LSE."""
     return torch.ops.hopper_attn.attention_backward(q, k, v, out, dout, lse, causal, scale,
                                                     False)
+
+
+# packed documents: (q, k, v (n, H, d), causal, scale, DocumentBlock) -> (out, lse fp32 (H, n))
+VarlenBlockForward = Callable[..., tuple]
+# (q, k, v, out, dout, lse (H, n), causal, scale, DocumentBlock) -> dq, dk, dv
+VarlenBlockBackward = Callable[..., tuple]
+
+
+def kernel_varlen_block_forward(q, k, v, causal: bool, scale: float, block: DocumentBlock):
+    """One block of packed documents on the varlen forward kernel: (out, lse (H, n))."""
+    from hopper_attn.api import attention_varlen
+    return attention_varlen(q, k, v, block.cu_seqlens_q, block.cu_seqlens_k,
+                            block.max_seqlen_q, block.max_seqlen_k, causal=causal,
+                            softmax_scale=scale, return_lse=True)
+
+
+def kernel_varlen_block_backward(q, k, v, out, dout, lse, causal: bool, scale: float,
+                                 block: DocumentBlock):
+    """One block's (dq, dk, dv) from the varlen backward op, given the final out and LSE."""
+    return torch.ops.hopper_attn.attention_varlen_backward(
+        q, k, v, out, dout, lse, block.cu_seqlens_q, block.cu_seqlens_k, block.max_seqlen_q,
+        block.max_seqlen_k, causal, scale, None)
+
+
+def _batch_of_one_forward(varlen_forward: VarlenBlockForward) -> BlockForward:
+    """A packed block op on the programs' (1, n, H, d) views and (1, H, n) LSEs."""
+    def forward(q, k, v, causal, scale, block):
+        out, lse = varlen_forward(q[0], k[0], v[0], causal, scale, block)
+        return out.unsqueeze(0), lse.unsqueeze(0)
+    return forward
+
+
+def _batch_of_one_backward(varlen_backward: VarlenBlockBackward) -> BlockBackward:
+    def backward(q, k, v, out, dout, lse, causal, scale, block):
+        grads = varlen_backward(q[0], k[0], v[0], out[0], dout[0], lse[0], causal, scale,
+                                block)
+        return tuple(g.unsqueeze(0) for g in grads)
+    return backward
 
 
 # ---------------------------------------------------------------- one rank's program ---
@@ -259,8 +380,10 @@ class _Wait:
 
 
 def _forward_program(q, k, v, rank: int, world_size: int, causal: bool, scale: float,
-                     layout: str, block_forward: BlockForward):
-    """One rank's forward: generator of `_Send`/`_Wait`, returns (out in q's dtype, lse)."""
+                     layout: str, block_forward: BlockForward, documents=None):
+    """One rank's forward: generator of `_Send`/`_Wait`, returns (out in q's dtype, lse).
+    documents: a `_RankDocuments` (packed documents; the block ops then take the block's
+    `DocumentBlock` as a last argument) or None."""
     q_len, kv_len = q.shape[1], k.shape[1]
     out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q_len), float("-inf"), dtype=_acc_dtype(q),
@@ -272,8 +395,9 @@ def _forward_program(q, k, v, rank: int, world_size: int, causal: bool, scale: f
         task = block_task(rank, world_size, step, causal, layout, q_len, kv_len)
         if task is not None:
             rows = task.q_rows
+            extra = () if documents is None else (documents.block(task),)
             o, l = block_forward(q[:, rows], kv[0][:, task.kv_rows], kv[1][:, task.kv_rows],
-                                 task.causal, scale)
+                                 task.causal, scale, *extra)
             _merge_into(out[:, rows], lse[:, :, rows], o, l)
         if incoming is not None:
             kv = yield _Wait(incoming)
@@ -281,7 +405,8 @@ def _forward_program(q, k, v, rank: int, world_size: int, causal: bool, scale: f
 
 
 def _backward_program(q, k, v, out, dout, lse, rank: int, world_size: int, causal: bool,
-                      scale: float, layout: str, block_backward: BlockBackward):
+                      scale: float, layout: str, block_backward: BlockBackward,
+                      documents=None):
     """One rank's backward: generator of `_Send`/`_Wait`, returns (dq, dk, dv) in the
     inputs' dtypes. dK/dV of the block held travel with it (fp32); they come home after
     the last step's send."""
@@ -295,9 +420,10 @@ def _backward_program(q, k, v, out, dout, lse, rank: int, world_size: int, causa
         part = None
         if task is not None:
             rows, kv_rows = task.q_rows, task.kv_rows
+            extra = () if documents is None else (documents.block(task),)
             part = block_backward(q[:, rows], kv[0][:, kv_rows], kv[1][:, kv_rows],
                                   out[:, rows], dout[:, rows],
-                                  lse[:, :, rows].contiguous(), task.causal, scale)
+                                  lse[:, :, rows].contiguous(), task.causal, scale, *extra)
             dq[:, rows] += part[0]
         if step == 0:
             dk = torch.zeros(k.shape, dtype=_acc_dtype(k), device=k.device)
@@ -448,13 +574,16 @@ def _check_backward_kernels(q, k, causal: bool) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout, block_forward, block_backward):
+    def forward(ctx, q, k, v, group, causal, scale, layout, block_forward, block_backward,
+                documents):
         ring = _ProcessGroupRing(group)
+        if documents is not None:
+            documents = documents.for_rank(ring.rank, ring.world_size, layout, q.shape[1])
         out, lse = _drive(_forward_program(q, k, v, ring.rank, ring.world_size, causal,
-                                           scale, layout, block_forward), ring)
+                                           scale, layout, block_forward, documents), ring)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.causal, ctx.scale, ctx.layout = ring, causal, scale, layout
-        ctx.block_backward = block_backward
+        ctx.block_backward, ctx.documents = block_backward, documents
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -464,8 +593,9 @@ class _RingAttention(torch.autograd.Function):
         ring = ctx.ring
         dq, dk, dv = _drive(_backward_program(q, k, v, out, dout.contiguous(), lse, ring.rank,
                                               ring.world_size, ctx.causal, ctx.scale,
-                                              ctx.layout, ctx.block_backward), ring)
-        return dq, dk, dv, None, None, None, None, None, None
+                                              ctx.layout, ctx.block_backward,
+                                              ctx.documents), ring)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
@@ -487,7 +617,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
         _check_backward_kernels(q, k, causal)
     out, lse = _RingAttention.apply(q, k, v, group, bool(causal), scale, layout,
                                     block_forward or kernel_block_forward,
-                                    block_backward or kernel_block_backward)
+                                    block_backward or kernel_block_backward, None)
     return (out, lse) if return_lse else out
 
 
@@ -496,16 +626,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=N
 class _SimulatedRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, world_size, causal, scale, layout, block_forward,
-                block_backward):
+                block_backward, documents):
         qs, ks, vs = (split_sequence(t, world_size, layout) for t in (q, k, v))
+        ranks = [None if documents is None else
+                 documents.for_rank(r, world_size, layout, qs[r].shape[1])
+                 for r in range(world_size)]
         results = _drive_lockstep([
             _forward_program(qs[r], ks[r], vs[r], r, world_size, causal, scale, layout,
-                             block_forward) for r in range(world_size)])
+                             block_forward, ranks[r]) for r in range(world_size)])
         out = merge_sequence([o for o, _ in results], layout)
         lse = merge_sequence([l for _, l in results], layout, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.world_size, ctx.causal, ctx.scale, ctx.layout = world_size, causal, scale, layout
-        ctx.block_backward = block_backward
+        ctx.block_backward, ctx.documents = block_backward, ranks
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -517,10 +650,11 @@ class _SimulatedRing(torch.autograd.Function):
         lses = split_sequence(lse, w, layout, dim=2)
         results = _drive_lockstep([
             _backward_program(qs[r], ks[r], vs[r], outs[r], douts[r], lses[r], r, w,
-                              ctx.causal, ctx.scale, layout, ctx.block_backward)
+                              ctx.causal, ctx.scale, layout, ctx.block_backward,
+                              ctx.documents[r])
             for r in range(w)])
         grads = [merge_sequence([g[i] for g in results], layout) for i in range(3)]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size: int,
@@ -546,5 +680,100 @@ def simulate_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, world_size:
         _check_backward_kernels(q, k, causal)
     out, lse = _SimulatedRing.apply(q, k, v, int(world_size), bool(causal), scale, layout,
                                     block_forward or kernel_block_forward,
-                                    block_backward or kernel_block_backward)
+                                    block_backward or kernel_block_backward, None)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------- packed documents -----
+
+def _check_packed(q, k, v, cu_seqlens, max_seqlen, causal: bool, layout: str) -> None:
+    """ValueError for a packed ring's arguments (what is visible without reading device
+    memory); then the dense ring's checks on the (1, n, H, d) views."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (tokens, heads, head_dim) of packed "
+                             "documents")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"packed documents are self-attention: q and k must hold the same "
+                         f"tokens, got {q.shape[0]} and {k.shape[0]} rows")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or \
+            cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.device != q.device:
+        got = (f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)} on {cu_seqlens.device}"
+               if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of documents + 1 >= 2 "
+                         f"offsets on {q.device}, got {got}")
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or
+                                   not isinstance(max_seqlen, int) or max_seqlen < 1):
+        raise ValueError(f"max_seqlen must be None or a python int >= 1, got {max_seqlen!r}")
+    _check_local(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), causal, layout)
+
+
+def _check_varlen_backward_kernels(q, k, causal: bool) -> None:
+    """Before a forward whose result needs gradients: can the varlen backward run a block?"""
+    from hopper_attn.common.varlen_backward import compile_for
+    compile_for(q, k, causal)              # (UnsupportedProblem, a ValueError, if not)
+
+
+def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cu_seqlens: torch.Tensor, max_seqlen: Optional[int] = None, *,
+                          group=None, causal: bool = False,
+                          softmax_scale: Optional[float] = None, layout: str = "zigzag",
+                          return_lse: bool = False,
+                          block_forward: Optional[VarlenBlockForward] = None,
+                          block_backward: Optional[VarlenBlockBackward] = None):
+    """`ring_attention` over packed documents: this rank's slice (N_local, H, d) (in
+    `layout`: `zigzag_shard(x, rank, W, dim=0)`) of ONE packed sequence of N = W x N_local
+    tokens whose documents are `cu_seqlens` (int32 on q's device, D + 1 global offsets, the
+    same on every rank); each token attends to the tokens of its own document only (causal:
+    the earlier ones). k, v: the same tokens (GQA: fewer heads). max_seqlen: a python bound
+    on the longest document (None: each block's rows; it only picks the kernels' tiles).
+    Returns the output rows (N_local, H, d) and, with `return_lse`, their fp32 LSE in
+    varlen's layout (H, N_local). Differentiable.
+
+    Each ring step is one varlen call with every document clipped to the block's query and
+    key rows (`_RankDocuments`); the schedule, merge, transport and backward are the dense
+    ring's. The caller's promise, as `attention_varlen`'s (unchecked, it would need a sync):
+    cu_seqlens starts at 0, never decreases, ends at N, and no document exceeds max_seqlen.
+
+    block_forward / block_backward: packed per-block ops (default: the varlen kernels;
+    signatures `VarlenBlockForward` / `VarlenBlockBackward`)."""
+    _check_packed(q, k, v, cu_seqlens, max_seqlen, causal, layout)
+    scale = _resolve_scale(q, softmax_scale)
+    if block_forward is None and block_backward is None and _needs_grad(q, k, v):
+        _check_varlen_backward_kernels(q, k, causal)
+    out, lse = _RingAttention.apply(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), group, bool(causal), scale, layout,
+        _batch_of_one_forward(block_forward or kernel_varlen_block_forward),
+        _batch_of_one_backward(block_backward or kernel_varlen_block_backward),
+        _Documents(cu_seqlens, max_seqlen))
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def simulate_ring_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens: torch.Tensor, world_size: int, causal: bool = False, *,
+                         max_seqlen: Optional[int] = None,
+                         softmax_scale: Optional[float] = None, layout: str = "zigzag",
+                         return_lse: bool = False,
+                         block_forward: Optional[VarlenBlockForward] = None,
+                         block_backward: Optional[VarlenBlockBackward] = None):
+    """`ring_attention_varlen` of W ranks in one process on the FULL packed sequence
+    (N, H, d) with its documents `cu_seqlens`: split in `layout`, the ranks' programs in
+    lockstep, the outputs (and LSE (H, N)) put back in token order. Differentiable. N must
+    be a multiple of 2W (zigzag) or W (contiguous)."""
+    if not 1 <= int(world_size) <= 64:
+        raise ValueError(f"world_size must be 1 ... 64, got {world_size}")
+    if isinstance(q, torch.Tensor) and q.dim() == 3 and \
+            q.shape[0] % (_chunks_per_rank(layout) * world_size):
+        raise ValueError(f"the packed length {q.shape[0]} must be a multiple of "
+                         f"{_chunks_per_rank(layout) * world_size} (world size {world_size}, "
+                         f"layout {layout!r})")
+    _check_packed(q, k, v, cu_seqlens, max_seqlen, causal, "contiguous")
+    scale = _resolve_scale(q, softmax_scale)
+    if block_forward is None and block_backward is None and _needs_grad(q, k, v):
+        _check_varlen_backward_kernels(q, k, causal)
+    out, lse = _SimulatedRing.apply(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), int(world_size), bool(causal), scale,
+        layout, _batch_of_one_forward(block_forward or kernel_varlen_block_forward),
+        _batch_of_one_backward(block_backward or kernel_varlen_block_backward),
+        _Documents(cu_seqlens, max_seqlen))
+    return (out[0], lse[0]) if return_lse else out[0]

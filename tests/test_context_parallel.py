@@ -13,29 +13,32 @@ from hopper_attn import context_parallel as cp
 
 # ------------------------------------------------------------------ stand-ins -----------
 
-def _scores(q, k, causal, scale):
-    """(B, H, Nq, Nk) scores in q's dtype; GQA by repeating k's heads; causal bottom-right."""
+def _scores(q, k, causal, scale, visible=None):
+    """(B, H, Nq, Nk) scores in q's dtype; GQA by repeating k's heads; causal bottom-right;
+    `visible` (Nq, Nk) bool: a mask of its own instead."""
     k = k.to(q.dtype).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     if causal:
         nq, nk = q.shape[1], k.shape[1]
         hidden = torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1)
         s = s.masked_fill(hidden, float("-inf"))
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
     return s
 
 
-def torch_block_forward(q, k, v, causal, scale):
-    s = _scores(q, k, causal, scale)
+def torch_block_forward(q, k, v, causal, scale, visible=None):
+    s = _scores(q, k, causal, scale, visible)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     vv = v.to(q.dtype).repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhij,bjhd->bihd", p, vv), lse
 
 
-def torch_block_backward(q, k, v, out, dout, lse, causal, scale):
+def torch_block_backward(q, k, v, out, dout, lse, causal, scale, visible=None):
     """The recomputation backward from the FINAL out and LSE (what the kernel op does)."""
     group = q.shape[2] // k.shape[2]
-    s = _scores(q, k, causal, scale)
+    s = _scores(q, k, causal, scale, visible)
     p = torch.exp(s - lse.to(s.dtype)[..., None]).nan_to_num(0.0)         # (B, H, i, j)
     vv = v.to(q.dtype).repeat_interleave(group, dim=2)
     kk = k.to(q.dtype).repeat_interleave(group, dim=2)
@@ -53,10 +56,10 @@ def torch_block_backward(q, k, v, out, dout, lse, causal, scale):
     return dq, fold(dk), fold(dv)
 
 
-def full_attention(q, k, v, causal, scale=None):
+def full_attention(q, k, v, causal, scale=None, visible=None):
     """Differentiable plain attention (autograd gives the reference gradients)."""
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    p = torch.softmax(_scores(q, k, causal, scale), -1)
+    p = torch.softmax(_scores(q, k, causal, scale, visible), -1)
     vv = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
     return torch.einsum("bhij,bjhd->bihd", p, vv)
 
@@ -366,10 +369,157 @@ def test_ring_error_comes_from_the_bf16_partials():
     assert all(r < 3.0 for r in ratio), ratio  # <= 3 half-ulps where one call has one
 
 
+# ------------------------------------------------------------------ packed documents ----
+
+def _piece_mask(block, causal, nq, nk):
+    """(nq, nk) bool: what a varlen call over `block` (a cp.DocumentBlock) lets each query
+    see: its own sequence's keys, causal bottom-right per sequence. Checks the pieces fit
+    the block and max_seqlen bounds them."""
+    cq, ck = block.cu_seqlens_q.tolist(), block.cu_seqlens_k.tolist()
+    assert len(cq) == len(ck) and cq[0] == ck[0] == 0 and (cq[-1], ck[-1]) == (nq, nk)
+    visible = torch.zeros(nq, nk, dtype=torch.bool)
+    for b in range(len(cq) - 1):
+        lq, lk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        assert 0 <= lq <= block.max_seqlen_q and 0 <= lk <= block.max_seqlen_k
+        piece = torch.ones(lq, lk, dtype=torch.bool)
+        visible[cq[b]:cq[b + 1], ck[b]:ck[b + 1]] = piece.tril(lk - lq) if causal else piece
+    return visible
+
+
+def _document_mask(cu_seqlens, n, causal):
+    """(n, n) bool: the whole packed sequence's mask (same document; causal: and earlier)."""
+    doc = torch.bucketize(torch.arange(n), cu_seqlens[1:].long(), right=True)
+    visible = doc[:, None] == doc[None, :]
+    return visible.tril() if causal else visible
+
+
+def _documents(n, seed):
+    """Random documents over n tokens: int32 offsets with an empty document, one of length
+    1 and one long one (crossing several chunks) among them; and the longest length."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randint(1, n, (max(1, n // 6),), generator=gen).tolist()
+    cuts += [cuts[0], min(cuts[0] + 1, n)]                    # empty and length-1 documents
+    cuts = sorted(c for c in cuts if not n // 4 < c < 3 * n // 4)   # one long document
+    cu = torch.tensor([0, *cuts, n], dtype=torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def torch_varlen_block_forward(q, k, v, causal, scale, block):
+    visible = _piece_mask(block, causal, q.shape[0], k.shape[0])
+    out, lse = torch_block_forward(q[None], k[None], v[None], False, scale, visible)
+    return out[0], lse[0]
+
+
+def torch_varlen_block_backward(q, k, v, out, dout, lse, causal, scale, block):
+    visible = _piece_mask(block, causal, q.shape[0], k.shape[0])
+    grads = torch_block_backward(q[None], k[None], v[None], out[None], dout[None], lse[None],
+                                 False, scale, visible)
+    return tuple(g[0] for g in grads)
+
+
+VARLEN_STAND_INS = dict(block_forward=torch_varlen_block_forward,
+                        block_backward=torch_varlen_block_backward)
+
+
+def test_clip_cu_seqlens_small_example():
+    """W = 2 zigzag, 8 tokens in chunks of 2, documents [0, 3) and [3, 8): rank 0 holds tokens
+    0, 1 (chunk 0) and 6, 7 (chunk 3); rank 1 tokens 2, 3 and 4, 5."""
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    assert cp.local_ranges(0, 2, "zigzag", 4, slice(0, 4)) == [(0, 2), (6, 2)]
+    assert cp.local_ranges(1, 2, "zigzag", 4, slice(2, 4)) == [(4, 2)]
+    assert cp.clip_cu_seqlens(cu, [(0, 2), (6, 2)]).tolist() == [0, 2, 4]
+    assert cp.clip_cu_seqlens(cu, [(2, 2), (4, 2)]).tolist() == [0, 1, 4]
+    assert cp.clip_cu_seqlens(cu, [(4, 2)]).tolist() == [0, 0, 2]
+    assert cp.clip_cu_seqlens(cu, [(2, 2), (4, 2)]).dtype == torch.int32
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_blocks_are_the_document_mask(causal, layout):
+    """Every block of the ring, seen as a varlen batch of clipped documents (each causal
+    bottom-right per piece where the block is), sees exactly what the whole sequence's
+    document mask shows of it; together the blocks show every visible pair once."""
+    for world_size in range(1, 7):
+        local = 2 * 3 if layout == "zigzag" else 5
+        n = local * world_size
+        positions = cp.split_sequence(torch.arange(n), world_size, layout, dim=0)
+        for seed in range(3):
+            cu, longest = _documents(n, seed + 10 * world_size)
+            want = _document_mask(cu, n, causal)
+            seen = torch.zeros(n, n, dtype=torch.int64)
+            for rank in range(world_size):
+                docs = cp._Documents(cu, longest if seed else None).for_rank(
+                    rank, world_size, layout, local)
+                for step in range(world_size):
+                    task = cp.block_task(rank, world_size, step, causal, layout, local, local)
+                    if task is None:
+                        continue
+                    qpos = positions[rank][task.q_rows]
+                    kpos = positions[task.kv_rank][task.kv_rows]
+                    for owner, rows, pos in ((rank, task.q_rows, qpos),
+                                             (task.kv_rank, task.kv_rows, kpos)):
+                        ranges = cp.local_ranges(owner, world_size, layout, local, rows)
+                        assert torch.cat([torch.arange(a, a + m) for a, m in ranges]).equal(
+                            pos)
+                    block = docs.block(task)
+                    got = _piece_mask(block, task.causal, len(qpos), len(kpos))
+                    assert got.equal(want[qpos][:, kpos]), (world_size, rank, step)
+                    seen[qpos[:, None], kpos[None, :]] += got.long()
+                    assert docs.block(task) is block          # built once, reused
+            assert seen.equal(want.long()), (world_size, seed)
+
+
+@pytest.mark.parametrize("world_size,layout", [(1, "zigzag"), (2, "zigzag"), (3, "zigzag"),
+                                               (4, "zigzag"), (3, "contiguous")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_simulated_packed_ring_matches_document_masked_attention_fp64(world_size, layout,
+                                                                      causal):
+    """The ring over packed documents (varlen stand-ins per block) against one attention of
+    the whole sequence under its document mask: output, LSE and gradients, GQA 2:1."""
+    n = 2 * world_size * 5                            # chunks of 5 rows
+    q, k, v, do = (t[0] for t in _inputs(1, n, n, 4, 2, 8, seed=world_size + 7 * causal))
+    cu, longest = _documents(n, world_size)
+    ring = lambda a, b, c: cp.simulate_ring_varlen(  # noqa: E731
+        a, b, c, cu, world_size, causal, max_seqlen=longest, layout=layout,
+        **VARLEN_STAND_INS)
+    out, grads = _grads(ring, q, k, v, do)
+    visible = _document_mask(cu, n, causal)
+    whole = lambda a, b, c: full_attention(a[None], b[None], c[None], False,  # noqa: E731
+                                           visible=visible)[0]
+    want, want_grads = _grads(whole, q, k, v, do)
+    assert torch.allclose(out, want, atol=1e-12, rtol=1e-10)
+    for name, g, w in zip("qkv", grads, want_grads):
+        assert torch.allclose(g, w, atol=1e-11, rtol=1e-9), name
+    _, lse = cp.simulate_ring_varlen(q, k, v, cu, world_size, causal, layout=layout,
+                                     return_lse=True, **VARLEN_STAND_INS)
+    want_lse = torch.logsumexp(_scores(q[None], k[None], False, 8 ** -0.5, visible), -1)[0]
+    assert lse.shape == (4, n) and torch.allclose(lse, want_lse, atol=1e-12)
+
+
+def test_packed_ring_refuses_what_it_cannot_run():
+    q, k, v, _ = (t[0] for t in _inputs(1, 16, 16, 2, 2, 4))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        cp.simulate_ring_varlen(q, k, v, cu.long(), 2, **VARLEN_STAND_INS)
+    with pytest.raises(ValueError, match="int32"):
+        cp.simulate_ring_varlen(q, k, v, cu[:1], 2, **VARLEN_STAND_INS)
+    with pytest.raises(ValueError, match="3-D"):
+        cp.simulate_ring_varlen(q[None], k[None], v[None], cu, 2, **VARLEN_STAND_INS)
+    with pytest.raises(ValueError, match="same tokens"):
+        cp.simulate_ring_varlen(q, k[:8], v[:8], cu, 2, **VARLEN_STAND_INS)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        cp.simulate_ring_varlen(q, k, v, cu, 2, max_seqlen=0, **VARLEN_STAND_INS)
+    with pytest.raises(ValueError, match="multiple of 6"):
+        cp.simulate_ring_varlen(q, k, v, cu, 3, **VARLEN_STAND_INS)
+    with pytest.raises(ValueError, match="even"):
+        cp.ring_attention_varlen(q[:5], k[:5], v[:5], cu, causal=True, **VARLEN_STAND_INS)
+
+
 # ------------------------------------------------------------------ gloo ring -----------
 
 GLOO_RUNS = (                   # (ranks of the group, causal, layout)
     ((0, 1, 2), True, "zigzag"), ((0, 1, 2), False, "contiguous"), ((1, 2), True, "zigzag"))
+GLOO_PACKED_CU = torch.tensor([0, 4, 5, 5, 16, 18], dtype=torch.int32)   # 18 tokens, 3 ranks
 
 
 def _gloo_worker(rank, world_size, port, result_file):
@@ -394,6 +544,15 @@ def _gloo_worker(rank, world_size, port, result_file):
                                     group, causal=causal, layout=layout, **STAND_INS)
             out.backward(split(do))
             results.append([out.detach()] + [t.grad for t in leaves])
+        # packed documents over the whole group, zigzag causal
+        q, k, v, do = (t[0] for t in _inputs(1, 2 * world_size * 3, 2 * world_size * 3, 4, 2,
+                                             8, seed=8))
+        leaves = [cp.zigzag_shard(t, rank, world_size, dim=0).requires_grad_()
+                  for t in (q, k, v)]
+        out = cp.ring_attention_varlen(*leaves, GLOO_PACKED_CU, causal=True,
+                                       **VARLEN_STAND_INS)
+        out.backward(cp.zigzag_shard(do, rank, world_size, dim=0))
+        results.append([out.detach()] + [t.grad for t in leaves])
         torch.save(results, f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -402,7 +561,8 @@ def _gloo_worker(rank, world_size, port, result_file):
 def test_ring_attention_over_gloo_processes(tmp_path):
     """The real transport (batched isend/irecv) with CPU tensors over gloo, one process per
     rank, against full attention: 3 ranks zigzag causal and contiguous without a mask, and
-    a 2-rank subgroup (ranks 1 and 2: group ranks are not global ranks) zigzag causal."""
+    a 2-rank subgroup (ranks 1 and 2: group ranks are not global ranks) zigzag causal; and
+    packed documents over the 3 ranks (`ring_attention_varlen`), zigzag causal."""
     import socket
     import torch.multiprocessing as mp
     with socket.socket() as s:
@@ -421,6 +581,14 @@ def test_ring_attention_over_gloo_processes(tmp_path):
         assert torch.allclose(merged[0], want, atol=1e-12, rtol=1e-10), run
         for name, g, w_ in zip("qkv", merged[1:], want_grads):
             assert torch.allclose(g, w_, atol=1e-11, rtol=1e-9), (run, name)
+    merged = [cp.zigzag_merge([parts[r][-1][i] for r in range(3)], dim=0) for i in range(4)]
+    q, k, v, do = (t[0] for t in _inputs(1, 18, 18, 4, 2, 8, seed=8))
+    visible = _document_mask(GLOO_PACKED_CU, 18, True)
+    want, want_grads = _grads(lambda a, b, c: full_attention(a[None], b[None], c[None], False,
+                                                             visible=visible)[0], q, k, v, do)
+    assert torch.allclose(merged[0], want, atol=1e-12, rtol=1e-10)
+    for name, g, w_ in zip("qkv", merged[1:], want_grads):
+        assert torch.allclose(g, w_, atol=1e-11, rtol=1e-9), ("packed", name)
 
 
 # ------------------------------------------------------------------ GPU -----------------
