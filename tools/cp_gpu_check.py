@@ -20,7 +20,15 @@ judged: a ring rounds each step's partial to bf16, one call only its result. Pri
 line per case (the worst of out/dq/dk/dv: ring / torch ring, ring / torch, and the single
 call / torch), < 40 lines.
 
+Packed documents (`PACKED_CASES`, `simulate_ring_varlen`): one packed sequence of documents
+(one longer than a rank's chunk, one of length 1, one empty, the rest short) run as the
+ring of varlen calls; "single" is one `attention_varlen` call over the whole sequence, the
+torch ring is the same ring with torch's flash op per document piece of every block, the
+references are per document (fp32, and torch bf16 SDPA); judged by the same rule.
+
     source .gpu/prelude.sh && python tools/cp_gpu_check.py    # ~1 min; $OUT/cp_gpu_check.json
+    python tools/cp_gpu_check.py --quick     # the packed cases and the dense ones at W = 2
+    python tools/cp_gpu_check.py --packed    # the packed cases only
 """
 
 from __future__ import annotations
@@ -42,6 +50,14 @@ CASES = (
         (2, 300, 128, "zigzag"), (4, 198, 64, "zigzag"), (8, 150, 128, "zigzag"),
         (3, 250, 64, "zigzag"), (3, 151, 128, "contiguous")) for c in (False, True)],
 )
+
+
+PACKED_CASES = (
+    # (world_size, causal, heads_q, heads_kv, rows per rank, head_dim, layout)
+    (2, True, 8, 2, 1024, 128, "zigzag"), (2, False, 8, 2, 1024, 128, "zigzag"),
+    (3, True, 4, 4, 600, 128, "zigzag"), (4, True, 8, 2, 1000, 128, "zigzag"),
+    (4, False, 4, 4, 512, 128, "zigzag"), (2, True, 4, 2, 300, 64, "zigzag"),
+    (3, True, 4, 2, 301, 128, "contiguous"))
 
 
 def _torch_bf16(q, k, v, do, causal):
@@ -126,6 +142,13 @@ def run_case(world_size, causal, heads_q, heads_kv, per_rank, d=128, seed=0,
     case = dict(world_size=world_size, causal=causal, heads_q=heads_q, heads_kv=heads_kv,
                 per_rank=per_rank, d=d, batch=batch, layout=layout, ok=True, ratio={},
                 ratio_vs_torch={})
+    _judge(case, results, ref, lowp, ref_lse)
+    return case
+
+
+def _judge(case, results, ref, lowp, ref_lse):
+    """Fills `case` with the errors of every result against the fp32 reference `ref`
+    (out, dq, dk, dv) and `ref_lse`, the ratios, and ok (the rule in the docstring)."""
     for i, what in enumerate(("out", "dq", "dk", "dv")):
         r = ref[i]
         torch_err = (lowp[i] - r).abs().max().item()
@@ -141,21 +164,142 @@ def run_case(world_size, causal, heads_q, heads_kv, per_rank, d=128, seed=0,
     lse_errs = {name: (results[name][4] - ref_lse).abs().max().item() for name in results}
     case["lse"] = dict(lse_errs, ok=lse_errs["ring"] <= lse_errs["single"] + 2 ** -9)
     case["ok"] &= case["lse"]["ok"]
+
+
+# ------------------------------------------------------------------ packed documents -------
+
+def packed_documents(n, chunk, seed):
+    """Document lengths over n tokens: one longer than a chunk (it crosses ranks), one of
+    length 1, one empty, the rest lognormal around a quarter chunk; (int32 offsets on the
+    CPU, the longest length)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [min(n - 1, chunk + chunk // 2 + 7), 1, 0]
+    while sum(lengths) < n:
+        draw = torch.empty(1).log_normal_(0.0, 0.8, generator=gen).item()
+        lengths.append(max(1, min(n - sum(lengths), int(chunk / 4 * draw))))
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    cu = torch.tensor([0] + [sum(lengths[i] for i in order[:j + 1])
+                             for j in range(len(order))], dtype=torch.int32)
+    return cu, max(lengths)
+
+
+def _pieces(block):
+    """The (query rows, key rows) of a DocumentBlock's non-empty pieces (reads the offsets
+    on the host: a check tool's torch stand-in, not the ring)."""
+    cq, ck = block.cu_seqlens_q.tolist(), block.cu_seqlens_k.tolist()
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)
+            if cq[b + 1] > cq[b] and ck[b + 1] > ck[b]]
+
+
+def torch_ring_varlen_block_forward(q, k, v, causal, scale, block):
+    """torch's flash op on every document piece of a block; rows that see no key: out 0,
+    LSE -inf (as the varlen kernel)."""
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32,
+                     device=q.device)
+    for rows, cols in _pieces(block):
+        o, l = torch_ring_block_forward(q[None, rows], k[None, cols], v[None, cols], causal,
+                                        scale)
+        out[rows], lse[:, rows] = o[0], l[0]
+    return out, lse
+
+
+def torch_ring_varlen_block_backward(q, k, v, out, dout, lse, causal, scale, block):
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for rows, cols in _pieces(block):
+        g = torch_ring_block_backward(q[None, rows], k[None, cols], v[None, cols],
+                                      out[None, rows], dout[None, rows],
+                                      lse[None, :, rows].contiguous(), causal, scale)
+        dq[rows], dk[cols], dv[cols] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def _per_document(cu, fn, *tensors):
+    """fn on every non-empty document of packed (N, H, d) tensors as a batch of one; its
+    (1, n, H, d) results put back in (N, H, d), its (1, H, n) ones in (H, N) (fp32)."""
+    bounds, n = cu.tolist(), tensors[0].shape[0]
+    results = None
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b == a:
+            continue
+        parts = fn(*(t[None, a:b] for t in tensors))
+        if results is None:
+            results = [torch.zeros((n, *p.shape[2:]) if p.dim() == 4 else (p.shape[1], n),
+                                   dtype=torch.float32, device=p.device) for p in parts]
+        for r, p in zip(results, parts):
+            if p.dim() == 4:
+                r[a:b] = p[0].float()
+            else:
+                r[:, a:b] = p[0].float()
+    return results
+
+
+def run_packed_case(world_size, causal, heads_q, heads_kv, per_rank, d=128, seed=0,
+                    layout="zigzag", device="cuda"):
+    """One packed-documents case: `simulate_ring_varlen` on the kernels against one
+    `attention_varlen` call, the torch ring (torch's flash op per document piece) and the
+    per-document references; the same rule and dict as `run_case`."""
+    import hopper_attn
+    from hopper_attn.context_parallel import simulate_ring_varlen
+    from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse
+    n = per_rank * world_size
+    chunk = per_rank // (2 if layout == "zigzag" else 1)
+    cu_host, longest = packed_documents(n, chunk, seed)
+    cu = cu_host.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q, do = (torch.randn(n, heads_q, d, device=device, generator=gen).to(torch.bfloat16)
+             for _ in range(2))
+    k, v = (torch.randn(n, heads_kv, d, device=device, generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    results = {}
+    for name in ("ring", "single", "torch_ring"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if name == "single":
+            out, lse = hopper_attn.attention_varlen(*leaves, cu, cu, longest, longest,
+                                                    causal=causal, return_lse=True)
+        else:
+            ops = {} if name == "ring" else dict(
+                block_forward=torch_ring_varlen_block_forward,
+                block_backward=torch_ring_varlen_block_backward)
+            out, lse = simulate_ring_varlen(*leaves, cu, world_size, causal,
+                                            max_seqlen=longest, layout=layout,
+                                            return_lse=True, **ops)
+        out.backward(do)
+        results[name] = [out.detach().float()] + [t.grad.float() for t in leaves] + [lse]
+
+    def reference(q_, k_, v_, do_):
+        o, l = forward_with_lse(q_, k_, v_, causal)
+        return (o, l, *attention_backward(q_, k_, v_, o, l, do_, causal))
+    ref_out, ref_lse, *ref_grads = _per_document(cu_host, reference, q, k, v, do)
+    ref = [ref_out, *ref_grads]
+    lowp = _per_document(cu_host, lambda *t: _torch_bf16(*t, causal), q, k, v, do)
+    case = dict(packed=True, world_size=world_size, causal=causal, heads_q=heads_q,
+                heads_kv=heads_kv, per_rank=per_rank, d=d, layout=layout,
+                documents=(cu_host[1:] - cu_host[:-1]).tolist(), ok=True, ratio={},
+                ratio_vs_torch={})
+    _judge(case, results, ref, lowp, ref_lse)
     return case
 
 
 def _refusals():
     """What the ring cannot run raises ValueError before any launch."""
-    from hopper_attn.context_parallel import simulate_ring
+    from hopper_attn.context_parallel import simulate_ring, simulate_ring_varlen
     x = torch.zeros(1, 300, 2, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
     refused = []
-    for why, args in (("N % 2W", (x, x, x, 4)),
-                      ("causal q/k lengths", (x, x[:, :200], x[:, :200], 2))):
+    for why, fn, args in (("N % 2W", simulate_ring, (x, x, x, 4)),
+                          ("causal q/k lengths", simulate_ring, (x, x[:, :200], x[:, :200], 2)),
+                          ("packed: int64 cu_seqlens", simulate_ring_varlen,
+                           (x[0], x[0], x[0], cu.long(), 2)),
+                          ("packed: N % 2W", simulate_ring_varlen, (x[0], x[0], x[0], cu, 4))):
         try:
-            simulate_ring(*args, causal=True)
+            fn(*args, causal=True)
         except ValueError:
             refused.append(why)
     return refused
+
+
+REFUSALS = 4
 
 
 def torch_cp_hooks():
@@ -186,16 +330,25 @@ def main():
     print(f"cp_gpu_check: {props.name}, torch {torch.__version__}; worst of out/dq/dk/dv: "
           "ring error / torch bf16 ring's (judged, <= 2x), / one torch bf16 call's, and the "
           "single attention() call's / one torch call's")
+    args = sys.argv[1:]
+    if args and not set(args) <= {"--quick", "--packed"}:
+        print(f"usage: {sys.argv[0]} [--quick | --packed]")
+        return 2
+    dense = [] if "--packed" in args else \
+        [c for c in CASES if "--quick" not in args or c[0] == 2]
     t0, cases = time.time(), []
-    for w, causal, hq, hk, per_rank, d, layout in CASES:
+    for packed, (w, causal, hq, hk, per_rank, d, layout) in \
+            [(False, c) for c in dense] + [(True, c) for c in PACKED_CASES]:
+        run = run_packed_case if packed else run_case
         try:
-            case = run_case(w, causal, hq, hk, per_rank, d=d, seed=w * 100 + per_rank + causal,
-                            layout=layout)
+            case = run(w, causal, hq, hk, per_rank, d=d, seed=w * 100 + per_rank + causal,
+                       layout=layout)
         except Exception as err:                       # noqa: BLE001 (report and go on)
-            case = dict(world_size=w, causal=causal, heads_q=hq, heads_kv=hk,
+            case = dict(packed=packed, world_size=w, causal=causal, heads_q=hq, heads_kv=hk,
                         per_rank=per_rank, d=d, ok=False, error=repr(err)[:300])
         cases.append(case)
-        head = (f"W={w} {'causal' if causal else 'full  '} H{hq}/{hk} n/rank={per_rank:<4} "
+        head = (f"{'packed ' if packed else ''}W={w} {'causal' if causal else 'full  '} "
+                f"H{hq}/{hk} n/rank={per_rank:<4} "
                 f"d={d:<3}{' contiguous' if layout == 'contiguous' else ''}")
         if "error" in case:
             print(f"{head} FAIL {case['error'][:100]}")
@@ -212,12 +365,12 @@ def main():
     print(f"torch context_parallel hooks: {hooks}")
     refused = _refusals()
     passed = sum(c["ok"] for c in cases)
-    print(f"refused with ValueError: {refused} (want 2)")
+    print(f"refused with ValueError: {refused} (want {REFUSALS})")
     print(f"{passed}/{len(cases)} cases pass, {time.time() - t0:.0f} s")
     if os.environ.get("OUT"):
         write_json(dict(env=env, device=props.name, torch=torch.__version__, cases=cases,
                         refused=refused, torch_cp_hooks=hooks), "cp_gpu_check.json")
-    return 0 if passed == len(cases) and len(refused) == 2 else 1
+    return 0 if passed == len(cases) and len(refused) == REFUSALS else 1
 
 
 if __name__ == "__main__":
