@@ -38,6 +38,13 @@ process and hands each rank what its left neighbour sent. `block_task` (which qu
 key rows a rank computes at a step, with which mask) and `merge_partials` are pure
 functions that run on CPU tensors.
 
+Packed documents (`ring_attention_varlen`, `simulate_ring_varlen`): one packed sequence of
+documents (global `cu_seqlens`) split as above; the same schedule, and every block is one
+`attention_varlen` call with each document clipped to the block's query rows and key rows
+(`clip_cu_seqlens`: elementwise on the device, no host sync). Off the diagonal a block's
+keys all precede its queries, so a piece sees its keys in full; on the diagonal a piece's
+query and key rows are the same tokens, so the causal mask per piece is the document's.
+
 Requirements: every rank holds the same number of query rows and of key rows (the ring's
 buffers must match); under a causal mask the query and key slices are the same rows
 (self-attention), with an even local length in the zigzag layout. ValueError otherwise,

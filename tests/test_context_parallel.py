@@ -619,3 +619,15 @@ def test_simulated_ring_odd_local_lengths_on_the_kernels(world_size, per_rank, d
     per rank in the contiguous layout)."""
     result = _gpu_case(world_size, causal, 4, 2, per_rank, d=d, seed=per_rank, layout=layout)
     assert result["ok"], result
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size,causal,layout", [(2, True, "zigzag"), (3, False, "zigzag"),
+                                                      (4, True, "zigzag"),
+                                                      (3, True, "contiguous")])
+def test_simulated_packed_ring_on_the_kernels(world_size, causal, layout):
+    """Packed documents (one crossing ranks, one of length 1, one empty) on the varlen
+    kernels, judged as the dense cases (tools/cp_gpu_check.py, `run_packed_case`)."""
+    from tools.cp_gpu_check import run_packed_case
+    result = run_packed_case(world_size, causal, 8, 2, 600, seed=world_size, layout=layout)
+    assert result["ok"], result
