@@ -302,6 +302,35 @@ def _refusals():
 REFUSALS = 4
 
 
+def packed_host_syncs(world_size=2, per_rank=1024, heads=(8, 2), d=128):
+    """The messages of torch's sync debug mode ("warn") during one packed ring forward and
+    backward on the kernels (compiled beforehand): the ring's per-block cu_seqlens are meant
+    to need none. Reported, not judged (a launch path below the ring could sync too)."""
+    import warnings
+    from hopper_attn.context_parallel import simulate_ring_varlen
+    n = per_rank * world_size
+    cu_host, longest = packed_documents(n, per_rank // 2, 1)
+    cu = cu_host.cuda()
+    q = torch.randn(n, heads[0], d, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(n, heads[1], d, device="cuda", dtype=torch.bfloat16)
+            .requires_grad_() for _ in range(2))
+    do = torch.randn_like(q)
+
+    def step():
+        simulate_ring_varlen(q, k, v, cu, world_size, True, max_seqlen=longest).backward(do)
+    step()                                    # compiles, caches
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [str(w.message)[:160] for w in caught]
+
+
 def torch_cp_hooks():
     """Does this torch have what docs/context-parallel.md relies on for torch's own
     context_parallel to run on this project's kernels?"""
@@ -322,6 +351,10 @@ def torch_cp_hooks():
 
 
 def main():
+    args = sys.argv[1:]
+    if args and not set(args) <= {"--quick", "--packed"}:
+        print(f"usage: {sys.argv[0]} [--quick | --packed]")
+        return 2
     from hopper_attn.harness.env import environment
     from hopper_attn.harness.gpu_check import env_line, write_json
     env = environment()
@@ -330,10 +363,6 @@ def main():
     print(f"cp_gpu_check: {props.name}, torch {torch.__version__}; worst of out/dq/dk/dv: "
           "ring error / torch bf16 ring's (judged, <= 2x), / one torch bf16 call's, and the "
           "single attention() call's / one torch call's")
-    args = sys.argv[1:]
-    if args and not set(args) <= {"--quick", "--packed"}:
-        print(f"usage: {sys.argv[0]} [--quick | --packed]")
-        return 2
     dense = [] if "--packed" in args else \
         [c for c in CASES if "--quick" not in args or c[0] == 2]
     t0, cases = time.time(), []
@@ -361,6 +390,12 @@ def main():
               f"{case['ratio'][worst]:.2f}x ({worst}) ring/torch "
               f"{case['ratio_vs_torch'][vs_torch]:.2f}x ({vs_torch}) single {single:.2f}x  "
               f"lse {case['lse']['ring']:.1e}")
+    try:
+        syncs = packed_host_syncs()
+    except Exception as err:                           # noqa: BLE001 (report and go on)
+        syncs = [f"error: {err!r}"[:160]]
+    print(f"host syncs in one packed ring forward + backward (want 0): {len(syncs)}"
+          f"{' first: ' + syncs[0] if syncs else ''}")
     hooks = torch_cp_hooks()
     print(f"torch context_parallel hooks: {hooks}")
     refused = _refusals()
@@ -369,7 +404,8 @@ def main():
     print(f"{passed}/{len(cases)} cases pass, {time.time() - t0:.0f} s")
     if os.environ.get("OUT"):
         write_json(dict(env=env, device=props.name, torch=torch.__version__, cases=cases,
-                        refused=refused, torch_cp_hooks=hooks), "cp_gpu_check.json")
+                        refused=refused, torch_cp_hooks=hooks, packed_host_syncs=syncs),
+                   "cp_gpu_check.json")
     return 0 if passed == len(cases) and len(refused) == REFUSALS else 1
 
 
