@@ -268,11 +268,11 @@ class DocumentBlock:
 
 class _RankDocuments:
     """One rank's `DocumentBlock` per task, built on the device once (forward) and reused
-    (backward). The zigzag schedule's blocks need no more than clipping: off the diagonal
-    every key of a block precedes every query, so a document's piece sees its keys in full
-    (non-causal); on the diagonal (own K/V) the query and key rows are the same tokens, so a
-    document's piece is square and the causal mask, top-left or bottom-right, is the
-    document's own."""
+    (backward). The schedule's blocks (either layout) need no more than clipping: off the
+    diagonal every key of a block precedes every query, so a document's piece sees its keys
+    in full (non-causal); on the diagonal (own K/V) the query and key rows are the same
+    tokens, so a document's piece is square and the causal mask, top-left or bottom-right,
+    is the document's own."""
 
     def __init__(self, cu_seqlens: torch.Tensor, max_seqlen: Optional[int], rank: int,
                  world_size: int, layout: str, local_len: int):
