@@ -397,9 +397,9 @@ def _documents(n, seed):
     """Random documents over n tokens: int32 offsets with an empty document, one of length
     1 and one long one (crossing several chunks) among them; and the longest length."""
     gen = torch.Generator().manual_seed(seed)
-    cuts = torch.randint(1, n, (max(1, n // 6),), generator=gen).tolist()
+    cuts = torch.randint(1, n, (max(2, n // 4),), generator=gen).tolist()
     cuts += [cuts[0], min(cuts[0] + 1, n)]                    # empty and length-1 documents
-    cuts = sorted(c for c in cuts if not n // 4 < c < 3 * n // 4)   # one long document
+    cuts = sorted(c for c in cuts if not n // 3 < c < 2 * n // 3)   # one long document
     cu = torch.tensor([0, *cuts, n], dtype=torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
 
