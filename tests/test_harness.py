@@ -1,6 +1,8 @@
 """Harness logic that needs no GPU: sweep, registry, reference, verdicts, naming."""
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -213,3 +215,28 @@ def test_output_for_and_output_as_float():
     want = 2.0 * descale_v.repeat_interleave(2, dim=1)[:, None, :, None].expand(out.shape)
     assert torch.equal(got, want)
     assert torch.equal(entry.output_as_float(out.fill_(1.5), ()), out.float())
+
+
+def test_gpu_batch_runs_steps_under_one_deadline(tmp_path, monkeypatch):
+    """tools/gpu_batch.py: each step in its own $OUT folder, a timed-out step killed, every
+    step's files packed into one archive beside a status JSON."""
+    import importlib.util
+    import json
+    import tarfile
+    spec = importlib.util.spec_from_file_location(
+        "gpu_batch", os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools",
+                                  "gpu_batch.py"))
+    gpu_batch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_batch)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    write = f"{sys.executable} -c \"import os; open(os.environ['OUT'] + '/r.json', 'w')\""
+    rc = gpu_batch.main(["--deadline", "60", f"ok:20:{write}",
+                         f"slow:1:{sys.executable} -c 'import time; time.sleep(30)'"])
+    assert rc == 1
+    status = json.load(open(tmp_path / "batch.json"))["steps"]
+    assert [s["rc"] for s in status] == [0, "timeout"]
+    with tarfile.open(tmp_path / "batch.tar.xz") as tar:
+        assert "batch/ok/r.json" in tar.getnames()
+    assert sorted(os.listdir(tmp_path)) == ["batch.json", "batch.tar.xz"]
+    with pytest.raises(ValueError):
+        gpu_batch.parse_step("bad/name:1:true")
