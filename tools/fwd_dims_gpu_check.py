@@ -21,16 +21,20 @@ winner can be pasted into POLICY as it stands; it may set the columns that are n
    and the best candidate's time as a ratio of the faster baseline's (> 1: k6 faster), with
    the per-round median ratio against FA4.
 
-GPU time (H200, estimated from the project's d = 96 / 192 runs): ~60-80 s of compiles
-(~30 kernels on the host's CPU; the DSL does not parallelize them), ~10 s of correctness,
-and timing at --target-ms 120: about 4.5 s for the five lengths of one (dim, mask) with
-seven candidates, ~20 s for all four, plus warm-up: ~2-2.5 min in all. Restrict with
---dims / --masks / --lengths / --only. Everything goes to $OUT/fwd_dims.json (or --out).
+GPU time (H200), estimated from this box's compiles and the project's d = 96 / 192 runs:
+imports ~20 s; 38 k6 kernels compiled once each (0.7-3 s apiece on a shared 2-core CPU, 50 s
+for all with --compile-only), ~50 s; correctness ~10 s; FA4's JIT, one kernel per (d, mask),
+~20-60 s; timing at --target-ms 200 (each cell's slowest callable sets the rounds: 100 up to
+4k, ~55 at 8k, ~28 at 16k) ~20 s for the 20 cells: ~2-3 min in all. Halve it with --dims 96
+or --masks causal; --lengths 2048,8192 and --only w112,lf32 cut the timing and compiles.
+Prints one line per candidate (correctness), per cell and per (dim, mask) (the three
+candidates best against POLICY's row); everything goes to $OUT/fwd_dims.json (or --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -228,7 +232,7 @@ def correctness(args, log) -> tuple[list, set]:
                 worst = max(worst, verdict.get("error_ratio", float("inf")))
             if not ok:
                 failed.add(cand.name)
-            log(f"  d{d} {'causal' if causal else 'full  '} {cand.name:22} worst error "
+            log(f"  d{d:<3} {'causal' if causal else 'full  '} {cand.name:22} worst error "
                 f"{worst:.2f}x torch's  {'PASS' if ok else 'FAIL'} {note}")
         del cases
         torch.cuda.empty_cache()
@@ -290,7 +294,7 @@ def speed(args, log, failed: set) -> list:
                            key=lambda c: row["vs_faster_baseline"][c], default="policy")
                 ratio = row["vs_faster_baseline"]
                 fa4_round = row.get("vs_fa4_rounds", {}).get(best) or {}
-                log(f"  d{d} {'causal' if causal else 'full  '} B{batch:<3} N{n:<6} "
+                log(f"  d{d:<3} {'causal' if causal else 'full  '} B{batch:<3} N{n:<6} "
                     f"/{faster}: policy {ratio.get('policy', float('nan')):.3f}, best "
                     f"{best.split(':')[-1]} {ratio[best]:.3f} (x fa4 per round "
                     f"{fa4_round.get('ratio', float('nan')):.3f}); fa4 "
@@ -300,7 +304,26 @@ def speed(args, log, failed: set) -> list:
             rows.append(row)
             del q, k, v, out, calls
             torch.cuda.empty_cache()
+        _summary(log, d, causal, [r for r in rows if (r["head_dim"], r["causal"]) == (d, causal)])
     return rows
+
+
+def _summary(log, d, causal, rows) -> None:
+    """One line per (head dim, mask): the three candidates fastest against the POLICY row
+    over the lengths timed (geometric mean of policy's time / theirs), with the per-length
+    values."""
+    ours = [c for c in (rows[0]["ms"] if rows else {}) if ":" in c]
+    if not rows or not ours or any("policy" not in r["ms"] for r in rows):
+        return
+    gains = {}
+    for c in ours:
+        per = [r["ms"]["policy"] / r["ms"][c] for r in rows if c in r["ms"]]
+        gains[c] = (math.prod(per) ** (1 / len(per)), per)
+    top = sorted(gains, key=lambda c: -gains[c][0])[:3]
+    log(f"  d{d:<3} {'causal' if causal else 'full  '} policy / candidate over "
+        f"{'/'.join(str(r['seqlen'] // 1024) + 'k' for r in rows)}: " + "; ".join(
+            f"{c.split(':')[-1]} {gains[c][0]:.3f} ("
+            + " ".join(f"{x:.3f}" for x in gains[c][1]) + ")" for c in top))
 
 
 def main() -> int:
@@ -313,7 +336,7 @@ def main() -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--only", default="", help="candidate names (the policy row always runs)")
     parser.add_argument("--heads", type=int, default=HEADS)
-    parser.add_argument("--target-ms", type=float, default=120.0,
+    parser.add_argument("--target-ms", type=float, default=200.0,
                         help="timing budget per callable and cell (benchmark_interleaved)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -325,6 +348,11 @@ def main() -> int:
     for d, causal in cells(args):
         if (d, causal) not in CANDIDATES:
             parser.error(f"no candidates for d = {d}")
+    known = {name for rows in CANDIDATES.values() for name in rows}
+    known |= {f"d{d}{'c' if c else ''}:{name}" for (d, c), rows in CANDIDATES.items()
+              for name in rows}
+    if args.only - known:
+        parser.error(f"unknown candidates {sorted(args.only - known)}")
     log, t0 = Log(), time.time()
     result = {"argv": sys.argv[1:], "candidates": {
         f"d{d}{'c' if c else ''}": {name: {"row": row, "why": why}
