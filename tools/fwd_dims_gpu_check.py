@@ -5,6 +5,10 @@ settings, round-robin with FlashAttention-4 and cuDNN.
         [--lengths 1024,2048,4096,8192,16384] [--only NAME,...] [--target-ms 120] [--out DIR]
     python tools/fwd_dims_gpu_check.py --compile-only [--dims ...]     (CPU: no GPU needed)
 
+--compile-only compiles every row for sm_90a with spills as errors and prints its shared
+memory and its steady loop (the longest in the SASS: instructions a thread issues per kv tile
+and per key, as compiled, the rare branches' code included).
+
 Each candidate (`CANDIDATES`) is a whole row over k6.BASE, as POLICY's rows are, so that a
 winner can be pasted into POLICY as it stands; it may set the columns that are not k6.OPTIONS
 (spin_waits, mask_per_row, fast_divmod, stream_k: compiled through FlashAttentionK6 directly).
@@ -178,7 +182,8 @@ def cells(args):
 def compile_only(args, log) -> list:
     """Each candidate compiled for sm_90a at every length asked for (kv_tail resolves per
     length), spills as errors: registers, SMEM, seconds."""
-    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage, sass
+    from hopper_attn.harness.sass_order import loop_body, loops
     rows = []
     for d, causal in cells(args):
         for cand in candidates(d, causal, args.only):
@@ -196,16 +201,25 @@ def compile_only(args, log) -> list:
                        "compile_s": round(art["compile_s"], 2)}
                 if art["ok"]:
                     usage = resource_usage(art["cubin"])
+                    # the steady loop (the longest): instructions a thread issues per kv
+                    # tile, and per key (a warpgroup's 64 rows, whatever block_m is)
+                    text = sass(art["cubin"])
+                    body = loop_body(text, max(loops(text), key=lambda lp: lp[1] - lp[0]))
                     row.update(registers=max(u["registers"] for u in usage),
                                local_bytes=max(u["local"] for u in usage),
-                               smem_bytes=art["kernel"].get("smem_bytes"))
+                               smem_bytes=art["kernel"].get("smem_bytes"),
+                               loop_instructions=len(body),
+                               per_key=len(body) / settings["block_n"],
+                               fmul=sum("FMUL" in ln for ln in body),
+                               branches=sum(" BRA" in ln for ln in body))
                 else:
                     row["error"] = art["error"]
                 seen[key] = row
                 rows.append(row)
                 log(f"  {cand.name:22} N{n:<6} " + (
-                    f"ok  regs {row['registers']:3} local {row['local_bytes']} smem "
-                    f"{row['smem_bytes'] / 1024:.0f} KiB {row['compile_s']:.1f} s"
+                    f"ok  smem {row['smem_bytes'] / 1024:.0f} KiB, loop {row['loop_instructions']}"
+                    f" a tile ({row['per_key']:.2f} a key, {row['fmul']} FMUL, "
+                    f"{row['branches']} BRA), {row['compile_s']:.1f} s"
                     if art["ok"] else f"FAIL {'spills' if art['spills'] else row['error'][:90]}"))
     return rows
 
