@@ -2,7 +2,7 @@
 settings, round-robin with FlashAttention-4 and cuDNN.
 
     python tools/fwd_dims_gpu_check.py [--quick] [--dims 96,192] [--masks full,causal]
-        [--lengths 1024,2048,4096,8192,16384] [--only NAME,...] [--target-ms 120] [--out DIR]
+        [--lengths 1024,2048,4096,8192,16384] [--only NAME,...] [--target-ms 200] [--out DIR]
     python tools/fwd_dims_gpu_check.py --compile-only [--dims ...]     (CPU: no GPU needed)
 
 --compile-only compiles every row for sm_90a with spills as errors and prints its shared
