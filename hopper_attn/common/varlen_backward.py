@@ -29,9 +29,9 @@ list instead of a (tiles, heads, batch) grid:
    convert during the main kernel's tail.
 
 Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end (the
-sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`; tile-major at
-equal lengths where kb2 orders the dense grid longest first) and CTA x takes its x-th
-entry. Each CTA finds its entry itself (no host read of cu_seqlens, no extra launch): every
+sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`; at equal
+lengths, where kb2 orders the dense grid longest first, the dense order: tile-major inside
+groups of sequences that share L2) and CTA x takes its x-th entry. Each CTA finds its entry itself (no host read of cu_seqlens, no extra launch): every
 warp reads 32 sequences' table columns at a time, takes a prefix sum of their tile counts by
 shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
 ceil(total / block) + batch (the sum of the ceilings is below it), and CTAs past the list's
@@ -67,6 +67,7 @@ from .backward import (CHUNK, HELPER_THREADS, _COMPILED, CompiledBackward, DqCon
                        _aligned, _chunk, _tile_rows, fragment_slot, wait_for_count)
 from .layouts import ndhb_view, transposed
 from .masking import KVTileSchedule
+from .scheduler import head_group_order, heads_per_group
 from .varlen import check_inputs, sequence_batch, sequence_rows
 from .wgmma import dq_mma, dq_tile_shape
 
@@ -123,7 +124,7 @@ def _column(seqs: cute.Tensor, j, batch):
 
 @cute.jit
 def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
-                keys: cutlass.Constexpr[bool], tile_major: cutlass.Constexpr[bool] = False):
+                keys: cutlass.Constexpr[bool], l2_rows: cutlass.Constexpr[int] = 0, heads=1):
     """Entry `tile` of the work list that lays the tiles of the sequence table's sequences
     (`sequence_table`; tiles of `block` rows: query rows, or with `keys` the keys used) end
     to end: (valid, tile inside its sequence, offset_q, seqlen_q, offset_k, seqlen_k, the
@@ -133,17 +134,20 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
     loads its sequence's column (one memory round trip for all of them), prefix sum by
     shuffles, the first lane whose range covers `tile` by ballot.
 
-    `tile_major`: where at most 32 sequences all have one tile count (equal lengths), the
-    list takes tile 0 of every sequence, then tile 1, ... instead (with a causal mask kv
-    tile 0 walks the most query tiles: the longest CTAs first, as kb2's dense
-    `longest_first`)."""
+    `l2_rows` > 0 (kb2's longest_first; `heads`: the grid's heads per entry): where at most
+    32 sequences all have one tile count (equal lengths), the dense order: sequences in
+    groups whose query rows x `heads` hold about `l2_rows` rows (their Q, dO and dQ share
+    L2; one sequence where it alone holds that many), inside a group tile 0 of every
+    sequence, then tile 1, ... (with a causal mask kv tile 0 walks the most query tiles: the
+    longest CTAs first), as scheduler.head_group_order orders the dense grid's heads. Below
+    KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES tiles a group is one sequence, as there."""
     batch = seqs.shape[1] - 1
     lane = cute.arch.lane_idx()
     valid, local, index, column = Int32(0), Int32(0), Int32(0), Int32(batch)
     offset_q, seqlen_q, offset_k, seqlen_k = Int32(0), Int32(0), Int32(0), Int32(0)
     before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
     lane_oq, lane_lq, lane_ok, lane_lk, lane_b = _column(seqs, lane, batch)
-    if cutlass.const_expr(tile_major):
+    if cutlass.const_expr(l2_rows > 0):
         lane_tiles = (lane_lk if cutlass.const_expr(keys) else lane_lq) + (block - 1)
         lane_tiles = lane_tiles // block
         count = cute.arch.shuffle_sync(lane_tiles, 0)
@@ -151,9 +155,14 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
         if batch <= 32 and same:
             chunk = Int32(32)                # decided here: no scan
             if tile < count * batch:
-                pick = tile % batch
+                # (all of the batch in one group read 8x the dense order's bytes from DRAM
+                # at 8 x 2k, 16 heads: tools/bwd_order_model.py)
+                group_rows = cutlass.max(cute.arch.shuffle_sync(lane_lq, 0) * heads, 1)
+                group = heads_per_group(l2_rows, group_rows, batch)
+                if count < KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES:
+                    group = Int32(1)
+                local, pick = head_group_order(tile, count, batch, group)
                 valid, column = Int32(1), pick
-                local = tile // batch
                 index = cute.arch.shuffle_sync(lane_b, pick)
                 offset_q = cute.arch.shuffle_sync(lane_oq, pick)
                 seqlen_q = cute.arch.shuffle_sync(lane_lq, pick)
@@ -209,11 +218,32 @@ class VarlenKVTileSchedule(KVTileSchedule):
     """KVTileSchedule over a packed batch: a work list of (sequence, kv tile) times the dK
     heads, the head fastest (a 1-D grid: the list's first, longest entries start on every
     head first); the mask and the query tiles a kv tile walks are the dense ones with the
-    sequence's lengths. `l2_rows` > 0 (kb2's longest_first): equal lengths take the list
-    tile-major (`locate_tile`)."""
+    sequence's lengths. `l2_rows` > 0 (kb2's longest_first): equal lengths take the dense
+    order, tile-major inside L2-sized groups of sequences (`locate_tile`)."""
 
     def grid(self, total_k, heads, sequences):
         return [(cute.ceil_div(total_k, self.block_n) + sequences) * heads, 1, 1]
+
+    def host_work_list(self, lengths_q, lengths_k, heads: int) -> list:
+        """Host side: the (sequence, kv tile, head) of every CTA in launch order, as
+        `locate_tile` derives them from a table in the sequences' order (for estimates of
+        the order's L2 traffic and balance: tools/bwd_order_model.py)."""
+        batch, tiles = len(lengths_k), [-(-n // self.block_n) for n in lengths_k]
+        entries = [(b, n) for b in range(batch) for n in range(tiles[b])]
+        if self.l2_rows > 0 and 0 < batch <= 32 and len(set(tiles)) == 1:
+            group = min(max(self.l2_rows // max(lengths_q[0] * heads, 1), 1), batch)
+            if tiles[0] < self.LONGEST_FIRST_MIN_KV_TILES:
+                group = 1
+            first, entries = batch % group, []
+            for index in range(tiles[0] * batch):           # scheduler.head_group_order
+                if index < first * tiles[0]:
+                    entries.append((index % first, index // first))
+                else:
+                    rest = index - first * tiles[0]
+                    in_group = rest % (group * tiles[0])
+                    entries.append((first + rest // (group * tiles[0]) * group
+                                    + in_group % group, in_group // group))
+        return [(b, n, h) for b, n in entries for h in range(heads)]
 
     @cute.jit
     def cta_work_varlen(self, seqs: cute.Tensor, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV,
@@ -227,7 +257,7 @@ class VarlenKVTileSchedule(KVTileSchedule):
         tile, dk_head = Int32(cta) // mdK.shape[2], Int32(cta) % mdK.shape[2]
         _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq, column = [
             cute.arch.make_warp_uniform(x)
-            for x in locate_tile(seqs, tile, self.block_n, True, self.l2_rows > 0)]
+            for x in locate_tile(seqs, tile, self.block_n, True, self.l2_rows, mdK.shape[2])]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         m_count = m_end - m_first
         if seqlen_q == 0:
@@ -495,7 +525,7 @@ def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, co
     # (the lengths pick nothing in kb2's policy: a problem of one token stands for them)
     problem = Problem(1, heads, 1, head_dim, causal, dtype, heads_kv=heads_kv,
                       window_left=left, window_right=right)
-    # the work list is the launch order (longest_first: tile-major at equal lengths), GQA
+    # the work list is the launch order (longest_first: the dense order at equal lengths), GQA
     # always sums a group's dK / dV in the CTA (no parts); the dQ conversion per head as
     # kb2's policy says (per sequence and head here), or, with CONVERT_PER_HEAD off, after
     # the whole main kernel
