@@ -59,6 +59,20 @@ def test_sequence_table_columns():
     assert table[4, :2].tolist() == [1, 0]
 
 
+def test_equal_lengths_take_the_dense_order():
+    """With kb2's longest-first groups (d 128, causal) equal lengths launch in the dense
+    grid's order: at 8 x 2k with 16 heads one sequence a group (tile-major over the whole
+    batch missed L2: tools/bwd_order_model.py), with 4 heads tile-major in groups of 4."""
+    from hopper_attn.common.masking import KVTileSchedule
+    from hopper_attn.common.varlen_backward import VarlenKVTileSchedule
+    l2_rows = (32 << 20) // (128 * 8)
+    for heads, batch in ((16, 8), (4, 5)):
+        dense = KVTileSchedule(64, 128, True, l2_rows).host_order(2048, 2048, heads, batch)
+        varlen = VarlenKVTileSchedule(64, 128, True, l2_rows).host_work_list(
+            [2048] * batch, [2048] * batch, heads)
+        assert varlen == [(hb // heads, n, hb % heads) for n, hb in dense]
+
+
 def test_gqa_parts_only_where_whole_groups_leave_few_ctas():
     assert dkv_parts(16, 1, 16384, 13) == 4 and dkv_parts(16, 4, 16384, 13) == 1
     assert dkv_parts(16, 1, 65536, 42) == 1 and dkv_parts(8, 8, 100, 1) == 1
