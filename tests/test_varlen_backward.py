@@ -109,6 +109,39 @@ def test_compiles_without_spills():
     assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
 
 
+@pytest.mark.compile
+def test_table_kernel_compiles_without_spills():
+    from hopper_attn.common import cute_runtime as rt
+    from hopper_attn.common.varlen_backward import SequenceTableKernel
+    cu = torch.zeros(3, dtype=torch.int32)
+    with tempfile.TemporaryDirectory() as dump:
+        fn = rt.compile_with_tensors(SequenceTableKernel(True), cu, cu, cu[:2],
+                                     torch.empty((6, 3), dtype=torch.int32), scalars=(1.0,),
+                                     options=f"--keep-cubin --dump-dir={dump} "
+                                             f"{SPILLS_AS_ERRORS}")
+    assert all(f["local"] == 0 and f["stack"] == 0 for f in resource_usage(fn.__cubin__))
+
+
+@pytest.mark.gpu
+def test_table_kernel_matches_torch():
+    """The one-launch table (SequenceTableKernel) equals sequence_table's torch ops: ties kept
+    in batch order, lengths 0, seqused_k, a cu_seqlens slice off 16 bytes, up to 256
+    sequences; above that build_sequence_table takes torch's ops."""
+    from hopper_attn.common.varlen_backward import build_sequence_table
+    rng = random.Random(1)
+    for batch in (1, 13, 40, 256, 300):
+        lengths = [rng.choice([0, 1, 64, 700, 700, 2048]) for _ in range(2 * batch)]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")
+        cu_q, cu_k = cu[:batch + 1], cu[batch:]     # (cu_k: off 16 bytes at batch 1, 13)
+        used = torch.tensor(lengths[:batch], dtype=torch.int32, device="cuda")
+        for seqused in (None, used):
+            for longest_first in (False, True):
+                got = build_sequence_table(cu_q, cu_k, seqused, longest_first, 3)
+                want = sequence_table(cu_q, cu_k, seqused, longest_first, 3)
+                assert torch.equal(got, want), (batch, seqused is not None, longest_first)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,causal,waves", [(64, False, 4), (128, True, 4), (128, False, 0)])
 def test_gradients_match_per_sequence_references(d, causal, waves, monkeypatch):

@@ -31,18 +31,21 @@ list instead of a (tiles, heads, batch) grid:
 Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end (the
 sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`; at equal
 lengths, where kb2 orders the dense grid longest first, the dense order: tile-major inside
-groups of sequences that share L2) and CTA x takes its x-th entry. Each CTA finds its entry itself (no host read of cu_seqlens, no extra launch): every
-warp reads 32 sequences' table columns at a time, takes a prefix sum of their tile counts by
-shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
-ceil(total / block) + batch (the sum of the ceilings is below it), and CTAs past the list's
-end do nothing (the main kernel's run with zero lengths: their stores are dropped).
+groups of sequences that share L2) and CTA x takes its x-th entry. Each CTA finds its
+entry itself (no host read of cu_seqlens, no extra launch): every warp reads 32 sequences'
+table columns at a time, takes a prefix sum of their tile counts by shuffles and finds the
+sequence whose range holds x with a ballot. The grid is the bound ceil(total / block) +
+batch (the sum of the ceilings is below it), and CTAs past the list's end do nothing (the
+main kernel's run with zero lengths: their stores are dropped).
 
 The sequence table (`sequence_table`), one int32 tensor (5 + H, batch + 1) built on the
-device: a column per sequence in the list's order with offset_q, seqlen_q, offset_k,
-seqlen_k (seqused_k, or the differences of cu_seqlens_k), the sequence's index in the batch
-(for its padded rows), then one zeroed dQ counter per head; the last column is spare (the
-counters of CTAs past the list's end). kb2 takes it in the place of its per-head counters
-(`mSem`; the varlen mode has no deterministic mode, whose turns use them too) and sees its
+device (up to 256 sequences by one launch, `SequenceTableKernel`; torch's ops are 6 to 12
+small launches, each a few microseconds the preprocess waits behind): a column per
+sequence in the list's order with offset_q, seqlen_q, offset_k, seqlen_k (seqused_k, or
+the differences of cu_seqlens_k), the sequence's index in the batch (for its padded rows),
+then one zeroed dQ counter per head; the last column is spare (the counters of CTAs past
+the list's end). kb2 takes it in the place of its per-head counters (`mSem`; the varlen
+mode has no deterministic mode, whose turns use them too) and sees its
 column's counters in their layout.
 """
 
@@ -417,6 +420,63 @@ class VarlenDqConvert(DqConvertFragments):
             cute.arch.griddepcontrol_wait()
 
 
+# `sequence_table` in one launch where the batch fits one CTA (torch's ops are 6 small
+# launches, 12 with the sort, each one the preprocess waits behind)
+TABLE_THREADS = 256
+
+
+class SequenceTableKernel:
+    """`sequence_table` for batch <= TABLE_THREADS: one CTA, thread j reads sequence j's
+    offsets and lengths and, with `sort` > 0, ranks its work (queries x keys) among the
+    batch's through SMEM (decreasing, ties in batch order: torch's stable argsort) and
+    writes its column there; the dQ counters and the spare column are zeroed."""
+
+    def __init__(self, seqused: bool):
+        self.seqused = seqused                 # keys used: `used` (else cu_k's differences)
+
+    @cute.jit
+    def __call__(self, cu_q: cute.Tensor, cu_k: cute.Tensor, used: cute.Tensor,
+                 table: cute.Tensor, sort: Float32, stream):
+        self.kernel(cu_q, cu_k, used, table, sort).launch(
+            grid=[1, 1, 1], block=[TABLE_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, cu_q: cute.Tensor, cu_k: cute.Tensor, used: cute.Tensor,
+               table: cute.Tensor, sort: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        j = Int32(tidx)
+        batch = cu_q.shape[0] - 1
+        smem = cutlass.memory.SmemAllocator()
+        works = smem.allocate_tensor(cutlass.Int64, cute.make_layout(TABLE_THREADS),
+                                     byte_alignment=16)
+        oq, lq, ok, lk = Int32(0), Int32(0), Int32(0), Int32(0)
+        work = cutlass.Int64(0)
+        if j < batch:
+            oq, ok = cu_q[j], cu_k[j]
+            lq, lk = cu_q[j + 1] - oq, cu_k[j + 1] - ok
+            if cutlass.const_expr(self.seqused):
+                lk = used[j]
+            work = cutlass.Int64(lq) * cutlass.Int64(lk)
+            works[j] = work
+        cute.arch.sync_threads()
+        rank = j
+        if sort > Float32(0.0):
+            if j < batch:
+                rank = Int32(0)
+                for i in cutlass.range(batch, unroll=1):
+                    other = works[i]
+                    if other > work or (other == work and i < j):
+                        rank = rank + 1
+        if j < batch:
+            table[0, rank], table[1, rank], table[2, rank] = oq, lq, ok
+            table[3, rank], table[4, rank] = lk, j
+        columns = batch + 1
+        for at in cutlass.range(j, (table.shape[0] - 5) * columns, TABLE_THREADS, unroll=1):
+            table[5 + at // columns, at % columns] = Int32(0)
+        if j < 5:
+            table[j, batch] = Int32(0)
+
+
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
@@ -498,6 +558,40 @@ def run_varlen_backward(handle: CompiledBackward, q, k, v, out, dout, lse, seqs,
         handle.postprocess(t(dq_accum), t(dq4), t(seqs), softmax_scale, stream)
 
 
+def build_sequence_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         seqused_k: Optional[torch.Tensor], longest_first: bool,
+                         heads: int) -> torch.Tensor:
+    """`sequence_table`, in one launch (`SequenceTableKernel`) where the batch fits it and the
+    tensors are on a GPU, else by torch's ops."""
+    batch = cu_seqlens_q.shape[0] - 1
+    if not cu_seqlens_q.is_cuda or batch > TABLE_THREADS:
+        return sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first, heads)
+    kernel, ffi = _table_kernel(seqused_k is not None, cu_seqlens_q.device)
+    # (compiled for 16-byte aligned tensors: a slice of a larger one is copied)
+    cu_q, cu_k, used = (t if t.data_ptr() % 16 == 0 and t.is_contiguous() else
+                        t.clone(memory_format=torch.contiguous_format)
+                        for t in (cu_seqlens_q, cu_seqlens_k,
+                                  cu_seqlens_k if seqused_k is None else seqused_k))
+    table = torch.empty((5 + heads, batch + 1), dtype=torch.int32, device=cu_q.device)
+    sort = 1.0 if longest_first else 0.0
+    if ffi:
+        kernel(cu_q, cu_k, used, table, sort)
+    else:
+        t = rt.to_cute_tensor
+        kernel(t(cu_q), t(cu_k), t(used), t(table), sort, rt.current_stream())
+    return table
+
+
+@functools.lru_cache(maxsize=8)
+def _table_kernel(seqused: bool, device):
+    """(SequenceTableKernel compiled, whether it takes torch tensors: TVM-FFI)."""
+    ffi = rt.tvm_ffi_available()
+    cu = torch.zeros(3, dtype=torch.int32, device=device)
+    table = torch.empty((6, 3), dtype=torch.int32, device=device)
+    return rt.compile_with_tensors(SequenceTableKernel(seqused), cu, cu, cu[:2], table,
+                                   scalars=(1.0,), tvm_ffi=ffi), ffi
+
+
 def _readable(t: torch.Tensor) -> bool:
     """TMA and the helpers read `t` in place: last dim contiguous, the other strides
     multiples of 16 bytes, 16-byte aligned."""
@@ -568,7 +662,8 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     # longest first where the lengths may differ (max_seqlen x batch above the token count)
     longest_first = LONGEST_FIRST and (max_seqlen_q * batch > q.shape[0]
                                        or max_seqlen_k * batch > k.shape[0])
-    seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first, q.shape[1])
+    seqs = build_sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first,
+                                q.shape[1])
     parts = dkv_parts(q.shape[1], k.shape[1], k.shape[0], batch)
     if parts == 1:
         run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
