@@ -284,10 +284,13 @@ class VarlenKVTileSchedule(KVTileSchedule):
 
 
 @cute.jit
-def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int]):
+def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int], heads=None):
     """The calling helper CTA's (valid, query tile, offset_q, seqlen_q, padded_q, head,
-    seqlen_k, table column); valid is 0 past the work list's end."""
+    seqlen_k, table column); valid is 0 past the work list's end. The grid is (list
+    entries, heads), or with `heads` given 1-D, the head fastest."""
     tile, head, _ = cute.arch.block_idx()
+    if cutlass.const_expr(heads is not None):
+        tile, head = Int32(tile) // heads, Int32(tile) % heads
     valid, m_block, offset, seqlen, _, seqlen_k, seq, column = locate_tile(
         seqs, Int32(tile), block_m, False)
     padded = (offset + seq * block_m) // block_m * block_m
@@ -370,9 +373,13 @@ class VarlenDqConvert(DqConvertFragments):
                  scale: Float32, stream):
         dq = ndhb_view(mdQ)                                    # (total_q, d, H, 1)
         self.dtype = mdQ.element_type
+        # a 1-D grid, the head fastest: the CTAs start sequence by sequence in the list's
+        # order, as the main kernel's finish (per_head: those of a later sequence, which
+        # wait for it, start after the earlier ones' conversions, as with the dense grid's
+        # batch mode last)
         self.kernel(mdQacc, dq, mSeqs, scale).launch(
-            grid=[cute.ceil_div(dq.shape[0], self.block_m) + (mSeqs.shape[1] - 1), dq.shape[2],
-                  1],
+            grid=[(cute.ceil_div(dq.shape[0], self.block_m) + (mSeqs.shape[1] - 1))
+                  * dq.shape[2], 1, 1],
             block=[256, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -381,7 +388,8 @@ class VarlenDqConvert(DqConvertFragments):
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.pdl and not self.per_head):
             cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
-        valid, m_block, offset, seqlen, padded, head, seqlen_k, column = _query_tile(mSeqs, bm)
+        valid, m_block, offset, seqlen, padded, head, seqlen_k, column = _query_tile(
+            mSeqs, bm, dq.shape[2])
         kv_tiles = (seqlen_k + (self.block_n - 1)) // self.block_n
         if cutlass.const_expr(self.per_head):
             # every kv tile's adds landed (a sequence without keys has none: its dQ is 0,
