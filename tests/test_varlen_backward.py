@@ -59,18 +59,30 @@ def test_sequence_table_columns():
     assert table[4, :2].tolist() == [1, 0]
 
 
-def test_equal_lengths_take_the_dense_order():
-    """With kb2's longest-first groups (d 128, causal) equal lengths launch in the dense
-    grid's order: at 8 x 2k with 16 heads one sequence a group (tile-major over the whole
-    batch missed L2: tools/bwd_order_model.py), with 4 heads tile-major in groups of 4."""
+def test_work_list_takes_the_dense_order():
+    """The main kernel's work list (host mirror) launches each sequence as the dense grid
+    launches a batch of one (kb2 at d 128: causal with 32 MiB head groups, 64-row tiles;
+    full 80-row tiles, each head's kv tiles in turn), and equal lengths with a mask as the
+    dense batch (8 x 2k, 16 heads: one sequence a group; 4 heads: groups across sequences).
+    (Not the dense one: below 16 kv tiles with a mask kv tile 0 of every head comes first.)
+    Orders that missed L2 before: tools/bwd_order_model.py."""
     from hopper_attn.common.masking import KVTileSchedule
     from hopper_attn.common.varlen_backward import VarlenKVTileSchedule
     l2_rows = (32 << 20) // (128 * 8)
-    for heads, batch in ((16, 8), (4, 5)):
-        dense = KVTileSchedule(64, 128, True, l2_rows).host_order(2048, 2048, heads, batch)
-        varlen = VarlenKVTileSchedule(64, 128, True, l2_rows).host_work_list(
-            [2048] * batch, [2048] * batch, heads)
-        assert varlen == [(hb // heads, n, hb % heads) for n, hb in dense]
+    for causal, heads, lengths in ((True, 16, [2048] * 8), (True, 4, [2048] * 5),
+                                   (True, 16, [16384] * 2), (False, 16, [2048] * 8),
+                                   (True, 16, [4096, 2048]), (False, 4, [700, 3000])):
+        block_m, rows = (64, l2_rows) if causal else (80, 0)
+        varlen = VarlenKVTileSchedule(block_m, 128, causal, rows).host_work_list(
+            lengths, lengths, heads)
+        dense = KVTileSchedule(block_m, 128, causal, rows)
+        if len(set(lengths)) == 1:
+            want = [(hb // heads, n, hb % heads) for n, hb in
+                    dense.host_order(lengths[0], lengths[0], heads, len(lengths))]
+        else:
+            want = [(b, n, h) for b, length in enumerate(lengths)
+                    for n, h in dense.host_order(length, length, heads, 1)]
+        assert varlen == want, (causal, heads, lengths)
 
 
 def test_gqa_parts_only_where_whole_groups_leave_few_ctas():

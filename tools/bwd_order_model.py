@@ -13,10 +13,10 @@ the L2's size. Printed per order: CTAs, visits, the last CTA's end against the i
 DRAM estimate: read for the add, written back). A model: no L2 partitions, no hashing, no
 overlap of a CTA's epilogue with the next one's prologue.
 
-Cases: equal lengths (8 x 2k, 16 heads, d 128, causal: the dense grid in 32 MiB head groups,
-the varlen list now, and the varlen list tile-major over the whole batch, as it was before
-the fix), and the 16k lognormal document mix of tools/varlen_bwd_gpu_check.py, longest
-first and in the given order.
+Cases, causal and not: equal lengths (8 x 2k and 4 x 16k, as tools/varlen_bwd_gpu_check.py
+compares with the dense backward: the dense grid's order, the varlen list now and before),
+and the 16k and 64k lognormal document mixes of that check (the varlen list now and
+before). Takes about a minute.
 """
 
 from __future__ import annotations
@@ -74,37 +74,54 @@ def simulate(order, lengths, l2_bytes, causal=True):
 
 def line(label, r):
     m = r["missed_mib"]
-    return (f"  {label:41} CTAs {r['ctas']:5} visits {r['visits']:6} end {r['end']:6.0f} "
+    return (f"  {label:22} CTAs {r['ctas']:5} visits {r['visits']:7} end {r['end']:6.0f} "
             f"(ideal {r['ideal']:6.0f}) missed MiB K/V {m.get('kv', 0)} Q+dO {m.get('q', 0)} "
             f"dQ {m.get('dq', 0)}: DRAM ~{r['dram_gib']:.2f} GiB")
 
 
+def before(lengths, causal):
+    """The varlen list before this model's findings: inside a sequence kv tile 0 of every
+    head, then kv tile 1, ... (with or without a mask); with a mask (d 128) at equal lengths
+    (<= 32 sequences) kv tile 0 of every sequence and head first, over the whole batch."""
+    tiles = [-(-n // BLOCK_N) for n in lengths]
+    if causal and len(set(tiles)) == 1 and len(lengths) <= 32:
+        return [(b, n, h) for n in range(tiles[0]) for b in range(len(lengths))
+                for h in range(HEADS)]
+    return [(b, n, h) for b in range(len(lengths)) for n in range(tiles[b])
+            for h in range(HEADS)]
+
+
 def main() -> int:
+    global BLOCK_M
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--l2-mib", type=int, default=50)
     l2 = parser.parse_args().l2_mib << 20
-    batch, n = 8, 2048
-    lengths = [n] * batch
-    print(f"equal lengths B{batch} N{n} H{HEADS} d{D} causal, L2 {l2 >> 20} MiB:")
-    dense = KVTileSchedule(BLOCK_M, BLOCK_N, True, L2_ROWS).host_order(n, n, HEADS, batch)
-    print(line("dense kb2 (32 MiB head groups)",
-               simulate([(hb // HEADS, nb, hb % HEADS) for nb, hb in dense], lengths, l2)))
-    now = VarlenKVTileSchedule(BLOCK_M, BLOCK_N, True, L2_ROWS)
-    print(line("varlen (dense order)", simulate(now.host_work_list(lengths, lengths, HEADS),
-                                                lengths, l2)))
-    whole = VarlenKVTileSchedule(BLOCK_M, BLOCK_N, True, 1 << 30)     # one group: the batch
-    print(line("varlen tile-major over the batch (before)",
-               simulate(whole.host_work_list(lengths, lengths, HEADS), lengths, l2)))
     from hopper_attn.harness.varlen_reference import lognormal_lengths
-    lengths = lognormal_lengths(16384, 16)
-    print(f"lognormal 16k (seed 16, {len(lengths)} documents) H{HEADS} d{D} causal:")
-    given = now.host_work_list(lengths, lengths, HEADS)
-    print(line("varlen, given order", simulate(given, lengths, l2)))
-    by_work = sorted(range(len(lengths)), key=lambda b: -lengths[b])
-    order = [(by_work[b], t, h) for b, t, h in
-             now.host_work_list([lengths[b] for b in by_work], [lengths[b] for b in by_work],
-                                HEADS)]
-    print(line("varlen, longest first", simulate(order, lengths, l2)))
+    print(f"H{HEADS} d{D}, L2 {l2 >> 20} MiB (kb2's tiles at d 128: 64 query rows with a "
+          f"mask, 80 without)")
+    for causal in (True, False):
+        BLOCK_M = 64 if causal else 80
+        tag = "causal" if causal else "full"
+        now = VarlenKVTileSchedule(BLOCK_M, BLOCK_N, causal, L2_ROWS if causal else 0)
+        for batch, n in ((8, 2048), (4, 16384)):
+            lengths = [n] * batch
+            print(f"equal lengths B{batch} N{n} {tag}:")
+            dense = KVTileSchedule(BLOCK_M, BLOCK_N, causal, L2_ROWS if causal else 0)
+            order = [(hb // HEADS, nb, hb % HEADS)
+                     for nb, hb in dense.host_order(n, n, HEADS, batch)]
+            print(line("dense kb2", simulate(order, lengths, l2, causal)))
+            print(line("varlen before", simulate(before(lengths, causal), lengths, l2,
+                                                 causal)))
+            print(line("varlen now", simulate(now.host_work_list(lengths, lengths, HEADS),
+                                              lengths, l2, causal)))
+        for total, seed in ((16384, 16), (65536, 64)):
+            lengths = sorted(lognormal_lengths(total, seed), reverse=True)  # (longest first)
+            print(f"lognormal {total // 1024}k (seed {seed}, {len(lengths)} documents, "
+                  f"longest first) {tag}:")
+            print(line("varlen before", simulate(before(lengths, causal), lengths, l2,
+                                                 causal)))
+            print(line("varlen now", simulate(now.host_work_list(lengths, lengths, HEADS),
+                                              lengths, l2, causal)))
     return 0
 
 

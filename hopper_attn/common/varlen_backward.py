@@ -13,8 +13,8 @@ list instead of a (tiles, heads, batch) grid:
    never overlap). Rows past a sequence's end in its last tile get D = 0 and lse2 = +inf, as
    the dense preprocess pads, so P = 0 there. The fp32 dQ buffer (1, H, padded rows, d)
    is zeroed tile by tile on the same layout.
-2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head),
-   the head fastest in the grid: the CTA finds its sequence and kv tile from its index
+2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head)
+   in a 1-D grid: the CTA finds its sequence, kv tile and head from its index
    (`locate_tile`), then sees its sequence through views (`cta_work_varlen`): Q, dO, K, V
    and dK, dV through common/varlen's ragged TMA tensors (loads past the sequence's end
    zero-filled, stores past it dropped), lse2, D and the dQ buffer offset to padded_q(b), so
@@ -28,10 +28,11 @@ list instead of a (tiles, heads, batch) grid:
    kv tiles of its own sequence (a counter per sequence and head), so finished sequences
    convert during the main kernel's tail.
 
-Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end (the
-sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`; at equal
-lengths, where kb2 orders the dense grid longest first, the dense order: tile-major inside
-groups of sequences that share L2) and CTA x takes its x-th entry. Each CTA finds its
+Work lists. Sequence b has ceil(len_b / block) tiles (the main kernel's list: times the dK
+heads, in the dense grid's order for a batch of one, `sequence_entry`); the list lays them
+end to end (the sequences by decreasing work where their lengths may differ:
+`LONGEST_FIRST`; at equal lengths, where kb2 orders the dense grid longest first, the dense
+order over all (sequence, head) pairs) and CTA x takes its x-th entry. Each CTA finds its
 entry itself (no host read of cu_seqlens, no extra launch): every warp reads 32 sequences'
 table columns at a time, takes a prefix sum of their tile counts by shuffles and finds the
 sequence whose range holds x with a ballot. The grid is the bound ceil(total / block) +
@@ -125,46 +126,74 @@ def _column(seqs: cute.Tensor, j, batch):
     return oq, lq, ok, lk, index
 
 
+# How the main kernel's work list orders a sequence's (kv tile, head) entries
+# (`sequence_entry`; VarlenKVTileSchedule.list_order); 0: the helpers' lists, without heads
+KV_FASTEST, HEADS_FASTEST, HEAD_GROUPS = 1, 2, 3
+
+
+@cute.jit
+def sequence_entry(order: cutlass.Constexpr[int], l2_rows: cutlass.Constexpr[int], entry,
+                   tiles, seqlen_q, heads):
+    """(kv tile, head) of a sequence's `entry`-th one of its tiles x heads entries, in the
+    dense grid's order. KV_FASTEST (no mask, every kv tile costs the same): each head's kv
+    tiles in turn, so the CTAs running together read few heads' Q, dO and dQ;
+    HEADS_FASTEST (a mask): kv tile 0 of every head, then kv tile 1, ... (the long CTAs
+    first); HEAD_GROUPS (kb2's longest_first): that, from 16 kv tiles on in groups of heads
+    holding `l2_rows` query rows (head_group_order)."""
+    tile, head = entry // heads, entry % heads
+    if cutlass.const_expr(order == KV_FASTEST):
+        tile, head = entry % tiles, entry // tiles
+    if cutlass.const_expr(order == HEAD_GROUPS):
+        if tiles >= KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES:
+            tile, head = head_group_order(
+                entry, tiles, heads,
+                heads_per_group(l2_rows, cutlass.max(seqlen_q, 1), heads))
+    return tile, head
+
+
 @cute.jit
 def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
-                keys: cutlass.Constexpr[bool], l2_rows: cutlass.Constexpr[int] = 0, heads=1):
+                keys: cutlass.Constexpr[bool], order: cutlass.Constexpr[int] = 0,
+                l2_rows: cutlass.Constexpr[int] = 0, heads=1):
     """Entry `tile` of the work list that lays the tiles of the sequence table's sequences
     (`sequence_table`; tiles of `block` rows: query rows, or with `keys` the keys used) end
-    to end: (valid, tile inside its sequence, offset_q, seqlen_q, offset_k, seqlen_k, the
-    sequence's index in the batch, its table column); past the list's end valid is 0, both
-    lengths 0 and the column the spare one (`batch`).
+    to end: (valid, tile inside its sequence, head, offset_q, seqlen_q, offset_k, seqlen_k,
+    the sequence's index in the batch, its table column); past the list's end valid is 0,
+    both lengths 0 and the column the spare one (`batch`).
     Every lane of the calling warp gets the same answer: 32 sequences a step, each lane
     loads its sequence's column (one memory round trip for all of them), prefix sum by
     shuffles, the first lane whose range covers `tile` by ballot.
 
-    `l2_rows` > 0 (kb2's longest_first; `heads`: the grid's heads per entry): where at most
-    32 sequences all have one tile count (equal lengths), the dense order: sequences in
-    groups whose query rows x `heads` hold about `l2_rows` rows (their Q, dO and dQ share
-    L2; one sequence where it alone holds that many), inside a group tile 0 of every
-    sequence, then tile 1, ... (with a causal mask kv tile 0 walks the most query tiles: the
-    longest CTAs first), as scheduler.head_group_order orders the dense grid's heads. Below
-    KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES tiles a group is one sequence, as there."""
+    `order` > 0 (the main kernel): each sequence holds its tiles times `heads` entries, in
+    `sequence_entry`'s order. HEAD_GROUPS, where at most 32 sequences all have one tile count
+    (equal lengths): the dense grid's order over the (sequence, head) pairs instead, groups
+    of pairs holding `l2_rows` query rows across sequences (one pair a group below 16
+    tiles), as KVTileSchedule orders batch x heads."""
     batch = seqs.shape[1] - 1
     lane = cute.arch.lane_idx()
-    valid, local, index, column = Int32(0), Int32(0), Int32(0), Int32(batch)
+    valid, local, head, index = Int32(0), Int32(0), Int32(0), Int32(0)
+    column = Int32(batch)
     offset_q, seqlen_q, offset_k, seqlen_k = Int32(0), Int32(0), Int32(0), Int32(0)
-    before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
+    before, chunk = Int32(0), Int32(0)       # entries of the sequences before the chunk
     lane_oq, lane_lq, lane_ok, lane_lk, lane_b = _column(seqs, lane, batch)
-    if cutlass.const_expr(l2_rows > 0):
+    if cutlass.const_expr(order == HEAD_GROUPS):
         lane_tiles = (lane_lk if cutlass.const_expr(keys) else lane_lq) + (block - 1)
         lane_tiles = lane_tiles // block
         count = cute.arch.shuffle_sync(lane_tiles, 0)
         same = cute.arch.vote_all_sync(lane >= batch or lane_tiles == count)
         if batch <= 32 and same:
             chunk = Int32(32)                # decided here: no scan
-            if tile < count * batch:
-                # (all of the batch in one group read 8x the dense order's bytes from DRAM
-                # at 8 x 2k, 16 heads: tools/bwd_order_model.py)
-                group_rows = cutlass.max(cute.arch.shuffle_sync(lane_lq, 0) * heads, 1)
-                group = heads_per_group(l2_rows, group_rows, batch)
-                if count < KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES:
-                    group = Int32(1)
-                local, pick = head_group_order(tile, count, batch, group)
+            pairs = batch * heads
+            if tile < count * pairs:
+                # (the whole batch as one group read 8x the dense order's bytes from DRAM at
+                # 8 x 2k, 16 heads: tools/bwd_order_model.py)
+                group = Int32(1)
+                if count >= KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES:
+                    group = heads_per_group(
+                        l2_rows, cutlass.max(cute.arch.shuffle_sync(lane_lq, 0), 1), pairs)
+                local, pair = head_group_order(tile, count, pairs, group)
+                pick = pair // heads
+                head = pair - pick * heads
                 valid, column = Int32(1), pick
                 index = cute.arch.shuffle_sync(lane_b, pick)
                 offset_q = cute.arch.shuffle_sync(lane_oq, pick)
@@ -178,7 +207,10 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
         if cutlass.const_expr(keys):
             rows = lane_lk
         tiles = (rows + (block - 1)) // block
-        upto = tiles                         # inclusive prefix sum over the lanes
+        entries = tiles
+        if cutlass.const_expr(order > 0):
+            entries = tiles * heads
+        upto = entries                       # inclusive prefix sum over the lanes
         for i in cutlass.range_constexpr(5):
             got = cute.arch.shuffle_sync_up(upto, 1 << i)
             if lane >= (1 << i):
@@ -188,14 +220,18 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
             first = Int32(cute.arch.popc((covered & -covered) - 1))    # its lowest lane
             valid, column = Int32(1), chunk + first
             index = cute.arch.shuffle_sync(lane_b, first)
-            local = tile - before - cute.arch.shuffle_sync(upto - tiles, first)
+            local = tile - before - cute.arch.shuffle_sync(upto - entries, first)
             offset_q = cute.arch.shuffle_sync(lane_oq, first)
             seqlen_q = cute.arch.shuffle_sync(lane_lq, first)
             offset_k = cute.arch.shuffle_sync(lane_ok, first)
             seqlen_k = cute.arch.shuffle_sync(lane_lk, first)
+            if cutlass.const_expr(order > 0):
+                local, head = sequence_entry(order, l2_rows, local,
+                                             cute.arch.shuffle_sync(tiles, first), seqlen_q,
+                                             heads)
         before = before + cute.arch.shuffle_sync(upto, 31)
         chunk = chunk + 32
-    return valid, local, offset_q, seqlen_q, offset_k, seqlen_k, index, column
+    return valid, local, head, offset_q, seqlen_q, offset_k, seqlen_k, index, column
 
 
 @cute.jit
@@ -216,13 +252,28 @@ def sequence_counters(seqs: cute.Tensor, column, heads):
                                                    stride=(0, seqs.layout.stride[0], 0)))
 
 
+def _host_group_order(items: int, slots: int, heads_total: int, group: int) -> list:
+    """scheduler.head_group_order's (slot, head) of items 0 .. items - 1, on the host."""
+    first, out = heads_total % group, []
+    for index in range(items):
+        if index < first * slots:
+            out.append((index // first, index % first))
+        else:
+            rest = index - first * slots
+            in_group = rest % (group * slots)
+            out.append((in_group // group,
+                        first + rest // (group * slots) * group + in_group % group))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class VarlenKVTileSchedule(KVTileSchedule):
-    """KVTileSchedule over a packed batch: a work list of (sequence, kv tile) times the dK
-    heads, the head fastest (a 1-D grid: the list's first, longest entries start on every
-    head first); the mask and the query tiles a kv tile walks are the dense ones with the
-    sequence's lengths. `l2_rows` > 0 (kb2's longest_first): equal lengths take the dense
-    order, tile-major inside L2-sized groups of sequences (`locate_tile`)."""
+    """KVTileSchedule over a packed batch: a 1-D grid over a work list of (sequence, kv tile,
+    dK head), sequence by sequence, inside a sequence the dense grid's order (`sequence_entry`:
+    without a mask each head's kv tiles in turn; with one kv tile 0 of every head first, or
+    with `l2_rows` of every head of an L2-sized group; at equal lengths with `l2_rows` the
+    dense order over all (sequence, head) pairs: `locate_tile`). The mask and the query
+    tiles a kv tile walks are the dense ones with the sequence's lengths."""
 
     def grid(self, total_k, heads, sequences):
         return [(cute.ceil_div(total_k, self.block_n) + sequences) * heads, 1, 1]
@@ -232,21 +283,31 @@ class VarlenKVTileSchedule(KVTileSchedule):
         `locate_tile` derives them from a table in the sequences' order (for estimates of
         the order's L2 traffic and balance: tools/bwd_order_model.py)."""
         batch, tiles = len(lengths_k), [-(-n // self.block_n) for n in lengths_k]
-        entries = [(b, n) for b in range(batch) for n in range(tiles[b])]
-        if self.l2_rows > 0 and 0 < batch <= 32 and len(set(tiles)) == 1:
-            group = min(max(self.l2_rows // max(lengths_q[0] * heads, 1), 1), batch)
-            if tiles[0] < self.LONGEST_FIRST_MIN_KV_TILES:
-                group = 1
-            first, entries = batch % group, []
-            for index in range(tiles[0] * batch):           # scheduler.head_group_order
-                if index < first * tiles[0]:
-                    entries.append((index % first, index // first))
-                else:
-                    rest = index - first * tiles[0]
-                    in_group = rest % (group * tiles[0])
-                    entries.append((first + rest // (group * tiles[0]) * group
-                                    + in_group % group, in_group // group))
-        return [(b, n, h) for b, n in entries for h in range(heads)]
+        if self.list_order == HEAD_GROUPS and 0 < batch <= 32 and len(set(tiles)) == 1:
+            pairs = batch * heads
+            group = 1 if tiles[0] < self.LONGEST_FIRST_MIN_KV_TILES else \
+                min(max(self.l2_rows // max(lengths_q[0], 1), 1), pairs)
+            return [(hb // heads, n, hb % heads) for n, hb in
+                    _host_group_order(tiles[0] * pairs, tiles[0], pairs, group)]
+        return [(b, n, h) for b in range(batch) for n, h in _host_group_order(
+            tiles[b] * heads, tiles[b], heads, self.host_heads_group(tiles[b], lengths_q[b],
+                                                                     heads))]
+
+    @property
+    def list_order(self) -> int:
+        """`sequence_entry`'s order of a sequence's entries."""
+        if not self.causal:
+            return KV_FASTEST
+        return HEAD_GROUPS if self.l2_rows > 0 else HEADS_FASTEST
+
+    def host_heads_group(self, tiles: int, seqlen_q: int, heads: int) -> int:
+        """How many heads take a sequence's kv tiles together (`sequence_entry`), on the
+        host."""
+        if self.list_order == KV_FASTEST:
+            return 1
+        if self.list_order == HEADS_FASTEST or tiles < self.LONGEST_FIRST_MIN_KV_TILES:
+            return heads
+        return min(max(self.l2_rows // max(seqlen_q, 1), 1), heads)
 
     @cute.jit
     def cta_work_varlen(self, seqs: cute.Tensor, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV,
@@ -257,15 +318,14 @@ class VarlenKVTileSchedule(KVTileSchedule):
         counters, [0, head, 0]). Past the list's end, or for a sequence without queries,
         m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
         cta, _, _ = cute.arch.block_idx()
-        tile, dk_head = Int32(cta) // mdK.shape[2], Int32(cta) % mdK.shape[2]
-        _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq, column = [
+        _, n_block, dk_head, offset_q, seqlen_q, offset_k, seqlen_k, seq, column = [
             cute.arch.make_warp_uniform(x)
-            for x in locate_tile(seqs, tile, self.block_n, True, self.l2_rows, mdK.shape[2])]
+            for x in locate_tile(seqs, Int32(cta), self.block_n, True, self.list_order,
+                                 self.l2_rows, mdK.shape[2])]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         m_count = m_end - m_first
         if seqlen_q == 0:
             m_count = Int32(0)
-        dk_head = cute.arch.make_warp_uniform(dk_head)
         group = mQ.shape[2] // mdK.shape[2]
         kv_head = dk_head // (mdK.shape[2] // mK.shape[2])
         padded_q = (offset_q + seq * self.block_m) // self.block_m * self.block_m
@@ -291,7 +351,7 @@ def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int], heads=None):
     tile, head, _ = cute.arch.block_idx()
     if cutlass.const_expr(heads is not None):
         tile, head = Int32(tile) // heads, Int32(tile) % heads
-    valid, m_block, offset, seqlen, _, seqlen_k, seq, column = locate_tile(
+    valid, m_block, _, offset, seqlen, _, seqlen_k, seq, column = locate_tile(
         seqs, Int32(tile), block_m, False)
     padded = (offset + seq * block_m) // block_m * block_m
     return valid, m_block, offset, seqlen, padded, Int32(head), seqlen_k, column
