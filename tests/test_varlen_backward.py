@@ -59,6 +59,32 @@ def test_sequence_table_columns():
     assert table[4, :2].tolist() == [1, 0]
 
 
+def test_work_list_takes_the_dense_order():
+    """The main kernel's work list (host mirror) launches each sequence as the dense grid
+    launches a batch of one (kb2 at d 128: causal with 32 MiB head groups, 64-row tiles;
+    full 80-row tiles, each head's kv tiles in turn), and equal lengths with a mask as the
+    dense batch (8 x 2k, 16 heads: one sequence a group; 4 heads: groups across sequences).
+    (Not the dense one: below 16 kv tiles with a mask kv tile 0 of every head comes first.)
+    Orders that missed L2 before: tools/bwd_order_model.py."""
+    from hopper_attn.common.masking import KVTileSchedule
+    from hopper_attn.common.varlen_backward import VarlenKVTileSchedule
+    l2_rows = (32 << 20) // (128 * 8)
+    for causal, heads, lengths in ((True, 16, [2048] * 8), (True, 4, [2048] * 5),
+                                   (True, 16, [16384] * 2), (False, 16, [2048] * 8),
+                                   (True, 16, [4096, 2048]), (False, 4, [700, 3000])):
+        block_m, rows = (64, l2_rows) if causal else (80, 0)
+        varlen = VarlenKVTileSchedule(block_m, 128, causal, rows).host_work_list(
+            lengths, lengths, heads)
+        dense = KVTileSchedule(block_m, 128, causal, rows)
+        if len(set(lengths)) == 1:
+            want = [(hb // heads, n, hb % heads) for n, hb in
+                    dense.host_order(lengths[0], lengths[0], heads, len(lengths))]
+        else:
+            want = [(b, n, h) for b, length in enumerate(lengths)
+                    for n, h in dense.host_order(length, length, heads, 1)]
+        assert varlen == want, (causal, heads, lengths)
+
+
 def test_gqa_parts_only_where_whole_groups_leave_few_ctas():
     assert dkv_parts(16, 1, 16384, 13) == 4 and dkv_parts(16, 4, 16384, 13) == 1
     assert dkv_parts(16, 1, 65536, 42) == 1 and dkv_parts(8, 8, 100, 1) == 1
@@ -93,6 +119,39 @@ def test_compiles_without_spills():
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert count(ptx, TMA_STORE) == count(ptx, r"cp\.async\.bulk\.tensor\.5d\.global") == 4
     assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
+
+
+@pytest.mark.compile
+def test_table_kernel_compiles_without_spills():
+    from hopper_attn.common import cute_runtime as rt
+    from hopper_attn.common.varlen_backward import SequenceTableKernel
+    cu = torch.zeros(3, dtype=torch.int32)
+    with tempfile.TemporaryDirectory() as dump:
+        fn = rt.compile_with_tensors(SequenceTableKernel(True), cu, cu, cu[:2],
+                                     torch.empty((6, 3), dtype=torch.int32), scalars=(1.0,),
+                                     options=f"--keep-cubin --dump-dir={dump} "
+                                             f"{SPILLS_AS_ERRORS}")
+    assert all(f["local"] == 0 and f["stack"] == 0 for f in resource_usage(fn.__cubin__))
+
+
+@pytest.mark.gpu
+def test_table_kernel_matches_torch():
+    """The one-launch table (SequenceTableKernel) equals sequence_table's torch ops: ties kept
+    in batch order, lengths 0, seqused_k, a cu_seqlens slice off 16 bytes, up to 256
+    sequences; above that build_sequence_table takes torch's ops."""
+    from hopper_attn.common.varlen_backward import build_sequence_table
+    rng = random.Random(1)
+    for batch in (1, 13, 40, 256, 300):
+        lengths = [rng.choice([0, 1, 64, 700, 700, 2048]) for _ in range(2 * batch)]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")
+        cu_q, cu_k = cu[:batch + 1], cu[batch:]     # (cu_k: off 16 bytes at batch 1, 13)
+        used = torch.tensor(lengths[:batch], dtype=torch.int32, device="cuda")
+        for seqused in (None, used):
+            for longest_first in (False, True):
+                got = build_sequence_table(cu_q, cu_k, seqused, longest_first, 3)
+                want = sequence_table(cu_q, cu_k, seqused, longest_first, 3)
+                assert torch.equal(got, want), (batch, seqused is not None, longest_first)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,8 @@
    max error <= 2x torch's bf16 error (+ 2^-12 x max |ref|). Inputs live inside NaN-filled
    buffers (a read past a tensor's rows shows as NaN). Lengths 0, 1, 17, 113, 1000, GQA with
    cross lengths (groups split in parts, as such small batches are, and whole), MQA,
-   seqused_k, causal and not, d 64 and 128, a window and a softcap.
+   seqused_k, causal and not, d 64 and 128, a window and a softcap, a sequence of 2100
+   tokens and equal lengths of 2k (the work list's head groups).
 2. Speed (skipped with --quick): the backward alone (autograd.grad on a kept graph; CUDA
    events, L2 flushed, round-robin medians) on tools/varlen_gpu_check.py's document mixes
    (lognormal lengths, median 1k, capped at 16k, seeds 16 and 64, filling 16k and 64k
@@ -183,6 +184,12 @@ CASES = [  # (label, lengths_q, lengths_k, used_k, heads, heads_kv, window, soft
     ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2, (-1, -1), 0.0),
     ("window 64,32", [1, 300, 1000], None, None, 4, 2, (64, 32), 0.0),
     ("softcap 30", [17, 500], [17, 700], None, 4, 4, (-1, -1), 30.0),
+    # >= 16 kv tiles: with a mask at d 128 the dense order's L2 groups of heads (2100 keys,
+    # 16 heads: a group of 1, then of 15), at equal lengths of (sequence, head) pairs (5 x 4
+    # pairs: a group of 4, then of 16; GQA 4/2, groups in 2 parts: one group of 12)
+    ("16 heads 2100", [2100, 5, 300], None, None, 16, 16, (-1, -1), 0.0),
+    ("equal 5x2k", [2048] * 5, None, None, 4, 4, (-1, -1), 0.0),
+    ("equal GQA 3x2k", [2048] * 3, None, None, 4, 2, (-1, -1), 0.0),
 ]
 
 

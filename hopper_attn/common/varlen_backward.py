@@ -13,8 +13,8 @@ list instead of a (tiles, heads, batch) grid:
    never overlap). Rows past a sequence's end in its last tile get D = 0 and lse2 = +inf, as
    the dense preprocess pads, so P = 0 there. The fp32 dQ buffer (1, H, padded rows, d)
    is zeroed tile by tile on the same layout.
-2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head),
-   the head fastest in the grid: the CTA finds its sequence and kv tile from its index
+2. kb2 with `varlen` (`VarlenKVTileSchedule`), one CTA per (kv tile of a sequence, dK head)
+   in a 1-D grid: the CTA finds its sequence, kv tile and head from its index
    (`locate_tile`), then sees its sequence through views (`cta_work_varlen`): Q, dO, K, V
    and dK, dV through common/varlen's ragged TMA tensors (loads past the sequence's end
    zero-filled, stores past it dropped), lse2, D and the dQ buffer offset to padded_q(b), so
@@ -28,21 +28,25 @@ list instead of a (tiles, heads, batch) grid:
    kv tiles of its own sequence (a counter per sequence and head), so finished sequences
    convert during the main kernel's tail.
 
-Work lists. Sequence b has ceil(len_b / block) tiles; the list lays them end to end (the
-sequences by decreasing work where their lengths may differ: `LONGEST_FIRST`; tile-major at
-equal lengths where kb2 orders the dense grid longest first) and CTA x takes its x-th
-entry. Each CTA finds its entry itself (no host read of cu_seqlens, no extra launch): every
-warp reads 32 sequences' table columns at a time, takes a prefix sum of their tile counts by
-shuffles and finds the sequence whose range holds x with a ballot. The grid is the bound
-ceil(total / block) + batch (the sum of the ceilings is below it), and CTAs past the list's
-end do nothing (the main kernel's run with zero lengths: their stores are dropped).
+Work lists. Sequence b has ceil(len_b / block) tiles (the main kernel's list: times the dK
+heads, in the dense grid's order for a batch of one, `sequence_entry`); the list lays them
+end to end (the sequences by decreasing work where their lengths may differ:
+`LONGEST_FIRST`; at equal lengths, where kb2 orders the dense grid longest first, the dense
+order over all (sequence, head) pairs) and CTA x takes its x-th entry. Each CTA finds its
+entry itself (no host read of cu_seqlens, no extra launch): every warp reads 32 sequences'
+table columns at a time, takes a prefix sum of their tile counts by shuffles and finds the
+sequence whose range holds x with a ballot. The grid is the bound ceil(total / block) +
+batch (the sum of the ceilings is below it), and CTAs past the list's end do nothing (the
+main kernel's run with zero lengths: their stores are dropped).
 
 The sequence table (`sequence_table`), one int32 tensor (5 + H, batch + 1) built on the
-device: a column per sequence in the list's order with offset_q, seqlen_q, offset_k,
-seqlen_k (seqused_k, or the differences of cu_seqlens_k), the sequence's index in the batch
-(for its padded rows), then one zeroed dQ counter per head; the last column is spare (the
-counters of CTAs past the list's end). kb2 takes it in the place of its per-head counters
-(`mSem`; the varlen mode has no deterministic mode, whose turns use them too) and sees its
+device (up to 256 sequences by one launch, `SequenceTableKernel`; torch's ops are 6 to 12
+small launches, each a few microseconds the preprocess waits behind): a column per
+sequence in the list's order with offset_q, seqlen_q, offset_k, seqlen_k (seqused_k, or
+the differences of cu_seqlens_k), the sequence's index in the batch (for its padded rows),
+then one zeroed dQ counter per head; the last column is spare (the counters of CTAs past
+the list's end). kb2 takes it in the place of its per-head counters (`mSem`; the varlen
+mode has no deterministic mode, whose turns use them too) and sees its
 column's counters in their layout.
 """
 
@@ -67,6 +71,7 @@ from .backward import (CHUNK, HELPER_THREADS, _COMPILED, CompiledBackward, DqCon
                        _aligned, _chunk, _tile_rows, fragment_slot, wait_for_count)
 from .layouts import ndhb_view, transposed
 from .masking import KVTileSchedule
+from .scheduler import head_group_order, heads_per_group
 from .varlen import check_inputs, sequence_batch, sequence_rows
 from .wgmma import dq_mma, dq_tile_shape
 
@@ -121,39 +126,75 @@ def _column(seqs: cute.Tensor, j, batch):
     return oq, lq, ok, lk, index
 
 
+# How the main kernel's work list orders a sequence's (kv tile, head) entries
+# (`sequence_entry`; VarlenKVTileSchedule.list_order); 0: the helpers' lists, without heads
+KV_FASTEST, HEADS_FASTEST, HEAD_GROUPS = 1, 2, 3
+
+
+@cute.jit
+def sequence_entry(order: cutlass.Constexpr[int], l2_rows: cutlass.Constexpr[int], entry,
+                   tiles, seqlen_q, heads):
+    """(kv tile, head) of a sequence's `entry`-th one of its tiles x heads entries, in the
+    dense grid's order. KV_FASTEST (no mask, every kv tile costs the same): each head's kv
+    tiles in turn, so the CTAs running together read few heads' Q, dO and dQ;
+    HEADS_FASTEST (a mask): kv tile 0 of every head, then kv tile 1, ... (the long CTAs
+    first); HEAD_GROUPS (kb2's longest_first): that, from 16 kv tiles on in groups of heads
+    holding `l2_rows` query rows (head_group_order)."""
+    tile, head = entry // heads, entry % heads
+    if cutlass.const_expr(order == KV_FASTEST):
+        tile, head = entry % tiles, entry // tiles
+    if cutlass.const_expr(order == HEAD_GROUPS):
+        if tiles >= KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES:
+            tile, head = head_group_order(
+                entry, tiles, heads,
+                heads_per_group(l2_rows, cutlass.max(seqlen_q, 1), heads))
+    return tile, head
+
+
 @cute.jit
 def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
-                keys: cutlass.Constexpr[bool], tile_major: cutlass.Constexpr[bool] = False):
+                keys: cutlass.Constexpr[bool], order: cutlass.Constexpr[int] = 0,
+                l2_rows: cutlass.Constexpr[int] = 0, heads=1):
     """Entry `tile` of the work list that lays the tiles of the sequence table's sequences
     (`sequence_table`; tiles of `block` rows: query rows, or with `keys` the keys used) end
-    to end: (valid, tile inside its sequence, offset_q, seqlen_q, offset_k, seqlen_k, the
-    sequence's index in the batch, its table column); past the list's end valid is 0, both
-    lengths 0 and the column the spare one (`batch`).
+    to end: (valid, tile inside its sequence, head, offset_q, seqlen_q, offset_k, seqlen_k,
+    the sequence's index in the batch, its table column); past the list's end valid is 0,
+    both lengths 0 and the column the spare one (`batch`).
     Every lane of the calling warp gets the same answer: 32 sequences a step, each lane
     loads its sequence's column (one memory round trip for all of them), prefix sum by
     shuffles, the first lane whose range covers `tile` by ballot.
 
-    `tile_major`: where at most 32 sequences all have one tile count (equal lengths), the
-    list takes tile 0 of every sequence, then tile 1, ... instead (with a causal mask kv
-    tile 0 walks the most query tiles: the longest CTAs first, as kb2's dense
-    `longest_first`)."""
+    `order` > 0 (the main kernel): each sequence holds its tiles times `heads` entries, in
+    `sequence_entry`'s order. HEAD_GROUPS, where at most 32 sequences all have one tile count
+    (equal lengths): the dense grid's order over the (sequence, head) pairs instead, groups
+    of pairs holding `l2_rows` query rows across sequences (one pair a group below 16
+    tiles), as KVTileSchedule orders batch x heads."""
     batch = seqs.shape[1] - 1
     lane = cute.arch.lane_idx()
-    valid, local, index, column = Int32(0), Int32(0), Int32(0), Int32(batch)
+    valid, local, head, index = Int32(0), Int32(0), Int32(0), Int32(0)
+    column = Int32(batch)
     offset_q, seqlen_q, offset_k, seqlen_k = Int32(0), Int32(0), Int32(0), Int32(0)
-    before, chunk = Int32(0), Int32(0)       # tiles of the sequences before the chunk
+    before, chunk = Int32(0), Int32(0)       # entries of the sequences before the chunk
     lane_oq, lane_lq, lane_ok, lane_lk, lane_b = _column(seqs, lane, batch)
-    if cutlass.const_expr(tile_major):
+    if cutlass.const_expr(order == HEAD_GROUPS):
         lane_tiles = (lane_lk if cutlass.const_expr(keys) else lane_lq) + (block - 1)
         lane_tiles = lane_tiles // block
         count = cute.arch.shuffle_sync(lane_tiles, 0)
         same = cute.arch.vote_all_sync(lane >= batch or lane_tiles == count)
         if batch <= 32 and same:
             chunk = Int32(32)                # decided here: no scan
-            if tile < count * batch:
-                pick = tile % batch
+            pairs = batch * heads
+            if tile < count * pairs:
+                # (the whole batch as one group read 8x the dense order's bytes from DRAM at
+                # 8 x 2k, 16 heads: tools/bwd_order_model.py)
+                group = Int32(1)
+                if count >= KVTileSchedule.LONGEST_FIRST_MIN_KV_TILES:
+                    group = heads_per_group(
+                        l2_rows, cutlass.max(cute.arch.shuffle_sync(lane_lq, 0), 1), pairs)
+                local, pair = head_group_order(tile, count, pairs, group)
+                pick = pair // heads
+                head = pair - pick * heads
                 valid, column = Int32(1), pick
-                local = tile // batch
                 index = cute.arch.shuffle_sync(lane_b, pick)
                 offset_q = cute.arch.shuffle_sync(lane_oq, pick)
                 seqlen_q = cute.arch.shuffle_sync(lane_lq, pick)
@@ -166,7 +207,10 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
         if cutlass.const_expr(keys):
             rows = lane_lk
         tiles = (rows + (block - 1)) // block
-        upto = tiles                         # inclusive prefix sum over the lanes
+        entries = tiles
+        if cutlass.const_expr(order > 0):
+            entries = tiles * heads
+        upto = entries                       # inclusive prefix sum over the lanes
         for i in cutlass.range_constexpr(5):
             got = cute.arch.shuffle_sync_up(upto, 1 << i)
             if lane >= (1 << i):
@@ -176,14 +220,18 @@ def locate_tile(seqs: cute.Tensor, tile, block: cutlass.Constexpr[int],
             first = Int32(cute.arch.popc((covered & -covered) - 1))    # its lowest lane
             valid, column = Int32(1), chunk + first
             index = cute.arch.shuffle_sync(lane_b, first)
-            local = tile - before - cute.arch.shuffle_sync(upto - tiles, first)
+            local = tile - before - cute.arch.shuffle_sync(upto - entries, first)
             offset_q = cute.arch.shuffle_sync(lane_oq, first)
             seqlen_q = cute.arch.shuffle_sync(lane_lq, first)
             offset_k = cute.arch.shuffle_sync(lane_ok, first)
             seqlen_k = cute.arch.shuffle_sync(lane_lk, first)
+            if cutlass.const_expr(order > 0):
+                local, head = sequence_entry(order, l2_rows, local,
+                                             cute.arch.shuffle_sync(tiles, first), seqlen_q,
+                                             heads)
         before = before + cute.arch.shuffle_sync(upto, 31)
         chunk = chunk + 32
-    return valid, local, offset_q, seqlen_q, offset_k, seqlen_k, index, column
+    return valid, local, head, offset_q, seqlen_q, offset_k, seqlen_k, index, column
 
 
 @cute.jit
@@ -204,16 +252,62 @@ def sequence_counters(seqs: cute.Tensor, column, heads):
                                                    stride=(0, seqs.layout.stride[0], 0)))
 
 
+def _host_group_order(items: int, slots: int, heads_total: int, group: int) -> list:
+    """scheduler.head_group_order's (slot, head) of items 0 .. items - 1, on the host."""
+    first, out = heads_total % group, []
+    for index in range(items):
+        if index < first * slots:
+            out.append((index // first, index % first))
+        else:
+            rest = index - first * slots
+            in_group = rest % (group * slots)
+            out.append((in_group // group,
+                        first + rest // (group * slots) * group + in_group % group))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class VarlenKVTileSchedule(KVTileSchedule):
-    """KVTileSchedule over a packed batch: a work list of (sequence, kv tile) times the dK
-    heads, the head fastest (a 1-D grid: the list's first, longest entries start on every
-    head first); the mask and the query tiles a kv tile walks are the dense ones with the
-    sequence's lengths. `l2_rows` > 0 (kb2's longest_first): equal lengths take the list
-    tile-major (`locate_tile`)."""
+    """KVTileSchedule over a packed batch: a 1-D grid over a work list of (sequence, kv tile,
+    dK head), sequence by sequence, inside a sequence the dense grid's order (`sequence_entry`:
+    without a mask each head's kv tiles in turn; with one kv tile 0 of every head first, or
+    with `l2_rows` of every head of an L2-sized group; at equal lengths with `l2_rows` the
+    dense order over all (sequence, head) pairs: `locate_tile`). The mask and the query
+    tiles a kv tile walks are the dense ones with the sequence's lengths."""
 
     def grid(self, total_k, heads, sequences):
         return [(cute.ceil_div(total_k, self.block_n) + sequences) * heads, 1, 1]
+
+    def host_work_list(self, lengths_q, lengths_k, heads: int) -> list:
+        """Host side: the (sequence, kv tile, head) of every CTA in launch order, as
+        `locate_tile` derives them from a table in the sequences' order (for estimates of
+        the order's L2 traffic and balance: tools/bwd_order_model.py)."""
+        batch, tiles = len(lengths_k), [-(-n // self.block_n) for n in lengths_k]
+        if self.list_order == HEAD_GROUPS and 0 < batch <= 32 and len(set(tiles)) == 1:
+            pairs = batch * heads
+            group = 1 if tiles[0] < self.LONGEST_FIRST_MIN_KV_TILES else \
+                min(max(self.l2_rows // max(lengths_q[0], 1), 1), pairs)
+            return [(hb // heads, n, hb % heads) for n, hb in
+                    _host_group_order(tiles[0] * pairs, tiles[0], pairs, group)]
+        return [(b, n, h) for b in range(batch) for n, h in _host_group_order(
+            tiles[b] * heads, tiles[b], heads, self.host_heads_group(tiles[b], lengths_q[b],
+                                                                     heads))]
+
+    @property
+    def list_order(self) -> int:
+        """`sequence_entry`'s order of a sequence's entries."""
+        if not self.causal:
+            return KV_FASTEST
+        return HEAD_GROUPS if self.l2_rows > 0 else HEADS_FASTEST
+
+    def host_heads_group(self, tiles: int, seqlen_q: int, heads: int) -> int:
+        """How many heads take a sequence's kv tiles together (`sequence_entry`), on the
+        host."""
+        if self.list_order == KV_FASTEST:
+            return 1
+        if self.list_order == HEADS_FASTEST or tiles < self.LONGEST_FIRST_MIN_KV_TILES:
+            return heads
+        return min(max(self.l2_rows // max(seqlen_q, 1), 1), heads)
 
     @cute.jit
     def cta_work_varlen(self, seqs: cute.Tensor, mQ, mdO, mK, mV, mLSE2, mD, mdK, mdV,
@@ -224,15 +318,14 @@ class VarlenKVTileSchedule(KVTileSchedule):
         counters, [0, head, 0]). Past the list's end, or for a sequence without queries,
         m_count is 0 (dK and dV stored as zeros; past the end: dropped)."""
         cta, _, _ = cute.arch.block_idx()
-        tile, dk_head = Int32(cta) // mdK.shape[2], Int32(cta) % mdK.shape[2]
-        _, n_block, offset_q, seqlen_q, offset_k, seqlen_k, seq, column = [
+        _, n_block, dk_head, offset_q, seqlen_q, offset_k, seqlen_k, seq, column = [
             cute.arch.make_warp_uniform(x)
-            for x in locate_tile(seqs, tile, self.block_n, True, self.l2_rows > 0)]
+            for x in locate_tile(seqs, Int32(cta), self.block_n, True, self.list_order,
+                                 self.l2_rows, mdK.shape[2])]
         m_first, m_end = self.m_block_range(n_block, seqlen_q, seqlen_k)
         m_count = m_end - m_first
         if seqlen_q == 0:
             m_count = Int32(0)
-        dk_head = cute.arch.make_warp_uniform(dk_head)
         group = mQ.shape[2] // mdK.shape[2]
         kv_head = dk_head // (mdK.shape[2] // mK.shape[2])
         padded_q = (offset_q + seq * self.block_m) // self.block_m * self.block_m
@@ -251,11 +344,14 @@ class VarlenKVTileSchedule(KVTileSchedule):
 
 
 @cute.jit
-def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int]):
+def _query_tile(seqs: cute.Tensor, block_m: cutlass.Constexpr[int], heads=None):
     """The calling helper CTA's (valid, query tile, offset_q, seqlen_q, padded_q, head,
-    seqlen_k, table column); valid is 0 past the work list's end."""
+    seqlen_k, table column); valid is 0 past the work list's end. The grid is (list
+    entries, heads), or with `heads` given 1-D, the head fastest."""
     tile, head, _ = cute.arch.block_idx()
-    valid, m_block, offset, seqlen, _, seqlen_k, seq, column = locate_tile(
+    if cutlass.const_expr(heads is not None):
+        tile, head = Int32(tile) // heads, Int32(tile) % heads
+    valid, m_block, _, offset, seqlen, _, seqlen_k, seq, column = locate_tile(
         seqs, Int32(tile), block_m, False)
     padded = (offset + seq * block_m) // block_m * block_m
     return valid, m_block, offset, seqlen, padded, Int32(head), seqlen_k, column
@@ -337,9 +433,13 @@ class VarlenDqConvert(DqConvertFragments):
                  scale: Float32, stream):
         dq = ndhb_view(mdQ)                                    # (total_q, d, H, 1)
         self.dtype = mdQ.element_type
+        # a 1-D grid, the head fastest: the CTAs start sequence by sequence in the list's
+        # order, as the main kernel's finish (per_head: those of a later sequence, which
+        # wait for it, start after the earlier ones' conversions, as with the dense grid's
+        # batch mode last)
         self.kernel(mdQacc, dq, mSeqs, scale).launch(
-            grid=[cute.ceil_div(dq.shape[0], self.block_m) + (mSeqs.shape[1] - 1), dq.shape[2],
-                  1],
+            grid=[(cute.ceil_div(dq.shape[0], self.block_m) + (mSeqs.shape[1] - 1))
+                  * dq.shape[2], 1, 1],
             block=[256, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
@@ -348,7 +448,8 @@ class VarlenDqConvert(DqConvertFragments):
         tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.pdl and not self.per_head):
             cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
-        valid, m_block, offset, seqlen, padded, head, seqlen_k, column = _query_tile(mSeqs, bm)
+        valid, m_block, offset, seqlen, padded, head, seqlen_k, column = _query_tile(
+            mSeqs, bm, dq.shape[2])
         kv_tiles = (seqlen_k + (self.block_n - 1)) // self.block_n
         if cutlass.const_expr(self.per_head):
             # every kv tile's adds landed (a sequence without keys has none: its dQ is 0,
@@ -385,6 +486,63 @@ class VarlenDqConvert(DqConvertFragments):
         if cutlass.const_expr(self.per_head):
             # do not complete before the main kernel (DqConvertFragments' reason)
             cute.arch.griddepcontrol_wait()
+
+
+# `sequence_table` in one launch where the batch fits one CTA (torch's ops are 6 small
+# launches, 12 with the sort, each one the preprocess waits behind)
+TABLE_THREADS = 256
+
+
+class SequenceTableKernel:
+    """`sequence_table` for batch <= TABLE_THREADS: one CTA, thread j reads sequence j's
+    offsets and lengths and, with `sort` > 0, ranks its work (queries x keys) among the
+    batch's through SMEM (decreasing, ties in batch order: torch's stable argsort) and
+    writes its column there; the dQ counters and the spare column are zeroed."""
+
+    def __init__(self, seqused: bool):
+        self.seqused = seqused                 # keys used: `used` (else cu_k's differences)
+
+    @cute.jit
+    def __call__(self, cu_q: cute.Tensor, cu_k: cute.Tensor, used: cute.Tensor,
+                 table: cute.Tensor, sort: Float32, stream):
+        self.kernel(cu_q, cu_k, used, table, sort).launch(
+            grid=[1, 1, 1], block=[TABLE_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, cu_q: cute.Tensor, cu_k: cute.Tensor, used: cute.Tensor,
+               table: cute.Tensor, sort: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        j = Int32(tidx)
+        batch = cu_q.shape[0] - 1
+        smem = cutlass.memory.SmemAllocator()
+        works = smem.allocate_tensor(cutlass.Int64, cute.make_layout(TABLE_THREADS),
+                                     byte_alignment=16)
+        oq, lq, ok, lk = Int32(0), Int32(0), Int32(0), Int32(0)
+        work = cutlass.Int64(0)
+        if j < batch:
+            oq, ok = cu_q[j], cu_k[j]
+            lq, lk = cu_q[j + 1] - oq, cu_k[j + 1] - ok
+            if cutlass.const_expr(self.seqused):
+                lk = used[j]
+            work = cutlass.Int64(lq) * cutlass.Int64(lk)
+            works[j] = work
+        cute.arch.sync_threads()
+        rank = j
+        if sort > Float32(0.0):
+            if j < batch:
+                rank = Int32(0)
+                for i in cutlass.range(batch, unroll=1):
+                    other = works[i]
+                    if other > work or (other == work and i < j):
+                        rank = rank + 1
+        if j < batch:
+            table[0, rank], table[1, rank], table[2, rank] = oq, lq, ok
+            table[3, rank], table[4, rank] = lk, j
+        columns = batch + 1
+        for at in cutlass.range(j, (table.shape[0] - 5) * columns, TABLE_THREADS, unroll=1):
+            table[5 + at // columns, at % columns] = Int32(0)
+        if j < 5:
+            table[j, batch] = Int32(0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,6 +626,40 @@ def run_varlen_backward(handle: CompiledBackward, q, k, v, out, dout, lse, seqs,
         handle.postprocess(t(dq_accum), t(dq4), t(seqs), softmax_scale, stream)
 
 
+def build_sequence_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         seqused_k: Optional[torch.Tensor], longest_first: bool,
+                         heads: int) -> torch.Tensor:
+    """`sequence_table`, in one launch (`SequenceTableKernel`) where the batch fits it and the
+    tensors are on a GPU, else by torch's ops."""
+    batch = cu_seqlens_q.shape[0] - 1
+    if not cu_seqlens_q.is_cuda or batch > TABLE_THREADS:
+        return sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first, heads)
+    kernel, ffi = _table_kernel(seqused_k is not None, cu_seqlens_q.device)
+    # (compiled for 16-byte aligned tensors: a slice of a larger one is copied)
+    cu_q, cu_k, used = (t if t.data_ptr() % 16 == 0 and t.is_contiguous() else
+                        t.clone(memory_format=torch.contiguous_format)
+                        for t in (cu_seqlens_q, cu_seqlens_k,
+                                  cu_seqlens_k if seqused_k is None else seqused_k))
+    table = torch.empty((5 + heads, batch + 1), dtype=torch.int32, device=cu_q.device)
+    sort = 1.0 if longest_first else 0.0
+    if ffi:
+        kernel(cu_q, cu_k, used, table, sort)
+    else:
+        t = rt.to_cute_tensor
+        kernel(t(cu_q), t(cu_k), t(used), t(table), sort, rt.current_stream())
+    return table
+
+
+@functools.lru_cache(maxsize=8)
+def _table_kernel(seqused: bool, device):
+    """(SequenceTableKernel compiled, whether it takes torch tensors: TVM-FFI)."""
+    ffi = rt.tvm_ffi_available()
+    cu = torch.zeros(3, dtype=torch.int32, device=device)
+    table = torch.empty((6, 3), dtype=torch.int32, device=device)
+    return rt.compile_with_tensors(SequenceTableKernel(seqused), cu, cu, cu[:2], table,
+                                   scalars=(1.0,), tvm_ffi=ffi), ffi
+
+
 def _readable(t: torch.Tensor) -> bool:
     """TMA and the helpers read `t` in place: last dim contiguous, the other strides
     multiples of 16 bytes, 16-byte aligned."""
@@ -495,7 +687,7 @@ def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, co
     # (the lengths pick nothing in kb2's policy: a problem of one token stands for them)
     problem = Problem(1, heads, 1, head_dim, causal, dtype, heads_kv=heads_kv,
                       window_left=left, window_right=right)
-    # the work list is the launch order (longest_first: tile-major at equal lengths), GQA
+    # the work list is the launch order (longest_first: the dense order at equal lengths), GQA
     # always sums a group's dK / dV in the CTA (no parts); the dQ conversion per head as
     # kb2's policy says (per sequence and head here), or, with CONVERT_PER_HEAD off, after
     # the whole main kernel
@@ -538,7 +730,8 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     # longest first where the lengths may differ (max_seqlen x batch above the token count)
     longest_first = LONGEST_FIRST and (max_seqlen_q * batch > q.shape[0]
                                        or max_seqlen_k * batch > k.shape[0])
-    seqs = sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first, q.shape[1])
+    seqs = build_sequence_table(cu_seqlens_q, cu_seqlens_k, seqused_k, longest_first,
+                                q.shape[1])
     parts = dkv_parts(q.shape[1], k.shape[1], k.shape[0], batch)
     if parts == 1:
         run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
