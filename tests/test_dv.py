@@ -1,8 +1,8 @@
 """v with its own head dim dv != d (issue 61; DeepSeek MLA's (192, 128), and (128, 64)):
 the problem's shapes and checks, the API's refusals before a launch, the fp32 references,
-one sm_90a compile of k6 and one of kb2 per (d, dv) pair; on the GPU
-(marked gpu) forward and backward against the fp32 references (the full sweep:
-tools/dv_gpu_check.py)."""
+one sm_90a compile of k6 and one of kb2 per (d, dv) pair; on the GPU (marked gpu) forward
+and backward against the fp32 references, the tiny DeepSeek-V3's logits and a training step
+against eager attention (the full sweep: tools/dv_gpu_check.py)."""
 
 import math
 
@@ -224,3 +224,36 @@ def test_gpu_deepseek_v3_logits_match_eager():
         ours = model(ids).logits.float()
     err_base, err_ours = ((x - truth).abs().max().item() for x in (base, ours))
     assert err_ours <= 3 * err_base + 2e-3, (err_ours, err_base)
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_v3_training_matches_eager():
+    """One training step of the tiny DeepSeek-V3 in bf16 with hopper_attn ((192, 128): k6
+    forward, kb2 backward): logits, loss and every parameter's gradient within 3x (+ 2e-3,
+    relative to the largest) bf16 eager attention's error, both against the fp32 model."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    import hopper_attn.integrations.transformers as hopper_tf
+    model = _tiny_deepseek_v3(transformers).to("cuda").train()
+    ids = torch.randint(0, 256, (2, 300), device="cuda")
+
+    def step(m, impl):
+        m.set_attn_implementation(impl)
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        result = {"logits": out.logits.detach().float(),
+                  "loss": out.loss.detach().float().reshape(1)}
+        result.update({n: p.grad.float().clone() for n, p in m.named_parameters()
+                       if p.grad is not None})
+        m.zero_grad(set_to_none=True)
+        return result
+
+    truth = step(model, "eager")
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    base, ours = step(model, "eager"), step(model, hopper_tf.register())
+    assert ours.keys() == truth.keys()
+    for what, want in truth.items():
+        scale = want.abs().max().clamp_min(1e-6)
+        err_base = float((base[what] - want).abs().max() / scale)
+        err_ours = float((ours[what] - want).abs().max() / scale)
+        assert err_ours <= 3 * err_base + 2e-3, (what, err_ours, err_base)
