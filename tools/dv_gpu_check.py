@@ -27,7 +27,9 @@
    16k / N, 16 heads), causal and not: forward, and backward (through autograd, both
    sides; issue 61 asks >= 1.0x FA4 for both at (192, 128)). The forward also times other
    k6 tiles (VARIANTS: [tile ours/variant], > 1: the variant faster) in the same rounds:
-   POLICY's (d, dv) rows are not tuned yet.
+   POLICY's (d, dv) rows are not tuned yet; the backward at (192, 128) also each of d = 192's
+   POLICY settings off (BWD_VARIANTS, kb2 launched directly: [variant kb2/variant], > 1:
+   the variant faster).
 
 Prints < 40 lines; everything goes to $OUT/dv.json (or --out).
 """
@@ -54,6 +56,11 @@ PAIRS = [(192, 128), (128, 64)]
 VARIANTS = {(192, 128): ["k6:tile=128x112"],                   # d = 192's kv tile
             (128, 64): ["k6:tile=192x128"]}                    # three warpgroups (no mask)
 BACKWARD_PAIRS = [(192, 128), (128, 64)]       # kb2's
+# kb2 at (192, 128) runs d = 192's untuned POLICY row: the default ("kb2") and each of its
+# settings off, launched directly (no autograd), timed with the backwards
+BWD_VARIANTS = {(192, 128): ["kb2", "kb2:convert_per_head=0", "kb2:kv_with_first_tile=0",
+                             "kb2:longest_first=0"]}
+CAUSAL_ONLY = ("kb2:longest_first=0",)
 WINDOW_PAIRS = [(128, 64)]                     # (no window at d = 192)
 LENGTHS = [1, 17, 113, 1000]
 
@@ -146,6 +153,20 @@ def backward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-
     return {"case": ["bwd", batch, nq, nk, heads, heads_kv, d, dv, causal, list(window),
                      deterministic],
             "ratio": max(ratio.values()), "ratios": ratio, "same_bits": same_bits, "ok": ok}
+
+
+def direct_backward(name, q, k, v, do, causal):
+    """A kb2 variant's backward alone, launched through the registry (no autograd)."""
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness import registry
+    entry = registry.get(name)
+    handle = entry.compile(Problem.from_tensor(q, causal, k, v=v))
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    call = lambda: entry.run(handle, q, k, v, out, do, lse, *grads)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    return call
 
 
 def refused_case(d, dv, window) -> dict:
@@ -270,6 +291,12 @@ def speed(log, t0) -> list:
                     fns.pop("ours")
                 if run_fa4 is not None and "fa4" in calls:
                     fns["fa4"] = lambda *t: run_fa4(*t, causal)
+                for name in BWD_VARIANTS.get((d, dv), []):
+                    if causal or name not in CAUSAL_ONLY:
+                        try:
+                            bwd[name] = direct_backward(name, q, k, v, do, causal)
+                        except Exception as exc:  # noqa: BLE001 - recorded, not timed
+                            notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
                 for name, fn in fns.items():
                     try:
                         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -283,13 +310,19 @@ def speed(log, t0) -> list:
                 if bwd:
                     timed = benchmark_interleaved(bwd, flush, target_ms=150, max_reps=20)
                     row["bwd_ms"] = {k_: t["ms"] for k_, t in timed.items()}
-                    line += "; bwd " + " ".join(f"{k_} {t['ms']:.3f}" for k_, t in timed.items())
+                    line += "; bwd " + " ".join(f"{k_} {t['ms']:.3f}" for k_, t in timed.items()
+                                                if not k_.startswith("kb2"))
                     if "ours" in timed and "fa4" in timed:
                         ratio = round_ratios(timed["fa4"], timed["ours"])
                         row["bwd_fa4_over_ours"] = ratio
                         line += f" -> {ratio['ratio']:.3f}x"
                     else:
                         line += " (ours: refused)" if (d, dv) not in BACKWARD_PAIRS else ""
+                    for name in [n for n in timed if n.startswith("kb2:")]:
+                        if "kb2" in timed:      # > 1: the variant faster
+                            ratio = round_ratios(timed["kb2"], timed[name])
+                            row.setdefault("bwd_variant_over_default", {})[name] = ratio
+                            line += f" [{name[4:]} {ratio['ratio']:.3f}x]"
                 del bwd, fns, do
                 log(line)
                 rows.append(row)
