@@ -50,7 +50,7 @@ Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM
 ~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
 S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
 producer thread. d = 192 (64 x 64): K + V 48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T)
-32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB.
+32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB ((192, 128): V, dO 24 less: 202).
 
 Named barriers: 0 = the CTA-wide sync publishing the mbarrier inits; 1 = dS^T written
 (256 consumer threads); 2 = epilogue (consumers); 3-4 = dQ full, 5-6 = dQ empty (one per
