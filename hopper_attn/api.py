@@ -443,8 +443,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     v may have its own head dim dv (DeepSeek MLA's (d, dv) = (192, 128), and (128, 64); k6,
     docs/head-dim-v.md): v (batch, seqlen_k, heads_kv, dv), the output (batch, seqlen,
-    heads, dv); other pairs raise ValueError. Differentiable at (128, 64) (kb2); gradients
-    at (192, 128) raise ValueError (no backward for it yet).
+    heads, dv); other pairs raise ValueError. Differentiable at both pairs (kb2; at
+    (192, 128) the d = 192 tile with dV split at dv / 2 per warpgroup).
 
     `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its

@@ -19,7 +19,7 @@ What changes from kb1:
   P^T instead, the rest after the dS^T stores: `early_dv`, `split_dv`); one barrier;
   dQ = dS K issued, waiting only for dV; dK += dS^T Q issued, waiting only for dQ;
   dQ -> SMEM while dK runs: the tensor core always has the next GEMM queued.
-* v narrower than q and k (`head_dim_v`: (128, 64); docs/head-dim-v.md): V, dO, dV dv wide.
+* dv != d, v narrower (`head_dim_v`: (128, 64), (192, 128); docs/head-dim-v.md): V, dO, dV dv wide.
 * GQA / MQA (`gqa`, a variant compiled where k and v have fewer heads than q): one CTA per
   (kv tile, dK head, batch) walks the query tiles of every query head of its group, head
   after head, and stores dK and dV once (kb1: per query head, summed by torch). Too few
@@ -50,7 +50,7 @@ Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM
 ~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
 S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
 producer thread. d = 192 (64 x 64): K + V 48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T)
-32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB.
+32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB ((192, 128): V, dO 24 less: 202).
 
 Named barriers: 0 = the CTA-wide sync publishing the mbarrier inits; 1 = dS^T written
 (256 consumer threads); 2 = epilogue (consumers); 3-4 = dQ full, 5-6 = dQ empty (one per
@@ -89,7 +89,7 @@ SPEC = KernelSpec(
     summary="kb1 + producer warpgroup, setmaxnreg, Q/dO rings with LSE/D, dQ by bulk reduce-add",
     head_dims=(64, 96, 128, 192),
     dtypes=(torch.bfloat16, torch.float16),
-    head_dim_pairs=((128, 64),),    # v's head dim dv != d: V, dO, dV dv wide
+    head_dim_pairs=((128, 64), (192, 128)),     # dv != d: V, dO, dV dv wide
     separate_kv=True,
     window=True,                # sliding windows (compiled per window size), d = 64-128:
     extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed

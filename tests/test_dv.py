@@ -1,8 +1,10 @@
 """v with its own head dim dv != d (issue 61; DeepSeek MLA's (192, 128), and (128, 64)):
 the problem's shapes and checks, the API's refusals before a launch, the fp32 references,
-one sm_90a compile of k6 per (d, dv) pair and one of kb2 at (128, 64); on the GPU
-(marked gpu) forward and backward against the fp32 references (the full sweep:
-tools/dv_gpu_check.py)."""
+one sm_90a compile of k6 and one of kb2 per (d, dv) pair; on the GPU (marked gpu) forward
+and backward against the fp32 references, the tiny DeepSeek-V3's logits and a training step
+against eager attention (the full sweep: tools/dv_gpu_check.py)."""
+
+import math
 
 import pytest
 import torch
@@ -43,14 +45,15 @@ def test_api_refuses_before_launching():
         hopper_attn.attention(*_qkv(128, 64), stage="k5")
     with pytest.raises(ValueError, match="CUDA"):          # supported: only the device is wrong
         hopper_attn.attention(*_qkv(128, 64))
-    # no backward stage runs (192, 128) yet: refused in the forward, before any launch;
-    # kb2 runs (128, 64)
-    q.requires_grad_()
-    with pytest.raises(UnsupportedProblem, match="backward"):
-        hopper_attn.attention(q, k, v)
-    q, k, v = _qkv(128, 64)
-    with pytest.raises(ValueError, match="CUDA"):
-        hopper_attn.attention(q.requires_grad_(), k, v)
+    # kb2 runs both pairs' backward: with gradients only the device is wrong; a window at
+    # d = 192 has no backward (nor forward): refused before any launch
+    for d, dv in ((192, 128), (128, 64)):
+        q, k, v = _qkv(d, dv)
+        with pytest.raises(ValueError, match="CUDA"):
+            hopper_attn.attention(q.requires_grad_(), k, v)
+    q, k, v = _qkv(192, 128)
+    with pytest.raises(UnsupportedProblem, match="window"):
+        hopper_attn.attention(q.requires_grad_(), k, v, window_size=(64, 0))
 
 
 def test_fake_implementation_gives_dv_wide_output():
@@ -105,19 +108,25 @@ def test_k6_compiles_per_pair(d, dv, causal, block_n):
 
 
 @pytest.mark.compile
-def test_kb2_compiles_at_128_64():
-    """kb2 at (128, 64) (d = 128's 80-row tiles, dQ transposed): no spills; dP^T = V dO^T
-    contracts over dv (4 k16 slices of the 80-query WGMMA per tile, against 8 for S^T),
-    dV += P^T dO is dv wide."""
+@pytest.mark.parametrize("d,dv,causal,tile,dv_mma", [(128, 64, False, (80, 128), "m64n64k16"),
+                                                    (192, 128, True, (64, 64), "m64n64k16")])
+def test_kb2_compiles_per_pair(d, dv, causal, tile, dv_mma):
+    """kb2 per (d, dv), no spills. (128, 64): d = 128's 80-row tiles (dQ transposed); dP^T =
+    V dO^T contracts over dv, dV += P^T dO is dv wide. (192, 128): d = 192's shared_keys tile,
+    dV split by columns at dv / 2 = 64 a warpgroup (dK and dQ at d / 2 = 96), V and dO dv
+    wide: 24 KiB less SMEM than d = 192's 226 KiB."""
     import re
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
-    art = compile_artifacts(registry.get("kb2"), 128, False, head_dim_v=64)
+    art = compile_artifacts(registry.get("kb2"), d, causal, head_dim_v=dv)
     assert art["ok"], art.get("error")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    assert art["kernel"]["block_m"] == 80
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16", art["ptx"])
+    assert (art["kernel"]["block_m"], art["kernel"]["block_n"]) == tile
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.{dv_mma}", art["ptx"])
+    if d == 192:
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n96k16", art["ptx"])
+        assert art["kernel"]["smem_bytes"] <= 202 * 1024 + 1024
 
 
 def _cuda_inputs(nq, nk, heads, heads_kv, d, dv, seed=0):
@@ -142,20 +151,23 @@ def test_forward_matches_fp32(d, dv, nq, nk, heads_kv, causal):
     assert (out.float() - ref).abs().max() <= 2 * (low - ref).abs().max() + 2 ** -10
     finite = ref_lse.isfinite()
     assert torch.equal(lse.isfinite(), finite)
-    assert (lse[finite] - ref_lse[finite]).abs().max() < 1e-3
+    # at d = 192 k6's lazy rescale sums P rounded to bf16: the LSE within log(1 + 2^-8)
+    lse_bound = 1e-3 if d <= 128 else math.log1p(2 ** -8)
+    assert (lse[finite] - ref_lse[finite]).abs().max() < lse_bound
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,dv", [(192, 128), (128, 64)])
 @pytest.mark.parametrize("nq,nk,heads_kv,causal", [(113, 113, 4, False),
                                                    (1000, 1300, 2, True)])
-def test_backward_matches_fp32_at_128_64(nq, nk, heads_kv, causal):
+def test_backward_matches_fp32(d, dv, nq, nk, heads_kv, causal):
     from hopper_attn.harness.window_reference import gradient_errors
-    q, k, v = _cuda_inputs(nq, nk, 4, heads_kv, 128, 64)
-    do = torch.randn(2, nq, 4, 64, device="cuda").to(torch.bfloat16)
+    q, k, v = _cuda_inputs(nq, nk, 4, heads_kv, d, dv)
+    do = torch.randn(2, nq, 4, dv, device="cuda").to(torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     hopper_attn.attention(*leaves, causal=causal).backward(do)
     errors = gradient_errors(q, k, v, do, [t.grad for t in leaves], -1, 0 if causal else -1,
-                             128 ** -0.5)
+                             d ** -0.5)
     for name, (err, _, bound) in errors.items():
         assert err <= bound, (name, err, bound)
 
@@ -212,3 +224,36 @@ def test_gpu_deepseek_v3_logits_match_eager():
         ours = model(ids).logits.float()
     err_base, err_ours = ((x - truth).abs().max().item() for x in (base, ours))
     assert err_ours <= 3 * err_base + 2e-3, (err_ours, err_base)
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_v3_training_matches_eager():
+    """One training step of the tiny DeepSeek-V3 in bf16 with hopper_attn ((192, 128): k6
+    forward, kb2 backward): logits, loss and every parameter's gradient within 3x (+ 2e-3,
+    relative to the largest) bf16 eager attention's error, both against the fp32 model."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    import hopper_attn.integrations.transformers as hopper_tf
+    model = _tiny_deepseek_v3(transformers).to("cuda").train()
+    ids = torch.randint(0, 256, (2, 300), device="cuda")
+
+    def step(m, impl):
+        m.set_attn_implementation(impl)
+        out = m(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        result = {"logits": out.logits.detach().float(),
+                  "loss": out.loss.detach().float().reshape(1)}
+        result.update({n: p.grad.float().clone() for n, p in m.named_parameters()
+                       if p.grad is not None})
+        m.zero_grad(set_to_none=True)
+        return result
+
+    truth = step(model, "eager")
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    base, ours = step(model, "eager"), step(model, hopper_tf.register())
+    assert ours.keys() == truth.keys()
+    for what, want in truth.items():
+        scale = want.abs().max().clamp_min(1e-6)
+        err_base = float((base[what] - want).abs().max() / scale)
+        err_ours = float((ours[what] - want).abs().max() / scale)
+        assert err_ours <= 3 * err_base + 2e-3, (what, err_ours, err_base)

@@ -6,27 +6,30 @@
    * through `hopper_attn.attention` (q, k (B, N, H, d), v (B, N, Hkv, dv)): output and LSE
      against the fp32 reference (harness/window_reference.py, no window; GQA by repeat),
      the bound 2x torch's own bf16 error (SDPA on the same inputs) + 2^-10, `ratio` = error
-     / bound (<= 1 passes), LSE within 1e-3 where finite and -inf exactly where a row sees
-     no key; lengths 1, 17, 113, 1000, causal and not, B2 H4; GQA 8/2 with cross lengths
-     (1000 queries / 1300 keys, 300 / 100 causal: rows that see no key get 0 and -inf,
-     17 / 1000);
+     / bound (<= 1 passes), LSE within 1e-3 where finite (at d = 192 log(1 + 2^-8): k6's
+     lazy rescale sums P rounded to bf16, as tools/varlen_gpu_check.py allows) and -inf
+     exactly where a row sees no key; lengths 1, 17, 113, 1000, causal and not, B2 H4;
+     GQA 8/2 with cross lengths (1000 queries / 1300 keys, 300 / 100 causal: rows that
+     see no key get 0 and -inf, 17 / 1000);
    * the same call twice gives the same bits (output and LSE);
    * k6 launched directly on guarded inputs (NaN on both sides of q, k, v and out) with the
      output and LSE poisoned with NaN before each run: every element written, no NaN,
      nothing written past `out`, and equal to what `attention` returned;
-   * kb2 backward at (128, 64): dQ, dK, dV against the fp32 reference's gradients, the
-     bound 2x torch's own bf16 gradients' error + 2^-12 max|ref| (window_reference.
-     gradient_errors), lengths 17, 113, 1000, causal and not, GQA 8/2 with cross lengths;
-   * at (128, 64) a causal window (127, 0), forward (as above) and backward, GQA 4/2; the
-     deterministic backward (same bits twice);
-   * at (192, 128) gradients are refused (ValueError) before a launch: no backward stage
-     runs d = 192 with dv = 128 yet.
+   * kb2 backward at both pairs ((192, 128): d = 192's shared_keys tile, dV split at dv / 2
+     a warpgroup): dQ, dK, dV against the fp32 reference's gradients, the bound 2x torch's
+     own bf16 gradients' error + 2^-12 max|ref| (window_reference.gradient_errors), lengths
+     17, 113, 1000, causal and not, GQA 8/2 with cross lengths; the deterministic backward
+     (same bits twice, within the bound), also with GQA 8/2 at (192, 128);
+   * at (128, 64) a causal window (127, 0), forward (as above) and backward, GQA 4/2 (no
+     window at d = 192).
 2. Speed (skipped with --quick), CUDA events, L2 flushed, round-robin medians: ours vs
    FA4's `flash_attn_func` with the same v, both pairs, N 2k / 4k / 8k / 16k (batch
    16k / N, 16 heads), causal and not: forward, and backward (through autograd, both
-   sides) where ours runs it; at (192, 128) FA4's backward alone, the time a backward
-   has to beat. The forward also times other k6 tiles (VARIANTS: [tile ours/variant],
-   > 1: the variant faster) in the same rounds: POLICY's (d, dv) rows are not tuned yet.
+   sides; issue 61 asks >= 1.0x FA4 for both at (192, 128)). The forward also times other
+   k6 tiles (VARIANTS: [tile ours/variant], > 1: the variant faster) in the same rounds:
+   POLICY's (d, dv) rows are not tuned yet; the backward at (192, 128) also each of d = 192's
+   POLICY settings off (BWD_VARIANTS, kb2 launched directly: [variant kb2/variant], > 1:
+   the variant faster).
 
 Prints < 40 lines; everything goes to $OUT/dv.json (or --out).
 """
@@ -34,6 +37,7 @@ Prints < 40 lines; everything goes to $OUT/dv.json (or --out).
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 
@@ -51,7 +55,13 @@ PAIRS = [(192, 128), (128, 64)]
 # untuned POLICY rows: other k6 tiles timed in the same rounds, for the row to take
 VARIANTS = {(192, 128): ["k6:tile=128x112"],                   # d = 192's kv tile
             (128, 64): ["k6:tile=192x128"]}                    # three warpgroups (no mask)
-BACKWARD_PAIRS = [(128, 64)]           # kb2's; the others are refused
+BACKWARD_PAIRS = [(192, 128), (128, 64)]       # kb2's
+# kb2 at (192, 128) runs d = 192's untuned POLICY row: the default ("kb2") and each of its
+# settings off, launched directly (no autograd), timed with the backwards
+BWD_VARIANTS = {(192, 128): ["kb2", "kb2:convert_per_head=0", "kb2:kv_with_first_tile=0",
+                             "kb2:longest_first=0"]}
+CAUSAL_ONLY = ("kb2:longest_first=0",)
+WINDOW_PAIRS = [(128, 64)]                     # (no window at d = 192)
 LENGTHS = [1, 17, 113, 1000]
 
 
@@ -98,8 +108,11 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-1
     bound = 2 * (low - ref).abs().max().item() + 2 ** -10
     err = (out.float() - ref).abs().max().item()
     finite = ref_lse.isfinite()
-    lse_ok = bool(torch.equal(lse.isfinite(), finite)) and (
-        not finite.any() or (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3)
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    # at d = 192 k6's lazy rescale sums P rounded to bf16: l, and so the LSE, may differ
+    # from the exact ones by up to log(1 + 2^-8) (tools/varlen_gpu_check.py's bound)
+    lse_ok = bool(torch.equal(lse.isfinite(), finite)) and \
+        lse_err < (1e-3 if d <= 128 else math.log1p(2 ** -8))
     blind = ~window_mask(nq, nk, left, right).any(-1)
     zero_ok = bool((out[:, blind] == 0).all()) if blind.any() else True
     same_bits = bool(torch.equal(out.view(torch.int16), out2.view(torch.int16))
@@ -110,7 +123,8 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-1
     nan = bool(out.isnan().any())
     return {"case": [batch, nq, nk, heads, heads_kv, d, dv, causal, list(window)],
             "ratio": float("inf") if nan else err / bound, "error": err, "bound": bound,
-            "lse_ok": lse_ok, "blind_rows": int(blind.sum()), "zero_ok": zero_ok,
+            "lse_ok": lse_ok, "lse_error": lse_err, "blind_rows": int(blind.sum()),
+            "zero_ok": zero_ok,
             "same_bits": same_bits, "guards_intact": guards, "poisoned_ok": poisoned_ok,
             "ok": (not nan and err <= bound and lse_ok and zero_ok and same_bits and guards
                    and poisoned_ok)}
@@ -141,16 +155,29 @@ def backward_case(batch, nq, nk, heads, heads_kv, d, dv, causal, seed, window=(-
             "ratio": max(ratio.values()), "ratios": ratio, "same_bits": same_bits, "ok": ok}
 
 
-def refused_case(d, dv) -> dict:
-    """Gradients at dv != d: ValueError from `attention`, nothing launched."""
+def direct_backward(name, q, k, v, do, causal):
+    """A kb2 variant's backward alone, launched through the registry (no autograd)."""
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness import registry
+    entry = registry.get(name)
+    handle = entry.compile(Problem.from_tensor(q, causal, k, v=v))
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    call = lambda: entry.run(handle, q, k, v, out, do, lse, *grads)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    return call
+
+
+def refused_case(d, dv, window) -> dict:
+    """Gradients with a window at d = 192: ValueError from `attention`, nothing launched."""
     q, k, v = (t.requires_grad_() for t in inputs(1, 64, 64, 2, 2, d, dv, 0))
+    case = ["bwd refused", d, dv, list(window)]
     try:
-        hopper_attn.attention(q, k, v)
-        return {"case": ["bwd refused", d, dv], "ok": False, "ratio": 0.0,
-                "exception": "no ValueError"}
+        hopper_attn.attention(q, k, v, causal=True, window_size=window)
+        return {"case": case, "ok": False, "ratio": 0.0, "exception": "no ValueError"}
     except ValueError as exc:
-        return {"case": ["bwd refused", d, dv], "ok": True, "ratio": 0.0,
-                "reason": str(exc)[:200]}
+        return {"case": case, "ok": True, "ratio": 0.0, "reason": str(exc)[:200]}
 
 
 def correctness(log) -> list:
@@ -181,18 +208,23 @@ def correctness(log) -> list:
             for nq, nk, causal in ((1000, 1300, False), (1000, 1300, True)):
                 run(f"bwd gqa 8/2 cross ({d},{dv})", backward_case, 1, nq, nk, 8, 2, d, dv,
                     causal)
-            run(f"bwd deterministic ({d},{dv})", functools.partial(
-                backward_case, deterministic=True), 1, 1000, 1000, 4, 4, d, dv, True)
+            deterministic = functools.partial(backward_case, deterministic=True)
+            run(f"bwd deterministic ({d},{dv})", deterministic, 1, 1000, 1000, 4, 4, d, dv,
+                True)
+            if d == 192:        # (the GQA variant's own deterministic turns)
+                run(f"bwd deterministic ({d},{dv})", deterministic, 1, 1000, 1300, 8, 2, d,
+                    dv, False)
+        if (d, dv) in WINDOW_PAIRS:
             # a sliding window (k6's and kb2's window code with V dv wide)
             for fn in (forward_case, backward_case):
                 run(f"window (127,0) ({d},{dv})", functools.partial(fn, window=(127, 0)), 2,
                     1000, 1000, 4, 2, d, dv, True)
         else:
-            groups.setdefault("backward refused", []).append(refused_case(d, dv))
+            groups.setdefault("window refused", []).append(refused_case(d, dv, (127, 0)))
     rows = []
     for label, group in groups.items():
         bad = [r for r in group if not r["ok"]]
-        log(f"  {label:26} {len(group):3} cases, worst ratio "
+        log(f"  {label:28} {len(group):3} cases, worst ratio "
             f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")
         rows += group
     for row in [r for r in rows if not r["ok"]][:4]:
@@ -259,6 +291,12 @@ def speed(log, t0) -> list:
                     fns.pop("ours")
                 if run_fa4 is not None and "fa4" in calls:
                     fns["fa4"] = lambda *t: run_fa4(*t, causal)
+                for name in BWD_VARIANTS.get((d, dv), []):
+                    if causal or name not in CAUSAL_ONLY:
+                        try:
+                            bwd[name] = direct_backward(name, q, k, v, do, causal)
+                        except Exception as exc:  # noqa: BLE001 - recorded, not timed
+                            notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
                 for name, fn in fns.items():
                     try:
                         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -272,13 +310,19 @@ def speed(log, t0) -> list:
                 if bwd:
                     timed = benchmark_interleaved(bwd, flush, target_ms=150, max_reps=20)
                     row["bwd_ms"] = {k_: t["ms"] for k_, t in timed.items()}
-                    line += "; bwd " + " ".join(f"{k_} {t['ms']:.3f}" for k_, t in timed.items())
+                    line += "; bwd " + " ".join(f"{k_} {t['ms']:.3f}" for k_, t in timed.items()
+                                                if not k_.startswith("kb2"))
                     if "ours" in timed and "fa4" in timed:
                         ratio = round_ratios(timed["fa4"], timed["ours"])
                         row["bwd_fa4_over_ours"] = ratio
                         line += f" -> {ratio['ratio']:.3f}x"
                     else:
                         line += " (ours: refused)" if (d, dv) not in BACKWARD_PAIRS else ""
+                    for name in [n for n in timed if n.startswith("kb2:")]:
+                        if "kb2" in timed:      # > 1: the variant faster
+                            ratio = round_ratios(timed["kb2"], timed[name])
+                            row.setdefault("bwd_variant_over_default", {})[name] = ratio
+                            line += f" [{name[4:]} {ratio['ratio']:.3f}x]"
                 del bwd, fns, do
                 log(line)
                 rows.append(row)

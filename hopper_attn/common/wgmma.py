@@ -188,8 +188,9 @@ class BackwardMmas:
 
     `shared_keys` (kb2 at d = 192): both warpgroups on the same 64 keys, S^T and dP^T split
     by queries (block_m / 2 each), dK and dV by columns (d / 2 each), so each thread holds
-    d / 2 dK and dV floats instead of d. Neither warpgroup then holds all of P^T or dS^T:
-    both go through SMEM (sPt, sdSt, by buffer) and pt_frag / dst_frag are SMEM fragments.
+    d / 2 dK and dV floats instead of d (with v's head dim dv: dv / 2 dV floats, `mma_dv`).
+    Neither warpgroup then holds all of P^T or dS^T: both go through SMEM (sPt, sdSt, by
+    buffer) and pt_frag / dst_frag are SMEM fragments.
     """
 
     mma_sdp: cute.TiledMma
@@ -235,7 +236,10 @@ class BackwardMmas:
         wg_dkv, thr_dkv = warpgroup_slice(mma_dkv, tidx), mma_dkv.get_slice(tidx)
         mma_dv, wg_dv, thr_dv = mma_dkv, wg_dkv, thr_dkv
         if head_dim_v and head_dim_v != head_dim:
-            mma_dv = pv_mma(warpgroups, head_dim_v, dtype)
+            # (shared_keys: dV's columns split at dv / 2 per warpgroup, P^T from SMEM)
+            mma_dv = smem_mma(1, 2, head_dim_v // 2, cute.nvgpu.OperandMajorMode.K,
+                              cute.nvgpu.OperandMajorMode.MN, dtype) if shared_keys \
+                else pv_mma(warpgroups, head_dim_v, dtype)
             wg_dv, thr_dv = warpgroup_slice(mma_dv, tidx), mma_dv.get_slice(tidx)
         mma_dq = dq_mma(d_out, dtype, dq_swap_ab, bm)
         wg_dq, thr_dq = warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
@@ -253,8 +257,8 @@ class BackwardMmas:
             do_frag=wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)),
             dot_frag=wg_dv.make_fragment_B(wg_dv.partition_B(transposed(sdO_out))),
             qt_frag=wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ_out))),
-            pt_frag=wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt) if shared_keys
-                                           else wg_dkv.partition_shape_A((bn, bm))),
+            pt_frag=wg_dv.make_fragment_A(wg_dv.partition_A(sPt)) if shared_keys
+            else wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((bn, bm))),
             dst_frag=wg_dkv.make_fragment_A(wg_dkv.partition_A(sdSt) if shared_keys
                                             else wg_dkv.partition_shape_A((bn, bm))),
             ds_frag=ds_frag, kt_frag=kt_frag,

@@ -14,7 +14,7 @@ repeat); this passes them to `hopper_attn.attention` as (batch, seqlen, heads, h
 views (for Llama-style projections those are the projections' own layout: no copy) and
 returns the output in that layout, which is what transformers expects. v may be narrower
 than q and k where `attention()` runs the pair (DeepSeek's MLA hands it v 128 wide with q
-and k 192: forward; docs/head-dim-v.md).
+and k 192: forward and backward; docs/head-dim-v.md).
 
 What runs: causal (decoder) and non-causal (encoder, cross-attention) modules, GQA/MQA read
 in place, the module's `scaling`, and generation with a growing KV cache (`DynamicCache`,
