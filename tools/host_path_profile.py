@@ -20,6 +20,10 @@ Paths (Hq 32 / Hkv 8, d 128, bf16):
   sdpa_run_forward  the provider's own Python (integrations.sdpa.run_forward), same shape
   sdpa_kernel_ctx   `with sdpa_kernel(SDPBackend.FLASH_ATTENTION): pass` (what a caller
                     that selects the flash backend per call pays; not the provider's)
+  attn_decode_grow  attn_decode with one more key each call (views of a longer buffer,
+                    4096-20480 keys, then again): a generation step, whose new key count
+                    misses the per-shape caches
+  sdpa_decode_grow  sdpa_decode the same way (a (B, H, N, d) cache, as transformers keeps)
   kvcache_contig    attention_with_kvcache: contiguous cache (1, 4096, 8, 128)
   kvcache_paged16   attention_with_kvcache: page 16, (256, 16, 8, 128) and a page table
   train_n1k         attention(causal=True) forward + .backward(): B1, N 1024, Hq 16 /
@@ -88,13 +92,30 @@ def paths(device: str) -> dict:
         hopper_attn.attention(tq, tk, tv, causal=True).backward(tdo)
         tq.grad = tk.grad = tv.grad = None
 
+    grow = [0]
+    longest = keys + 16384
+    k_buf = torch.empty(1, longest, kv_heads, d, **bf)
+    s_buf = torch.empty(1, kv_heads, longest, d, **bf)
+
+    def attn_grow():
+        grow[0] = grow[0] + 1 if grow[0] < longest - keys else 0
+        kv = k_buf[:, :keys + grow[0]]
+        hopper_attn.attention(q, kv, kv)
+
+    def sdpa_grow():
+        grow[0] = grow[0] + 1 if grow[0] < longest - keys else 0
+        kv = s_buf[:, :, :keys + grow[0]]
+        flash(sq, kv, kv, 0.0, False, False)
+
     def ctx():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             pass
 
     return {
         "attn_decode": lambda: hopper_attn.attention(q, k, v),
+        "attn_decode_grow": attn_grow,
         "sdpa_decode": lambda: flash(sq, sk, sv, 0.0, False, False),
+        "sdpa_decode_grow": sdpa_grow,
         "sdpa_run_forward": lambda: hopper_sdpa.run_forward(sq, sk, sv, 0.0, False, False,
                                                             None),
         "sdpa_kernel_ctx": ctx,
