@@ -35,6 +35,7 @@ shapes, strides, dtypes, mask): tools/host_overhead.py times the host path.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -198,6 +199,12 @@ def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,
     return _handle(entry, problem, _compile_options())
 
 
+# decode handles by everything but the key count: the kernel, tile and options come from the
+# batch, heads and queries alone, so a decode step with one key more copies its sibling's
+# (its workspace, sized by the split count, comes with its first launch)
+_DECODE_SIBLINGS: dict = {}
+
+
 def _handle(entry, problem: Problem, compile_options: str = ""):
     """`entry` compiled for `problem`, once per (stage, problem)."""
     key = (entry.name, problem)
@@ -205,7 +212,23 @@ def _handle(entry, problem: Problem, compile_options: str = ""):
     if handle is None:
         if len(_HANDLES) >= _FAST_LIMIT:       # (decode: one per key count; compiles stay)
             _HANDLES.clear()
-        handle = _HANDLES[key] = entry.compile(problem, compile_options=compile_options)
+            _DECODE_SIBLINGS.clear()
+        sibling_key = None
+        if entry.module == "hopper_attn.decode":
+            sibling_key = (entry.name, compile_options, problem.batch, problem.heads,
+                           problem.seqlen, problem.head_dim, problem.causal, problem.dtype,
+                           problem.kv_heads, problem.window_left, problem.window_right,
+                           problem.head_dim_v)
+        sibling = _DECODE_SIBLINGS.get(sibling_key)
+        if sibling is not None:
+            handle = dataclasses.replace(sibling, problem=problem, workspace=[],
+                                         options=dict(sibling.options), compile_seconds=0.0,
+                                         _bound_key=None, _bound_args=None)
+        else:
+            handle = entry.compile(problem, compile_options=compile_options)
+            if sibling_key is not None:
+                _DECODE_SIBLINGS[sibling_key] = handle
+        _HANDLES[key] = handle
     return handle
 
 
