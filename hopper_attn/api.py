@@ -35,6 +35,7 @@ shapes, strides, dtypes, mask): tools/host_overhead.py times the host path.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -156,8 +157,11 @@ _FAST_LIMIT = 4096
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
          softmax_scale: Optional[float], stage: str, softcap: float = 0.0,
-         window: tuple = (-1, -1), sinks: Optional[torch.Tensor] = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+         window: tuple = (-1, -1), sinks: Optional[torch.Tensor] = None,
+         want_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """out and the LSE; with `want_lse=False` (nobody reads it) the LSE may be None: a stage
+    that keeps its workspace (decode) then writes it into its own buffer, one allocation
+    fewer per call."""
     try:
         key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype,
                k.dtype, v.dtype, q.device, k.device, v.device, causal, stage, softcap,
@@ -171,7 +175,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             _FAST.clear()
         _FAST[key] = handle
     out = _out_like(q, v)
-    lse = _lse_like(q)
+    lse = _lse_like(q) if want_lse or not handle.spec.keeps_workspace else None
     if sinks is not None and sinks.data_ptr() % 16:     # (a view: inputs are 16-byte aligned)
         sinks = sinks.clone()
     if handle.workspace_fn is None:            # a stage that does not write the LSE (k4)
@@ -195,12 +199,36 @@ def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,
     return _handle(entry, problem, _compile_options())
 
 
+# decode handles by everything but the key count: the kernel, tile and options come from the
+# batch, heads and queries alone, so a decode step with one key more copies its sibling's
+# (its workspace, sized by the split count, comes with its first launch)
+_DECODE_SIBLINGS: dict = {}
+
+
 def _handle(entry, problem: Problem, compile_options: str = ""):
     """`entry` compiled for `problem`, once per (stage, problem)."""
     key = (entry.name, problem)
     handle = _HANDLES.get(key)
     if handle is None:
-        handle = _HANDLES[key] = entry.compile(problem, compile_options=compile_options)
+        if len(_HANDLES) >= _FAST_LIMIT:       # (decode: one per key count; compiles stay)
+            _HANDLES.clear()
+            _DECODE_SIBLINGS.clear()
+        sibling_key = None
+        if entry.module == "hopper_attn.decode":
+            sibling_key = (entry.name, compile_options, problem.batch, problem.heads,
+                           problem.seqlen, problem.head_dim, problem.causal, problem.dtype,
+                           problem.kv_heads, problem.window_left, problem.window_right,
+                           problem.head_dim_v)
+        sibling = _DECODE_SIBLINGS.get(sibling_key)
+        if sibling is not None:
+            handle = dataclasses.replace(sibling, problem=problem, workspace=[],
+                                         options=dict(sibling.options), compile_seconds=0.0,
+                                         _bound_key=None, _bound_args=None)
+        else:
+            handle = entry.compile(problem, compile_options=compile_options)
+            if sibling_key is not None:
+                _DECODE_SIBLINGS[sibling_key] = handle
+        _HANDLES[key] = handle
     return handle
 
 
@@ -423,10 +451,13 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
         _DIFFERENTIABLE.add(key)
 
 
+_NO_SOFTCAP, _NO_WINDOW = 0.0, (-1, -1)     # attention()'s defaults
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
               stage: Optional[str] = None, deterministic: bool = False,
-              softcap: float = 0.0, window_size: tuple = (-1, -1),
+              softcap: float = _NO_SOFTCAP, window_size: tuple = _NO_WINDOW,
               sinks: Optional[torch.Tensor] = None):
     """softmax(q k^T * scale [+ causal mask]) v for (batch, seqlen, heads, head_dim) tensors.
 
@@ -467,8 +498,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     values: one compile for any), with windows and softcap (k6); differentiable in q, k, v
     (kb2) and in the sinks (docs/sinks.md).
     """
-    softcap = _check_softcap(softcap)
-    window = normalize_window(window_size, bool(causal))    # ValueError before anything
+    # ValueError before anything (the defaults, passed as they are, need no check)
+    softcap = 0.0 if softcap is _NO_SOFTCAP else _check_softcap(softcap)
+    window = _NO_WINDOW if window_size is _NO_WINDOW else normalize_window(window_size,
+                                                                          bool(causal))
     try:
         qkv_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                                 or v.requires_grad)
@@ -493,7 +526,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                                          bool(deterministic), softcap, window, sinks)
     else:                                      # eager: no dispatcher round trip
         out, lse = _run(q, k, v, bool(causal), softmax_scale, stage or "", softcap, window,
-                        sinks)
+                        sinks, want_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -67,7 +67,7 @@ import torch
 
 from hopper_attn.common import paged, tma, wgmma
 from hopper_attn.common.contract import (LOG2_E, MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
-                                         compile_attention, run_attention)
+                                         compile_attention, run_attention, shared_workspace)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.sinks import sink_inputs, with_sinks
@@ -781,7 +781,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
     `num_splits_for`'s choice; the kernel is the same for every count, only the workspace
     differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip),
     sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md)."""
-    SPEC.check(problem)
+    SPEC.check(problem, check_memory=False)     # (compile_attention checks memory too)
     if not block_n and not stages:
         block_n, stages = tile_for(problem)
     block_n, stages = tile_config(problem.head_dim, block_n, stages)
@@ -790,8 +790,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
         raise UnsupportedProblem(f"decode: num_splits must be 0 (automatic) or 1-{limit} "
                                  f"(kv tile {block_n}, {stages} stages), got {num_splits}")
 
-    def workspace(p, device):
-        return decode_workspace(p, device, block_n, stages, num_splits)
+    def workspace(p, device):            # (shared by every key count with its split count)
+        splits = num_splits or num_splits_for(p, block_n, stages)
+        return shared_workspace(("decode", p.batch, p.heads, p.seqlen, p.kv_heads,
+                                 p.head_dim, splits), device,
+                                lambda: decode_workspace(p, device, block_n, stages, splits))
 
     def example_workspace(p, device):
         # (compiled against two splits, so that no extent of the workspace is a 1 that the

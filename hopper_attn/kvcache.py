@@ -280,7 +280,7 @@ _FAST: dict = {}
 def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_descale,
              v_descale, causal, num_splits) -> tuple:
     """Every check of a call (ValueError before any launch), then (compiled kernel, its
-    workspace after the LSE, TVM-FFI or not, head_dim)."""
+    workspace (the LSE first), TVM-FFI or not, head_dim)."""
     from hopper_attn import decode
     from hopper_attn.common import cute_runtime as rt
     page_size, capacity = check_inputs(q, k_cache, v_cache, cache_seqlens, page_table, k_new,
@@ -291,8 +291,8 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_des
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
                                  block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype)
-    _, *rest = _workspace(problem, q.device, block_n, stages, splits)
-    return compiled, rest, tvm_ffi, problem.head_dim
+    workspace = _workspace(problem, q.device, block_n, stages, splits)
+    return compiled, workspace, tvm_ffi, problem.head_dim
 
 
 def _ones(device, batch: int, kv_heads: int) -> torch.Tensor:
@@ -359,8 +359,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     tensors = (q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_descale,
                v_descale)
     try:        # calls that passed every check once, by all the checks looked at
-        key = (tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-                     for t in tensors), bool(causal), num_splits, type(num_splits))
+        key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
+               k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
+               v_cache.device, cache_seqlens.shape, cache_seqlens.stride(),
+               cache_seqlens.dtype, cache_seqlens.device,
+               *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                 for t in tensors[4:]], bool(causal), num_splits, type(num_splits))
         prepared = _FAST.get(key)
     except (AttributeError, TypeError):     # not tensors: the checks say so
         key = prepared = None
@@ -370,14 +374,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             if len(_FAST) >= 4096:
                 _FAST.clear()
             _FAST[key] = prepared
-    compiled, rest, tvm_ffi, head_dim = prepared
+    compiled, workspace, tvm_ffi, head_dim = prepared
     seqlens = cache_seqlens
     if k_new is not None:
         append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
         seqlens = cache_seqlens + k_new.shape[1]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    # (an LSE nobody reads goes to the workspace's own: one allocation fewer per call)
     lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32,
-                      device=q.device)
+                      device=q.device) if return_lse else workspace[0]
+    rest = workspace[1:]
     # (a contiguous cache has no table: the key counts stand in, never read as one)
     table = page_table if page_table is not None else seqlens.view(-1, 1)
     ones = _ones(q.device, q.shape[0], k_cache.shape[2])

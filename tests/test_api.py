@@ -307,3 +307,31 @@ def test_backward_copies_views_when_strided_reads_are_off(monkeypatch):
     api._backward_impl(qt, k, v, out, dout, lse, True, None)
     (seen,) = calls.backward
     assert seen["q"].is_contiguous() and torch.equal(seen["q"], qt) and seen["k"] is k
+
+
+def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
+    """A decode step with one key more than the last (a new shape) copies its sibling's
+    handle and reuses the workspace of its split count: no compile, no allocation but the
+    output; an LSE nobody asked for goes to the workspace's own. Refusals stay."""
+    from hopper_attn import api
+    from hopper_attn.common import contract, cute_runtime as rt
+    launches, compiles = [], []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(api, "_compile_options", lambda: rt.TVM_FFI)
+    monkeypatch.setattr(rt, "compile_for_example",
+                        lambda *a, **k: compiles.append(1) or (lambda *t: launches.append(t)))
+    for name in ("_HANDLES", "_FAST", "_DECODE_SIBLINGS"):
+        monkeypatch.setattr(api, name, {})
+    monkeypatch.setattr(contract, "_SHARED_WORKSPACES", {})
+    q = torch.randn(1, 1, 32, 128).to(torch.bfloat16)
+    cache = torch.zeros(1, 700, 8, 128, dtype=torch.bfloat16)
+    for n in range(512, 520):
+        hopper_attn.attention(q, cache[:, :n], cache[:, :n])
+    assert len(compiles) == 1 and len(launches) == 8 and len(api._HANDLES) == 8
+    assert len({id(t[5]) for t in launches}) == 1             # one partial-O buffer
+    assert len({id(t[4]) for t in launches}) == 1             # the workspace's LSE
+    _, lse = hopper_attn.attention(q, cache[:, :520], cache[:, :520], return_lse=True)
+    assert launches[-1][4] is lse and lse is not launches[0][4]
+    odd = torch.zeros(1, 700, 8, 130, dtype=torch.bfloat16)[..., :128]
+    with pytest.raises(ValueError, match="16 bytes"):
+        hopper_attn.attention(q, odd[:, :521], odd[:, :521])

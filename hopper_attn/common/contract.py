@@ -317,6 +317,8 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
     v as views of one packed (batch, seqlen, 3, heads, head_dim) tensor."""
     names = ("q", "k", "v", "out")
     tensors = (q, k, v, out)
+    shapes = {"q": problem.shape, "k": problem.kv_shape, "v": problem.v_shape,
+              "out": problem.out_shape}
     for name, t in zip(names, tensors):          # what the tensors are ...
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -325,8 +327,7 @@ def check_tensors(problem: Problem, q, k, v, out, strided: bool = False,
         want_dtype = (output_dtype if name == "out" else input_dtype) or problem.dtype
         if t.dtype != want_dtype:
             raise ValueError(f"{name} has dtype {t.dtype}, expected {want_dtype}")
-        want = {"q": problem.shape, "k": problem.kv_shape, "v": problem.v_shape,
-                "out": problem.out_shape}[name]
+        want = shapes[name]
         if name == "v" and v_seq_major:         # packed: seqlen rounded up to 16 (k7)
             want = (want[0], -(-want[1] // 16) * 16, *want[2:])
         if tuple(t.shape) != want:
@@ -370,16 +371,39 @@ def _per_stream(device, words: int) -> torch.Tensor:
     """A zeroed int32 buffer of `words` for `device`'s current stream, made once and kept
     (the kernels leave what must be zero at zero). One per stream, so that launches on
     different streams never share one; launches on one stream run in order."""
-    if isinstance(device, str):
-        device = torch.device(device)
-    cuda = device.type == "cuda"
-    index = (device.index if device.index is not None else torch.cuda.current_device()) \
-        if cuda else -1
-    key = (index, torch._C._cuda_getCurrentRawStream(index) if cuda else 0, words)
+    key = (*_stream_key(device), words)
     buffer = _COUNTERS.get(key)
     if buffer is None:
         buffer = _COUNTERS[key] = torch.zeros(words, dtype=torch.int32, device=device)
     return buffer
+
+
+def _stream_key(device) -> tuple:
+    """(device index, raw current stream) of `device` ((-1, 0) off CUDA)."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return -1, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch._C._cuda_getCurrentRawStream(index)
+
+
+_SHARED_WORKSPACES: dict = {}
+
+
+def shared_workspace(key, device, make: Callable[[], list]) -> list:
+    """`make()`'s buffers, made once per `key` and `device`'s current stream and kept, for a
+    workspace that its kernel leaves ready for the next launch (decode's counters back at
+    zero) and that many problems can share (decode: every key count with one split count),
+    so a decode step with one more key than the last allocates nothing. Launches on one
+    stream run in order; another stream gets its own buffers."""
+    full_key = (key, _stream_key(device))
+    buffers = _SHARED_WORKSPACES.get(full_key)
+    if buffers is None:
+        if len(_SHARED_WORKSPACES) >= 256:      # (many batch sizes: start over)
+            _SHARED_WORKSPACES.clear()
+        buffers = _SHARED_WORKSPACES[full_key] = make()
+    return buffers
 
 
 def work_counter(device) -> torch.Tensor:
@@ -511,7 +535,6 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
                       output_dtype=handle.spec.output_dtype)
         if handle.spec.extra_inputs is not None:
             (handle.spec.check_extra_inputs or check_descales)(problem, extra_inputs)
-    rt = _cute()
     if workspace is None and lse is not None and not handle.spec.keeps_workspace:
         workspace = [lse]
     if workspace is None:
@@ -526,6 +549,7 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
     if handle.tvm_ffi:                    # torch tensors straight in, torch's current stream
         handle.compiled(q, k, v, out, *extra_inputs, *workspace, scale * LOG2_E)
         return
+    rt = _cute()
     key = (tuple((t.data_ptr(), t.stride()) for t in (q, k, v, out, *extra_inputs,
                                                        *workspace)),
            problem.shape)

@@ -112,17 +112,33 @@ def run_forward(query, key, value, dropout_p: float, is_causal: bool,
         raise ValueError(f"dropout_p={dropout_p}: hopper_attn has no dropout")
     if return_debug_mask:
         raise ValueError("return_debug_mask: hopper_attn returns no attention weights")
-    if attention is None:
-        from hopper_attn.api import attention
-    with torch.no_grad():                    # below autograd already: the plain launch
-        out, lse = attention(bnhd(query), bnhd(key), bnhd(value), causal=bool(is_causal),
-                             softmax_scale=scale, return_lse=True)
-    # the RNG state is read only with dropout (which falls back): no fill kernels for it
-    seed = torch.empty((2,), dtype=torch.uint64, device=query.device)
-    offset = torch.empty((), dtype=torch.uint64, device=query.device)
-    debug = torch.empty(0, dtype=query.dtype, device=query.device)
+    if attention is None:     # below autograd already: attention()'s plain eager launch
+        from hopper_attn.api import _run
+        out, lse = _run(bnhd(query), bnhd(key), bnhd(value), bool(is_causal), scale, "")
+    else:
+        with torch.no_grad():
+            out, lse = attention(bnhd(query), bnhd(key), bnhd(value), causal=bool(is_causal),
+                                 softmax_scale=scale, return_lse=True)
+    seed, offset, debug = _placeholders(query)
     # (output, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug mask)
     return (bnhd(out), lse, None, None, query.shape[2], key.shape[2], seed, offset, debug)
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholders(query) -> tuple:
+    """The RNG state (seed, offset) and the empty debug mask that the op returns: read only
+    with dropout (which falls back to torch's kernel) and never written, so made once per
+    device and dtype and returned by every call (three allocations fewer per call)."""
+    key = (query.device, query.dtype)
+    held = _PLACEHOLDERS.get(key)
+    if held is None:
+        held = _PLACEHOLDERS[key] = (
+            torch.empty((2,), dtype=torch.uint64, device=query.device),
+            torch.empty((), dtype=torch.uint64, device=query.device),
+            torch.empty(0, dtype=query.dtype, device=query.device))
+    return held
 
 
 def run_backward(grad_out, query, key, value, out, logsumexp, dropout_p: float,
