@@ -75,7 +75,9 @@ from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 
 ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
 THREADS = 160               # consumer warpgroup + producer warp
+FP8_THREADS = 256           # e4m3 cache: consumer warpgroup + loader warpgroup (TMA, widening)
 PRODUCER_WARP = 4
+WIDE_STAGES = 2             # e4m3 cache: 16-bit K and V tiles the loaders widen into
 CONSUMER_BARRIER = 1        # named barrier of the 128 consumer threads
 MAX_SPLITS = 128
 SMEM_PER_CTA = 227 * 1024
@@ -86,6 +88,9 @@ LN_2 = math.log(2.0)
 # one CTA per SM, 192 KiB in flight) while the (batch, k/v head) items fit one CTA per SM,
 # 64 x 2 (81 KiB, two per SM) for more
 TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
+# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, Q 16 KiB +
+# 16-bit K and V rings of WIDE_STAGES 64 + e4m3 rings 128 + 1 = 209 KiB (128 KiB in flight)
+FP8_TILES = {64: (128, 8), 128: (64, 8), 256: (64, 2)}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
 
@@ -142,16 +147,19 @@ def tile_config(head_dim: int, block_n: int = 0, stages: int = 0) -> tuple[int, 
 
 def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
     """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
-    rings of `stages` and one 16-bit K and V tile they are widened into)."""
+    rings of `stages` and 16-bit K and V rings of WIDE_STAGES they are widened into)."""
     if fp8:
-        return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(block_n * head_dim * 2) \
+        return 1024 + smem_bytes(ROWS * head_dim * 2) \
+            + 2 * smem_bytes(WIDE_STAGES * block_n * head_dim * 2) \
             + 2 * smem_bytes(stages * block_n * head_dim)
     return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
 
 
 def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
     """CTAs one SM holds by shared memory (1 KiB reserved per CTA), at most 2 (registers:
-    2 x 160 threads x 204)."""
+    2 x 160 threads x 204); one with `fp8` (256 threads)."""
+    if fp8:
+        return 1
     return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages, fp8) + 1024)))
 
 
@@ -216,15 +224,25 @@ def prefers(problem) -> bool:
             and SPEC.unsupported_reason(problem, check_memory=False) is None)
 
 
+def wide_ring(barriers: cute.Pointer) -> pipeline.PipelineAsync:
+    """e4m3 cache: a ring of WIDE_STAGES 16-bit K or V tiles between the loader warpgroup
+    (each of its 128 threads arrives once its part of a tile is widened and fenced) and the
+    consumer warpgroup (one arrive per warp: `tma.release_stage`)."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barriers, num_stages=WIDE_STAGES,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4), defer_sync=True)
+
+
 class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
                  page_size: int = 0, fp8: bool = False):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
-        `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, each widened into one fp16 K or
-        V tile; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v head)
-        descales."""
+        `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
+        into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
+        head) descales."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
@@ -233,6 +251,7 @@ class DecodeAttention:
         if fp8 and not kv_cache:
             raise ValueError("fp8: kv_cache only")
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
+        self.threads = FP8_THREADS if fp8 else THREADS
         smem = smem_estimate(head_dim, block_n, stages, fp8)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
@@ -247,7 +266,7 @@ class DecodeAttention:
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,
-                "block_n": self.block_n, "stages": self.stages, "threads": THREADS,
+                "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk}
 
@@ -291,8 +310,9 @@ class DecodeAttention:
         o_part = cute.make_tensor(mOPart.iterator,
                                   cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
         q_layout = smem_tile_layout(self.mma_dtype, ROWS, d)
-        kv_layout = smem_tile_layout(self.mma_dtype, bn, d, 1 if self.fp8 else self.stages)
-        # (fp8: TMA fills rings of e4m3 tiles; kv_layout is the one 16-bit tile of each)
+        kv_layout = smem_tile_layout(self.mma_dtype, bn, d,
+                                     WIDE_STAGES if self.fp8 else self.stages)
+        # (fp8: TMA fills rings of e4m3 tiles; kv_layout: the 16-bit rings they widen into)
         load_dtype = mK.element_type
         load_layout = smem_tile_layout(load_dtype, bn, d, self.stages) if self.fp8 \
             else kv_layout
@@ -308,6 +328,8 @@ class DecodeAttention:
             class SharedStorage:
                 k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                k16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
+                v16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
                 last: cute.struct.MemRange[Int32, 4]
                 sQ: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
                                                            cute.cosize(q_layout)], 1024]
@@ -341,7 +363,7 @@ class DecodeAttention:
                     scale_log2, q_layout, kv_layout, mSeqlensK, mPageTable, mKDescale,
                     mVDescale, load_layout if self.fp8 else None, mSinks).launch(
             grid=[splits, heads_kv, batch * tiles_m],
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=self.ctas_per_sm,
             # (two CTAs per SM: all of the SM's shared memory, and no device query)
             **({"preferred_smem_carveout": 100} if self.ctas_per_sm > 1 else {}),
@@ -396,39 +418,54 @@ class DecodeAttention:
                                    self.tile_bytes)
         v_pipe = tma.make_tma_ring(storage.v_barriers.data_ptr(), self.stages, 4,
                                    self.tile_bytes)
+        k_ring, v_ring = k_pipe, v_pipe                     # the rings the WGMMAs read
+        loaders = warp == PRODUCER_WARP
+        if cutlass.const_expr(self.fp8):                    # e4m3: the 16-bit rings
+            k_ring, v_ring = (wide_ring(barriers.data_ptr()) for barriers in
+                              (storage.k16_barriers, storage.v16_barriers))
+            loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
 
-        if warp == PRODUCER_WARP:
-            # ---------------- producer warp: K_j, V_j of this split's kv tiles ----------------
-            if cutlass.const_expr(self.page_size):
-                last_slot = paged.last_page_slot(seqlen_k, self.page_size)
+        if loaders:
+            if cutlass.const_expr(self.fp8):
+                # ---- loader warpgroup (e4m3): TMA into the e4m3 rings, widened to 16 bits ----
+                paged.load_and_widen(k_pipe, v_pipe, k_ring, v_ring, tma_k, tma_v, mK, mV,
+                                     mPageTable, sK_load, sV_load, sK, sV, n_first, n_count,
+                                     seqlen_k, kv_head, batch, tidx - 128, self.stages,
+                                     self.page_size, bn)
             else:
-                k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK_load)
-                v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV_load)
-            produce = tma.producer_state(self.stages)
-            for j in cutlass.range(n_count, unroll=1):
-                if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
-                    pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
-                                             self.page_size, bn)
-                tma.acquire_empty(k_pipe, produce)
+                # -------------- producer warp: K_j, V_j of this split's kv tiles --------------
                 if cutlass.const_expr(self.page_size):
-                    paged.copy_paged_tile(tma_k, mK, pages, sK_load[None, None, produce.index],
-                                          n_first + j, kv_head,
-                                          k_pipe.producer_get_barrier(produce),
-                                          self.page_size, bn)
+                    last_slot = paged.last_page_slot(seqlen_k, self.page_size)
                 else:
-                    k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce),
-                                 produce.index)
-                tma.acquire_empty(v_pipe, produce)
-                if cutlass.const_expr(self.page_size):
-                    paged.copy_paged_tile(tma_v, mV, pages, sV_load[None, None, produce.index],
-                                          n_first + j, kv_head,
-                                          v_pipe.producer_get_barrier(produce),
-                                          self.page_size, bn)
-                else:
-                    v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
-                                 produce.index)
-                produce.advance()
+                    k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK_load)
+                    v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV_load)
+                produce = tma.producer_state(self.stages)
+                for j in cutlass.range(n_count, unroll=1):
+                    if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
+                        pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
+                                                 self.page_size, bn)
+                    tma.acquire_empty(k_pipe, produce)
+                    if cutlass.const_expr(self.page_size):
+                        paged.copy_paged_tile(tma_k, mK, pages,
+                                              sK_load[None, None, produce.index],
+                                              n_first + j, kv_head,
+                                              k_pipe.producer_get_barrier(produce),
+                                              self.page_size, bn)
+                    else:
+                        k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce),
+                                     produce.index)
+                    tma.acquire_empty(v_pipe, produce)
+                    if cutlass.const_expr(self.page_size):
+                        paged.copy_paged_tile(tma_v, mV, pages,
+                                              sV_load[None, None, produce.index],
+                                              n_first + j, kv_head,
+                                              v_pipe.producer_get_barrier(produce),
+                                              self.page_size, bn)
+                    else:
+                        v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
+                                     produce.index)
+                    produce.advance()
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
             consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)
@@ -455,27 +492,22 @@ class DecodeAttention:
                     query = (row0 + s_coords[r, 0][0]) // group
                     limits[r] = cutlass.min(seqlen_k, query + seqlen_k - seqlen_q + 1)
 
-            k_state = tma.consumer_state(self.stages)
-            v_state = tma.consumer_state(self.stages)
+            ring_stages = WIDE_STAGES if self.fp8 else self.stages
+            k_state = tma.consumer_state(ring_stages)
+            v_state = tma.consumer_state(ring_stages)
             for j in cutlass.range(n_count, unroll=1):
-                k_pipe.consumer_wait(k_state)
-                if cutlass.const_expr(self.fp8):            # e4m3 stages -> the 16-bit tiles
-                    self.widen(sK_load, sK, k_state, v_pipe, sV_load, sV, v_state, j > 0,
-                               tidx, consumers)
+                k_ring.consumer_wait(k_state)
                 if j > 0:                                   # O += P_{j-1} V_{j-1}
-                    v_pipe.consumer_wait(v_state)
+                    v_ring.consumer_wait(v_state)
                     wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                               mmas.vt_frag[None, None, None, self.stage16(v_state)],
-                               zero_init=False)
+                               mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
                 wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
-                           mmas.k_frag[None, None, None, self.stage16(k_state)], zero_init=True)
+                           mmas.k_frag[None, None, None, k_state.index], zero_init=True)
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(self.fp8):            # every warp done with the tiles
-                    consumers.arrive_and_wait()
                 if j > 0:
-                    tma.release_stage(v_pipe, v_state)
+                    tma.release_stage(v_ring, v_state)
                     v_state.advance()
-                tma.release_stage(k_pipe, k_state)
+                tma.release_stage(k_ring, k_state)
                 k_state.advance()
                 s_rc = acc_rows_cols(acc_s)
                 col0 = (n_first + j) * bn
@@ -488,26 +520,19 @@ class DecodeAttention:
                 scale_rows(o_rc, alpha)
                 mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
             if n_count > 0:                                 # the last tile's PV
-                v_pipe.consumer_wait(v_state)
-                if cutlass.const_expr(self.fp8):
-                    paged.widen_tile(sV_load[None, None, v_state.index], sV[None, None, 0],
-                                     tidx, 128)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    consumers.arrive_and_wait()
-                if cutlass.const_expr(self.kv_cache):
+                v_ring.consumer_wait(v_state)
+                if cutlass.const_expr(self.kv_cache and not self.fp8):
                     # a cache's rows past the request's keys may hold anything, NaN too:
-                    # zero them (their P is 0, but 0 x NaN is NaN)
+                    # zero them (their P is 0, but 0 x NaN is NaN; e4m3: the loaders do)
                     tail = seqlen_k - (n_first + n_count - 1) * bn
                     if tail < bn:
-                        paged.clear_rows_from(sV[None, None, self.stage16(v_state)], tail,
-                                              tidx, 128)
+                        paged.clear_rows_from(sV[None, None, v_state.index], tail, tidx, 128)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         consumers.arrive_and_wait()
                 wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                           mmas.vt_frag[None, None, None, self.stage16(v_state)],
-                           zero_init=False)
+                           mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
                 warpgroup.wait_group(0)
-                tma.release_stage(v_pipe, v_state)
+                tma.release_stage(v_ring, v_state)
 
             inv = softmax.finalize()                        # 1 / l, 0 for a row without keys
             lse = softmax.log_sum_exp(inv)                  # natural log, -inf without keys
@@ -558,22 +583,6 @@ class DecodeAttention:
                     cute.arch.fence_acq_rel_gpu()
                     self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
                                  part_rows, row0, group, kv_head, batch, tidx, mSinks)
-
-    def stage16(self, state):
-        """The 16-bit K / V tile a ring stage's WGMMAs read: the stage's own, or with `fp8`
-        the one tile the e4m3 stages are widened into."""
-        return 0 if self.fp8 else state.index
-
-    @cute.jit
-    def widen(self, sK8, sK, k_state, v_pipe, sV8, sV, v_state, with_v, tidx, consumers):
-        """fp8: K_j's e4m3 stage (landed) and, `with_v`, V_{j-1}'s (waited for here) widened
-        into the 16-bit tiles, fenced for the WGMMAs, the warpgroup synced."""
-        paged.widen_tile(sK8[None, None, k_state.index], sK[None, None, 0], tidx, 128)
-        if with_v:
-            v_pipe.consumer_wait(v_state)
-            paged.widen_tile(sV8[None, None, v_state.index], sV[None, None, 0], tidx, 128)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        consumers.arrive_and_wait()
 
     @cute.jit
     def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
