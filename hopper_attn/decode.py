@@ -29,10 +29,12 @@ count comes from a device tensor (the bottom-right diagonal and the splits per r
 and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from the pages
 that a page table names: common/paged.py), and the last tile's V rows past the request's
 keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
-cache (`fp8`), TMA fills rings of e4m3 tiles, the consumers widen each into one fp16 tile
-and the WGMMAs run in fp16 (Q converted when loaded), the descales folded into the softmax
-scale (K) and 1 / l (V): 128 x 4 e4m3 stages at d = 128 is Q 16 + one fp16 K and V tile 64
-+ rings 128 + 1 = 209 KiB, one CTA per SM; 64 x 4 is 113 KiB, two per SM.
+cache (`fp8`), 256 threads: a loader warpgroup (warps 4-7, warp 4 issuing the TMA loads of
+e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged.py,
+`load_and_widen`; V's rows past the keys as zeros), and the consumers' loop is the same
+over those rings, its WGMMAs in fp16 (Q converted when loaded), the descales folded into
+the softmax scale (K) and 1 / l (V). FP8_TILES: 64 x 8 e4m3 stages at d = 128 is Q 16 +
+fp16 rings 64 + e4m3 rings 128 + 1 = 209 KiB, one CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
@@ -224,16 +226,6 @@ def prefers(problem) -> bool:
             and SPEC.unsupported_reason(problem, check_memory=False) is None)
 
 
-def wide_ring(barriers: cute.Pointer) -> pipeline.PipelineAsync:
-    """e4m3 cache: a ring of WIDE_STAGES 16-bit K or V tiles between the loader warpgroup
-    (each of its 128 threads arrives once its part of a tile is widened and fenced) and the
-    consumer warpgroup (one arrive per warp: `tma.release_stage`)."""
-    return pipeline.PipelineAsync.create(
-        barrier_storage=barriers, num_stages=WIDE_STAGES,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4), defer_sync=True)
-
-
 class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
@@ -421,8 +413,8 @@ class DecodeAttention:
         k_ring, v_ring = k_pipe, v_pipe                     # the rings the WGMMAs read
         loaders = warp == PRODUCER_WARP
         if cutlass.const_expr(self.fp8):                    # e4m3: the 16-bit rings
-            k_ring, v_ring = (wide_ring(barriers.data_ptr()) for barriers in
-                              (storage.k16_barriers, storage.v16_barriers))
+            k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), WIDE_STAGES) for barriers
+                              in (storage.k16_barriers, storage.v16_barriers))
             loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
 
@@ -431,8 +423,8 @@ class DecodeAttention:
                 # ---- loader warpgroup (e4m3): TMA into the e4m3 rings, widened to 16 bits ----
                 paged.load_and_widen(k_pipe, v_pipe, k_ring, v_ring, tma_k, tma_v, mK, mV,
                                      mPageTable, sK_load, sV_load, sK, sV, n_first, n_count,
-                                     seqlen_k, kv_head, batch, tidx - 128, self.stages,
-                                     self.page_size, bn)
+                                     seqlen_k, kv_head, batch, tidx - 128,
+                                     warp == PRODUCER_WARP, self.stages, self.page_size, bn)
             else:
                 # -------------- producer warp: K_j, V_j of this split's kv tiles --------------
                 if cutlass.const_expr(self.page_size):

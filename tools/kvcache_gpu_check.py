@@ -4,6 +4,7 @@ path and SDPA over a gathered cache.
     python tools/kvcache_gpu_check.py --quick        # correctness only (< 2 min)
     python tools/kvcache_gpu_check.py                # correctness + the sweep
     python tools/kvcache_gpu_check.py --no-correctness --shapes small
+    python tools/kvcache_gpu_check.py --no-correctness --shapes small --fp8-tile 128x2
 
 Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
 and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
@@ -22,8 +23,9 @@ contiguous cache; and this project's e4m3 cache (the same values, half the bytes
 the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu_check.py
 (each call alone after a sleep kernel, on the next of enough cache copies to exceed the
 L2, medians of 30 rounds).
-TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. Everything goes to
-$OUT/kvcache.json.
+TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. `--fp8-tile NxS`: the e4m3
+cache's kv tile and ring depth at d 128 for this run (decode.FP8_TILES; correctness runs
+with it too), e.g. 128x2 against the default 64x8. Everything goes to $OUT/kvcache.json.
 """
 
 from __future__ import annotations
@@ -244,12 +246,17 @@ def main():
     parser.add_argument("--quick", action="store_true", help="correctness only")
     parser.add_argument("--no-correctness", action="store_true")
     parser.add_argument("--shapes", choices=("all", "small"), default="all")
+    parser.add_argument("--fp8-tile", default="", help="e4m3 cache tile at d 128, e.g. 128x2")
     args = parser.parse_args()
+    from hopper_attn import decode
     from hopper_attn.harness.env import environment
     from hopper_attn.harness.gpu_check import env_line, write_json
+    if args.fp8_tile:
+        block_n, stages = (int(x) for x in args.fp8_tile.split("x"))
+        decode.FP8_TILES[D] = (block_n, stages)
     env = environment()
-    print(env_line(env))
-    result = {"env": env}
+    print(env_line(env) + f" fp8 tile {decode.FP8_TILES[D]}")
+    result = {"env": env, "fp8_tile_d128": list(decode.FP8_TILES[D])}
     try:
         if not args.no_correctness:
             result["correctness"] = correctness()

@@ -1,5 +1,6 @@
 """KV-cache loads for the decode stage: kv tiles gathered from a paged cache through a page
-table, and the tail of a request's last kv tile cleared (device side, CuTe DSL).
+table, the tail of a request's last kv tile cleared, e4m3 tiles widened (device side,
+CuTe DSL).
 
 A paged cache is (num_pages, page_size, kv_heads, d), seen as (page_size, d, kv_heads,
 num_pages) by `ndhb_view`; request b's key n lives in page `page_table[b, n // page_size]`,
@@ -17,12 +18,17 @@ box past the request's last page reads that last page again (its table slot may 
 index, a page outside the cache included). What such rows hold never matters: their keys
 are masked (a score set to -inf replaces a NaN too) and their value rows are cleared by
 `clear_rows_from` before P V reads them (0 x NaN would be NaN in the WGMMA).
+
+An e4m3 cache (`load_and_widen`, `widen_tile`, `wide_ring`): a loader warpgroup TMA-loads
+e4m3 tiles (the same boxes) and widens them into 16-bit rings the consumers' WGMMAs read,
+writing V's rows past the keys as zeros (docs/kvcache.md).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
@@ -134,20 +140,30 @@ def _chunk(index, chunks: int):
     return (index // (8 * chunks)) * 8 + index % 8, (index // 8) % chunks
 
 
+def wide_ring(barriers: cute.Pointer, stages: int) -> pipeline.PipelineAsync:
+    """e4m3 cache: a ring of 16-bit K or V tiles between the loader warpgroup (each of its
+    128 threads arrives once its part of a tile is widened and fenced) and the consumer
+    warpgroup (one arrive per warp: `tma.release_stage`); mbarriers made visible by the
+    caller (`tma.barriers_ready`)."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barriers, num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4), defer_sync=True)
+
+
 @cute.jit
 def load_and_widen(k_pipe, v_pipe, k16_pipe, v16_pipe, tma_k: cute.CopyAtom,
                    tma_v: cute.CopyAtom, mK: cute.Tensor, mV: cute.Tensor, mPageTable,
                    sK8: cute.Tensor, sV8: cute.Tensor, sK16: cute.Tensor, sV16: cute.Tensor,
-                   n_first, n_count, seqlen_k, kv_head, batch, loader_tidx,
+                   n_first, n_count, seqlen_k, kv_head, batch, loader_tidx, issuer,
                    stages: cutlass.Constexpr, page_size: cutlass.Constexpr,
                    block_n: cutlass.Constexpr):
     """The loader warpgroup of an e4m3 cache (4 warps, `loader_tidx` 0-127): its first warp
-    issues the TMA loads of the e4m3 rings (`stages` tiles ahead), all four widen each e4m3
+    (`issuer`, warp-uniform) issues the TMA loads of the e4m3 rings (`stages` tiles ahead), all four widen each e4m3
     K and V stage into the 16-bit rings (k16_pipe, v16_pipe) the consumers' WGMMAs read,
     V's rows past the request's keys as zeros (a cache may hold NaN there: 0 x NaN is NaN
     in P V). The loaders are the e4m3 rings' only consumers: a stage is loaded again once
     all four warps have widened it."""
-    issuer = loader_tidx < 32
     if cutlass.const_expr(page_size):
         last_slot = last_page_slot(seqlen_k, page_size)
     else:
