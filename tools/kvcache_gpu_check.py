@@ -5,6 +5,7 @@ path and SDPA over a gathered cache.
     python tools/kvcache_gpu_check.py                # correctness + the sweep
     python tools/kvcache_gpu_check.py --no-correctness --shapes small
     python tools/kvcache_gpu_check.py --no-correctness --shapes small --fp8-tile 128x2
+    python tools/kvcache_gpu_check.py --no-correctness --shapes small --bf16-tile 64x6
 
 Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
 and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
@@ -25,7 +26,9 @@ the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu
 L2, medians of 30 rounds).
 TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. `--fp8-tile NxS`: the e4m3
 cache's kv tile and ring depth at d 128 for this run (decode.FP8_TILES; correctness runs
-with it too), e.g. 128x2 against the default 64x8. Everything goes to $OUT/kvcache.json.
+with it too), e.g. 128x2 against the default 64x8; `--bf16-tile NxS`: the one 16-bit tile
+(decode.TILES) at d 128 for every shape (a probe of paged caches at B1: more, smaller
+tiles in flight). Everything goes to $OUT/kvcache.json.
 """
 
 from __future__ import annotations
@@ -247,6 +250,7 @@ def main():
     parser.add_argument("--no-correctness", action="store_true")
     parser.add_argument("--shapes", choices=("all", "small"), default="all")
     parser.add_argument("--fp8-tile", default="", help="e4m3 cache tile at d 128, e.g. 128x2")
+    parser.add_argument("--bf16-tile", default="", help="16-bit tile at d 128, e.g. 64x6")
     args = parser.parse_args()
     from hopper_attn import decode
     from hopper_attn.harness.env import environment
@@ -254,9 +258,13 @@ def main():
     if args.fp8_tile:
         block_n, stages = (int(x) for x in args.fp8_tile.split("x"))
         decode.FP8_TILES[D] = (block_n, stages)
+    if args.bf16_tile:
+        block_n, stages = (int(x) for x in args.bf16_tile.split("x"))
+        decode.TILES[D] = [(block_n, stages)]
     env = environment()
-    print(env_line(env) + f" fp8 tile {decode.FP8_TILES[D]}")
-    result = {"env": env, "fp8_tile_d128": list(decode.FP8_TILES[D])}
+    print(env_line(env) + f" fp8 tile {decode.FP8_TILES[D]} 16-bit tiles {decode.TILES[D]}")
+    result = {"env": env, "fp8_tile_d128": list(decode.FP8_TILES[D]),
+              "tiles_d128": [list(t) for t in decode.TILES[D]]}
     try:
         if not args.no_correctness:
             result["correctness"] = correctness()
