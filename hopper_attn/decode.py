@@ -32,8 +32,8 @@ keys are zeroed in shared memory before P V (a cache may hold NaN there). With a
 cache (`fp8`), 256 threads: a loader warpgroup (warps 4-7, warp 4 issuing the TMA loads of
 e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged.py,
 `load_and_widen`; V's rows past the keys as zeros), and the consumers' loop is the same
-over those rings, its WGMMAs in fp16 (Q converted when loaded), the descales folded into
-the softmax scale (K) and 1 / l (V). FP8_TILES: 64 x 8 e4m3 stages at d = 128 is Q 16 +
+over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in registers for
+an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V). FP8_TILES: 64 x 8 e4m3 stages at d = 128 is Q 16 +
 fp16 rings 64 + e4m3 rings 128 + 1 = 209 KiB, one CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
@@ -244,6 +244,8 @@ class DecodeAttention:
             raise ValueError("fp8: kv_cache only")
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
         self.threads = FP8_THREADS if fp8 else THREADS
+        # fp8: Q (fp16) held in registers for an RS WGMMA (d = 256: no registers for it)
+        self.q_in_registers = fp8 and head_dim <= 128
         smem = smem_estimate(head_dim, block_n, stages, fp8)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
@@ -461,12 +463,20 @@ class DecodeAttention:
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
             consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)
-            self.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
-            cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
-            consumers.arrive_and_wait()
+            if cutlass.const_expr(not self.q_in_registers):
+                self.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
+                cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
+                consumers.arrive_and_wait()
 
             mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx, sQ, sK, transposed(sV),
                                               self.mma_dtype)
+            if cutlass.const_expr(self.q_in_registers):     # no SMEM read of Q per tile
+                q_acc = cute.make_rmem_tensor(mmas.thr_pv.partition_shape_C((ROWS, d)),
+                                              self.mma_dtype)
+                self.load_q_registers(q, q_acc, mmas.thr_pv.partition_C(
+                    cute.make_identity_tensor((ROWS, d))), row0, rows_valid, group, kv_head,
+                    batch)
+                mmas = wgmma.with_q_in_registers(mmas, sK, q_acc, tidx)
             acc_o = mmas.new_o_accumulator(ROWS, d)
             acc_s = mmas.new_s_accumulator(ROWS, bn)
             o_rc = acc_rows_cols(acc_o)
@@ -597,6 +607,25 @@ class DecodeAttention:
                 wide.store(frag.load().to(self.mma_dtype))
                 frag = wide
             cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
+
+    @cute.jit
+    def load_q_registers(self, q: cute.Tensor, q_acc: cute.Tensor, coords: cute.Tensor, row0,
+                         rows_valid, group, kv_head, batch):
+        """fp8: the tile's packed Q rows, converted to fp16, into registers held as a 64 x d
+        O accumulator (`coords`: its (row, col) per register; wgmma.with_q_in_registers),
+        zeros in the padding rows: each thread's pairs of neighbouring columns, 4 bytes a
+        load."""
+        q_acc.fill(0.0)
+        for rr in cutlass.range_constexpr(cute.size(q_acc.shape[0][1])):
+            row = coords[(0, rr, 0), 0, 0][0]
+            if row < rows_valid:
+                p = row0 + row
+                src = q[p // group, None, kv_head * group + p % group, batch]
+                for v in cutlass.range_constexpr(cute.size(q_acc.shape[0][2])):
+                    pair = cute.make_rmem_tensor((2,), self.dtype)
+                    col = coords[(0, rr, v), 0, 0][1]
+                    cute.autovec_copy(cute.local_tile(src, (2,), (col // 2,)), pair)
+                    q_acc[(None, rr, v), 0, 0].store(pair.load().to(self.mma_dtype))
 
     @cute.jit
     def store_rows(self, o: cute.Tensor, o_out: cute.Tensor, o_coords: cute.Tensor, row0,
