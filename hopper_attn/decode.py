@@ -242,6 +242,9 @@ class DecodeAttention:
                              f"got {page_size}")
         if fp8 and not kv_cache:
             raise ValueError("fp8: kv_cache only")
+        if fp8 and block_n * head_dim // 16 % 128:
+            raise ValueError(f"fp8: a kv tile of {block_n} x {head_dim} is not a whole number "
+                             f"of 16-byte chunks per loader thread (128)")
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
         self.threads = FP8_THREADS if fp8 else THREADS
         # fp8: Q (fp16) held in registers for an RS WGMMA (d = 256: no registers for it)
