@@ -159,11 +159,11 @@ def load_and_widen(k_pipe, v_pipe, k16_pipe, v16_pipe, tma_k: cute.CopyAtom,
                    stages: cutlass.Constexpr, page_size: cutlass.Constexpr,
                    block_n: cutlass.Constexpr):
     """The loader warpgroup of an e4m3 cache (4 warps, `loader_tidx` 0-127): its first warp
-    (`issuer`, warp-uniform) issues the TMA loads of the e4m3 rings (`stages` tiles ahead), all four widen each e4m3
-    K and V stage into the 16-bit rings (k16_pipe, v16_pipe) the consumers' WGMMAs read,
-    V's rows past the request's keys as zeros (a cache may hold NaN there: 0 x NaN is NaN
-    in P V). The loaders are the e4m3 rings' only consumers: a stage is loaded again once
-    all four warps have widened it."""
+    (`issuer`, warp-uniform) issues the TMA loads of the e4m3 rings, `stages` tiles ahead;
+    all four widen each e4m3 K and V stage into the 16-bit rings (k16_pipe, v16_pipe) the
+    consumers' WGMMAs read, V's rows past the request's keys as zeros (a cache may hold NaN
+    there: 0 x NaN is NaN in P V). The loaders are the e4m3 rings' only consumers: a stage
+    is loaded again once all four warps have widened it."""
     if cutlass.const_expr(page_size):
         last_slot = last_page_slot(seqlen_k, page_size)
     else:
