@@ -33,8 +33,9 @@ cache (`fp8`), 256 threads: a loader warpgroup (warps 4-7, warp 4 issuing the TM
 e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged.py,
 `load_and_widen`; V's rows past the keys as zeros), and the consumers' loop is the same
 over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in registers for
-an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V). FP8_TILES: 64 x 8 e4m3 stages at d = 128 is Q 16 +
-fp16 rings 64 + e4m3 rings 128 + 1 = 209 KiB, one CTA per SM (docs/kvcache.md).
+an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V).
+FP8_TILES: 64 x 8 e4m3 stages at d = 128 is Q 16 (unused there) + fp16 rings 64 + e4m3
+rings 128 + 1 = 209 KiB, one CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
