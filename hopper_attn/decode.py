@@ -34,8 +34,8 @@ e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged
 `load_and_widen`; V's rows past the keys as zeros), and the consumers' loop is the same
 over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in registers for
 an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V).
-FP8_TILES: 64 x 8 e4m3 stages at d = 128 is Q 16 (unused there) + fp16 rings 64 + e4m3
-rings 128 + 1 = 209 KiB, one CTA per SM (docs/kvcache.md).
+FP8_TILES: 64 x 9 e4m3 stages at d = 128 is fp16 rings 64 + e4m3 rings 144 + 2 = 210
+KiB, one CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
@@ -91,9 +91,10 @@ LN_2 = math.log(2.0)
 # one CTA per SM, 192 KiB in flight) while the (batch, k/v head) items fit one CTA per SM,
 # 64 x 2 (81 KiB, two per SM) for more
 TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
-# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, Q 16 KiB +
-# 16-bit K and V rings of WIDE_STAGES 64 + e4m3 rings 128 + 1 = 209 KiB (128 KiB in flight)
-FP8_TILES = {64: (128, 8), 128: (64, 8), 256: (64, 2)}
+# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, 16-bit K and
+# V rings of WIDE_STAGES 64 KiB + e4m3 rings 144 + 2 = 210 KiB (144 KiB in flight; 10
+# stages would leave no byte of the 227 KiB beside the 1 KiB the kernel declares statically)
+FP8_TILES = {64: (128, 9), 128: (64, 9), 256: (64, 2)}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
 
@@ -148,11 +149,19 @@ def tile_config(head_dim: int, block_n: int = 0, stages: int = 0) -> tuple[int, 
     return block_n, stages
 
 
+def q_in_registers(head_dim: int, fp8: bool) -> bool:
+    """fp8: Q (fp16) held in registers for an RS WGMMA, no Q tile in shared memory (d = 256:
+    no registers for it)."""
+    return fp8 and head_dim <= 128
+
+
 def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
     """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
-    rings of `stages` and 16-bit K and V rings of WIDE_STAGES they are widened into)."""
+    rings of `stages` and 16-bit K and V rings of WIDE_STAGES they are widened into; Q's
+    tile, or 1 KiB where Q is held in registers)."""
     if fp8:
-        return 1024 + smem_bytes(ROWS * head_dim * 2) \
+        q_bytes = 1024 if q_in_registers(head_dim, fp8) else smem_bytes(ROWS * head_dim * 2)
+        return 1024 + q_bytes \
             + 2 * smem_bytes(WIDE_STAGES * block_n * head_dim * 2) \
             + 2 * smem_bytes(stages * block_n * head_dim)
     return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
@@ -248,8 +257,7 @@ class DecodeAttention:
                              f"of 16-byte chunks per loader thread (128)")
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
         self.threads = FP8_THREADS if fp8 else THREADS
-        # fp8: Q (fp16) held in registers for an RS WGMMA (d = 256: no registers for it)
-        self.q_in_registers = fp8 and head_dim <= 128
+        self.q_in_registers = q_in_registers(head_dim, fp8)
         smem = smem_estimate(head_dim, block_n, stages, fp8)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
@@ -329,8 +337,6 @@ class DecodeAttention:
                 k16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
                 v16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
                 last: cute.struct.MemRange[Int32, 4]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
-                                                           cute.cosize(q_layout)], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
                                                            cute.cosize(kv_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
@@ -339,6 +345,9 @@ class DecodeAttention:
                                                             cute.cosize(load_layout)], 1024]
                 sV8: cute.struct.Align[cute.struct.MemRange[load_dtype,
                                                             cute.cosize(load_layout)], 1024]
+                # (Q in registers: 16 bytes, never read)
+                sQ: cute.struct.Align[cute.struct.MemRange[
+                    self.mma_dtype, 8 if self.q_in_registers else cute.cosize(q_layout)], 1024]
         else:
             @cute.struct
             class SharedStorage:
@@ -472,8 +481,9 @@ class DecodeAttention:
                 cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
                 consumers.arrive_and_wait()
 
-            mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx, sQ, sK, transposed(sV),
-                                              self.mma_dtype)
+            mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx,
+                                              None if self.q_in_registers else sQ, sK,
+                                              transposed(sV), self.mma_dtype)
             if cutlass.const_expr(self.q_in_registers):     # no SMEM read of Q per tile
                 q_acc = cute.make_rmem_tensor(mmas.thr_pv.partition_shape_C((ROWS, d)),
                                               self.mma_dtype)

@@ -142,7 +142,8 @@ class AttentionMmas:
                vt_k_major: bool = False, s_dtype=Float32,
                head_dim_v: int = 0) -> "AttentionMmas":
         """`s_dtype`: S's accumulator type; `head_dim_v`: V's and O's head dim, the PV
-        GEMM's N (0: head_dim)."""
+        GEMM's N (0: head_dim); `sQ` None: no Q tile (Q from registers:
+        `with_q_in_registers`)."""
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype, s_dtype)
         mma_pv = pv_mma(warpgroups, head_dim_v or head_dim, dtype, vt_k_major)
         wg_qk = warpgroup_slice(mma_qk, tidx, uniform)
@@ -151,7 +152,7 @@ class AttentionMmas:
         p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n)))
         return AttentionMmas(
             mma_qk, mma_pv, thr_qk, thr_pv,
-            q_frag=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
+            q_frag=None if sQ is None else wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
             k_frag=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
             vt_frag=wg_pv.make_fragment_B(wg_pv.partition_B(sVt)),
             p_frag=p_frag,
