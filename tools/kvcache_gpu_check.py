@@ -27,7 +27,7 @@ the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu
 L2, medians of 30 rounds).
 TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. `--fp8-tile NxS`: the e4m3
 cache's kv tile and ring depth at d 128 for this run (decode.FP8_TILES; correctness runs
-with it too), e.g. 128x2 against the default 64x8; `--bf16-tile NxS`: the one 16-bit tile
+with it too), e.g. 128x2 against the default 64x9; `--bf16-tile NxS`: the one 16-bit tile
 (decode.TILES) at d 128 for every shape (a probe of paged caches at B1: more, smaller
 tiles in flight); `--sorted-pages`: page tables in memory order instead of shuffled (a
 probe: whether a paged cache's loss at one request comes from where its pages lie or from
