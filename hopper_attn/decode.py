@@ -29,10 +29,13 @@ count comes from a device tensor (the bottom-right diagonal and the splits per r
 and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from the pages
 that a page table names: common/paged.py), and the last tile's V rows past the request's
 keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
-cache (`fp8`), TMA fills rings of e4m3 tiles, the consumers widen each into one fp16 tile
-and the WGMMAs run in fp16 (Q converted when loaded), the descales folded into the softmax
-scale (K) and 1 / l (V): 128 x 4 e4m3 stages at d = 128 is Q 16 + one fp16 K and V tile 64
-+ rings 128 + 1 = 209 KiB, one CTA per SM; 64 x 4 is 113 KiB, two per SM.
+cache (`fp8`), 256 threads: a loader warpgroup (warps 4-7, warp 4 issuing the TMA loads of
+e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged.py,
+`load_and_widen`; V's rows past the keys as zeros), and the consumers' loop is the same
+over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in registers for
+an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V).
+FP8_TILES: 64 x 9 e4m3 stages at d = 128 is fp16 rings 64 + e4m3 rings 144 + 2 = 210
+KiB, one CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
@@ -75,7 +78,9 @@ from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 
 ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
 THREADS = 160               # consumer warpgroup + producer warp
+FP8_THREADS = 256           # e4m3 cache: consumer warpgroup + loader warpgroup (TMA, widening)
 PRODUCER_WARP = 4
+WIDE_STAGES = 2             # e4m3 cache: 16-bit K and V tiles the loaders widen into
 CONSUMER_BARRIER = 1        # named barrier of the 128 consumer threads
 MAX_SPLITS = 128
 SMEM_PER_CTA = 227 * 1024
@@ -86,6 +91,10 @@ LN_2 = math.log(2.0)
 # one CTA per SM, 192 KiB in flight) while the (batch, k/v head) items fit one CTA per SM,
 # 64 x 2 (81 KiB, two per SM) for more
 TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
+# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, 16-bit K and
+# V rings of WIDE_STAGES 64 KiB + e4m3 rings 144 + 2 = 210 KiB (144 KiB in flight; 10
+# stages would leave no byte of the 227 KiB beside the 1 KiB the kernel declares statically)
+FP8_TILES = {64: (128, 9), 128: (64, 9), 256: (64, 2)}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
 
@@ -140,18 +149,29 @@ def tile_config(head_dim: int, block_n: int = 0, stages: int = 0) -> tuple[int, 
     return block_n, stages
 
 
+def q_in_registers(head_dim: int, fp8: bool) -> bool:
+    """fp8: Q (fp16) held in registers for an RS WGMMA, no Q tile in shared memory (d = 256:
+    no registers for it)."""
+    return fp8 and head_dim <= 128
+
+
 def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
     """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
-    rings of `stages` and one 16-bit K and V tile they are widened into)."""
+    rings of `stages` and 16-bit K and V rings of WIDE_STAGES they are widened into; Q's
+    tile, or 1 KiB where Q is held in registers)."""
     if fp8:
-        return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(block_n * head_dim * 2) \
+        q_bytes = 1024 if q_in_registers(head_dim, fp8) else smem_bytes(ROWS * head_dim * 2)
+        return 1024 + q_bytes \
+            + 2 * smem_bytes(WIDE_STAGES * block_n * head_dim * 2) \
             + 2 * smem_bytes(stages * block_n * head_dim)
     return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
 
 
 def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
     """CTAs one SM holds by shared memory (1 KiB reserved per CTA), at most 2 (registers:
-    2 x 160 threads x 204)."""
+    2 x 160 threads x 204); one with `fp8` (256 threads)."""
+    if fp8:
+        return 1
     return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages, fp8) + 1024)))
 
 
@@ -222,9 +242,9 @@ class DecodeAttention:
                  page_size: int = 0, fp8: bool = False):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
-        `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, each widened into one fp16 K or
-        V tile; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v head)
-        descales."""
+        `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
+        into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
+        head) descales."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
@@ -232,7 +252,12 @@ class DecodeAttention:
                              f"got {page_size}")
         if fp8 and not kv_cache:
             raise ValueError("fp8: kv_cache only")
+        if fp8 and block_n * head_dim // 16 % 128:
+            raise ValueError(f"fp8: a kv tile of {block_n} x {head_dim} is not a whole number "
+                             f"of 16-byte chunks per loader thread (128)")
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
+        self.threads = FP8_THREADS if fp8 else THREADS
+        self.q_in_registers = q_in_registers(head_dim, fp8)
         smem = smem_estimate(head_dim, block_n, stages, fp8)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
@@ -247,7 +272,7 @@ class DecodeAttention:
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,
-                "block_n": self.block_n, "stages": self.stages, "threads": THREADS,
+                "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk}
 
@@ -291,8 +316,9 @@ class DecodeAttention:
         o_part = cute.make_tensor(mOPart.iterator,
                                   cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
         q_layout = smem_tile_layout(self.mma_dtype, ROWS, d)
-        kv_layout = smem_tile_layout(self.mma_dtype, bn, d, 1 if self.fp8 else self.stages)
-        # (fp8: TMA fills rings of e4m3 tiles; kv_layout is the one 16-bit tile of each)
+        kv_layout = smem_tile_layout(self.mma_dtype, bn, d,
+                                     WIDE_STAGES if self.fp8 else self.stages)
+        # (fp8: TMA fills rings of e4m3 tiles; kv_layout: the 16-bit rings they widen into)
         load_dtype = mK.element_type
         load_layout = smem_tile_layout(load_dtype, bn, d, self.stages) if self.fp8 \
             else kv_layout
@@ -308,9 +334,9 @@ class DecodeAttention:
             class SharedStorage:
                 k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+                k16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
+                v16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
                 last: cute.struct.MemRange[Int32, 4]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
-                                                           cute.cosize(q_layout)], 1024]
                 sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
                                                            cute.cosize(kv_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
@@ -319,6 +345,9 @@ class DecodeAttention:
                                                             cute.cosize(load_layout)], 1024]
                 sV8: cute.struct.Align[cute.struct.MemRange[load_dtype,
                                                             cute.cosize(load_layout)], 1024]
+                # (Q in registers: 16 bytes, never read)
+                sQ: cute.struct.Align[cute.struct.MemRange[
+                    self.mma_dtype, 8 if self.q_in_registers else cute.cosize(q_layout)], 1024]
         else:
             @cute.struct
             class SharedStorage:
@@ -341,7 +370,7 @@ class DecodeAttention:
                     scale_log2, q_layout, kv_layout, mSeqlensK, mPageTable, mKDescale,
                     mVDescale, load_layout if self.fp8 else None, mSinks).launch(
             grid=[splits, heads_kv, batch * tiles_m],
-            block=[THREADS, 1, 1],
+            block=[self.threads, 1, 1],
             min_blocks_per_mp=self.ctas_per_sm,
             # (two CTAs per SM: all of the SM's shared memory, and no device query)
             **({"preferred_smem_carveout": 100} if self.ctas_per_sm > 1 else {}),
@@ -396,48 +425,72 @@ class DecodeAttention:
                                    self.tile_bytes)
         v_pipe = tma.make_tma_ring(storage.v_barriers.data_ptr(), self.stages, 4,
                                    self.tile_bytes)
+        k_ring, v_ring = k_pipe, v_pipe                     # the rings the WGMMAs read
+        loaders = warp == PRODUCER_WARP
+        if cutlass.const_expr(self.fp8):                    # e4m3: the 16-bit rings
+            k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), WIDE_STAGES) for barriers
+                              in (storage.k16_barriers, storage.v16_barriers))
+            loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
 
-        if warp == PRODUCER_WARP:
-            # ---------------- producer warp: K_j, V_j of this split's kv tiles ----------------
-            if cutlass.const_expr(self.page_size):
-                last_slot = paged.last_page_slot(seqlen_k, self.page_size)
+        if loaders:
+            if cutlass.const_expr(self.fp8):
+                # ---- loader warpgroup (e4m3): TMA into the e4m3 rings, widened to 16 bits ----
+                paged.load_and_widen(k_pipe, v_pipe, k_ring, v_ring, tma_k, tma_v, mK, mV,
+                                     mPageTable, sK_load, sV_load, sK, sV, n_first, n_count,
+                                     seqlen_k, kv_head, batch, tidx - 128,
+                                     warp == PRODUCER_WARP, self.stages, self.page_size, bn)
             else:
-                k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK_load)
-                v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV_load)
-            produce = tma.producer_state(self.stages)
-            for j in cutlass.range(n_count, unroll=1):
-                if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
-                    pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
-                                             self.page_size, bn)
-                tma.acquire_empty(k_pipe, produce)
+                # -------------- producer warp: K_j, V_j of this split's kv tiles --------------
                 if cutlass.const_expr(self.page_size):
-                    paged.copy_paged_tile(tma_k, mK, pages, sK_load[None, None, produce.index],
-                                          n_first + j, kv_head,
-                                          k_pipe.producer_get_barrier(produce),
-                                          self.page_size, bn)
+                    last_slot = paged.last_page_slot(seqlen_k, self.page_size)
                 else:
-                    k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce),
-                                 produce.index)
-                tma.acquire_empty(v_pipe, produce)
-                if cutlass.const_expr(self.page_size):
-                    paged.copy_paged_tile(tma_v, mV, pages, sV_load[None, None, produce.index],
-                                          n_first + j, kv_head,
-                                          v_pipe.producer_get_barrier(produce),
-                                          self.page_size, bn)
-                else:
-                    v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
-                                 produce.index)
-                produce.advance()
+                    k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK_load)
+                    v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV_load)
+                produce = tma.producer_state(self.stages)
+                for j in cutlass.range(n_count, unroll=1):
+                    if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
+                        pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
+                                                 self.page_size, bn)
+                    tma.acquire_empty(k_pipe, produce)
+                    if cutlass.const_expr(self.page_size):
+                        paged.copy_paged_tile(tma_k, mK, pages,
+                                              sK_load[None, None, produce.index],
+                                              n_first + j, kv_head,
+                                              k_pipe.producer_get_barrier(produce),
+                                              self.page_size, bn)
+                    else:
+                        k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce),
+                                     produce.index)
+                    tma.acquire_empty(v_pipe, produce)
+                    if cutlass.const_expr(self.page_size):
+                        paged.copy_paged_tile(tma_v, mV, pages,
+                                              sV_load[None, None, produce.index],
+                                              n_first + j, kv_head,
+                                              v_pipe.producer_get_barrier(produce),
+                                              self.page_size, bn)
+                    else:
+                        v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
+                                     produce.index)
+                    produce.advance()
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
             consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)
-            self.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
-            cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
-            consumers.arrive_and_wait()
+            if cutlass.const_expr(not self.q_in_registers):
+                self.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
+                cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
+                consumers.arrive_and_wait()
 
-            mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx, sQ, sK, transposed(sV),
+            mmas = wgmma.AttentionMmas.create(1, ROWS, bn, d, tidx,
+                                              None if self.q_in_registers else sQ, sK,
+                                              transposed(sV), self.mma_dtype)
+            if cutlass.const_expr(self.q_in_registers):     # no SMEM read of Q per tile
+                q_acc = cute.make_rmem_tensor(mmas.thr_pv.partition_shape_C((ROWS, d)),
                                               self.mma_dtype)
+                self.load_q_registers(q, q_acc, mmas.thr_pv.partition_C(
+                    cute.make_identity_tensor((ROWS, d))), row0, rows_valid, group, kv_head,
+                    batch)
+                mmas = wgmma.with_q_in_registers(mmas, sK, q_acc, tidx)
             acc_o = mmas.new_o_accumulator(ROWS, d)
             acc_s = mmas.new_s_accumulator(ROWS, bn)
             o_rc = acc_rows_cols(acc_o)
@@ -455,27 +508,22 @@ class DecodeAttention:
                     query = (row0 + s_coords[r, 0][0]) // group
                     limits[r] = cutlass.min(seqlen_k, query + seqlen_k - seqlen_q + 1)
 
-            k_state = tma.consumer_state(self.stages)
-            v_state = tma.consumer_state(self.stages)
+            ring_stages = WIDE_STAGES if self.fp8 else self.stages
+            k_state = tma.consumer_state(ring_stages)
+            v_state = tma.consumer_state(ring_stages)
             for j in cutlass.range(n_count, unroll=1):
-                k_pipe.consumer_wait(k_state)
-                if cutlass.const_expr(self.fp8):            # e4m3 stages -> the 16-bit tiles
-                    self.widen(sK_load, sK, k_state, v_pipe, sV_load, sV, v_state, j > 0,
-                               tidx, consumers)
+                k_ring.consumer_wait(k_state)
                 if j > 0:                                   # O += P_{j-1} V_{j-1}
-                    v_pipe.consumer_wait(v_state)
+                    v_ring.consumer_wait(v_state)
                     wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                               mmas.vt_frag[None, None, None, self.stage16(v_state)],
-                               zero_init=False)
+                               mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
                 wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
-                           mmas.k_frag[None, None, None, self.stage16(k_state)], zero_init=True)
+                           mmas.k_frag[None, None, None, k_state.index], zero_init=True)
                 warpgroup.wait_group(0)
-                if cutlass.const_expr(self.fp8):            # every warp done with the tiles
-                    consumers.arrive_and_wait()
                 if j > 0:
-                    tma.release_stage(v_pipe, v_state)
+                    tma.release_stage(v_ring, v_state)
                     v_state.advance()
-                tma.release_stage(k_pipe, k_state)
+                tma.release_stage(k_ring, k_state)
                 k_state.advance()
                 s_rc = acc_rows_cols(acc_s)
                 col0 = (n_first + j) * bn
@@ -488,26 +536,19 @@ class DecodeAttention:
                 scale_rows(o_rc, alpha)
                 mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
             if n_count > 0:                                 # the last tile's PV
-                v_pipe.consumer_wait(v_state)
-                if cutlass.const_expr(self.fp8):
-                    paged.widen_tile(sV_load[None, None, v_state.index], sV[None, None, 0],
-                                     tidx, 128)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    consumers.arrive_and_wait()
-                if cutlass.const_expr(self.kv_cache):
+                v_ring.consumer_wait(v_state)
+                if cutlass.const_expr(self.kv_cache and not self.fp8):
                     # a cache's rows past the request's keys may hold anything, NaN too:
-                    # zero them (their P is 0, but 0 x NaN is NaN)
+                    # zero them (their P is 0, but 0 x NaN is NaN; e4m3: the loaders do)
                     tail = seqlen_k - (n_first + n_count - 1) * bn
                     if tail < bn:
-                        paged.clear_rows_from(sV[None, None, self.stage16(v_state)], tail,
-                                              tidx, 128)
+                        paged.clear_rows_from(sV[None, None, v_state.index], tail, tidx, 128)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         consumers.arrive_and_wait()
                 wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                           mmas.vt_frag[None, None, None, self.stage16(v_state)],
-                           zero_init=False)
+                           mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
                 warpgroup.wait_group(0)
-                tma.release_stage(v_pipe, v_state)
+                tma.release_stage(v_ring, v_state)
 
             inv = softmax.finalize()                        # 1 / l, 0 for a row without keys
             lse = softmax.log_sum_exp(inv)                  # natural log, -inf without keys
@@ -559,22 +600,6 @@ class DecodeAttention:
                     self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
                                  part_rows, row0, group, kv_head, batch, tidx, mSinks)
 
-    def stage16(self, state):
-        """The 16-bit K / V tile a ring stage's WGMMAs read: the stage's own, or with `fp8`
-        the one tile the e4m3 stages are widened into."""
-        return 0 if self.fp8 else state.index
-
-    @cute.jit
-    def widen(self, sK8, sK, k_state, v_pipe, sV8, sV, v_state, with_v, tidx, consumers):
-        """fp8: K_j's e4m3 stage (landed) and, `with_v`, V_{j-1}'s (waited for here) widened
-        into the 16-bit tiles, fenced for the WGMMAs, the warpgroup synced."""
-        paged.widen_tile(sK8[None, None, k_state.index], sK[None, None, 0], tidx, 128)
-        if with_v:
-            v_pipe.consumer_wait(v_state)
-            paged.widen_tile(sV8[None, None, v_state.index], sV[None, None, 0], tidx, 128)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        consumers.arrive_and_wait()
-
     @cute.jit
     def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
                batch):
@@ -596,6 +621,25 @@ class DecodeAttention:
                 wide.store(frag.load().to(self.mma_dtype))
                 frag = wide
             cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
+
+    @cute.jit
+    def load_q_registers(self, q: cute.Tensor, q_acc: cute.Tensor, coords: cute.Tensor, row0,
+                         rows_valid, group, kv_head, batch):
+        """fp8: the tile's packed Q rows, converted to fp16, into registers held as a 64 x d
+        O accumulator (`coords`: its (row, col) per register; wgmma.with_q_in_registers),
+        zeros in the padding rows: each thread's pairs of neighbouring columns, 4 bytes a
+        load."""
+        q_acc.fill(0.0)
+        for rr in cutlass.range_constexpr(cute.size(q_acc.shape[0][1])):
+            row = coords[(0, rr, 0), 0, 0][0]
+            if row < rows_valid:
+                p = row0 + row
+                src = q[p // group, None, kv_head * group + p % group, batch]
+                for v in cutlass.range_constexpr(cute.size(q_acc.shape[0][2])):
+                    pair = cute.make_rmem_tensor((2,), self.dtype)
+                    col = coords[(0, rr, v), 0, 0][1]
+                    cute.autovec_copy(cute.local_tile(src, (2,), (col // 2,)), pair)
+                    q_acc[(None, rr, v), 0, 0].store(pair.load().to(self.mma_dtype))
 
     @cute.jit
     def store_rows(self, o: cute.Tensor, o_out: cute.Tensor, o_coords: cute.Tensor, row0,

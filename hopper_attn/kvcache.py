@@ -28,10 +28,6 @@ MAX_SPLITS = 128            # decode.MAX_SPLITS (not imported here: that loads t
 FP8 = torch.float8_e4m3fn
 
 
-def fp8_stages(head_dim: int) -> int:
-    """e4m3 ring depth of the fp8 cache: 4 (3 at d = 256: one 16-bit K and V tile and the
-    rings must fit the CTAs per SM of the 16-bit tile `tile_for` picked)."""
-    return 3 if head_dim == 256 else 4
 DTYPES = (torch.bfloat16, torch.float16)
 
 _COMPILED: dict = {}
@@ -265,12 +261,12 @@ def _workspace(problem: Problem, device, block_n: int, stages: int, splits: int)
 
 
 def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int, int, int]:
-    """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the 16-bit
-    tile's choice, with `fp8_stages` e4m3 stages: the same CTAs per SM)."""
+    """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the e4m3
+    cache's tile and ring depth, decode.FP8_TILES, one CTA per SM)."""
     from hopper_attn import decode
-    block_n, stages = decode.tile_for(problem)
+    block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
-    return block_n, fp8_stages(problem.head_dim) if fp8 else stages, splits
+    return block_n, stages, splits
 
 
 _ONES: dict = {}

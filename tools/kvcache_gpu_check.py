@@ -4,6 +4,9 @@ path and SDPA over a gathered cache.
     python tools/kvcache_gpu_check.py --quick        # correctness only (< 2 min)
     python tools/kvcache_gpu_check.py                # correctness + the sweep
     python tools/kvcache_gpu_check.py --no-correctness --shapes small
+    python tools/kvcache_gpu_check.py --no-correctness --shapes small --fp8-tile 128x2
+    python tools/kvcache_gpu_check.py --no-correctness --shapes small --bf16-tile 64x6
+    python tools/kvcache_gpu_check.py --no-correctness --shapes small --sorted-pages
 
 Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
 and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
@@ -22,8 +25,13 @@ contiguous cache; and this project's e4m3 cache (the same values, half the bytes
 the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu_check.py
 (each call alone after a sleep kernel, on the next of enough cache copies to exceed the
 L2, medians of 30 rounds).
-TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. Everything goes to
-$OUT/kvcache.json.
+TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. `--fp8-tile NxS`: the e4m3
+cache's kv tile and ring depth at d 128 for this run (decode.FP8_TILES; correctness runs
+with it too), e.g. 128x2 against the default 64x9; `--bf16-tile NxS`: the one 16-bit tile
+(decode.TILES) at d 128 for every shape (a probe of paged caches at B1: more, smaller
+tiles in flight); `--sorted-pages`: page tables in memory order instead of shuffled (a
+probe: whether a paged cache's loss at one request comes from where its pages lie or from
+the boxes per tile). Everything goes to $OUT/kvcache.json.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ SHAPES = [(1, 1024), (1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), 
           (256, 4096)]
 SMALL = [(1, 32768), (1, 131072), (64, 4096), (256, 4096)]
 HQ, HKV, D = 32, 8, 128
+SORTED_PAGES = False        # --sorted-pages
 L2_BYTES = 50e6
 
 
@@ -124,6 +133,8 @@ def _caches(batch: int, n: int, page_size: int, gen):
     pages = batch * per
     k = torch.randn(pages, page_size, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
     perm = torch.randperm(pages, device="cuda", generator=gen).int()
+    if SORTED_PAGES:            # (a probe: page order in memory vs TMA boxes per tile)
+        perm = torch.arange(pages, device="cuda", dtype=torch.int32)
     return k, torch.randn_like(k), perm.view(batch, per)
 
 
@@ -244,12 +255,26 @@ def main():
     parser.add_argument("--quick", action="store_true", help="correctness only")
     parser.add_argument("--no-correctness", action="store_true")
     parser.add_argument("--shapes", choices=("all", "small"), default="all")
+    parser.add_argument("--fp8-tile", default="", help="e4m3 cache tile at d 128, e.g. 128x2")
+    parser.add_argument("--bf16-tile", default="", help="16-bit tile at d 128, e.g. 64x6")
+    parser.add_argument("--sorted-pages", action="store_true", help="unshuffled page tables")
     args = parser.parse_args()
+    global SORTED_PAGES
+    SORTED_PAGES = args.sorted_pages
+    from hopper_attn import decode
     from hopper_attn.harness.env import environment
     from hopper_attn.harness.gpu_check import env_line, write_json
+    if args.fp8_tile:
+        block_n, stages = (int(x) for x in args.fp8_tile.split("x"))
+        decode.FP8_TILES[D] = (block_n, stages)
+    if args.bf16_tile:
+        block_n, stages = (int(x) for x in args.bf16_tile.split("x"))
+        decode.TILES[D] = [(block_n, stages)]
     env = environment()
-    print(env_line(env))
-    result = {"env": env}
+    print(env_line(env) + f" fp8 tile {decode.FP8_TILES[D]} 16-bit tiles {decode.TILES[D]}")
+    result = {"env": env, "fp8_tile_d128": list(decode.FP8_TILES[D]),
+              "sorted_pages": SORTED_PAGES,
+              "tiles_d128": [list(t) for t in decode.TILES[D]]}
     try:
         if not args.no_correctness:
             result["correctness"] = correctness()

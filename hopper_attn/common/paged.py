@@ -1,5 +1,6 @@
 """KV-cache loads for the decode stage: kv tiles gathered from a paged cache through a page
-table, and the tail of a request's last kv tile cleared (device side, CuTe DSL).
+table, the tail of a request's last kv tile cleared, e4m3 tiles widened (device side,
+CuTe DSL).
 
 A paged cache is (num_pages, page_size, kv_heads, d), seen as (page_size, d, kv_heads,
 num_pages) by `ndhb_view`; request b's key n lives in page `page_table[b, n // page_size]`,
@@ -17,14 +18,21 @@ box past the request's last page reads that last page again (its table slot may 
 index, a page outside the cache included). What such rows hold never matters: their keys
 are masked (a score set to -inf replaces a NaN too) and their value rows are cleared by
 `clear_rows_from` before P V reads them (0 x NaN would be NaN in the WGMMA).
+
+An e4m3 cache (`load_and_widen`, `widen_tile`, `wide_ring`): a loader warpgroup TMA-loads
+e4m3 tiles (the same boxes) and widens them into 16-bit rings the consumers' WGMMAs read,
+writing V's rows past the keys as zeros (docs/kvcache.md).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
+
+from hopper_attn.common import tma
 
 def box_rows(page_size: int, block_n: int) -> int:
     """Rows of one TMA box: the kv tile, or one page where pages are smaller."""
@@ -81,24 +89,154 @@ def clear_rows_from(tile: cute.Tensor, first_row, tidx, threads: cutlass.Constex
 
 
 @cute.jit
-def widen_tile(src: cute.Tensor, dst: cute.Tensor, tidx, threads: cutlass.Constexpr):
-    """An e4m3 (block_n, d) SMEM tile into a 16-bit one of the same shape (both swizzled):
-    16 bytes (16 values) a load, two 16-byte stores, from each of `threads` threads (e4m3
-    is exact in bf16 and fp16: the descales are applied outside). The caller fences for the
-    async proxy and syncs."""
+def widen_tile(src: cute.Tensor, dst: cute.Tensor, tidx, threads: cutlass.Constexpr,
+               first_zero_row=None):
+    """An e4m3 (block_n, d) SMEM tile into a 16-bit one of the same shape (both swizzled),
+    rows from `first_zero_row` on written as zeros (None: none): 16 values (16 bytes) a
+    load, two 16-byte stores, from each of `threads` threads. Every load of a thread is
+    issued before its first conversion (the stores could alias the loads for the compiler:
+    interleaved, each load would wait for the store before it). Thread t of 8 takes row
+    t % 8 of 8 neighbouring rows, the same 16 columns: 8 rows of one 128-byte swizzle span
+    land in 8 distinct bank groups, for the loads and the stores alike. e4m3 is exact in
+    fp16 (the descales are applied outside). The caller fences for the async proxy."""
+    if cutlass.const_expr(first_zero_row is None):
+        _widen(src, dst, tidx, threads, None)
+    else:
+        if first_zero_row >= cute.size(src, mode=[0]):     # (no row to clear: no branches)
+            _widen(src, dst, tidx, threads, None)
+        else:
+            _widen(src, dst, tidx, threads, first_zero_row)
+
+
+@cute.jit
+def _widen(src: cute.Tensor, dst: cute.Tensor, tidx, threads: cutlass.Constexpr,
+           first_zero_row):
     rows, d = cute.size(src, mode=[0]), cute.size(src, mode=[1])
     chunks = d // 16
-    for i in cutlass.range_constexpr(rows * chunks // threads):
-        index = tidx + threads * i
-        row = index // chunks
-        col = index % chunks
-        narrow = cute.make_rmem_tensor((16,), src.element_type)
-        cute.autovec_copy(cute.local_tile(src[row, None], (16,), (col,)), narrow)
+    per_thread = rows * chunks // threads
+    narrow = cute.make_rmem_tensor((16, per_thread), src.element_type)
+    for i in cutlass.range_constexpr(per_thread):
+        row, col = _chunk(tidx + threads * i, chunks)
+        cute.autovec_copy(cute.local_tile(src[row, None], (16,), (col,)), narrow[None, i])
+    zeros = cute.make_rmem_tensor((8,), dst.element_type)
+    zeros.fill(0.0)
+    for i in cutlass.range_constexpr(per_thread):
+        row, col = _chunk(tidx + threads * i, chunks)
         wide = cute.make_rmem_tensor((16,), dst.element_type)
-        wide.store(narrow.load().to(dst.element_type))
+        wide.store(narrow[None, i].load().to(dst.element_type))
         for half in cutlass.range_constexpr(2):
-            cute.autovec_copy(cute.local_tile(wide, (8,), (half,)),
-                              cute.local_tile(dst[row, None], (8,), (2 * col + half,)))
+            out = cute.local_tile(dst[row, None], (8,), (2 * col + half,))
+            if cutlass.const_expr(first_zero_row is None):
+                cute.autovec_copy(cute.local_tile(wide, (8,), (half,)), out)
+            else:
+                if row < first_zero_row:
+                    cute.autovec_copy(cute.local_tile(wide, (8,), (half,)), out)
+                else:
+                    cute.autovec_copy(zeros, out)
+
+
+def _chunk(index, chunks: int):
+    """(row, 16-column chunk) of a thread's chunk `index`: rows vary fastest, 8 at a time."""
+    return (index // (8 * chunks)) * 8 + index % 8, (index // 8) % chunks
+
+
+def wide_ring(barriers: cute.Pointer, stages: int) -> pipeline.PipelineAsync:
+    """e4m3 cache: a ring of 16-bit K or V tiles between the loader warpgroup (each of its
+    128 threads arrives once its part of a tile is widened and fenced) and the consumer
+    warpgroup (one arrive per warp: `tma.release_stage`); mbarriers made visible by the
+    caller (`tma.barriers_ready`)."""
+    return pipeline.PipelineAsync.create(
+        barrier_storage=barriers, num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4), defer_sync=True)
+
+
+@cute.jit
+def load_and_widen(k_pipe, v_pipe, k16_pipe, v16_pipe, tma_k: cute.CopyAtom,
+                   tma_v: cute.CopyAtom, mK: cute.Tensor, mV: cute.Tensor, mPageTable,
+                   sK8: cute.Tensor, sV8: cute.Tensor, sK16: cute.Tensor, sV16: cute.Tensor,
+                   n_first, n_count, seqlen_k, kv_head, batch, loader_tidx, issuer,
+                   stages: cutlass.Constexpr, page_size: cutlass.Constexpr,
+                   block_n: cutlass.Constexpr):
+    """The loader warpgroup of an e4m3 cache (4 warps, `loader_tidx` 0-127): its first warp
+    (`issuer`, warp-uniform) issues the TMA loads of the e4m3 rings, `stages` tiles ahead;
+    all four widen each e4m3 K and V stage into the 16-bit rings (k16_pipe, v16_pipe) the
+    consumers' WGMMAs read, V's rows past the request's keys as zeros (a cache may hold NaN
+    there: 0 x NaN is NaN in P V). The loaders are the e4m3 rings' only consumers: a stage
+    is loaded again once all four warps have widened it."""
+    if cutlass.const_expr(page_size):
+        last_slot = last_page_slot(seqlen_k, page_size)
+    else:
+        k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK8)
+        v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV8)
+    if issuer:
+        produce = tma.producer_state(stages)
+        if cutlass.const_expr(page_size):
+            # every first tile's page indices in flight at once (one round trip, not stages)
+            first_pages = [tile_pages(mPageTable, n_first + j, batch, last_slot, page_size,
+                                      block_n) for j in range(stages)]
+            for j in cutlass.range_constexpr(stages):
+                if j < n_count:
+                    _load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, first_pages[j], sK8,
+                                sV8, produce, n_first + j, kv_head, page_size, block_n)
+                produce.advance()
+        else:
+            for j in cutlass.range(cutlass.min(stages, n_count), unroll=1):
+                _load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
+                produce.advance()
+    landed = tma.consumer_state(stages)
+    widened = tma.producer_state(cute.size(sK16, mode=[2]))
+    for j in cutlass.range(n_count, unroll=1):
+        if cutlass.const_expr(page_size):     # the refill's pages, in flight while it widens
+            pages = tile_pages(mPageTable, n_first + j + stages, batch, last_slot, page_size,
+                               block_n)
+        k_pipe.consumer_wait(landed)
+        k16_pipe.producer_acquire(widened)
+        widen_tile(sK8[None, None, landed.index], sK16[None, None, widened.index],
+                   loader_tidx, 128)
+        cute.arch.fence_proxy("async.shared", space="cta")     # for the WGMMAs
+        k16_pipe.producer_commit(widened)
+        v_pipe.consumer_wait(landed)
+        v16_pipe.producer_acquire(widened)
+        widen_tile(sV8[None, None, landed.index], sV16[None, None, widened.index],
+                   loader_tidx, 128, seqlen_k - (n_first + j) * block_n)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        v16_pipe.producer_commit(widened)
+        tma.release_stage(k_pipe, landed)
+        tma.release_stage(v_pipe, landed)
+        if issuer:
+            if j + stages < n_count:
+                # tile j + stages: the producer's stage and phase are tile j's consumer ones
+                refill = landed.clone()
+                if cutlass.const_expr(page_size):
+                    _load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, refill,
+                                n_first + j + stages, kv_head, page_size, block_n)
+                else:
+                    _load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, refill, n_first + j + stages)
+        landed.advance()
+        widened.advance()
+
+
+@cute.jit
+def _load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, tile):
+    """Contiguous cache: K and V tile `tile` into `produce`'s e4m3 stages."""
+    tma.acquire_empty(k_pipe, produce)
+    k_tiles.copy(tile, k_pipe.producer_get_barrier(produce), produce.index)
+    tma.acquire_empty(v_pipe, produce)
+    v_tiles.copy(tile, v_pipe.producer_get_barrier(produce), produce.index)
+
+
+@cute.jit
+def _load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, produce, tile,
+                kv_head, page_size: cutlass.Constexpr, block_n: cutlass.Constexpr):
+    """Paged cache: K and V tile `tile` into `produce`'s e4m3 stages, box b from page
+    pages[b] (`tile_pages`)."""
+    tma.acquire_empty(k_pipe, produce)
+    copy_paged_tile(tma_k, mK, pages, sK8[None, None, produce.index], tile, kv_head,
+                    k_pipe.producer_get_barrier(produce), page_size, block_n)
+    tma.acquire_empty(v_pipe, produce)
+    copy_paged_tile(tma_v, mV, pages, sV8[None, None, produce.index], tile, kv_head,
+                    v_pipe.producer_get_barrier(produce), page_size, block_n)
 
 
 def last_page_slot(seqlen_k, page_size: int):

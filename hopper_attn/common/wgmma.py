@@ -22,7 +22,7 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from .layouts import acc_rows_cols, transposed
+from .layouts import acc_as_operand_a, acc_rows_cols, transposed
 
 
 def qk_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, dtype=BFloat16,
@@ -142,7 +142,8 @@ class AttentionMmas:
                vt_k_major: bool = False, s_dtype=Float32,
                head_dim_v: int = 0) -> "AttentionMmas":
         """`s_dtype`: S's accumulator type; `head_dim_v`: V's and O's head dim, the PV
-        GEMM's N (0: head_dim)."""
+        GEMM's N (0: head_dim); `sQ` None: no Q tile (Q from registers:
+        `with_q_in_registers`)."""
         mma_qk = qk_mma(warpgroups, 1, block_n, dtype, s_dtype)
         mma_pv = pv_mma(warpgroups, head_dim_v or head_dim, dtype, vt_k_major)
         wg_qk = warpgroup_slice(mma_qk, tidx, uniform)
@@ -151,7 +152,7 @@ class AttentionMmas:
         p_frag = wg_pv.make_fragment_A(wg_pv.partition_shape_A((block_m, block_n)))
         return AttentionMmas(
             mma_qk, mma_pv, thr_qk, thr_pv,
-            q_frag=wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
+            q_frag=None if sQ is None else wg_qk.make_fragment_A(wg_qk.partition_A(sQ)),
             k_frag=wg_qk.make_fragment_B(wg_qk.partition_B(sK)),
             vt_frag=wg_pv.make_fragment_B(wg_pv.partition_B(sVt)),
             p_frag=p_frag,
@@ -168,6 +169,25 @@ class AttentionMmas:
     def new_s_accumulator(self, block_m: int, block_n: int) -> cute.Tensor:
         return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((block_m, block_n)),
                                      self.s_dtype)
+
+
+def with_q_in_registers(mmas: AttentionMmas, sK: cute.Tensor, q_acc: cute.Tensor,
+                        tidx) -> AttentionMmas:
+    """`mmas` (one warpgroup) with S = Q K^T taking Q from registers (an RS WGMMA), so that
+    no kv tile's WGMMA reads Q from SMEM again. `q_acc`: Q (16-bit) held in the layout of
+    a 64 x d O accumulator (mma_pv's C), turned into the A fragment as P is
+    (`acc_as_operand_a`)."""
+    block_n, head_dim = cute.size(sK, mode=[0]), cute.size(sK, mode=[1])
+    dtype = sK.element_type
+    mma_qk = sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+        mmas.s_dtype, (1, 1, 1), tiler_mn=(64, block_n),
+        a_source=warpgroup.OperandSource.RMEM)
+    wg = warpgroup_slice(mma_qk, tidx)
+    q_frag = wg.make_fragment_A(wg.partition_shape_A((64, head_dim)))
+    q_frag.store(acc_as_operand_a(q_acc).load())
+    return dataclasses.replace(mmas, mma_qk=mma_qk, q_frag=q_frag,
+                               k_frag=wg.make_fragment_B(wg.partition_B(sK)))
 
 
 @dataclasses.dataclass(frozen=True)
