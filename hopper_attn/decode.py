@@ -220,14 +220,16 @@ class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
                  page_size: int = 0, fp8: bool = False, pdl: bool = False,
-                 l2_prefetch: int = 0):
+                 l2_prefetch: int = 0, lean_tail: bool = False):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, each widened into one fp16 K or
         V tile; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v head)
-        descales. `pdl`, `l2_prefetch`: the fixed-cost variants (common/decode_fixed.py)."""
+        descales. `pdl`, `l2_prefetch`, `lean_tail`: the fixed-cost variants
+        (common/decode_fixed.py)."""
         block_n, stages = tile_config(head_dim, block_n, stages)
-        self.pdl, self.l2_prefetch = decode_fixed.check_variant(pdl, l2_prefetch, kv_cache)
+        self.pdl, self.l2_prefetch, self.lean_tail = decode_fixed.check_variant(
+            kv_cache, pdl, l2_prefetch, lean_tail)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
             raise ValueError(f"page_size must be one of {PAGE_SIZES} (kv_cache only), "
@@ -252,7 +254,7 @@ class DecodeAttention:
                 "block_n": self.block_n, "stages": self.stages, "threads": THREADS,
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk,
-                **decode_fixed.describe(self.pdl, self.l2_prefetch)}
+                **decode_fixed.options(self.pdl, self.l2_prefetch, self.lean_tail)}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -563,13 +565,17 @@ class DecodeAttention:
                                                 sem="acq_rel", scope="gpu")
                     flag[0] = Int32(0)
                     if done == splits - 1:
-                        mCount[item] = Int32(0)             # zero again for the next launch
+                        if cutlass.const_expr(not self.lean_tail):
+                            mCount[item] = Int32(0)         # zero again for the next launch
                         flag[0] = Int32(1)
                 consumers.arrive_and_wait()
                 if flag[0] != 0:
-                    cute.arch.fence_acq_rel_gpu()
+                    if cutlass.const_expr(not self.lean_tail):
+                        cute.arch.fence_acq_rel_gpu()
                     self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
                                  part_rows, row0, group, kv_head, batch, tidx, mSinks)
+                    if cutlass.const_expr(self.lean_tail):
+                        decode_fixed.reset_counter(mCount, item, tidx)
 
     def stage16(self, state):
         """The 16-bit K / V tile a ring stage's WGMMAs read: the stage's own, or with `fp8`
@@ -788,13 +794,13 @@ def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
 
 def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stages: int = 0,
                    num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0,
-                   pdl: int = 0, l2_prefetch: int = 0):
+                   pdl: int = 0, l2_prefetch: int = 0, lean_tail: int = 0):
     """Compile (or fetch from the cache) the decode stage; options: block_n (kv tile), stages
     (of each of the K and V rings; both 0: `tile_for`'s choice), num_splits (0:
     `num_splits_for`'s choice; the kernel is the same for every count, only the workspace
     differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip),
     sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md); pdl,
-    l2_prefetch: the fixed-cost variants, off by default (common/decode_fixed.py)."""
+    l2_prefetch, lean_tail: the fixed-cost variants, off by default (common/decode_fixed.py)."""
     SPEC.check(problem)
     if not block_n and not stages:
         block_n, stages = tile_for(problem)
@@ -813,7 +819,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
         return decode_workspace(p, device, block_n, stages, 2)
 
     options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk,
-               **decode_fixed.options(pdl, l2_prefetch)}
+               **decode_fixed.options(pdl, l2_prefetch, lean_tail)}
     handle = compile_attention(SINKS_SPEC if sinks else SPEC,
                                DecodeAttentionSinks if sinks else DecodeAttention, problem,
                                {**options, "sinks": True} if sinks else options,

@@ -6,14 +6,17 @@ and the baselines (SDPA, cuDNN, FA4), timed alone and in chains.
 
 The variants (hopper_attn/common/decode_fixed.py; docs/decode.md, "The fixed cost of one
 call"): pdl (programmatic dependent launch), l2_prefetch=A (L2 prefetches A kv tiles ahead of
-the TMA loads), a 64-key tile of 4 stages at 16 splits (8 serial tiles a split instead of 4),
-and pdl with a prefetch; `--variants` as in tools/decode_gpu_check.py.
+the TMA loads), lean_tail (the counter zeroed after the combine, no second fence), a 64-key
+tile of 4 stages at 16 splits (8 serial tiles a split of half the size: half the last tile's
+WGMMAs after its bytes land), and the three together; `--variants` as in
+tools/decode_gpu_check.py.
 
-Correctness: a few cases of hopper_attn/harness/decode_check.py per variant (fp32 reference,
-2x PyTorch's error, LSE, the same bits twice, NaN guards; splits ending inside the tail,
-fewer tiles in a split than the prefetch distance, causal, 16 queries, one split), and a
-chain of PDL launches on one handle (its counters and partials reused by overlapping
-grids) against the same calls one at a time: the same bits.
+Correctness: cases of hopper_attn/harness/decode_check.py, five for the variant with several
+new options and two for each alone (fp32 reference, 2x PyTorch's error, LSE, the same bits
+twice, NaN guards; splits ending inside the tail, fewer tiles in a split than the prefetch
+distance, causal, 16 queries, one split), and a chain of PDL launches on one handle (its
+counters and partials reused by overlapping grids) against the same calls one at a time:
+the same bits.
 
 Speed (Hq 32 / Hkv 8, d 128, bf16; B1 8k / 32k / 128k keys, B16 4 queries Hq 64 16k), every
 variant and baseline of a shape in the same rounds, the order rotating, on the next of enough
@@ -46,8 +49,9 @@ import decode_gpu_check as dgc  # noqa: E402
 
 SHAPES = [(1, 1, 32, 8, 8192), (1, 1, 32, 8, 32768), (1, 1, 32, 8, 131072),
           (16, 4, 64, 8, 16384)]
-VARIANTS = ("default;pdl=1;l2_prefetch=2;l2_prefetch=4;block_n=64,stages=4,num_splits=16;"
-            "pdl=1,l2_prefetch=4")
+VARIANTS = ("default;pdl=1;l2_prefetch=4;l2_prefetch=2;lean_tail=1;"
+            "block_n=64,stages=4,num_splits=16;pdl=1,l2_prefetch=4,lean_tail=1")
+NEW_OPTIONS = ("pdl", "l2_prefetch", "lean_tail")
 ROUNDS, WARMUP = 20, 2
 CHAIN = 16
 SLEEP_ALONE = 400_000                  # ~0.2 ms: the host gets one call ahead
@@ -59,18 +63,20 @@ def correctness(variants) -> list:
     shapes = [Case(1, 1, 32, 8, 8191), Case(1, 4, 32, 8, 1000, causal=True, num_splits=7),
               Case(2, 16, 32, 8, 8191, causal=True), Case(2, 1, 32, 8, 8191, num_splits=1),
               Case(1, 1, 32, 8, 1000, num_splits=5)]       # 1-2 tiles a split: < the distance
-    rows = []
+    rows, seen = [], set()
     for label, options in variants:
-        if not ("pdl" in options or "l2_prefetch" in options):
-            continue                # (the tiles and splits: tools/decode_gpu_check.py's cases)
+        keys = frozenset(k for k in options if k in NEW_OPTIONS)
+        if not keys or keys in seen:
+            continue    # (tiles and splits: decode_gpu_check's cases; one value per option set)
+        seen.add(keys)
         opts = dict(options)
         splits = opts.pop("num_splits", "0")
-        for base in shapes:
+        for base in shapes if len(keys) > 1 else shapes[:2]:      # (every case: all together)
             case = Case(**{**base.__dict__, **{k: v for k, v in opts.items()
                                                if k in ("block_n", "stages")},
                            "num_splits": int(splits) or base.num_splits,
                            "extra": tuple((k, v) for k, v in opts.items()
-                                          if k in ("pdl", "l2_prefetch"))})
+                                          if k in NEW_OPTIONS)})
             try:
                 rows.append({"variant": label, **check_case(case, seed=len(rows))})
             except Exception as exc:  # noqa: BLE001 - report and go on

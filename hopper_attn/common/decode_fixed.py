@@ -18,6 +18,13 @@ the combine's chain (partial stores, fence, counter, the last CTA's L2 reads); d
   `stages` + A tiles in flight instead of `stages`: the tail of the stream, where a few
   late CTAs finish alone at what their ring holds in flight, is served from L2. Contiguous
   K/V only. A x 64 KiB x 128 CTAs must stay well inside the 50 MB L2 (A <= 4).
+* `lean_tail`: the combining CTA zeroes its item's counter after the combine instead of
+  before it, and skips the second `fence.acq_rel.gpu`. Thread 0's counter store no longer
+  sits in front of its fence (a fence waits for the thread's stores: one L2 round trip on
+  the critical path), and the acquire is already there: thread 0's `atom.acq_rel.gpu`
+  followed by the CTA barrier orders every consumer's loads after the other splits'
+  released partials (the pattern of a split-K semaphore). Nothing else touches the counter
+  in this launch (every split has counted), and the kernel's end publishes the zero.
 """
 
 from __future__ import annotations
@@ -28,22 +35,21 @@ import cutlass.cute as cute
 MAX_L2_PREFETCH = 8
 
 
-def check_variant(pdl, l2_prefetch, kv_cache: bool) -> tuple[bool, int]:
-    """(pdl, l2_prefetch) as the kernel keeps them; ValueError for what it does not support."""
+def check_variant(kv_cache: bool, pdl, l2_prefetch, lean_tail) -> tuple[bool, int, bool]:
+    """(pdl, l2_prefetch, lean_tail) as the kernel keeps them; ValueError for what it does
+    not support."""
     if not 0 <= int(l2_prefetch) <= MAX_L2_PREFETCH:
         raise ValueError(f"l2_prefetch must be 0-{MAX_L2_PREFETCH} tiles, got {l2_prefetch}")
     if kv_cache and (pdl or l2_prefetch):
         raise ValueError("pdl and l2_prefetch: the contiguous decode only (not kv_cache)")
-    return bool(pdl), int(l2_prefetch)
+    return bool(pdl), int(l2_prefetch), bool(lean_tail)
 
 
-def options(pdl, l2_prefetch) -> dict:
+def options(pdl, l2_prefetch, lean_tail) -> dict:
     """The compile options of a variant: none for the default (the cache key stays)."""
     return {**({"pdl": True} if pdl else {}),
-            **({"l2_prefetch": int(l2_prefetch)} if l2_prefetch else {})}
-
-
-describe = options
+            **({"l2_prefetch": int(l2_prefetch)} if l2_prefetch else {}),
+            **({"lean_tail": True} if lean_tail else {})}
 
 
 def wait_for_previous_grid():
@@ -72,3 +78,10 @@ def prefetch_ahead(k_tiles, v_tiles, n_first, n_count, j, ahead: cutlass.Constex
         with cute.arch.elect_one():
             k_tiles.prefetch(n_first + j + ahead)
             v_tiles.prefetch(n_first + j + ahead)
+
+
+@cute.jit
+def reset_counter(mCount, item, tidx):
+    """`lean_tail`: the combining CTA zeroes its item's counter for the next launch, last."""
+    if tidx == 0:
+        mCount[item] = cutlass.Int32(0)
