@@ -413,9 +413,6 @@ class DecodeAttention:
             else:
                 k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK_load)
                 v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV_load)
-                if cutlass.const_expr(self.l2_prefetch):
-                    decode_fixed.prefetch_first(k_tiles, v_tiles, n_first, n_count,
-                                                self.stages, self.l2_prefetch)
             produce = tma.producer_state(self.stages)
             for j in cutlass.range(n_count, unroll=1):
                 if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
@@ -441,7 +438,7 @@ class DecodeAttention:
                                  produce.index)
                 if cutlass.const_expr(self.l2_prefetch):
                     decode_fixed.prefetch_ahead(k_tiles, v_tiles, n_first, n_count, j,
-                                                self.l2_prefetch)
+                                                self.stages, self.l2_prefetch)
                 produce.advance()
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------

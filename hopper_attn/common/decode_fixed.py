@@ -14,7 +14,7 @@ the combine's chain (partial stores, fence, counter, the last CTA's L2 reads); d
   them (a chain of decode calls, a model whose kernels trigger): its launch and prologue
   then overlap that kernel's tail. A lone call after a torch kernel gains nothing.
 * `l2_prefetch` = A (tiles): the producer asks L2 for the split's kv tile j + A when it
-  issues tile j's TMA (and for tiles stages..A-1 at the start), so a split has up to
+  issues tile j's TMA (and with the first, for tiles stages..A-1), so a split has up to
   `stages` + A tiles in flight instead of `stages`: the tail of the stream, where a few
   late CTAs finish alone at what their ring holds in flight, is served from L2. Contiguous
   K/V only. A x 64 KiB x 128 CTAs must stay well inside the 50 MB L2 (A <= 4).
@@ -60,20 +60,17 @@ def wait_for_previous_grid():
 
 
 @cute.jit
-def prefetch_first(k_tiles, v_tiles, n_first, n_count, stages: cutlass.Constexpr[int],
+def prefetch_ahead(k_tiles, v_tiles, n_first, n_count, j, stages: cutlass.Constexpr[int],
                    ahead: cutlass.Constexpr[int]):
-    """The producer, before its first TMA: L2 prefetches of the split's tiles stages..ahead-1
-    (the ring's first `stages` tiles are loaded at once anyway)."""
-    for i in cutlass.range_constexpr(stages, ahead):
-        if i < n_count:
-            with cute.arch.elect_one():
-                k_tiles.prefetch(n_first + i)
-                v_tiles.prefetch(n_first + i)
-
-
-@cute.jit
-def prefetch_ahead(k_tiles, v_tiles, n_first, n_count, j, ahead: cutlass.Constexpr[int]):
-    """The producer, after tile j's TMA: an L2 prefetch of tile j + ahead of the split."""
+    """The producer, after tile j's TMA: an L2 prefetch of the split's tile j + ahead, and
+    after the first, of tiles stages..ahead-1 (the ring's first `stages` are loaded at once
+    anyway, and later ones are asked for by the tiles `ahead` before them)."""
+    if j == 0:
+        for i in cutlass.range_constexpr(stages, ahead):
+            if i < n_count:
+                with cute.arch.elect_one():
+                    k_tiles.prefetch(n_first + i)
+                    v_tiles.prefetch(n_first + i)
     if j + ahead < n_count:
         with cute.arch.elect_one():
             k_tiles.prefetch(n_first + j + ahead)
