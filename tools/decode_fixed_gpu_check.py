@@ -23,10 +23,16 @@ variant and baseline of a shape in the same rounds, the order rotating, on the n
 K/V copies to exceed the L2:
 * alone: one call between two events after a sleep kernel that lets the host get ahead (as
   tools/decode_gpu_check.py): a lone decode step after a non-PDL kernel;
+* warm: the same, with one call of the same kernel (on another K/V copy) just before the
+  first event: its code, parameters and TMA descriptors in the caches and the SMs'
+  shared-memory split already its own, its K/V not; alone - warm is what a cold kernel
+  costs (instruction misses on the last CTA's combine path, descriptor fetches, the
+  carveout), a part of the fixed cost that no split count changes;
 * chain: CHAIN calls back to back between two events (after a longer sleep), the time per
   call: the launch of each call behind the previous one, where PDL overlaps the next call's
   launch and prologue with the previous call's tail (a model's step of PDL kernels).
-One line per shape of baselines, one per variant: alone us, chain us, and best-baseline /
+Every call takes the next of >= 3 K/V copies (>= 3x the L2). One line per shape of
+baselines (alone/warm/chain us), one per variant: the three times and best-baseline /
 variant for each. Everything goes to $OUT/decode_fixed.json.
 """
 
@@ -56,6 +62,7 @@ ROUNDS, WARMUP = 20, 2
 CHAIN = 16
 SLEEP_ALONE = 400_000                  # ~0.2 ms: the host gets one call ahead
 SLEEP_CHAIN = 3_000_000                # ~1.5 ms: the host enqueues a whole chain ahead
+MODES = ("alone", "warm", "chain")
 
 
 def correctness(variants) -> list:
@@ -126,8 +133,8 @@ def pdl_chain(calls: int = 8) -> dict:
 
 
 def timed_rounds(calls: dict) -> dict:
-    """name -> {alone_ms, alone_iqr_ms, chain_ms (per call), chain_iqr_ms}, every name once
-    per round and mode, the order rotating."""
+    """name -> {mode_ms, mode_iqr_ms} for the MODES (chain: per call), every name once per
+    round and mode, the order rotating."""
     names = []
     for name, c in calls.items():
         if isinstance(c, str):
@@ -144,26 +151,35 @@ def timed_rounds(calls: dict) -> dict:
             for i in range(CHAIN):
                 calls[name][i % len(calls[name])]()
     torch.cuda.synchronize()
-    alone = {n: [] for n in names}
-    chain = {n: [] for n in names}
-    turn = 0
+    pairs = {mode: {n: [] for n in names} for mode in MODES}
+    cursor = 0              # every call takes the next K/V copy: none is still in L2
+
+    def call(c):
+        nonlocal cursor
+        c[cursor % len(c)]()
+        cursor += 1
+
     for r in range(ROUNDS):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
             c = calls[name]
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
             torch.cuda._sleep(SLEEP_ALONE)
-            e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
             e[0].record()
-            c[turn % len(c)]()
+            call(c)
             e[1].record()
-            torch.cuda._sleep(SLEEP_CHAIN)
+            torch.cuda._sleep(SLEEP_ALONE)
+            call(c)                     # the same kernel just before: code and params warm
             e[2].record()
-            for j in range(CHAIN):
-                c[(turn + 1 + j) % len(c)]()
+            call(c)
             e[3].record()
-            alone[name].append((e[0], e[1]))
-            chain[name].append((e[2], e[3]))
-            turn += 1
+            torch.cuda._sleep(SLEEP_CHAIN)
+            e[4].record()
+            for _ in range(CHAIN):
+                call(c)
+            e[5].record()
+            for mode, (a, b) in zip(MODES, ((0, 1), (2, 3), (4, 5))):
+                pairs[mode][name].append((e[a], e[b]))
     torch.cuda.synchronize()
     out = {}
     for name, c in calls.items():
@@ -171,8 +187,9 @@ def timed_rounds(calls: dict) -> dict:
             out[name] = {"error": c}
             continue
         entry = {}
-        for mode, pairs, per in (("alone", alone[name], 1), ("chain", chain[name], CHAIN)):
-            times = sorted(a.elapsed_time(b) / per for a, b in pairs)
+        for mode in MODES:
+            per = CHAIN if mode == "chain" else 1
+            times = sorted(a.elapsed_time(b) / per for a, b in pairs[mode][name])
             entry[f"{mode}_ms"] = statistics.median(times)
             entry[f"{mode}_iqr_ms"] = times[3 * len(times) // 4] - times[len(times) // 4]
         out[name] = entry
@@ -181,12 +198,12 @@ def timed_rounds(calls: dict) -> dict:
 
 def benchmark(shapes, variants) -> list:
     rows, wins = [], []
-    print(f"{'shape':<20}{'MB':>5}  baselines alone/chain us (sdpa flash cudnn fa4) | variant: "
-          "alone us, chain us, tile splits, best/variant alone, chain")
+    print(f"{'shape':<20}{'MB':>5}  baselines alone/warm/chain us (sdpa flash cudnn fa4) | "
+          "variant: alone, warm, chain us, tile splits, best/variant alone, warm, chain")
     for shape in shapes:
         b, nq, hq, hkv, nk = shape
         kv_bytes = 2 * b * hkv * nk * dgc.D * 2
-        copies = max(2, math.ceil(2 * dgc.L2_BYTES / kv_bytes))
+        copies = max(3, math.ceil(3 * dgc.L2_BYTES / kv_bytes))
         q, kvs = dgc._inputs(shape, copies)
         label = f"B{b} q{nq} {hq}/{hkv} {nk // 1024}k"
         row = {"shape": dict(batch=b, seqlen_q=nq, heads=hq, heads_kv=hkv, seqlen_k=nk,
@@ -207,15 +224,15 @@ def benchmark(shapes, variants) -> list:
         for name in baselines:
             row[name] = timed[name]
         best = {}
-        for mode in ("alone", "chain"):
+        for mode in MODES:
             others = [timed[n][f"{mode}_ms"] for n in ("sdpa", "flash", "cudnn", "fa4")
                       if f"{mode}_ms" in timed[n]]
             best[mode] = min(others) if others else float("nan")
         row["best_ms"] = best
-        base = " ".join(f"{timed[n]['alone_ms'] * 1e3:.1f}/{timed[n]['chain_ms'] * 1e3:.1f}"
+        base = " ".join("/".join(f"{timed[n][m + '_ms'] * 1e3:.1f}" for m in MODES)
                         if "alone_ms" in timed[n] else "n/a" for n in baselines)
-        print(f"{label:<20}{kv_bytes / 1e6:5.0f}  {base}  (best {best['alone'] * 1e3:.1f}/"
-              f"{best['chain'] * 1e3:.1f} us)")
+        print(f"{label:<20}{kv_bytes / 1e6:5.0f}  {base}  (best "
+              + "/".join(f"{best[m] * 1e3:.1f}" for m in MODES) + " us)")
         for name, _ in variants:
             entry = {**info[name], **timed.get("decode " + name, {})}
             row["variants"][name] = entry
@@ -223,16 +240,16 @@ def benchmark(shapes, variants) -> list:
                 print(f"  {name:<18}FAILED: {entry.get('error', '?')[:80]}")
                 continue
             entry["tb_s"] = kv_bytes / (entry["alone_ms"] * 1e-3) / 1e12
-            entry["ratio_alone"] = best["alone"] / entry["alone_ms"]
-            entry["ratio_chain"] = best["chain"] / entry["chain_ms"]
-            print(f"  {name:<18}{entry['alone_ms'] * 1e3:6.1f} {entry['chain_ms'] * 1e3:6.1f} us "
-                  f"{entry['block_n']:>3}/{entry['stages']} s{entry['splits']:<3d} "
-                  f"iqr {entry['alone_iqr_ms'] * 1e3:3.1f}  {entry['ratio_alone']:.3f}x "
-                  f"{entry['ratio_chain']:.3f}x"
+            for m in MODES:
+                entry[f"ratio_{m}"] = best[m] / entry[f"{m}_ms"]
+            print(f"  {name:<16}" + " ".join(f"{entry[m + '_ms'] * 1e3:6.1f}" for m in MODES)
+                  + f" us {entry['block_n']:>3}/{entry['stages']} s{entry['splits']:<3d} "
+                  f"iqr {entry['alone_iqr_ms'] * 1e3:3.1f} "
+                  + " ".join(f"{entry['ratio_' + m]:.3f}x" for m in MODES)
                   + (f"  WRONG? |decode - sdpa| {entry['max_diff_vs_sdpa']:.3f}"
                      if entry["max_diff_vs_sdpa"] > 0.02 else ""))
         rows.append(row)
-        for mode in ("alone", "chain"):
+        for mode in MODES:
             done = [(e[f"{mode}_ms"], n) for n, e in row["variants"].items() if f"{mode}_ms" in e]
             if done:
                 wins.append(f"{label.replace(' 32/8', '')} {mode}: {min(done)[1]}")
