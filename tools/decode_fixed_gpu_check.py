@@ -3,6 +3,7 @@ and the baselines (SDPA, cuDNN, FA4), timed alone and in chains.
 
     source .gpu/prelude.sh && python tools/decode_fixed_gpu_check.py    # ~2-3 min
     python tools/decode_fixed_gpu_check.py --quick                      # correctness only
+    python tools/decode_fixed_gpu_check.py --no-correctness --sweep     # + a 1k-32k B1 sweep
 
 The variants (hopper_attn/common/decode_fixed.py; docs/decode.md, "The fixed cost of one
 call"): pdl (programmatic dependent launch), l2_prefetch=A (L2 prefetches A kv tiles ahead of
@@ -63,6 +64,8 @@ CHAIN = 16
 SLEEP_ALONE = 400_000                  # ~0.2 ms: the host gets one call ahead
 SLEEP_CHAIN = 3_000_000                # ~1.5 ms: the host enqueues a whole chain ahead
 MODES = ("alone", "warm", "chain")
+SWEEP_KEYS = (1024, 2048, 4096, 8192, 16384, 32768)
+SWEEP_VARIANTS = "default;num_splits=1;lean_tail=1"
 
 
 def correctness(variants) -> list:
@@ -259,10 +262,49 @@ def benchmark(shapes, variants) -> list:
     return rows
 
 
+def sweep(variants) -> list:
+    """B1 Hq 32 / Hkv 8 over 1k-32k keys, the decode variants only (alone and warm), and per
+    variant a least-squares line through the alone times: intercept (the fixed cost) and
+    slope (TB/s on the bytes). With num_splits=1 (8 CTAs, no combine) next to the default,
+    the two intercepts differ by the combine's chain."""
+    rows = []
+    for nk in SWEEP_KEYS:
+        shape = (1, 1, 32, 8, nk)
+        kv_bytes = 2 * 8 * nk * dgc.D * 2
+        q, kvs = dgc._inputs(shape, max(3, math.ceil(3 * dgc.L2_BYTES / kv_bytes)))
+        calls = {}
+        for name, options in variants:
+            try:
+                calls[name] = dgc._decode_calls(shape, q, kvs, options)[0]
+            except Exception as exc:  # noqa: BLE001
+                calls[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        timed = timed_rounds(calls)
+        rows.append({"seqlen_k": nk, "kv_bytes": kv_bytes, "timed": timed})
+        print(f"sweep B1 {nk // 1024:>3}k  " + "  ".join(
+            f"{n} {e['alone_ms'] * 1e3:.1f}/{e['warm_ms'] * 1e3:.1f}" if "alone_ms" in e
+            else f"{n} failed" for n, e in timed.items()))
+        del q, kvs, calls
+    fits = {}
+    for name, _ in variants:
+        pts = [(r["kv_bytes"], r["timed"][name]["alone_ms"] * 1e-3) for r in rows
+               if "alone_ms" in r["timed"][name]]
+        if len(pts) < 2:
+            continue
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        fits[name] = {"intercept_us": (my - slope * mx) * 1e6, "tb_s": 1e-12 / slope}
+    print("sweep fit (alone): " + "; ".join(f"{n}: {f['intercept_us']:.1f} us + bytes at "
+                                           f"{f['tb_s']:.2f} TB/s" for n, f in fits.items()))
+    return [{"rows": rows, "fits": fits}]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="correctness only")
     parser.add_argument("--no-correctness", action="store_true")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also B1 over 1k-32k keys: default, one split, lean_tail (~40 s)")
     parser.add_argument("--variants", default=VARIANTS,
                         help="';'-separated, as tools/decode_gpu_check.py --variants")
     args = parser.parse_args()
@@ -278,6 +320,8 @@ def main():
             result["correctness"] = correctness(variants)
         if not args.quick:
             result["benchmark"] = benchmark(SHAPES, variants)
+        if args.sweep:
+            result["sweep"] = sweep(dgc.parse_variants(SWEEP_VARIANTS))
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()
         print(result["error"][-1500:])
