@@ -68,7 +68,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 import torch
 
-from hopper_attn.common import paged, tma, wgmma
+from hopper_attn.common import decode_fixed, paged, tma, wgmma
 from hopper_attn.common.contract import (LOG2_E, MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention, shared_workspace)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
@@ -239,13 +239,17 @@ def prefers(problem) -> bool:
 class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
-                 page_size: int = 0, fp8: bool = False):
+                 page_size: int = 0, fp8: bool = False, pdl: bool = False,
+                 l2_prefetch: int = 0, lean_tail: bool = False):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
         into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
-        head) descales."""
+        head) descales. `pdl`, `l2_prefetch`, `lean_tail`: the fixed-cost variants
+        (common/decode_fixed.py)."""
         block_n, stages = tile_config(head_dim, block_n, stages)
+        self.pdl, self.l2_prefetch, self.lean_tail = decode_fixed.check_variant(
+            kv_cache, pdl, l2_prefetch, lean_tail)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
             raise ValueError(f"page_size must be one of {PAGE_SIZES} (kv_cache only), "
@@ -274,7 +278,8 @@ class DecodeAttention:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,
                 "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
-                "combine_chunk": self.combine_chunk}
+                "combine_chunk": self.combine_chunk,
+                **decode_fixed.options(self.pdl, self.l2_prefetch, self.lean_tail)}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -374,6 +379,7 @@ class DecodeAttention:
             min_blocks_per_mp=self.ctas_per_sm,
             # (two CTAs per SM: all of the SM's shared memory, and no device query)
             **({"preferred_smem_carveout": 100} if self.ctas_per_sm > 1 else {}),
+            **({"use_pdl": True} if self.pdl else {}),
             stream=stream,
         )
 
@@ -432,6 +438,8 @@ class DecodeAttention:
                               in (storage.k16_barriers, storage.v16_barriers))
             loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
+        if cutlass.const_expr(self.pdl):
+            decode_fixed.wait_for_previous_grid()
 
         if loaders:
             if cutlass.const_expr(self.fp8):
@@ -472,6 +480,9 @@ class DecodeAttention:
                     else:
                         v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
                                      produce.index)
+                    if cutlass.const_expr(self.l2_prefetch):
+                        decode_fixed.prefetch_ahead(k_tiles, v_tiles, n_first, n_count, j,
+                                                    self.stages, self.l2_prefetch)
                     produce.advance()
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
@@ -592,13 +603,17 @@ class DecodeAttention:
                                                 sem="acq_rel", scope="gpu")
                     flag[0] = Int32(0)
                     if done == splits - 1:
-                        mCount[item] = Int32(0)             # zero again for the next launch
+                        if cutlass.const_expr(not self.lean_tail):
+                            mCount[item] = Int32(0)         # zero again for the next launch
                         flag[0] = Int32(1)
                 consumers.arrive_and_wait()
                 if flag[0] != 0:
-                    cute.arch.fence_acq_rel_gpu()
+                    if cutlass.const_expr(not self.lean_tail):
+                        cute.arch.fence_acq_rel_gpu()
                     self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
                                  part_rows, row0, group, kv_head, batch, tidx, mSinks)
+                    if cutlass.const_expr(self.lean_tail):
+                        decode_fixed.reset_counter(mCount, item, tidx)
 
     @cute.jit
     def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
@@ -819,12 +834,14 @@ def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stages: int = 0,
-                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0):
+                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0,
+                   pdl: int = 0, l2_prefetch: int = 0, lean_tail: int = 0):
     """Compile (or fetch from the cache) the decode stage; options: block_n (kv tile), stages
     (of each of the K and V rings; both 0: `tile_for`'s choice), num_splits (0:
     `num_splits_for`'s choice; the kernel is the same for every count, only the workspace
     differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip),
-    sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md)."""
+    sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md); pdl,
+    l2_prefetch, lean_tail: the fixed-cost variants, off by default (common/decode_fixed.py)."""
     SPEC.check(problem, check_memory=False)     # (compile_attention checks memory too)
     if not block_n and not stages:
         block_n, stages = tile_for(problem)
@@ -845,7 +862,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
         # compiler could take as a constant: the split count is the partial LSE's extent)
         return decode_workspace(p, device, block_n, stages, 2)
 
-    options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk}
+    options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk,
+               **decode_fixed.options(pdl, l2_prefetch, lean_tail)}
     handle = compile_attention(SINKS_SPEC if sinks else SPEC,
                                DecodeAttentionSinks if sinks else DecodeAttention, problem,
                                {**options, "sinks": True} if sinks else options,

@@ -83,6 +83,11 @@ class TmaTiles:
         smem = self.smem if stage is None else self.smem[None, stage]
         cute.copy(self.atom, self.gmem[None, tile_index], smem, tma_bar_ptr=barrier)
 
+    def prefetch(self, tile_index):
+        """Ask L2 for global tile `tile_index` (`cp.async.bulk.prefetch.tensor`): nothing lands
+        in SMEM, no barrier; a hint that costs no ring stage (the decode variants)."""
+        cute.prefetch(self.atom, self.gmem[None, tile_index])
+
     def copy_on_armed(self, tile_index, barrier, nbytes: int):
         """`copy` on a barrier the producer has already armed for another load (kb2: K with
         the first Q stage): its expected byte count grows by this tile's `nbytes` first (one

@@ -31,6 +31,7 @@ class Case:
     block_n: int = 0
     stages: int = 0
     combine_chunk: int = 0        # 0: the stage's default
+    extra: tuple = ()             # more compile options, (name, value) pairs (pdl, ...)
 
     def label(self) -> str:
         dt = "fp16" if self.dtype == torch.float16 else "bf16"
@@ -39,7 +40,8 @@ class Case:
                 + (f" s{self.num_splits}" if self.num_splits else "")
                 + (f" bn{self.block_n}" if self.block_n else "")
                 + (f" st{self.stages}" if self.stages else "")
-                + (f" c{self.combine_chunk}" if self.combine_chunk else ""))
+                + (f" c{self.combine_chunk}" if self.combine_chunk else "")
+                + "".join(f" {k}{v}" for k, v in self.extra))
 
 
 def cases() -> list[Case]:
@@ -132,7 +134,7 @@ def compile_case(case: Case):
                       case.dtype, heads_kv=case.heads_kv, seqlen_k=case.seqlen_k)
     chunk = {"combine_chunk": case.combine_chunk} if case.combine_chunk else {}
     return decode.compile_kernel(problem, num_splits=case.num_splits, block_n=case.block_n,
-                                 stages=case.stages, **chunk)
+                                 stages=case.stages, **chunk, **dict(case.extra))
 
 
 def check_case(case: Case, seed: int = 0) -> dict:
