@@ -597,6 +597,29 @@ def test_models_harness_help(capsys):
     assert "--quick" in capsys.readouterr().out
 
 
+def test_models_packed_row_and_arguments():
+    """The packed part's row: lognormal lengths filling N (seeded, at least 2 tokens each),
+    position ids restarting, cu_seqlens, labels -100 on each document's first token, the
+    padded batch; and its arguments (nothing built, nothing timed)."""
+    from hopper_attn.harness import models, models_packed as mp
+    lengths = mp.document_lengths(8192, 8)
+    assert sum(lengths) == 8192 and min(lengths) >= 2 and lengths == mp.document_lengths(8192, 8)
+    row = mp.packed_row([3, 1, 4], vocab=50, seed=0)
+    assert row.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+    assert row.cu_seqlens.tolist() == [0, 3, 4, 8] and row.cu_seqlens.dtype == torch.int32
+    assert row.max_length == 4 and row.predictions() == 5
+    assert (row.labels == -100).nonzero()[:, 1].tolist() == [0, 3, 4]
+    assert row.flash_kwargs()["max_length_q"] == 4
+    ids, mask, labels = mp.padded_batch(row)
+    assert ids.shape == (3, 4) and mask.sum(1).tolist() == [3, 1, 4]
+    assert ids[2].tolist() == row.input_ids[0, 4:].tolist() and (labels != -100).sum() == 5
+    pytest.importorskip("transformers")
+    for bad in (["--only", "packed,bogus", "--cpu-stand-in"],
+                ["--only", "train", "--cpu-stand-in"]):
+        with pytest.raises(SystemExit):
+            models.main(bad)
+
+
 # --- GPU -------------------------------------------------------------------------------------
 
 def _gpu_llama(attn):

@@ -451,13 +451,15 @@ def make_attention_forward(backend: Optional[Callable] = None,
 hopper_attention_forward = make_attention_forward()
 
 
-def register(name: str = NAME, backend: Optional[Callable] = None) -> str:
+def register(name: str = NAME, backend: Optional[Callable] = None,
+             varlen_backend: Optional[Callable] = None) -> str:
     """Register `name` (default "hopper_attn") with transformers: the attention function and
     its mask function. Then `attn_implementation=name` in `from_pretrained` / a model's
-    constructor, or `model.set_attn_implementation(name)`. `backend` as in
-    `make_attention_forward`. Returns `name`."""
+    constructor, or `model.set_attn_implementation(name)`. `backend` and `varlen_backend` as
+    in `make_attention_forward`. Returns `name`."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    forward = hopper_attention_forward if backend is None else make_attention_forward(backend)
+    forward = hopper_attention_forward if backend is None and varlen_backend is None else \
+        make_attention_forward(backend, varlen_backend)
     AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, hopper_attn_mask)
     return name
