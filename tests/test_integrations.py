@@ -142,7 +142,7 @@ def test_mask_request_plain():
 
 
 @pytest.mark.parametrize("case, words", [
-    ("packed_compiled", "torch.compile"), ("packed_cache", "without a padding mask or a KV"),
+    ("packed_cache", "without a padding mask or a KV"),
     ("sliding_bidirectional", "bidirectional sliding window"),
     ("sliding_padding", "padding"),
     ("padding", "padding"), ("static", "static"), ("static_compiled", "static"),
@@ -152,8 +152,6 @@ def test_mask_request_refusals(case, words):
     check = hopper_tf.check_mask_request
     causal = causal_mask_function
     args = {
-        "packed_compiled": (8, 8, 0, 0, and_masks(causal, packed_sequence_mask_function(None)),
-                            None),
         "packed_cache": (1, 9, 8, 0, and_masks(causal, packed_sequence_mask_function(None)),
                          None),
         "sliding_bidirectional": (8, 8, 0, 0, and_masks(sliding_window_bidirectional_overlay(4),
@@ -167,7 +165,7 @@ def test_mask_request_refusals(case, words):
         "custom": (8, 8, 0, 0, lambda b, h, q, kv: True, None),
     }[case]
     with pytest.raises(UnsupportedFeature, match=words) as info:
-        check(*args, compiling=case in ("static_compiled", "packed_compiled"))
+        check(*args, compiling=case == "static_compiled")
     assert isinstance(info.value, ValueError) and isinstance(info.value, NotImplementedError)
 
 
@@ -242,18 +240,42 @@ def test_packed_sequences_from_position_ids_and_collator_kwargs():
     assert hopper_tf.packed_document_ids(fn) is ids
     assert hopper_tf.packed_document_ids(causal_mask_function) is None
     packed = hopper_tf.hopper_attn_mask(2, 5, 5, 0, 0, fn, None)
-    assert packed.cu_seqlens.tolist() == [0, 3, 5, 9, 10] and packed.max_seqlen == 4
-    assert packed.cu_seqlens.dtype == torch.int32
+    assert packed.document_ids is ids            # (nothing read on the host yet)
+    cu_seqlens, max_seqlen = packed.offsets()
+    assert cu_seqlens.tolist() == [0, 3, 5, 9, 10] and max_seqlen == 4
+    assert cu_seqlens.dtype == torch.int32 and packed.offsets()[0] is cu_seqlens   # once
     assert hopper_tf.hopper_attn_mask(2, 5, 5, 0, 0, causal_mask_function, None) is None
     q, k = bhnd(2, 8, 5), bhnd(2, 2, 5)
     plan = plan_call(Module(True), q, k, k, packed)
     assert plan.causal and plan.varlen[2:] == (4, 4)
-    assert plan.varlen[0] is packed.cu_seqlens and plan.varlen[1] is packed.cu_seqlens
+    assert plan.varlen[0] is cu_seqlens and plan.varlen[1] is cu_seqlens
     cu = torch.tensor([0, 3, 10])
-    plan = plan_call(Module(True), q, k, k, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                     max_length_q=7, max_length_k=7)
+    kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    plan = plan_call(Module(True), q, k, k, None, **kwargs)
     assert plan.varlen[0].tolist() == [0, 3, 10] and plan.varlen[2:] == (7, 7)
+    # the collator's offsets win over the mask's documents, which are then never read
+    lazy = hopper_tf.PackedSequences(ids)
+    assert plan_call(Module(True), q, k, k, lazy, **kwargs).varlen[2:] == (7, 7)
+    assert lazy._offsets is None
     assert plan_call(Module(True), q, k, k, None).varlen is None
+
+
+def test_packed_sequences_under_torch_compile_need_the_collator_offsets(monkeypatch):
+    """Traced, transformers composes its packed-sequence mask whenever position ids are
+    given: the mask function then reads nothing (no sync), a call with the collator's
+    cu_seq_lens runs them, one without is refused, naming the kwargs."""
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    fn = and_masks(causal_mask_function, packed_sequence_mask_function(ids))
+    assert hopper_tf.check_mask_request(6, 6, 0, 0, fn, None, compiling=True) is True
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    packed = hopper_tf.hopper_attn_mask(1, 6, 6, 0, 0, fn, None)
+    q, k = bhnd(1, 4, 6), bhnd(1, 2, 6)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    plan = plan_call(Module(True), q, k, k, packed, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                     max_length_q=6, max_length_k=6)
+    assert plan.varlen[0] is cu
+    with pytest.raises(UnsupportedFeature, match="cu_seq_lens_q"):
+        plan_call(Module(True), q, k, k, packed)
 
 
 def test_plan_call_shape_refusals():
@@ -595,6 +617,29 @@ def test_models_harness_help(capsys):
     with pytest.raises(SystemExit):
         models.main(["--help"])
     assert "--quick" in capsys.readouterr().out
+
+
+def test_models_packed_row_and_arguments():
+    """The packed part's row: lognormal lengths filling N (seeded, at least 2 tokens each),
+    position ids restarting, cu_seqlens, labels -100 on each document's first token, the
+    padded batch; and its arguments (nothing built, nothing timed)."""
+    from hopper_attn.harness import models, models_packed as mp
+    lengths = mp.document_lengths(8192, 8)
+    assert sum(lengths) == 8192 and min(lengths) >= 2 and lengths == mp.document_lengths(8192, 8)
+    row = mp.packed_row([3, 1, 4], vocab=50, seed=0)
+    assert row.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+    assert row.cu_seqlens.tolist() == [0, 3, 4, 8] and row.cu_seqlens.dtype == torch.int32
+    assert row.max_length == 4 and row.predictions() == 5
+    assert (row.labels == -100).nonzero()[:, 1].tolist() == [0, 3, 4]
+    assert row.flash_kwargs()["max_length_q"] == 4
+    ids, mask, labels = mp.padded_batch(row)
+    assert ids.shape == (3, 4) and mask.sum(1).tolist() == [3, 1, 4]
+    assert ids[2].tolist() == row.input_ids[0, 4:].tolist() and (labels != -100).sum() == 5
+    pytest.importorskip("transformers")
+    for bad in (["--only", "packed,bogus", "--cpu-stand-in"],
+                ["--only", "train", "--cpu-stand-in"]):
+        with pytest.raises(SystemExit):
+            models.main(bad)
 
 
 # --- GPU -------------------------------------------------------------------------------------

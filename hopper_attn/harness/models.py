@@ -5,6 +5,7 @@ implementation in one run: torch SDPA, FlashAttention-4 (where installed) and th
     python -m hopper_attn.harness.models --quick            # small version (about a minute)
     python -m hopper_attn.harness.models --only train --seqlens 8192 --layers 4
     python -m hopper_attn.harness.models --out results/h200/models.json
+    python -m hopper_attn.harness.models --only packed      # packed documents (about 2 min)
 
 Needs transformers (`pip install .[models]`); nothing is downloaded: the model is
 `LlamaForCausalLM(LlamaConfig(...))`, random bf16 weights on the GPU, built once and
@@ -22,6 +23,12 @@ Parts (`--only`, comma-separated):
 - probe: the model's own attention calls alone: the training shape (GQA forward + backward,
   causal) and decode shapes (one query over a cache; TB/s = bytes of K and V read once /
   time), with the L2 cache flushed before each call.
+- packed: one training step on one row of packed documents (lognormal lengths, median 1k,
+  filling each of `--packed-tokens`), this project through the collator's kwargs and through
+  position ids, FA4's varlen path, and SDPA per document and as a padded batch (the
+  baselines) and with transformers' dense document mask; a loss/logits/gradient guard on a
+  small config first (harness/models_packed.py). `--cpu-stand-in` runs it on the CPU, tiny,
+  with an exact stand-in for this project's attention: the harness's plumbing only.
 
 Implementations: "sdpa" (transformers' SDPA, torch's default backend choice), "fa4"
 (transformers' own "flash_attention_4" when it finds flash-attn-4, else FA4's
@@ -57,7 +64,7 @@ def _versions() -> dict:
 
 
 def build_model(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
-                intermediate: int, vocab: int, seqlen: int):
+                intermediate: int, vocab: int, seqlen: int, device="cuda"):
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads,
@@ -65,7 +72,7 @@ def build_model(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: i
                          max_position_embeddings=max(seqlen, 4096), attention_dropout=0.0,
                          tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.generation_config.eos_token_id = None     # random weights: never stop early
     model.generation_config.pad_token_id = 0
@@ -80,7 +87,7 @@ def implementations(model, wanted) -> tuple:
         impls["sdpa"] = "sdpa"
     if "fa4" in wanted:
         try:
-            from flash_attn.cute.interface import flash_attn_func
+            from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
             try:
                 model.set_attn_implementation("flash_attention_4")
                 with torch.no_grad():                # a call, not just the setting
@@ -93,7 +100,16 @@ def implementations(model, wanted) -> tuple:
                     window = tuple(None if side < 0 else side for side in window_size)
                     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                            window_size=window, softcap=softcap)
-                impls["fa4"] = hopper_tf.register("fa4", backend=fa4)
+
+                def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
+                               window_size=(-1, -1), softcap=0.0):
+                    window = tuple(None if side < 0 else side for side in window_size)
+                    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                 max_seqlen_q=max_q, max_seqlen_k=max_k,
+                                                 softmax_scale=softmax_scale, causal=causal,
+                                                 window_size=window, softcap=softcap)
+                    return out[0] if isinstance(out, tuple) else out
+                impls["fa4"] = hopper_tf.register("fa4", backend=fa4, varlen_backend=fa4_varlen)
                 notes["fa4"] = (f"flash_attn.cute.flash_attn_func registered as 'fa4' "
                                 f"(flash_attention_4: {type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:100] if str(exc) else ''})")
@@ -351,10 +367,60 @@ def _print_rows(rows) -> None:
                   f"{r['us']:8.1f} us  {r['kv_tb_per_s']:5.2f} TB/s")
 
 
+def packed_forms(model, wanted, stand_in: bool) -> tuple:
+    """The packed part's forms -> attn_implementation, and notes: implementations() for
+    SDPA, FA4 and this project (or the CPU stand-in registered as "hopper_attn")."""
+    import hopper_attn.integrations.transformers as hopper_tf
+    from hopper_attn.harness import models_packed
+    if stand_in:
+        dense, varlen = models_packed.stand_in_backends()
+        impls = {"hopper_attn": hopper_tf.register(backend=dense, varlen_backend=varlen)}
+        notes = {"fa4": "not run (--cpu-stand-in)",
+                 "hopper_attn": "CPU stand-in: exact fp32 attention, not this project's"}
+        if "sdpa" in wanted:
+            impls["sdpa"] = "sdpa"
+    else:
+        impls, notes = implementations(model, [w for w in wanted if w != "sdpa_provider"])
+    forms = {}
+    for form in models_packed.FORMS:
+        source = "sdpa" if form.startswith("sdpa") else form.replace("_posids", "")
+        if source in impls:
+            forms[form] = impls[source]
+    return forms, notes
+
+
+def run_packed(args, shape: dict, wanted, totals, rounds: int, stand_in: bool) -> list:
+    from hopper_attn.harness import models_packed as mp
+    device = "cpu" if stand_in else "cuda"
+    rows = []
+    model = build_model(**shape, seqlen=max(totals), device=device)
+    forms, notes = packed_forms(model, wanted, stand_in)
+    for name, note in notes.items():
+        print(f"  {name}: {note}")
+    rows.append({"part": "packed_setup", "forms": forms, "notes": notes})
+    if not args.no_guard:
+        guard_shape = dict(shape if stand_in else mp.GUARD)
+        guard_tokens, guard_median = (256, 32) if stand_in else (2048, 256)
+        lengths = mp.document_lengths(guard_tokens, 2, median=guard_median, cap=guard_tokens)
+        guard_rows = mp.guard(lambda: build_model(**guard_shape, seqlen=guard_tokens,
+                                                  device=device),
+                              forms, select, lengths, guard_shape["vocab"], device)
+        mp.print_rows(guard_rows)
+        rows += guard_rows
+    packed_rows = mp.bench_packed(model, forms, select, totals, rounds, shape["vocab"], device,
+                                  median=args.doc_median, cap=args.doc_cap)
+    mp.print_rows(packed_rows)
+    rows += packed_rows
+    del model
+    if not stand_in:
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="train,generate,probe",
-                        help="comma-separated parts: train, generate, probe")
+                        help="comma-separated parts: train, generate, probe, packed")
     parser.add_argument("--impls", default="sdpa,fa4,hopper_attn,sdpa_provider",
                         help="sdpa, fa4, hopper_attn (transformers' attention interface), "
                              "sdpa_provider (transformers' sdpa, SDPA's flash backend, "
@@ -373,6 +439,17 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-shapes", default=None,
                         help="probe decode shapes BATCHxKEYS,... (default 1x2304,1x32768,"
                              "1x131072,16x4096)")
+    parser.add_argument("--packed-tokens", default=None,
+                        help="packed part: tokens in the row (default 8192,16384)")
+    parser.add_argument("--doc-median", type=int, default=1024,
+                        help="packed part: median document length (lognormal, sigma 1)")
+    parser.add_argument("--doc-cap", type=int, default=16384,
+                        help="packed part: longest document")
+    parser.add_argument("--no-guard", action="store_true",
+                        help="packed part: skip the small-config correctness guard")
+    parser.add_argument("--cpu-stand-in", action="store_true",
+                        help="packed part on the CPU: a tiny model, an exact fp32 stand-in "
+                             "for hopper_attn, no FA4 (checks the harness, times nothing)")
     parser.add_argument("--quick", action="store_true",
                         help="N 4096, 3 rounds, prompt 512 + 32 steps, two decode shapes")
     parser.add_argument("--out", default=None, help="JSON path (default $OUT/models.json)")
@@ -384,8 +461,9 @@ def main(argv=None) -> int:
     except ImportError:
         print("hopper_attn.harness.models needs transformers: pip install '.[models]'")
         return 2
-    if not torch.cuda.is_available():
-        print("hopper_attn.harness.models needs a CUDA GPU")
+    stand_in = args.cpu_stand_in
+    if not torch.cuda.is_available() and not stand_in:
+        print("hopper_attn.harness.models needs a CUDA GPU (or --only packed --cpu-stand-in)")
         return 2
     quick = args.quick
     seqlens = [int(s) for s in (args.seqlens or ("4096" if quick else "8192,16384")).split(",")]
@@ -396,21 +474,35 @@ def main(argv=None) -> int:
                                     "1x2304,1x32768,1x131072,16x4096")
     decode_shapes = [tuple(int(x) for x in s.split("x")) for s in shapes.split(",")]
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
-    unknown = set(parts) - {"train", "generate", "probe"}
+    unknown = set(parts) - {"train", "generate", "probe", "packed"}
     if unknown:
-        parser.error(f"unknown parts {sorted(unknown)} (train, generate, probe)")
+        parser.error(f"unknown parts {sorted(unknown)} (train, generate, probe, packed)")
+    if stand_in and parts != ["packed"]:
+        parser.error("--cpu-stand-in runs --only packed")
+    packed_tokens = [int(s) for s in (args.packed_tokens or
+                                      ("4096" if quick else "8192,16384")).split(",")]
     wanted = [s.strip() for s in args.impls.split(",") if s.strip()]
 
     shape = dict(layers=args.layers, hidden=args.hidden, heads=args.heads,
                  kv_heads=args.kv_heads, head_dim=args.head_dim,
                  intermediate=args.intermediate, vocab=args.vocab)
+    if stand_in:
+        shape = dict(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                     vocab=128)
+        packed_tokens = [512]
+        args.doc_median, args.doc_cap = 64, 512
     result = {"env": _versions(), "model": {"kind": "LlamaForCausalLM, random weights, bf16",
                                              **shape},
               "settings": {"parts": parts, "seqlens": seqlens, "rounds": rounds,
                            "prompt": prompt, "new_tokens": new_tokens,
-                           "decode_shapes": decode_shapes, "quick": quick},
+                           "decode_shapes": decode_shapes, "quick": quick,
+                           "packed": {"tokens": packed_tokens, "doc_median": args.doc_median,
+                                      "doc_cap": args.doc_cap, "lognormal_sigma": 1.0,
+                                      "seed": "tokens // 1024", "stand_in": stand_in}},
               "rows": []}
     env = result["env"]
+    if stand_in:
+        env["gpu"] = env.get("gpu") or "none (--cpu-stand-in)"
     print(f"models: {env.get('gpu')} driver {env.get('driver')} torch {env['torch']} "
           f"transformers {env['transformers']} cutlass-dsl {env['cutlass_dsl']} "
           f"fa4 {env['flash_attn_4']}")
@@ -435,12 +527,14 @@ def main(argv=None) -> int:
             result["rows"] += rows
         del model
         torch.cuda.empty_cache()
+    if "packed" in parts:
+        result["rows"] += run_packed(args, shape, wanted, packed_tokens, rounds, stand_in)
     if "probe" in parts:
         rows = bench_probe(wanted, args.heads, args.kv_heads, args.head_dim, seqlens,
                            decode_shapes)
         _print_rows(rows)
         result["rows"] += rows
-    if "sdpa_provider" in wanted:
+    if "sdpa_provider" in wanted and set(parts) - {"packed"}:
         from hopper_attn.integrations import sdpa as hopper_sdpa
         result["sdpa_provider_counts"] = hopper_sdpa.counts()   # ran here / fell back
         counts = result["sdpa_provider_counts"]

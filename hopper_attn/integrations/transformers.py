@@ -120,27 +120,37 @@ _COMBINATORS = {"and_masks", "or_masks", "add_offsets_to_mask_function"}
 _PACKED_MASK = "packed_sequence_mask_function"
 
 
-@dataclasses.dataclass(frozen=True)
 class PackedSequences:
-    """Documents packed along the rows of a batch, as `attention_varlen` takes them: the
-    (batch x seqlen) tokens flattened, document b at tokens cu_seqlens[b] ..
-    cu_seqlens[b + 1] - 1 (int32, on the tokens' device), the longest `max_seqlen` long.
-    What this integration's mask function returns for a packed batch (transformers hands it
-    to every attention call as its `attention_mask`)."""
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
+    """Documents packed along the rows of a batch: what this integration's mask function
+    returns for one (transformers hands it to every attention call as its
+    `attention_mask`), holding transformers' per-token document index (batch, seqlen),
+    which counts up inside a row (masking_utils.find_packed_sequence_indices).
+    `offsets()` turns it into attention_varlen's (cu_seqlens, max_seqlen) over the
+    flattened (batch x seqlen) tokens, once (the layers share it), reading the boundaries on
+    the host (one synchronisation); calls that bring the collator's cu_seq_lens never ask."""
 
-    @classmethod
-    def from_document_ids(cls, ids: torch.Tensor) -> "PackedSequences":
-        """From transformers' per-token document index (batch, seqlen), which counts up
-        inside a row (masking_utils.find_packed_sequence_indices). Reads the boundaries on
-        the host (one synchronisation)."""
-        starts = torch.ones_like(ids, dtype=torch.bool)
-        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        first = starts.flatten().nonzero().flatten()
-        end = torch.tensor([ids.numel()], dtype=first.dtype, device=ids.device)
-        cu_seqlens = torch.cat([first, end]).to(torch.int32)
-        return cls(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+    def __init__(self, document_ids: torch.Tensor):
+        self.document_ids = document_ids
+        self._offsets = None
+
+    def offsets(self) -> tuple:
+        """(cu_seqlens int32 on the tokens' device, max_seqlen)."""
+        if self._offsets is None:
+            if torch.compiler.is_compiling():
+                raise UnsupportedFeature(
+                    "hopper_attn reads packed documents' boundaries from position ids only "
+                    "in eager mode; under torch.compile pass cu_seq_lens_q/k and "
+                    "max_length_q/k (the flattening collator's return_flash_attn_kwargs="
+                    "True; transformers composes its packed-sequence mask whenever it "
+                    "traces a forward with position ids)")
+            ids = self.document_ids
+            starts = torch.ones_like(ids, dtype=torch.bool)
+            starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            first = starts.flatten().nonzero().flatten()
+            end = torch.tensor([ids.numel()], dtype=first.dtype, device=ids.device)
+            cu_seqlens = torch.cat([first, end]).to(torch.int32)
+            self._offsets = (cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+        return self._offsets
 
 
 def packed_document_ids(fn) -> Optional[torch.Tensor]:
@@ -217,11 +227,8 @@ def check_mask_request(q_length: int, kv_length: int, q_offset=0, kv_offset: int
                                  "model or batch")
     causal = "causal_mask_function" in parts
     if _PACKED_MASK in parts:
-        if compiling:
-            raise UnsupportedFeature("hopper_attn reads packed documents' boundaries from "
-                                     "position ids only in eager mode; under torch.compile "
-                                     "pass cu_seq_lens_q/k and max_length_q/k (the "
-                                     "flattening collator's return_flash_attn_kwargs=True)")
+        # (under torch.compile transformers composes this part whenever position ids are
+        # given: the attention call then needs the collator's cu_seq_lens, PackedSequences)
         if attention_mask is not None or q_offset != 0 or kv_offset != 0 \
                 or q_length != kv_length:
             raise UnsupportedFeature("hopper_attn runs packed sequences without a padding "
@@ -271,7 +278,7 @@ def hopper_attn_mask(batch_size: int, q_length: Optional[int] = None,
     check_mask_request(q_length, kv_length, q_offset, kv_offset, mask_function,
                        attention_mask)
     ids = packed_document_ids(mask_function) if mask_function is not None else None
-    return None if ids is None else PackedSequences.from_document_ids(ids)
+    return None if ids is None else PackedSequences(ids)
 
 
 _SIMPLE_KWARGS_REFUSED = {
@@ -344,8 +351,8 @@ def packed_call(kwargs: dict, attention_mask) -> Optional[tuple]:
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         if isinstance(attention_mask, PackedSequences):
-            m = attention_mask
-            return (m.cu_seqlens, m.cu_seqlens, m.max_seqlen, m.max_seqlen)
+            cu_seqlens, max_seqlen = attention_mask.offsets()
+            return (cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
         return None
     max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
     if cu_q is None or cu_k is None or max_q is None or max_k is None:
@@ -451,13 +458,15 @@ def make_attention_forward(backend: Optional[Callable] = None,
 hopper_attention_forward = make_attention_forward()
 
 
-def register(name: str = NAME, backend: Optional[Callable] = None) -> str:
+def register(name: str = NAME, backend: Optional[Callable] = None,
+             varlen_backend: Optional[Callable] = None) -> str:
     """Register `name` (default "hopper_attn") with transformers: the attention function and
     its mask function. Then `attn_implementation=name` in `from_pretrained` / a model's
-    constructor, or `model.set_attn_implementation(name)`. `backend` as in
-    `make_attention_forward`. Returns `name`."""
+    constructor, or `model.set_attn_implementation(name)`. `backend` and `varlen_backend` as
+    in `make_attention_forward`. Returns `name`."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    forward = hopper_attention_forward if backend is None else make_attention_forward(backend)
+    forward = hopper_attention_forward if backend is None and varlen_backend is None else \
+        make_attention_forward(backend, varlen_backend)
     AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, hopper_attn_mask)
     return name
