@@ -54,9 +54,7 @@ consumer thread (fp32): S block_n / 2, P block_n / 4, O d / 2 (d = 256: 40 + 20 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Callable, Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -66,7 +64,7 @@ import torch
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.contract import (LOG2_E, KernelSpec, check_whole_kv_tiles,
+from hopper_attn.common.contract import (LOG2_E, KernelSpec, Lengths, check_whole_kv_tiles,
                                          compile_attention, run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, smem_bytes,
                                         smem_tile_layout, wg_major_o_buffer)
@@ -116,17 +114,6 @@ def d96_wide_tiles(seqlen: int) -> bool:
     """d = 96 without a mask: 192 x 96 tiles from 2048 queries, and from 768 where the last
     192-row query tile leaves at most one warpgroup idle (-7% at 1024, where it leaves two)."""
     return seqlen >= 2048 or (seqlen >= 768 and -seqlen % 192 <= 64)
-
-
-@dataclasses.dataclass(frozen=True)
-class Lengths:
-    """Query lengths lo <= N < hi, or those `rule` accepts."""
-    lo: int = 0
-    hi: int = 1 << 31
-    rule: Optional[Callable[[int], bool]] = None
-
-    def __contains__(self, n: int) -> bool:
-        return self.rule(n) if self.rule else self.lo <= n < self.hi
 
 
 ALL = Lengths()

@@ -71,14 +71,15 @@ from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, PolicyRow, backward_smem,
+from hopper_attn.common.backward import (BackwardTiles, GroupWalk, PolicyRow, backward_smem,
                                          column_stats, compile_backward, converted,
-                                         fragment_slot, policy_settings, run_backward,
+                                         fragment_slot, kernel_arguments, policy_settings,
+                                         run_backward,
                                          stage_dkv, store_dkv, wait_for_count)
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
-from hopper_attn.common.masking import KVTileSchedule, dkv_parts, mask_scores, window_options
+from hopper_attn.common.masking import KVTileSchedule, mask_scores
 from hopper_attn.common.softmax import softcap_scores
 from hopper_attn.common.trace import PhaseTrace
 from hopper_attn.common.varlen_backward import VarlenKVTileSchedule
@@ -100,7 +101,7 @@ DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 
 DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer warp
 
 
-class FlashAttentionBackwardKB2:
+class FlashAttentionBackwardKB2(GroupWalk):
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
@@ -193,24 +194,6 @@ class FlashAttentionBackwardKB2:
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
                              "for dP^T before the exp2 loop)")
-
-    @cute.jit
-    def work_item(self, it, m_first, m_count):
-        """gqa: the `it`-th (query head of the group, query tile) pair a CTA visits: each
-        head's query tiles in order, the group's heads one after the other."""
-        head_in_group = it // m_count
-        return head_in_group, m_first + (it - head_in_group * m_count)
-
-    def visits(self, m_count, group):
-        """How many query tiles a CTA walks (gqa: times the group's query heads)."""
-        return m_count * group if self.gqa else m_count
-
-    def dkv_heads(self, problem) -> int:
-        """gqa: the dK / dV heads run_backward launches over (`dkv_parts` per k/v head)."""
-        from hopper_attn.common.scheduler import sm_count
-        return problem.kv_heads * dkv_parts(self.schedule, problem.heads, problem.kv_heads,
-                                            problem.batch, problem.seqlen, problem.kv_seqlen,
-                                            sm_count())
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -797,30 +780,12 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                         (block_m, dp_first, early_dv))
     if shared_keys is None and problem.head_dim == 192:
         shared_keys = True          # the one kb2 tile whose dK / dV fit the registers there
-    given = {"block_m": block_m, "stmatrix": stmatrix, "early_dv": early_dv,
-             "dp_first": dp_first, "ds_address_per_tile": ds_address_per_tile,
-             "kv_with_first_tile": kv_with_first_tile, "pdl": pdl, "split_dv": split_dv,
-             "longest_first": longest_first, "group_mib": group_mib,
-             "group_heads": group_heads, "convert_per_head": convert_per_head, "gqa": gqa,
-             "heads_first": heads_first, "shared_keys": shared_keys}
+    passed = locals()               # the options as given (None: the policy's)
+    given = {name: value for name, value in passed.items() if name in DEFAULTS}
     settings = policy(problem, deterministic, tuned=block_m is None)
-    settings.pop("rows")
-    settings.update({name: value for name, value in given.items() if value is not None})
-    if not settings["pdl"] and convert_per_head is None:
-        settings["convert_per_head"] = False
-    early = settings.pop("early_dv")
-    options = {name: bool(value) for name, value in settings.items()
-               if name not in ("block_m", "split_dv", "group_mib", "group_heads")}
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
-                            {**options, "block_m": int(settings["block_m"]),
-                             "block_n": block_n or (64 if settings["shared_keys"] else 128),
-                             "deterministic": bool(deterministic), "early_dv": early,
-                             "split_dv": int(settings["split_dv"]),
-                             "group_mib": int(settings["group_mib"]),
-                             "group_heads": int(settings["group_heads"]), "trace": bool(trace),
-                             **({"softcap": float(softcap)} if softcap else {}),
-                             **({"varlen": True} if varlen else {}),
-                             **window_options(problem)},
+                            kernel_arguments(settings, given, problem, block_n, deterministic,
+                                             trace, softcap, varlen),
                             compile_options=compile_options)
 
 

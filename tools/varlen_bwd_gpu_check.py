@@ -278,30 +278,16 @@ def _switched_off(call, switch):
 
 
 
-def speed_mixes() -> list:
-    """The (tokens, seed) document mixes timed: VARLEN_TOTALS="16384" keeps the 16k mix."""
-    keep = os.environ.get("VARLEN_TOTALS", "16384,65536").split(",")
-    return [(t, s) for t, s in ((16384, 16), (65536, 64)) if str(t) in keep]
-
-
-def speed_dims() -> list:
-    """Head dims timed: VARLEN_DIMS="128" keeps d 128."""
-    return [int(x) for x in os.environ.get("VARLEN_DIMS", "64,128").split(",")]
-
-
-def speed_equal_lengths() -> list:
-    """(batch, seqlen) of the equal-length comparisons with the dense call (the 4 x 16k one
-    only with the 64k mix)."""
-    return [(8, 2048)] + ([(4, 16384)] if any(t == 65536 for t, _ in speed_mixes()) else [])
-
 
 def speed(log) -> dict:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved, tflops
-    from hopper_attn.harness.varlen_reference import cu_seqlens, flops, lognormal_lengths
+    from hopper_attn.harness.varlen_reference import (cu_seqlens, flops, lognormal_lengths,
+                                                      speed_dims, speed_equal_lengths,
+                                                      speed_mixes)
     providers = _providers(log)
     flush, rows, notes = L2Flush(), [], {}
     mixes = []
-    for total, seed in speed_mixes():       # tools/varlen_gpu_check.py's mixes
+    for total, seed in speed_mixes():       # the forward check's mixes
         lengths = lognormal_lengths(total, seed)
         mixes.append((f"lognormal {total // 1024}k", seed, lengths))
         log(f"  mix {total // 1024}k seed {seed}: {len(lengths)} documents, max {max(lengths)}"

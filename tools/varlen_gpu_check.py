@@ -41,8 +41,9 @@ import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.gpu_check import run_check  # noqa: E402
-from hopper_attn.harness.varlen_reference import (cu_seqlens, flops,  # noqa: E402
-                                                  lognormal_lengths, reference)
+from hopper_attn.harness.varlen_reference import (  # noqa: E402
+    cu_seqlens, flops, lognormal_lengths, reference, speed_dims, speed_equal_lengths,
+    speed_mixes)
 
 PAD = 64                    # poisoned tokens before and after every tensor
 TAILS = [0, 1, 17, 113, 1000, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 300]
@@ -197,22 +198,6 @@ def _torch_varlen():
     return run
 
 
-
-def speed_mixes() -> list:
-    """The (tokens, seed) document mixes timed: VARLEN_TOTALS="16384" keeps the 16k mix."""
-    keep = os.environ.get("VARLEN_TOTALS", "16384,65536").split(",")
-    return [(t, s) for t, s in ((16384, 16), (65536, 64)) if str(t) in keep]
-
-
-def speed_dims() -> list:
-    """Head dims timed: VARLEN_DIMS="128" keeps d 128."""
-    return [int(x) for x in os.environ.get("VARLEN_DIMS", "64,128").split(",")]
-
-
-def speed_equal_lengths() -> list:
-    """(batch, seqlen) of the equal-length comparisons with the dense call (the 4 x 16k one
-    only with the 64k mix)."""
-    return [(8, 2048)] + ([(4, 16384)] if any(t == 65536 for t, _ in speed_mixes()) else [])
 
 
 def speed(log, t0) -> dict:

@@ -42,6 +42,7 @@ from cutlass import Float32, Int32
 
 from . import tma
 from .layouts import ndhb_view, smem_tile_layout, transposed
+from .masking import dkv_parts, window_options
 from .wgmma import dq_mma, dq_tile_shape
 
 _COMPILED: dict = {}
@@ -641,3 +642,47 @@ def policy_settings(rows, defaults: dict, problem, deterministic: bool = False,
                 used.append(row)
     settings["rows"] = used
     return settings
+
+
+class GroupWalk:
+    """kb2's GQA walk (`gqa`): a CTA visits every query head of its k/v head's group (or of
+    its part of it, masking.dkv_parts), head after head, and stores dK and dV once."""
+
+    @cute.jit
+    def work_item(self, it, m_first, m_count):
+        """The `it`-th (query head of the group, query tile) pair a CTA visits: each head's
+        query tiles in order, the group's heads one after the other."""
+        head_in_group = it // m_count
+        return head_in_group, m_first + (it - head_in_group * m_count)
+
+    def visits(self, m_count, group):
+        """How many query tiles a CTA walks (gqa: times the group's query heads)."""
+        return m_count * group if self.gqa else m_count
+
+    def dkv_heads(self, problem) -> int:
+        """gqa: the dK / dV heads run_backward launches over (`dkv_parts` per k/v head)."""
+        from .scheduler import sm_count
+        return problem.kv_heads * dkv_parts(self.schedule, problem.heads, problem.kv_heads,
+                                            problem.batch, problem.seqlen, problem.kv_seqlen,
+                                            sm_count())
+
+
+def kernel_arguments(settings: dict, given: dict, problem, block_n, deterministic: bool,
+                     trace: bool, softcap: float, varlen: bool) -> dict:
+    """kb2's constructor arguments: `policy_settings`' (`settings`), then the options a
+    caller `given` (None: the policy's); the per-head dQ conversion needs the early launch
+    (pdl) unless a caller asked for it; the window's and the features' arguments only where
+    set (so that the kernels without them compile as before)."""
+    settings = {k: v for k, v in settings.items() if k != "rows"}
+    settings.update({name: value for name, value in given.items() if value is not None})
+    if not settings["pdl"] and given.get("convert_per_head") is None:
+        settings["convert_per_head"] = False
+    counts = ("block_m", "split_dv", "group_mib", "group_heads")
+    early = settings.pop("early_dv")
+    arguments = {name: bool(value) for name, value in settings.items() if name not in counts}
+    arguments.update({name: int(settings[name]) for name in counts})
+    arguments.update(block_n=block_n or (64 if settings["shared_keys"] else 128),
+                     deterministic=bool(deterministic), early_dv=early, trace=bool(trace),
+                     **({"softcap": float(softcap)} if softcap else {}),
+                     **({"varlen": True} if varlen else {}), **window_options(problem))
+    return arguments

@@ -31,6 +31,18 @@ MAX_GRID_YZ = 65535
 LOG2_E = math.log2(math.e)
 
 
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """A POLICY row's query lengths: lo <= N < hi, or those `rule` accepts."""
+    lo: int = 0
+    hi: int = 1 << 31
+    rule: Optional[Callable[[int], bool]] = None
+
+    def __contains__(self, n: int) -> bool:
+        return self.rule(n) if self.rule else self.lo <= n < self.hi
+
+
 class UnsupportedProblem(ValueError):
     """A valid attention problem that this particular kernel does not handle."""
 

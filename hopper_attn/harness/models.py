@@ -161,8 +161,31 @@ def _timed(fn) -> float:
     return start.elapsed_time(end)
 
 
-def bench_train(model, impls: dict, seqlens, rounds: int, vocab: int) -> list:
+def warm_and_time(model, impls: dict, select, step, rounds: int, seed: int, timed) -> tuple:
+    """Each implementation selected and its `step(name)` (returning the loss) run twice
+    (compiles, autotuning, allocator; a failure is recorded and the others go on), then
+    every live one timed by `timed` in `rounds` shuffled rounds. Returns (losses, errors,
+    times: name -> ms per round)."""
     from hopper_attn.harness.timing import round_orders
+    times = {name: [] for name in impls}
+    errors, losses = {}, {}
+    for name, impl in impls.items():
+        select(model, name, impl)
+        try:
+            for _ in range(2):
+                losses[name] = float(torch.as_tensor(step(name)).detach())
+        except Exception as exc:  # noqa: BLE001 - record and go on with the others
+            errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            model.zero_grad(set_to_none=True)
+    live = [name for name in impls if name not in errors]
+    for order in round_orders(live, rounds, seed=seed):
+        for name in order:
+            select(model, name, impls[name])
+            times[name].append(timed(lambda name=name: step(name)))
+    return losses, errors, times
+
+
+def bench_train(model, impls: dict, seqlens, rounds: int, vocab: int) -> list:
     model.train()
     rows = []
     for n in seqlens:
@@ -175,21 +198,7 @@ def bench_train(model, impls: dict, seqlens, rounds: int, vocab: int) -> list:
             model.zero_grad(set_to_none=True)
             return loss
 
-        times = {name: [] for name in impls}
-        errors, losses = {}, {}
-        for name, impl in impls.items():          # warm-up: compiles, autotuning, allocator
-            select(model, name, impl)
-            try:
-                for _ in range(2):
-                    losses[name] = float(step(name).detach())
-            except Exception as exc:  # noqa: BLE001 - record and go on with the others
-                errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                model.zero_grad(set_to_none=True)
-        live = [name for name in impls if name not in errors]
-        for order in round_orders(live, rounds, seed=n):
-            for name in order:
-                select(model, name, impls[name])
-                times[name].append(_timed(lambda name=name: step(name)))
+        losses, errors, times = warm_and_time(model, impls, select, step, rounds, n, _timed)
         for name in impls:
             row = {"part": "train", "impl": name, "seqlen": n, "batch": 1}
             if name in errors:

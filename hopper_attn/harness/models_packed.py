@@ -213,7 +213,7 @@ def bench_packed(model, impls: dict, select, totals, rounds: int, vocab: int, de
                  median: int = 1024, cap: int = 16384) -> list:
     """Rows of the packed part: each form's median step time over `rounds` rounds (forms
     shuffled each round) per total N, tokens/s, the ratio to the faster baseline."""
-    from hopper_attn.harness.timing import round_orders
+    from hopper_attn.harness.models import warm_and_time
     timed = _timer(device)
     model.train()
     rows = []
@@ -228,21 +228,9 @@ def bench_packed(model, impls: dict, select, totals, rounds: int, vocab: int, de
             model.zero_grad(set_to_none=True)
             return loss
 
-        times = {form: [] for form in impls}
-        errors, losses = {}, {}
-        for form, impl in impls.items():          # warm-up: compiles, allocator
-            select(model, form, impl)
-            try:
-                for _ in range(2):
-                    losses[form] = float(step(form))
-            except Exception as exc:  # noqa: BLE001 - record and go on with the others
-                errors[form] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                model.zero_grad(set_to_none=True)
+        losses, errors, times = warm_and_time(model, impls, select, step, rounds, total,
+                                              timed)
         live = [form for form in impls if form not in errors]
-        for order in round_orders(live, rounds, seed=total):
-            for form in order:
-                select(model, form, impls[form])
-                times[form].append(timed(lambda form=form: step(form)))
         medians = {form: statistics.median(times[form]) for form in live}
         baseline = min((f for f in BASELINES if f in medians), key=medians.get, default=None)
         for form in impls:

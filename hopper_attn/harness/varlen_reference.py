@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import os
+
 import torch
 
 from hopper_attn.harness import window_reference
@@ -109,3 +111,20 @@ def cu_seqlens(lengths, device="cuda") -> torch.Tensor:
     for n in lengths:
         out.append(out[-1] + int(n))
     return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def speed_mixes() -> list:
+    """The (tokens, seed) document mixes the varlen GPU checks time: VARLEN_TOTALS="16384" keeps the 16k mix."""
+    keep = os.environ.get("VARLEN_TOTALS", "16384,65536").split(",")
+    return [(t, s) for t, s in ((16384, 16), (65536, 64)) if str(t) in keep]
+
+
+def speed_dims() -> list:
+    """Head dims timed: VARLEN_DIMS="128" keeps d 128."""
+    return [int(x) for x in os.environ.get("VARLEN_DIMS", "64,128").split(",")]
+
+
+def speed_equal_lengths() -> list:
+    """(batch, seqlen) of the equal-length comparisons with the dense call (the 4 x 16k one
+    only with the 64k mix)."""
+    return [(8, 2048)] + ([(4, 16384)] if any(t == 65536 for t, _ in speed_mixes()) else [])
