@@ -41,7 +41,7 @@ def _refused(match, **over):
 
 def test_refusals_before_any_launch():
     bf = torch.bfloat16
-    _refused("chunked prefill", q=torch.zeros(2, 17, 8, 128, dtype=bf))
+    _refused("CUDA device", q=torch.zeros(2, 17, 8, 128, dtype=bf))    # the prefill path
     _refused("bf16 or fp16", q=torch.zeros(2, 1, 8, 128))
     _refused("same shape", v_cache=torch.zeros(6, 32, 2, 128, dtype=bf))
     _refused("dtype", k_cache=torch.zeros(6, 16, 2, 128, dtype=torch.float16),
@@ -142,3 +142,88 @@ def test_quick_case(index):
 def test_graph_replay():
     row = kc.check_graph()
     assert row["ok"], row
+
+
+def test_prefill_refusals_before_any_launch():
+    """Chunked prefill (seqlen_q > 16, cu_seqlens_q, a window or softcap): what it refuses
+    on the host, before any launch."""
+    bf = torch.bfloat16
+    q = torch.zeros(2, 20, 8, 128, dtype=bf)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+
+    def refused(match, **over):
+        t = _inputs(q=q)
+        t.update(over)
+        args = [t.pop(k) for k in ("q", "k_cache", "v_cache", "cache_seqlens")]
+        with pytest.raises(ValueError, match=match):
+            kvcache.attention_with_kvcache(*args, **t)
+
+    f8 = torch.float8_e4m3fn
+    refused("e4m3", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+            v_cache=torch.zeros(6, 16, 2, 128, dtype=f8))
+    refused("num_splits", num_splits=4)
+    refused("max_seqlen_q", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu)
+    refused("do not fit", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu,
+            max_seqlen_q=8)
+    refused("int32", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu.long(),
+            max_seqlen_q=13)
+    refused("append_kv", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu,
+            max_seqlen_q=13, k_new=torch.zeros(2, 1, 2, 128, dtype=bf),
+            v_new=torch.zeros(2, 1, 2, 128, dtype=bf))
+    pair = torch.zeros(2, 6, 16, 2, 128, dtype=bf)          # vLLM's K/V pair: read in place
+    heads_major = torch.zeros(6, 2, 16, 128, dtype=bf).transpose(1, 2)
+    refused("page_size .16. token rows apart", k_cache=heads_major,
+            v_cache=heads_major.clone())
+    refused("CUDA device", k_cache=pair[0], v_cache=pair[1])
+    refused("CUDA device", q=torch.zeros(2, 3, 8, 128, dtype=bf), window_size=(8, 0))
+    refused("softcap", softcap=-1.0)
+    refused("window_size", window_size=(4, 4))          # causal: the right side is 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,boxes", [(16, 8), (128, 1)])
+def test_paged_prefill_compiles(page_size, boxes):
+    """k6 over a paged cache (chunked prefill), d 128, causal, GQA: sm_90a, no spills; K
+    and V each `boxes` TMA boxes per tile (two instructions each at d = 128) at the two
+    places each is loaded, beside Q's load and O's store."""
+    from hopper_attn import k6_paged
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS
+    problem = Problem(4, 32, 512, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=8192)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = k6_paged.compile_paged(
+            problem, page_size, compile_options=f"--keep-ptx --dump-dir={dump} "
+                                                f"{SPILLS_AS_ERRORS}")
+        ptx = compiled.__ptx__
+    assert (kernel.block_n, kernel.page_size) == (128, page_size)
+    assert ptx.count("cp.async.bulk.tensor") == 4 + 4 * 2 * boxes
+
+
+def test_prefill_cache_as_packed_tokens():
+    """What chunked prefill hands the varlen kernels: the cache as packed tokens (a view),
+    request b's key n at token cu_seqlens_k[b] + n (contiguous: b x the request stride) or
+    page_table[b, n // page_size] x page_size + n % page_size (paged, also vLLM's K/V pair
+    view); through the ragged TMA view a page's box clips exactly the keys past the
+    request's count."""
+    from hopper_attn.common import varlen
+    cache = torch.randn(3, 40, 2, 8)
+    flat = kvcache._tokens(cache, 2 * 40 + 40)
+    cu_k = torch.arange(4) * (cache.stride(0) // cache.stride(1))
+    for b in range(3):
+        assert torch.equal(flat[cu_k[b]:cu_k[b] + 40], cache[b])
+    pair = torch.randn(2, 6, 16, 2, 8)                      # (K/V, pages, page_size, H, d)
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]])
+    for pool in (pair[0], pair[1]):
+        tokens = kvcache._tokens(pool, 6 * 16)
+        for b in range(2):
+            keys = kc.gathered(pool, b, 48, table, 16)
+            rows = table[b, torch.arange(48) // 16] * 16 + torch.arange(48) % 16
+            assert torch.equal(tokens[rows], keys)
+    # copy_page_boxes' coordinates: a tile of 128 keys over 16-token pages, 37 keys
+    s, ps, seqlen = 2 * 8, 16, 37
+    for n in range(128):
+        first = n // ps * ps
+        length = max(min(seqlen - first, ps), 0)
+        page = int(table[0, min(n // ps, 2)])
+        address = varlen.ragged_address(0, page * ps, length, n - first, s, 2)
+        assert address == (None if n >= seqlen else (page * ps + n % ps) * s * 2)
