@@ -11,6 +11,13 @@ table each kv tile is gathered from the cache's pages (hopper_attn/common/paged.
 tile and the number of splits come from the shapes only (the cache's capacity stands for
 the key count), so a decode step is capturable in a CUDA graph: no host reads of device
 data, no data-dependent allocation. docs/kvcache.md says how.
+
+Chunked prefill (more than 16 new queries per request, or a varlen query batch with
+`cu_seqlens_q`, or a window / softcap) runs k6 over a packed query batch instead: a
+contiguous cache as the packed keys of hopper_attn/k6_varlen.py (cu_seqlens_k a fixed
+stride apart, seqused_k the key counts: no new kernel), a paged one through
+hopper_attn/k6_paged.py (kv tiles gathered from pages, common/paged_prefill.py). Equally
+free of host reads (`_prefill`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ On the CPU: refusals raise ValueError before any launch; the page-table gather a
 math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
 one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
 per page, pages as large as the tile or larger: one box per tile; an e4m3 cache) for
-sm_90a, no spills.
+sm_90a, no spills. Chunked prefill (k6 over the cache as packed keys): its refusals, the packed views
+of the cache, the page boxes' clipping, a compile of the paged kernel (pages of 16 and
+128).
 
 On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
 gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
