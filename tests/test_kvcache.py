@@ -4,13 +4,14 @@ On the CPU: refusals raise ValueError before any launch; the page-table gather a
 math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
 one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
 per page, pages as large as the tile or larger: one box per tile; an e4m3 cache) for
-sm_90a, no spills. Chunked prefill (k6 over the cache as packed keys): its refusals, the packed views
-of the cache, the page boxes' clipping, a compile of the paged kernel (pages of 16 and
-128).
+sm_90a, no spills. Chunked prefill (k6 over the cache as packed keys): its refusals, the
+packed views of the cache, the page boxes' clipping, a compile of the paged kernel (pages
+of 16 and 128).
 
 On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
 gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
-byte, same bits twice) and a CUDA graph replay.
+byte, same bits twice) and a CUDA graph replay; harness/prefill_check.py's chunked-prefill
+cases and graph replay.
 """
 
 import tempfile
@@ -20,6 +21,7 @@ import torch
 
 from hopper_attn import kvcache
 from hopper_attn.harness import kvcache_check as kc
+from hopper_attn.harness import prefill_check
 
 
 def _inputs(**over):
@@ -229,3 +231,16 @@ def test_prefill_cache_as_packed_tokens():
         page = int(table[0, min(n // ps, 2)])
         address = varlen.ragged_address(0, page * ps, length, n - first, s, 2)
         assert address == (None if n >= seqlen else (page * ps + n % ps) * s * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(prefill_check.cases(quick=True))))
+def test_prefill_case(index):
+    row = prefill_check.check(prefill_check.cases(quick=True)[index], seed=index)
+    assert row["ok"], row
+
+
+@pytest.mark.gpu
+def test_prefill_graph_replay():
+    row = prefill_check.check_graph()
+    assert row["ok"], row
