@@ -12,8 +12,9 @@ What changes from k6_varlen (the `page_size` of FlashAttentionK6Paged):
   offsets (the kernel's cu_seqlens_k argument is cu_seqlens_q again, never used for keys).
 * The kv tile must divide a page or be a multiple of one: where the POLICY row's does
   neither (d 192 and 256 with pages of 32 or more), the tile is 64 keys.
-
 What stays: everything else of k6_varlen (work list, masks, ragged Q and O, the LSE).
+
+Budget: k6_varlen's (SMEM, threads, registers: the producer's 24 hold one box at a time).
 """
 
 from __future__ import annotations

@@ -516,6 +516,11 @@ def _tokens(cache: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 _PREFILL_FAST: dict = {}
+# Which length picks k6's POLICY row for a chunk: "queries" (max_seqlen_q, as
+# attention_varlen does) or "keys" (the longer of it and the cache's capacity: a chunk's
+# items walk the whole cache, like the long rows' items); a probe that
+# tools/prefill_gpu_check.py times both ways, until a GPU run settles it
+PREFILL_POLICY_BY = "queries"
 
 
 def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causal,
@@ -534,7 +539,7 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
         key = (*[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                  for t in tensors], bool(causal), window, softcap, max_seqlen_q,
                type(max_seqlen_q), num_splits, type(num_splits), k_descale is None,
-               v_descale is None)
+               v_descale is None, PREFILL_POLICY_BY)
         prepared = _PREFILL_FAST.get(key)
     except (AttributeError, TypeError):
         key = prepared = None
@@ -546,8 +551,9 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
         k_rows = k_cache.shape[0] * k_cache.shape[1] if page_size else \
             (batch - 1) * (k_cache.stride(0) // k_cache.stride(1)) + capacity \
             if batch > 1 else capacity
-        problem = k6_varlen.problem_for(q3, _tokens(k_cache, k_rows), batch, max_q, capacity,
-                                        causal, window)
+        row_length = max(max_q, capacity) if PREFILL_POLICY_BY == "keys" else max_q
+        problem = k6_varlen.problem_for(q3, _tokens(k_cache, k_rows), batch, row_length,
+                                        capacity, causal, window)
         overrides = {"softcap": softcap} if softcap else {}
         if page_size:
             compiled, _ = k6_paged.compile_paged(problem, page_size, **overrides)

@@ -21,11 +21,14 @@ bits on a second call, every cache byte after the append as expected.
 Speed (skipped with --quick): a few hundred new queries per request over long caches
 (B 4 / 16, 256 / 512 queries, caches 8k / 32k keys, Hq 32 / Hkv 8, d 128, bf16, causal),
 the cache contiguous and paged 16 and 128 (shuffled tables), this project's call against
-FA4's flash_attn_varlen_func (cu_seqlens_q, seqused_k, page_table) on the same tensors,
+FA4's flash_attn_varlen_func (seqused_k, page_table; q as (batch, seqlen_q, ...) and, as
+"fa4-cu", packed with cu_seqlens_q as vLLM calls it) on the same tensors,
 timed round-robin with CUDA events and the L2 flushed before every call
 (harness/timing.benchmark_interleaved), medians; TFLOP/s of the causal work (4 x queries x
-keys seen x d x Hq per request) and FA4's time over ours. Everything goes to
-$OUT/prefill.json (or --out).
+keys seen x d x Hq per request) and FA4's time over ours. Ours twice: k6's POLICY row
+picked by the query length (the default) and by the cache's ("ours-keysrow",
+kvcache.PREFILL_POLICY_BY = "keys"; ours/keysrow > 1: the keys' row is faster).
+Everything goes to $OUT/prefill.json (or --out).
 """
 
 from __future__ import annotations
@@ -93,8 +96,18 @@ def _cache(batch: int, keys: int, page_size: int, gen):
     return k, torch.randn_like(k), table
 
 
+def _ours(q, k, v, seqlens, table, policy_by: str):
+    """attention_with_kvcache with k6's POLICY row picked by the query length or by the
+    cache's (kvcache.PREFILL_POLICY_BY)."""
+    from hopper_attn import attention_with_kvcache, kvcache
+    kvcache.PREFILL_POLICY_BY = policy_by
+    try:
+        return attention_with_kvcache(q, k, v, seqlens, page_table=table, causal=True)
+    finally:
+        kvcache.PREFILL_POLICY_BY = "queries"
+
+
 def speed(log, t0=None) -> list:
-    from hopper_attn import attention_with_kvcache
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved, round_ratios, tflops
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func
@@ -117,10 +130,15 @@ def speed(log, t0=None) -> list:
                    "heads": HQ, "heads_kv": HKV, "head_dim": D, "flops": flops}
             try:
                 k, v, table = _cache(batch, keys, ps, gen)
-                fns = {"ours": lambda k=k, v=v, t=table: attention_with_kvcache(
-                    q, k, v, seqlens, page_table=t, causal=True)}
+                fns = {name: lambda k=k, v=v, t=table, by=by: _ours(
+                    q, k, v, seqlens, t, by) for name, by in (("ours", "queries"),
+                                                              ("ours-keysrow", "keys"))}
                 if flash_attn_varlen_func is not None:
+                    # (as tools/kvcache_gpu_check.py calls it: q (batch, seqlen_q, ...); and
+                    # as vLLM does: packed q with cu_seqlens_q)
                     fns["fa4"] = lambda k=k, v=v, t=table: flash_attn_varlen_func(
+                        q, k, v, seqused_k=seqlens, page_table=t, causal=True)
+                    fns["fa4-cu"] = lambda k=k, v=v, t=table: flash_attn_varlen_func(
                         q_packed, k, v, cu_seqlens_q=cu_q, max_seqlen_q=nq, seqused_k=seqlens,
                         page_table=t, causal=True)
                 ours = fns["ours"]()
@@ -147,9 +165,11 @@ def speed(log, t0=None) -> list:
             cells = [f"{n} {e['ms'] * 1e3:.0f} us {e['tflops']:.0f} TF/s"
                      for n, e in timed.items()]
             ratio = round_ratios(timed["fa4"], timed["ours"]) if "fa4" in timed else None
-            row["fa4_over_ours"] = ratio
+            keysrow = round_ratios(timed["ours"], timed["ours-keysrow"])
+            row["fa4_over_ours"], row["ours_over_keysrow"] = ratio, keysrow
             extra = f" || fa4/ours {ratio['ratio']:.2f}" if ratio else \
                 f" || fa4: {row.get('fa4_error', 'n/a')[:60]}"
+            extra += f" ours/keysrow {keysrow['ratio']:.2f}" if keysrow else ""
             wrong = [n for n, d in diffs.items() if d > 0.02]
             log(f"{label}: " + " | ".join(cells) + extra
                 + (f"  DIFFER {wrong}" if wrong else ""))
@@ -165,8 +185,8 @@ def main() -> int:
     return run_check(
         __doc__, "prefill.json", lambda log: correctness(log, quick), speed,
         "correctness: case per line (ratio = error / PyTorch's bf16 error)",
-        "speed: B, queries per request, keys, layout: ours | FA4 (median us, TFLOP/s), "
-        "FA4 time / ours (>1: ours faster)")
+        "speed: B, queries per request, keys, layout: ours | ours-keysrow | FA4 | FA4-cu "
+        "(median us, TFLOP/s); FA4 time / ours (>1: ours faster), ours / keysrow")
 
 
 if __name__ == "__main__":
