@@ -376,8 +376,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     d) layout, or a view of vLLM's (2, num_pages, ...) pair); rows past a request's keys
     reach no output here either (TMA zero-fills them). Returns out like q and, with
     return_lse, the LSE (batch, heads, seqlen_q) (a view) or (heads, total_q). The host
-    reads no device data (capturable in a CUDA graph after a first call); a request with
-    no key gets zeros, LSE -inf.
+    reads no device data (capturable in a CUDA graph after a first call, which compiles);
+    a request with no key gets zeros, LSE -inf. Not checked besides the above (a sync):
+    cu_seqlens_q starting at 0, non-decreasing, ending at total_q, chunks <= max_seqlen_q.
     """
     if cu_seqlens_q is not None or softcap or (
             isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > MAX_QUERIES) or (

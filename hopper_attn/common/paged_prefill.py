@@ -4,11 +4,10 @@ device side.
 The cache (num_pages, page_size, kv_heads, d), its pages page_size tokens apart (the
 usual layout, vLLM's and FlashAttention's), is read as a packed tensor of tokens
 (common/varlen.py's ragged TMA view over (num_pages x page_size, kv_heads, d)): page p
-starts at token p x page_size. A kv
-tile of block_n keys is loaded as block_n / box_rows boxes (common/paged.py's: one box of
-one page where pages hold a whole tile, else one box per page), each box addressed as a
-"sequence" of the ragged view: the page's first token as its offset and, as its length, the
-request's keys in that page (0 .. page_size). TMA's bounds check then zero-fills every row
+starts at token p x page_size. A kv tile of block_n keys is loaded as block_n / box_rows
+boxes (common/paged.py's: one box of one page where pages hold a whole tile, else one box
+per page), each box addressed as a "sequence" of the ragged view: the page's first token
+as its offset and, as its length, the request's keys in that page (0 .. page_size). TMA's bounds check then zero-fills every row
 past the request's last key, in K and in V, whatever the page holds there (NaN of a fresh
 cache, other requests' keys) and whatever page a slot past the request's last one names:
 P V never multiplies a stale value (0 x NaN is NaN), and no consumer clears rows (decode's
