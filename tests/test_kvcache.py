@@ -6,7 +6,7 @@ one compile per new variant (contiguous cache, pages smaller than the kv tile: o
 per page, pages as large as the tile or larger: one box per tile; an e4m3 cache) for
 sm_90a, no spills. Chunked prefill (k6 over the cache as packed keys): its refusals, the
 packed views of the cache, the page boxes' clipping, a compile of the paged kernel (pages
-of 16 and 128).
+of 16 and 128), the host path with the kernels emulated in torch.
 
 On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
 gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
@@ -245,4 +245,57 @@ def test_prefill_case(index):
 @pytest.mark.gpu
 def test_prefill_graph_replay():
     row = prefill_check.check_graph()
+    assert row["ok"], row
+
+
+def _emulated_kernel(problem, softcap, q, k, v, out, lse, cu_q, seqused, scale, rows_of):
+    """What the varlen kernels compute, from the packed views they are handed: request b's
+    queries cu_q[b] .. cu_q[b + 1] - 1 over its keys (token rows `rows_of(b, n)`)."""
+    for b in range(cu_q.shape[0] - 1):
+        q0, q1, nk = int(cu_q[b]), int(cu_q[b + 1]), int(seqused[b])
+        rows = rows_of(b, torch.arange(nk))
+        group = q.shape[1] // k.shape[1]
+        kk, vv = (t[rows].float().repeat_interleave(group, 1) for t in (k, v))
+        s = torch.einsum("ihd,jhd->hij", q[q0:q1].float(), kk) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(q1 - q0)[:, None] + nk - (q1 - q0)
+        j = torch.arange(nk)[None]
+        visible = (j <= i) if problem.causal else torch.ones_like(j <= i)
+        if problem.window_left >= 0:
+            visible = visible & (j >= i - problem.window_left)
+        s = s.masked_fill(~visible, float("-inf"))
+        lse[:, q0:q1] = torch.logsumexp(s, -1)
+        out[q0:q1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1).nan_to_num(0.0),
+                                  vv).to(out.dtype)
+
+
+@pytest.mark.parametrize("case", [
+    prefill_check.PCase((0, 5, 40), (20, 20, 20), 64, 0, seqlen_new=20, heads=4, heads_kv=2,
+                        head_dim=64),
+    prefill_check.PCase((30, 0, 64), (17, 0, 30), 64, 16, varlen=True, heads=4, heads_kv=2,
+                        head_dim=64, window_left=8),
+    prefill_check.PCase((3, 33), (20, 20), 64, 32, seqlen_new=20, heads=2, heads_kv=2,
+                        head_dim=64, softcap=5.0)], ids=lambda c: c.label())
+def test_prefill_host_path_emulated(case, monkeypatch):
+    """The chunked-prefill host path on the CPU, the kernels (and the CUDA-device check)
+    replaced by torch emulations of what they compute from the tensors they are handed:
+    the cache as packed tokens, cu_seqlens_q / cu_seqlens_k / seqused_k, the page table,
+    the appended keys, the output and LSE views; harness/prefill_check.py's verdict."""
+    from hopper_attn import k6_paged, k6_varlen
+    monkeypatch.setattr(kvcache, "check_inputs", lambda q, k, v, seqlens, table=None, *a, **kw:
+                        (0, k.shape[1]) if table is None else
+                        (k.shape[1], table.shape[1] * k.shape[1]))
+    monkeypatch.setattr(k6_varlen, "compile_varlen",
+                        lambda p, used, **o: ((p, o.get("softcap", 0.0)), None))
+    monkeypatch.setattr(k6_paged, "compile_paged",
+                        lambda p, ps, **o: ((p, o.get("softcap", 0.0), ps), None))
+    monkeypatch.setattr(k6_varlen, "run_varlen", lambda c, q, k, v, out, lse, cu_q, cu_k, used,
+                        scale: _emulated_kernel(*c, q, k, v, out, lse, cu_q, used, scale,
+                                                lambda b, n: int(cu_k[b]) + n))
+    monkeypatch.setattr(k6_paged, "run_paged", lambda c, q, k, v, out, lse, cu_q, used, table,
+                        scale: _emulated_kernel(*c[:2], q, k, v, out, lse, cu_q, used, scale,
+                                                lambda b, n: table[b, n // c[2]].long() * c[2]
+                                                + n % c[2]))
+    row = prefill_check.check(case, seed=1, device="cpu")
     assert row["ok"], row
