@@ -42,6 +42,13 @@ Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denom
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
 folded into the row (`split_kv.fold_sink`); a runtime argument, none without it.
 
+Logit softcapping and a sliding window (`softcap`, `window_left` / `window_right`; compile
+time, none of their code without them; the kv_cache variant's, docs/kvcache.md): scores
+through cap tanh(s scale / cap) before the mask (common/softmax.py, k6's); a packed row's
+keys [low, limit) from `masking.query_keys`, the splits over the kv tiles from the tile's
+first row's low to its last row's limit (tiles left of every row's window never loaded),
+masked per element where a tile crosses an edge (`masking.mask_key_ranges`).
+
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
 and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
@@ -69,13 +76,14 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 import torch
 
-from hopper_attn.common import paged, split_kv, tma, wgmma
+from hopper_attn.common import masking, paged, split_kv, tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention, shared_workspace)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.sinks import sink_inputs, with_sinks
-from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.softmax import (OnlineSoftmax, scale_rows, softcap_scales,
+                                        softcap_scores)
 
 ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
 THREADS = 160               # consumer warpgroup + producer warp
@@ -239,12 +247,16 @@ def prefers(problem) -> bool:
 class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
-                 page_size: int = 0, fp8: bool = False):
+                 page_size: int = 0, fp8: bool = False, softcap: float = 0.0,
+                 window_left: int = -1, window_right: int = -1):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
         into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
-        head) descales."""
+        head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
+        `window_right`: a sliding window as Problem's fields (-1: unbounded; with causal
+        the right side is 0 and window_right -1). All compile-time: none of them, none of
+        their code."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
@@ -269,12 +281,23 @@ class DecodeAttention:
         if not 1 <= combine_chunk <= 32:
             raise ValueError(f"combine_chunk must be 1-32, got {combine_chunk}")
         self.combine_chunk = combine_chunk
+        self.softcap = float(softcap)
+        if not math.isfinite(self.softcap) or self.softcap < 0.0:
+            raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
+        if min(window_left, window_right) < -1 or (causal and window_right != -1):
+            raise ValueError(f"bad window ({window_left}, {window_right}): -1 or >= 0 each, "
+                             f"window_right -1 with causal")
+        self.window_left, self.window_right = int(window_left), int(window_right)
+        self.windowed = window_left >= 0 or window_right >= 0
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,
                 "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
-                "combine_chunk": self.combine_chunk}
+                "combine_chunk": self.combine_chunk,
+                **({"softcap": self.softcap} if self.softcap else {}),
+                **({"window": (self.window_left, self.window_right)} if self.windowed
+                   else {})}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -404,14 +427,27 @@ class DecodeAttention:
         part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
         # keys every real row of the tile sees (no mask below it), and keys any row sees
         keys_all, keys_any = seqlen_k, seqlen_k
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.windowed):
+            # and the keys no row sees below the first tile's (low_any), and the first key
+            # every row sees from (low_all): tiles wholly left of every row's window skipped
+            window = (self.causal, self.window_left, self.window_right)
+            shift = seqlen_k - seqlen_q
+            low_any, keys_all = masking.query_keys(row0 // group, shift, seqlen_k, *window)
+            low_all, keys_any = masking.query_keys((row0 + rows_valid - 1) // group, shift,
+                                                   seqlen_k, *window)
+            n_lo = low_any // bn
+        elif cutlass.const_expr(self.causal):
             shift = seqlen_k - seqlen_q
             keys_all = cutlass.min(seqlen_k, cutlass.max(row0 // group + shift + 1, 0))
             keys_any = cutlass.min(seqlen_k, cutlass.max(
                 (row0 + rows_valid - 1) // group + shift + 1, 0))
         n_total = cute.ceil_div(keys_any, bn)
+        if cutlass.const_expr(self.windowed):
+            n_total = cutlass.max(n_total - n_lo, 0)
         n_first = split * n_total // splits
         n_count = (split + 1) * n_total // splits - n_first
+        if cutlass.const_expr(self.windowed):
+            n_first = n_first + n_lo
 
         if warp == PRODUCER_WARP:
             tma.prefetch_descriptors(tma_k, tma_v)
@@ -462,7 +498,7 @@ class DecodeAttention:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
             consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)
             if cutlass.const_expr(not self.q_in_registers):
-                self.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
+                split_kv.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
                 cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
                 consumers.arrive_and_wait()
 
@@ -472,7 +508,7 @@ class DecodeAttention:
             if cutlass.const_expr(self.q_in_registers):     # no SMEM read of Q per tile
                 q_acc = cute.make_rmem_tensor(mmas.thr_pv.partition_shape_C((ROWS, d)),
                                               self.mma_dtype)
-                self.load_q_registers(q, q_acc, mmas.thr_pv.partition_C(
+                split_kv.load_q_registers(q, q_acc, mmas.thr_pv.partition_C(
                     cute.make_identity_tensor((ROWS, d))), row0, rows_valid, group, kv_head,
                     batch)
                 mmas = wgmma.with_q_in_registers(mmas, sK, q_acc, tidx)
@@ -483,13 +519,20 @@ class DecodeAttention:
             rows = cute.size(s_coords, mode=[0])
             if cutlass.const_expr(self.fp8):                # k_descale: a factor of every score
                 scale_log2 = scale_log2 * mKDescale[batch, kv_head]
-            softmax = OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4)
+            prescale, scale_log2 = softcap_scales(scale_log2, self.softcap)
+            softmax = OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4,
+                                           softcap_prescale=prescale)
             # the first hidden key of each of this thread's rows (padding rows: as the last
             # real query or later, so never fewer keys than the real rows)
             limits = cute.make_rmem_tensor((rows,), Int32)
+            if cutlass.const_expr(self.windowed):
+                lows = cute.make_rmem_tensor((rows,), Int32)
             for r in cutlass.range_constexpr(rows):
                 limits[r] = seqlen_k
-                if cutlass.const_expr(self.causal):
+                if cutlass.const_expr(self.windowed):       # (and the first seen key)
+                    lows[r], limits[r] = masking.query_keys(
+                        (row0 + s_coords[r, 0][0]) // group, shift, seqlen_k, *window)
+                elif cutlass.const_expr(self.causal):
                     query = (row0 + s_coords[r, 0][0]) // group
                     limits[r] = cutlass.min(seqlen_k, query + seqlen_k - seqlen_q + 1)
 
@@ -511,8 +554,14 @@ class DecodeAttention:
                 tma.release_stage(k_ring, k_state)
                 k_state.advance()
                 s_rc = acc_rows_cols(acc_s)
+                if cutlass.const_expr(self.softcap > 0.0):  # (before the mask: tanh(-inf))
+                    softcap_scores(s_rc, softmax.softcap_prescale)
                 col0 = (n_first + j) * bn
-                if col0 + bn > keys_all:                    # tail or causal diagonal
+                if cutlass.const_expr(self.windowed):
+                    if col0 + bn > keys_all or col0 < low_all:
+                        masking.mask_key_ranges(s_rc, s_coords, col0, lows, limits,
+                                                self.window_left)
+                elif col0 + bn > keys_all:                  # tail or causal diagonal
                     for r in cutlass.range_constexpr(rows):
                         for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                             if col0 + s_coords[r, c][1] >= limits[r]:
@@ -551,7 +600,7 @@ class DecodeAttention:
                     scale_rows(o_rc, inv)
                 o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
                 o_out.store(acc_o.load().to(self.dtype))
-                self.store_rows(o, o_out, o_coords, row0, rows_valid, group, kv_head, batch)
+                split_kv.store_rows(o, o_out, o_coords, row0, rows_valid, group, kv_head, batch)
                 if tidx % 4 == 0:
                     for r in cutlass.range_constexpr(rows):
                         row = s_coords[r, 0][0]
@@ -586,62 +635,6 @@ class DecodeAttention:
                                      part_rows, row0, group, kv_head, batch, tidx, mSinks,
                                      d, self.combine_chunk, self.dtype)
 
-    @cute.jit
-    def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
-               batch):
-        """The tile's packed Q rows into the swizzled Q tile, 16 bytes per load, zeros in the
-        padding rows (row p: query p // group, head kv_head x group + p % group)."""
-        chunks = self.head_dim // 8
-        for i in cutlass.range_constexpr(ROWS * chunks // 128):
-            index = tidx + 128 * i
-            row = index // chunks
-            col = index % chunks
-            frag = cute.make_rmem_tensor((8,), self.dtype)
-            frag.fill(0.0)
-            if row < rows_valid:
-                p = row0 + row
-                src = q[p // group, None, kv_head * group + p % group, batch]
-                cute.autovec_copy(cute.local_tile(src, (8,), (col,)), frag)
-            if cutlass.const_expr(self.mma_dtype != self.dtype):     # (fp8: bf16 -> fp16)
-                wide = cute.make_rmem_tensor((8,), self.mma_dtype)
-                wide.store(frag.load().to(self.mma_dtype))
-                frag = wide
-            cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
-
-    @cute.jit
-    def load_q_registers(self, q: cute.Tensor, q_acc: cute.Tensor, coords: cute.Tensor, row0,
-                         rows_valid, group, kv_head, batch):
-        """fp8: the tile's packed Q rows, converted to fp16, into registers held as a 64 x d
-        O accumulator (`coords`: its (row, col) per register; wgmma.with_q_in_registers),
-        zeros in the padding rows: each thread's pairs of neighbouring columns, 4 bytes a
-        load."""
-        q_acc.fill(0.0)
-        for rr in cutlass.range_constexpr(cute.size(q_acc.shape[0][1])):
-            row = coords[(0, rr, 0), 0, 0][0]
-            if row < rows_valid:
-                p = row0 + row
-                src = q[p // group, None, kv_head * group + p % group, batch]
-                for v in cutlass.range_constexpr(cute.size(q_acc.shape[0][2])):
-                    pair = cute.make_rmem_tensor((2,), self.dtype)
-                    col = coords[(0, rr, v), 0, 0][1]
-                    cute.autovec_copy(cute.local_tile(src, (2,), (col // 2,)), pair)
-                    q_acc[(None, rr, v), 0, 0].store(pair.load().to(self.mma_dtype))
-
-    @cute.jit
-    def store_rows(self, o: cute.Tensor, o_out: cute.Tensor, o_coords: cute.Tensor, row0,
-                   rows_valid, group, kv_head, batch):
-        """O (16-bit, PV accumulator layout) of the real rows to (query, head) in memory: each
-        thread's pairs of neighbouring columns, 4 bytes a store."""
-        for rr in cutlass.range_constexpr(cute.size(o_out.shape[0][1])):
-            row = o_coords[(0, rr, 0), 0, 0][0]
-            if row < rows_valid:
-                p = row0 + row
-                dst = o[p // group, None, kv_head * group + p % group, batch]
-                for v in cutlass.range_constexpr(cute.size(o_out.shape[0][2])):
-                    col = o_coords[(0, rr, v), 0, 0][1]
-                    cute.autovec_copy(o_out[(None, rr, v), 0, 0],
-                                      cute.local_tile(dst, (2,), (col // 2,)))
-
 
 class DecodeAttentionSinks(DecodeAttention):
     """The decode stage with attention sinks (`sinks=1`): the (heads,) logits after `out`."""
@@ -658,6 +651,17 @@ class DecodeAttentionSinks(DecodeAttention):
                  mLSEPart: cute.Tensor, mCount: cute.Tensor, scale_log2: Float32, stream):
         self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, None, None, scale_log2,
                     stream, mSinks=mSinks)
+
+    @cute.jit
+    def kv_cache_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                      mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+                      mLSEPart: cute.Tensor, mCount: cute.Tensor, mSeqlensK: cute.Tensor,
+                      mPageTable: cute.Tensor, mKDescale: cute.Tensor, mVDescale: cute.Tensor,
+                      mSinks: cute.Tensor, scale_log2: Float32, stream):
+        """The base class's `kv_cache_call` with the (heads,) fp32 sinks after the descales."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, mSeqlensK,
+                    mPageTable if self.page_size else None, scale_log2, stream,
+                    *((mKDescale, mVDescale) if self.fp8 else (None, None)), mSinks=mSinks)
 
 
 SINKS_SPEC = with_sinks(SPEC)

@@ -1,8 +1,10 @@
-"""Split-KV for the decode stage (hopper_attn/decode.py), device side: a split's partial O
-and LSE into the workspace, and the combine that the last CTA of a (batch, k/v head, M tile)
-item runs over every split's partials (docs/decode.md, "Combining by the LSE").
+"""The decode stage's packed rows and split-KV (hopper_attn/decode.py), device side: Q in and
+O out by rows, a split's partial O and LSE into the workspace, and the combine that the last
+CTA of a (batch, k/v head, M tile) item runs over every split's partials (docs/decode.md,
+"Combining by the LSE").
 
-Packed rows: row p of an M tile is (query p // group, head kv_head x group + p % group).
+Packed rows: row p of an M tile is (query p // group, head kv_head x group + p % group);
+rows past the real ones are padding: zero Q, never stored.
 """
 
 from __future__ import annotations
@@ -16,6 +18,66 @@ from cutlass import Float32, Int32
 from hopper_attn.common.contract import LOG2_E
 
 LN_2 = math.log(2.0)
+
+
+@cute.jit
+def load_q(q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head, batch):
+    """The tile's packed Q rows into the swizzled Q tile, 16 bytes per load, zeros in the
+    padding rows; 128 threads (sQ's type: the WGMMAs', fp16 where q is bf16 with an e4m3
+    cache)."""
+    dtype, mma_dtype = q.element_type, sQ.element_type
+    chunks = cute.size(sQ, mode=[1]) // 8
+    for i in cutlass.range_constexpr(cute.size(sQ, mode=[0]) * chunks // 128):
+        index = tidx + 128 * i
+        row = index // chunks
+        col = index % chunks
+        frag = cute.make_rmem_tensor((8,), dtype)
+        frag.fill(0.0)
+        if row < rows_valid:
+            p = row0 + row
+            src = q[p // group, None, kv_head * group + p % group, batch]
+            cute.autovec_copy(cute.local_tile(src, (8,), (col,)), frag)
+        if cutlass.const_expr(mma_dtype != dtype):     # (fp8: bf16 -> fp16)
+            wide = cute.make_rmem_tensor((8,), mma_dtype)
+            wide.store(frag.load().to(mma_dtype))
+            frag = wide
+        cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
+
+
+@cute.jit
+def load_q_registers(q: cute.Tensor, q_acc: cute.Tensor, coords: cute.Tensor, row0,
+                     rows_valid, group, kv_head, batch):
+    """fp8: the tile's packed Q rows, converted to fp16, into registers held as a 64 x d
+    O accumulator (`coords`: its (row, col) per register; wgmma.with_q_in_registers),
+    zeros in the padding rows: each thread's pairs of neighbouring columns, 4 bytes a
+    load."""
+    q_acc.fill(0.0)
+    for rr in cutlass.range_constexpr(cute.size(q_acc.shape[0][1])):
+        row = coords[(0, rr, 0), 0, 0][0]
+        if row < rows_valid:
+            p = row0 + row
+            src = q[p // group, None, kv_head * group + p % group, batch]
+            for v in cutlass.range_constexpr(cute.size(q_acc.shape[0][2])):
+                pair = cute.make_rmem_tensor((2,), q.element_type)
+                col = coords[(0, rr, v), 0, 0][1]
+                cute.autovec_copy(cute.local_tile(src, (2,), (col // 2,)), pair)
+                q_acc[(None, rr, v), 0, 0].store(pair.load().to(q_acc.element_type))
+
+
+@cute.jit
+def store_rows(o: cute.Tensor, o_out: cute.Tensor, o_coords: cute.Tensor, row0,
+               rows_valid, group, kv_head, batch):
+    """O (16-bit, PV accumulator layout) of the real rows to (query, head) in memory: each
+    thread's pairs of neighbouring columns, 4 bytes a store."""
+    for rr in cutlass.range_constexpr(cute.size(o_out.shape[0][1])):
+        row = o_coords[(0, rr, 0), 0, 0][0]
+        if row < rows_valid:
+            p = row0 + row
+            dst = o[p // group, None, kv_head * group + p % group, batch]
+            for v in cutlass.range_constexpr(cute.size(o_out.shape[0][2])):
+                col = o_coords[(0, rr, v), 0, 0][1]
+                cute.autovec_copy(o_out[(None, rr, v), 0, 0],
+                                  cute.local_tile(dst, (2,), (col // 2,)))
 
 
 @cute.jit
