@@ -3,8 +3,8 @@
 On the CPU: refusals raise ValueError before any launch; the page-table gather and append
 math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
 one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
-per page, pages as large as the tile or larger: one box per tile; an e4m3 cache) for
-sm_90a, no spills.
+per page, pages as large as the tile or larger: one box per tile; an e4m3 cache; a window,
+a softcap with sinks) for sm_90a, no spills.
 
 On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
 gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
@@ -32,8 +32,8 @@ def _inputs(**over):
 
 def _refused(match, **over):
     t = _inputs(**over)
-    extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits", "k_descale", "v_descale")
-             if k in t}
+    extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits", "k_descale", "v_descale",
+                                   "window_size", "softcap", "sinks", "causal") if k in t}
     with pytest.raises(ValueError, match=match):
         kvcache.attention_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"],
                                        page_table=t["page_table"], **extra)
@@ -71,6 +71,15 @@ def test_refusals_before_any_launch():
              v_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
              k_new=torch.zeros(2, 1, 2, 128, dtype=bf), v_new=torch.zeros(2, 1, 2, 128, dtype=bf))
     _refused("CUDA device")                          # valid but on the CPU: nothing launched
+    _refused("CUDA device", window_size=(128, 0), softcap=30.0, sinks=torch.zeros(8))
+    _refused("window_size", window_size=(128, 5))                 # causal: right 0
+    _refused("window_size", window_size=(-2, 0), causal=False)
+    _refused("window_size", window_size=128)
+    _refused("softcap", softcap=-1.0)
+    _refused("softcap", softcap=float("inf"))
+    _refused("softcap", softcap=True)
+    _refused("sinks", sinks=torch.zeros(4))                      # (heads,) = (8,)
+    _refused("sinks", sinks=torch.zeros(8, dtype=torch.bfloat16))
 
 
 def test_page_table_gather_and_append_math():
@@ -129,6 +138,34 @@ def test_kv_cache_variants_compile(page_size, block_n, stages, fp8, boxes):
     assert kernel.smem_bytes <= (114 if kernel.ctas_per_sm == 2 else 227) * 1024
     if fp8:     # e4m3 pairs widened (through f16) in shared memory
         assert "cvt.rn.f16x2.e4m3x2" in ptx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,block_n,stages,features", [
+    (16, 128, 3, dict(window=(128, -1))), (0, 64, 2, dict(softcap=30.0, sinks=True))])
+def test_kv_cache_features_compile(page_size, block_n, stages, features):
+    """A windowed (causal, left 128) and a softcapped kv-cache config with sinks compile
+    for sm_90a without spills, within the registers of their CTAs per SM; one tanh per
+    score only with a softcap."""
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = kvcache.compile_kernel(
+            128, True, torch.bfloat16, page_size, block_n, stages,
+            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
+            **features)
+        ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
+    (fn,) = resource_usage(cubin)
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert fn["registers"] * kernel.threads * kernel.ctas_per_sm <= 65536, fn
+    assert ("tanh.approx.f32" in ptx) == bool(features.get("softcap"))
+    assert kernel.describe().get("window") == features.get("window")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(kc.feature_cases())))
+def test_feature_case(index):
+    row = kc.check_case(kc.feature_cases()[index], seed=index)
+    assert row["ok"], row
 
 
 @pytest.mark.gpu
