@@ -283,6 +283,17 @@ def test_varlen_sink_grad_matches_autograd_float64():
     # (head 0's autograd is NaN: its rows without keys have neither keys nor a sink)
     assert mine[0] == 0 and torch.allclose(mine, sinks.grad.nan_to_num(0.0), rtol=1e-10,
                                            atol=1e-12)
+    # the GPU check's references (harness/varlen_reference.py): fp32, and bf16 as torch runs it
+    from hopper_attn.harness.varlen_reference import sink_reference
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (_CU_Q, _CU_K))
+    ref, ref_lse = sink_reference(q[:n].float(), k.float(), v.float(), cu_q, cu_k, True,
+                                  sinks.detach().float(), (3, -1), 8 ** -0.5)
+    low, _ = sink_reference(*(t.bfloat16() for t in (q[:n], k, v)), cu_q, cu_k, True,
+                            sinks.detach().float(), (3, -1), 8 ** -0.5, lowp=True)
+    assert torch.allclose(ref.double(), out, atol=1e-5)
+    assert torch.equal(ref_lse.isfinite(), lse.isfinite())
+    assert torch.allclose(ref_lse.double(), lse.detach(), atol=1e-5, equal_nan=True)
+    assert torch.allclose(low.double().nan_to_num(0.0), out, atol=0.05)
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])
@@ -446,3 +457,35 @@ def test_k6_sinks_backward_matches_float64():
     for t, r in zip(mine, leaves):
         err = (t.grad.double() - r.grad).abs().max().item()
         assert err <= 0.02 * r.grad.abs().max().item() + 1e-3, err
+
+
+@pytest.mark.gpu
+def test_attention_varlen_sinks_match_the_per_sequence_reference():
+    """A packed batch with sinks (lengths 0, 1, 17, 300, 1000; GQA 8/2, d 64, causal window
+    (128, 0)): O, LSE, dq, dk, dv and dsinks against the fp32 per-sequence reference within
+    2x the error of torch's bf16 math (+ 2^-10 / 2^-12 max|ref|)."""
+    from hopper_attn.harness.varlen_reference import cu_seqlens, sink_reference
+    lengths = [0, 1, 17, 300, 1000]
+    cu = cu_seqlens(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(sum(lengths), 8, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    sinks = torch.randn(8, device="cuda", generator=gen) * 2
+    do = torch.randn_like(q)
+    mine = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = hopper_attn.attention_varlen(*mine[:3], cu, cu, 1000, 1000, causal=True,
+                                            window_size=(128, 0), sinks=mine[3],
+                                            return_lse=True)
+    out.backward(do)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v, sinks)]
+    ref, ref_lse = sink_reference(*ref_in[:3], cu, cu, True, ref_in[3], (128, 0))
+    ref.backward(do.float())
+    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    low, _ = sink_reference(*low_in[:3], cu, cu, True, low_in[3], (128, 0), lowp=True)
+    low.backward(do)
+    assert (out.float() - ref).abs().max() <= 2 * (low.float() - ref).abs().max() + 2 ** -10
+    assert (lse - ref_lse).abs().max() < 1e-3
+    for m, r, lo in zip(mine, ref_in, low_in):
+        bound = 2 * (lo.grad.float() - r.grad).abs().max() + 2 ** -12 * r.grad.abs().max()
+        assert (m.grad.float() - r.grad).abs().max() <= bound
