@@ -289,6 +289,15 @@ def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
                    window: tuple = (-1, -1)):
     """dq, dk, dv (dq like q's layout, dk / dv like k's and v's where those are dense) by the
     first backward stage that supports the problem; ValueError before any launch."""
+    return _backward_rows(q, k, v, out, dout, lse, causal, softmax_scale, deterministic,
+                          softcap, window)[:3]
+
+
+def _backward_rows(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optional[float],
+                   deterministic: bool = False, softcap: float = 0.0,
+                   window: tuple = (-1, -1)):
+    """_backward_impl's dq, dk, dv and the preprocess's D = rowsum(dO * O) (for the sinks'
+    gradient)."""
     tensors = (q, k, v, out, dout)
     try:
         key = (q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape, q.stride(),
@@ -312,8 +321,9 @@ def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
     # empty_like keeps a dense tensor's layout (e.g. transformers' (B, H, N, d) views): the
     # kernels write through strides, and autograd gets gradients laid out like the inputs
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    run_kernel(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, checked=True)
-    return dq, dk, dv
+    d_rows = run_kernel(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
+                        checked=True)
+    return dq, dk, dv, d_rows
 
 
 def _checked_backward(tensors, lse, causal: bool, deterministic: bool, softcap: float = 0.0,
@@ -353,6 +363,35 @@ def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, softc
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("hopper_attn::attention_backward_sinks", mutates_args=())
+def _attention_backward_sinks_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                                 sinks: torch.Tensor, causal: bool,
+                                 softmax_scale: Optional[float], deterministic: bool = False,
+                                 softcap: float = 0.0, window_left: int = -1,
+                                 window_right: int = -1
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]:
+    """attention_backward and the sinks' gradient from the backward's own D."""
+    return _backward_with_sinks(q, k, v, out, dout, lse, sinks, causal, softmax_scale,
+                                deterministic, softcap, (window_left, window_right))
+
+
+@_attention_backward_sinks_op.register_fake
+def _(q, k, v, out, dout, lse, sinks, causal, softmax_scale, deterministic=False, softcap=0.0,
+      window_left=-1, window_right=-1):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sinks))
+
+
+def _backward_with_sinks(q, k, v, out, dout, lse, sinks, causal, softmax_scale, deterministic,
+                         softcap, window):
+    from hopper_attn.common.sinks import sink_grad
+    dq, dk, dv, d_rows = _backward_rows(q, k, v, out, dout, lse, causal, softmax_scale,
+                                        deterministic, softcap, window)
+    return dq, dk, dv, sink_grad(sinks, out, dout, lse, d_rows)
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, stage, deterministic, softcap, window_left,
      window_right, sinks) = inputs
@@ -370,6 +409,11 @@ def _backward(ctx, dout, dlse):
         return (None,) * 11
     q, k, v, out, lse, sinks = ctx.saved_tensors
     dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]) and sinks is not None and ctx.needs_input_grad[10]:
+        dq, dk, dv, dsinks = torch.ops.hopper_attn.attention_backward_sinks(
+            q, k, v, out, dout, lse, sinks, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+            ctx.softcap, *ctx.window)
+        return dq, dk, dv, *(None,) * 7, dsinks
     if any(ctx.needs_input_grad[:3]):
         dq, dk, dv = torch.ops.hopper_attn.attention_backward(
             q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
@@ -403,6 +447,12 @@ class _EagerAttention(torch.autograd.Function):
             return (None,) * 10
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]) and sinks is not None and ctx.needs_input_grad[9]:
+            dq, dk, dv, dsinks = _backward_with_sinks(q, k, v, out, dout, lse, sinks,
+                                                      ctx.causal, ctx.softmax_scale,
+                                                      ctx.deterministic, ctx.softcap,
+                                                      ctx.window)
+            return dq, dk, dv, *(None,) * 6, dsinks
         if any(ctx.needs_input_grad[:3]):
             dq, dk, dv = _backward_impl(q, k, v, out, dout, lse, ctx.causal,
                                         ctx.softmax_scale, ctx.deterministic, ctx.softcap,
