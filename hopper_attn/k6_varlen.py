@@ -26,7 +26,6 @@ What stays: everything else of k6, with the POLICY row of the dense problem at m
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Optional
 
 import cutlass
@@ -145,5 +144,5 @@ def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
              rt.current_stream(), *bound[4:])
 
 
-__all__ = ["FlashAttentionK6Varlen", "FlashAttentionK6VarlenSinks", "compile_varlen", "run_varlen", "problem_for",
-           "UnsupportedProblem"]
+__all__ = ["FlashAttentionK6Varlen", "FlashAttentionK6VarlenSinks", "compile_varlen",
+           "run_varlen", "problem_for", "UnsupportedProblem"]

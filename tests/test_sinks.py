@@ -388,18 +388,21 @@ def test_k6_varlen_sinks_compile_without_spills():
     """gpt-oss's shape packed (d 64, GQA 8:1, causal window (127, 0)) with sinks: one more
     kernel parameter than without, no spills."""
     import re
+    import tempfile
     from hopper_attn import k6_varlen
     q, k = torch.zeros(40, 64, 64, dtype=torch.bfloat16), torch.zeros(40, 8, 64,
                                                                       dtype=torch.bfloat16)
     problem = k6_varlen.problem_for(q, k, 3, 4096, 4096, True, (127, -1))
-    options = "--keep-ptx --ptxas-options='--warn-on-spills --warning-as-error'"
     params = []
-    for sinks in (True, False):
-        compiled, kernel = k6_varlen.compile_varlen(problem, False, compile_options=options,
-                                                    sinks=sinks)
-        entry = re.search(r"\.entry\s+\S+\((.*?)\)", compiled.__ptx__, re.S).group(1)
-        params.append(len(re.findall(r"\.param\s", entry)))
-        assert kernel.describe().get("sinks", False) == sinks
+    with tempfile.TemporaryDirectory() as d:
+        options = (f"--keep-ptx --dump-dir={d} --ptxas-options='--warn-on-spills "
+                   "--warning-as-error'")
+        for sinks in (True, False):
+            compiled, kernel = k6_varlen.compile_varlen(problem, False, sinks=sinks,
+                                                        compile_options=options)
+            entry = re.search(r"\.entry\s+\S+\((.*?)\)", compiled.__ptx__, re.S).group(1)
+            params.append(len(re.findall(r"\.param\s", entry)))
+            assert kernel.describe().get("sinks", False) == sinks
     assert params[0] == params[1] + 1
 
 
