@@ -754,6 +754,18 @@ def _varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_se
                            max_seqlen_k, causal, softmax_scale, seqused_k, window, softcap)
 
 
+def _varlen_backward_rows(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                          softmax_scale: Optional[float], seqused_k, window: tuple,
+                          softcap: float):
+    """_varlen_backward's dq, dk, dv and the preprocess's D (heads, total_q) (for the sinks'
+    gradient)."""
+    from hopper_attn.common.varlen_backward import varlen_backward
+    return varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, softmax_scale, seqused_k, window, softcap,
+                           return_d=True)
+
+
 @torch.library.custom_op("hopper_attn::attention_varlen_backward", mutates_args=())
 def _attention_varlen_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
@@ -774,6 +786,29 @@ def _(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("hopper_attn::attention_varlen_backward_sinks", mutates_args=())
+def _attention_varlen_backward_sinks_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        dout: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+        softmax_scale: Optional[float], seqused_k: Optional[torch.Tensor],
+        window_left: int = -1, window_right: int = -1, softcap: float = 0.0
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_varlen_backward and the sinks' gradient from the backward's own D."""
+    from hopper_attn.common.sinks import varlen_sink_grad
+    dq, dk, dv, d_rows = _varlen_backward_rows(
+        q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal, softmax_scale, seqused_k, (window_left, window_right), softcap)
+    return dq, dk, dv, varlen_sink_grad(sinks, out, dout, lse, cu_seqlens_q, d_rows)
+
+
+@_attention_varlen_backward_sinks_op.register_fake
+def _(q, k, v, out, dout, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, seqused_k, window_left=-1, window_right=-1, softcap=0.0):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sinks))
+
+
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
      seqused_k, window_left, window_right, softcap, sinks) = inputs
@@ -789,6 +824,12 @@ def _varlen_autograd(ctx, dout, dlse):
         return (None,) * 14
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks = ctx.saved_tensors
     dq = dk = dv = dsinks = None
+    if any(ctx.needs_input_grad[:3]) and sinks is not None and ctx.needs_input_grad[13]:
+        # (the sinks' gradient from the preprocess's D: dO and O are not read again)
+        dq, dk, dv, dsinks = torch.ops.hopper_attn.attention_varlen_backward_sinks(
+            q, k, v, out, dout, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.args, seqused_k,
+            *ctx.rest)
+        return (dq, dk, dv) + (None,) * 10 + (dsinks,)
     if any(ctx.needs_input_grad[:3]):
         # (the LSE holds the sink: kb2's P = exp(S - LSE) is the sink-inclusive softmax)
         dq, dk, dv = torch.ops.hopper_attn.attention_varlen_backward(

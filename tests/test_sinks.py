@@ -302,8 +302,9 @@ def test_varlen_sink_grad_matches_autograd_float64():
 def test_attention_varlen_autograd_returns_the_sinks_gradient(monkeypatch, path):
     """attention_varlen's autograd, eager and traced by torch.compile(fullgraph=True), with
     the kernels replaced by the float64 reference (the backward hands back autograd's dq,
-    dk, dv): dsinks from `varlen_sink_grad` as autograd gives it (bf16 sinks converted
-    differentiably); sinks alone needing a gradient skip the backward kernel."""
+    dk, dv and D): dsinks from `varlen_sink_grad` over the backward's D (its NaN rows past
+    cu_seqlens_q[-1] masked) as autograd gives it (bf16 sinks converted differentiably);
+    sinks alone needing a gradient skip the backward kernel (D from dO and O in torch)."""
     from hopper_attn import api
     scale, calls, graphs = 8 ** -0.5, [], []
 
@@ -318,7 +319,9 @@ def test_attention_varlen_autograd_returns_the_sinks_gradient(monkeypatch, path)
 
     def backward(q, k, v, out, dout, lse, *args):     # (autograd is off in here)
         calls.append(1)
-        return [r.grad.to(t.dtype) for r, t in zip(ref, (q, k, v))]
+        grads = [r.grad.to(t.dtype) for r, t in zip(ref, (q, k, v))]
+        # the preprocess's D, packed (H, total_q); NaN past cu_seqlens_q[-1], as out there
+        return (*grads, (dout.float() * out.float()).sum(-1).t())
 
     def backend(gm, example_inputs):                 # records the traced graphs
         from functorch.compile import make_boxed_func
@@ -330,7 +333,7 @@ def test_attention_varlen_autograd_returns_the_sinks_gradient(monkeypatch, path)
         return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
 
     monkeypatch.setattr(api, "_run_varlen", run)
-    monkeypatch.setattr(api, "_varlen_backward", backward)
+    monkeypatch.setattr(api, "_varlen_backward_rows", backward)
     q, k, v, sinks, do = _packed_inputs(2, torch.float32)
     sinks[0] = 0.5                        # (a -inf sink's gradient is NaN in the reference)
     sinks = sinks.to(torch.bfloat16)
@@ -352,7 +355,7 @@ def test_attention_varlen_autograd_returns_the_sinks_gradient(monkeypatch, path)
     assert calls == [1]
     if path == "compiled":
         assert any("hopper_attn.attention_varlen.default" in g for g in graphs)
-        assert any("hopper_attn.attention_varlen_backward.default" in g for g in graphs)
+        assert any("hopper_attn.attention_varlen_backward_sinks.default" in g for g in graphs)
         return
     only_sinks = sinks.clone().requires_grad_()
     call(q, k, v, only_sinks).backward(do)
