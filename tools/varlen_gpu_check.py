@@ -252,7 +252,7 @@ def correctness(log) -> list:
     for left in (128, -1):
         run(f"sinks gpt-oss w{left}", docs, docs, True, fn=sinks_case, left=left)
     run("sinks rows without keys", [17, 300, 5, 129], [40, 100, 0, 129], True, fn=sinks_case,
-        left=127, backward=False)                     # forward: output 0, LSE the sink
+        left=128, backward=False)                     # forward: output 0, LSE the sink
     rows = []
     for label, group in groups.items():
         bad = [r for r in group if not r["ok"]]
