@@ -877,10 +877,14 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     A torch custom op (`torch.ops.hopper_attn.attention_varlen`) with a fake implementation:
     torch.compile(fullgraph=True) traces through it. Differentiable through
-    `attention_varlen_backward` (the varlen backward; the sinks' gradient in torch).
+    `attention_varlen_backward` (the varlen backward; with sinks that needs a gradient
+    `attention_varlen_backward_sinks`, the sinks' gradient from the backward's D).
     """
     window = normalize_window(window_size, bool(causal))
     softcap = _check_softcap(softcap)
+    if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:
+        from hopper_attn.common.sinks import as_kernel_sinks
+        sinks = as_kernel_sinks(sinks, q.shape[1], q.device)     # ValueError; bf16 -> fp32
     if torch.compiler.is_compiling():          # (the fake implementation checks)
         checked = True
     else:
@@ -889,10 +893,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not checked:
         # (before the op: its schema would refuse some arguments with a TypeError)
         _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                      seqused_k, window, softcap, on_device=False)
-    if sinks is not None:
-        from hopper_attn.common.sinks import as_kernel_sinks
-        sinks = as_kernel_sinks(sinks, q.shape[1], q.device)     # ValueError; bf16 -> fp32
+                      seqused_k, window, softcap, sinks, on_device=False)
     out, lse = torch.ops.hopper_attn.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
         softmax_scale, seqused_k, *window, float(softcap), sinks)
