@@ -118,6 +118,7 @@ def compile_varlen(problem: Problem, has_seqused_k: bool, compile_options: str =
 # 10 us saved per tensor); the outputs are converted every call. Only one call's: a CuTe
 # tensor keeps its torch tensor's memory.
 _BOUND: dict = {}
+_BOUND_SINKS: dict = {}        # (the sinks' own: a bf16 parameter arrives as a new fp32 copy)
 
 
 def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -128,20 +129,27 @@ def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
     from hopper_attn.common import cute_runtime as rt
     if q.shape[0] == 0:
         return
-    inputs = (q, k, v, work_counter(q.device), cu_seqlens_q, cu_seqlens_k, seqused_k, sinks)
-    key = tuple(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
-                for t in inputs)
+    inputs = (q, k, v, work_counter(q.device), cu_seqlens_q, cu_seqlens_k) + \
+        (() if seqused_k is None else (seqused_k,))
+    key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in inputs)
     bound = _BOUND.get(key)
     if bound is None:
         bound = [rt.to_cute_tensor(t.unsqueeze(0)) for t in inputs[:3]]
-        bound += [None if t is None else rt.to_cute_tensor(t) for t in inputs[3:]]
-        if sinks is None:              # (a kernel without sinks has no such parameter)
-            bound.pop()
+        bound += [rt.to_cute_tensor(t) for t in inputs[3:]]
+        if seqused_k is None:
+            bound.append(None)
         _BOUND.clear()
         _BOUND[key] = bound
+    extra = ()                         # (a kernel without sinks has no such parameter)
+    if sinks is not None:
+        sinks_key = (sinks.data_ptr(), sinks.shape)
+        if sinks_key not in _BOUND_SINKS:
+            _BOUND_SINKS.clear()
+            _BOUND_SINKS[sinks_key] = rt.to_cute_tensor(sinks)
+        extra = (_BOUND_SINKS[sinks_key],)
     outputs = [rt.to_cute_tensor(t.unsqueeze(0)) for t in (out, lse)]
     compiled(*bound[:3], *outputs, bound[3], cutlass.Float32(softmax_scale * LOG2_E),
-             rt.current_stream(), *bound[4:])
+             rt.current_stream(), *bound[4:], *extra)
 
 
 __all__ = ["FlashAttentionK6Varlen", "FlashAttentionK6VarlenSinks", "compile_varlen",
