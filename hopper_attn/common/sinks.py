@@ -75,6 +75,23 @@ def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
     return -(p_sink * d_rows).sum((0, 2)).to(sinks.dtype)             # (-inf - -inf: 0)
 
 
+def varlen_sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     d_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`sink_grad` over a packed batch (attention_varlen): out, dout (total_q, heads, d), lse
+    (heads, total_q). Tokens past cu_seqlens_q[-1], which the forward leaves unwritten, count
+    0 (a mask made on the device: nothing read on the host). `d_rows`: D as the varlen
+    backward's preprocess computed it, (heads, total_q) (varlen_backward's `return_d`):
+    4 bytes per row instead of reading dO and O again in fp32."""
+    acc = torch.promote_types(sinks.dtype, torch.float32)
+    if d_rows is None:
+        d_rows = (dout.to(acc) * out.to(acc)).sum(-1).t()             # (heads, total_q)
+    p_sink = torch.exp(sinks.to(acc)[:, None] - lse.to(acc))
+    written = torch.arange(lse.shape[1], device=lse.device) < cu_seqlens_q[-1]
+    terms = torch.where(written, p_sink * d_rows, 0.0).nan_to_num(0.0)   # (-inf - -inf: 0)
+    return -terms.sum(1).to(sinks.dtype)
+
+
 def with_sinks(spec):
     """A stage's KernelSpec for its kernel with sinks: the sinks an extra input after `out`."""
     import dataclasses
