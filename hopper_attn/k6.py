@@ -204,8 +204,10 @@ POLICY = [
     (256, True, ALL, dict(D256, spin_waits=True, wg_causal_limit=True),
      "beyond the measured longest-first lengths", H100 + "26_k6_longest_first_*.json"),
     # (d, dv), v narrower than q and k (docs/head-dim-v.md): d's rows, not tuned, no stream-K
-    *[((192, 128), c, ALL, dict(D192, block_n=128, spin_waits=c), "d = 192's; 128 x 128 tiles"
-       " fit, V 128 wide (209 KiB)", H200 + "28_k6_d192_*lazy_*.json") for c in (False, True)],
+    ((192, 128), False, ALL, dict(D192, block_n=128), "d = 192's; 128 x 128 tiles fit, V 128 "
+     "wide (209 KiB)", H200 + "28_k6_d192_*lazy_*.json"),
+    ((192, 128), True, ALL, dict(D192, spin_waits=True), "d = 192's 128 x 112 tile: 1.01-1.11x "
+     "128 x 128 at 2k-16k (H200)", H200 + "29_dv_speed.txt"),
     *[((128, 64), c, ALL, dict(D128, pv_wait="after7", v_release_last=True), "d = 128's",
        H100 + "26_k6_pv_wait_after_*.json") for c in (False, True)],
 ]
