@@ -289,6 +289,15 @@ def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
                    window: tuple = (-1, -1)):
     """dq, dk, dv (dq like q's layout, dk / dv like k's and v's where those are dense) by the
     first backward stage that supports the problem; ValueError before any launch."""
+    return _backward_rows(q, k, v, out, dout, lse, causal, softmax_scale, deterministic,
+                          softcap, window)[:3]
+
+
+def _backward_rows(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optional[float],
+                   deterministic: bool = False, softcap: float = 0.0,
+                   window: tuple = (-1, -1)):
+    """_backward_impl's dq, dk, dv and the preprocess's D = rowsum(dO * O) (for the sinks'
+    gradient)."""
     tensors = (q, k, v, out, dout)
     try:
         key = (q.shape, k.shape, v.shape, out.shape, dout.shape, lse.shape, q.stride(),
@@ -312,8 +321,9 @@ def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
     # empty_like keeps a dense tensor's layout (e.g. transformers' (B, H, N, d) views): the
     # kernels write through strides, and autograd gets gradients laid out like the inputs
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    run_kernel(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale, checked=True)
-    return dq, dk, dv
+    d_rows = run_kernel(handle, q, k, v, out, dout, lse, dq, dk, dv, softmax_scale,
+                        checked=True)
+    return dq, dk, dv, d_rows
 
 
 def _checked_backward(tensors, lse, causal: bool, deterministic: bool, softcap: float = 0.0,
@@ -353,6 +363,35 @@ def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, softc
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("hopper_attn::attention_backward_sinks", mutates_args=())
+def _attention_backward_sinks_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
+                                 sinks: torch.Tensor, causal: bool,
+                                 softmax_scale: Optional[float], deterministic: bool = False,
+                                 softcap: float = 0.0, window_left: int = -1,
+                                 window_right: int = -1
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]:
+    """attention_backward and the sinks' gradient from the backward's own D."""
+    return _backward_with_sinks(q, k, v, out, dout, lse, sinks, causal, softmax_scale,
+                                deterministic, softcap, (window_left, window_right))
+
+
+@_attention_backward_sinks_op.register_fake
+def _(q, k, v, out, dout, lse, sinks, causal, softmax_scale, deterministic=False, softcap=0.0,
+      window_left=-1, window_right=-1):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sinks))
+
+
+def _backward_with_sinks(q, k, v, out, dout, lse, sinks, causal, softmax_scale, deterministic,
+                         softcap, window):
+    from hopper_attn.common.sinks import sink_grad
+    dq, dk, dv, d_rows = _backward_rows(q, k, v, out, dout, lse, causal, softmax_scale,
+                                        deterministic, softcap, window)
+    return dq, dk, dv, sink_grad(sinks, out, dout, lse, d_rows)
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, softmax_scale, stage, deterministic, softcap, window_left,
      window_right, sinks) = inputs
@@ -370,6 +409,11 @@ def _backward(ctx, dout, dlse):
         return (None,) * 11
     q, k, v, out, lse, sinks = ctx.saved_tensors
     dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]) and sinks is not None and ctx.needs_input_grad[10]:
+        dq, dk, dv, dsinks = torch.ops.hopper_attn.attention_backward_sinks(
+            q, k, v, out, dout, lse, sinks, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+            ctx.softcap, *ctx.window)
+        return dq, dk, dv, *(None,) * 7, dsinks
     if any(ctx.needs_input_grad[:3]):
         dq, dk, dv = torch.ops.hopper_attn.attention_backward(
             q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
@@ -403,6 +447,12 @@ class _EagerAttention(torch.autograd.Function):
             return (None,) * 10
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]) and sinks is not None and ctx.needs_input_grad[9]:
+            dq, dk, dv, dsinks = _backward_with_sinks(q, k, v, out, dout, lse, sinks,
+                                                      ctx.causal, ctx.softmax_scale,
+                                                      ctx.deterministic, ctx.softcap,
+                                                      ctx.window)
+            return dq, dk, dv, *(None,) * 6, dsinks
         if any(ctx.needs_input_grad[:3]):
             dq, dk, dv = _backward_impl(q, k, v, out, dout, lse, ctx.causal,
                                         ctx.softmax_scale, ctx.deterministic, ctx.softcap,
@@ -583,12 +633,16 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 # --------------------------------------------------------------------------------------------
 
 def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                  seqused_k, window_size, softcap, on_device: bool = True):
+                  seqused_k, window_size, softcap, sinks=None, on_device: bool = True):
     """Every check of a varlen call that reads no device memory; returns (batch, window,
-    softcap)."""
+    softcap). `sinks`: the kernel's form (fp32 (heads,) on q's device), as attention_varlen
+    makes it."""
     from hopper_attn.common import varlen
     batch = varlen.check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                 max_seqlen_k, seqused_k)
+    if sinks is not None:
+        from hopper_attn.common.sinks import check_sinks
+        check_sinks(sinks, q.shape[1], q.device)
     softcap = _check_softcap(softcap)
     window = normalize_window(window_size, bool(causal))
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -607,23 +661,23 @@ _VARLEN_FAST: dict = {}
 
 
 def _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                seqused_k, window, softcap):
+                seqused_k, window, softcap, sinks=None):
     try:
         tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k) + \
-            (() if seqused_k is None else (seqused_k,))
+            (() if seqused_k is None else (seqused_k,)) + (() if sinks is None else (sinks,))
         return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors),
                 seqused_k is None, max_seqlen_q, max_seqlen_k, causal, tuple(window),
-                softcap)
+                softcap, sinks is None)
     except (AttributeError, TypeError):          # not tensors: the checks say so
         return None
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                 causal: bool, softmax_scale: Optional[float], seqused_k, window: tuple,
-                softcap: float):
+                softcap: float, sinks: Optional[torch.Tensor] = None):
     from hopper_attn import k6_varlen
     key = _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      causal, seqused_k, window, softcap)
+                      causal, seqused_k, window, softcap, sinks)
     try:
         fast = _VARLEN_FAST.get(key) if key is not None else None
     except TypeError:                          # (symbolic shapes do not hash)
@@ -631,11 +685,12 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
     if fast is None:
         batch, window, softcap = _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                max_seqlen_q, max_seqlen_k, causal, seqused_k,
-                                               window, softcap)
+                                               window, softcap, sinks)
         problem = k6_varlen.problem_for(q, k, batch, max_seqlen_q, max_seqlen_k, causal,
                                         window)
         overrides = {"softcap": softcap} if softcap else {}
         compiled, _ = k6_varlen.compile_varlen(problem, seqused_k is not None,
+                                               sinks=sinks is not None,
                                                **overrides)   # UnsupportedProblem: d, dtype
         fast = (batch, compiled, problem.softmax_scale)
         if key is not None:
@@ -651,8 +706,13 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         return out, lse
     if k.shape[0] == 0:                        # no keys anywhere: every row is empty
         out.zero_()
-        lse.fill_(float("-inf"))
+        if sinks is None:
+            lse.fill_(float("-inf"))
+        else:                                  # (only the sink in each row's softmax)
+            lse.copy_(sinks[:, None].expand_as(lse))
         return out, lse
+    if sinks is not None and sinks.data_ptr() % 16:     # (a view: inputs are 16-byte aligned)
+        sinks = sinks.clone()
     # (the kernel is compiled for 16-byte aligned tensors: a slice of a larger cu_seqlens
     # is copied, on the device)
     cu_seqlens_q, cu_seqlens_k, seqused_k = (
@@ -660,7 +720,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seql
         for t in (cu_seqlens_q, cu_seqlens_k, seqused_k))
     scale = default_scale if softmax_scale is None else float(softmax_scale)
     k6_varlen.run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                         scale)
+                         scale, sinks)
     return out, lse
 
 
@@ -669,17 +729,18 @@ def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                          softmax_scale: Optional[float], seqused_k: Optional[torch.Tensor],
-                         window_left: int = -1, window_right: int = -1, softcap: float = 0.0
+                         window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                         sinks: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                       softmax_scale, seqused_k, (window_left, window_right), softcap)
+                       softmax_scale, seqused_k, (window_left, window_right), softcap, sinks)
 
 
 @_attention_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      seqused_k, window_left=-1, window_right=-1, softcap=0.0):
+      seqused_k, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                  seqused_k, (window_left, window_right), softcap, on_device=False)
+                  seqused_k, (window_left, window_right), softcap, sinks, on_device=False)
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -691,6 +752,18 @@ def _varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_se
     from hopper_attn.common.varlen_backward import varlen_backward
     return varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, causal, softmax_scale, seqused_k, window, softcap)
+
+
+def _varlen_backward_rows(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                          softmax_scale: Optional[float], seqused_k, window: tuple,
+                          softcap: float):
+    """_varlen_backward's dq, dk, dv and the preprocess's D (heads, total_q) (for the sinks'
+    gradient)."""
+    from hopper_attn.common.varlen_backward import varlen_backward
+    return varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, softmax_scale, seqused_k, window, softcap,
+                           return_d=True)
 
 
 @torch.library.custom_op("hopper_attn::attention_varlen_backward", mutates_args=())
@@ -713,11 +786,34 @@ def _(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("hopper_attn::attention_varlen_backward_sinks", mutates_args=())
+def _attention_varlen_backward_sinks_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        dout: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+        softmax_scale: Optional[float], seqused_k: Optional[torch.Tensor],
+        window_left: int = -1, window_right: int = -1, softcap: float = 0.0
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """attention_varlen_backward and the sinks' gradient from the backward's own D."""
+    from hopper_attn.common.sinks import varlen_sink_grad
+    dq, dk, dv, d_rows = _varlen_backward_rows(
+        q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal, softmax_scale, seqused_k, (window_left, window_right), softcap)
+    return dq, dk, dv, varlen_sink_grad(sinks, out, dout, lse, cu_seqlens_q, d_rows)
+
+
+@_attention_varlen_backward_sinks_op.register_fake
+def _(q, k, v, out, dout, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, seqused_k, window_left=-1, window_right=-1, softcap=0.0):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sinks))
+
+
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-     seqused_k, window_left, window_right, softcap) = inputs
+     seqused_k, window_left, window_right, softcap, sinks) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks)
     ctx.args = (max_seqlen_q, max_seqlen_k, causal, softmax_scale)
     ctx.rest = (window_left, window_right, softcap)
     ctx.set_materialize_grads(False)
@@ -725,11 +821,24 @@ def _setup_varlen_context(ctx, inputs, output):
 
 def _varlen_autograd(ctx, dout, dlse):
     if dout is None:
-        return (None,) * 13
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.hopper_attn.attention_varlen_backward(
-        q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seqused_k, *ctx.rest)
-    return (dq, dk, dv) + (None,) * 10
+        return (None,) * 14
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks = ctx.saved_tensors
+    dq = dk = dv = dsinks = None
+    if any(ctx.needs_input_grad[:3]) and sinks is not None and ctx.needs_input_grad[13]:
+        # (the sinks' gradient from the preprocess's D: dO and O are not read again)
+        dq, dk, dv, dsinks = torch.ops.hopper_attn.attention_varlen_backward_sinks(
+            q, k, v, out, dout, lse, sinks, cu_seqlens_q, cu_seqlens_k, *ctx.args, seqused_k,
+            *ctx.rest)
+        return (dq, dk, dv) + (None,) * 10 + (dsinks,)
+    if any(ctx.needs_input_grad[:3]):
+        # (the LSE holds the sink: kb2's P = exp(S - LSE) is the sink-inclusive softmax)
+        dq, dk, dv = torch.ops.hopper_attn.attention_varlen_backward(
+            q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.args, seqused_k,
+            *ctx.rest)
+    if sinks is not None and ctx.needs_input_grad[13]:
+        from hopper_attn.common.sinks import varlen_sink_grad
+        dsinks = varlen_sink_grad(sinks, out, dout, lse, cu_seqlens_q)
+    return (dq, dk, dv) + (None,) * 10 + (dsinks,)
 
 
 _attention_varlen_op.register_autograd(_varlen_autograd, setup_context=_setup_varlen_context)
@@ -740,7 +849,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      softmax_scale: Optional[float] = None, return_lse: bool = False,
                      seqused_k: Optional[torch.Tensor] = None, window_size: tuple = (-1, -1),
-                     softcap: float = 0.0):
+                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
     """`attention` over a packed batch of variable-length sequences (flash_attn_varlen_func's
     convention): q (total_q, heads, head_dim), k and v (total_k, heads_kv, head_dim), sequence
     b at tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and cu_seqlens_k[b] ..
@@ -751,7 +860,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     allowed). Each sequence attends to its own keys only; the causal mask and a window are
     aligned bottom-right per sequence (query i of a sequence with n_q queries and n_k keys
     sees keys j <= i + n_k - n_q); a sequence may have no queries or no keys (zero output
-    rows, LSE -inf). GQA/MQA, head dims, dtypes, softcap and windows as `attention` (k6).
+    rows, LSE -inf). GQA/MQA, head dims, dtypes, softcap, windows and attention sinks
+    (`sinks`: (heads,) fp32 / bf16 / fp16, one logit per query head; a row without keys then
+    gets LSE the sink) as `attention` (k6; docs/sinks.md).
 
     Returns the output (total_q, heads, head_dim) and with `return_lse` also the LSE, fp32
     (heads, total_q). Tokens past cu_seqlens_q[-1] are not written.
@@ -766,20 +877,24 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     A torch custom op (`torch.ops.hopper_attn.attention_varlen`) with a fake implementation:
     torch.compile(fullgraph=True) traces through it. Differentiable through
-    `attention_varlen_backward` (the varlen backward).
+    `attention_varlen_backward` (the varlen backward; with sinks that needs a gradient
+    `attention_varlen_backward_sinks`, the sinks' gradient from the backward's D).
     """
     window = normalize_window(window_size, bool(causal))
     softcap = _check_softcap(softcap)
+    if sinks is not None and isinstance(q, torch.Tensor) and q.dim() == 3:
+        from hopper_attn.common.sinks import as_kernel_sinks
+        sinks = as_kernel_sinks(sinks, q.shape[1], q.device)     # ValueError; bf16 -> fp32
     if torch.compiler.is_compiling():          # (the fake implementation checks)
         checked = True
     else:
         checked = _varlen_key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              bool(causal), seqused_k, window, softcap) in _VARLEN_FAST
+                              bool(causal), seqused_k, window, softcap, sinks) in _VARLEN_FAST
     if not checked:
         # (before the op: its schema would refuse some arguments with a TypeError)
         _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                      seqused_k, window, softcap, on_device=False)
+                      seqused_k, window, softcap, sinks, on_device=False)
     out, lse = torch.ops.hopper_attn.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
-        softmax_scale, seqused_k, *window, float(softcap))
+        softmax_scale, seqused_k, *window, float(softcap), sinks)
     return (out, lse) if return_lse else out

@@ -13,10 +13,11 @@ What changes from the prefill stages (k4-k6), which tile one query head's rows 1
   with few (batch, k/v head) pairs still fills every SM. Each split leaves O / l (fp32) and
   its rows' LSE in a workspace; the last CTA of a (batch, k/v head, M tile) to finish (a
   per-item counter, atomic add acq_rel, reset to 0 by that CTA for the next launch) combines
-  them by their LSE and writes O and the LSE. With one split the CTA writes O and the LSE
-  itself: no workspace, no counter. The number of splits is the workspace's shape, chosen on
-  the host from the shapes only (`num_splits_for`), so a decode step can be captured in a
-  CUDA graph: no host synchronisation, no data-dependent allocation.
+  them by their LSE (common/split_kv.py) and writes O and the LSE. With one split the CTA
+  writes O and the LSE itself: no workspace, no counter. The number of splits is the
+  workspace's shape, chosen on the host from the shapes only (`num_splits_for`), so a
+  decode step can be captured in a CUDA graph: no host synchronisation, no data-dependent
+  allocation.
 * One consumer warpgroup (warps 0-3, the 64 rows) and one producer warp (warp 4, TMA loads of
   K and V into rings of `stages`, each with its own full/empty mbarriers): 160 threads, no
   register reallocation. Q is loaded by the consumers with plain 16-byte loads (the packed
@@ -39,7 +40,14 @@ KiB, one CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
-folded into the row (`fold_sink`); a runtime argument, none without it.
+folded into the row (`split_kv.fold_sink`); a runtime argument, none without it.
+
+Logit softcapping and a sliding window (`softcap`, `window_left` / `window_right`; compile
+time, none of their code without them; the kv_cache variant's, docs/kvcache.md): scores
+through cap tanh(s scale / cap) before the mask (common/softmax.py, k6's); a packed row's
+keys [low, limit) from `masking.query_keys`, the splits over the kv tiles from the tile's
+first row's low to its last row's limit (tiles left of every row's window never loaded),
+masked per element where a tile crosses an edge (`masking.mask_key_ranges`).
 
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
@@ -68,13 +76,14 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 import torch
 
-from hopper_attn.common import decode_fixed, paged, tma, wgmma
-from hopper_attn.common.contract import (LOG2_E, MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
+from hopper_attn.common import masking, paged, split_kv, tma, wgmma
+from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention, shared_workspace)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.sinks import sink_inputs, with_sinks
-from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
+from hopper_attn.common.softmax import (OnlineSoftmax, scale_rows, softcap_scales,
+                                        softcap_scores)
 
 ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
 THREADS = 160               # consumer warpgroup + producer warp
@@ -85,7 +94,6 @@ CONSUMER_BARRIER = 1        # named barrier of the 128 consumer threads
 MAX_SPLITS = 128
 SMEM_PER_CTA = 227 * 1024
 SMEM_PER_SM = 228 * 1024
-LN_2 = math.log(2.0)
 
 # (kv tile, stages) per head dim that `tile_for` picks from: at d = 128, 128 x 3 (209 KiB,
 # one CTA per SM, 192 KiB in flight) while the (batch, k/v head) items fit one CTA per SM,
@@ -239,17 +247,17 @@ def prefers(problem) -> bool:
 class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
-                 page_size: int = 0, fp8: bool = False, pdl: bool = False,
-                 l2_prefetch: int = 0, lean_tail: bool = False):
+                 page_size: int = 0, fp8: bool = False, softcap: float = 0.0,
+                 window_left: int = -1, window_right: int = -1):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
         into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
-        head) descales. `pdl`, `l2_prefetch`, `lean_tail`: the fixed-cost variants
-        (common/decode_fixed.py)."""
+        head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
+        `window_right`: a sliding window as Problem's fields (-1: unbounded; with causal
+        the right side is 0 and window_right -1). All compile-time: none of them, none of
+        their code."""
         block_n, stages = tile_config(head_dim, block_n, stages)
-        self.pdl, self.l2_prefetch, self.lean_tail = decode_fixed.check_variant(
-            kv_cache, pdl, l2_prefetch, lean_tail)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
             raise ValueError(f"page_size must be one of {PAGE_SIZES} (kv_cache only), "
@@ -273,13 +281,23 @@ class DecodeAttention:
         if not 1 <= combine_chunk <= 32:
             raise ValueError(f"combine_chunk must be 1-32, got {combine_chunk}")
         self.combine_chunk = combine_chunk
+        self.softcap = float(softcap)
+        if not math.isfinite(self.softcap) or self.softcap < 0.0:
+            raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
+        if min(window_left, window_right) < -1 or (causal and window_right != -1):
+            raise ValueError(f"bad window ({window_left}, {window_right}): -1 or >= 0 each, "
+                             f"window_right -1 with causal")
+        self.window_left, self.window_right = int(window_left), int(window_right)
+        self.windowed = window_left >= 0 or window_right >= 0
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,
                 "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk,
-                **decode_fixed.options(self.pdl, self.l2_prefetch, self.lean_tail)}
+                **({"softcap": self.softcap} if self.softcap else {}),
+                **({"window": (self.window_left, self.window_right)} if self.windowed
+                   else {})}
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
@@ -379,7 +397,6 @@ class DecodeAttention:
             min_blocks_per_mp=self.ctas_per_sm,
             # (two CTAs per SM: all of the SM's shared memory, and no device query)
             **({"preferred_smem_carveout": 100} if self.ctas_per_sm > 1 else {}),
-            **({"use_pdl": True} if self.pdl else {}),
             stream=stream,
         )
 
@@ -410,14 +427,27 @@ class DecodeAttention:
         part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
         # keys every real row of the tile sees (no mask below it), and keys any row sees
         keys_all, keys_any = seqlen_k, seqlen_k
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.windowed):
+            # and the keys no row sees below the first tile's (low_any), and the first key
+            # every row sees from (low_all): tiles wholly left of every row's window skipped
+            window = (self.causal, self.window_left, self.window_right)
+            shift = seqlen_k - seqlen_q
+            low_any, keys_all = masking.query_keys(row0 // group, shift, seqlen_k, *window)
+            low_all, keys_any = masking.query_keys((row0 + rows_valid - 1) // group, shift,
+                                                   seqlen_k, *window)
+            n_lo = low_any // bn
+        elif cutlass.const_expr(self.causal):
             shift = seqlen_k - seqlen_q
             keys_all = cutlass.min(seqlen_k, cutlass.max(row0 // group + shift + 1, 0))
             keys_any = cutlass.min(seqlen_k, cutlass.max(
                 (row0 + rows_valid - 1) // group + shift + 1, 0))
         n_total = cute.ceil_div(keys_any, bn)
+        if cutlass.const_expr(self.windowed):
+            n_total = cutlass.max(n_total - n_lo, 0)
         n_first = split * n_total // splits
         n_count = (split + 1) * n_total // splits - n_first
+        if cutlass.const_expr(self.windowed):
+            n_first = n_first + n_lo
 
         if warp == PRODUCER_WARP:
             tma.prefetch_descriptors(tma_k, tma_v)
@@ -438,8 +468,6 @@ class DecodeAttention:
                               in (storage.k16_barriers, storage.v16_barriers))
             loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
-        if cutlass.const_expr(self.pdl):
-            decode_fixed.wait_for_previous_grid()
 
         if loaders:
             if cutlass.const_expr(self.fp8):
@@ -460,35 +488,17 @@ class DecodeAttention:
                     if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
                         pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
                                                  self.page_size, bn)
-                    tma.acquire_empty(k_pipe, produce)
-                    if cutlass.const_expr(self.page_size):
-                        paged.copy_paged_tile(tma_k, mK, pages,
-                                              sK_load[None, None, produce.index],
-                                              n_first + j, kv_head,
-                                              k_pipe.producer_get_barrier(produce),
-                                              self.page_size, bn)
+                        paged.load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK_load,
+                                         sV_load, produce, n_first + j, kv_head,
+                                         self.page_size, bn)
                     else:
-                        k_tiles.copy(n_first + j, k_pipe.producer_get_barrier(produce),
-                                     produce.index)
-                    tma.acquire_empty(v_pipe, produce)
-                    if cutlass.const_expr(self.page_size):
-                        paged.copy_paged_tile(tma_v, mV, pages,
-                                              sV_load[None, None, produce.index],
-                                              n_first + j, kv_head,
-                                              v_pipe.producer_get_barrier(produce),
-                                              self.page_size, bn)
-                    else:
-                        v_tiles.copy(n_first + j, v_pipe.producer_get_barrier(produce),
-                                     produce.index)
-                    if cutlass.const_expr(self.l2_prefetch):
-                        decode_fixed.prefetch_ahead(k_tiles, v_tiles, n_first, n_count, j,
-                                                    self.stages, self.l2_prefetch)
+                        paged.load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
                     produce.advance()
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
             consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)
             if cutlass.const_expr(not self.q_in_registers):
-                self.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
+                split_kv.load_q(q, sQ, tidx, row0, rows_valid, group, kv_head, batch)
                 cute.arch.fence_proxy("async.shared", space="cta")   # Q visible to the WGMMAs
                 consumers.arrive_and_wait()
 
@@ -498,7 +508,7 @@ class DecodeAttention:
             if cutlass.const_expr(self.q_in_registers):     # no SMEM read of Q per tile
                 q_acc = cute.make_rmem_tensor(mmas.thr_pv.partition_shape_C((ROWS, d)),
                                               self.mma_dtype)
-                self.load_q_registers(q, q_acc, mmas.thr_pv.partition_C(
+                split_kv.load_q_registers(q, q_acc, mmas.thr_pv.partition_C(
                     cute.make_identity_tensor((ROWS, d))), row0, rows_valid, group, kv_head,
                     batch)
                 mmas = wgmma.with_q_in_registers(mmas, sK, q_acc, tidx)
@@ -509,13 +519,20 @@ class DecodeAttention:
             rows = cute.size(s_coords, mode=[0])
             if cutlass.const_expr(self.fp8):                # k_descale: a factor of every score
                 scale_log2 = scale_log2 * mKDescale[batch, kv_head]
-            softmax = OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4)
+            prescale, scale_log2 = softcap_scales(scale_log2, self.softcap)
+            softmax = OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4,
+                                           softcap_prescale=prescale)
             # the first hidden key of each of this thread's rows (padding rows: as the last
             # real query or later, so never fewer keys than the real rows)
             limits = cute.make_rmem_tensor((rows,), Int32)
+            if cutlass.const_expr(self.windowed):
+                lows = cute.make_rmem_tensor((rows,), Int32)
             for r in cutlass.range_constexpr(rows):
                 limits[r] = seqlen_k
-                if cutlass.const_expr(self.causal):
+                if cutlass.const_expr(self.windowed):       # (and the first seen key)
+                    lows[r], limits[r] = masking.query_keys(
+                        (row0 + s_coords[r, 0][0]) // group, shift, seqlen_k, *window)
+                elif cutlass.const_expr(self.causal):
                     query = (row0 + s_coords[r, 0][0]) // group
                     limits[r] = cutlass.min(seqlen_k, query + seqlen_k - seqlen_q + 1)
 
@@ -537,8 +554,14 @@ class DecodeAttention:
                 tma.release_stage(k_ring, k_state)
                 k_state.advance()
                 s_rc = acc_rows_cols(acc_s)
+                if cutlass.const_expr(self.softcap > 0.0):  # (before the mask: tanh(-inf))
+                    softcap_scores(s_rc, softmax.softcap_prescale)
                 col0 = (n_first + j) * bn
-                if col0 + bn > keys_all:                    # tail or causal diagonal
+                if cutlass.const_expr(self.windowed):
+                    if col0 + bn > keys_all or col0 < low_all:
+                        masking.mask_key_ranges(s_rc, s_coords, col0, lows, limits,
+                                                self.window_left)
+                elif col0 + bn > keys_all:                  # tail or causal diagonal
                     for r in cutlass.range_constexpr(rows):
                         for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                             if col0 + s_coords[r, c][1] >= limits[r]:
@@ -573,11 +596,11 @@ class DecodeAttention:
                 if cutlass.const_expr(mSinks is not None):   # the sink joins here, once
                     for r in cutlass.range_constexpr(rows):
                         sink_head = kv_head * group + (row0 + s_coords[r, 0][0]) % group
-                        inv[r], lse[r] = fold_sink(lse[r], mSinks[sink_head])
+                        inv[r], lse[r] = split_kv.fold_sink(lse[r], mSinks[sink_head])
                     scale_rows(o_rc, inv)
                 o_out = cute.make_rmem_tensor_like(acc_o, self.dtype)
                 o_out.store(acc_o.load().to(self.dtype))
-                self.store_rows(o, o_out, o_coords, row0, rows_valid, group, kv_head, batch)
+                split_kv.store_rows(o, o_out, o_coords, row0, rows_valid, group, kv_head, batch)
                 if tidx % 4 == 0:
                     for r in cutlass.range_constexpr(rows):
                         row = s_coords[r, 0][0]
@@ -586,8 +609,8 @@ class DecodeAttention:
                             mLSE[batch, kv_head * group + p % group, p // group] = lse[r]
             else:
                 item = (batch * heads_kv + kv_head) * tiles_m + m_tile
-                self.store_partial(mOPart, acc_o, o_coords, (item * splits + split) * part_rows,
-                                   rows_valid)
+                split_kv.store_partial(mOPart, acc_o, o_coords,
+                                       (item * splits + split) * part_rows, rows_valid)
                 if tidx % 4 == 0:
                     for r in cutlass.range_constexpr(rows):
                         row = s_coords[r, 0][0]
@@ -603,193 +626,14 @@ class DecodeAttention:
                                                 sem="acq_rel", scope="gpu")
                     flag[0] = Int32(0)
                     if done == splits - 1:
-                        if cutlass.const_expr(not self.lean_tail):
-                            mCount[item] = Int32(0)         # zero again for the next launch
+                        mCount[item] = Int32(0)             # zero again for the next launch
                         flag[0] = Int32(1)
                 consumers.arrive_and_wait()
                 if flag[0] != 0:
-                    if cutlass.const_expr(not self.lean_tail):
-                        cute.arch.fence_acq_rel_gpu()
-                    self.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
-                                 part_rows, row0, group, kv_head, batch, tidx, mSinks)
-                    if cutlass.const_expr(self.lean_tail):
-                        decode_fixed.reset_counter(mCount, item, tidx)
-
-    @cute.jit
-    def load_q(self, q: cute.Tensor, sQ: cute.Tensor, tidx, row0, rows_valid, group, kv_head,
-               batch):
-        """The tile's packed Q rows into the swizzled Q tile, 16 bytes per load, zeros in the
-        padding rows (row p: query p // group, head kv_head x group + p % group)."""
-        chunks = self.head_dim // 8
-        for i in cutlass.range_constexpr(ROWS * chunks // 128):
-            index = tidx + 128 * i
-            row = index // chunks
-            col = index % chunks
-            frag = cute.make_rmem_tensor((8,), self.dtype)
-            frag.fill(0.0)
-            if row < rows_valid:
-                p = row0 + row
-                src = q[p // group, None, kv_head * group + p % group, batch]
-                cute.autovec_copy(cute.local_tile(src, (8,), (col,)), frag)
-            if cutlass.const_expr(self.mma_dtype != self.dtype):     # (fp8: bf16 -> fp16)
-                wide = cute.make_rmem_tensor((8,), self.mma_dtype)
-                wide.store(frag.load().to(self.mma_dtype))
-                frag = wide
-            cute.autovec_copy(frag, cute.local_tile(sQ[row, None], (8,), (col,)))
-
-    @cute.jit
-    def load_q_registers(self, q: cute.Tensor, q_acc: cute.Tensor, coords: cute.Tensor, row0,
-                         rows_valid, group, kv_head, batch):
-        """fp8: the tile's packed Q rows, converted to fp16, into registers held as a 64 x d
-        O accumulator (`coords`: its (row, col) per register; wgmma.with_q_in_registers),
-        zeros in the padding rows: each thread's pairs of neighbouring columns, 4 bytes a
-        load."""
-        q_acc.fill(0.0)
-        for rr in cutlass.range_constexpr(cute.size(q_acc.shape[0][1])):
-            row = coords[(0, rr, 0), 0, 0][0]
-            if row < rows_valid:
-                p = row0 + row
-                src = q[p // group, None, kv_head * group + p % group, batch]
-                for v in cutlass.range_constexpr(cute.size(q_acc.shape[0][2])):
-                    pair = cute.make_rmem_tensor((2,), self.dtype)
-                    col = coords[(0, rr, v), 0, 0][1]
-                    cute.autovec_copy(cute.local_tile(src, (2,), (col // 2,)), pair)
-                    q_acc[(None, rr, v), 0, 0].store(pair.load().to(self.mma_dtype))
-
-    @cute.jit
-    def store_rows(self, o: cute.Tensor, o_out: cute.Tensor, o_coords: cute.Tensor, row0,
-                   rows_valid, group, kv_head, batch):
-        """O (16-bit, PV accumulator layout) of the real rows to (query, head) in memory: each
-        thread's pairs of neighbouring columns, 4 bytes a store."""
-        for rr in cutlass.range_constexpr(cute.size(o_out.shape[0][1])):
-            row = o_coords[(0, rr, 0), 0, 0][0]
-            if row < rows_valid:
-                p = row0 + row
-                dst = o[p // group, None, kv_head * group + p % group, batch]
-                for v in cutlass.range_constexpr(cute.size(o_out.shape[0][2])):
-                    col = o_coords[(0, rr, v), 0, 0][1]
-                    cute.autovec_copy(o_out[(None, rr, v), 0, 0],
-                                      cute.local_tile(dst, (2,), (col // 2,)))
-
-    @cute.jit
-    def store_partial(self, mOPart: cute.Tensor, acc_o: cute.Tensor, o_coords: cute.Tensor,
-                      base, rows_valid):
-        """A split's O / l (fp32) of the real rows to workspace rows base + row."""
-        for rr in cutlass.range_constexpr(cute.size(acc_o.shape[0][1])):
-            row = o_coords[(0, rr, 0), 0, 0][0]
-            if row < rows_valid:
-                for v in cutlass.range_constexpr(cute.size(acc_o.shape[0][2])):
-                    col = o_coords[(0, rr, v), 0, 0][1]
-                    cute.autovec_copy(acc_o[(None, rr, v), 0, 0],
-                                      cute.local_tile(mOPart[base + row, None], (2,),
-                                                      (col // 2,)))
-
-    @cute.jit
-    def combine(self, mOPart, mLSEPart, o: cute.Tensor, mLSE: cute.Tensor, item, splits,
-                rows_valid, part_rows, row0, group, kv_head, batch, tidx, mSinks=None):
-        """The last CTA of an item: O = sum_s exp(lse_s - lse) O_s, lse = log sum_s exp(lse_s).
-
-        The real rows' O in 4-column pieces, `lanes` neighbouring lanes per piece (as many as
-        128 threads allow, up to 32), lane `sub` taking splits sub, sub + lanes, ... Each lane
-        reads its splits `combine_chunk` at a time, all loads of a chunk issued before any is
-        used (indices clamped to the last split, weight 0 past it: no branch between them), so
-        a chunk costs one L2 round trip, not one per split; it keeps a running (max, sum,
-        weighted sum) as the online softmax does. A butterfly merges the lanes' triples; one
-        lane scales by 1 / sum and stores 4 outputs, and the row's LSE with its first piece.
-        No shared memory, no barrier. An attention sink joins there, once: one more split
-        with the sink as its LSE and O = 0."""
-        d = self.head_dim
-        chunk = self.combine_chunk
-        pieces_per_row = d // 4
-        pieces = rows_valid * pieces_per_row
-        lanes = Int32(1)
-        for _ in cutlass.range_constexpr(5):
-            if lanes * 2 * pieces <= 128:
-                lanes = lanes * 2
-        per_round = 128 // lanes
-        sub = tidx % lanes
-        for k in cutlass.range(cute.ceil_div(pieces, per_round), unroll=1):
-            piece = k * per_round + tidx // lanes
-            r = cutlass.min(piece // pieces_per_row, rows_valid - 1)
-            c = piece % pieces_per_row
-            m = -Float32.inf
-            total = Float32(0.0)
-            acc = cute.make_rmem_tensor((4,), Float32)
-            acc.fill(0.0)
-            for s0 in cutlass.range(0, splits, lanes * chunk, unroll=1):
-                lses = cute.make_rmem_tensor((chunk,), Float32)
-                parts = cute.make_rmem_tensor((4, chunk), Float32)
-                for i in cutlass.range_constexpr(chunk):
-                    s = cutlass.min(s0 + sub + lanes * i, splits - 1)
-                    lses[i] = mLSEPart[s, item * part_rows + r]
-                    cute.autovec_copy(cute.local_tile(
-                        mOPart[(item * splits + s) * part_rows + r, None], (4,), (c,)),
-                        parts[None, i])
-                m_new = m
-                for i in cutlass.range_constexpr(chunk):
-                    if s0 + sub + lanes * i >= splits:
-                        lses[i] = -Float32.inf
-                    m_new = cute.arch.fmax(m_new, lses[i])
-                m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-                rescale = cute.math.exp2((m - m_safe) * LOG2_E, fastmath=True)
-                total = total * rescale
-                acc.store(acc.load() * rescale)
-                for i in cutlass.range_constexpr(chunk):
-                    w = cute.math.exp2((lses[i] - m_safe) * LOG2_E, fastmath=True)
-                    total = total + w
-                    acc.store(acc.load() + parts[None, i].load() * w)
-                m = m_new
-            for step in cutlass.range_constexpr(5):
-                offset = 16 >> step
-                if offset < lanes:
-                    m_other = cute.arch.shuffle_sync_bfly(m, offset)
-                    total_other = cute.arch.shuffle_sync_bfly(total, offset)
-                    m_new = cute.arch.fmax(m, m_other)
-                    m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-                    mine = cute.math.exp2((m - m_safe) * LOG2_E, fastmath=True)
-                    other = cute.math.exp2((m_other - m_safe) * LOG2_E, fastmath=True)
-                    total = total * mine + total_other * other
-                    for e in cutlass.range_constexpr(4):
-                        acc[e] = acc[e] * mine + cute.arch.shuffle_sync_bfly(acc[e], offset) * other
-                    m = m_new
-            if piece < pieces and sub == 0:
-                if cutlass.const_expr(mSinks is not None):
-                    # (names of their own: the DSL sees every name assigned in this `if`)
-                    sink = mSinks[kv_head * group + (row0 + r) % group]
-                    sink_top = cute.arch.fmax(m, sink)
-                    sink_top = Float32(0.0) if sink_top == -Float32.inf else sink_top
-                    sink_keep = cute.math.exp2((m - sink_top) * LOG2_E, fastmath=True)
-                    total = total * sink_keep + cute.math.exp2((sink - sink_top) * LOG2_E,
-                                                               fastmath=True)
-                    acc.store(acc.load() * sink_keep)
-                    m = cute.arch.fmax(m, sink)
-                inv = Float32(0.0) if total == 0.0 else 1.0 / total
-                out = cute.make_rmem_tensor((4,), self.dtype)
-                out.store((acc.load() * inv).to(self.dtype))
-                p = row0 + r
-                dst = o[p // group, None, kv_head * group + p % group, batch]
-                cute.autovec_copy(out, cute.local_tile(dst, (4,), (c,)))
-                if c == 0:
-                    lse = -Float32.inf
-                    if total != 0.0:
-                        m_safe = Float32(0.0) if m == -Float32.inf else m
-                        lse = m_safe + cute.math.log2(total, fastmath=True) * LN_2
-                    mLSE[batch, kv_head * group + p % group, p // group] = lse
-
-
-@cute.jit
-def fold_sink(lse: Float32, sink: Float32):
-    """A row's LSE (natural log; -inf: no key) with an attention sink's logit joined: (the
-    factor for its normalized O, the new LSE), exponents rebased to max(lse, sink)."""
-    top = cute.arch.fmax(lse, sink)
-    top = Float32(0.0) if top == -Float32.inf else top
-    own = cute.math.exp2((lse - top) * LOG2_E, fastmath=True)
-    total = own + cute.math.exp2((sink - top) * LOG2_E, fastmath=True)
-    factor, lse_new = Float32(0.0), Float32(-Float32.inf)
-    if total != 0.0:
-        factor = own / total
-        lse_new = top + cute.math.log2(total, fastmath=True) * LN_2
-    return factor, lse_new
+                    cute.arch.fence_acq_rel_gpu()
+                    split_kv.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
+                                     part_rows, row0, group, kv_head, batch, tidx, mSinks,
+                                     d, self.combine_chunk, self.dtype)
 
 
 class DecodeAttentionSinks(DecodeAttention):
@@ -807,6 +651,17 @@ class DecodeAttentionSinks(DecodeAttention):
                  mLSEPart: cute.Tensor, mCount: cute.Tensor, scale_log2: Float32, stream):
         self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, None, None, scale_log2,
                     stream, mSinks=mSinks)
+
+    @cute.jit
+    def kv_cache_call(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                      mO: cute.Tensor, mLSE: cute.Tensor, mOPart: cute.Tensor,
+                      mLSEPart: cute.Tensor, mCount: cute.Tensor, mSeqlensK: cute.Tensor,
+                      mPageTable: cute.Tensor, mKDescale: cute.Tensor, mVDescale: cute.Tensor,
+                      mSinks: cute.Tensor, scale_log2: Float32, stream):
+        """The base class's `kv_cache_call` with the (heads,) fp32 sinks after the descales."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOPart, mLSEPart, mCount, mSeqlensK,
+                    mPageTable if self.page_size else None, scale_log2, stream,
+                    *((mKDescale, mVDescale) if self.fp8 else (None, None)), mSinks=mSinks)
 
 
 SINKS_SPEC = with_sinks(SPEC)
@@ -834,14 +689,12 @@ def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stages: int = 0,
-                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0,
-                   pdl: int = 0, l2_prefetch: int = 0, lean_tail: int = 0):
+                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0):
     """Compile (or fetch from the cache) the decode stage; options: block_n (kv tile), stages
     (of each of the K and V rings; both 0: `tile_for`'s choice), num_splits (0:
     `num_splits_for`'s choice; the kernel is the same for every count, only the workspace
     differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip),
-    sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md); pdl,
-    l2_prefetch, lean_tail: the fixed-cost variants, off by default (common/decode_fixed.py)."""
+    sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md)."""
     SPEC.check(problem, check_memory=False)     # (compile_attention checks memory too)
     if not block_n and not stages:
         block_n, stages = tile_for(problem)
@@ -862,8 +715,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
         # compiler could take as a constant: the split count is the partial LSE's extent)
         return decode_workspace(p, device, block_n, stages, 2)
 
-    options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk,
-               **decode_fixed.options(pdl, l2_prefetch, lean_tail)}
+    options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk}
     handle = compile_attention(SINKS_SPEC if sinks else SPEC,
                                DecodeAttentionSinks if sinks else DecodeAttention, problem,
                                {**options, "sinks": True} if sinks else options,

@@ -92,13 +92,12 @@ SPEC = KernelSpec(
 SINKS_SPEC = with_sinks(SPEC)   # k6:sinks=1 (the sinks an input after out)
 
 # item_end -> (O in a buffer of its own, Q released after the item's last QK, each warpgroup
-# stores its own rows, the store's read waited for only at the next item's epilogue)
+# stores its own rows)
 ITEM_ENDS = {
-    "q_buffer": (False, False, False, False),       # k5's: O staged in Q's buffer
-    "q_buffer_wg": (False, False, True, False),     # each warpgroup its own rows of Q's
-    "own_buffer": (True, False, False, False),      # the next Q loads under the epilogue
-    "own_buffer_deferred": (True, False, False, True),
-    "own_buffer_wg": (True, True, True, False),
+    "q_buffer": (False, False, False),       # k5's: O staged in Q's buffer
+    "q_buffer_wg": (False, False, True),     # each warpgroup its own rows of Q's
+    "own_buffer": (True, False, False),      # the next Q loads under the epilogue
+    "own_buffer_wg": (True, True, True),
 }
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
@@ -165,13 +164,11 @@ POLICY = [
                           v_lags_k=False),
      "short items: 128 x 128 with turns, the late wait (V lagging lost 4-5%)",
      H100 + "26_k6_d96_192_short*.json"),
-    (96, True, Lengths(0, 4096), dict(block_m=128, block_n=128, pingpong=True,
-                                      pv_wait="one_group", item_end="own_buffer_wg"),
-     "turns, the pinned wait with P's last slice first", H100 + "26_k6_d96_causal_reverse_p*"),
-    (96, True, ALL, dict(block_m=128, block_n=128, pingpong=True, pv_wait="one_group",
-                         item_end="own_buffer_deferred"),
-     "from 4k the item-end options tie; the deferred store wait pays with turns",
-     H100 + "26_k6_defer_store_wait_*.json"),
+    (96, True, ALL, dict(block_m=128, block_n=128, item_end="own_buffer_wg", spin_waits=True,
+                         fma_exp2_every=16, pv_wait="after7", v_release_last=True,
+                         longest_first=8),
+     "d = 128's causal row: 1.08-1.16x the turns rows at 1k-16k (H200)",
+     H200 + "29_fwd_dims_d96.json.xz"),
     (128, False, Lengths(0, 8192), dict(D128, pv_wait="after7", v_release_last=True),
      "PV wait after 7 exp2s, 1 exp2 in 16 on the FMA pipe", H100 + "26_k6_pv_wait_after_*.json"),
     (128, False, ALL, dict(D128, pv_wait="after7", v_release_last=True, stream_k=True),
@@ -192,8 +189,10 @@ POLICY = [
      "stream-K tail from 4k", H100 + "26_k6_stream_k_d192_run2.json"),
     (192, False, ALL, dict(D192, stream_k=True, item_end="q_buffer"),
      "per-warpgroup stores lost at 16k", H100 + "26_k6_wg_store_q_*.json"),
-    (192, True, ALL, dict(D192, spin_waits=True),
-     "spins pay together with V lagging", H200 + "28_k6_d192_causal_lazy_*.json"),
+    (192, True, ALL, dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
+                          mask_per_row=True),
+     "spins; each warpgroup stops at its diagonal, 32 MiB head groups longest first, one key "
+     "limit per row: 1.03-1.07x spins alone at 1k-16k (H200)", H200 + "29_fwd_dims_d192.json.xz"),
     (256, False, ALL, dict(D256, kv_tail="whole"),
      "lazy rescale, one PV group; whole kv tiles drop the tail test",
      H200 + "28_k6_d256_lazy_round*.json"),
@@ -205,8 +204,10 @@ POLICY = [
     (256, True, ALL, dict(D256, spin_waits=True, wg_causal_limit=True),
      "beyond the measured longest-first lengths", H100 + "26_k6_longest_first_*.json"),
     # (d, dv), v narrower than q and k (docs/head-dim-v.md): d's rows, not tuned, no stream-K
-    *[((192, 128), c, ALL, dict(D192, block_n=128, spin_waits=c), "d = 192's; 128 x 128 tiles"
-       " fit, V 128 wide (209 KiB)", H200 + "28_k6_d192_*lazy_*.json") for c in (False, True)],
+    ((192, 128), False, ALL, dict(D192, block_n=128), "d = 192's; 128 x 128 tiles fit, V 128 "
+     "wide (209 KiB)", H200 + "28_k6_d192_*lazy_*.json"),
+    ((192, 128), True, ALL, dict(D192, spin_waits=True), "d = 192's 128 x 112 tile: 1.01-1.11x "
+     "128 x 128 at 2k-16k (H200)", H200 + "29_dv_speed.txt"),
     *[((128, 64), c, ALL, dict(D128, pv_wait="after7", v_release_last=True), "d = 128's",
        H100 + "26_k6_pv_wait_after_*.json") for c in (False, True)],
 ]
@@ -247,7 +248,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                              f"{RESCALES}; item_end: one of {tuple(ITEM_ENDS)}")
         after = pv_wait_after(pv_wait)
         # (read by smem_estimate, during k5's __init__)
-        self.own_o_buffer, early_q_release, wg_store, defer_store_wait = ITEM_ENDS[item_end]
+        self.own_o_buffer, early_q_release, wg_store = ITEM_ENDS[item_end]
         if self.own_o_buffer and head_dim > 128:
             raise ValueError(f"item_end={item_end}: O's own buffer does not fit in shared "
                              f"memory at d > 128")
@@ -289,7 +290,6 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.mask_per_row = bool(mask_per_row)
         super().__init__(head_dim, causal, block_m, block_n, stages, trace, head_dim_v)
         self.early_q_release, self.wg_store = early_q_release, wg_store
-        self.defer_store_wait = defer_store_wait
         self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=bool(pingpong))
         # kv_tail=False: a loop without the tail test (whole kv tiles). A sliding window
         # (compile-time sizes; -1, -1: none): an item walks kv tiles n_block_first ..
@@ -426,17 +426,12 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
     @cute.jit
     def store_o(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO,
                 tma_o: cute.CopyAtom, mO: cute.Tensor, m_block, head, batch):
-        """k5's store, per warpgroup (`store_o_wg`), or with defer_store_wait returning at
-        once: the first consumer warp waits for its read of O's buffer just before the next
-        item's (and `drain_o_store` before the CTA exits)."""
+        """k5's store, or per warpgroup (`store_o_wg`)."""
         if cutlass.const_expr(self.wg_store):
             self.store_o_wg(mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block, head, batch)
         else:
-            if cutlass.const_expr(self.defer_store_wait):
-                if warp == 4:
-                    tma.store_read_wait()
             FlashAttentionK5.store_o(self, mma_pv, ctidx, warp, o_out, sO, tma_o, mO, m_block,
-                                     head, batch, wait_read=not self.defer_store_wait)
+                                     head, batch)
 
     @cute.jit
     def store_o_wg(self, mma_pv: cute.TiledMma, ctidx, warp, o_out: cute.Tensor, sO,
@@ -466,12 +461,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 
     @cute.jit
     def drain_o_store(self, warp):
-        """After the last item: the last TMA store may still read sO (deferred waits)."""
+        """After the last item: the last TMA store may still read sO (per-warpgroup slabs)."""
         if cutlass.const_expr(self.wg_store and self.o_apart_from_q()):
             if warp % 4 == 0:
-                tma.store_read_wait()
-        elif cutlass.const_expr(self.defer_store_wait):
-            if warp == 4:
                 tma.store_read_wait()
 
     @cute.jit

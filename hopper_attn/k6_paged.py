@@ -12,12 +12,15 @@ What changes from k6_varlen (the `page_size` of FlashAttentionK6Paged):
   offsets (the kernel's cu_seqlens_k argument is cu_seqlens_q again, never used for keys).
 * The kv tile must divide a page or be a multiple of one: where the POLICY row's does
   neither (d 192 and 256 with pages of 32 or more), the tile is 64 keys.
-What stays: everything else of k6_varlen (work list, masks, ragged Q and O, the LSE).
+What stays: everything else of k6_varlen (work list, masks, ragged Q and O, the LSE,
+attention sinks: `sinks=True`, the (heads,) fp32 logits the last argument).
 
 Budget: k6_varlen's (SMEM, threads, registers: the producer's 24 hold one box at a time).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import cutlass.cute as cute
 import torch
@@ -45,11 +48,12 @@ class FlashAttentionK6Paged(FlashAttentionK6Varlen):
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2, stream,
-                 mCuSeqlensQ: cute.Tensor, mSeqUsedK: cute.Tensor, mPageTable: cute.Tensor):
+                 mCuSeqlensQ: cute.Tensor, mSeqUsedK: cute.Tensor, mPageTable: cute.Tensor,
+                 mSinks: Optional[cute.Tensor] = None):
         # (q, o (1, total_q, H, d); k, v (1, num_pages x page_size, H_kv, d): the cache's
         # tokens; cu_seqlens_q (batch + 1), seqused_k (batch), the page table (batch,
-        # max_pages), int32)
-        self.launch(mQ, mK, mV, mO, mLSE, mCounter, scale_log2, stream, None, mCuSeqlensQ,
+        # max_pages), int32; attention sinks: fp32 (H,), or None)
+        self.launch(mQ, mK, mV, mO, mLSE, mCounter, scale_log2, stream, mSinks, mCuSeqlensQ,
                     mCuSeqlensQ, mSeqUsedK, mPageTable)
 
     def kv_boxes(self, atoms, coords, k: cute.Tensor, v: cute.Tensor):
@@ -79,15 +83,17 @@ def settings_for_paged(problem: Problem, page_size: int, **overrides) -> dict:
 _COMPILED: dict = {}
 
 
-def compile_paged(problem: Problem, page_size: int, compile_options: str = "", **overrides):
+def compile_paged(problem: Problem, page_size: int, compile_options: str = "",
+                  sinks: bool = False, **overrides):
     """(compiled function, kernel object) of k6 over a paged cache of `page_size` for
-    `problem`'s head dim, mask, dtype, window and POLICY row (cached)."""
+    `problem`'s head dim, mask, dtype, window and POLICY row (cached); `sinks`: with
+    attention sinks (one more argument, last)."""
     from hopper_attn.common import cute_runtime as rt
     import cutlass
     SPEC.check(problem, check_memory=False)
     settings = settings_for_paged(problem, page_size, **overrides)
     key = (problem.head_dim, problem.causal, problem.dtype, page_size,
-           tuple(sorted(settings.items())), compile_options)
+           tuple(sorted(settings.items())), compile_options, bool(sinks))
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
@@ -104,8 +110,10 @@ def compile_paged(problem: Problem, page_size: int, compile_options: str = "", *
     args = [rt.to_cute_tensor(t) for t in (*qkvo, lse, work_counter(device))]
     options = compile_options.strip()
     extra = {"options": options} if options else {}
-    compiled = cute.compile(kernel, *args, cutlass.Float32(1.0), stream,
-                            *[_int_tensor(t) for t in ints], **extra)
+    tail = [_int_tensor(t) for t in ints]
+    if sinks:
+        tail.append(rt.to_cute_tensor(torch.zeros(heads, dtype=torch.float32, device=device)))
+    compiled = cute.compile(kernel, *args, cutlass.Float32(1.0), stream, *tail, **extra)
     _COMPILED[key] = (compiled, kernel)
     return compiled, kernel
 
@@ -123,10 +131,11 @@ _BOUND: dict = {}
 
 
 def run_paged(compiled, q, k, v, out, lse, cu_seqlens_q, seqused_k, page_table,
-              softmax_scale: float) -> None:
+              softmax_scale: float, sinks: Optional[torch.Tensor] = None) -> None:
     """Launch on the current stream: q, out (total_q, H, d); k, v (num_pages x page_size,
-    H_kv, d): the cache's tokens; lse (H, total_q) fp32. Nothing here reads the device
-    tensors' contents (CUDA-graph capturable)."""
+    H_kv, d): the cache's tokens; lse (H, total_q) fp32; sinks (H,) fp32 for (and only for)
+    a kernel compiled with them. Nothing here reads the device tensors' contents
+    (CUDA-graph capturable)."""
     from hopper_attn.common import cute_runtime as rt
     import cutlass
     if q.shape[0] == 0:
@@ -140,8 +149,9 @@ def run_paged(compiled, q, k, v, out, lse, cu_seqlens_q, seqused_k, page_table,
         _BOUND.clear()
         _BOUND[key] = bound
     outputs = [rt.to_cute_tensor(t.unsqueeze(0)) for t in (out, lse)]
+    extra = () if sinks is None else (rt.to_cute_tensor(sinks),)
     compiled(*bound[:3], *outputs, bound[3], cutlass.Float32(softmax_scale * LOG2_E),
-             rt.current_stream(), *bound[4:])
+             rt.current_stream(), *bound[4:], *extra)
 
 
 __all__ = ["FlashAttentionK6Paged", "compile_paged", "run_paged", "settings_for_paged",

@@ -15,6 +15,9 @@ What changes from k6 (the `varlen` flag of k5's kernel, common/varlen.py):
 * TMA over ragged tensors: Q, K and V load and O stores through the ragged view of
   common/varlen.py, so TMA's bounds check zero-fills loads and drops stores at each
   sequence's end; the LSE ((heads, total_q) fp32) is written row by row below the end.
+* Attention sinks (`sinks=True`, `FlashAttentionK6VarlenSinks`; docs/sinks.md): k6's, the
+  (heads,) fp32 logits one more kernel argument (last), joined at an item's end; without
+  them the kernel has no such parameter.
 
 What stays: everything else of k6, with the POLICY row of the dense problem at max_seqlen_q
 (stream-K off: it assumes items of one length; the tail test always on).
@@ -23,8 +26,12 @@ What stays: everything else of k6, with the POLICY row of the dense problem at m
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
+import cutlass
+import cutlass.cute as cute
 import torch
+from cutlass import Float32
 
 from hopper_attn.common.contract import LOG2_E, Problem, UnsupportedProblem, work_counter
 from hopper_attn.k6 import SPEC, FlashAttentionK6, settings_for
@@ -38,6 +45,21 @@ class FlashAttentionK6Varlen(FlashAttentionK6):
         self.schedule = dataclasses.replace(self.schedule, varlen=True)
         self.scheduler = dataclasses.replace(self.scheduler, varlen=True, dynamic=True,
                                              stream_k=False)
+
+
+class FlashAttentionK6VarlenSinks(FlashAttentionK6Varlen):
+    """k6 varlen with attention sinks: the (heads,) fp32 logits after seqused_k."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, mCounter: cute.Tensor, scale_log2: Float32, stream,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+                 mSeqUsedK: Optional[cute.Tensor], mSinks: cute.Tensor):
+        self.launch(mQ, mK, mV, mO, mLSE, mCounter, scale_log2, stream, mSinks, mCuSeqlensQ,
+                    mCuSeqlensK, mSeqUsedK)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "sinks": True}
 
 
 def problem_for(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int,
@@ -58,20 +80,19 @@ _COMPILED: dict = {}
 
 
 def compile_varlen(problem: Problem, has_seqused_k: bool, compile_options: str = "",
-                   **overrides):
+                   sinks: bool = False, **overrides):
     """(compiled function, kernel object) of k6 with `varlen` for `problem`'s head dim, mask,
-    dtype and POLICY row (cached)."""
+    dtype and POLICY row (cached); `sinks`: with attention sinks (one more argument, last)."""
     from hopper_attn.common import cute_runtime as rt
-    import cutlass
-    import cutlass.cute as cute
     SPEC.check(problem, check_memory=False)
     settings = settings_for_varlen(problem, **overrides)
     key = (problem.head_dim, problem.causal, problem.dtype, has_seqused_k,
-           tuple(sorted(settings.items())), compile_options)
+           tuple(sorted(settings.items())), compile_options) + (("sinks",) if sinks else ())
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
-    kernel = FlashAttentionK6Varlen(problem.head_dim, problem.causal, **settings)
+    kernel = (FlashAttentionK6VarlenSinks if sinks else FlashAttentionK6Varlen)(
+        problem.head_dim, problem.causal, **settings)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     total, heads, d, batch = 256, 2, problem.head_dim, 2
     qkvo = [torch.empty((1, total, heads, d), dtype=problem.dtype, device=device)
@@ -84,6 +105,8 @@ def compile_varlen(problem: Problem, has_seqused_k: bool, compile_options: str =
     args = [rt.to_cute_tensor(t) for t in (*qkvo, lse, counter)]
     tail = [rt.to_cute_tensor(cu), rt.to_cute_tensor(cu),
             rt.to_cute_tensor(seqused) if has_seqused_k else None]
+    if sinks:
+        tail.append(rt.to_cute_tensor(torch.zeros(heads, dtype=torch.float32, device=device)))
     options = compile_options.strip()
     extra = {"options": options} if options else {}
     compiled = cute.compile(kernel, *args, cutlass.Float32(1.0), stream, *tail, **extra)
@@ -95,14 +118,15 @@ def compile_varlen(problem: Problem, has_seqused_k: bool, compile_options: str =
 # 10 us saved per tensor); the outputs are converted every call. Only one call's: a CuTe
 # tensor keeps its torch tensor's memory.
 _BOUND: dict = {}
+_BOUND_SINKS: dict = {}        # (the sinks' own: a bf16 parameter arrives as a new fp32 copy)
 
 
 def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-               softmax_scale: float) -> None:
-    """Launch on the current stream: q, k, v, out (total, H, d), lse (H, total_q) fp32.
-    Nothing here reads the device tensors' contents (CUDA-graph capturable)."""
+               softmax_scale: float, sinks: Optional[torch.Tensor] = None) -> None:
+    """Launch on the current stream: q, k, v, out (total, H, d), lse (H, total_q) fp32,
+    sinks (H,) fp32 for (and only for) a kernel compiled with them. Nothing here reads the
+    device tensors' contents (CUDA-graph capturable)."""
     from hopper_attn.common import cute_runtime as rt
-    import cutlass
     if q.shape[0] == 0:
         return
     inputs = (q, k, v, work_counter(q.device), cu_seqlens_q, cu_seqlens_k) + \
@@ -116,10 +140,17 @@ def run_varlen(compiled, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_
             bound.append(None)
         _BOUND.clear()
         _BOUND[key] = bound
+    extra = ()                         # (a kernel without sinks has no such parameter)
+    if sinks is not None:
+        sinks_key = (sinks.data_ptr(), sinks.shape)
+        if sinks_key not in _BOUND_SINKS:
+            _BOUND_SINKS.clear()
+            _BOUND_SINKS[sinks_key] = rt.to_cute_tensor(sinks)
+        extra = (_BOUND_SINKS[sinks_key],)
     outputs = [rt.to_cute_tensor(t.unsqueeze(0)) for t in (out, lse)]
     compiled(*bound[:3], *outputs, bound[3], cutlass.Float32(softmax_scale * LOG2_E),
-             rt.current_stream(), *bound[4:])
+             rt.current_stream(), *bound[4:], *extra)
 
 
-__all__ = ["FlashAttentionK6Varlen", "compile_varlen", "run_varlen", "problem_for",
-           "UnsupportedProblem"]
+__all__ = ["FlashAttentionK6Varlen", "FlashAttentionK6VarlenSinks", "compile_varlen",
+           "run_varlen", "problem_for", "UnsupportedProblem"]

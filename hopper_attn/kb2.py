@@ -790,4 +790,4 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
 
 
 def run_kernel(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale=None, checked=False):
-    run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale, checked)
+    return run_backward(handle, q, k, v, o, do, lse, dq, dk, dv, softmax_scale, checked)

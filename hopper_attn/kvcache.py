@@ -13,7 +13,7 @@ the key count), so a decode step is capturable in a CUDA graph: no host reads of
 data, no data-dependent allocation. docs/kvcache.md says how.
 
 Chunked prefill (more than 16 new queries per request, or a varlen query batch with
-`cu_seqlens_q`, or a window / softcap) runs k6 over a packed query batch instead: a
+`cu_seqlens_q`) runs k6 over a packed query batch instead: a
 contiguous cache as the packed keys of hopper_attn/k6_varlen.py (cu_seqlens_k a fixed
 stride apart, seqused_k the key counts: no new kernel), a paged one through
 hopper_attn/k6_paged.py (kv tiles gathered from pages, common/paged_prefill.py). Equally
@@ -171,10 +171,28 @@ def check_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None
     return page_size, capacity
 
 
-def problem_for(q, kv_heads: int, capacity: int, causal: bool) -> Problem:
+def check_features(q, causal, window_size=(-1, -1), softcap=0.0, sinks=None) -> tuple:
+    """window_size, softcap and sinks checked (ValueError): ((window_left, window_right) as
+    Problem's fields (-1: unbounded; causal: right -1), the cap (0.0: none), sinks given)."""
+    _tensor("q", q, 4)
+    window = normalize_window(window_size, bool(causal))
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
+            or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    if sinks is not None:
+        from hopper_attn.common.sinks import check_sinks
+        check_sinks(sinks, q.shape[2], q.device)
+    return window, float(softcap), sinks is not None
+
+
+def problem_for(q, kv_heads: int, capacity: int, causal: bool, window=(-1, -1)) -> Problem:
     """The decode Problem the tile and the splits are chosen for: the cache's capacity as
-    the key count (shapes only)."""
+    the key count (shapes only); with a window's left side (Problem's fields) at most the
+    keys an M tile's rows see, left + seqlen_q + right, and a kv tile (256) either side."""
     batch, seqlen_q, heads, head_dim = q.shape
+    left, right = window
+    if left >= 0:
+        capacity = min(capacity, left + seqlen_q + max(right, 0) + 2 * 256)
     return Problem(batch, heads, seqlen_q, head_dim, bool(causal), q.dtype, heads_kv=kv_heads,
                    seqlen_k=capacity)
 
@@ -215,13 +233,15 @@ def _args(tensors, tvm_ffi: bool) -> list:
 
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
                    stages: int, tvm_ffi: bool = False, compile_options: str = "",
-                   kv_dtype=None):
+                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False):
     """The decode stage's `kv_cache_call` for one (head dim, mask, dtype, page size (0:
-    contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant)), compiled
-    once: (compiled function, kernel object)."""
+    contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant), window (as
+    Problem's fields), softcap (0: none), sinks), compiled once: (compiled function, kernel
+    object)."""
     kv_dtype = kv_dtype or dtype
+    features = (tuple(window), float(softcap), bool(sinks))
     key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options,
-           kv_dtype)
+           kv_dtype) + (features if features != ((-1, -1), 0.0, False) else ())
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
@@ -230,8 +250,9 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
     from hopper_attn import decode
-    kernel = decode.DecodeAttention(head_dim, causal, block_n, stages, kv_cache=True,
-                                    page_size=page_size, fp8=kv_dtype == FP8)
+    kernel = (decode.DecodeAttentionSinks if sinks else decode.DecodeAttention)(
+        head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size,
+        fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0], window_right=window[1])
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     batch, heads, pages = 2, 2, 4
     q = torch.empty((batch, 2, heads, head_dim), dtype=dtype, device=device)
@@ -244,6 +265,7 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     descale = torch.ones((batch, heads), dtype=torch.float32, device=device)
     tensors = [q, cache, cache.clone(), torch.empty_like(q), *workspace, seqlens, table,
                descale, descale.clone()]
+    tensors += [torch.zeros((heads,), dtype=torch.float32, device=device)] if sinks else []
     if tvm_ffi:
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         compile_options = f"{compile_options} {rt.TVM_FFI}"
@@ -282,19 +304,21 @@ _FAST: dict = {}
 
 
 def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_descale,
-             v_descale, causal, num_splits) -> tuple:
+             v_descale, causal, num_splits, window_size, softcap, sinks) -> tuple:
     """Every check of a call (ValueError before any launch), then (compiled kernel, its
     workspace (the LSE first), TVM-FFI or not, head_dim)."""
     from hopper_attn import decode
     from hopper_attn.common import cute_runtime as rt
+    window, cap, with_sinks = check_features(q, causal, window_size, softcap, sinks)
     page_size, capacity = check_inputs(q, k_cache, v_cache, cache_seqlens, page_table, k_new,
                                        v_new, num_splits, None, k_descale, v_descale)
-    problem = problem_for(q, k_cache.shape[2], capacity, causal)
+    problem = problem_for(q, k_cache.shape[2], capacity, causal, window)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
     block_n, stages, splits = plan(problem, num_splits, k_cache.dtype == FP8)
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
-                                 block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype)
+                                 block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype,
+                                 window=window, softcap=cap, sinks=with_sinks)
     workspace = _workspace(problem, q.device, block_n, stages, splits)
     return compiled, workspace, tvm_ffi, problem.head_dim
 
@@ -321,10 +345,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_new: Optional[torch.Tensor] = None, causal: bool = True,
                            softmax_scale: Optional[float] = None, return_lse: bool = False,
                            num_splits: int = 0, k_descale: Optional[torch.Tensor] = None,
-                           v_descale: Optional[torch.Tensor] = None,
+                           v_descale: Optional[torch.Tensor] = None, window_size=(-1, -1),
+                           softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                            cu_seqlens_q: Optional[torch.Tensor] = None,
-                           max_seqlen_q: Optional[int] = None, window_size: tuple = (-1, -1),
-                           softcap: float = 0.0):
+                           max_seqlen_q: Optional[int] = None):
     """Attention of new queries per request over its KV cache: a decode step (1-16 queries)
     or a chunk of a prefill (any number; below).
 
@@ -346,6 +370,16 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     or (kv_heads,) (None: 1). The kernel widens each e4m3 tile to fp16 in shared memory
     (exact) and runs its WGMMAs in fp16 (q converted once: |q| < 65504), folds k_descale
     into the softmax scale and v_descale into the output's 1 / l.
+    window_size: (left, right), flash-attn's sliding window (-1: unbounded; with causal the
+    right side is 0): query i sees keys i + off - left .. i + off + right, off = keys_b -
+    seqlen_q; kv tiles left of every packed row's window are not read, so the work shrinks
+    with the window. A key inside a read tile but left of a row's window is masked, and its
+    cache rows must hold finite values (0 x NaN in P V): pages a request no longer needs
+    may be reused only once a whole kv tile of them lies left of every window.
+    softcap: logit softcapping, scores cap * tanh(s * scale / cap) before the mask (0: none).
+    sinks: fp32 (heads,), one logit per query head joined to every row's denominator
+    (docs/sinks.md). All three are compile-time features: a call without them runs the
+    kernel it ran before.
     Returns out (batch, seqlen_q, heads, d) in q's dtype, and with `return_lse` the fp32
     log-sum-exp (batch, heads, seqlen_q). num_splits: 0 chooses from the shapes (the
     capacity standing for the key count), 1-128 forces a count.
@@ -355,14 +389,15 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     can be captured in a CUDA graph and replayed with new cache_seqlens and page tables
     (compile and workspace are made by the first call: make it before capturing).
     Forward only. ValueError before any launch for what the host can check (shapes, dtypes,
-    devices, strides, page_table dtype and shape, page size, seqlen_q, num_splits). Not
+    devices, strides, page_table dtype and shape, page size, seqlen_q, num_splits,
+    window_size, softcap, sinks). Not
     checked (it would need a sync): page indices within the cache, cache_seqlens (+
     seqlen_new) within the capacity (max_seqlen, or max_pages x page_size) and >= 0; values
     outside these read or write outside the cache.
 
     Chunked prefill (k6 over a packed query batch, hopper_attn/k6_varlen.py and, for a
-    paged cache, k6_paged.py; docs/kvcache.md), taken for seqlen_q > 16, for `cu_seqlens_q`,
-    and for a window or softcap (which the decode kernel has not):
+    paged cache, k6_paged.py; docs/kvcache.md), taken for seqlen_q > 16 and for
+    `cu_seqlens_q`:
     * q (batch, seqlen_q, heads, d): seqlen_q new queries per request, keys as above
       (k_new / v_new appended first);
     * q (total_q, heads, d) with `cu_seqlens_q` (int32 (batch + 1,), request b's queries at
@@ -370,8 +405,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
       the longest; it picks the tile): vLLM's flash_attn_varlen_func convention, request b
       seeing cache_seqlens[b] keys (the caller has written the new ones; no k_new / v_new).
     Causal bottom-right per request (query i of n_q sees keys j <= i + keys_b - n_q),
-    `window_size` (left, right) and `softcap` as in `attention_varlen`; d 64, 96, 128, 192,
-    256; bf16 / fp16 caches only (an e4m3 cache: ValueError), no descales, num_splits 0.
+    `window_size`, `softcap` and `sinks` as in `attention_varlen` (sinks fp32 (heads,)); d
+    64, 96, 128, 192, 256; bf16 / fp16 caches only (an e4m3 cache: ValueError), no
+    descales, num_splits 0.
     Paged: the pages page_size tokens apart in memory (the (num_pages, page_size, kv_heads,
     d) layout, or a view of vLLM's (2, num_pages, ...) pair); rows past a request's keys
     reach no output here either (TMA zero-fills them). Returns out like q and, with
@@ -380,30 +416,30 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     a request with no key gets zeros, LSE -inf. Not checked besides the above (a sync):
     cu_seqlens_q starting at 0, non-decreasing, ending at total_q, chunks <= max_seqlen_q.
     """
-    if cu_seqlens_q is not None or softcap or (
-            isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > MAX_QUERIES) or (
-            window_size != (-1, -1) and normalize_window(window_size, bool(causal)) != (-1, -1)):
+    if cu_seqlens_q is not None or (
+            isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > MAX_QUERIES):
         return _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new,
                         causal, softmax_scale, return_lse, num_splits, k_descale, v_descale,
-                        cu_seqlens_q, max_seqlen_q, window_size, softcap)
+                        cu_seqlens_q, max_seqlen_q, window_size, softcap, sinks)
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
                                           and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite number or None, got "
                          f"{softmax_scale!r}")
     tensors = (q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_descale,
-               v_descale)
+               v_descale, sinks)
     try:        # calls that passed every check once, by all the checks looked at
         key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(),
                k_cache.dtype, k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype,
                v_cache.device, cache_seqlens.shape, cache_seqlens.stride(),
                cache_seqlens.dtype, cache_seqlens.device,
                *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-                 for t in tensors[4:]], bool(causal), num_splits, type(num_splits))
+                 for t in tensors[4:]], bool(causal), num_splits, type(num_splits),
+               tuple(window_size), softcap, type(softcap))
         prepared = _FAST.get(key)
     except (AttributeError, TypeError):     # not tensors: the checks say so
         key = prepared = None
     if prepared is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
-        prepared = _prepare(*tensors, causal, num_splits)
+        prepared = _prepare(*tensors[:9], causal, num_splits, window_size, softcap, sinks)
         if key is not None:
             if len(_FAST) >= 4096:
                 _FAST.clear()
@@ -423,6 +459,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ones = _ones(q.device, q.shape[0], k_cache.shape[2])
     tensors = [q, k_cache, v_cache, out, lse, *rest, seqlens, table,
                _descale(k_descale, ones), _descale(v_descale, ones)]
+    tensors += [sinks] if sinks is not None else []
     scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
              else float(softmax_scale)) * LOG2_E
     if tvm_ffi:
@@ -526,7 +563,7 @@ PREFILL_POLICY_BY = "queries"
 
 def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causal,
              softmax_scale, return_lse, num_splits, k_descale, v_descale, cu_seqlens_q,
-             max_seqlen_q, window_size, softcap):
+             max_seqlen_q, window_size, softcap, sinks=None):
     from hopper_attn.api import _check_softcap
     from hopper_attn import k6_paged, k6_varlen
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
@@ -535,7 +572,8 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
                          f"{softmax_scale!r}")
     window = normalize_window(window_size, bool(causal))
     softcap = _check_softcap(softcap)
-    tensors = (q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q)
+    tensors = (q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q,
+               sinks)
     try:        # calls that passed every check once, by all the checks looked at
         key = (*[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                  for t in tensors], bool(causal), window, softcap, max_seqlen_q,
@@ -548,6 +586,9 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
         batch, max_q, page_size, capacity = check_prefill_inputs(
             q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, num_splits,
             k_descale, v_descale, cu_seqlens_q, max_seqlen_q)
+        if sinks is not None:
+            from hopper_attn.common.sinks import check_sinks
+            check_sinks(sinks, q.shape[-2], q.device)
         q3 = q if q.dim() == 3 else q.reshape(-1, *q.shape[2:])
         k_rows = k_cache.shape[0] * k_cache.shape[1] if page_size else \
             (batch - 1) * (k_cache.stride(0) // k_cache.stride(1)) + capacity \
@@ -557,9 +598,11 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
                                         capacity, causal, window)
         overrides = {"softcap": softcap} if softcap else {}
         if page_size:
-            compiled, _ = k6_paged.compile_paged(problem, page_size, **overrides)
+            compiled, _ = k6_paged.compile_paged(problem, page_size, sinks=sinks is not None,
+                                                 **overrides)
         else:
-            compiled, _ = k6_varlen.compile_varlen(problem, True, **overrides)
+            compiled, _ = k6_varlen.compile_varlen(problem, True, sinks=sinks is not None,
+                                                   **overrides)
         prepared = (batch, max_q, page_size, k_rows, compiled, problem.softmax_scale)
         if key is not None:
             if len(_PREFILL_FAST) >= 4096:
@@ -589,12 +632,12 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
     if batch and q3.shape[0]:
         if page_size:
             k6_paged.run_paged(compiled, q3, k3, v3, out, lse, cu_seqlens_q, seqlens,
-                               page_table, scale)
+                               page_table, scale, sinks)
         else:
             cu_seqlens_k = _arange_times(batch, k_cache.stride(0) // k_cache.stride(1)
                                          if batch > 1 else 0, q.device)
             k6_varlen.run_varlen(compiled, q3, k3, v3, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                 seqlens, scale)
+                                 seqlens, scale, sinks)
     if dense:
         out = out.view(q.shape)
         lse = lse.view(q.shape[2], batch, max_q).transpose(0, 1)

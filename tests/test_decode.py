@@ -151,29 +151,8 @@ def test_workspace_is_sized_from_shapes_only():
     assert one[2].shape[0] == 1 and one[1].numel() <= 64 * 128
 
 
-@pytest.mark.compile
-def test_fixed_cost_variants_add_only_their_instructions():
-    """pdl: one griddepcontrol.wait and one launch_dependents; l2_prefetch: L2 tensor
-    prefetches of K and V; lean_tail: one gpu fence of the two; none in the default; no
-    spills."""
-    default = compiled("decode", 128, False)["ptx"]
-    art = compiled("decode:pdl=1,l2_prefetch=4,lean_tail=1", 128, False)
-    (fn,) = resource_usage(art["cubin"])
-    assert fn["local"] == 0 and fn["stack"] == 0, fn
-    prefetch = r"cp\.async\.bulk\.prefetch\.tensor\.4d\.L2"
-    assert count(art["ptx"], r"griddepcontrol\.wait") == 1
-    assert count(art["ptx"], r"griddepcontrol\.launch_dependents") == 1
-    assert count(art["ptx"], prefetch) >= 4 and count(default, prefetch) == 0
-    assert count(default, r"griddepcontrol") == 0
-    fence = r"fence\.acq_rel\.gpu"
-    assert count(default, fence) == 2 and count(art["ptx"], fence) == 1
-    with pytest.raises(ValueError):             # the contiguous decode only
-        decode.DecodeAttention(128, False, kv_cache=True, pdl=True)
-
-
 @pytest.mark.parametrize("kwargs", [
     dict(num_splits=129), dict(num_splits=-1), dict(block_n=24), dict(stages=-1), dict(block_n=256, stages=4),
-    dict(l2_prefetch=9),
 ])
 def test_bad_options_raise_before_launch(kwargs):
     with pytest.raises(ValueError):

@@ -187,8 +187,6 @@ def test_k6_longest_first_runs_every_work_item(batch, heads, seqlen, d):
     ("k6:pv_wait=after7", 64, False, 1000),                     # measured, not defaults
     ("k6:pv_wait=after7,pingpong=0", 64, True, 2049),
     ("k6:pv_wait=after14,rescale=eager", 256, False, 1000),
-    ("k6:item_end=own_buffer_deferred", 128, True, 1000),       # the store's read deferred
-    ("k6:item_end=own_buffer_deferred", 96, False, 2200),
     ("k7:rescale=before_pv", 128, False, 1000),                 # FP8: against its emulation
     ("k7:rescale=before_pv", 128, True, 2049),
     ("k7", 256, False, 777)])

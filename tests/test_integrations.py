@@ -498,6 +498,38 @@ def test_transformers_cpu_window_softcap_models(family, reference_impl):
     assert (without - expected).abs().max() > 1e-2
 
 
+def test_transformers_cpu_packed_gpt_oss_passes_its_sinks():
+    """gpt-oss (sinks, window 6 on alternate layers) on one row of packed documents (the
+    flattening collator's kwargs; transformers' gpt-oss builds no packed mask from position
+    ids): the packed route hands `s_aux` to the varlen backend, and a per-document stand-in
+    gives the logits of each document run alone (eager)."""
+    features_seen = []
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, **features):
+        features_seen.append(sorted(features))
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        return torch.cat([reference(q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]],
+                                    v[None, ck[b]:ck[b + 1]], causal, scale, **features)[0][0]
+                          for b in range(len(cq) - 1)]).to(q.dtype)
+
+    dense = lambda q, k, v, c, s, **features: reference(q, k, v, c, s, **features)[0]  # noqa
+    packed_name = hopper_tf.register("hopper_attn_cpu_packed", backend=dense,
+                                     varlen_backend=varlen)
+    model = _tiny_gpt_oss("eager", 6).eval()
+    lengths = (10, 14)
+    ids = torch.randint(0, 128, (1, sum(lengths)))
+    with torch.no_grad():
+        alone = torch.cat([model(part).logits for part in ids.split(lengths, 1)], 1)
+        model.set_attn_implementation(packed_name)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+        packed = model(ids, position_ids=positions, use_cache=False, cu_seq_lens_q=cu,
+                       cu_seq_lens_k=cu, max_length_q=max(lengths),
+                       max_length_k=max(lengths)).logits
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
+    assert features_seen == [["sinks", "window_size"], ["sinks"]]     # (sliding, full)
+
+
 # --- SDPA provider, on the CPU ---------------------------------------------------------------
 
 needs_registry = pytest.mark.skipif(not hopper_sdpa.available(),

@@ -282,8 +282,8 @@ def test_d64_causal_long_loop_waits_for_pv_among_the_exp2s(tmp_path):
 
 def test_d96_long_sequences():
     """d = 96, N >= 2048: three consumer warpgroups on 192 x 96 tiles without turns
-    (no mask), the PV wait pinned in place of the late one (causal); no spills (ptxas
-    spill warnings are errors here)."""
+    (no mask), d = 128's causal row (the PV wait after 7 exp2s, spins, 8 MiB head groups
+    longest first); no spills (ptxas spill warnings are errors here)."""
     from hopper_attn import k6
     from hopper_attn.common.contract import Problem
     from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS
@@ -297,7 +297,7 @@ def test_d96_long_sequences():
     kernel = full.describe()
     assert (kernel["block_m"], kernel["block_n"], kernel["consumer_warpgroups"]) == (192, 96, 3)
     assert not kernel["named_barriers"]["scheduler"]
-    assert causal.options["pv_wait"] == "one_group"
+    assert (causal.options["pv_wait"], causal.options["longest_first"]) == ("after7", 8)
     # shorter lengths whose last 192-row query tile leaves at most one warpgroup idle too
     assert [k6.d96_wide_tiles(n) for n in (512, 768, 1024, 1280, 1536, 1792)] == \
         [False, True, False, True, True, False]
@@ -473,14 +473,15 @@ def test_longest_first_items_decoded_once():
 
 def test_longest_first_by_sequence_length():
     """On by default with a mask inside the query lengths where it was measured to pay
-    (POLICY: 1k-8k at d = 128, 2k-16k at d = 256, 4k-16k at d = 64); off without a mask and
-    at the head dims not measured."""
+    (POLICY: 1k-8k at d = 128, 2k-16k at d = 256, 4k-16k at d = 64, every length at d = 96
+    and 192); off without a mask."""
     def on(n, d, causal=True):
         return settings_for(Problem(1, 2, n, d, causal))["longest_first"] > 0
     for d, low, high in ((64, 4096, 16384), (128, 1024, 8192), (256, 2048, 16384)):
         assert on(low, d) and on(high, d) and not on(low - 1, d) and not on(high + 1, d)
         assert not on(low, d, causal=False)
-    assert not on(4096, 96) and not on(4096, 192)
+    assert all(on(n, d) and not on(n, d, causal=False) for n in (512, 16384)
+               for d in (96, 192))
 
 
 def _conversions_among_exp2s(text):
@@ -616,28 +617,6 @@ def test_exp2s_computed_once(name, d, causal, seqlen):
     assert sass(art["cubin"]).count("MUFU.EX2") == once
 
 
-def test_defer_store_wait():
-    """item_end="own_buffer_deferred" (d = 96 with a mask from 4k, where the warpgroups take
-    turns): the epilogue's TMA store is not waited for until the next item's epilogue: in
-    the PTX the first read-wait comes before the store (the previous item's), the last after
-    the loop; the plain epilogue waits right after its store."""
-    import re
-    store = re.compile(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
-    wait = "cp.async.bulk.wait_group.read"
-    deferred = artifacts(64, False, "k6:item_end=own_buffer_deferred")
-    plain = artifacts(128, False, "k6:item_end=own_buffer")
-    for art in (deferred, plain, artifacts(96, False)):
-        assert art["kernel"]["own_o_buffer"], art["kernel"]["options"]
-    assert settings_for(Problem(1, 2, 4096, 96, True))["item_end"] == "own_buffer_deferred"
-    ptx = deferred["ptx"]
-    first_store = store.search(ptx).start()
-    assert ptx.index(wait) < first_store < ptx.rindex(wait)
-    ptx = plain["ptx"]
-    assert store.search(ptx).start() < ptx.index(wait)
-    for fn in resource_usage(deferred["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-
-
 def test_item_end_options():
     """A work item's end (ITEM_ENDS, measured 2026-11-26, docs/lab/k6.md "Where a work item
     ends"): with "own_buffer_wg" the loop hands Q's stage back itself (a third predicated
@@ -662,7 +641,7 @@ def test_item_end_options():
         for fn in resource_usage(art["cubin"]):
             assert fn["local"] == 0 and fn["stack"] == 0, fn
     for d, causal, n, end in [(64, False, 1024, "own_buffer_wg"), (64, True, 16384, "own_buffer_wg"),
-                              (96, True, 8192, "own_buffer_deferred"),
+                              (96, True, 8192, "own_buffer_wg"),
                               (128, True, 16384, "own_buffer_wg"), (256, False, 16384, "q_buffer_wg"),
                               (256, True, 16384, "q_buffer_wg"), (192, False, 8192, "q_buffer")]:
         assert settings_for(Problem(1, 2, n, d, causal))["item_end"] == end, (d, causal, n)
@@ -723,7 +702,7 @@ def test_wg_causal_limit():
     for d, causal, n, want in [(64, True, 1024, True), (64, True, 2048, True),
                                (64, True, 4096, False), (64, True, 512, False),  # 128 rows, turns
                                (256, True, 16384, True), (256, False, 1024, False),
-                               (128, True, 1024, False), (192, True, 1024, False)]:
+                               (128, True, 1024, False), (192, True, 1024, True)]:
         assert settings_for(Problem(1, 2, n, d, causal))["wg_causal_limit"] == want, \
             (d, causal, n)
 

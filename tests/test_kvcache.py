@@ -3,10 +3,10 @@
 On the CPU: refusals raise ValueError before any launch; the page-table gather and append
 math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
 one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
-per page, pages as large as the tile or larger: one box per tile; an e4m3 cache) for
-sm_90a, no spills. Chunked prefill (k6 over the cache as packed keys): its refusals, the
-packed views of the cache, the page boxes' clipping, a compile of the paged kernel (pages
-of 16 and 128), the host path with the kernels emulated in torch.
+per page, pages as large as the tile or larger: one box per tile; an e4m3 cache; a window,
+a softcap with sinks) for sm_90a, no spills. Chunked prefill (k6 over the cache as packed
+keys): its refusals, the packed views of the cache, the page boxes' clipping, a compile of
+the paged kernel (pages of 16 and 128), the host path with the kernels emulated in torch.
 
 On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
 gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
@@ -36,8 +36,8 @@ def _inputs(**over):
 
 def _refused(match, **over):
     t = _inputs(**over)
-    extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits", "k_descale", "v_descale")
-             if k in t}
+    extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits", "k_descale", "v_descale",
+                                   "window_size", "softcap", "sinks", "causal") if k in t}
     with pytest.raises(ValueError, match=match):
         kvcache.attention_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"],
                                        page_table=t["page_table"], **extra)
@@ -75,6 +75,15 @@ def test_refusals_before_any_launch():
              v_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
              k_new=torch.zeros(2, 1, 2, 128, dtype=bf), v_new=torch.zeros(2, 1, 2, 128, dtype=bf))
     _refused("CUDA device")                          # valid but on the CPU: nothing launched
+    _refused("CUDA device", window_size=(128, 0), softcap=30.0, sinks=torch.zeros(8))
+    _refused("window_size", window_size=(128, 5))                 # causal: right 0
+    _refused("window_size", window_size=(-2, 0), causal=False)
+    _refused("window_size", window_size=128)
+    _refused("softcap", softcap=-1.0)
+    _refused("softcap", softcap=float("inf"))
+    _refused("softcap", softcap=True)
+    _refused("sinks", sinks=torch.zeros(4))                      # (heads,) = (8,)
+    _refused("sinks", sinks=torch.zeros(8, dtype=torch.bfloat16))
 
 
 def test_page_table_gather_and_append_math():
@@ -133,6 +142,34 @@ def test_kv_cache_variants_compile(page_size, block_n, stages, fp8, boxes):
     assert kernel.smem_bytes <= (114 if kernel.ctas_per_sm == 2 else 227) * 1024
     if fp8:     # e4m3 pairs widened (through f16) in shared memory
         assert "cvt.rn.f16x2.e4m3x2" in ptx
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,block_n,stages,features", [
+    (16, 128, 3, dict(window=(128, -1))), (0, 64, 2, dict(softcap=30.0, sinks=True))])
+def test_kv_cache_features_compile(page_size, block_n, stages, features):
+    """A windowed (causal, left 128) and a softcapped kv-cache config with sinks compile
+    for sm_90a without spills, within the registers of their CTAs per SM; one tanh per
+    score only with a softcap."""
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = kvcache.compile_kernel(
+            128, True, torch.bfloat16, page_size, block_n, stages,
+            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
+            **features)
+        ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
+    (fn,) = resource_usage(cubin)
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert fn["registers"] * kernel.threads * kernel.ctas_per_sm <= 65536, fn
+    assert ("tanh.approx.f32" in ptx) == bool(features.get("softcap"))
+    assert kernel.describe().get("window") == features.get("window")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(kc.feature_cases())))
+def test_feature_case(index):
+    row = kc.check_case(kc.feature_cases()[index], seed=index)
+    assert row["ok"], row
 
 
 @pytest.mark.gpu
@@ -248,7 +285,8 @@ def test_prefill_graph_replay():
     assert row["ok"], row
 
 
-def _emulated_kernel(problem, softcap, q, k, v, out, lse, cu_q, seqused, scale, rows_of):
+def _emulated_kernel(problem, softcap, q, k, v, out, lse, cu_q, seqused, scale, rows_of,
+                     sinks=None):
     """What the varlen kernels compute, from the packed views they are handed: request b's
     queries cu_q[b] .. cu_q[b + 1] - 1 over its keys (token rows `rows_of(b, n)`)."""
     for b in range(cu_q.shape[0] - 1):
@@ -265,9 +303,11 @@ def _emulated_kernel(problem, softcap, q, k, v, out, lse, cu_q, seqused, scale, 
         if problem.window_left >= 0:
             visible = visible & (j >= i - problem.window_left)
         s = s.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None, None].expand(-1, q1 - q0, 1)], -1)
         lse[:, q0:q1] = torch.logsumexp(s, -1)
-        out[q0:q1] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1).nan_to_num(0.0),
-                                  vv).to(out.dtype)
+        p = torch.exp(s - lse[:, q0:q1, None]).nan_to_num(0.0)[..., :nk]
+        out[q0:q1] = torch.einsum("hij,jhd->ihd", p, vv).to(out.dtype)
 
 
 @pytest.mark.parametrize("case", [
@@ -276,7 +316,7 @@ def _emulated_kernel(problem, softcap, q, k, v, out, lse, cu_q, seqused, scale, 
     prefill_check.PCase((30, 0, 64), (17, 0, 30), 64, 16, varlen=True, heads=4, heads_kv=2,
                         head_dim=64, window_left=8),
     prefill_check.PCase((3, 33), (20, 20), 64, 32, seqlen_new=20, heads=2, heads_kv=2,
-                        head_dim=64, softcap=5.0)], ids=lambda c: c.label())
+                        head_dim=64, softcap=5.0, sinks=True)], ids=lambda c: c.label())
 def test_prefill_host_path_emulated(case, monkeypatch):
     """The chunked-prefill host path on the CPU, the kernels (and the CUDA-device check)
     replaced by torch emulations of what they compute from the tensors they are handed:
@@ -287,15 +327,16 @@ def test_prefill_host_path_emulated(case, monkeypatch):
                         (0, k.shape[1]) if table is None else
                         (k.shape[1], table.shape[1] * k.shape[1]))
     monkeypatch.setattr(k6_varlen, "compile_varlen",
-                        lambda p, used, **o: ((p, o.get("softcap", 0.0)), None))
+                        lambda p, used, sinks=False, **o: ((p, o.get("softcap", 0.0)), None))
     monkeypatch.setattr(k6_paged, "compile_paged",
-                        lambda p, ps, **o: ((p, o.get("softcap", 0.0), ps), None))
+                        lambda p, ps, sinks=False, **o: ((p, o.get("softcap", 0.0), ps), None))
     monkeypatch.setattr(k6_varlen, "run_varlen", lambda c, q, k, v, out, lse, cu_q, cu_k, used,
-                        scale: _emulated_kernel(*c, q, k, v, out, lse, cu_q, used, scale,
-                                                lambda b, n: int(cu_k[b]) + n))
+                        scale, sinks=None: _emulated_kernel(
+                            *c, q, k, v, out, lse, cu_q, used, scale,
+                            lambda b, n: int(cu_k[b]) + n, sinks))
     monkeypatch.setattr(k6_paged, "run_paged", lambda c, q, k, v, out, lse, cu_q, used, table,
-                        scale: _emulated_kernel(*c[:2], q, k, v, out, lse, cu_q, used, scale,
-                                                lambda b, n: table[b, n // c[2]].long() * c[2]
-                                                + n % c[2]))
+                        scale, sinks=None: _emulated_kernel(
+                            *c[:2], q, k, v, out, lse, cu_q, used, scale,
+                            lambda b, n: table[b, n // c[2]].long() * c[2] + n % c[2], sinks))
     row = prefill_check.check(case, seed=1, device="cpu")
     assert row["ok"], row

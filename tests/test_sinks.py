@@ -192,10 +192,12 @@ def test_autograd_returns_the_sinks_gradient(monkeypatch, path):
 
     def backward(q, k, v, out, dout, lse, causal, *args):
         calls.append(1)
-        return [g.to(t.dtype) for g, t in zip(attention_backward(q, k, v, out, lse, dout,
-                                                                 causal, scale), (q, k, v))]
+        grads = [g.to(t.dtype) for g, t in zip(attention_backward(q, k, v, out, lse, dout,
+                                                                  causal, scale), (q, k, v))]
+        d_rows = (dout.float() * out.float()).sum(-1).transpose(1, 2)   # the preprocess's D
+        return (*grads, torch.cat([d_rows, torch.zeros_like(d_rows)], -1))  # (+ padded rows)
     monkeypatch.setattr(api, "_run", run)
-    monkeypatch.setattr(api, "_backward_impl", backward)
+    monkeypatch.setattr(api, "_backward_rows", backward)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 12, 4, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
     sinks = torch.randn(4, generator=gen)
@@ -229,6 +231,182 @@ def test_run_kernel_wants_sinks_exactly_with_a_sinks_kernel():
         k6.run_kernel(handle, q, q, q, q)
     with pytest.raises(ValueError, match="CUDA"):      # the sinks' own check, then q's
         k6.run_kernel(handle, q, q, q, q, torch.zeros(4))
+
+
+# ---- packed batches (attention_varlen) ----
+
+def _packed_reference(q, k, v, cu_q, cu_k, sinks, causal, left, scale):
+    """Per document, float64 and differentiable: (out (cu_q[-1], H, d), lse (H, cu_q[-1]))."""
+    outs, lses = [], []
+    for q0, q1, k0, k1 in zip(cu_q[:-1], cu_q[1:], cu_k[:-1], cu_k[1:]):
+        if q1 > q0:
+            seen = window_mask(q1 - q0, k1 - k0, left, 0 if causal else -1, "cpu")
+            o, lse = reference_with_sinks(_scores(q[None, q0:q1], k[None, k0:k1], scale), seen,
+                                          v[None, k0:k1], sinks)
+            outs.append(o[0])
+            lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+# documents of 9 / 9, 0 / 5, 7 / 0 (rows without keys: output 0, LSE the sink) and 5 / 6
+# query / key tokens, then 2 query tokens past cu_seqlens_q[-1] (never written)
+_CU_Q, _CU_K, _TOTAL_Q = [0, 9, 9, 16, 21], [0, 9, 14, 14, 20], 23
+
+
+def _packed_inputs(seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(_TOTAL_Q, 4, 8, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(_CU_K[-1], 2, 8, generator=gen, dtype=torch.float64).to(dtype)
+            for _ in range(2))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    sinks[0] = float("-inf")                                    # a head without a sink
+    do = torch.randn(_TOTAL_Q, 4, 8, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v, sinks, do
+
+
+def test_varlen_sink_grad_matches_autograd_float64():
+    """dsinks over the packed layout (out (total_q, H, d), LSE (H, total_q)) against
+    autograd of the per-document reference: documents without queries or without keys, a
+    -inf sink, a window, and rows past cu_seqlens_q[-1] holding NaN (ignored)."""
+    from hopper_attn.common.sinks import varlen_sink_grad
+    q, k, v, sinks, do = _packed_inputs(1)
+    sinks.requires_grad_()
+    n = _CU_Q[-1]
+    out, lse = _packed_reference(q, k, v, _CU_Q, _CU_K, sinks, True, 3, 8 ** -0.5)
+    torch.autograd.backward(out, do[:n])
+    assert (out[9:16] == 0).all() and torch.equal(lse[:, 9:16].detach(),
+                                                  sinks.detach()[:, None].expand(4, 7))
+    nan_rows = torch.full((2, 4, 8), float("nan"), dtype=torch.float64)
+    packed_out = torch.cat([out.detach(), nan_rows])
+    packed_lse = torch.cat([lse.detach(), torch.full((4, 2), float("nan"),
+                                                     dtype=torch.float64)], 1)
+    mine = varlen_sink_grad(sinks.detach(), packed_out, do, packed_lse,
+                            torch.tensor(_CU_Q, dtype=torch.int32))
+    # (head 0's autograd is NaN: its rows without keys have neither keys nor a sink)
+    assert mine[0] == 0 and torch.allclose(mine, sinks.grad.nan_to_num(0.0), rtol=1e-10,
+                                           atol=1e-12)
+    # the GPU check's references (harness/varlen_reference.py): fp32, and bf16 as torch runs it
+    from hopper_attn.harness.varlen_reference import sink_reference
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (_CU_Q, _CU_K))
+    ref, ref_lse = sink_reference(q[:n].float(), k.float(), v.float(), cu_q, cu_k, True,
+                                  sinks.detach().float(), (3, -1), 8 ** -0.5)
+    low, _ = sink_reference(*(t.bfloat16() for t in (q[:n], k, v)), cu_q, cu_k, True,
+                            sinks.detach().float(), (3, -1), 8 ** -0.5, lowp=True)
+    assert torch.allclose(ref.double(), out, atol=1e-5)
+    assert torch.equal(ref_lse.isfinite(), lse.isfinite())
+    assert torch.allclose(ref_lse.double(), lse.detach(), atol=1e-5, equal_nan=True)
+    assert torch.allclose(low.double().nan_to_num(0.0), out, atol=0.05)
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_attention_varlen_autograd_returns_the_sinks_gradient(monkeypatch, path):
+    """attention_varlen's autograd, eager and traced by torch.compile(fullgraph=True), with
+    the kernels replaced by the float64 reference (the backward hands back autograd's dq,
+    dk, dv and D): dsinks from `varlen_sink_grad` over the backward's D (its NaN rows past
+    cu_seqlens_q[-1] masked) as autograd gives it (bf16 sinks converted differentiably);
+    sinks alone needing a gradient skip the backward kernel (D from dO and O in torch)."""
+    from hopper_attn import api
+    scale, calls, graphs = 8 ** -0.5, [], []
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale, seqused_k, window,
+            softcap, sinks=None):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"))
+        ref, ref_lse = _packed_reference(q.double(), k.double(), v.double(), _CU_Q, _CU_K,
+                                         sinks.double(), causal, window[0], scale)
+        out[:_CU_Q[-1]], lse[:, :_CU_Q[-1]] = ref.to(q.dtype), ref_lse.float()
+        return out, lse
+
+    def backward(q, k, v, out, dout, lse, *args):     # (autograd is off in here)
+        calls.append(1)
+        grads = [r.grad.to(t.dtype) for r, t in zip(ref, (q, k, v))]
+        # the preprocess's D, packed (H, total_q); NaN past cu_seqlens_q[-1], as out there
+        return (*grads, (dout.float() * out.float()).sum(-1).t())
+
+    def backend(gm, example_inputs):                 # records the traced graphs
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(g, _):
+            graphs.append(g.code)
+            return make_boxed_func(g)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+
+    monkeypatch.setattr(api, "_run_varlen", run)
+    monkeypatch.setattr(api, "_varlen_backward_rows", backward)
+    q, k, v, sinks, do = _packed_inputs(2, torch.float32)
+    sinks[0] = 0.5                        # (a -inf sink's gradient is NaN in the reference)
+    sinks = sinks.to(torch.bfloat16)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (_CU_Q, _CU_K))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref = [t.double().detach().requires_grad_() for t in (q, k, v, sinks)]
+    out, _ = _packed_reference(*ref[:3], _CU_Q, _CU_K, ref[3], True, 3, scale)
+    out.backward(do[:_CU_Q[-1]].double())
+
+    def call(q, k, v, sinks):
+        return hopper_attn.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True,
+                                            window_size=(3, 0), sinks=sinks)
+    if path == "compiled":
+        call = torch.compile(call, fullgraph=True, backend=backend)
+    call(*leaves).backward(do)
+    for t, r in zip(leaves, ref):
+        assert t.grad.dtype == t.dtype
+        assert torch.allclose(t.grad.double(), r.grad, rtol=0.02, atol=1e-3)
+    assert calls == [1]
+    if path == "compiled":
+        assert any("hopper_attn.attention_varlen.default" in g for g in graphs)
+        assert any("hopper_attn.attention_varlen_backward_sinks.default" in g for g in graphs)
+        return
+    only_sinks = sinks.clone().requires_grad_()
+    call(q, k, v, only_sinks).backward(do)
+    assert only_sinks.grad is not None and calls == [1]
+
+
+def test_attention_varlen_refuses_bad_sinks():
+    q, k, v = torch.zeros(21, 4, 64, dtype=torch.bfloat16), *(
+        torch.zeros(20, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (_CU_Q, _CU_K))
+    for sinks, words in [(torch.zeros(2), "shape (4,)"), (torch.zeros(1, 4), "shape (4,)"),
+                         (torch.zeros(4, dtype=torch.int32), "float32, bfloat16"),
+                         ([0.0] * 4, "torch.Tensor"),
+                         (torch.zeros(4, device="meta"), "is on meta")]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            hopper_attn.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True, sinks=sinks)
+    with pytest.raises(ValueError, match="CUDA"):          # good sinks: as far as the device
+        hopper_attn.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, sinks=torch.zeros(4))
+
+
+def test_attention_varlen_fake_takes_sinks():
+    """The varlen op's fake implementation (torch.compile, meta tensors) with sinks."""
+    meta = [t.to("meta") for t in _packed_inputs(3, torch.bfloat16)[:3]]
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device="meta") for c in (_CU_Q, _CU_K))
+    out, lse = hopper_attn.attention_varlen(*meta, cu_q, cu_k, 9, 9, causal=True,
+                                            sinks=torch.zeros(4, device="meta"),
+                                            return_lse=True)
+    assert out.shape == meta[0].shape and lse.shape == (4, _TOTAL_Q)
+
+
+@pytest.mark.compile
+def test_k6_varlen_sinks_compile_without_spills():
+    """gpt-oss's shape packed (d 64, GQA 8:1, causal window (127, 0)) with sinks: one more
+    kernel parameter than without, no spills."""
+    import re
+    import tempfile
+    from hopper_attn import k6_varlen
+    q, k = torch.zeros(40, 64, 64, dtype=torch.bfloat16), torch.zeros(40, 8, 64,
+                                                                      dtype=torch.bfloat16)
+    problem = k6_varlen.problem_for(q, k, 3, 4096, 4096, True, (127, -1))
+    params = []
+    with tempfile.TemporaryDirectory() as d:
+        options = (f"--keep-ptx --dump-dir={d} --ptxas-options='--warn-on-spills "
+                   "--warning-as-error'")
+        for sinks in (True, False):
+            compiled, kernel = k6_varlen.compile_varlen(problem, False, sinks=sinks,
+                                                        compile_options=options)
+            entry = re.search(r"\.entry\s+\S+\((.*?)\)", compiled.__ptx__, re.S).group(1)
+            params.append(len(re.findall(r"\.param\s", entry)))
+            assert kernel.describe().get("sinks", False) == sinks
+    assert params[0] == params[1] + 1
 
 
 # ---- GPU ----
@@ -287,3 +465,35 @@ def test_k6_sinks_backward_matches_float64():
     for t, r in zip(mine, leaves):
         err = (t.grad.double() - r.grad).abs().max().item()
         assert err <= 0.02 * r.grad.abs().max().item() + 1e-3, err
+
+
+@pytest.mark.gpu
+def test_attention_varlen_sinks_match_the_per_sequence_reference():
+    """A packed batch with sinks (lengths 0, 1, 17, 300, 1000; GQA 8/2, d 64, causal window
+    (128, 0)): O, LSE, dq, dk, dv and dsinks against the fp32 per-sequence reference within
+    2x the error of torch's bf16 math (+ 2^-10 / 2^-12 max|ref|)."""
+    from hopper_attn.harness.varlen_reference import cu_seqlens, sink_reference
+    lengths = [0, 1, 17, 300, 1000]
+    cu = cu_seqlens(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(sum(lengths), 8, 64, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(sum(lengths), 2, 64, device="cuda", generator=gen).to(torch.bfloat16)
+            for _ in range(2))
+    sinks = torch.randn(8, device="cuda", generator=gen) * 2
+    do = torch.randn_like(q)
+    mine = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = hopper_attn.attention_varlen(*mine[:3], cu, cu, 1000, 1000, causal=True,
+                                            window_size=(128, 0), sinks=mine[3],
+                                            return_lse=True)
+    out.backward(do)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v, sinks)]
+    ref, ref_lse = sink_reference(*ref_in[:3], cu, cu, True, ref_in[3], (128, 0))
+    ref.backward(do.float())
+    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    low, _ = sink_reference(*low_in[:3], cu, cu, True, low_in[3], (128, 0), lowp=True)
+    low.backward(do)
+    assert (out.float() - ref).abs().max() <= 2 * (low.float() - ref).abs().max() + 2 ** -10
+    assert (lse - ref_lse).abs().max() < 1e-3
+    for m, r, lo in zip(mine, ref_in, low_in):
+        bound = 2 * (lo.grad.float() - r.grad).abs().max() + 2 ** -12 * r.grad.abs().max()
+        assert (m.grad.float() - r.grad).abs().max() <= bound

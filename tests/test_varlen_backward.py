@@ -42,6 +42,14 @@ def test_padded_tiles_never_overlap():
         taken.sort()
         assert all(a[1] <= b[0] for a, b in zip(taken, taken[1:]))
         assert taken[-1][1] <= padded_rows(cu[-1], len(lengths), block_m)
+        # packed_rows reads a padded per-row buffer back in token order (gaps: NaN)
+        from hopper_attn.common.varlen_backward import packed_rows
+        padded = torch.full((1, 2, padded_rows(cu[-1], len(lengths), block_m)), float("nan"))
+        for b, n in enumerate(lengths):
+            start = (cu[b] + b * block_m) // block_m * block_m
+            padded[0, :, start:start + n] = torch.arange(cu[b], cu[b] + n, dtype=torch.float32)
+        got = packed_rows(padded, torch.tensor(cu, dtype=torch.int32), cu[-1], block_m)
+        assert torch.equal(got, torch.arange(cu[-1], dtype=torch.float32).expand(2, -1))
 
 
 def test_sequence_table_columns():

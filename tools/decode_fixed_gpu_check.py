@@ -1,23 +1,19 @@
-"""The decode stage's fixed-cost variants on a GPU: correctness, then an A/B against the default
-and the baselines (SDPA, cuDNN, FA4), timed alone and in chains.
+"""The decode stage's fixed cost on a GPU: tile and split overrides against the default and the
+baselines (SDPA, cuDNN, FA4), timed alone, warm and in chains.
 
     source .gpu/prelude.sh && python tools/decode_fixed_gpu_check.py    # ~2-3 min
     python tools/decode_fixed_gpu_check.py --quick                      # correctness only
     python tools/decode_fixed_gpu_check.py --no-correctness --sweep     # + a 1k-32k B1 sweep
 
-The variants (hopper_attn/common/decode_fixed.py; docs/decode.md, "The fixed cost of one
-call"): pdl (programmatic dependent launch), l2_prefetch=A (L2 prefetches A kv tiles ahead of
-the TMA loads), lean_tail (the counter zeroed after the combine, no second fence), a 64-key
+The variants (docs/decode.md, "The fixed cost of one call"; its "Tried and not kept" table
+has the compile-time variants measured with this tool and removed): the default and a 64-key
 tile of 4 stages at 16 splits (8 serial tiles a split of half the size: half the last tile's
-WGMMAs after its bytes land), and the three together; `--variants` as in
-tools/decode_gpu_check.py.
+WGMMAs after its bytes land); `--variants` as in tools/decode_gpu_check.py (tile, stages,
+combine_chunk, num_splits).
 
-Correctness: cases of hopper_attn/harness/decode_check.py, five for the variant with several
-new options and two for each alone (fp32 reference, 2x PyTorch's error, LSE, the same bits
-twice, NaN guards; splits ending inside the tail, fewer tiles in a split than the prefetch
-distance, causal, 16 queries, one split), and a chain of PDL launches on one handle (its
-counters and partials reused by overlapping grids) against the same calls one at a time:
-the same bits.
+Correctness: for each variant other than the default, cases of
+hopper_attn/harness/decode_check.py (fp32 reference, 2x PyTorch's error, LSE, the same bits
+twice, NaN guards; splits ending inside the tail, causal, 16 queries, one split).
 
 Speed (Hq 32 / Hkv 8, d 128, bf16; B1 8k / 32k / 128k keys, B16 4 queries Hq 64 16k), every
 variant and baseline of a shape in the same rounds, the order rotating, on the next of enough
@@ -31,7 +27,7 @@ K/V copies to exceed the L2:
   carveout), a part of the fixed cost that no split count changes;
 * chain: CHAIN calls back to back between two events (after a longer sleep), the time per
   call: the launch of each call behind the previous one, where PDL overlaps the next call's
-  launch and prologue with the previous call's tail (a model's step of PDL kernels).
+  launch and prologue could overlap the previous call's tail.
 Every call takes the next of >= 3 K/V copies (>= 3x the L2). One line per shape of
 baselines (alone/warm/chain us), one per variant: the three times and best-baseline /
 variant for each. Everything goes to $OUT/decode_fixed.json.
@@ -56,37 +52,32 @@ import decode_gpu_check as dgc  # noqa: E402
 
 SHAPES = [(1, 1, 32, 8, 8192), (1, 1, 32, 8, 32768), (1, 1, 32, 8, 131072),
           (16, 4, 64, 8, 16384)]
-VARIANTS = ("default;pdl=1;l2_prefetch=4;l2_prefetch=2;lean_tail=1;"
-            "block_n=64,stages=4,num_splits=16;pdl=1,l2_prefetch=4,lean_tail=1")
-NEW_OPTIONS = ("pdl", "l2_prefetch", "lean_tail")
+VARIANTS = "default;block_n=64,stages=4,num_splits=16"
 ROUNDS, WARMUP = 20, 2
 CHAIN = 16
 SLEEP_ALONE = 400_000                  # ~0.2 ms: the host gets one call ahead
 SLEEP_CHAIN = 3_000_000                # ~1.5 ms: the host enqueues a whole chain ahead
 MODES = ("alone", "warm", "chain")
 SWEEP_KEYS = (1024, 2048, 4096, 8192, 16384, 32768)
-SWEEP_VARIANTS = "default;num_splits=1;lean_tail=1"
+SWEEP_VARIANTS = "default;num_splits=1"
 
 
 def correctness(variants) -> list:
     from hopper_attn.harness.decode_check import Case, check_case
     shapes = [Case(1, 1, 32, 8, 8191), Case(1, 4, 32, 8, 1000, causal=True, num_splits=7),
               Case(2, 16, 32, 8, 8191, causal=True), Case(2, 1, 32, 8, 8191, num_splits=1),
-              Case(1, 1, 32, 8, 1000, num_splits=5)]       # 1-2 tiles a split: < the distance
-    rows, seen = [], set()
+              Case(1, 1, 32, 8, 1000, num_splits=5)]       # 1-2 tiles a split
+    rows = []
     for label, options in variants:
-        keys = frozenset(k for k in options if k in NEW_OPTIONS)
-        if not keys or keys in seen:
-            continue    # (tiles and splits: decode_gpu_check's cases; one value per option set)
-        seen.add(keys)
+        if not options:
+            continue                # (the default: tools/decode_gpu_check.py's cases)
         opts = dict(options)
         splits = opts.pop("num_splits", "0")
-        for base in shapes if len(keys) > 1 else shapes[:2]:      # (every case: all together)
-            case = Case(**{**base.__dict__, **{k: v for k, v in opts.items()
-                                               if k in ("block_n", "stages")},
-                           "num_splits": int(splits) or base.num_splits,
-                           "extra": tuple((k, v) for k, v in opts.items()
-                                          if k in NEW_OPTIONS)})
+        for base in shapes:
+            case = Case(**{**base.__dict__, **{k: int(v) for k, v in opts.items()
+                                               if k in ("block_n", "stages", "combine_chunk")},
+                           "num_splits": (int(splits) if splits.isdigit() else 0)
+                           or base.num_splits})
             try:
                 rows.append({"variant": label, **check_case(case, seed=len(rows))})
             except Exception as exc:  # noqa: BLE001 - report and go on
@@ -97,42 +88,8 @@ def correctness(variants) -> list:
                   + (r.get("error", "")[:60] if "error" in r else
                      f"err/torch {r['ratio']:.2f} lse {r['lse_err']:.1e} s{r['splits']}"
                      + ("" if r["same_bits"] else " BITS")))
-    if any(o.get("pdl") for _, o in variants):
-        rows.append(pdl_chain())
-        r = rows[-1]
-        print(f"{'ok  ' if r['ok'] else 'FAIL'} pdl chain    {r['case']}"
-              + (f" {r.get('error', '')[:80]}" if "error" in r else ""))
     print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass")
     return rows
-
-
-def pdl_chain(calls: int = 8) -> dict:
-    """`calls` PDL decode launches back to back on one handle, each on its own inputs and
-    outputs, against the same calls run one at a time: the same bits."""
-    from hopper_attn import decode
-    from hopper_attn.harness.decode_check import Case, compile_case, make_inputs
-    case = Case(1, 1, 32, 8, 8191, extra=(("pdl", 1),))
-    label = "chain of 8 " + case.label()
-    try:
-        handle = compile_case(case)
-        inputs = [make_inputs(case, seed=100 + i) for i in range(calls)]
-        outs = [torch.full_like(q, float("nan")) for q, _, _ in inputs]
-        lses = [torch.full((1, 32, 1), float("nan"), device="cuda") for _ in inputs]
-        torch.cuda.synchronize()
-        torch.cuda._sleep(SLEEP_CHAIN)
-        for (q, k, v), out, lse in zip(inputs, outs, lses):
-            decode.run(handle, q, k, v, out, lse)
-        torch.cuda.synchronize()
-        ok = True
-        for (q, k, v), out, lse in zip(inputs, outs, lses):
-            one, one_lse = torch.empty_like(out), torch.empty_like(lse)
-            decode.run(handle, q, k, v, one, one_lse)
-            torch.cuda.synchronize()
-            ok = ok and torch.equal(out.view(torch.int16), one.view(torch.int16)) and \
-                torch.equal(lse.view(torch.int32), one_lse.view(torch.int32))
-        return {"case": label, "ok": bool(ok), "splits": decode.splits_of(handle)}
-    except Exception as exc:  # noqa: BLE001
-        return {"case": label, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 def timed_rounds(calls: dict) -> dict:
@@ -304,7 +261,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="correctness only")
     parser.add_argument("--no-correctness", action="store_true")
     parser.add_argument("--sweep", action="store_true",
-                        help="also B1 over 1k-32k keys: default, one split, lean_tail (~40 s)")
+                        help="also B1 over 1k-32k keys: default and one split (~30 s)")
     parser.add_argument("--variants", default=VARIANTS,
                         help="';'-separated, as tools/decode_gpu_check.py --variants")
     args = parser.parse_args()

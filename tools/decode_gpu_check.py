@@ -41,8 +41,8 @@ D = 128
 L2_BYTES = 50e6
 SLEEP_CYCLES = 400_000                                   # ~0.2 ms: the host gets ahead
 ROUNDS, WARMUP = 30, 3
-SHORT = {"block_n": "bn", "stages": "st", "combine_chunk": "c", "num_splits": "s", "pdl": "pdl",
-         "l2_prefetch": "pf", "lean_tail": "lean"}      # variant options and their labels
+SHORT = {"block_n": "bn", "stages": "st", "combine_chunk": "c",
+         "num_splits": "s"}                             # variant options and their labels
 
 
 def correctness() -> list:
@@ -120,8 +120,8 @@ def _inputs(shape, copies):
 
 def parse_variants(text: str) -> list:
     """'default;block_n=64,stages=2;num_splits=x2' -> [(label, options)]. Options: block_n,
-    stages, combine_chunk, pdl, l2_prefetch, lean_tail (ints), num_splits (an int, or xN / /N: the
-    automatic count for that tile times / over N)."""
+    stages, combine_chunk (ints), num_splits (an int, or xN / /N: the automatic count for
+    that tile times / over N)."""
     out = []
     for spec in (v.strip() for v in text.split(";")):
         if not spec:

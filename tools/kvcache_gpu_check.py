@@ -7,6 +7,8 @@ path and SDPA over a gathered cache.
     python tools/kvcache_gpu_check.py --no-correctness --shapes small --fp8-tile 128x2
     python tools/kvcache_gpu_check.py --no-correctness --shapes small --bf16-tile 64x6
     python tools/kvcache_gpu_check.py --no-correctness --shapes small --sorted-pages
+    python tools/kvcache_gpu_check.py --features --quick   # window / softcap / sinks (< 2 min)
+    python tools/kvcache_gpu_check.py --features           # + their timing rows
 
 Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
 and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
@@ -31,7 +33,15 @@ with it too), e.g. 128x2 against the default 64x9; `--bf16-tile NxS`: the one 16
 (decode.TILES) at d 128 for every shape (a probe of paged caches at B1: more, smaller
 tiles in flight); `--sorted-pages`: page tables in memory order instead of shuffled (a
 probe: whether a paged cache's loss at one request comes from where its pages lie or from
-the boxes per tile). Everything goes to $OUT/kvcache.json.
+the boxes per tile).
+
+`--features` (instead of the above): harness/kvcache_check.py's `feature_cases` (window_size
+left 128 / 1000 with causal and (64, 32) without, softcap 30 / 50, sinks through the combine
+and one split's fold, all three together; contiguous and 16-token pages, NaN in unused
+pages, appends; the fp32 reference under the same masks, cap and sinks), then (not with
+--quick) timing rows at B1 32k (Hq 32 / Hkv 8, d 128, causal, one query; contiguous and
+16-token pages): no feature, window (4096, 0), softcap 30, sinks, the same round-robin.
+Everything goes to $OUT/kvcache.json.
 """
 
 from __future__ import annotations
@@ -57,16 +67,19 @@ SORTED_PAGES = False        # --sorted-pages
 L2_BYTES = 50e6
 
 
-def correctness() -> list:
+def correctness(features: bool = False) -> list:
     from hopper_attn.harness import kvcache_check as kc
     rows = []
-    for i, case in enumerate(kc.quick_cases()):
+    for i, case in enumerate(kc.feature_cases() if features else kc.quick_cases()):
         try:
             rows.append(kc.check_case(case, seed=i))
         except Exception as exc:  # noqa: BLE001 - report and go on
             rows.append({"case": case.label(), "ok": False,
                          "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
         print(_line(rows[-1]), flush=True)
+    if features:
+        print(f"features: {sum(r['ok'] for r in rows)}/{len(rows)} pass")
+        return rows
     try:
         rows.append(kc.check_graph())
     except Exception as exc:  # noqa: BLE001
@@ -250,6 +263,39 @@ def benchmark(shapes) -> list:
     return rows
 
 
+def feature_timing(batch: int = 1, n: int = 32768) -> list:
+    """B1 32k, one query: each layout without a feature, with window (4096, 0), softcap 30
+    and sinks; us and the window's gain (time without / with)."""
+    from decode_gpu_check import round_robin
+    from hopper_attn import attention_with_kvcache
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kv_bytes = 2 * batch * n * HKV * D * 2
+    copies = max(2, math.ceil(2 * L2_BYTES / kv_bytes))
+    q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    sinks = torch.randn(HQ, device="cuda", generator=gen)
+    features = {"": {}, "window4096": {"window_size": (4096, 0)}, "cap30": {"softcap": 30.0},
+                "sinks": {"sinks": sinks}}
+    rows = []
+    for ps, label in ((0, "contig"), (16, "p16")):
+        sets = [_caches(batch, n, ps, gen) for _ in range(copies)]
+        calls = {f"{label} {name}".strip(): [
+            lambda k=k, v=v, t=t, kw=kw: attention_with_kvcache(q, k, v, seqlens,
+                                                                page_table=t, **kw)
+            for k, v, t in sets] for name, kw in features.items()}
+        timed = round_robin(calls)
+        us = {k: e["ms"] * 1e3 for k, e in timed.items() if "ms" in e}
+        gain = us.get(label, float("nan")) / us.get(f"{label} window4096", float("nan"))
+        print(f"B{batch} {n // 1024}k {label}: " + " | ".join(f"{k} {v:.1f} us"
+                                                             for k, v in us.items())
+              + f"  || no window / window4096 {gain:.2f}x", flush=True)
+        rows.append({"batch": batch, "seqlen_k": n, "page_size": ps, "timed": timed,
+                     "window_gain": gain})
+        del sets, calls
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="correctness only")
@@ -258,6 +304,8 @@ def main():
     parser.add_argument("--fp8-tile", default="", help="e4m3 cache tile at d 128, e.g. 128x2")
     parser.add_argument("--bf16-tile", default="", help="16-bit tile at d 128, e.g. 64x6")
     parser.add_argument("--sorted-pages", action="store_true", help="unshuffled page tables")
+    parser.add_argument("--features", action="store_true",
+                        help="window / softcap / sinks cases (and timing rows) instead")
     args = parser.parse_args()
     global SORTED_PAGES
     SORTED_PAGES = args.sorted_pages
@@ -276,10 +324,14 @@ def main():
               "sorted_pages": SORTED_PAGES,
               "tiles_d128": [list(t) for t in decode.TILES[D]]}
     try:
-        if not args.no_correctness:
+        if args.features:
+            result["features"] = correctness(features=True)
+            if not args.quick:
+                result["feature_timing"] = feature_timing()
+        elif not args.no_correctness:
             result["correctness"] = correctness()
             result["nan_probe"] = nan_probe()
-        if not args.quick:
+        if not args.quick and not args.features:
             result["benchmark"] = benchmark(SMALL if args.shapes == "small" else SHAPES)
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()

@@ -11,12 +11,12 @@ shuffled page tables), every cache row past a request's keys and every unused pa
 dense (batch, seqlen_q) form, with appends of the chunk's own keys across pages) and varlen
 query batches (q (total_q, H, d) + cu_seqlens_q, unequal chunks, some empty, the keys
 already in the cache); cache lengths 0 .. a few thousand, at page and tile boundaries;
-GQA 32/8 and MHA 8/8, d 64 and 128, bf16 and fp16, a sliding window and softcap; a CUDA
+GQA 32/8 and MHA 8/8, d 64 and 128, bf16 and fp16, a sliding window, softcap, sinks; a CUDA
 graph capture + replay with new lengths and tables. Checked: the output free of NaN (its
 memory NaN-filled before each call), error against an fp32 reference over the gathered
-cache at most 2x PyTorch's own (SDPA in q's dtype on the same keys; with softcap an eager
-bf16 computation) + 2^-10, the LSE within 1e-3 (-inf where a query sees no key), the same
-bits on a second call, every cache byte after the append as expected.
+cache at most 2x PyTorch's own (SDPA in q's dtype on the same keys; with softcap or sinks
+an eager computation in q's dtype) + 2^-10, the LSE within 1e-3 (-inf where a query sees
+no key), the same bits on a second call, every cache byte after the append as expected.
 
 Speed (skipped with --quick): a few hundred new queries per request over long caches
 (B 4 / 16, 256 / 512 queries, caches 8k / 32k keys, Hq 32 / Hkv 8, d 128, bf16, causal),

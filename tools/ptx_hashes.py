@@ -17,6 +17,11 @@ move with any edit. Kernel names stay in: they hold the module and class name
 (`kernel_cutlass_kernel_hopper_attnk4FlashAttentionK4_...`), so renaming or moving a kernel
 class changes the hash. Compiles go through the stages' own cache (one fixed
 compile_options string), so problems that resolve to the same options compile once.
+
+`decode` (not in the default list) has a grid of its own: decode shapes (1-16 queries, GQA,
+both of its kv tiles, two M tiles), with and without sinks, then the kv_cache variant
+(hopper_attn/kvcache.py) per head dim, mask, page size (0: contiguous) and tile, 16-bit and
+e4m3 caches.
 """
 
 from __future__ import annotations
@@ -38,6 +43,41 @@ from hopper_attn.harness import registry  # noqa: E402
 STAGES = ("k4", "k5", "k6", "k7", "k8", "kb1", "kb2")
 SEQLENS = (128, 1000, 1024, 1536, 2048, 3000, 4000, 4096, 8192, 16000, 16384)
 _DEBUG_LINE = re.compile(r"^\s*(\.loc|\.file)\b")
+
+
+DECODE_SHAPES = ((1, 1, 32, 8, 8192), (16, 4, 64, 8, 16384), (64, 1, 32, 8, 4096),
+                 (2, 16, 64, 8, 1000))     # (batch, seqlen_q, heads, kv heads, keys)
+KVCACHE_PAGES = (0, 16, 64, 256)
+
+
+def decode_items():
+    """(key, compile thunk) for the decode stage and its kv_cache variant."""
+    import torch
+    for sinks in (0, 1):
+        entry = registry.get("decode:sinks=1" if sinks else "decode")
+        for dtype in entry.spec.dtypes:
+            for d in entry.spec.head_dims:
+                for causal in (False, True):
+                    for b, nq, hq, hkv, nk in DECODE_SHAPES:
+                        p = Problem(b, hq, nq, d, causal, dtype, heads_kv=hkv, seqlen_k=nk)
+                        key = (f"decode{'+sinks' if sinks else ''}/{DTYPE_NAMES[dtype]}/d{d}/"
+                               f"{'causal' if causal else 'full'}/B{b}q{nq}H{hq}:{hkv}k{nk}")
+                        yield key, (lambda e=entry, p=p, o=None:
+                                    e.compile(p, compile_options=o).compiled)
+    from hopper_attn import decode, kvcache
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for page in KVCACHE_PAGES:
+                tiles = [(t, torch.bfloat16, None) for t in decode.TILES[d]]
+                tiles += [(decode.TILES[d][0], torch.float16, None),
+                          (decode.FP8_TILES[d], torch.bfloat16, kvcache.FP8)]
+                for (bn, st), dtype, kv in tiles:
+                    key = (f"kvcache/{DTYPE_NAMES[dtype]}{'/e4m3' if kv else ''}/d{d}/"
+                           f"{'causal' if causal else 'full'}/page{page}/{bn}x{st}")
+                    yield key, (lambda d=d, c=causal, t=dtype, pg=page, bn=bn, st=st, kv=kv,
+                                o=None: kvcache.compile_kernel(d, c, t, pg, bn, st,
+                                                               compile_options=o,
+                                                               kv_dtype=kv)[0])
 
 
 def problems(spec):
@@ -82,24 +122,30 @@ def _hash_stages(stages) -> dict:
     result = {}
     opts = "--keep-ptx"          # without --dump-dir, __ptx__ is the text itself
     for name in stages:
-        entry = registry.get(name)
         t0, count = time.perf_counter(), 0
-        for suffix, problem in problems(entry.spec):
+        if name == "decode":
+            items = [(key, lambda f=f: f(o=opts)) for key, f in decode_items()]
+        else:
+            entry = registry.get(name)
+            items = [(f"{name}/{suffix}", lambda e=entry, p=problem:
+                      e.compile(p, compile_options=opts).compiled)
+                     for suffix, problem in problems(entry.spec)]
+        for key, compile_one in items:
             try:
-                handle = entry.compile(problem, compile_options=opts)
+                compiled = compile_one()
             except ValueError as exc:
-                result[f"{name}/{suffix}"] = f"unsupported: {exc}"
+                result[key] = f"unsupported: {exc}"
                 continue
             except Exception:
-                print(f"{name}/{suffix}: the compile failed", file=sys.stderr)
+                print(f"{key}: the compile failed", file=sys.stderr)
                 raise
-            ptx = handle.compiled.__ptx__
+            ptx = compiled.__ptx__
             if not isinstance(ptx, str):
                 raise RuntimeError("CuTe DSL did not return the PTX (--keep-ptx)")
-            result[f"{name}/{suffix}"] = hashlib.md5(
+            result[key] = hashlib.md5(
                 stripped(ptx.rstrip("\0")).encode()).hexdigest()
             count += 1
-        print(f"{name}: {count} problems compiled in {time.perf_counter() - t0:.0f} s",
+        print(f"{name}: {count} configurations compiled in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
     return result
 

@@ -169,10 +169,12 @@ def check_backward_tensors(problem: Problem, q, k, v, o, do, lse, dq, dk, dv) ->
 
 
 def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
-                 softmax_scale: Optional[float] = None, checked: bool = False) -> None:
+                 softmax_scale: Optional[float] = None, checked: bool = False) -> torch.Tensor:
     """dq, dk, dv (written in place) of attention(q, k, v) = o with log-sum-exp lse, for the
     incoming gradient do. Launches preprocess, the main kernel and the dQ conversion on the
-    current stream. `checked`: the caller has checked tensors of this layout (api's cache)."""
+    current stream. `checked`: the caller has checked tensors of this layout (api's cache).
+    Returns the preprocess's D = rowsum(dO * O) (fp32, (batch, heads, rows >= seqlen), 0 past
+    seqlen): the sinks' gradient is a sum over it (common/sinks.py)."""
     p = handle.problem
     if not checked:
         check_backward_tensors(p, q, k, v, o, do, lse, dq, dk, dv)
@@ -218,6 +220,7 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         # one reduction kernel each, fp32 accumulation, written into dk / dv's own layout
         torch.sum(dk_out.view(*shape, p.head_dim), 3, out=dk)
         torch.sum(dv_out.view(*shape, p.dv), 3, out=dv)
+    return dsum
 
 
 # --------------------------------------------------------------------------------------------

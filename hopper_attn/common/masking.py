@@ -16,6 +16,8 @@ A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of B
   the window's left edge, its right (causal) edge or the key tail cross. The window sizes
   are compile-time fields: without a window every method compiles to the code it had before.
   `window_ranges` and `window_m_range` are the same ranges on the host (tests, estimates).
+  Rows that are not consecutive queries (the decode stage's packed (query, head) rows):
+  `query_keys` gives one query's [low, limit), `mask_key_ranges` masks by those per row.
 * GQA backward (host side): `dkv_parts`, how many parts each k/v head's dK / dV is split
   in, from an estimate of the grid's time in KVTileSchedule's launch order.
 * Scheduling: with a causal mask the last query tiles do the most work, so CTA x takes query
@@ -240,6 +242,40 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                     hidden = hidden or key < query + causal_offset - left
                 if hidden:
                     s_rc[r, c] = minus_inf
+
+
+@cute.jit
+def query_keys(query, shift, seqlen_k, causal: cutlass.Constexpr[bool],
+               left: cutlass.Constexpr[int], right: cutlass.Constexpr[int]):
+    """The keys one query sees, [low, limit) (low >= limit: none), for kernels whose rows
+    are not consecutive queries (the decode stage's packed (query, head) rows): position r =
+    query + shift (shift = seqlen_k - seqlen_q, bottom-right), keys r - left .. r + right
+    (right 0 with causal; -1: unbounded on that side), clipped to [0, seqlen_k)."""
+    limit = seqlen_k
+    if cutlass.const_expr(causal or right >= 0):
+        high = query + shift + 1
+        if cutlass.const_expr(not causal and right > 0):
+            high = high + right
+        limit = cutlass.min(seqlen_k, cutlass.max(high, 0))
+    low = Int32(0)
+    if cutlass.const_expr(left >= 0):
+        low = cutlass.max(query + shift - left, 0)
+    return low, limit
+
+
+@cute.jit
+def mask_key_ranges(s_rc: cute.Tensor, coords_rc: cute.Tensor, col0, lows: cute.Tensor,
+                    limits: cute.Tensor, left: cutlass.Constexpr[int]):
+    """-inf where a score's key (coords_rc[r, c][1] + col0) is outside its row's [lows[r],
+    limits[r]) (`query_keys` per register row; left < 0: no low side)."""
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            col = col0 + coords_rc[r, c][1]
+            hidden = col >= limits[r]
+            if cutlass.const_expr(left >= 0):
+                hidden = hidden or col < lows[r]
+            if hidden:
+                s_rc[r, c] = -Float32.inf
 
 
 @dataclasses.dataclass(frozen=True)

@@ -177,12 +177,12 @@ def load_and_widen(k_pipe, v_pipe, k16_pipe, v16_pipe, tma_k: cute.CopyAtom,
                                       block_n) for j in range(stages)]
             for j in cutlass.range_constexpr(stages):
                 if j < n_count:
-                    _load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, first_pages[j], sK8,
-                                sV8, produce, n_first + j, kv_head, page_size, block_n)
+                    load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, first_pages[j], sK8, sV8,
+                               produce, n_first + j, kv_head, page_size, block_n)
                 produce.advance()
         else:
             for j in cutlass.range(cutlass.min(stages, n_count), unroll=1):
-                _load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
+                load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
                 produce.advance()
     landed = tma.consumer_state(stages)
     widened = tma.producer_state(cute.size(sK16, mode=[2]))
@@ -209,17 +209,18 @@ def load_and_widen(k_pipe, v_pipe, k16_pipe, v16_pipe, tma_k: cute.CopyAtom,
                 # tile j + stages: the producer's stage and phase are tile j's consumer ones
                 refill = landed.clone()
                 if cutlass.const_expr(page_size):
-                    _load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, refill,
-                                n_first + j + stages, kv_head, page_size, block_n)
+                    load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, refill,
+                               n_first + j + stages, kv_head, page_size, block_n)
                 else:
-                    _load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, refill, n_first + j + stages)
+                    load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, refill, n_first + j + stages)
         landed.advance()
         widened.advance()
 
 
 @cute.jit
-def _load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, tile):
-    """Contiguous cache: K and V tile `tile` into `produce`'s e4m3 stages."""
+def load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, tile):
+    """Contiguous K and V (`tma.TmaTiles`): tile `tile` into `produce`'s stages of the two
+    rings (each waited for empty first)."""
     tma.acquire_empty(k_pipe, produce)
     k_tiles.copy(tile, k_pipe.producer_get_barrier(produce), produce.index)
     tma.acquire_empty(v_pipe, produce)
@@ -227,10 +228,10 @@ def _load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, tile):
 
 
 @cute.jit
-def _load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, produce, tile,
-                kv_head, page_size: cutlass.Constexpr, block_n: cutlass.Constexpr):
-    """Paged cache: K and V tile `tile` into `produce`'s e4m3 stages, box b from page
-    pages[b] (`tile_pages`)."""
+def load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, produce, tile,
+               kv_head, page_size: cutlass.Constexpr, block_n: cutlass.Constexpr):
+    """Paged cache: K and V tile `tile` into `produce`'s stages of the two rings (sK8,
+    sV8: e4m3 or 16-bit), box b from page pages[b] (`tile_pages`)."""
     tma.acquire_empty(k_pipe, produce)
     copy_paged_tile(tma_k, mK, pages, sK8[None, None, produce.index], tile, kv_head,
                     k_pipe.producer_get_barrier(produce), page_size, block_n)

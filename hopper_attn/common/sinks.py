@@ -58,16 +58,38 @@ def as_kernel_sinks(sinks, heads: int, device) -> torch.Tensor:
 
 
 def sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-              lse: torch.Tensor) -> torch.Tensor:
+              lse: torch.Tensor, d_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """d loss / d sinks, (heads,) fp32. The sink is one more column of each row's softmax
     with probability exp(sink_h - lse_i) and a zero value vector, so its dP is 0 and its
     dS = P (dP - D_i): dsink_h = -sum over batch and rows of exp(sink_h - lse_i) D_i, with
     D_i = rowsum(dO_i * O_i) (the backward's D). out, dout: (batch, seqlen, heads, d); lse:
-    (batch, heads, seqlen), the sink-inclusive one the forward wrote."""
+    (batch, heads, seqlen), the sink-inclusive one the forward wrote. `d_rows`: D as the
+    backward's preprocess left it ((batch, heads, rows >= seqlen) fp32, run_backward's
+    return): a sum over 4 bytes per row instead of reading dO and O again in fp32."""
     acc = torch.promote_types(sinks.dtype, torch.float32)             # (fp64 references)
-    d_rows = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)     # (batch, heads, N)
+    if d_rows is None:
+        d_rows = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # (batch, heads, N)
+    else:
+        d_rows = d_rows[..., :lse.shape[-1]]
     p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse.to(acc)).nan_to_num(0.0)
     return -(p_sink * d_rows).sum((0, 2)).to(sinks.dtype)             # (-inf - -inf: 0)
+
+
+def varlen_sink_grad(sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     d_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`sink_grad` over a packed batch (attention_varlen): out, dout (total_q, heads, d), lse
+    (heads, total_q). Tokens past cu_seqlens_q[-1], which the forward leaves unwritten, count
+    0 (a mask made on the device: nothing read on the host). `d_rows`: D as the varlen
+    backward's preprocess computed it, (heads, total_q) (varlen_backward's `return_d`):
+    4 bytes per row instead of reading dO and O again in fp32."""
+    acc = torch.promote_types(sinks.dtype, torch.float32)
+    if d_rows is None:
+        d_rows = (dout.to(acc) * out.to(acc)).sum(-1).t()             # (heads, total_q)
+    p_sink = torch.exp(sinks.to(acc)[:, None] - lse.to(acc))
+    written = torch.arange(lse.shape[1], device=lse.device) < cu_seqlens_q[-1]
+    terms = torch.where(written, p_sink * d_rows, 0.0).nan_to_num(0.0)   # (-inf - -inf: 0)
+    return -terms.sum(1).to(sinks.dtype)
 
 
 def with_sinks(spec):

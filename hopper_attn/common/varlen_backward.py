@@ -600,10 +600,12 @@ def compile_varlen_backward(spec, kernel_factory, problem: Problem, options: dic
 
 
 def run_varlen_backward(handle: CompiledBackward, q, k, v, out, dout, lse, seqs, dq, dk, dv,
-                        softmax_scale: float) -> None:
+                        softmax_scale: float) -> torch.Tensor:
     """dq, dk, dv (written in place; packed like q, k, v) of a packed batch whose sequence
     table is `seqs` (`sequence_table`); lse (H, total_q) fp32. Three launches on the current
-    stream. dk / dv rows of keys no sequence uses (past seqused_k) are not written."""
+    stream. dk / dv rows of keys no sequence uses (past seqused_k) are not written. Returns
+    the preprocess's D = rowsum(dO * O) in the padded layout ((1, H, padded rows) fp32; rows
+    between the sequences' tiles unwritten: `packed_rows` reads it back)."""
     heads, d = q.shape[1], q.shape[2]
     rows = padded_rows(q.shape[0], seqs.shape[1] - 1, handle.block_m)
     dev = q.device
@@ -624,6 +626,22 @@ def run_varlen_backward(handle: CompiledBackward, q, k, v, out, dout, lse, seqs,
         handle.main(t(q4), t(k4), t(v4), t(do4), t(lse2), t(dsum), t(dq_accum), t(dk4), t(dv4),
                     t(seqs), softmax_scale * LOG2_E, softmax_scale, stream)
         handle.postprocess(t(dq_accum), t(dq4), t(seqs), softmax_scale, stream)
+    return dsum
+
+
+def packed_rows(padded: torch.Tensor, cu_seqlens_q: torch.Tensor, total_q: int,
+                block_m: int) -> torch.Tensor:
+    """Per-row values of the padded layout ((1, H, padded rows): D, lse2) in the packed order,
+    (H, total_q): token t of sequence b sits at row padded_q(b) + t - cu_seqlens_q[b]. On
+    the device (a searchsorted and a gather; nothing read on the host); tokens past
+    cu_seqlens_q[-1] get some row's value (the caller masks them)."""
+    cu = cu_seqlens_q.long()
+    batch = cu.shape[0] - 1
+    t = torch.arange(total_q, device=padded.device)
+    b = torch.searchsorted(cu[1:], t, right=True).clamp_(max=max(batch - 1, 0))
+    start = cu[b]
+    rows = torch.div(start + b * block_m, block_m, rounding_mode="floor") * block_m + t - start
+    return padded[0].index_select(1, rows)
 
 
 def build_sequence_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
@@ -699,11 +717,13 @@ def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, co
 def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                     max_seqlen_k: int, causal: bool, softmax_scale: Optional[float] = None,
                     seqused_k: Optional[torch.Tensor] = None, window=(-1, -1),
-                    softcap: float = 0.0):
+                    softcap: float = 0.0, return_d: bool = False):
     """(dq, dk, dv) of attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) = out with
     LSE `lse` ((H, total_q) fp32) for the incoming gradient dout (packed like q). Every
     ValueError before a launch; nothing reads cu_seqlens on the host. dk and dv rows of keys
-    past seqused_k are 0."""
+    past seqused_k are 0. `return_d`: also the preprocess's D = rowsum(dO * O), (H, total_q)
+    fp32 in the packed order (for the sinks' gradient; tokens past cu_seqlens_q[-1]: any
+    value)."""
     batch = check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          seqused_k)
     for name, t in (("out", out), ("dout", dout)):
@@ -725,8 +745,9 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     # keys past seqused_k belong to no sequence: their rows are not written
     new = torch.empty if seqused_k is None else torch.zeros
     dk, dv = (new(k.shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    if q.shape[0] == 0 or k.shape[0] == 0:
-        return dq, dk.zero_(), dv.zero_()
+    if q.shape[0] == 0 or k.shape[0] == 0:            # (out is 0: so is D)
+        d_rows = q.new_zeros((q.shape[1], q.shape[0]), dtype=torch.float32)
+        return (dq, dk.zero_(), dv.zero_()) + ((d_rows,) if return_d else ())
     # longest first where the lengths may differ (max_seqlen x batch above the token count)
     longest_first = LONGEST_FIRST and (max_seqlen_q * batch > q.shape[0]
                                        or max_seqlen_k * batch > k.shape[0])
@@ -734,16 +755,19 @@ def varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                                 q.shape[1])
     parts = dkv_parts(q.shape[1], k.shape[1], k.shape[0], batch)
     if parts == 1:
-        run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
-        return dq, dk, dv
+        dsum = run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk, dv, scale)
+        return (dq, dk, dv) + ((packed_rows(dsum, cu_seqlens_q, q.shape[0], handle.block_m),)
+                               if return_d else ())
     # each k/v head's group in `parts` parts, each with its own dK / dV rows, summed in fp32
     shape = (k.shape[0], k.shape[1] * parts, k.shape[2])
     dk_parts, dv_parts = (new(shape, dtype=k.dtype, device=k.device) for _ in range(2))
-    run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk_parts, dv_parts, scale)
+    dsum = run_varlen_backward(handle, q, k, v, out, dout, lse, seqs, dq, dk_parts, dv_parts,
+                               scale)
     split = (k.shape[0], k.shape[1], parts, k.shape[2])
     torch.sum(dk_parts.view(split), 2, out=dk)
     torch.sum(dv_parts.view(split), 2, out=dv)
-    return dq, dk, dv
+    return (dq, dk, dv) + ((packed_rows(dsum, cu_seqlens_q, q.shape[0], handle.block_m),)
+                           if return_d else ())
 
 
 # GQA / MQA: a CTA walks its whole group of query heads, so with few k/v heads and few

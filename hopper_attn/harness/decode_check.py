@@ -31,7 +31,7 @@ class Case:
     block_n: int = 0
     stages: int = 0
     combine_chunk: int = 0        # 0: the stage's default
-    extra: tuple = ()             # more compile options, (name, value) pairs (pdl, ...)
+    extra: tuple = ()             # more compile options, (name, value) pairs (sinks, ...)
 
     def label(self) -> str:
         dt = "fp16" if self.dtype == torch.float16 else "bf16"

@@ -10,7 +10,9 @@ the same dtype on the same keys; an e4m3 cache: the reference over the cache deq
 in fp32, PyTorch's SDPA over it dequantized to bf16) + 2^-10, the LSE within 1e-3 (-inf
 where a request has no key), the same bits on a second run, and every cache byte after
 the call equal to the expected cache (the NaN-filled one with the new rows written by a
-plain Python loop).
+plain Python loop). Feature cases (`feature_cases`: window_size, softcap, sinks) compare with
+the reference under the same masks, cap and sinks; PyTorch's error there is that reference's
+in q's dtype (P and O rounded to it), SDPA having no softcap or sinks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import dataclasses
 import math
 
 import torch
+
+from hopper_attn.common.contract import normalize_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,9 @@ class Case:
     num_splits: int = 0
     unused: str = "nan"           # unused page-table slots: "nan" (a NaN page), "far"
     fp8: bool = False             # an e4m3 cache, per-kv-head descales
+    window: tuple = (-1, -1)      # window_size (left, right) as the call takes it
+    softcap: float = 0.0
+    sinks: bool = False           # random (heads,) fp32 sinks
 
     @property
     def batch(self) -> int:
@@ -51,7 +58,11 @@ class Case:
                 + (" fp16" if self.dtype == torch.float16 else "")
                 + (f" s{self.num_splits}" if self.num_splits else "")
                 + (f" {self.unused}" if self.unused != "nan" else "")
-                + (" e4m3" if self.fp8 else ""))
+                + (" e4m3" if self.fp8 else "")
+                + (f" window{self.window[0]},{self.window[1]}" if self.window != (-1, -1)
+                   else "")
+                + (f" cap{self.softcap:g}" if self.softcap else "")
+                + (" sinks" if self.sinks else ""))
 
 
 def quick_cases() -> list[Case]:
@@ -92,6 +103,45 @@ def quick_cases() -> list[Case]:
         Case((100, 1000, 128, 1), 1024, 128, unused="far", seqlen_new=2),
     ]
     return out
+
+
+def feature_cases() -> list[Case]:
+    """window_size (left 128 and 1000 with causal, one (64, 32) without), softcap 30 and 50,
+    sinks (the combine's join and one split's fold; a request without keys: LSE the sink),
+    each with a contiguous cache and pages of 16; appends; 1, 4 and 16 queries; the three
+    together, also on an e4m3 cache."""
+    lens = (0, 1, 100, 129, 1000, 4000, 4095)
+    out = []
+    for ps in (0, 16):
+        out += [
+            Case(lens, 4096, ps, window=(128, 0)),
+            Case((5, 300, 1000, 3000), 4096, ps, seqlen_q=4, seqlen_new=4, window=(128, 0)),
+            Case(lens, 4096, ps, window=(1000, -1)),
+            Case((17, 1500, 4000, 4080), 4096, ps, seqlen_q=16, seqlen_new=16, window=(1000, 0),
+                 heads=64),                                      # 2 M tiles
+            Case((0, 90, 700, 2000), 4096, ps, seqlen_q=4, causal=False, window=(64, 32)),
+            Case((0, 2, 700, 2000), 4096, ps, seqlen_q=4, window=(128, 0)),   # rows see none
+            Case(lens, 4096, ps, softcap=30.0),
+            Case((5, 300, 1000, 3000), 4096, ps, seqlen_q=4, seqlen_new=4, softcap=50.0),
+            Case(lens, 4096, ps, sinks=True),
+            Case((0, 300, 4000, 3), 4096, ps, seqlen_q=4, seqlen_new=2, sinks=True,
+                 num_splits=1),
+            Case((5, 300, 4000, 3000), 4096, ps, seqlen_q=4, seqlen_new=4, window=(128, 0),
+                 softcap=30.0, sinks=True),
+        ]
+    out += [Case((5, 300, 1000, 777), 1024, 16, seqlen_q=4, seqlen_new=4, fp8=True,
+                  window=(128, 0), softcap=30.0, sinks=True),
+            Case((3000, 8189, 4096, 1), 8192, 128, seqlen_new=1, window=(1000, 0),
+                 num_splits=7)]
+    return out
+
+
+def sinks_for(case: Case, device, seed: int = 0):
+    """A case's (heads,) fp32 sinks (None without): logits around the scores' range."""
+    if not case.sinks:
+        return None
+    gen = torch.Generator().manual_seed(seed + 12345)
+    return (torch.randn(case.heads, generator=gen) * 2.0).to(device)
 
 
 # ------------------------------------------------------------------ building a case (any device)
@@ -199,15 +249,24 @@ def gathered(cache, request: int, keys: int, table, page_size: int) -> torch.Ten
     return cache[cache_index(pos, request, table, page_size)]
 
 
-def reference(q, k_cache, v_cache, keys, table, page_size: int, causal: bool, scale: float):
+def reference(q, k_cache, v_cache, keys, table, page_size: int, causal: bool, scale: float,
+              window=(-1, -1), softcap: float = 0.0, sinks=None, round_to=None):
     """fp32 O (batch, seqlen_q, heads, d) and LSE (batch, heads, seqlen_q) over each
     request's gathered keys (keys[b] of them), causal aligned bottom-right per request;
-    zeros and -inf where a query sees no key."""
+    zeros and -inf (with sinks: the sink) where a query sees no key. window (left, right),
+    -1 unbounded, right 0 with causal: query i sees keys i + off - left .. i + off + right
+    (off = keys - seqlen_q); softcap: scores cap * tanh(s / cap) (s scaled); sinks (heads,)
+    in every row's denominator; round_to: P and O rounded to that dtype (a 16-bit
+    kernel's own rounding, for PyTorch's error with features SDPA lacks)."""
     b, nq, h, d = q.shape
     out = torch.zeros(b, nq, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, nq), float("-inf"), dtype=torch.float32, device=q.device)
+    left, right = window
+    right = 0 if causal else right
     for r in range(b):
         nk = int(keys[r])
+        if sinks is not None:
+            lse[r] = sinks.float()[:, None].to(q.device)
         if nk == 0:
             continue
         k = gathered(k_cache, r, nk, table, page_size).float()
@@ -215,11 +274,25 @@ def reference(q, k_cache, v_cache, keys, table, page_size: int, causal: bool, sc
         group = h // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         s = torch.einsum("ihd,jhd->hij", q[r].float(), k) * scale
-        if causal:
-            hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1)
-            s = s.masked_fill(hidden, float("-inf"))
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        pos = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        j = torch.arange(nk, device=q.device)[None, :]
+        hidden = torch.zeros(nq, nk, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            hidden |= j > pos + right
+        if left >= 0:
+            hidden |= j < pos - left
+        s = s.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks.float().to(q.device)[:, None, None].expand(h, nq, 1)], -1)
         lse[r] = torch.logsumexp(s, -1)
-        out[r] = torch.einsum("hij,jhd->ihd", torch.softmax(s, -1).nan_to_num(0.0), v)
+        p = torch.exp(s - lse[r][..., None]).nan_to_num(0.0)[..., :nk]
+        if round_to is not None:
+            p = p.to(round_to).float()
+        out[r] = torch.einsum("hij,jhd->ihd", p, v)
+    if round_to is not None:
+        out = out.to(round_to).float()
     return out, lse
 
 
@@ -251,7 +324,8 @@ def _call(inputs, case: Case, **kw):
                                   page_table=i["page_table"], k_new=i["k_new"],
                                   v_new=i["v_new"], causal=case.causal, return_lse=True,
                                   num_splits=case.num_splits, k_descale=i["k_descale"],
-                                  v_descale=i["v_descale"], **kw)
+                                  v_descale=i["v_descale"], window_size=case.window,
+                                  softcap=case.softcap, sinks=i.get("sinks"), **kw)
 
 
 def _same_bits(a, b) -> bool:
@@ -263,6 +337,7 @@ def check_case(case: Case, seed: int = 0) -> dict:
     """Run `case` twice (the second append writes the same bytes again); the verdict."""
     from hopper_attn import kvcache
     inputs = make_case(case, "cuda", seed)
+    inputs["sinks"] = sinks_for(case, "cuda", seed)
     table, ps = inputs["page_table"], case.page_size
     lens = case.lens
     expect_k = expected_cache(inputs["k_cache"], inputs["k_new"], lens, table, ps)
@@ -277,10 +352,16 @@ def check_case(case: Case, seed: int = 0) -> dict:
     if case.fp8:    # the reference over the dequantized cache; torch's error: bf16 of it
         expect_k = dequantized(expect_k, inputs["k_descale"])
         expect_v = dequantized(expect_v, inputs["v_descale"])
+    features = dict(window=case.window, softcap=case.softcap, sinks=inputs["sinks"])
     ref, ref_lse = reference(inputs["q"], expect_k, expect_v, keys, table, ps, case.causal,
-                             scale)
-    t_err = torch_error(inputs["q"], expect_k.to(case.dtype), expect_v.to(case.dtype), keys,
-                        table, ps, case.causal, ref)
+                             scale, **features)
+    if case.window != (-1, -1) or case.softcap or case.sinks:
+        low = reference(inputs["q"], expect_k.to(case.dtype), expect_v.to(case.dtype), keys,
+                        table, ps, case.causal, scale, **features, round_to=case.dtype)[0]
+        t_err = (low - ref).abs().max().item()
+    else:
+        t_err = torch_error(inputs["q"], expect_k.to(case.dtype), expect_v.to(case.dtype),
+                            keys, table, ps, case.causal, ref)
     err = (out.float() - ref).abs().max().item()
     finite = ref_lse.isfinite()
     lse_ok = bool(torch.equal(lse.isfinite(), finite))
@@ -289,7 +370,9 @@ def check_case(case: Case, seed: int = 0) -> dict:
     same = _same_bits(out, out2) and _same_bits(lse, lse2)
     limit = 2 * t_err + 2 ** -10
     ok = no_nan and err <= limit and lse_ok and lse_err <= 1e-3 and same and cache_ok
-    problem = kvcache.problem_for(inputs["q"], case.heads_kv, case.capacity, case.causal)
+    window = normalize_window(case.window, case.causal)
+    problem = kvcache.problem_for(inputs["q"], case.heads_kv, case.capacity, case.causal,
+                                  window)
     return {"case": case.label(), "ok": bool(ok), "err": err, "torch_err": t_err,
             "ratio": err / max(t_err, 2 ** -10), "lse_err": lse_err, "lse_inf_ok": lse_ok,
             "same_bits": same, "no_nan": no_nan, "cache_ok": cache_ok,

@@ -7,7 +7,7 @@ the dense (batch, seqlen_q) form (optionally appending the chunk's keys) or a va
 batch (q (total_q, H, d) + cu_seqlens_q, the keys already in the cache). The check: the
 output free of NaN (its memory NaN-filled before each call), error against an fp32
 reference over the gathered cache at most 2x PyTorch's own (SDPA in q's dtype on the same
-keys; with softcap an eager computation in q's dtype) + 2^-10, the LSE within 1e-3 (-inf
+keys; with softcap or sinks an eager computation in q's dtype) + 2^-10, the LSE within 1e-3 (-inf
 where a query sees no key), the same bits on a second call, every cache byte after the
 append as expected.
 """
@@ -36,6 +36,7 @@ class PCase:
     causal: bool = True
     window_left: int = -1
     softcap: float = 0.0
+    sinks: bool = False           # random (heads,) fp32 sinks
 
     def label(self) -> str:
         def short(xs):
@@ -48,7 +49,8 @@ class PCase:
                 + (f" new{self.seqlen_new}" if self.seqlen_new else "")
                 + (" fp16" if self.dtype == torch.float16 else "")
                 + (f" win{self.window_left}" if self.window_left >= 0 else "")
-                + (f" cap{self.softcap:g}" if self.softcap else ""))
+                + (f" cap{self.softcap:g}" if self.softcap else "")
+                + (" sinks" if self.sinks else ""))
 
 
 def cases(quick: bool) -> list:
@@ -75,6 +77,9 @@ def cases(quick: bool) -> list:
         PCase((1000, 2000), (300, 77), 2048, 128, varlen=True, window_left=256),
         PCase((1000, 1998), (113,) * 2, 2048, 0, seqlen_new=50, window_left=100),
         PCase((1000, 2000), (300, 77), 2048, 64, varlen=True, softcap=30.0),
+        PCase((0, 700, 1900), (100,) * 3, 2048, 0, seqlen_new=100, sinks=True),
+        PCase((1000, 0, 2000), (300, 40, 77), 2048, 16, varlen=True, window_left=128,
+              sinks=True),
         PCase(tuple(i * 331 % 4000 for i in range(20)), tuple(17 + i * 37 % 300
                                                                for i in range(20)),
               4096, 16, varlen=True),               # 20 requests: more items than SMs
@@ -102,6 +107,10 @@ def make_inputs(case: PCase, seed: int, device="cuda") -> dict:
         for n in case.q_lens:
             cu.append(cu[-1] + n)
         i["cu_seqlens_q"] = torch.tensor(cu, dtype=torch.int32, device=device)
+    i["sinks"] = None
+    if case.sinks:      # logits around the scores' range
+        gen = torch.Generator().manual_seed(seed + 12345)
+        i["sinks"] = (torch.randn(case.heads, generator=gen) * 2.0).to(device)
     return i
 
 
@@ -112,7 +121,7 @@ def call(i: dict, case: PCase):
     return attention_with_kvcache(i["q"], i["k_cache"], i["v_cache"], i["cache_seqlens"],
                                   page_table=i["page_table"], causal=case.causal,
                                   return_lse=True, window_size=(case.window_left, -1),
-                                  softcap=case.softcap, **extra)
+                                  softcap=case.softcap, sinks=i["sinks"], **extra)
 
 
 def poisoned_call(i: dict, case: PCase):
@@ -125,9 +134,10 @@ def poisoned_call(i: dict, case: PCase):
 
 # ------------------------------------------------------------------ the reference
 
-def attend(q, k, v, nk: int, case: PCase, scale: float, low_precision: bool):
+def attend(q, k, v, nk: int, case: PCase, scale: float, low_precision: bool, sinks=None):
     """One request: q (nq, H, d), k and v (nk, Hkv, d). fp32 (or, low_precision, q's dtype
-    as PyTorch computes it) O (nq, H, d) and LSE (H, nq); zeros / -inf for rows without keys."""
+    as PyTorch computes it) O (nq, H, d) and LSE (H, nq); zeros / -inf (with sinks: the
+    sink) for rows without keys; sinks (H,) in every row's denominator."""
     nq, h, d = q.shape
     group = h // k.shape[1]
     i = torch.arange(nq, device=q.device)[:, None] + nk - nq
@@ -137,21 +147,23 @@ def attend(q, k, v, nk: int, case: PCase, scale: float, low_precision: bool):
         visible &= j <= i
     if case.window_left >= 0:
         visible &= j >= i - case.window_left
-    if low_precision and not case.softcap:
+    if low_precision and not case.softcap and sinks is None:
         o = torch.nn.functional.scaled_dot_product_attention(
             q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2),
             attn_mask=visible, enable_gqa=True, scale=scale).transpose(1, 2)[0]
         return o.float().nan_to_num(0.0), None
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    if low_precision:       # (softcap: bf16 scores and P V, as an eager model computes them)
+    if low_precision:       # (softcap, sinks: 16-bit scores and P V, as an eager model)
         s = torch.einsum("ihd,jhd->hij", q, k).float() * scale
     else:
         s = torch.einsum("ihd,jhd->hij", q.float(), k.float()) * scale
     if case.softcap:
         s = case.softcap * torch.tanh(s / case.softcap)
     s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.float()[:, None, None].expand(h, nq, 1)], -1)
     lse = torch.logsumexp(s, -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)[..., :nk]
     if low_precision:
         o = torch.einsum("hij,jhd->ihd", p.to(q.dtype), v).float()
     else:
@@ -184,8 +196,8 @@ def check(case: PCase, seed: int, device="cuda") -> dict:
         k = kc.gathered(expect_k, b, nk, table, ps)
         v = kc.gathered(expect_v, b, nk, table, ps)
         q = q_dense[b, :nq]
-        ref, ref_lse = attend(q, k, v, nk, case, scale, False)
-        low, _ = attend(q, k, v, nk, case, scale, True)
+        ref, ref_lse = attend(q, k, v, nk, case, scale, False, i["sinks"])
+        low, _ = attend(q, k, v, nk, case, scale, True, i["sinks"])
         if case.varlen:
             got, got_lse = out[row:row + nq], lse[:, row:row + nq]
             row += nq

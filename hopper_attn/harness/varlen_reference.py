@@ -1,7 +1,7 @@
 """References for packed batches (hopper_attn.attention_varlen; tests/test_varlen.py,
 tools/varlen_gpu_check.py): each sequence on its own through the window references (fp32,
-and torch's bf16 SDPA for the error bound), document lengths for benchmarks, the real
-per-sequence work in FLOPs."""
+and torch's bf16 SDPA for the error bound; with attention sinks `sink_reference`), document
+lengths for benchmarks, the real per-sequence work in FLOPs."""
 
 from __future__ import annotations
 
@@ -67,6 +67,47 @@ def _lowp_softcap(q, k, v, left, right, scale, softcap):
     seen = window_reference.window_mask(q.shape[1], k.shape[1], left, right, q.device)
     p = torch.softmax(s.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0).to(q.dtype)
     return torch.einsum("bhij,bjhd->bihd", p, v).float()
+
+
+def sink_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, sinks, window=(-1, -1),
+                   softmax_scale=None, lowp: bool = False):
+    """Per sequence with attention sinks ((heads,) logits, docs/sinks.md), differentiable
+    (give it leaves): fp32 math (window_reference.reference) -> (out (total_q, H, d) fp32,
+    lse (H, total_q)); with `lowp` the math in q's dtype as transformers' gpt-oss eager
+    attention runs it (scores in q's dtype, the sink one more column, softmax in fp32, P
+    rounded, P V in q's dtype) -> (out in q's dtype, None): the 2x rule's baseline, gradients
+    included. Rows that see no key: output 0, LSE the sink (-inf for a -inf sink). Every
+    query token belongs to a sequence (cu_seqlens_q[-1] == total_q)."""
+    scale = softmax_scale or 1.0 / math.sqrt(q.shape[-1])
+    left, right = window
+    if causal:
+        right = 0
+    outs, lses = [], []
+    for q0, q1, k0, k1 in sequences(cu_seqlens_q, cu_seqlens_k):
+        if q1 == q0:
+            continue
+        qs, ks, vs = q[None, q0:q1], k[None, k0:k1], v[None, k0:k1]
+        if lowp:
+            outs.append(_lowp_sinks(qs, ks, vs, left, right, scale, sinks)[0])
+        else:
+            o, lse = window_reference.reference(qs, ks, vs, left, right, scale, sinks=sinks)
+            outs.append(o[0])
+            lses.append(lse[0])
+    if lowp:
+        return torch.cat(outs), None
+    lse = torch.cat(lses, 1)
+    return torch.cat(outs), lse.masked_fill(lse < -1e29, float("-inf"))   # (-1e30 masks)
+
+
+def _lowp_sinks(q, k, v, left, right, scale, sinks):
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    seen = window_reference.window_mask(q.shape[1], k.shape[1], left, right, q.device)
+    s = s.masked_fill(~seen, float("-inf"))
+    s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)], -1)
+    p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)[..., :-1]
+    return torch.einsum("bhij,bjhd->bihd", p, v)
 
 
 def visible_pairs(nq: int, nk: int, causal: bool, window=(-1, -1)) -> int:

@@ -29,7 +29,8 @@ included); a sliding-window layer's trimmed cache (`DynamicSlidingWindowLayer`) 
 its keys end at the last query.
 
 Packed sequences (several documents in one row, as `DataCollatorWithFlattening` makes
-them) run through `hopper_attn.attention_varlen`: either from the `cu_seq_lens_q/k` and
+them) run through `hopper_attn.attention_varlen` (windows, softcap and gpt-oss's sinks
+included): either from the `cu_seq_lens_q/k` and
 `max_length_q/k` the collator passes (`return_flash_attn_kwargs=True`: nothing read on the
 host), or from position ids that restart, which transformers turns into a "same document"
 mask pattern when there is neither a mask nor a cache: the mask function then reads the
@@ -328,9 +329,6 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     q_length, kv_length = query.shape[2], key.shape[2]
     if causal and q_length == 1 and window_size == (-1, -1):
         causal = False         # one query over the whole cache: the same thing, fewer checks
-    if varlen is not None and s_aux is not None:
-        raise UnsupportedFeature("hopper_attn does not run packed sequences with attention "
-                                 "sinks (s_aux) yet")
     if varlen is not None and (q_length != kv_length or query.shape[0] * q_length
                                != key.shape[0] * kv_length):
         raise UnsupportedFeature("hopper_attn runs packed sequences without a KV cache only")
@@ -394,11 +392,11 @@ def softcap_value(softcap: Optional[float]) -> float:
 
 
 def _default_varlen_backend(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
-                            window_size=(-1, -1), softcap=0.0):
+                            window_size=(-1, -1), softcap=0.0, sinks=None):
     from hopper_attn.api import attention_varlen
     return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                             softmax_scale=softmax_scale, window_size=window_size,
-                            softcap=softcap)
+                            softcap=softcap, sinks=sinks)
 
 
 def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
