@@ -555,10 +555,19 @@ def _tokens(cache: torch.Tensor, rows: int) -> torch.Tensor:
 
 _PREFILL_FAST: dict = {}
 # Which length picks k6's POLICY row for a chunk: "queries" (max_seqlen_q, as
-# attention_varlen does) or "keys" (the longer of it and the cache's capacity: a chunk's
-# items walk the whole cache, like the long rows' items); a probe that
-# tools/prefill_gpu_check.py times both ways, until a GPU run settles it
-PREFILL_POLICY_BY = "queries"
+# attention_varlen does), "keys" (the longer of it and the cache's capacity: a chunk's
+# items walk the whole cache, like the long rows' items) or "measured": the keys' row for
+# contiguous caches and pages of 128 and more (1.06-1.08x the queries' row), the queries'
+# for smaller pages (page 16: 0.96-0.97x with the keys' row; H200,
+# results/h200/2026-11-29_prefill_speed.json.xz). tools/prefill_gpu_check.py times both.
+PREFILL_POLICY_BY = "measured"
+
+
+def _rows_by_keys(page_size: int) -> bool:
+    """Whether a chunk takes the POLICY row of the cache's length (PREFILL_POLICY_BY)."""
+    if PREFILL_POLICY_BY == "measured":
+        return page_size == 0 or page_size >= 128
+    return PREFILL_POLICY_BY == "keys"
 
 
 def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causal,
@@ -593,7 +602,7 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
         k_rows = k_cache.shape[0] * k_cache.shape[1] if page_size else \
             (batch - 1) * (k_cache.stride(0) // k_cache.stride(1)) + capacity \
             if batch > 1 else capacity
-        row_length = max(max_q, capacity) if PREFILL_POLICY_BY == "keys" else max_q
+        row_length = max(max_q, capacity) if _rows_by_keys(page_size) else max_q
         problem = k6_varlen.problem_for(q3, _tokens(k_cache, k_rows), batch, row_length,
                                         capacity, causal, window)
         overrides = {"softcap": softcap} if softcap else {}

@@ -26,8 +26,9 @@ FA4's flash_attn_varlen_func (seqused_k, page_table; q as (batch, seqlen_q, ...)
 timed round-robin with CUDA events and the L2 flushed before every call
 (harness/timing.benchmark_interleaved), medians; TFLOP/s of the causal work (4 x queries x
 keys seen x d x Hq per request) and FA4's time over ours. Ours twice: k6's POLICY row
-picked by the query length (the default) and by the cache's ("ours-keysrow",
-kvcache.PREFILL_POLICY_BY = "keys"; ours/keysrow > 1: the keys' row is faster).
+picked by the query length ("ours", kvcache.PREFILL_POLICY_BY = "queries") and by the
+cache's ("ours-keysrow", "keys"; ours/keysrow > 1: the keys' row is faster); the default
+("measured") takes the keys' row for contiguous caches and pages >= 128.
 Everything goes to $OUT/prefill.json (or --out).
 """
 
@@ -100,11 +101,11 @@ def _ours(q, k, v, seqlens, table, policy_by: str):
     """attention_with_kvcache with k6's POLICY row picked by the query length or by the
     cache's (kvcache.PREFILL_POLICY_BY)."""
     from hopper_attn import attention_with_kvcache, kvcache
-    kvcache.PREFILL_POLICY_BY = policy_by
+    default, kvcache.PREFILL_POLICY_BY = kvcache.PREFILL_POLICY_BY, policy_by
     try:
         return attention_with_kvcache(q, k, v, seqlens, page_table=table, causal=True)
     finally:
-        kvcache.PREFILL_POLICY_BY = "queries"
+        kvcache.PREFILL_POLICY_BY = default
 
 
 def speed(log, t0=None) -> list:
