@@ -5,7 +5,8 @@
 
 What it does: checks the inputs (raising ValueError before anything is launched), picks the
 decode stage where a few queries meet many keys (`decode.prefers`: every k/v head's query
-rows, group x seqlen_q, fit one 64-row tile), else the first stage of `PREFERENCE` (per head
+rows, group x seqlen_q, fit one 64-row tile; windows, softcap and sinks too, but for a
+short window on one wave of k6), else the first stage of `PREFERENCE` (per head
 dim) that supports the problem (or the one named by `stage=`), compiles it on first use (cached per head dim, mask and options; one compile
 serves every batch, sequence length and head count), and launches it on the current CUDA
 stream.

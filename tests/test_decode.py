@@ -1,9 +1,10 @@
 """The decode stage (hopper_attn/decode.py).
 
 On the CPU: it compiles for sm_90a without spills at d = 64, 128, 256 (bf16, fp16, causal or
-not); its PTX has the WGMMAs (QK from SMEM, PV with P in registers), the TMA loads of K and
-V only, the combine's one acq_rel atomic; the split heuristic's counts; refusals raise
-ValueError before any launch.
+not; a windowed and a softcapped config with sinks); its PTX has the WGMMAs (QK from SMEM,
+PV with P in registers), the TMA loads of K and V only, the combine's one acq_rel atomic;
+the split heuristic's counts (a window's: its kv tiles only) and the short-window rule;
+refusals raise ValueError before any launch.
 
 On the GPU (marked gpu): every case of harness/decode_check.py against fp32 (2x PyTorch's
 error), the LSE, the same bits twice, the guards around the outputs, CUDA graph replay.
@@ -233,6 +234,20 @@ def test_decode_matches_fp32(index):
     from hopper_attn.harness.decode_check import cases, check_case
     verdict = check_case(cases()[index], seed=index)
     assert verdict["ok"], verdict
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(22))
+def test_decode_features_match_fp32(index):
+    """harness/decode_check.py's feature cases: windows, softcap, sinks."""
+    from hopper_attn.harness.decode_check import check_case, feature_cases
+    verdict = check_case(feature_cases()[index], seed=index)
+    assert verdict["ok"], verdict
+
+
+def test_feature_cases_are_22():
+    from hopper_attn.harness.decode_check import feature_cases
+    assert len(feature_cases()) == 22 and all(c.features for c in feature_cases())
 
 
 @pytest.mark.gpu
