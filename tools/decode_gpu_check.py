@@ -347,7 +347,7 @@ def feature_timing() -> list:
         picked = api._entry_for(Problem(b, hq, 1, d, True, torch.bfloat16, heads_kv=hkv,
                                         seqlen_k=nk, window_left=left, window_right=right),
                                 "", 0.0, with_sinks).name
-        mask = window_mask(1, nk, window[0], 0)
+        mask = window_mask(1, nk, window[0], 0, q.device)
         ref = reference(q, *kvs[0], window[0], 0, d ** -0.5, sinks=sinks)[0]
         err = (hopper_attn.attention(q, *kvs[0], **kw).float() - ref).abs().max().item()
         calls = {name: [lambda k=k, v=v, s=stage: hopper_attn.attention(q, k, v, stage=s, **kw)
