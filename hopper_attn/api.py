@@ -5,8 +5,7 @@
 
 What it does: checks the inputs (raising ValueError before anything is launched), picks the
 decode stage where a few queries meet many keys (`decode.prefers`: every k/v head's query
-rows, group x seqlen_q, fit one 64-row tile; windows, softcap and sinks too, but for a
-short window on one wave of k6), else the first stage of `PREFERENCE` (per head
+rows, group x seqlen_q, fit one 64-row tile; windows, softcap and sinks too), else the first stage of `PREFERENCE` (per head
 dim) that supports the problem (or the one named by `stage=`), compiles it on first use (cached per head dim, mask and options; one compile
 serves every batch, sequence length and head count), and launches it on the current CUDA
 stream.
@@ -537,8 +536,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
     r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
     (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6, the decode stage
-    (a few queries: only the window's kv tiles are read and split; a window of a few kv
-    tiles stays on k6 where its grid is one wave, `decode.prefers`) and kb2 (head dims 64,
+    (a few queries: only the window's kv tiles are read and split) and kb2 (head dims 64,
     96 and 128 with gradients; not deterministic); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
 

@@ -248,19 +248,11 @@ def tile_for(problem, sms: int = 0) -> tuple[int, int]:
 
 def prefers(problem) -> bool:
     """Shapes where this stage should run instead of the prefill stages: every k/v head's
-    packed rows (group x seqlen_q) fit one 64-row M tile, at most 16 queries, the stage
-    supports the problem, and not a short window (left + seqlen_q + right keys: fewer
-    than MIN_SPLIT_TILES kv tiles, one short split per item at any key count) where k6's
-    items (batch x heads) fit one wave (docs/decode.md, "Sliding window and softcap")."""
-    from hopper_attn.common.scheduler import sm_count
+    packed rows (group x seqlen_q) fit one 64-row M tile, at most 16 queries, and the stage
+    supports the problem (windows, softcap and sinks included, at any window length)."""
     group = problem.heads // problem.kv_heads
-    if not (group * problem.seqlen <= ROWS and problem.seqlen <= 16
-            and SPEC.unsupported_reason(problem, check_memory=False) is None):
-        return False
-    left, right = problem.window
-    span = left + problem.seqlen + max(right, 0)
-    return not (left >= 0 and problem.batch * problem.heads <= sm_count()
-                and span < MIN_SPLIT_TILES * tile_for(problem)[0])
+    return (group * problem.seqlen <= ROWS and problem.seqlen <= 16
+            and SPEC.unsupported_reason(problem, check_memory=False) is None)
 
 
 class DecodeAttention:

@@ -354,7 +354,7 @@ def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
     ("gemma-2 global", (1, 1, 16, 8, 8192, 256), dict(softcap=50.0), "decode:softcap=50.0"),
     ("gpt-oss full", (1, 1, 64, 8, 8192, 64), dict(sinks=True), "decode:sinks=1"),
     ("gpt-oss window 128", (1, 1, 64, 8, 8192, 64), dict(window_size=(127, 0), sinks=True),
-     "k6:sinks=1"),                     # 2 kv tiles, 64 heads in one wave: k6 (decode.prefers)
+     "decode:sinks=1"),
     ("gpt-oss window 128, B4", (4, 1, 64, 8, 8192, 64),
      dict(window_size=(127, 0), sinks=True), "decode:sinks=1"),
     ("gemma-2, 4 drafted queries", (2, 4, 16, 8, 8192, 256),
@@ -365,8 +365,8 @@ def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
 def test_decode_shapes_with_window_softcap_sinks_pick_the_decode_stage(monkeypatch, model,
                                                                          shape, kwargs, expect):
     """attention()'s choice for a generation step of models with windows, softcaps and
-    sinks (causal): the decode stage with the features as compile options, k6 for a short
-    window whose grid fits one wave, and for prefill."""
+    sinks (causal): the decode stage with the features as compile options, k6 for
+    prefill."""
     calls = _Launches(monkeypatch)
     b, nq, hq, hkv, nk, d = shape
     q = torch.randn(b, nq, hq, d).to(torch.bfloat16)

@@ -114,7 +114,7 @@ def test_attention_checks_the_window_before_anything():
 def test_backward_stages_without_a_window_refuse_it():
     from hopper_attn import decode, stages
     problem = Problem(1, 8, 1, 128, True, heads_kv=1, seqlen_k=4096, window_left=127)
-    assert not decode.prefers(problem)      # takes it, but one kv tile on one wave: k6
+    assert decode.prefers(problem)          # the forward: the decode stage
     assert decode.SPEC.unsupported_reason(problem) is None
     assert "window_size" in stages.get("kb1").spec.unsupported_reason(problem)
     assert stages.get("k6").spec.unsupported_reason(problem) is None

@@ -24,8 +24,7 @@ same window, cap and sinks; rows that see no key), then (not with --quick) three
 rows through attention() with the stage forced, the same round-robin: Mistral-like B1 32k
 window (4095, 0) (decode, k6, SDPA with the window as a mask, FA4 with window_size) and
 gpt-oss-like window (128, 0) with sinks at B1 and B4 (decode, k6; SDPA and FA4 without the
-sinks), the two sides of `decode.prefers`' short-window rule; which stage attention() picks,
-and its output against the fp32 reference. Everything goes to $OUT/decode_features.json.
+sinks); which stage attention() picks (the decode stage, for every window), and its output against the fp32 reference. Everything goes to $OUT/decode_features.json.
 """
 
 from __future__ import annotations
