@@ -167,11 +167,16 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         handle = _FAST.get(key)
     except AttributeError:                     # not tensors: the checks below say so
         key = handle = None
+    if handle is None and key is not None and window == (-1, -1):
+        handle = _decode_step_handle(q, k, v, key)
     if handle is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         handle = _checked_handle(q, k, v, causal, stage, softcap, window, sinks is not None)
         if len(_FAST) >= _FAST_LIMIT:          # e.g. many sequence lengths: start over
             _FAST.clear()
+            _DECODE_STEPS.clear()
         _FAST[key] = handle
+        if handle.spec.name == "decode" and window == (-1, -1):
+            _remember_decode_step(k, key, handle)
     out = _out_like(q, v)
     lse = _lse_like(q) if want_lse or not handle.spec.keeps_workspace else None
     if sinks is not None and sinks.data_ptr() % 16:     # (a view: inputs are 16-byte aligned)
@@ -183,6 +188,49 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         run_attention(handle, q, k, v, out, softmax_scale, checked=True, lse=lse,
                       extra_inputs=() if sinks is None else (sinks,))
     return out, lse
+
+
+# A generation step has one key more than the last: a new shape (and, for a cache that
+# torch.cat grows, new strides), so `_FAST` misses every step and the checks ran each time.
+# A decode handle depends on the key count only through its kv tiles (the split count), so
+# such a call finds it by everything else and its kv tile count, once what a miss would
+# check of k and v there (lengths, strides) passes. Windows excluded: their walked tiles
+# depend on the exact count.
+_DECODE_STEPS: dict = {}
+
+
+def _decode_step_family(key) -> tuple:
+    """`_run`'s key without k's and v's lengths and strides."""
+    q_shape, k_shape, v_shape, q_stride = key[:4]
+    return (q_shape, k_shape[0], k_shape[2:], v_shape[2:], q_stride, *key[6:])
+
+
+def _remember_decode_step(k, key, handle) -> None:
+    block_n = getattr(handle, "options", {}).get("block_n", 0)
+    if block_n and k.shape[1] >= block_n:
+        steps = _DECODE_STEPS.setdefault(_decode_step_family(key), (block_n, {}))[1]
+        steps[-(-k.shape[1] // block_n)] = handle
+
+
+def _decode_step_handle(q, k, v, key):
+    """The decode handle of an earlier call that differed from this one only in k's and v's
+    lengths and strides, within the same kv tile count, if there was one (else None)."""
+    family = _DECODE_STEPS.get(_decode_step_family(key))
+    if family is None:
+        return None
+    block_n, steps = family
+    keys = k.shape[1]
+    if keys < block_n or v.shape[1] != keys or not (_tma_strides(k) and _tma_strides(v)):
+        return None
+    return steps.get(-(-keys // block_n))
+
+
+def _tma_strides(t: torch.Tensor) -> bool:
+    """check_tensors' strided layout rule: last dim contiguous, the others 16-byte steps."""
+    unit = 16 // t.element_size()
+    stride = t.stride()
+    return stride[3] == 1 and all(st % unit == 0 or n == 1
+                                  for st, n in zip(stride[:3], t.shape[:3]))
 
 
 def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,

@@ -321,10 +321,11 @@ def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
     monkeypatch.setattr(api, "_compile_options", lambda: rt.TVM_FFI)
     monkeypatch.setattr(rt, "compile_for_example",
                         lambda *a, **k: compiles.append(1) or (lambda *t: launches.append(t)))
-    for name in ("_HANDLES", "_FAST", "_DECODE_SIBLINGS"):
+    for name in ("_HANDLES", "_FAST", "_DECODE_SIBLINGS", "_DECODE_STEPS"):
         monkeypatch.setattr(api, name, {})
     monkeypatch.setattr(contract, "_SHARED_WORKSPACES", {})
     memory_queries, reason = [], contract.KernelSpec.unsupported_reason
+    real_checked = api._checked_handle
 
     def counted(self, problem, check_memory=True):
         memory_queries.append(check_memory)
@@ -334,15 +335,25 @@ def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
     cache = torch.zeros(1, 700, 8, 128, dtype=torch.bfloat16)
     for n in range(512, 520):
         hopper_attn.attention(q, cache[:, :n], cache[:, :n])
-    assert len(compiles) == 1 and len(launches) == 8 and len(api._HANDLES) == 8
+    # one handle per kv tile count (128 keys here): 512, then 513-519 (`_decode_step_handle`)
+    assert len(compiles) == 1 and len(launches) == 8 and len(api._HANDLES) == 2
     assert sum(memory_queries) <= 2, memory_queries      # the compile's and the allocation's
     assert len({id(t[5]) for t in launches}) == 1             # one partial-O buffer
     assert len({id(t[4]) for t in launches}) == 1             # the workspace's LSE
     _, lse = hopper_attn.attention(q, cache[:, :520], cache[:, :520], return_lse=True)
     assert launches[-1][4] is lse and lse is not launches[0][4]
+    checked = []
+    monkeypatch.setattr(api, "_checked_handle", lambda *a, **k: checked.append(1)
+                        or real_checked(*a, **k))
+    for n in range(650, 660):      # a cache torch.cat grows: new strides each step, no checks
+        grown = torch.zeros(1, 8, n, 128, dtype=torch.bfloat16).transpose(1, 2)
+        hopper_attn.attention(q, grown, grown)
+    assert len(checked) == 1                                   # 650-659: one kv tile count
     odd = torch.zeros(1, 700, 8, 130, dtype=torch.bfloat16)[..., :128]
     with pytest.raises(ValueError, match="16 bytes"):
         hopper_attn.attention(q, odd[:, :521], odd[:, :521])
+    with pytest.raises(ValueError, match="16 bytes"):         # k's strides change in a tile
+        hopper_attn.attention(q, odd[:, :531], cache[:, :531])
 
 
 @pytest.mark.parametrize("model,shape,kwargs,expect", [

@@ -42,9 +42,30 @@ def times(fn, calls: int) -> tuple:
                                                            / calls, 1)
 
 
+def profile(fn, calls: int) -> str:
+    """cProfile of `calls` calls (after one warm-up), the top 20 functions by own time."""
+    import cProfile
+    import io
+    import pstats
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+    return "\n".join(line[:150] for line in text.getvalue().splitlines()[6:])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--profile", default="",
+                        help="comma-separated path names: cProfile each one's timed calls, "
+                             "top 20 by own time printed and in the JSON")
     args = parser.parse_args()
     import hopper_attn
     from hopper_attn.harness.env import environment
@@ -91,6 +112,8 @@ def main() -> int:
     decode = {
         "attention decode 4k": lambda: hopper_attn.attention(q, k, v),
         "attention decode +1 key per call": attn_grow,
+        "attention decode 4k view of a longer cache": lambda: hopper_attn.attention(
+            q, k_buf[:, :keys], v_buf[:, :keys]),
         "kvcache contiguous 4k": lambda: hopper_attn.attention_with_kvcache(q, k, v, seqlens),
         "kvcache page 16 4k": lambda: hopper_attn.attention_with_kvcache(
             q, k_paged, v_paged, seqlens, page_table=table),
@@ -114,6 +137,10 @@ def main() -> int:
                 res["max_abs_error"][name] = (fn().float() - ref.float()).abs().max().item()
             for name, fn in decode.items():
                 res["host_gpu_us"][name] = times(fn, calls)
+            for name in filter(None, args.profile.split(",")):
+                res.setdefault("profiles", {})[name] = profile(decode[name], calls)
+                print(f"--- cProfile {name}, {calls} calls, by own time\n"
+                      + res["profiles"][name])
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):   # (selected once, as a model would)
                 res["host_gpu_us"]["provider F.sdpa, flash selected once"] = times(
                     lambda: F.scaled_dot_product_attention(sq, sk, sv, enable_gqa=True),
