@@ -36,7 +36,9 @@ e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged
 over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in registers for
 an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V).
 FP8_TILES: 64 x 9 e4m3 stages at d = 128 is fp16 rings 64 + e4m3 rings 144 + 2 = 210
-KiB, one CTA per SM (docs/kvcache.md).
+KiB, one CTA per SM (docs/kvcache.md). A/B variants (FP8_VARIANTS, `fp8_tile`, off by
+default): the consumers in k6's order or with S_{j+1} issued ahead (common/decode_orders.py),
+three 16-bit stages (seven e4m3 ones).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
@@ -77,6 +79,7 @@ from cutlass.cute.nvgpu import warpgroup
 import torch
 
 from hopper_attn.common import masking, paged, split_kv, tma, wgmma
+from hopper_attn.common.decode_orders import ORDERS, DecodeOrders
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention, shared_workspace)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
@@ -103,6 +106,10 @@ TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
 # V rings of WIDE_STAGES 64 KiB + e4m3 rings 144 + 2 = 210 KiB (144 KiB in flight; 10
 # stages would leave no byte of the 227 KiB beside the 1 KiB the kernel declares statically)
 FP8_TILES = {64: (128, 9), 128: (64, 9), 256: (64, 2)}
+# e4m3 cache A/B variants (docs/kvcache.md): the consumers' order, 16-bit stages
+FP8_VARIANTS = {"": {}, "wide3": dict(wide_stages=3), "overlap": dict(fp8_order="overlap"),
+                "overlap-w3": dict(fp8_order="overlap", wide_stages=3),
+                "ahead-w3": dict(fp8_order="ahead", wide_stages=3)}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
 
@@ -163,16 +170,30 @@ def q_in_registers(head_dim: int, fp8: bool) -> bool:
     return fp8 and head_dim <= 128
 
 
-def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
+def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False,
+                  wide_stages: int = WIDE_STAGES) -> int:
     """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
-    rings of `stages` and 16-bit K and V rings of WIDE_STAGES they are widened into; Q's
+    rings of `stages` and 16-bit K and V rings of `wide_stages` they are widened into; Q's
     tile, or 1 KiB where Q is held in registers)."""
     if fp8:
         q_bytes = 1024 if q_in_registers(head_dim, fp8) else smem_bytes(ROWS * head_dim * 2)
         return 1024 + q_bytes \
-            + 2 * smem_bytes(WIDE_STAGES * block_n * head_dim * 2) \
+            + 2 * smem_bytes(wide_stages * block_n * head_dim * 2) \
             + 2 * smem_bytes(stages * block_n * head_dim)
     return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
+
+
+def fp8_tile(head_dim: int, variant: str = "") -> tuple[int, int]:
+    """(kv tile, e4m3 stages) of an e4m3 cache: FP8_TILES, or for a variant with more
+    16-bit stages the most e4m3 stages within FP8_TILES' shared memory (ValueError: not 2)."""
+    block_n, stages = FP8_TILES[head_dim]
+    wide = FP8_VARIANTS[variant].get("wide_stages", WIDE_STAGES)
+    budget = smem_estimate(head_dim, block_n, stages, True)
+    while stages >= 2 and smem_estimate(head_dim, block_n, stages, True, wide) > budget:
+        stages -= 1
+    if stages < 2:
+        raise ValueError(f"fp8 variant {variant!r}: no two e4m3 stages fit at d = {head_dim}")
+    return block_n, stages
 
 
 def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
@@ -244,11 +265,12 @@ def prefers(problem) -> bool:
             and SPEC.unsupported_reason(problem, check_memory=False) is None)
 
 
-class DecodeAttention:
+class DecodeAttention(DecodeOrders):
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
                  page_size: int = 0, fp8: bool = False, softcap: float = 0.0,
-                 window_left: int = -1, window_right: int = -1):
+                 window_left: int = -1, window_right: int = -1, fp8_order: str = "k5",
+                 wide_stages: int = WIDE_STAGES):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
@@ -256,8 +278,13 @@ class DecodeAttention:
         head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
         `window_right`: a sliding window as Problem's fields (-1: unbounded; with causal
         the right side is 0 and window_right -1). All compile-time: none of them, none of
-        their code."""
+        their code. `fp8_order` (k5, overlap, ahead) and `wide_stages`: the e4m3 cache's
+        A/B variants (FP8_VARIANTS)."""
         block_n, stages = tile_config(head_dim, block_n, stages)
+        if fp8_order not in ORDERS or not 2 <= wide_stages <= 4 or \
+                (not fp8 and (fp8_order, wide_stages) != ("k5", WIDE_STAGES)):
+            raise ValueError(f"fp8_order one of {ORDERS}, wide_stages 2-4: e4m3 cache only")
+        self.fp8_order, self.wide_stages = fp8_order, wide_stages
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
             raise ValueError(f"page_size must be one of {PAGE_SIZES} (kv_cache only), "
@@ -270,7 +297,7 @@ class DecodeAttention:
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
         self.threads = FP8_THREADS if fp8 else THREADS
         self.q_in_registers = q_in_registers(head_dim, fp8)
-        smem = smem_estimate(head_dim, block_n, stages, fp8)
+        smem = smem_estimate(head_dim, block_n, stages, fp8, wide_stages)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
                              f"{smem} bytes of shared memory; a CTA gets at most {SMEM_PER_CTA}")
@@ -296,6 +323,8 @@ class DecodeAttention:
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk,
                 **({"softcap": self.softcap} if self.softcap else {}),
+                **({"fp8_order": self.fp8_order, "wide_stages": self.wide_stages}
+                   if (self.fp8_order, self.wide_stages) != ("k5", WIDE_STAGES) else {}),
                 **({"window": (self.window_left, self.window_right)} if self.windowed
                    else {})}
 
@@ -340,7 +369,7 @@ class DecodeAttention:
                                   cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
         q_layout = smem_tile_layout(self.mma_dtype, ROWS, d)
         kv_layout = smem_tile_layout(self.mma_dtype, bn, d,
-                                     WIDE_STAGES if self.fp8 else self.stages)
+                                     self.wide_stages if self.fp8 else self.stages)
         # (fp8: TMA fills rings of e4m3 tiles; kv_layout: the 16-bit rings they widen into)
         load_dtype = mK.element_type
         load_layout = smem_tile_layout(load_dtype, bn, d, self.stages) if self.fp8 \
@@ -357,8 +386,8 @@ class DecodeAttention:
             class SharedStorage:
                 k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-                k16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
-                v16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
+                k16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.wide_stages]
+                v16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.wide_stages]
                 last: cute.struct.MemRange[Int32, 4]
                 sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
                                                            cute.cosize(kv_layout)], 1024]
@@ -464,7 +493,7 @@ class DecodeAttention:
         k_ring, v_ring = k_pipe, v_pipe                     # the rings the WGMMAs read
         loaders = warp == PRODUCER_WARP
         if cutlass.const_expr(self.fp8):                    # e4m3: the 16-bit rings
-            k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), WIDE_STAGES) for barriers
+            k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), self.wide_stages) for barriers
                               in (storage.k16_barriers, storage.v16_barriers))
             loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
@@ -536,39 +565,38 @@ class DecodeAttention:
                     query = (row0 + s_coords[r, 0][0]) // group
                     limits[r] = cutlass.min(seqlen_k, query + seqlen_k - seqlen_q + 1)
 
-            ring_stages = WIDE_STAGES if self.fp8 else self.stages
+            ring_stages = self.wide_stages if self.fp8 else self.stages
             k_state = tma.consumer_state(ring_stages)
             v_state = tma.consumer_state(ring_stages)
-            for j in cutlass.range(n_count, unroll=1):
-                k_ring.consumer_wait(k_state)
-                if j > 0:                                   # O += P_{j-1} V_{j-1}
-                    v_ring.consumer_wait(v_state)
-                    wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                               mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
-                wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
-                           mmas.k_frag[None, None, None, k_state.index], zero_init=True)
-                warpgroup.wait_group(0)
-                if j > 0:
-                    tma.release_stage(v_ring, v_state)
-                    v_state.advance()
-                tma.release_stage(k_ring, k_state)
-                k_state.advance()
-                s_rc = acc_rows_cols(acc_s)
-                if cutlass.const_expr(self.softcap > 0.0):  # (before the mask: tanh(-inf))
-                    softcap_scores(s_rc, softmax.softcap_prescale)
-                col0 = (n_first + j) * bn
-                if cutlass.const_expr(self.windowed):
-                    if col0 + bn > keys_all or col0 < low_all:
-                        masking.mask_key_ranges(s_rc, s_coords, col0, lows, limits,
-                                                self.window_left)
-                elif col0 + bn > keys_all:                  # tail or causal diagonal
-                    for r in cutlass.range_constexpr(rows):
-                        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                            if col0 + s_coords[r, c][1] >= limits[r]:
-                                s_rc[r, c] = -Float32.inf
-                alpha = softmax.step(s_rc)
-                scale_rows(o_rc, alpha)
-                mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
+            if cutlass.const_expr(not self.windowed):
+                lows, low_all = None, None
+            if cutlass.const_expr(self.fp8_order == "overlap"):
+                k_state, v_state = self.overlapped_tiles(
+                    mmas, acc_s, acc_o, k_ring, v_ring, k_state, v_state, n_first, n_count,
+                    softmax, s_coords, limits, lows, keys_all, low_all)
+            elif cutlass.const_expr(self.fp8_order == "ahead"):
+                k_state, v_state = self.ahead_tiles(
+                    mmas, acc_s, acc_o, k_ring, v_ring, k_state, v_state, n_first, n_count,
+                    softmax, s_coords, limits, lows, keys_all, low_all)
+            else:
+                for j in cutlass.range(n_count, unroll=1):
+                    k_ring.consumer_wait(k_state)
+                    if j > 0:                                   # O += P_{j-1} V_{j-1}
+                        v_ring.consumer_wait(v_state)
+                        wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
+                                   mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                    wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
+                               mmas.k_frag[None, None, None, k_state.index], zero_init=True)
+                    warpgroup.wait_group(0)
+                    if j > 0:
+                        tma.release_stage(v_ring, v_state)
+                        v_state.advance()
+                    tma.release_stage(k_ring, k_state)
+                    k_state.advance()
+                    alpha = self.tile_probs(acc_s, n_first + j, softmax, s_coords, limits, lows,
+                                            keys_all, low_all)
+                    scale_rows(o_rc, alpha)
+                    mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
             if n_count > 0:                                 # the last tile's PV
                 v_ring.consumer_wait(v_state)
                 if cutlass.const_expr(self.kv_cache and not self.fp8):
@@ -634,6 +662,26 @@ class DecodeAttention:
                     split_kv.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
                                      part_rows, row0, group, kv_head, batch, tidx, mSinks,
                                      d, self.combine_chunk, self.dtype)
+
+    @cute.jit
+    def tile_probs(self, acc_s: cute.Tensor, tile, softmax, s_coords: cute.Tensor, limits,
+                   lows, keys_all, low_all):
+        """Kv tile `tile`'s scores -> P in place (softcap, the masks, the online softmax);
+        returns alpha, by which O is to be rescaled."""
+        bn = self.block_n
+        s_rc = acc_rows_cols(acc_s)
+        if cutlass.const_expr(self.softcap > 0.0):          # (before the mask: tanh(-inf))
+            softcap_scores(s_rc, softmax.softcap_prescale)
+        col0 = tile * bn
+        if cutlass.const_expr(self.windowed):
+            if col0 + bn > keys_all or col0 < low_all:
+                masking.mask_key_ranges(s_rc, s_coords, col0, lows, limits, self.window_left)
+        elif col0 + bn > keys_all:                          # tail or causal diagonal
+            for r in cutlass.range_constexpr(cute.size(s_coords, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    if col0 + s_coords[r, c][1] >= limits[r]:
+                        s_rc[r, c] = -Float32.inf
+        return softmax.step(s_rc)
 
 
 class DecodeAttentionSinks(DecodeAttention):

@@ -141,6 +141,27 @@ def test_kv_cache_variants_compile(page_size, block_n, stages, fp8, boxes):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("page_size,variant", [(16, "overlap"), (0, "ahead-w3")])
+def test_fp8_variants_compile(page_size, variant):
+    """The e4m3 A/B variants (decode.FP8_VARIANTS) compile for sm_90a without spills: PV
+    behind S with a wait for S alone (overlap), or S_{j+1} and PV_{j-1} under one wait."""
+    from hopper_attn import decode
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+    block_n, stages = decode.fp8_tile(128, variant)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = kvcache.compile_kernel(
+            128, True, torch.bfloat16, page_size, block_n, stages,
+            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
+            kv_dtype=kvcache.FP8, fp8_variant=variant)
+        ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
+    (fn,) = resource_usage(cubin)
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert fn["registers"] * kernel.threads <= 65536, fn
+    assert ("wgmma.wait_group.sync.aligned \t1;" in ptx) == (variant == "overlap")
+    assert kernel.describe()["fp8_order"] == variant.split("-")[0]
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("page_size,block_n,stages,features", [
     (16, 128, 3, dict(window=(128, -1))), (0, 64, 2, dict(softcap=30.0, sinks=True))])
 def test_kv_cache_features_compile(page_size, block_n, stages, features):

@@ -9,6 +9,7 @@ path and SDPA over a gathered cache.
     python tools/kvcache_gpu_check.py --no-correctness --shapes small --sorted-pages
     python tools/kvcache_gpu_check.py --features --quick   # window / softcap / sinks (< 2 min)
     python tools/kvcache_gpu_check.py --features           # + their timing rows
+    python tools/kvcache_gpu_check.py --fp8-variants       # e4m3 A/B variants (~90 s)
 
 Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
 and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
@@ -41,6 +42,12 @@ and one split's fold, all three together; contiguous and 16-token pages, NaN in 
 pages, appends; the fp32 reference under the same masks, cap and sinks), then (not with
 --quick) timing rows at B1 32k (Hq 32 / Hkv 8, d 128, causal, one query; contiguous and
 16-token pages): no feature, window (4096, 0), softcap 30, sinks, the same round-robin.
+`--fp8-variants` (instead of the above): each e4m3 A/B variant of decode.FP8_VARIANTS
+(docs/kvcache.md) on a few cases (contiguous d 128 with lengths 0, 1 and tile boundaries;
+16-token pages with 4 queries and appends; d 64 pages with NaN in unused slots): the error
+bound of the e4m3 cache and the same bits as the default kernel (the variants reorder the
+same arithmetic); then (not with --quick) round-robin timing, contiguous, B1 32k, B1 128k,
+B64 4k, B256 4k: the bf16 cache, the e4m3 default and each variant, e4m3 / bf16 speed.
 Everything goes to $OUT/kvcache.json.
 """
 
@@ -90,6 +97,60 @@ def correctness(features: bool = False) -> list:
     print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass, max error ratio "
           f"{max(ratios, default=float('nan')):.2f} (limit 2 + 2^-10 / torch error)")
     return rows
+
+
+def fp8_variants(quick: bool) -> dict:
+    """--fp8-variants: correctness of each e4m3 variant, then (not quick) their timing."""
+    import dataclasses
+    from decode_gpu_check import round_robin
+    from hopper_attn import attention_with_kvcache, decode
+    from hopper_attn.harness import kvcache_check as kc
+    variants = [v for v in decode.FP8_VARIANTS if v]
+    cases = [kc.Case((0, 1, 63, 64, 65, 1000, 1023, 1024), 1024, 0, fp8=True),
+             kc.Case((5, 300, 1000, 777), 1024, 16, seqlen_q=4, seqlen_new=4, fp8=True),
+             kc.Case((1000, 2046, 15, 0), 2048, 16, head_dim=64, seqlen_new=2, fp8=True)]
+    rows, timing = [], []
+    for v in variants:
+        for i, base in enumerate(cases):
+            case = dataclasses.replace(base, fp8_variant=v)
+            try:
+                row = kc.check_case(case, seed=i)
+                inputs = kc.make_case(base, "cuda", seed=i)
+                mine, ref = kc._call(inputs, case), kc._call(inputs, base)
+                row["same_as_default"] = kc._same_bits(mine[0], ref[0]) and \
+                    kc._same_bits(mine[1], ref[1])
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                row = {"case": case.label(), "ok": False,
+                       "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            rows.append(row)
+            print(_line(row) + ("" if row.get("same_as_default", True)
+                                else "  (bits differ from the default)"), flush=True)
+    print(f"fp8 variants: {sum(r['ok'] for r in rows)}/{len(rows)} pass, "
+          f"{sum(r.get('same_as_default', False) for r in rows)} same bits as the default")
+    for batch, n in ([] if quick else SMALL):
+        gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
+        copies = max(2, math.ceil(2 * L2_BYTES / (2 * batch * n * HKV * D * 2)))
+        q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+        seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        sets = [_caches(batch, n, 0, gen)[:2] for _ in range(copies)]
+        sets8 = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in sets]
+        calls = {"bf16": [lambda k=k, v=v: attention_with_kvcache(q, k, v, seqlens)
+                          for k, v in sets]}
+        for name in ("", *variants):
+            calls[f"fp8{'-' + name if name else ''}"] = [
+                lambda k=k, v=v, name=name: attention_with_kvcache(q, k, v, seqlens,
+                                                                  fp8_variant=name)
+                for k, v in sets8]
+        timed = round_robin(calls)
+        us = {k: e["ms"] * 1e3 for k, e in timed.items() if "ms" in e}
+        ratios = {k: us["bf16"] / t for k, t in us.items() if k != "bf16" and "bf16" in us}
+        print(f"B{batch} {n // 1024}k: bf16 {us.get('bf16', float('nan')):.1f} us | "
+              + " | ".join(f"{k} {us[k]:.1f} {ratios[k]:.2f}x" for k in ratios), flush=True)
+        timing.append({"batch": batch, "seqlen_k": n, "timed": timed, "fp8_over_bf16": ratios})
+        del sets, sets8, calls
+        torch.cuda.empty_cache()
+    return {"variants": {v: decode.FP8_VARIANTS[v] for v in variants}, "correctness": rows,
+            "timing": timing}
 
 
 def nan_probe() -> list:
@@ -306,6 +367,8 @@ def main():
     parser.add_argument("--sorted-pages", action="store_true", help="unshuffled page tables")
     parser.add_argument("--features", action="store_true",
                         help="window / softcap / sinks cases (and timing rows) instead")
+    parser.add_argument("--fp8-variants", action="store_true",
+                        help="e4m3 A/B variants: correctness, then timing, instead")
     args = parser.parse_args()
     global SORTED_PAGES
     SORTED_PAGES = args.sorted_pages
@@ -324,14 +387,16 @@ def main():
               "sorted_pages": SORTED_PAGES,
               "tiles_d128": [list(t) for t in decode.TILES[D]]}
     try:
-        if args.features:
+        if args.fp8_variants:
+            result["fp8_variants"] = fp8_variants(args.quick)
+        elif args.features:
             result["features"] = correctness(features=True)
             if not args.quick:
                 result["feature_timing"] = feature_timing()
         elif not args.no_correctness:
             result["correctness"] = correctness()
             result["nan_probe"] = nan_probe()
-        if not args.quick and not args.features:
+        if not args.quick and not args.features and not args.fp8_variants:
             result["benchmark"] = benchmark(SMALL if args.shapes == "small" else SHAPES)
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()

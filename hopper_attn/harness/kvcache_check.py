@@ -43,6 +43,7 @@ class Case:
     window: tuple = (-1, -1)      # window_size (left, right) as the call takes it
     softcap: float = 0.0
     sinks: bool = False           # random (heads,) fp32 sinks
+    fp8_variant: str = ""         # an e4m3 A/B variant (decode.FP8_VARIANTS)
 
     @property
     def batch(self) -> int:
@@ -62,7 +63,8 @@ class Case:
                 + (f" window{self.window[0]},{self.window[1]}" if self.window != (-1, -1)
                    else "")
                 + (f" cap{self.softcap:g}" if self.softcap else "")
-                + (" sinks" if self.sinks else ""))
+                + (" sinks" if self.sinks else "")
+                + (f" [{self.fp8_variant}]" if self.fp8_variant else ""))
 
 
 def quick_cases() -> list[Case]:
@@ -325,7 +327,8 @@ def _call(inputs, case: Case, **kw):
                                   v_new=i["v_new"], causal=case.causal, return_lse=True,
                                   num_splits=case.num_splits, k_descale=i["k_descale"],
                                   v_descale=i["v_descale"], window_size=case.window,
-                                  softcap=case.softcap, sinks=i.get("sinks"), **kw)
+                                  softcap=case.softcap, sinks=i.get("sinks"),
+                                  fp8_variant=case.fp8_variant, **kw)
 
 
 def _same_bits(a, b) -> bool:
@@ -376,7 +379,7 @@ def check_case(case: Case, seed: int = 0) -> dict:
     return {"case": case.label(), "ok": bool(ok), "err": err, "torch_err": t_err,
             "ratio": err / max(t_err, 2 ** -10), "lse_err": lse_err, "lse_inf_ok": lse_ok,
             "same_bits": same, "no_nan": no_nan, "cache_ok": cache_ok,
-            "plan": kvcache.plan(problem, case.num_splits, case.fp8)}
+            "plan": kvcache.plan(problem, case.num_splits, case.fp8, case.fp8_variant)}
 
 
 def check_graph(case: Case = Case((1000, 4095, 17, 0), 4096, 16, seqlen_new=1),
