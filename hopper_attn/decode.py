@@ -37,7 +37,7 @@ over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in regis
 an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V).
 FP8_TILES: 64 x 9 e4m3 stages at d = 128 is fp16 rings 64 + e4m3 rings 144 + 2 = 210
 KiB, one CTA per SM (docs/kvcache.md). A/B variants (FP8_VARIANTS, `fp8_tile`, off by
-default): the consumers in k6's order or with S_{j+1} issued ahead (common/decode_orders.py),
+default): the consumers in k6's order or with S_{j+1} issued ahead (common/decode_orders.py);
 three 16-bit stages (seven e4m3 ones).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
@@ -278,7 +278,7 @@ class DecodeAttention(DecodeOrders):
         head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
         `window_right`: a sliding window as Problem's fields (-1: unbounded; with causal
         the right side is 0 and window_right -1). All compile-time: none of them, none of
-        their code. `fp8_order` (k5, overlap, ahead) and `wide_stages`: the e4m3 cache's
+        their code. `fp8_order` (decode_orders.ORDERS) and `wide_stages`: the e4m3 cache's
         A/B variants (FP8_VARIANTS)."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         if fp8_order not in ORDERS or not 2 <= wide_stages <= 4 or \

@@ -143,10 +143,13 @@ def test_kv_cache_variants_compile(page_size, block_n, stages, fp8, boxes):
 @pytest.mark.compile
 @pytest.mark.parametrize("page_size,variant", [(16, "overlap"), (0, "ahead-w3")])
 def test_fp8_variants_compile(page_size, variant):
-    """The e4m3 A/B variants (decode.FP8_VARIANTS) compile for sm_90a without spills: PV
-    behind S with a wait for S alone (overlap), or S_{j+1} and PV_{j-1} under one wait."""
+    """The e4m3 A/B variants (decode.FP8_VARIANTS) compile for sm_90a without spills, the
+    WGMMAs in groups (not serialized), the softmax's exp2s before the wait for the GEMM(s)
+    it runs under: PV_{j-1} (overlap, behind a wait for S_j alone), or S_{j+1} and PV_{j-1}
+    (ahead)."""
     from hopper_attn import decode
-    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+    from hopper_attn.harness import sass_order
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage, sass
     block_n, stages = decode.fp8_tile(128, variant)
     with tempfile.TemporaryDirectory() as dump:
         compiled, kernel = kvcache.compile_kernel(
@@ -157,8 +160,12 @@ def test_fp8_variants_compile(page_size, variant):
     (fn,) = resource_usage(cubin)
     assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert fn["registers"] * kernel.threads <= 65536, fn
-    assert ("wgmma.wait_group.sync.aligned \t1;" in ptx) == (variant == "overlap")
     assert kernel.describe()["fp8_order"] == variant.split("-")[0]
+    events = sass_order.loops(sass(cubin))[-1][2]      # the consumers' loop
+    assert "HGMMA-rs.N64 x7" in events, events          # S's 8 k16 slices in one group
+    exp2 = events.index("EX2 x34")
+    assert exp2 < len(events) - 1 - events[::-1].index("DEPBAR 0x0"), events
+    assert ("DEPBAR 0x1" in events[:exp2]) == (variant == "overlap"), events
 
 
 @pytest.mark.compile

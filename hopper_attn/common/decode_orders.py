@@ -11,11 +11,15 @@ before the loaders take any issue slot, against ~790 for 16 KiB of e4m3 at the H
   run the softmax of tile j under PV_{j-1}, then wait for PV_{j-1}, release V_{j-1}, rescale
   O and turn P_j into the operand registers (which PV_{j-1} read until then). The same
   arithmetic in the same order as k5's: the same bits.
-* "ahead": S_{j+1} issued with PV_{j-1} before the softmax of tile j, into a second S
-  accumulator (32 registers more): the softmax runs under both GEMMs. The consumers hold
-  K_{j+1} a tile earlier, so the loaders must widen a tile further ahead: with two 16-bit
-  stages they would widen K_{j+1} only after V_j, which waits for V_{j-2}'s release at the
-  end of tile j-1: use three (`wide_stages`). The same bits too.
+* "ahead": S_{j+1} issued before the softmax of tile j, into a second S accumulator (32
+  registers more), and PV_j as soon as P_j is in its registers (after O's rescale): PV_{j-1}
+  and S_{j+1} run under the softmax of tile j, PV_j under the move of S_{j+1} into place
+  and the next tile's waits. Only `wait_group(0)`: ptxas cannot tell which group a
+  `wait_group(1)` retires across the loop's back edge, and where it cannot it serializes
+  every WGMMA (C7514; a "pipe" order that waited for PV_{j-1} alone, S_{j+1} still in
+  flight, did). The consumers hold K_{j+1} a tile earlier, so the loaders must widen a tile
+  further ahead: with two 16-bit stages they would widen K_{j+1} only after V_j, which
+  waits for V_{j-2}'s release in tile j-1: use three (`wide_stages`). The same bits too.
 
 A mixin of decode.DecodeAttention: `self` brings `tile_probs` (mask and softmax of a tile)
 and `mma_dtype`.
@@ -73,7 +77,7 @@ class DecodeOrders:
                     k_state, v_state, n_first, n_count, softmax, s_coords,
                     limits, lows, keys_all, low_all):
         """Tiles n_first .. + n_count with S_{j+1} and PV_{j-1} in flight under the softmax
-        of tile j; the same hand-over to the caller's last PV."""
+        of tile j; the same hand-over to the caller's last PV (P_{n-1}, V_{n-1})."""
         o_rc = acc_rows_cols(acc_o)
         acc_next = cute.make_rmem_tensor_like(acc_s)
         if n_count > 0:                                 # S_0 alone
@@ -83,27 +87,26 @@ class DecodeOrders:
             warpgroup.wait_group(0)
             tma.release_stage(k_ring, k_state)
             k_state.advance()
+        # at the top of tile j: S_j in acc_s, PV_{j-1} in flight (j > 0)
         for j in cutlass.range(n_count, unroll=1):
-            if j + 1 < n_count:                         # S_{j+1}
+            if j + 1 < n_count:                         # S_{j+1}, behind PV_{j-1}
                 k_ring.consumer_wait(k_state)
                 wgmma.gemm(mmas.mma_qk, acc_next, mmas.q_frag,
                            mmas.k_frag[None, None, None, k_state.index], zero_init=True)
-            if j > 0:                                   # O += P_{j-1} V_{j-1}
-                v_ring.consumer_wait(v_state)
-                wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                           mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
             alpha = self.tile_probs(acc_s, n_first + j, softmax, s_coords, limits, lows,
                                     keys_all, low_all)
             cute.arch.fence_acq_rel_cta()               # (the wait stays below the softmax)
-            warpgroup.wait_group(0)                     # S_{j+1} and PV_{j-1} done
-            if j + 1 < n_count:
-                tma.release_stage(k_ring, k_state)
-                k_state.advance()
+            warpgroup.wait_group(0)                     # PV_{j-1} and S_{j+1} done
             if j > 0:
                 tma.release_stage(v_ring, v_state)
                 v_state.advance()
             scale_rows(o_rc, alpha)
             mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
-            acc_s.store(acc_next.load())
+            if j + 1 < n_count:
+                tma.release_stage(k_ring, k_state)
+                k_state.advance()
+                v_ring.consumer_wait(v_state)           # O += P_j V_j, now
+                wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
+                           mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                acc_s.store(acc_next.load())            # (under PV_j)
         return k_state, v_state
-
