@@ -307,14 +307,15 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_des
     workspace (the LSE first), TVM-FFI or not, head_dim)."""
     from hopper_attn import decode
     from hopper_attn.common import cute_runtime as rt
+    if not isinstance(fp8_variant, str) or fp8_variant not in decode.FP8_VARIANTS or \
+            (fp8_variant and getattr(k_cache, "dtype", None) != FP8):
+        raise ValueError(f"fp8_variant must be one of {sorted(decode.FP8_VARIANTS)} with an "
+                         f"e4m3 cache, got {fp8_variant!r}")
     window, cap, with_sinks = check_features(q, causal, window_size, softcap, sinks)
     page_size, capacity = check_inputs(q, k_cache, v_cache, cache_seqlens, page_table, k_new,
                                        v_new, num_splits, None, k_descale, v_descale)
     problem = problem_for(q, k_cache.shape[2], capacity, causal, window)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
-    if fp8_variant not in decode.FP8_VARIANTS or (fp8_variant and k_cache.dtype != FP8):
-        raise ValueError(f"fp8_variant must be one of {sorted(decode.FP8_VARIANTS)} with an "
-                         f"e4m3 cache, got {fp8_variant!r}")
     block_n, stages, splits = plan(problem, num_splits, k_cache.dtype == FP8, fp8_variant)
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,

@@ -33,7 +33,8 @@ def _inputs(**over):
 def _refused(match, **over):
     t = _inputs(**over)
     extra = {k: t.pop(k) for k in ("k_new", "v_new", "num_splits", "k_descale", "v_descale",
-                                   "window_size", "softcap", "sinks", "causal") if k in t}
+                                   "window_size", "softcap", "sinks", "causal", "fp8_variant")
+             if k in t}
     with pytest.raises(ValueError, match=match):
         kvcache.attention_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"],
                                        page_table=t["page_table"], **extra)
@@ -80,6 +81,9 @@ def test_refusals_before_any_launch():
     _refused("softcap", softcap=True)
     _refused("sinks", sinks=torch.zeros(4))                      # (heads,) = (8,)
     _refused("sinks", sinks=torch.zeros(8, dtype=torch.bfloat16))
+    _refused("fp8_variant", fp8_variant="overlap")              # an A/B variant: e4m3 only
+    _refused("fp8_variant", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+             v_cache=torch.zeros(6, 16, 2, 128, dtype=f8), fp8_variant="nope")
 
 
 def test_page_table_gather_and_append_math():
