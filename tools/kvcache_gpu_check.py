@@ -43,8 +43,9 @@ pages, appends; the fp32 reference under the same masks, cap and sinks), then (n
 --quick) timing rows at B1 32k (Hq 32 / Hkv 8, d 128, causal, one query; contiguous and
 16-token pages): no feature, window (4096, 0), softcap 30, sinks, the same round-robin.
 `--fp8-variants` (instead of the above): each e4m3 A/B variant of decode.FP8_VARIANTS
-(docs/kvcache.md) on a few cases (contiguous d 128 with lengths 0, 1 and tile boundaries;
-16-token pages with 4 queries and appends; d 64 pages with NaN in unused slots): the error
+(docs/kvcache.md) on a few cases (contiguous d 128 with lengths 0, 1 and tile boundaries,
+and with 3 splits of 1-4 tiles each; 16-token pages with 4 queries and appends; d 64 pages
+with NaN in unused slots): the error
 bound of the e4m3 cache and the same bits as the default kernel (the variants reorder the
 same arithmetic); then (not with --quick) round-robin timing, contiguous, B1 32k, B1 128k,
 B64 4k, B256 4k: the bf16 cache, the e4m3 default and each variant, e4m3 / bf16 speed.
@@ -107,6 +108,7 @@ def fp8_variants(quick: bool) -> dict:
     from hopper_attn.harness import kvcache_check as kc
     variants = [v for v in decode.FP8_VARIANTS if v]
     cases = [kc.Case((0, 1, 63, 64, 65, 1000, 1023, 1024), 1024, 0, fp8=True),
+             kc.Case((130, 190, 250, 700), 1024, 0, fp8=True, num_splits=3),   # 1-4 tiles
              kc.Case((5, 300, 1000, 777), 1024, 16, seqlen_q=4, seqlen_new=4, fp8=True),
              kc.Case((1000, 2046, 15, 0), 2048, 16, head_dim=64, seqlen_new=2, fp8=True)]
     rows, timing = [], []
