@@ -79,9 +79,9 @@ from cutlass.cute.nvgpu import warpgroup
 import torch
 
 from hopper_attn.common import masking, paged, split_kv, tma, wgmma
-from hopper_attn.common.decode_orders import ORDERS, DecodeOrders
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention, shared_workspace)
+from hopper_attn.common.decode_orders import ORDERS, DecodeOrders
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.sinks import sink_inputs, with_sinks
