@@ -18,6 +18,8 @@ import dataclasses
 
 import torch
 
+from hopper_attn.harness.gpu_check import capture_graph
+
 BF16 = torch.bfloat16
 
 
@@ -225,12 +227,7 @@ def check_graph(seed: int = 5) -> dict:
     i = make_inputs(case, seed)
     call(i, case)                                # compile outside the capture
     torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            out, lse = call(i, case)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, (out, lse) = capture_graph(lambda: call(i, case))
     ok = True
     for s in range(3):
         lens = tuple((n * (s + 3) + 11 * s) % (case.capacity - case.seqlen_new)
