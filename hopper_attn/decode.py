@@ -31,14 +31,15 @@ and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from
 that a page table names: common/paged.py), and the last tile's V rows past the request's
 keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
 cache (`fp8`), 256 threads: a loader warpgroup (warps 4-7, warp 4 issuing the TMA loads of
-e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged.py,
-`load_and_widen`; V's rows past the keys as zeros), and the consumers' loop is the same
-over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in registers for
-an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V).
-FP8_TILES: 64 x 9 e4m3 stages at d = 128 is fp16 rings 64 + e4m3 rings 144 + 2 = 210
-KiB, one CTA per SM (docs/kvcache.md). A/B variants (FP8_VARIANTS, `fp8_tile`, off by
-default): the consumers in k6's order or with S_{j+1} issued ahead (common/decode_orders.py);
-three 16-bit stages (seven e4m3 ones).
+e4m3 rings) widens each e4m3 tile into 16-bit rings (`wide_stages`; common/paged.py,
+`load_and_widen`; V's rows past the keys as zeros), and the consumers read those rings,
+their WGMMAs in fp16 (Q converted when loaded, and held in registers for an RS WGMMA at d
+<= 128), the descales folded into the softmax scale (K) and 1 / l (V). One consumer
+warpgroup then does all of an SM's math, so it runs k6's order instead of k5's: S_j
+first, PV_{j-1} behind it, the softmax of tile j under PV_{j-1} (the same arithmetic in
+the same order as k5's: the same bits). FP8_TILES: 64 x 7 e4m3 stages at d = 128 is
+fp16 rings 3 x 2 x 16 KiB + e4m3 rings 112 + 2 = 210 KiB, one CTA per SM
+(docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
@@ -53,8 +54,8 @@ masked per element where a tile crosses an edge (`masking.mask_key_ranges`).
 
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
-and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
-diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
+and QK of tile j in one batch; e4m3: k6's), TMA zero-fill of keys past the end, the
+bottom-right causal diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
 
 Budget: 160 threads. The kv tile and stages come per shape from TILES (`tile_for`: the
 deepest ring whose one wave holds every item). d = 128: 64 x 2 stages: SMEM = Q 16 KiB +
@@ -81,7 +82,6 @@ import torch
 from hopper_attn.common import masking, paged, split_kv, tma, wgmma
 from hopper_attn.common.contract import (MAX_GRID_YZ, KernelSpec, UnsupportedProblem,
                                          compile_attention, run_attention, shared_workspace)
-from hopper_attn.common.decode_orders import ORDERS, DecodeOrders
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
 from hopper_attn.common.sinks import sink_inputs, with_sinks
@@ -92,7 +92,7 @@ ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
 THREADS = 160               # consumer warpgroup + producer warp
 FP8_THREADS = 256           # e4m3 cache: consumer warpgroup + loader warpgroup (TMA, widening)
 PRODUCER_WARP = 4
-WIDE_STAGES = 2             # e4m3 cache: 16-bit K and V tiles the loaders widen into
+WIDE_STAGES = 3             # e4m3 cache: 16-bit K and V tiles the loaders widen into
 CONSUMER_BARRIER = 1        # named barrier of the 128 consumer threads
 MAX_SPLITS = 128
 SMEM_PER_CTA = 227 * 1024
@@ -103,13 +103,9 @@ SMEM_PER_SM = 228 * 1024
 # 64 x 2 (81 KiB, two per SM) for more
 TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
 # e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, 16-bit K and
-# V rings of WIDE_STAGES 64 KiB + e4m3 rings 144 + 2 = 210 KiB (144 KiB in flight; 10
-# stages would leave no byte of the 227 KiB beside the 1 KiB the kernel declares statically)
-FP8_TILES = {64: (128, 9), 128: (64, 9), 256: (64, 2)}
-# e4m3 cache A/B variants (docs/kvcache.md): the consumers' order, 16-bit stages
-FP8_VARIANTS = {"": {}, "wide3": dict(wide_stages=3), "overlap": dict(fp8_order="overlap"),
-                "overlap-w3": dict(fp8_order="overlap", wide_stages=3),
-                "ahead-w3": dict(fp8_order="ahead", wide_stages=3)}
+# V rings of WIDE_STAGES 96 KiB + e4m3 rings 112 + 2 = 210 KiB (112 KiB in flight); d = 256
+# has room for two 16-bit stages only (`wide_stages`)
+FP8_TILES = {64: (128, 7), 128: (64, 7), 256: (64, 2)}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
 
@@ -171,29 +167,25 @@ def q_in_registers(head_dim: int, fp8: bool) -> bool:
 
 
 def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False,
-                  wide_stages: int = WIDE_STAGES) -> int:
+                  wide: int = 0) -> int:
     """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
-    rings of `stages` and 16-bit K and V rings of `wide_stages` they are widened into; Q's
-    tile, or 1 KiB where Q is held in registers)."""
+    rings of `stages` and the 16-bit K and V rings they are widened into, `wide` stages or
+    `wide_stages`'; Q's tile, or 1 KiB where Q is held in registers)."""
     if fp8:
         q_bytes = 1024 if q_in_registers(head_dim, fp8) else smem_bytes(ROWS * head_dim * 2)
+        wide = wide or wide_stages(head_dim, block_n, stages)
         return 1024 + q_bytes \
-            + 2 * smem_bytes(wide_stages * block_n * head_dim * 2) \
+            + 2 * smem_bytes(wide * block_n * head_dim * 2) \
             + 2 * smem_bytes(stages * block_n * head_dim)
     return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
 
 
-def fp8_tile(head_dim: int, variant: str = "") -> tuple[int, int]:
-    """(kv tile, e4m3 stages) of an e4m3 cache: FP8_TILES, or for a variant with more
-    16-bit stages the most e4m3 stages within FP8_TILES' shared memory (ValueError: not 2)."""
-    block_n, stages = FP8_TILES[head_dim]
-    wide = FP8_VARIANTS[variant].get("wide_stages", WIDE_STAGES)
-    budget = smem_estimate(head_dim, block_n, stages, True)
-    while stages >= 2 and smem_estimate(head_dim, block_n, stages, True, wide) > budget:
-        stages -= 1
-    if stages < 2:
-        raise ValueError(f"fp8 variant {variant!r}: no two e4m3 stages fit at d = {head_dim}")
-    return block_n, stages
+def wide_stages(head_dim: int, block_n: int, stages: int) -> int:
+    """16-bit K and V stages of an e4m3 cache's kernel: WIDE_STAGES (the consumers hold K_j
+    and V_{j-1}; a third stage lets the loaders widen a tile further ahead), 2 where a
+    third does not fit beside the e4m3 rings (d = 256)."""
+    fits = smem_estimate(head_dim, block_n, stages, True, WIDE_STAGES) <= SMEM_PER_CTA
+    return WIDE_STAGES if fits else 2
 
 
 def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
@@ -265,12 +257,11 @@ def prefers(problem) -> bool:
             and SPEC.unsupported_reason(problem, check_memory=False) is None)
 
 
-class DecodeAttention(DecodeOrders):
+class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
                  page_size: int = 0, fp8: bool = False, softcap: float = 0.0,
-                 window_left: int = -1, window_right: int = -1, fp8_order: str = "k5",
-                 wide_stages: int = WIDE_STAGES):
+                 window_left: int = -1, window_right: int = -1):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
@@ -278,13 +269,8 @@ class DecodeAttention(DecodeOrders):
         head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
         `window_right`: a sliding window as Problem's fields (-1: unbounded; with causal
         the right side is 0 and window_right -1). All compile-time: none of them, none of
-        their code. `fp8_order` (decode_orders.ORDERS) and `wide_stages`: the e4m3 cache's
-        A/B variants (FP8_VARIANTS)."""
+        their code."""
         block_n, stages = tile_config(head_dim, block_n, stages)
-        if fp8_order not in ORDERS or not 2 <= wide_stages <= 4 or \
-                (not fp8 and (fp8_order, wide_stages) != ("k5", WIDE_STAGES)):
-            raise ValueError(f"fp8_order one of {ORDERS}, wide_stages 2-4: e4m3 cache only")
-        self.fp8_order, self.wide_stages = fp8_order, wide_stages
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
             raise ValueError(f"page_size must be one of {PAGE_SIZES} (kv_cache only), "
@@ -297,7 +283,8 @@ class DecodeAttention(DecodeOrders):
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
         self.threads = FP8_THREADS if fp8 else THREADS
         self.q_in_registers = q_in_registers(head_dim, fp8)
-        smem = smem_estimate(head_dim, block_n, stages, fp8, wide_stages)
+        self.wide_stages = wide_stages(head_dim, block_n, stages) if fp8 else 0
+        smem = smem_estimate(head_dim, block_n, stages, fp8)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
                              f"{smem} bytes of shared memory; a CTA gets at most {SMEM_PER_CTA}")
@@ -323,8 +310,7 @@ class DecodeAttention(DecodeOrders):
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk,
                 **({"softcap": self.softcap} if self.softcap else {}),
-                **({"fp8_order": self.fp8_order, "wide_stages": self.wide_stages}
-                   if (self.fp8_order, self.wide_stages) != ("k5", WIDE_STAGES) else {}),
+                **({"wide_stages": self.wide_stages} if self.fp8 else {}),
                 **({"window": (self.window_left, self.window_right)} if self.windowed
                    else {})}
 
@@ -570,14 +556,31 @@ class DecodeAttention(DecodeOrders):
             v_state = tma.consumer_state(ring_stages)
             if cutlass.const_expr(not self.windowed):
                 lows, low_all = None, None
-            if cutlass.const_expr(self.fp8_order == "overlap"):
-                k_state, v_state = self.overlapped_tiles(
-                    mmas, acc_s, acc_o, k_ring, v_ring, k_state, v_state, n_first, n_count,
-                    softmax, s_coords, limits, lows, keys_all, low_all)
-            elif cutlass.const_expr(self.fp8_order == "ahead"):
-                k_state, v_state = self.ahead_tiles(
-                    mmas, acc_s, acc_o, k_ring, v_ring, k_state, v_state, n_first, n_count,
-                    softmax, s_coords, limits, lows, keys_all, low_all)
+            if cutlass.const_expr(self.fp8):                # k6's order (module doc)
+                for j in cutlass.range(n_count, unroll=1):
+                    k_ring.consumer_wait(k_state)
+                    wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
+                               mmas.k_frag[None, None, None, k_state.index], zero_init=True)
+                    if j > 0:                               # O += P_{j-1} V_{j-1}, behind S_j
+                        v_ring.consumer_wait(v_state)
+                        wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
+                                   mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                        warpgroup.wait_group(1)             # S_j done; PV_{j-1} may still run
+                    else:
+                        warpgroup.wait_group(0)
+                    tma.release_stage(k_ring, k_state)
+                    k_state.advance()
+                    alpha = self.tile_probs(acc_s, n_first + j, softmax, s_coords, limits, lows,
+                                            keys_all, low_all)
+                    # (ptxas hoists a WGMMA wait as far up as nothing stops it: the fence
+                    # keeps it below the softmax)
+                    cute.arch.fence_acq_rel_cta()
+                    warpgroup.wait_group(0)                 # PV_{j-1} done: O and P are free
+                    if j > 0:
+                        tma.release_stage(v_ring, v_state)
+                        v_state.advance()
+                    scale_rows(o_rc, alpha)
+                    mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
             else:
                 for j in cutlass.range(n_count, unroll=1):
                     k_ring.consumer_wait(k_state)

@@ -233,17 +233,15 @@ def _args(tensors, tvm_ffi: bool) -> list:
 
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
                    stages: int, tvm_ffi: bool = False, compile_options: str = "",
-                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False,
-                   fp8_variant: str = ""):
+                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False):
     """The decode stage's `kv_cache_call` for one (head dim, mask, dtype, page size (0:
     contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant), window (as
-    Problem's fields), softcap (0: none), sinks, e4m3 A/B variant (decode.FP8_VARIANTS)),
-    compiled once: (compiled function, kernel object)."""
+    Problem's fields), softcap (0: none), sinks), compiled once: (compiled function, kernel
+    object)."""
     kv_dtype = kv_dtype or dtype
     features = (tuple(window), float(softcap), bool(sinks))
     key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options,
-           kv_dtype) + (features if features != ((-1, -1), 0.0, False) else ()) \
-        + ((fp8_variant,) if fp8_variant else ())
+           kv_dtype) + (features if features != ((-1, -1), 0.0, False) else ())
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
@@ -254,8 +252,7 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     from hopper_attn import decode
     kernel = (decode.DecodeAttentionSinks if sinks else decode.DecodeAttention)(
         head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size,
-        fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0], window_right=window[1],
-        **decode.FP8_VARIANTS[fp8_variant])
+        fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0], window_right=window[1])
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     batch, heads, pages = 2, 2, 4
     q = torch.empty((batch, 2, heads, head_dim), dtype=dtype, device=device)
@@ -293,13 +290,11 @@ def _workspace(problem: Problem, device, block_n: int, stages: int, splits: int)
     return ws
 
 
-def plan(problem: Problem, num_splits: int = 0, fp8: bool = False,
-         fp8_variant: str = "") -> tuple[int, int, int]:
+def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int, int, int]:
     """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the e4m3
-    cache's tile and ring depth, decode.FP8_TILES or its variant's, one CTA per SM)."""
+    cache's tile and ring depth, decode.FP8_TILES, one CTA per SM)."""
     from hopper_attn import decode
-    block_n, stages = decode.fp8_tile(problem.head_dim, fp8_variant) if fp8 \
-        else decode.tile_for(problem)
+    block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
     return block_n, stages, splits
 
@@ -309,27 +304,21 @@ _FAST: dict = {}
 
 
 def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_descale,
-             v_descale, causal, num_splits, window_size, softcap, sinks,
-             fp8_variant: str = "") -> tuple:
+             v_descale, causal, num_splits, window_size, softcap, sinks) -> tuple:
     """Every check of a call (ValueError before any launch), then (compiled kernel, its
     workspace (the LSE first), TVM-FFI or not, head_dim)."""
     from hopper_attn import decode
     from hopper_attn.common import cute_runtime as rt
-    if not isinstance(fp8_variant, str) or fp8_variant not in decode.FP8_VARIANTS or \
-            (fp8_variant and getattr(k_cache, "dtype", None) != FP8):
-        raise ValueError(f"fp8_variant must be one of {sorted(decode.FP8_VARIANTS)} with an "
-                         f"e4m3 cache, got {fp8_variant!r}")
     window, cap, with_sinks = check_features(q, causal, window_size, softcap, sinks)
     page_size, capacity = check_inputs(q, k_cache, v_cache, cache_seqlens, page_table, k_new,
                                        v_new, num_splits, None, k_descale, v_descale)
     problem = problem_for(q, k_cache.shape[2], capacity, causal, window)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
-    block_n, stages, splits = plan(problem, num_splits, k_cache.dtype == FP8, fp8_variant)
+    block_n, stages, splits = plan(problem, num_splits, k_cache.dtype == FP8)
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
                                  block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype,
-                                 window=window, softcap=cap, sinks=with_sinks,
-                                 fp8_variant=fp8_variant)
+                                 window=window, softcap=cap, sinks=with_sinks)
     workspace = _workspace(problem, q.device, block_n, stages, splits)
     return compiled, workspace, tvm_ffi, problem.head_dim
 
@@ -359,7 +348,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_descale: Optional[torch.Tensor] = None, window_size=(-1, -1),
                            softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                            cu_seqlens_q: Optional[torch.Tensor] = None,
-                           max_seqlen_q: Optional[int] = None, fp8_variant: str = ""):
+                           max_seqlen_q: Optional[int] = None):
     """Attention of new queries per request over its KV cache: a decode step (1-16 queries)
     or a chunk of a prefill (any number; below).
 
@@ -391,8 +380,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     sinks: fp32 (heads,), one logit per query head joined to every row's denominator
     (docs/sinks.md). All three are compile-time features: a call without them runs the
     kernel it ran before.
-    fp8_variant: an A/B variant of the e4m3 cache's kernel for measurements
-    (decode.FP8_VARIANTS; "" the default; docs/kvcache.md).
     Returns out (batch, seqlen_q, heads, d) in q's dtype, and with `return_lse` the fp32
     log-sum-exp (batch, heads, seqlen_q). num_splits: 0 chooses from the shapes (the
     capacity standing for the key count), 1-128 forces a count.
@@ -431,9 +418,6 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     if cu_seqlens_q is not None or (
             isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > MAX_QUERIES):
-        if fp8_variant:
-            raise ValueError(f"fp8_variant ({fp8_variant!r}): decode steps with an e4m3 "
-                             f"cache only")
         return _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new,
                         causal, softmax_scale, return_lse, num_splits, k_descale, v_descale,
                         cu_seqlens_q, max_seqlen_q, window_size, softcap, sinks)
@@ -450,13 +434,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                cache_seqlens.dtype, cache_seqlens.device,
                *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                  for t in tensors[4:]], bool(causal), num_splits, type(num_splits),
-               tuple(window_size), softcap, type(softcap), fp8_variant)
+               tuple(window_size), softcap, type(softcap))
         prepared = _FAST.get(key)
     except (AttributeError, TypeError):     # not tensors: the checks say so
         key = prepared = None
     if prepared is None or (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
-        prepared = _prepare(*tensors[:9], causal, num_splits, window_size, softcap, sinks,
-                            fp8_variant)
+        prepared = _prepare(*tensors[:9], causal, num_splits, window_size, softcap, sinks)
         if key is not None:
             if len(_FAST) >= 4096:
                 _FAST.clear()

@@ -44,7 +44,6 @@ class Case:
     window: tuple = (-1, -1)      # window_size (left, right) as the call takes it
     softcap: float = 0.0
     sinks: bool = False           # random (heads,) fp32 sinks
-    fp8_variant: str = ""         # an e4m3 A/B variant (decode.FP8_VARIANTS)
 
     @property
     def batch(self) -> int:
@@ -64,13 +63,13 @@ class Case:
                 + (f" window{self.window[0]},{self.window[1]}" if self.window != (-1, -1)
                    else "")
                 + (f" cap{self.softcap:g}" if self.softcap else "")
-                + (" sinks" if self.sinks else "")
-                + (f" [{self.fp8_variant}]" if self.fp8_variant else ""))
+                + (" sinks" if self.sinks else ""))
 
 
 def quick_cases() -> list[Case]:
     """Contiguous and every page size; cache lengths 0, 1, page and tile boundaries +-1,
-    the full capacity; 1, 4 and 16 queries; GQA 32/8 (and 8/8, 64/8); d 128 and 64;
+    the full capacity; 1, 4 and 16 queries; GQA 32/8 (and 8/8, 64/8); d 128 and 64 (and
+    256 with an e4m3 cache);
     appends crossing pages; forced split counts; out-of-cache indices in unused slots."""
     out = []
     for ps in (0, 16, 32, 64, 128, 256):
@@ -96,8 +95,11 @@ def quick_cases() -> list[Case]:
         # 32-token page; half of a 128-token page)
         Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 32, seqlen_new=1),
         Case(tuple(i * 131 % 1022 for i in range(20)), 1024, 128, seqlen_q=4, seqlen_new=2),
-        # e4m3 caches: contiguous and paged, appends, 4 and 16 queries, d 64
+        # e4m3 caches: contiguous and paged, appends, 4 and 16 queries, d 64 and 256 (two
+        # 16-bit stages), 3 splits of 1-4 tiles
         Case((0, 1, 127, 128, 129, 1000, 1023, 1024), 1024, 0, fp8=True),
+        Case((130, 190, 250, 700), 1024, 0, fp8=True, num_splits=3),
+        Case((1000, 2047, 15, 0), 2048, 16, head_dim=256, seqlen_new=1, fp8=True),
         Case((5, 300, 1000, 777), 1024, 16, seqlen_q=4, seqlen_new=4, fp8=True),
         Case((3000, 8189, 4096, 1), 8192, 128, seqlen_q=16, seqlen_new=3, fp8=True),
         Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 64, seqlen_new=1, fp8=True),
@@ -328,8 +330,7 @@ def _call(inputs, case: Case, **kw):
                                   v_new=i["v_new"], causal=case.causal, return_lse=True,
                                   num_splits=case.num_splits, k_descale=i["k_descale"],
                                   v_descale=i["v_descale"], window_size=case.window,
-                                  softcap=case.softcap, sinks=i.get("sinks"),
-                                  fp8_variant=case.fp8_variant, **kw)
+                                  softcap=case.softcap, sinks=i.get("sinks"), **kw)
 
 
 def _same_bits(a, b) -> bool:
@@ -380,7 +381,7 @@ def check_case(case: Case, seed: int = 0) -> dict:
     return {"case": case.label(), "ok": bool(ok), "err": err, "torch_err": t_err,
             "ratio": err / max(t_err, 2 ** -10), "lse_err": lse_err, "lse_inf_ok": lse_ok,
             "same_bits": same, "no_nan": no_nan, "cache_ok": cache_ok,
-            "plan": kvcache.plan(problem, case.num_splits, case.fp8, case.fp8_variant)}
+            "plan": kvcache.plan(problem, case.num_splits, case.fp8)}
 
 
 def check_graph(case: Case = Case((1000, 4095, 17, 0), 4096, 16, seqlen_new=1),
