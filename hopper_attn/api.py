@@ -5,7 +5,7 @@
 
 What it does: checks the inputs (raising ValueError before anything is launched), picks the
 decode stage where a few queries meet many keys (`decode.prefers`: every k/v head's query
-rows, group x seqlen_q, fit one 64-row tile), else the first stage of `PREFERENCE` (per head
+rows, group x seqlen_q, fit one 64-row tile; windows, softcap and sinks too), else the first stage of `PREFERENCE` (per head
 dim) that supports the problem (or the one named by `stage=`), compiles it on first use (cached per head dim, mask and options; one compile
 serves every batch, sequence length and head count), and launches it on the current CUDA
 stream.
@@ -81,8 +81,8 @@ def _backward_entry(problem: Problem, deterministic: bool = False, softcap: floa
     return _first_supporting(names, problem, "backward stage")
 
 
-SOFTCAP_STAGES = ("k6",)       # the forward stages that take a softcap
-SINK_STAGES = ("k6", "decode")  # ... and attention sinks
+SOFTCAP_STAGES = ("k6", "decode")  # the forward stages that take a softcap
+SINK_STAGES = ("k6", "decode")     # ... and attention sinks
 
 
 def _check_softcap(softcap) -> float:
@@ -121,12 +121,13 @@ def _compile_options() -> str:
 
 
 def _entry_for(problem: Problem, stage: str, softcap: float = 0.0, sinks: bool = False):
-    if sinks and not softcap and not stage:
-        from hopper_attn import decode
-        if decode.prefers(problem):            # a few queries per k/v head, with sinks
-            return stages.get("decode:sinks=1")
     options = [f"softcap={softcap!r}"] * bool(softcap) + ["sinks=1"] * bool(sinks)
-    if options:                                # k6 alone (decode, k4, k5, k7 refuse)
+    if not stage:
+        from hopper_attn import decode
+        # a few queries per k/v head (v as wide as k), the window, softcap and sinks too
+        if decode.prefers(problem) and not problem.head_dim_v:
+            return stages.get("decode" + (":" + ",".join(options) if options else ""))
+    if options:                                # else k6 alone (k4, k5, k7 refuse them)
         name = stage.partition(":")[0] if stage else "k6"
         if softcap and name not in SOFTCAP_STAGES:
             raise ValueError(f"stage {stage!r} has no logit softcapping; softcap runs on "
@@ -142,9 +143,6 @@ def _entry_for(problem: Problem, stage: str, softcap: float = 0.0, sinks: bool =
         entry = stages.get(stage)
         entry.spec.check(problem)              # UnsupportedProblem (a ValueError) with the reason
         return entry
-    from hopper_attn import decode
-    if decode.prefers(problem) and not problem.head_dim_v:   # (decode: v as wide as k)
-        return stages.get("decode")
     preference = PREFERENCE_BY_HEAD_DIM.get((problem.head_dim, problem.causal), PREFERENCE)
     return _first_supporting(preference, problem, "stage")
 
@@ -528,16 +526,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (192, 128) the d = 192 tile with dV split at dv / 2 per warpgroup).
 
     `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
-    scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 only (any of its
-    head dims; the cap is compiled in: one compile per cap value), differentiable at
+    scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 (any of its
+    head dims) and the decode stage (the cap is compiled in: one compile per cap value),
+    differentiable at
     head_dim 64 to 192 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
     non-finite cap, or a stage without it.
 
     `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
     i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
     r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
-    (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6 and kb2 only (head
-    dims 64, 96 and 128 with gradients; not deterministic); compiled once per window size. A row
+    (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6, the decode stage
+    (a few queries: only the window's kv tiles are read and split) and kb2 (head dims 64,
+    96 and 128 with gradients; not deterministic); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
 
     `sinks`: attention sinks (gpt-oss's `s_aux`), one logit per query head, a (heads,)
@@ -545,7 +545,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     that logit (natural-log units, like the scaled scores; not scaled) and no value, so
     out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)) and the LSE includes it; a
     row that sees no key: zero output, LSE the sink. k6 and the decode stage (runtime
-    values: one compile for any), with windows and softcap (k6); differentiable in q, k, v
+    values: one compile for any), with windows and softcap; differentiable in q, k, v
     (kb2) and in the sinks (docs/sinks.md).
     """
     # ValueError before anything (the defaults, passed as they are, need no check)

@@ -46,7 +46,7 @@ joined once: at the combine (one more split: LSE the sink, O zero), or with one 
 folded into the row (`split_kv.fold_sink`); a runtime argument, none without it.
 
 Logit softcapping and a sliding window (`softcap`, `window_left` / `window_right`; compile
-time, none of their code without them; the kv_cache variant's, docs/kvcache.md): scores
+time, none of their code without them; both variants, docs/decode.md, docs/kvcache.md): scores
 through cap tanh(s scale / cap) before the mask (common/softmax.py, k6's); a packed row's
 keys [low, limit) from `masking.query_keys`, the splits over the kv tiles from the tile's
 first row's low to its last row's limit (tiles left of every row's window never loaded),
@@ -145,6 +145,7 @@ SPEC = KernelSpec(
     separate_kv=True,
     strided_inputs=True,
     grid_per_tile=False,
+    window=True,
     extra_limits=_limits,
     workspace_bytes=_workspace_bytes,
     keeps_workspace=True,       # [LSE, partial O, partial LSE, counters]: a caller's LSE first
@@ -218,12 +219,22 @@ def split_limits(problem, block_n: int = 0, stages: int = 0, sms: int = 0) -> di
     block_n, stages = tile_config(problem.head_dim, block_n, stages)
     d, sms = problem.head_dim, sms or sm_count()
     items = problem.batch * problem.kv_heads * m_tiles(problem)
-    kv_tiles = -(-problem.kv_seqlen // block_n)
+    kv_tiles = walked_tiles(problem, block_n)
     slots = sms * ctas_per_sm(d, block_n, stages)
     # s x rows x (d + 1) x 4 <= kv_tiles x block_n x d x 4 / s
     combine = math.isqrt(kv_tiles * block_n * d // (item_rows(problem) * (d + 1)))
     return dict(wave=max(1, slots // items), length=max(1, kv_tiles // MIN_SPLIT_TILES),
                 combine=max(1, combine))
+
+
+def walked_tiles(problem, block_n: int) -> int:
+    """The kv tiles an item walks: all of the keys', or with a sliding window those from
+    the first query's window to the last one's (masking.window_ranges), at least 1."""
+    if not problem.windowed:
+        return -(-problem.kv_seqlen // block_n)
+    first, end = masking.window_ranges(0, problem.seqlen, block_n, problem.seqlen,
+                                       problem.kv_seqlen, *problem.window)
+    return max(end - first, 1)
 
 
 def num_splits_for(problem, block_n: int = 0, stages: int = 0, sms: int = 0) -> int:
@@ -251,7 +262,7 @@ def tile_for(problem, sms: int = 0) -> tuple[int, int]:
 def prefers(problem) -> bool:
     """Shapes where this stage should run instead of the prefill stages: every k/v head's
     packed rows (group x seqlen_q) fit one 64-row M tile, at most 16 queries, and the stage
-    supports the problem."""
+    supports the problem (windows, softcap and sinks included, at any window length)."""
     group = problem.heads // problem.kv_heads
     return (group * problem.seqlen <= ROWS and problem.seqlen <= 16
             and SPEC.unsupported_reason(problem, check_memory=False) is None)
@@ -740,12 +751,15 @@ def decode_workspace(problem, device, block_n: int = 0, stages: int = 0,
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stages: int = 0,
-                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0):
+                   num_splits: int = 0, combine_chunk: int = COMBINE_CHUNK, sinks: int = 0,
+                   softcap: float = 0.0):
     """Compile (or fetch from the cache) the decode stage; options: block_n (kv tile), stages
     (of each of the K and V rings; both 0: `tile_for`'s choice), num_splits (0:
     `num_splits_for`'s choice; the kernel is the same for every count, only the workspace
     differs), combine_chunk (partials a combining lane loads at once; 1: one per round trip),
-    sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md)."""
+    sinks (1: attention sinks, a (heads,) fp32 input after `out`; docs/sinks.md), softcap
+    (logit softcapping's cap, 0: none). The problem's sliding window, like the softcap, is
+    compile time; without either the options (and the kernel) are those of before."""
     SPEC.check(problem, check_memory=False)     # (compile_attention checks memory too)
     if not block_n and not stages:
         block_n, stages = tile_for(problem)
@@ -770,7 +784,10 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
         # compiler could take as a constant: the split count is the partial LSE's extent)
         return decode_workspace(p, device, block_n, stages, 2)
 
-    options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk}
+    options = {"block_n": block_n, "stages": stages, "combine_chunk": combine_chunk,
+               **masking.window_options(problem)}
+    if float(softcap):
+        options["softcap"] = float(softcap)
     handle = compile_attention(SINKS_SPEC if sinks else SPEC,
                                DecodeAttentionSinks if sinks else DecodeAttention, problem,
                                {**options, "sinks": True} if sinks else options,

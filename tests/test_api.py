@@ -343,3 +343,49 @@ def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
     odd = torch.zeros(1, 700, 8, 130, dtype=torch.bfloat16)[..., :128]
     with pytest.raises(ValueError, match="16 bytes"):
         hopper_attn.attention(q, odd[:, :521], odd[:, :521])
+
+
+@pytest.mark.parametrize("model,shape,kwargs,expect", [
+    # (batch, queries, q heads, k/v heads, keys, d); transformers' generation step
+    ("mistral", (1, 1, 32, 8, 8192, 128), dict(window_size=(4095, 0)), "decode"),
+    ("mistral, short prompt", (1, 1, 32, 8, 100, 128), dict(window_size=(4095, 0)), "decode"),
+    ("gemma-2 local", (1, 1, 16, 8, 8192, 256), dict(window_size=(4095, 0), softcap=50.0),
+     "decode:softcap=50.0"),
+    ("gemma-2 global", (1, 1, 16, 8, 8192, 256), dict(softcap=50.0), "decode:softcap=50.0"),
+    ("gpt-oss full", (1, 1, 64, 8, 8192, 64), dict(sinks=True), "decode:sinks=1"),
+    ("gpt-oss window 128", (1, 1, 64, 8, 8192, 64), dict(window_size=(127, 0), sinks=True),
+     "decode:sinks=1"),
+    ("gpt-oss window 128, B4", (4, 1, 64, 8, 8192, 64),
+     dict(window_size=(127, 0), sinks=True), "decode:sinks=1"),
+    ("gemma-2, 4 drafted queries", (2, 4, 16, 8, 8192, 256),
+     dict(window_size=(4095, 0), softcap=50.0), "decode:softcap=50.0"),
+    ("prefill", (1, 128, 32, 8, 4096, 128), dict(window_size=(4095, 0), softcap=30.0),
+     "k6:softcap=30.0"),
+])
+def test_decode_shapes_with_window_softcap_sinks_pick_the_decode_stage(monkeypatch, model,
+                                                                         shape, kwargs, expect):
+    """attention()'s choice for a generation step of models with windows, softcaps and
+    sinks (causal): the decode stage with the features as compile options, k6 for
+    prefill."""
+    calls = _Launches(monkeypatch)
+    b, nq, hq, hkv, nk, d = shape
+    q = torch.randn(b, nq, hq, d).to(torch.bfloat16)
+    k = v = torch.zeros(b, nk, hkv, d, dtype=torch.bfloat16)
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = torch.zeros(hq)
+    hopper_attn.attention(q, k, v, causal=True, return_lse=True, **kwargs)
+    (name, problem), = calls.compiles
+    assert name == expect, model
+    assert (problem.window_left, problem.window_right) == \
+        ((kwargs["window_size"][0], -1) if "window_size" in kwargs else (-1, -1))
+
+
+def test_the_decode_stage_takes_softcap_and_window_by_name():
+    from hopper_attn import api
+    p = Problem(1, 32, 1, 128, True, heads_kv=8, seqlen_k=300, window_left=127)
+    assert api._entry_for(p, "decode", 30.0).name == "decode:softcap=30.0"
+    assert api._entry_for(p, "decode").name == "decode"           # (prefers would take k6)
+    with pytest.raises(ValueError, match="softcap"):
+        api._entry_for(p, "k5", 30.0)
+    with pytest.raises(UnsupportedProblem, match="window_size"):
+        api._entry_for(p, "k5")

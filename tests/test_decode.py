@@ -1,9 +1,10 @@
 """The decode stage (hopper_attn/decode.py).
 
 On the CPU: it compiles for sm_90a without spills at d = 64, 128, 256 (bf16, fp16, causal or
-not); its PTX has the WGMMAs (QK from SMEM, PV with P in registers), the TMA loads of K and
-V only, the combine's one acq_rel atomic; the split heuristic's counts; refusals raise
-ValueError before any launch.
+not; a windowed and a softcapped config with sinks); its PTX has the WGMMAs (QK from SMEM,
+PV with P in registers), the TMA loads of K and V only, the combine's one acq_rel atomic;
+the split heuristic's counts (a window's: its kv tiles only);
+refusals raise ValueError before any launch.
 
 On the GPU (marked gpu): every case of harness/decode_check.py against fp32 (2x PyTorch's
 error), the LSE, the same bits twice, the guards around the outputs, CUDA graph replay.
@@ -122,6 +123,44 @@ def test_split_limits_cap_the_combine_by_a_splits_bytes():
     assert decode.split_limits(p, 64, 2, 132)["wave"] == 2 * decode.split_limits(p, 128, 3, 132)["wave"] + 1
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("name,d,causal,window", [
+    ("decode", 128, True, (4095, -1)),                   # Mistral: 128 x 3, a window
+    ("decode:softcap=50.0,sinks=1", 256, False, (64, 32))])   # Gemma 2's cap at d 256
+def test_window_and_softcap_compile_without_spills(name, d, causal, window):
+    """The plain path's window and softcap (compile time) compile for sm_90a without
+    spills within the registers of their CTAs per SM; one tanh per score only with a cap;
+    the window's kernel is another compile than the window-free one."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get(name), d, causal, seqlen=4, heads=16, heads_kv=4,
+                            window=window)
+    assert art["ok"], art.get("error")
+    kernel = art["kernel"]
+    (fn,) = resource_usage(art["cubin"])
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert fn["registers"] * 160 * kernel["ctas_per_sm"] <= 65536, fn
+    assert ("tanh.approx.f32" in art["ptx"]) == ("softcap" in name)
+    assert kernel["window"] == window and kernel.get("softcap", 0.0) == (50.0 * ("softcap" in name))
+
+
+def test_windowed_splits_and_routing():
+    """Splits over the window's kv tiles only; `prefers` takes windows of any length."""
+    def windowed(batch, heads, heads_kv, nk, d, left, causal=True, right=-1, nq=1):
+        return Problem(batch, heads, nq, d, causal, torch.bfloat16, heads_kv=heads_kv,
+                       seqlen_k=nk, window_left=left, window_right=right)
+    mistral = windowed(1, 32, 8, 32768, 128, 4095)
+    assert decode.walked_tiles(mistral, 128) == 32 and decode.num_splits_for(mistral) == 8
+    assert decode.num_splits_for(problem(1, 1, 32, 8, 32768)) == 16
+    assert decode.walked_tiles(windowed(1, 32, 8, 100, 128, 4095), 128) == 1
+    assert decode.walked_tiles(windowed(1, 32, 8, 5000, 128, 64, causal=False, right=32,
+                                        nq=4), 64) == 2    # keys 4932 .. 4999
+    assert decode.prefers(mistral) and decode.prefers(windowed(1, 32, 8, 100, 128, 4095))
+    gpt_oss = windowed(1, 64, 8, 8192, 64, 128)
+    assert decode.prefers(gpt_oss)                                # 2 kv tiles of 128
+    assert decode.prefers(windowed(1, 64, 8, 8192, 64, 1024))     # 9 tiles of 128
+
+
 def test_packed_rows_and_m_tiles():
     assert decode.m_tiles(problem(1, 1, 32, 8, 100)) == 1        # 4 rows
     assert decode.m_tiles(problem(1, 16, 32, 8, 100)) == 1       # 64 rows
@@ -193,6 +232,20 @@ def test_decode_matches_fp32(index):
     from hopper_attn.harness.decode_check import cases, check_case
     verdict = check_case(cases()[index], seed=index)
     assert verdict["ok"], verdict
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(22))
+def test_decode_features_match_fp32(index):
+    """harness/decode_check.py's feature cases: windows, softcap, sinks."""
+    from hopper_attn.harness.decode_check import check_case, feature_cases
+    verdict = check_case(feature_cases()[index], seed=index)
+    assert verdict["ok"], verdict
+
+
+def test_feature_cases_are_22():
+    from hopper_attn.harness.decode_check import feature_cases
+    assert len(feature_cases()) == 22 and all(c.features for c in feature_cases())
 
 
 @pytest.mark.gpu

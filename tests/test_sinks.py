@@ -149,7 +149,7 @@ def test_few_queries_with_sinks_take_the_decode_stage():
     assert pick(1, True).name == "decode:sinks=1" and pick(1, False).name == "decode"
     assert pick(64, True).name == "k6:sinks=1"
     assert api._entry_for(Problem(1, 64, 1, 64, True, heads_kv=8, seqlen_k=4096), "",
-                          50.0, True).name == "k6:softcap=50.0,sinks=1"
+                          50.0, True).name == "decode:softcap=50.0,sinks=1"
 
 
 def test_sinks_trace_through_torch_compile_with_their_gradient():

@@ -107,14 +107,15 @@ def test_attention_checks_the_window_before_anything():
     with pytest.raises(ValueError, match="window_size"):
         hopper_attn.attention(q, q, q, window_size=(3.5, 2))
     for stage in ("k4", "k5", "k7"):
-        with pytest.raises(ValueError, match="window_size: k6 / kb2 only"):
+        with pytest.raises(ValueError, match="window_size: k6 / kb2 / decode only"):
             hopper_attn.attention(q, q, q, causal=True, window_size=(3, 0), stage=stage)
 
 
-def test_decode_and_other_backward_stages_refuse_windows():
+def test_backward_stages_without_a_window_refuse_it():
     from hopper_attn import decode, stages
     problem = Problem(1, 8, 1, 128, True, heads_kv=1, seqlen_k=4096, window_left=127)
-    assert not decode.prefers(problem)
+    assert decode.prefers(problem)          # the forward: the decode stage
+    assert decode.SPEC.unsupported_reason(problem) is None
     assert "window_size" in stages.get("kb1").spec.unsupported_reason(problem)
     assert stages.get("k6").spec.unsupported_reason(problem) is None
     assert stages.get("kb2").spec.unsupported_reason(problem) is None

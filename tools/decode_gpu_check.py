@@ -4,6 +4,7 @@
     python tools/decode_gpu_check.py --quick                            # correctness only
     python tools/decode_gpu_check.py --shapes small \
         --variants "default;block_n=128,stages=3;block_n=64,stages=2;num_splits=x2"  # A/B
+    python tools/decode_gpu_check.py --features        # window / softcap / sinks (< 90 s)
 
 Correctness: every case of hopper_attn/harness/decode_check.py (fp32 reference, 2x PyTorch's
 error, LSE, same bits twice, NaN guards) and a CUDA graph replay; one line per two cases.
@@ -16,6 +17,14 @@ V read once, 2 B Hkv Nk d 2 bytes / time. Per shape one line of baselines, then 
 variant with its ratio best-baseline / variant (> 1: decode faster); 'WRONG?' where its
 output differs from SDPA's by more than 0.02. Everything goes to $OUT/decode.json
 ($OUT/decode_ab.json with --variants).
+
+`--features` (instead of the above): decode_check.py's `feature_cases` (windows (4095, 0),
+(128, 0), (64, 32) non-causal, softcap 30 / 50, sinks, together; fp32 reference under the
+same window, cap and sinks; rows that see no key), then (not with --quick) three timing
+rows through attention() with the stage forced, the same round-robin: Mistral-like B1 32k
+window (4095, 0) (decode, k6, SDPA with the window as a mask, FA4 with window_size) and
+gpt-oss-like window (128, 0) with sinks at B1 and B4 (decode, k6; SDPA and FA4 without the
+sinks); which stage attention() picks (the decode stage, for every window), and its output against the fp32 reference. Everything goes to $OUT/decode_features.json.
 """
 
 from __future__ import annotations
@@ -45,16 +54,18 @@ SHORT = {"block_n": "bn", "stages": "st", "combine_chunk": "c",
          "num_splits": "s"}                             # variant options and their labels
 
 
-def correctness() -> list:
-    from hopper_attn.harness.decode_check import Case, cases, check_case, check_graph
+def correctness(features: bool = False) -> list:
+    from hopper_attn.harness.decode_check import (Case, cases, check_case, check_graph,
+                                                  feature_cases)
     rows = []
-    for i, case in enumerate(cases()):
+    for i, case in enumerate(feature_cases() if features else cases()):
         try:
             rows.append(check_case(case, seed=i))
         except Exception as exc:  # noqa: BLE001 - report and go on
             rows.append({"case": case.label(), "ok": False,
                          "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-    for case in (Case(1, 1, 32, 8, 8191), Case(2, 4, 32, 8, 1000, causal=True, num_splits=1)):
+    graphs = [Case(1, 1, 32, 8, 8191), Case(2, 4, 32, 8, 1000, causal=True, num_splits=1)]
+    for case in graphs if not features else []:
         try:
             rows.append(check_graph(case))
         except Exception as exc:  # noqa: BLE001
@@ -305,6 +316,66 @@ def benchmark(shapes, variants, api_too: bool) -> list:
     return rows
 
 
+FEATURE_ROWS = [  # (label, batch, q heads, kv heads, keys, d, window_size, sinks)
+    ("mistral B1 32k w4096", 1, 32, 8, 32768, 128, (4095, 0), False),
+    ("gpt-oss B1 8k w128 sinks", 1, 64, 8, 8192, 64, (128, 0), True),
+    ("gpt-oss B4 8k w128 sinks", 4, 64, 8, 8192, 64, (128, 0), True),
+]
+
+
+def feature_timing() -> list:
+    """FEATURE_ROWS, one query, causal: decode and k6 forced through attention(), SDPA with
+    the window as a boolean mask, FA4 with window_size (both without sinks); enough K/V
+    copies that the window's keys of one call are not in L2 from the last (at most 64)."""
+    import torch.nn.functional as F
+    import hopper_attn
+    from hopper_attn import api
+    from hopper_attn.common.contract import Problem, normalize_window
+    from hopper_attn.harness.window_reference import reference, window_mask
+    rows = []
+    for label, b, hq, hkv, nk, d, window, with_sinks in FEATURE_ROWS:
+        gen = torch.Generator(device="cuda").manual_seed(11)
+        read = 2 * b * hkv * min(nk, window[0] + 1) * d * 2
+        copies = min(64, max(2, math.ceil(2 * L2_BYTES / read)))
+        q = torch.randn(b, 1, hq, d, device="cuda", generator=gen).to(torch.bfloat16)
+        kvs = [tuple(torch.randn(b, nk, hkv, d, device="cuda", generator=gen)
+                     .to(torch.bfloat16) for _ in range(2)) for _ in range(copies)]
+        sinks = torch.randn(hq, device="cuda", generator=gen) if with_sinks else None
+        kw = dict(causal=True, window_size=window, sinks=sinks)
+        left, right = normalize_window(window, True)
+        picked = api._entry_for(Problem(b, hq, 1, d, True, torch.bfloat16, heads_kv=hkv,
+                                        seqlen_k=nk, window_left=left, window_right=right),
+                                "", 0.0, with_sinks).name
+        mask = window_mask(1, nk, window[0], 0, q.device)
+        ref = reference(q, *kvs[0], window[0], 0, d ** -0.5, sinks=sinks)[0]
+        err = (hopper_attn.attention(q, *kvs[0], **kw).float() - ref).abs().max().item()
+        calls = {name: [lambda k=k, v=v, s=stage: hopper_attn.attention(q, k, v, stage=s, **kw)
+                        for k, v in kvs] for name, stage in (("decode", "decode"), ("k6", "k6"))}
+        calls["sdpa mask"] = [lambda k=k, v=v: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            enable_gqa=True) for k, v in kvs]
+        try:
+            from hopper_attn.harness.baselines import fa4
+            run = fa4(window_size=window)
+            calls["fa4"] = [lambda k=k, v=v: run(q, k, v, True) for k, v in kvs]
+        except Exception as exc:  # noqa: BLE001
+            calls["fa4"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        timed = round_robin(calls)
+        us = {n: e["ms"] * 1e3 for n, e in timed.items() if "ms" in e}
+        ratio = us.get("k6", float("nan")) / us.get("decode", float("nan"))
+        print(f"{label:<26}" + " ".join(f"{n} {t:.1f}" for n, t in us.items())
+              + f" us | k6/decode {ratio:.2f}x | attention() picks {picked}, max err {err:.1e}"
+              + "".join(f" | {n}: {e['error'][:40]}" for n, e in timed.items() if "error" in e),
+              flush=True)
+        rows.append({"label": label, "batch": b, "heads": hq, "heads_kv": hkv, "seqlen_k": nk,
+                     "head_dim": d, "window": list(window), "sinks": with_sinks,
+                     "copies": copies, "timed": timed, "k6_over_decode": ratio,
+                     "attention_picks": picked, "attention_max_err": err})
+        del kvs, calls
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="correctness only")
@@ -315,6 +386,8 @@ def main():
                              "'default' or block_n=,stages=,combine_chunk=,num_splits= "
                              "(num_splits=x2 / =/2: the automatic count times / over 2)")
     parser.add_argument("--no-correctness", action="store_true")
+    parser.add_argument("--features", action="store_true",
+                        help="window / softcap / sinks cases and timing rows instead")
     args = parser.parse_args()
     variants = parse_variants(args.variants)
     from hopper_attn.harness.env import environment
@@ -323,17 +396,22 @@ def main():
     print(env_line(env))
     result = {"env": env}
     try:
-        if not args.no_correctness:
+        if args.features:
+            result["features"] = correctness(features=True)
+            if not args.quick:
+                result["feature_timing"] = feature_timing()
+        elif not args.no_correctness:
             result["correctness"] = correctness()
-        if not args.quick:
+        if not args.quick and not args.features:
             shapes = SMALL if args.shapes == "small" else SHAPES
             result["variants"] = [v[0] for v in variants]
             result["benchmark"] = benchmark(shapes, variants, api_too=args.variants == "default")
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()
         print(result["error"][-1500:])
-    path = write_json(result, "decode.json" if args.variants == "default" else "decode_ab.json",
-                      os.environ.get("OUT") or os.path.join(ROOT, "results"))
+    name = "decode_features.json" if args.features else \
+        "decode.json" if args.variants == "default" else "decode_ab.json"
+    path = write_json(result, name, os.environ.get("OUT") or os.path.join(ROOT, "results"))
     print(f"wrote {path}")
 
 

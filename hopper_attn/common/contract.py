@@ -293,7 +293,7 @@ class KernelSpec:
             return (f"{self.name} needs k and v with q's heads and sequence length "
                     f"(no GQA/MQA or cross-attention)")
         if problem.windowed and not self.window:
-            return f"window_size: k6 / kb2 only, not {self.name}"
+            return f"window_size: k6 / kb2 / decode only, not {self.name}"
         if self.max_seqlen is not None and problem.seqlen > self.max_seqlen:
             return f"{self.name} supports seqlen <= {self.max_seqlen}, not {problem.seqlen}"
         if self.grid_per_tile and (problem.heads > MAX_GRID_YZ or problem.batch > MAX_GRID_YZ):

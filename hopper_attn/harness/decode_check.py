@@ -5,7 +5,11 @@ strided slice of a larger NaN-filled buffer (a kernel that reads outside the sli
 out and the LSE inside NaN guards, NaN-filled before the run. The stage runs twice; the
 check: no NaN left, error against an fp32 reference at most 2x PyTorch's own error in the
 same dtype (SDPA on the same inputs) + 2^-10, the LSE within 1e-3 of the fp32 one, the same
-bits both times, the guards untouched.
+bits both times, the guards untouched. Feature cases (`feature_cases`: a sliding window,
+softcap, sinks) compare with harness/window_reference.py's fp32 reference under the same
+window, cap and sinks; PyTorch's error there is SDPA's with the window as a boolean mask,
+or, with a softcap or sinks (which SDPA lacks), that reference's with P and O rounded to q's
+dtype; rows that see no key: zero output, LSE -inf (with sinks: the sink).
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ class Case:
     stages: int = 0
     combine_chunk: int = 0        # 0: the stage's default
     extra: tuple = ()             # more compile options, (name, value) pairs (sinks, ...)
+    window: tuple = (-1, -1)      # window_size (left, right) as attention() takes it
+    softcap: float = 0.0
+    sinks: bool = False           # random (heads,) fp32 sinks
+
+    @property
+    def features(self) -> bool:
+        return self.window != (-1, -1) or bool(self.softcap) or self.sinks
 
     def label(self) -> str:
         dt = "fp16" if self.dtype == torch.float16 else "bf16"
@@ -42,7 +53,9 @@ class Case:
                 + (f" bn{self.block_n}" if self.block_n else "")
                 + (f" st{self.stages}" if self.stages else "")
                 + (f" c{self.combine_chunk}" if self.combine_chunk else "")
-                + "".join(f" {k}{v}" for k, v in self.extra))
+                + "".join(f" {k}{v}" for k, v in self.extra)
+                + (f" w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "")
+                + (f" cap{self.softcap:g}" if self.softcap else "") + " sinks" * self.sinks)
 
 
 def cases() -> list[Case]:
@@ -81,6 +94,39 @@ def cases() -> list[Case]:
         Case(1, 1, 32, 8, 8191, block_n=64, stages=2, num_splits=33),
     ]
     return out
+
+
+def feature_cases() -> list[Case]:
+    """Windows (4095, 0) (Mistral) and (128, 0) with causal, (64, 32) without; softcap 30
+    and 50; sinks; together (Gemma 2: d 256, cap 50, window (4095, 0); gpt-oss: d 64, Hq
+    64 / 8, window (128, 0), sinks); 1, 4 and 16 queries over 1, 17, 1000 and 33000 keys;
+    rows that see no key (16 queries, 1 key, causal); a window's splits past its tiles
+    (empty splits); fp16. Short windows run here whatever `prefers` would pick."""
+    w4k, w128, cap50 = (4095, 0), (128, 0), 50.0
+    return [
+        Case(1, 1, 32, 8, 33000, causal=True, window=w4k),                   # Mistral
+        Case(2, 4, 32, 8, 1000, causal=True, window=w4k),
+        Case(2, 16, 32, 8, 17, causal=True, window=w4k),
+        Case(2, 1, 32, 8, 1, causal=True, window=w4k),
+        Case(1, 1, 32, 8, 33000, causal=True, window=w4k, num_splits=40),    # empty splits
+        Case(1, 1, 32, 8, 33000, causal=True, window=w128),
+        Case(2, 16, 32, 8, 1, causal=True, window=w128),                     # 15 rows see none
+        Case(2, 16, 32, 8, 1, causal=True, window=w128, sinks=True),         # LSE the sink
+        Case(1, 1, 64, 8, 33000, head_dim=64, causal=True, window=w128, sinks=True),  # gpt-oss
+        Case(4, 4, 64, 8, 1000, head_dim=64, causal=True, window=w128, sinks=True),
+        Case(1, 1, 64, 8, 17, head_dim=64, causal=True, window=w128, sinks=True),
+        Case(1, 1, 32, 8, 33000, head_dim=256, causal=True, window=w4k, softcap=cap50),
+        Case(2, 4, 32, 8, 1000, head_dim=256, causal=True, window=w4k, softcap=cap50),
+        Case(1, 1, 32, 8, 33000, head_dim=256, causal=True, softcap=cap50),  # Gemma 2 global
+        Case(2, 16, 32, 8, 17, head_dim=256, causal=True, softcap=cap50),
+        Case(2, 4, 32, 8, 1000, window=(64, 32)),
+        Case(1, 16, 32, 8, 33000, window=(64, 32)),
+        Case(2, 1, 32, 8, 1, window=(64, 32)),
+        Case(1, 1, 32, 8, 33000, causal=True, softcap=30.0),
+        Case(2, 4, 64, 8, 1000, causal=True, softcap=30.0),
+        Case(1, 4, 32, 8, 33000, causal=True, window=w128, softcap=30.0, sinks=True),
+        Case(2, 4, 32, 8, 1000, causal=True, window=w4k, dtype=torch.float16),
+    ]
 
 
 def _reference(q, k, v, causal, scale):
@@ -130,35 +176,69 @@ def make_inputs(case: Case, seed: int = 0):
 
 def compile_case(case: Case):
     from hopper_attn import decode
-    from hopper_attn.common.contract import Problem
+    from hopper_attn.common.contract import Problem, normalize_window
+    left, right = normalize_window(case.window, case.causal)
     problem = Problem(case.batch, case.heads, case.seqlen_q, case.head_dim, case.causal,
-                      case.dtype, heads_kv=case.heads_kv, seqlen_k=case.seqlen_k)
+                      case.dtype, heads_kv=case.heads_kv, seqlen_k=case.seqlen_k,
+                      window_left=left, window_right=right)
     chunk = {"combine_chunk": case.combine_chunk} if case.combine_chunk else {}
+    features = dict(softcap=case.softcap) if case.softcap else {}
+    features.update(sinks=1) if case.sinks else None
     return decode.compile_kernel(problem, num_splits=case.num_splits, block_n=case.block_n,
-                                 stages=case.stages, **chunk, **dict(case.extra))
+                                 stages=case.stages, **chunk, **features, **dict(case.extra))
+
+
+def sinks_for(case: Case, device="cuda", seed: int = 0):
+    """A case's (heads,) fp32 sinks (None without): logits around the scores' range."""
+    if not case.sinks:
+        return None
+    gen = torch.Generator().manual_seed(seed + 12345)
+    return (torch.randn(case.heads, generator=gen) * 2.0).to(device)
+
+
+def feature_reference(case: Case, q, k, v, sinks):
+    """(fp32 O, fp32 LSE, PyTorch's error) of a feature case (module doc)."""
+    from hopper_attn.harness import window_reference as wr
+    left, right = case.window
+    right = 0 if case.causal else right
+    scale = case.head_dim ** -0.5
+    ref, ref_lse = wr.reference(q, k, v, left, right, scale, case.softcap, sinks)
+    if case.softcap or sinks is not None:
+        low = wr.reference(q, k, v, left, right, scale, case.softcap, sinks,
+                           round_to=case.dtype)[0]
+    else:
+        low = wr.torch_lowp(q, k, v, left, right, scale)[0]
+    return ref, ref_lse, (low.float() - ref).abs().max().item()
 
 
 def check_case(case: Case, seed: int = 0) -> dict:
     """Run `case` twice (fresh NaN-filled outputs); returns the verdict and the numbers."""
     from hopper_attn import decode
     q, k, v = make_inputs(case, seed)
+    sinks = sinks_for(case, q.device, seed)
     handle = compile_case(case)
     outs, lses, guards = [], [], True
     for _ in range(2):
         out_buf, out = guarded_empty(tuple(q.shape), case.dtype, q.device)
         lse_buf, lse = guarded_empty((case.batch, case.heads, case.seqlen_q), torch.float32,
                                      q.device)
-        decode.run(handle, q, k, v, out, lse)
+        decode.run(handle, q, k, v, out, lse, sinks=sinks)
         torch.cuda.synchronize()
         guards = guards and guards_intact(out_buf) and guards_intact(lse_buf)
         outs.append(out)
         lses.append(lse)
     scale = case.head_dim ** -0.5
-    ref, ref_lse = _reference(q, k, v, case.causal, scale)
-    torch_err = (_sdpa(q, k, v, case.causal).float().nan_to_num(0.0) - ref).abs().max().item()
+    if case.features:
+        ref, ref_lse, torch_err = feature_reference(case, q, k, v, sinks)
+    else:
+        ref, ref_lse = _reference(q, k, v, case.causal, scale)
+        torch_err = (_sdpa(q, k, v, case.causal).float().nan_to_num(0.0) - ref).abs().max().item()
     err = (outs[0].float() - ref).abs().max().item()
     limit = 2 * torch_err + 2 ** -10
-    lse_err = (lses[0] - ref_lse).abs().max().item()
+    finite = ref_lse.isfinite()             # (-inf where a row sees no key and no sink)
+    lse_err = (lses[0][finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    if not torch.equal(lses[0].isfinite(), finite):
+        lse_err = float("inf")
     same = torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)) and \
         torch.equal(lses[0].view(torch.int32), lses[1].view(torch.int32))
     no_nan = not outs[0].isnan().any().item() and not lses[0].isnan().any().item()

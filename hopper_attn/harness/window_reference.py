@@ -20,11 +20,13 @@ def window_mask(nq, nk, left, right, device="cuda"):
     return seen
 
 
-def reference(q, k, v, left, right, scale, softcap=0.0, sinks=None):
+def reference(q, k, v, left, right, scale, softcap=0.0, sinks=None, round_to=None):
     """Attention with the window's mask in fp32 (differentiable: give it fp32 leaves); rows
     that see no key: 0, LSE -inf (masked scores -1e30, not -inf, so no NaN reaches the
     gradients). `sinks` (heads,): attention sinks, one more column per row (docs/sinks.md;
-    rows that see no key: 0, LSE the sink)."""
+    rows that see no key: 0, LSE the sink). `round_to`: P and O rounded to that dtype (a
+    16-bit kernel's own rounding: PyTorch's error where SDPA lacks the softcap or sinks)."""
+    rounded = (lambda t: t.to(round_to).float()) if round_to is not None else (lambda t: t)
     group = q.shape[2] // k.shape[2]
     k, v = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
     s = torch.einsum("bihd,bjhd->bhij", q.float(), k) * scale
@@ -35,11 +37,11 @@ def reference(q, k, v, left, right, scale, softcap=0.0, sinks=None):
     if sinks is not None:
         column = sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)
         s = torch.cat([s, column], -1)
-        p = torch.softmax(s, -1)[..., :-1] * seen.any(-1)[:, None].float()
-        return torch.einsum("bhij,bjhd->bihd", p, v), torch.logsumexp(s, -1)
-    p = torch.softmax(s, -1) * seen.any(-1)[:, None].float()
+        p = rounded(torch.softmax(s, -1)[..., :-1] * seen.any(-1)[:, None].float())
+        return rounded(torch.einsum("bhij,bjhd->bihd", p, v)), torch.logsumexp(s, -1)
+    p = rounded(torch.softmax(s, -1) * seen.any(-1)[:, None].float())
     lse = torch.logsumexp(s, -1).masked_fill(~seen.any(-1), float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", p, v), lse
+    return rounded(torch.einsum("bhij,bjhd->bihd", p, v)), lse
 
 
 def torch_lowp(q, k, v, left, right, scale, do=None):
