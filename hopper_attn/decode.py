@@ -31,15 +31,13 @@ and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from
 that a page table names: common/paged.py), and the last tile's V rows past the request's
 keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
 cache (`fp8`), 256 threads: a loader warpgroup (warps 4-7, warp 4 issuing the TMA loads of
-e4m3 rings) widens each e4m3 tile into 16-bit rings (`wide_stages`; common/paged.py,
-`load_and_widen`; V's rows past the keys as zeros), and the consumers read those rings,
-their WGMMAs in fp16 (Q converted when loaded, and held in registers for an RS WGMMA at d
-<= 128), the descales folded into the softmax scale (K) and 1 / l (V). One consumer
-warpgroup then does all of an SM's math, so it runs k6's order instead of k5's: S_j
-first, PV_{j-1} behind it, the softmax of tile j under PV_{j-1} (the same arithmetic in
-the same order as k5's: the same bits). FP8_TILES: 64 x 7 e4m3 stages at d = 128 is
-fp16 rings 3 x 2 x 16 KiB + e4m3 rings 112 + 2 = 210 KiB, one CTA per SM
-(docs/kvcache.md).
+e4m3 rings) widens each e4m3 tile into 16-bit rings of `wide_stages` (common/paged.py,
+`load_and_widen`; V's rows past the keys as zeros); the consumers' WGMMAs read those in
+fp16 (Q converted when loaded, held in registers for an RS WGMMA at d <= 128), the
+descales folded into the softmax scale (K) and 1 / l (V), in k6's order: with one consumer
+warpgroup per SM its softmax must run under its own PV (the same bits as k5's order).
+FP8_TILES: at d = 128, 7 x 2 e4m3 stages 112 KiB + 3 x 2 fp16 ones 96 + 2 = 210 KiB, one
+CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
@@ -102,9 +100,8 @@ SMEM_PER_SM = 228 * 1024
 # one CTA per SM, 192 KiB in flight) while the (batch, k/v head) items fit one CTA per SM,
 # 64 x 2 (81 KiB, two per SM) for more
 TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
-# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, 16-bit K and
-# V rings of WIDE_STAGES 96 KiB + e4m3 rings 112 + 2 = 210 KiB (112 KiB in flight); d = 256
-# has room for two 16-bit stages only (`wide_stages`)
+# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, 16-bit rings
+# of WIDE_STAGES 96 KiB + e4m3 rings 112 + 2 = 210 KiB (112 in flight; d = 256: `wide_stages`)
 FP8_TILES = {64: (128, 7), 128: (64, 7), 256: (64, 2)}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
@@ -167,14 +164,12 @@ def q_in_registers(head_dim: int, fp8: bool) -> bool:
     return fp8 and head_dim <= 128
 
 
-def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False,
-                  wide: int = 0) -> int:
-    """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
-    rings of `stages` and the 16-bit K and V rings they are widened into, `wide` stages or
-    `wide_stages`'; Q's tile, or 1 KiB where Q is held in registers)."""
-    if fp8:
-        q_bytes = 1024 if q_in_registers(head_dim, fp8) else smem_bytes(ROWS * head_dim * 2)
-        wide = wide or wide_stages(head_dim, block_n, stages)
+def smem_estimate(head_dim: int, block_n: int, stages: int, wide: int = 0) -> int:
+    """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`wide` > 0: an
+    e4m3 cache, e4m3 rings of `stages` and the 16-bit K and V rings of `wide` stages they are
+    widened into; Q's tile, or 1 KiB where Q is held in registers)."""
+    if wide:
+        q_bytes = 1024 if q_in_registers(head_dim, True) else smem_bytes(ROWS * head_dim * 2)
         return 1024 + q_bytes \
             + 2 * smem_bytes(wide * block_n * head_dim * 2) \
             + 2 * smem_bytes(stages * block_n * head_dim)
@@ -182,10 +177,8 @@ def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False,
 
 
 def wide_stages(head_dim: int, block_n: int, stages: int) -> int:
-    """16-bit K and V stages of an e4m3 cache's kernel: WIDE_STAGES (the consumers hold K_j
-    and V_{j-1}; a third stage lets the loaders widen a tile further ahead), 2 where a
-    third does not fit beside the e4m3 rings (d = 256)."""
-    fits = smem_estimate(head_dim, block_n, stages, True, WIDE_STAGES) <= SMEM_PER_CTA
+    """16-bit K and V stages of an e4m3 cache: WIDE_STAGES, 2 where a third does not fit."""
+    fits = smem_estimate(head_dim, block_n, stages, WIDE_STAGES) <= SMEM_PER_CTA
     return WIDE_STAGES if fits else 2
 
 
@@ -194,7 +187,7 @@ def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> 
     2 x 160 threads x 204); one with `fp8` (256 threads)."""
     if fp8:
         return 1
-    return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages, fp8) + 1024)))
+    return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages) + 1024)))
 
 
 def max_splits(head_dim: int = 0, block_n: int = 0, stages: int = 0) -> int:
@@ -295,7 +288,7 @@ class DecodeAttention:
         self.threads = FP8_THREADS if fp8 else THREADS
         self.q_in_registers = q_in_registers(head_dim, fp8)
         self.wide_stages = wide_stages(head_dim, block_n, stages) if fp8 else 0
-        smem = smem_estimate(head_dim, block_n, stages, fp8)
+        smem = smem_estimate(head_dim, block_n, stages, self.wide_stages)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
                              f"{smem} bytes of shared memory; a CTA gets at most {SMEM_PER_CTA}")
@@ -321,7 +314,6 @@ class DecodeAttention:
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk,
                 **({"softcap": self.softcap} if self.softcap else {}),
-                **({"wide_stages": self.wide_stages} if self.fp8 else {}),
                 **({"window": (self.window_left, self.window_right)} if self.windowed
                    else {})}
 
@@ -452,7 +444,7 @@ class DecodeAttention:
         rows_valid = cutlass.min(rows_total - row0, ROWS)
         part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
         # keys every real row of the tile sees (no mask below it), and keys any row sees
-        keys_all, keys_any = seqlen_k, seqlen_k
+        keys_all, keys_any, low_all = seqlen_k, seqlen_k, None
         if cutlass.const_expr(self.windowed):
             # and the keys no row sees below the first tile's (low_any), and the first key
             # every row sees from (low_all): tiles wholly left of every row's window skipped
@@ -551,8 +543,7 @@ class DecodeAttention:
             # the first hidden key of each of this thread's rows (padding rows: as the last
             # real query or later, so never fewer keys than the real rows)
             limits = cute.make_rmem_tensor((rows,), Int32)
-            if cutlass.const_expr(self.windowed):
-                lows = cute.make_rmem_tensor((rows,), Int32)
+            lows = cute.make_rmem_tensor((rows,), Int32) if self.windowed else None
             for r in cutlass.range_constexpr(rows):
                 limits[r] = seqlen_k
                 if cutlass.const_expr(self.windowed):       # (and the first seen key)
@@ -565,8 +556,6 @@ class DecodeAttention:
             ring_stages = self.wide_stages if self.fp8 else self.stages
             k_state = tma.consumer_state(ring_stages)
             v_state = tma.consumer_state(ring_stages)
-            if cutlass.const_expr(not self.windowed):
-                lows, low_all = None, None
             if cutlass.const_expr(self.fp8):                # k6's order (module doc)
                 for j in cutlass.range(n_count, unroll=1):
                     k_ring.consumer_wait(k_state)
@@ -583,9 +572,7 @@ class DecodeAttention:
                     k_state.advance()
                     alpha = self.tile_probs(acc_s, n_first + j, softmax, s_coords, limits, lows,
                                             keys_all, low_all)
-                    # (ptxas hoists a WGMMA wait as far up as nothing stops it: the fence
-                    # keeps it below the softmax)
-                    cute.arch.fence_acq_rel_cta()
+                    cute.arch.fence_acq_rel_cta()           # keeps ptxas's wait below the softmax
                     warpgroup.wait_group(0)                 # PV_{j-1} done: O and P are free
                     if j > 0:
                         tma.release_stage(v_ring, v_state)
@@ -678,12 +665,10 @@ class DecodeAttention:
                                      d, self.combine_chunk, self.dtype)
 
     @cute.jit
-    def tile_probs(self, acc_s: cute.Tensor, tile, softmax, s_coords: cute.Tensor, limits,
-                   lows, keys_all, low_all):
+    def tile_probs(self, acc_s, tile, softmax, s_coords, limits, lows, keys_all, low_all):
         """Kv tile `tile`'s scores -> P in place (softcap, the masks, the online softmax);
         returns alpha, by which O is to be rescaled."""
-        bn = self.block_n
-        s_rc = acc_rows_cols(acc_s)
+        s_rc, bn = acc_rows_cols(acc_s), self.block_n
         if cutlass.const_expr(self.softcap > 0.0):          # (before the mask: tanh(-inf))
             softcap_scores(s_rc, softmax.softcap_prescale)
         col0 = tile * bn
