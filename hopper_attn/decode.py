@@ -31,12 +31,13 @@ and V from a cache, contiguous or paged (each kv tile gathered by TMA boxes from
 that a page table names: common/paged.py), and the last tile's V rows past the request's
 keys are zeroed in shared memory before P V (a cache may hold NaN there). With an e4m3
 cache (`fp8`), 256 threads: a loader warpgroup (warps 4-7, warp 4 issuing the TMA loads of
-e4m3 rings) widens each e4m3 tile into 16-bit rings of WIDE_STAGES (common/paged.py,
-`load_and_widen`; V's rows past the keys as zeros), and the consumers' loop is the same
-over those rings, its WGMMAs in fp16 (Q converted when loaded, and held in registers for
-an RS WGMMA at d <= 128), the descales folded into the softmax scale (K) and 1 / l (V).
-FP8_TILES: 64 x 9 e4m3 stages at d = 128 is fp16 rings 64 + e4m3 rings 144 + 2 = 210
-KiB, one CTA per SM (docs/kvcache.md).
+e4m3 rings) widens each e4m3 tile into 16-bit rings of `wide_stages` (common/paged.py,
+`load_and_widen`; V's rows past the keys as zeros); the consumers' WGMMAs read those in
+fp16 (Q converted when loaded, held in registers for an RS WGMMA at d <= 128), the
+descales folded into the softmax scale (K) and 1 / l (V), in k6's order: with one consumer
+warpgroup per SM its softmax must run under its own PV (the same bits as k5's order).
+FP8_TILES: at d = 128, 7 x 2 e4m3 stages 112 KiB + 3 x 2 fp16 ones 96 + 2 = 210 KiB, one
+CTA per SM (docs/kvcache.md).
 
 Attention sinks (`sinks=1`, docs/sinks.md): a per-head logit in each row's denominator,
 joined once: at the combine (one more split: LSE the sink, O zero), or with one split
@@ -51,8 +52,8 @@ masked per element where a tile crosses an edge (`masking.mask_key_ranges`).
 
 What stays: WGMMA for S = Q K^T (both from SMEM) and O += P V (P from registers, V^T read
 MN-major), the online softmax on the accumulator, k5's order inside a tile (PV of tile j-1
-and QK of tile j in one batch), TMA zero-fill of keys past the end, the bottom-right causal
-diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
+and QK of tile j in one batch; e4m3: k6's), TMA zero-fill of keys past the end, the
+bottom-right causal diagonal (query i sees keys j <= i + seqlen_k - seqlen_q).
 
 Budget: 160 threads. The kv tile and stages come per shape from TILES (`tile_for`: the
 deepest ring whose one wave holds every item). d = 128: 64 x 2 stages: SMEM = Q 16 KiB +
@@ -89,7 +90,7 @@ ROWS = 64                   # packed (query, head) rows per M tile: one WGMMA M
 THREADS = 160               # consumer warpgroup + producer warp
 FP8_THREADS = 256           # e4m3 cache: consumer warpgroup + loader warpgroup (TMA, widening)
 PRODUCER_WARP = 4
-WIDE_STAGES = 2             # e4m3 cache: 16-bit K and V tiles the loaders widen into
+WIDE_STAGES = 3             # e4m3 cache: 16-bit K and V tiles the loaders widen into
 CONSUMER_BARRIER = 1        # named barrier of the 128 consumer threads
 MAX_SPLITS = 128
 SMEM_PER_CTA = 227 * 1024
@@ -99,10 +100,9 @@ SMEM_PER_SM = 228 * 1024
 # one CTA per SM, 192 KiB in flight) while the (batch, k/v head) items fit one CTA per SM,
 # 64 x 2 (81 KiB, two per SM) for more
 TILES = {64: [(128, 3)], 128: [(64, 2), (128, 3)], 256: [(64, 2)]}
-# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, 16-bit K and
-# V rings of WIDE_STAGES 64 KiB + e4m3 rings 144 + 2 = 210 KiB (144 KiB in flight; 10
-# stages would leave no byte of the 227 KiB beside the 1 KiB the kernel declares statically)
-FP8_TILES = {64: (128, 9), 128: (64, 9), 256: (64, 2)}
+# e4m3 cache, (kv tile, e4m3 stages) per head dim, one CTA per SM: at d = 128, 16-bit rings
+# of WIDE_STAGES 96 KiB + e4m3 rings 112 + 2 = 210 KiB (112 in flight; d = 256: `wide_stages`)
+FP8_TILES = {64: (128, 7), 128: (64, 7), 256: (64, 2)}
 COMBINE_CHUNK = 16          # partials a combining lane loads before it uses the first
 
 
@@ -164,16 +164,22 @@ def q_in_registers(head_dim: int, fp8: bool) -> bool:
     return fp8 and head_dim <= 128
 
 
-def smem_estimate(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
-    """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`fp8`: e4m3
-    rings of `stages` and 16-bit K and V rings of WIDE_STAGES they are widened into; Q's
-    tile, or 1 KiB where Q is held in registers)."""
-    if fp8:
-        q_bytes = 1024 if q_in_registers(head_dim, fp8) else smem_bytes(ROWS * head_dim * 2)
+def smem_estimate(head_dim: int, block_n: int, stages: int, wide: int = 0) -> int:
+    """mbarriers and flags (1 KiB) + Q + the K and V rings, 16-bit elements (`wide` > 0: an
+    e4m3 cache, e4m3 rings of `stages` and the 16-bit K and V rings of `wide` stages they are
+    widened into; Q's tile, or 1 KiB where Q is held in registers)."""
+    if wide:
+        q_bytes = 1024 if q_in_registers(head_dim, True) else smem_bytes(ROWS * head_dim * 2)
         return 1024 + q_bytes \
-            + 2 * smem_bytes(WIDE_STAGES * block_n * head_dim * 2) \
+            + 2 * smem_bytes(wide * block_n * head_dim * 2) \
             + 2 * smem_bytes(stages * block_n * head_dim)
     return 1024 + smem_bytes(ROWS * head_dim * 2) + 2 * smem_bytes(stages * block_n * head_dim * 2)
+
+
+def wide_stages(head_dim: int, block_n: int, stages: int) -> int:
+    """16-bit K and V stages of an e4m3 cache: WIDE_STAGES, 2 where a third does not fit."""
+    fits = smem_estimate(head_dim, block_n, stages, WIDE_STAGES) <= SMEM_PER_CTA
+    return WIDE_STAGES if fits else 2
 
 
 def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
@@ -181,7 +187,7 @@ def ctas_per_sm(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> 
     2 x 160 threads x 204); one with `fp8` (256 threads)."""
     if fp8:
         return 1
-    return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages, fp8) + 1024)))
+    return max(1, min(2, SMEM_PER_SM // (smem_estimate(head_dim, block_n, stages) + 1024)))
 
 
 def max_splits(head_dim: int = 0, block_n: int = 0, stages: int = 0) -> int:
@@ -281,7 +287,8 @@ class DecodeAttention:
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
         self.threads = FP8_THREADS if fp8 else THREADS
         self.q_in_registers = q_in_registers(head_dim, fp8)
-        smem = smem_estimate(head_dim, block_n, stages, fp8)
+        self.wide_stages = wide_stages(head_dim, block_n, stages) if fp8 else 0
+        smem = smem_estimate(head_dim, block_n, stages, self.wide_stages)
         if smem > SMEM_PER_CTA:
             raise ValueError(f"kv tile {block_n} at d = {head_dim} with {stages} stages needs "
                              f"{smem} bytes of shared memory; a CTA gets at most {SMEM_PER_CTA}")
@@ -351,7 +358,7 @@ class DecodeAttention:
                                   cute.make_layout(mOPart.shape, stride=(row_stride, 1)))
         q_layout = smem_tile_layout(self.mma_dtype, ROWS, d)
         kv_layout = smem_tile_layout(self.mma_dtype, bn, d,
-                                     WIDE_STAGES if self.fp8 else self.stages)
+                                     self.wide_stages if self.fp8 else self.stages)
         # (fp8: TMA fills rings of e4m3 tiles; kv_layout: the 16-bit rings they widen into)
         load_dtype = mK.element_type
         load_layout = smem_tile_layout(load_dtype, bn, d, self.stages) if self.fp8 \
@@ -368,8 +375,8 @@ class DecodeAttention:
             class SharedStorage:
                 k_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
                 v_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-                k16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
-                v16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * WIDE_STAGES]
+                k16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.wide_stages]
+                v16_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.wide_stages]
                 last: cute.struct.MemRange[Int32, 4]
                 sK: cute.struct.Align[cute.struct.MemRange[self.mma_dtype,
                                                            cute.cosize(kv_layout)], 1024]
@@ -437,7 +444,7 @@ class DecodeAttention:
         rows_valid = cutlass.min(rows_total - row0, ROWS)
         part_rows = cutlass.min(rows_total, ROWS)          # workspace rows per item and split
         # keys every real row of the tile sees (no mask below it), and keys any row sees
-        keys_all, keys_any = seqlen_k, seqlen_k
+        keys_all, keys_any, low_all = seqlen_k, seqlen_k, None
         if cutlass.const_expr(self.windowed):
             # and the keys no row sees below the first tile's (low_any), and the first key
             # every row sees from (low_all): tiles wholly left of every row's window skipped
@@ -475,7 +482,7 @@ class DecodeAttention:
         k_ring, v_ring = k_pipe, v_pipe                     # the rings the WGMMAs read
         loaders = warp == PRODUCER_WARP
         if cutlass.const_expr(self.fp8):                    # e4m3: the 16-bit rings
-            k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), WIDE_STAGES) for barriers
+            k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), self.wide_stages) for barriers
                               in (storage.k16_barriers, storage.v16_barriers))
             loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
@@ -536,8 +543,7 @@ class DecodeAttention:
             # the first hidden key of each of this thread's rows (padding rows: as the last
             # real query or later, so never fewer keys than the real rows)
             limits = cute.make_rmem_tensor((rows,), Int32)
-            if cutlass.const_expr(self.windowed):
-                lows = cute.make_rmem_tensor((rows,), Int32)
+            lows = cute.make_rmem_tensor((rows,), Int32) if self.windowed else None
             for r in cutlass.range_constexpr(rows):
                 limits[r] = seqlen_k
                 if cutlass.const_expr(self.windowed):       # (and the first seen key)
@@ -547,39 +553,51 @@ class DecodeAttention:
                     query = (row0 + s_coords[r, 0][0]) // group
                     limits[r] = cutlass.min(seqlen_k, query + seqlen_k - seqlen_q + 1)
 
-            ring_stages = WIDE_STAGES if self.fp8 else self.stages
+            ring_stages = self.wide_stages if self.fp8 else self.stages
             k_state = tma.consumer_state(ring_stages)
             v_state = tma.consumer_state(ring_stages)
-            for j in cutlass.range(n_count, unroll=1):
-                k_ring.consumer_wait(k_state)
-                if j > 0:                                   # O += P_{j-1} V_{j-1}
-                    v_ring.consumer_wait(v_state)
-                    wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
-                               mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
-                wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
-                           mmas.k_frag[None, None, None, k_state.index], zero_init=True)
-                warpgroup.wait_group(0)
-                if j > 0:
-                    tma.release_stage(v_ring, v_state)
-                    v_state.advance()
-                tma.release_stage(k_ring, k_state)
-                k_state.advance()
-                s_rc = acc_rows_cols(acc_s)
-                if cutlass.const_expr(self.softcap > 0.0):  # (before the mask: tanh(-inf))
-                    softcap_scores(s_rc, softmax.softcap_prescale)
-                col0 = (n_first + j) * bn
-                if cutlass.const_expr(self.windowed):
-                    if col0 + bn > keys_all or col0 < low_all:
-                        masking.mask_key_ranges(s_rc, s_coords, col0, lows, limits,
-                                                self.window_left)
-                elif col0 + bn > keys_all:                  # tail or causal diagonal
-                    for r in cutlass.range_constexpr(rows):
-                        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                            if col0 + s_coords[r, c][1] >= limits[r]:
-                                s_rc[r, c] = -Float32.inf
-                alpha = softmax.step(s_rc)
-                scale_rows(o_rc, alpha)
-                mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
+            if cutlass.const_expr(self.fp8):                # k6's order (module doc)
+                for j in cutlass.range(n_count, unroll=1):
+                    k_ring.consumer_wait(k_state)
+                    wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
+                               mmas.k_frag[None, None, None, k_state.index], zero_init=True)
+                    if j > 0:                               # O += P_{j-1} V_{j-1}, behind S_j
+                        v_ring.consumer_wait(v_state)
+                        wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
+                                   mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                        warpgroup.wait_group(1)             # S_j done; PV_{j-1} may still run
+                    else:
+                        warpgroup.wait_group(0)
+                    tma.release_stage(k_ring, k_state)
+                    k_state.advance()
+                    alpha = self.tile_probs(acc_s, n_first + j, softmax, s_coords, limits, lows,
+                                            keys_all, low_all)
+                    cute.arch.fence_acq_rel_cta()           # keeps ptxas's wait below the softmax
+                    warpgroup.wait_group(0)                 # PV_{j-1} done: O and P are free
+                    if j > 0:
+                        tma.release_stage(v_ring, v_state)
+                        v_state.advance()
+                    scale_rows(o_rc, alpha)
+                    mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
+            else:
+                for j in cutlass.range(n_count, unroll=1):
+                    k_ring.consumer_wait(k_state)
+                    if j > 0:                                   # O += P_{j-1} V_{j-1}
+                        v_ring.consumer_wait(v_state)
+                        wgmma.gemm(mmas.mma_pv, acc_o, mmas.p_frag,
+                                   mmas.vt_frag[None, None, None, v_state.index], zero_init=False)
+                    wgmma.gemm(mmas.mma_qk, acc_s, mmas.q_frag,
+                               mmas.k_frag[None, None, None, k_state.index], zero_init=True)
+                    warpgroup.wait_group(0)
+                    if j > 0:
+                        tma.release_stage(v_ring, v_state)
+                        v_state.advance()
+                    tma.release_stage(k_ring, k_state)
+                    k_state.advance()
+                    alpha = self.tile_probs(acc_s, n_first + j, softmax, s_coords, limits, lows,
+                                            keys_all, low_all)
+                    scale_rows(o_rc, alpha)
+                    mmas.p_frag.store(acc_as_operand_a(acc_s).load().to(self.mma_dtype))
             if n_count > 0:                                 # the last tile's PV
                 v_ring.consumer_wait(v_state)
                 if cutlass.const_expr(self.kv_cache and not self.fp8):
@@ -645,6 +663,24 @@ class DecodeAttention:
                     split_kv.combine(mOPart, mLSEPart, o, mLSE, item, splits, rows_valid,
                                      part_rows, row0, group, kv_head, batch, tidx, mSinks,
                                      d, self.combine_chunk, self.dtype)
+
+    @cute.jit
+    def tile_probs(self, acc_s, tile, softmax, s_coords, limits, lows, keys_all, low_all):
+        """Kv tile `tile`'s scores -> P in place (softcap, the masks, the online softmax);
+        returns alpha, by which O is to be rescaled."""
+        s_rc, bn = acc_rows_cols(acc_s), self.block_n
+        if cutlass.const_expr(self.softcap > 0.0):          # (before the mask: tanh(-inf))
+            softcap_scores(s_rc, softmax.softcap_prescale)
+        col0 = tile * bn
+        if cutlass.const_expr(self.windowed):
+            if col0 + bn > keys_all or col0 < low_all:
+                masking.mask_key_ranges(s_rc, s_coords, col0, lows, limits, self.window_left)
+        elif col0 + bn > keys_all:                          # tail or causal diagonal
+            for r in cutlass.range_constexpr(cute.size(s_coords, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                    if col0 + s_coords[r, c][1] >= limits[r]:
+                        s_rc[r, c] = -Float32.inf
+        return softmax.step(s_rc)
 
 
 class DecodeAttentionSinks(DecodeAttention):

@@ -9,12 +9,13 @@ path and SDPA over a gathered cache.
     python tools/kvcache_gpu_check.py --no-correctness --shapes small --sorted-pages
     python tools/kvcache_gpu_check.py --features --quick   # window / softcap / sinks (< 2 min)
     python tools/kvcache_gpu_check.py --features           # + their timing rows
+    python tools/kvcache_gpu_check.py --fp8-speed          # e4m3 / bf16 speed (~1 min)
 
 Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
 and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
 lengths, lengths 0 .. capacity and at page and tile boundaries, 1 / 4 / 16 queries, GQA
-32/8, d 128 and 64, appends across pages with every other cache byte checked, forced split
-counts, out-of-cache indices in unused slots; fp32 reference over the gathered cache, 2x
+32/8, d 128 and 64 (e4m3: and 256), appends across pages with every other cache byte
+checked, forced split counts, out-of-cache indices in unused slots; fp32 reference over the gathered cache, 2x
 PyTorch's error, LSE, same bits twice) and a CUDA graph capture + replay of one decode step.
 One line per case; then whether NaN in unused page slots reaches the output, here and in
 FA4's paged path (pages of 16, 64, 128).
@@ -29,7 +30,7 @@ the bytes it reads) in the three layouts. Round-robin timing as tools/decode_gpu
 L2, medians of 30 rounds).
 TB/s: K and V read once, 2 x B x Hkv x N x d x 2 bytes / time. `--fp8-tile NxS`: the e4m3
 cache's kv tile and ring depth at d 128 for this run (decode.FP8_TILES; correctness runs
-with it too), e.g. 128x2 against the default 64x9; `--bf16-tile NxS`: the one 16-bit tile
+with it too), e.g. 128x2 against the default 64x7; `--bf16-tile NxS`: the one 16-bit tile
 (decode.TILES) at d 128 for every shape (a probe of paged caches at B1: more, smaller
 tiles in flight); `--sorted-pages`: page tables in memory order instead of shuffled (a
 probe: whether a paged cache's loss at one request comes from where its pages lie or from
@@ -41,6 +42,9 @@ and one split's fold, all three together; contiguous and 16-token pages, NaN in 
 pages, appends; the fp32 reference under the same masks, cap and sinks), then (not with
 --quick) timing rows at B1 32k (Hq 32 / Hkv 8, d 128, causal, one query; contiguous and
 16-token pages): no feature, window (4096, 0), softcap 30, sinks, the same round-robin.
+`--fp8-speed` (instead of the above, no correctness: --quick has the e4m3 cases): the
+bf16 and the e4m3 cache (the same values), contiguous, at B1 32k, B1 128k, B64 4k and
+B256 4k (one query, Hq 32 / Hkv 8, d 128, causal), the same round-robin; e4m3 / bf16 speed.
 Everything goes to $OUT/kvcache.json.
 """
 
@@ -89,6 +93,32 @@ def correctness(features: bool = False) -> list:
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass, max error ratio "
           f"{max(ratios, default=float('nan')):.2f} (limit 2 + 2^-10 / torch error)")
+    return rows
+
+
+def fp8_speed() -> list:
+    """--fp8-speed: the bf16 and the e4m3 cache, contiguous, on SMALL; e4m3 / bf16 speed."""
+    from decode_gpu_check import round_robin
+    from hopper_attn import attention_with_kvcache
+    rows = []
+    for batch, n in SMALL:
+        gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
+        copies = max(2, math.ceil(2 * L2_BYTES / (2 * batch * n * HKV * D * 2)))
+        q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+        seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        sets = [_caches(batch, n, 0, gen)[:2] for _ in range(copies)]
+        sets8 = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in sets]
+        timed = round_robin({name: [lambda k=k, v=v: attention_with_kvcache(q, k, v, seqlens)
+                                    for k, v in kv] for name, kv in (("bf16", sets),
+                                                                     ("fp8", sets8))})
+        us = {k: e["ms"] * 1e3 for k, e in timed.items() if "ms" in e}
+        ratio = us["bf16"] / us["fp8"] if len(us) == 2 else float("nan")
+        print(f"B{batch} {n // 1024}k: bf16 {us.get('bf16', float('nan')):.1f} us | e4m3 "
+              f"{us.get('fp8', float('nan')):.1f} us | e4m3 / bf16 speed {ratio:.2f}x",
+              flush=True)
+        rows.append({"batch": batch, "seqlen_k": n, "timed": timed, "fp8_over_bf16": ratio})
+        del sets, sets8
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -306,6 +336,8 @@ def main():
     parser.add_argument("--sorted-pages", action="store_true", help="unshuffled page tables")
     parser.add_argument("--features", action="store_true",
                         help="window / softcap / sinks cases (and timing rows) instead")
+    parser.add_argument("--fp8-speed", action="store_true",
+                        help="e4m3 / bf16 cache speed at four shapes, instead")
     args = parser.parse_args()
     global SORTED_PAGES
     SORTED_PAGES = args.sorted_pages
@@ -324,14 +356,16 @@ def main():
               "sorted_pages": SORTED_PAGES,
               "tiles_d128": [list(t) for t in decode.TILES[D]]}
     try:
-        if args.features:
+        if args.fp8_speed:
+            result["fp8_speed"] = fp8_speed()
+        elif args.features:
             result["features"] = correctness(features=True)
             if not args.quick:
                 result["feature_timing"] = feature_timing()
         elif not args.no_correctness:
             result["correctness"] = correctness()
             result["nan_probe"] = nan_probe()
-        if not args.quick and not args.features:
+        if not args.quick and not args.features and not args.fp8_speed:
             result["benchmark"] = benchmark(SMALL if args.shapes == "small" else SHAPES)
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()

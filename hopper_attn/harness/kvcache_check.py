@@ -68,7 +68,8 @@ class Case:
 
 def quick_cases() -> list[Case]:
     """Contiguous and every page size; cache lengths 0, 1, page and tile boundaries +-1,
-    the full capacity; 1, 4 and 16 queries; GQA 32/8 (and 8/8, 64/8); d 128 and 64;
+    the full capacity; 1, 4 and 16 queries; GQA 32/8 (and 8/8, 64/8); d 128 and 64 (and
+    256 with an e4m3 cache);
     appends crossing pages; forced split counts; out-of-cache indices in unused slots."""
     out = []
     for ps in (0, 16, 32, 64, 128, 256):
@@ -94,8 +95,11 @@ def quick_cases() -> list[Case]:
         # 32-token page; half of a 128-token page)
         Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 32, seqlen_new=1),
         Case(tuple(i * 131 % 1022 for i in range(20)), 1024, 128, seqlen_q=4, seqlen_new=2),
-        # e4m3 caches: contiguous and paged, appends, 4 and 16 queries, d 64
+        # e4m3 caches: contiguous and paged, appends, 4 and 16 queries, d 64 and 256 (two
+        # 16-bit stages), 3 splits of 1-4 tiles
         Case((0, 1, 127, 128, 129, 1000, 1023, 1024), 1024, 0, fp8=True),
+        Case((130, 190, 250, 700), 1024, 0, fp8=True, num_splits=3),
+        Case((1000, 2047, 15, 0), 2048, 16, head_dim=256, seqlen_new=1, fp8=True),
         Case((5, 300, 1000, 777), 1024, 16, seqlen_q=4, seqlen_new=4, fp8=True),
         Case((3000, 8189, 4096, 1), 8192, 128, seqlen_q=16, seqlen_new=3, fp8=True),
         Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 64, seqlen_new=1, fp8=True),
