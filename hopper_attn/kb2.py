@@ -71,11 +71,14 @@ from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, GroupWalk, PolicyRow, backward_smem,
+from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_HANDOFF_THREADS,
+                                         DS_WRITTEN_BARRIER, EPILOGUE_BARRIER,
+                                         BackwardTiles, GroupWalk, PolicyRow, backward_smem,
                                          column_stats, compile_backward, converted,
                                          fragment_slot, kernel_arguments, policy_settings,
                                          run_backward,
                                          stage_dkv, store_dkv, wait_for_count)
+from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
@@ -97,11 +100,8 @@ SPEC = KernelSpec(
     and p.head_dim > 128 else None,
 )
 
-DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
-DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer warp
 
-
-class FlashAttentionBackwardKB2(GroupWalk):
+class FlashAttentionBackwardKB2(GroupWalk, DkvSwapConsumer):
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
@@ -115,7 +115,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, shared_keys: bool = False, varlen: bool = False):
+                 window_right: int = -1, shared_keys: bool = False, varlen: bool = False,
+                 dkv_swap_ab: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -123,9 +124,12 @@ class FlashAttentionBackwardKB2(GroupWalk):
         # shared_keys (d = 192): both consumer warpgroups on one 64-key tile, dK and dV split
         # by columns (wgmma.BackwardMmas), P^T through SMEM; dV issued after the dS^T barrier
         self.shared_keys = bool(shared_keys)
-        if block_m not in (64, 80, 128) or block_n != (64 if shared_keys else 128):
+        # dkv_swap_ab (d = 192): 96-key tiles, dK^T and dV^T (common/backward_dkv_swap.py)
+        self.dkv_swap_ab = bool(dkv_swap_ab)
+        if block_m not in (64, 80, 128) or block_n != (96 if dkv_swap_ab else 64 if shared_keys
+                                                       else 128):
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys; "
-                             "shared_keys: 64) and 64, 80 or 128 queries; got "
+                             "shared_keys: 64, dkv_swap_ab: 96) and 64, 80 or 128 queries; got "
                              f"{block_m} x {block_n}")
         # dq_swap_ab: 80 query rows are not a multiple of WGMMA's M (64), so dQ is computed
         # transposed, dQ^T = K^T dS^T, with head_dim split between the warpgroups
@@ -194,6 +198,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
                              "for dP^T before the exp2 loop)")
+        self.do_stages = check_dkv_swap(self) if self.dkv_swap_ab else self.stages   # dO's ring
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -212,7 +217,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
         self.dtype = mQ.element_type
         tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
                                      shared_keys=self.shared_keys, packed=self.varlen,
-                                     head_dim_v=self.head_dim_v)   # (V, dO, dV: dv wide)
+                                     head_dim_v=self.head_dim_v,   # (V, dO, dV: dv wide)
+                                     dkv_swap_ab=self.dkv_swap_ab, do_stages=self.do_stages)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
         v_layout, do_layout = tiles.v_layout, tiles.do_layout
         # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
@@ -238,7 +244,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(do_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
-            if cutlass.const_expr(self.shared_keys):    # P^T, by buffer as dS^T
+            if cutlass.const_expr(self.shared_keys or self.dkv_swap_ab):   # P^T (or P)
                 sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)],
                                        1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
@@ -289,7 +295,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout,
-                                              self.head_dim_v)
+                                              self.head_dim_v, self.do_stages)
         sLSE, sD = storage.sLSE.get_tensor(row_layout), storage.sD.get_tensor(row_layout)
 
         consumer_warps = 4 * self.warpgroups
@@ -297,7 +303,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
                                     self.k_bytes + self.v_bytes)
         q_pipe = tma.make_tma_ring(storage.q_barriers.data_ptr(), self.stages, consumer_warps,
                                    self.q_bytes)
-        do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.stages,
+        do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.do_stages,
                                     consumer_warps, self.do_bytes)
         tma.barriers_ready()
         loads = (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum)
@@ -334,8 +340,9 @@ class FlashAttentionBackwardKB2(GroupWalk):
             ctidx = tidx - 128                              # 0 .. 255
             wg = warp // 4 - 1
             sPt = storage.sPt.get_tensor(ds_layout.outer, swizzle=ds_layout.inner) \
-                if self.shared_keys else None                    # P^T (shared_keys)
-            self.consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
+                if self.shared_keys or self.dkv_swap_ab else None   # P^T (P: dkv_swap_ab)
+            consume = self.consume_dkv_swap if self.dkv_swap_ab else self.consume
+            consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
                          dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
                          n_block, dk_head if self.gqa else head, batch, m_first, m_count,
                          seqlen_q, seqlen_k, group, sPt)
@@ -359,6 +366,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
             lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
             dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
         produce = tma.producer_state(self.stages)
+        produce_do = produce if self.do_stages == self.stages else \
+            tma.producer_state(self.do_stages)          # (dkv_swap_ab at dv = 192: depth 1)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):        # this tile's query head's copies
                 head_in_group, m_block = self.work_item(it, m_first, m_count)
@@ -383,15 +392,17 @@ class FlashAttentionBackwardKB2(GroupWalk):
                     cute.arch.griddepcontrol_wait()     # lse2 and D are written
             head_loads[2].copy(m_block, barrier, produce.index)
             phase = self.trace.start("load_do")
-            do_pipe.producer_acquire(produce)
+            do_pipe.producer_acquire(produce_do)
             self.trace.end(phase)
-            barrier = do_pipe.producer_get_barrier(produce)
+            barrier = do_pipe.producer_get_barrier(produce_do)
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
                     v_load.copy_on_armed(n_block, barrier, self.v_bytes)
-            head_loads[1].copy(m_block, barrier, produce.index)
-            head_loads[3].copy(m_block, barrier, produce.index)
+            head_loads[1].copy(m_block, barrier, produce_do.index)
+            head_loads[3].copy(m_block, barrier, produce_do.index)
             produce.advance()
+            if cutlass.const_expr(self.do_stages != self.stages):
+                produce_do.advance()
 
     @cute.jit
     def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
@@ -655,7 +666,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
 DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None,
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
-            "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False}
+            "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
+            "dkv_swap_ab": False}
 
 
 POLICY = (
@@ -766,7 +778,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    trace: bool = False, convert_per_head: Optional[bool] = None,
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
-                   varlen: bool = False):
+                   varlen: bool = False, dkv_swap_ab: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
@@ -779,7 +791,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
         block_m, dp_first, early_dv = SOFTCAP_TILES.get(problem.head_dim,
                                                         (block_m, dp_first, early_dv))
     if shared_keys is None and problem.head_dim == 192:
-        shared_keys = True          # the one kb2 tile whose dK / dV fit the registers there
+        shared_keys = not dkv_swap_ab   # (dkv_swap_ab: 96-key tiles, dK^T and dV^T instead)
     passed = locals()               # the options as given (None: the policy's)
     given = {name: value for name, value in passed.items() if name in DEFAULTS}
     settings = policy(problem, deterministic, tuned=block_m is None)
