@@ -343,9 +343,9 @@ class FlashAttentionBackwardKB2(GroupWalk, DkvSwapConsumer):
                 if self.shared_keys or self.dkv_swap_ab else None   # P^T (P: dkv_swap_ab)
             consume = self.consume_dkv_swap if self.dkv_swap_ab else self.consume
             consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
-                         dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
-                         n_block, dk_head if self.gqa else head, batch, m_first, m_count,
-                         seqlen_q, seqlen_k, group, sPt)
+                    dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
+                    n_block, dk_head if self.gqa else head, batch, m_first, m_count,
+                    seqlen_q, seqlen_k, group, sPt)
 
     @cute.jit
     def load(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD, kv_pipe,
@@ -366,7 +366,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DkvSwapConsumer):
             lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
             dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
         produce = tma.producer_state(self.stages)
-        produce_do = produce if self.do_stages == self.stages else \
+        produce_do = None if self.do_stages == self.stages else \
             tma.producer_state(self.do_stages)          # (dkv_swap_ab at dv = 192: depth 1)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):        # this tile's query head's copies
@@ -392,16 +392,17 @@ class FlashAttentionBackwardKB2(GroupWalk, DkvSwapConsumer):
                     cute.arch.griddepcontrol_wait()     # lse2 and D are written
             head_loads[2].copy(m_block, barrier, produce.index)
             phase = self.trace.start("load_do")
-            do_pipe.producer_acquire(produce_do)
+            ring_do = produce if produce_do is None else produce_do
+            do_pipe.producer_acquire(ring_do)
             self.trace.end(phase)
-            barrier = do_pipe.producer_get_barrier(produce_do)
+            barrier = do_pipe.producer_get_barrier(ring_do)
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
                     v_load.copy_on_armed(n_block, barrier, self.v_bytes)
-            head_loads[1].copy(m_block, barrier, produce_do.index)
-            head_loads[3].copy(m_block, barrier, produce_do.index)
+            head_loads[1].copy(m_block, barrier, ring_do.index)
+            head_loads[3].copy(m_block, barrier, ring_do.index)
             produce.advance()
-            if cutlass.const_expr(self.do_stages != self.stages):
+            if cutlass.const_expr(produce_do is not None):
                 produce_do.advance()
 
     @cute.jit

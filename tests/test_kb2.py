@@ -444,6 +444,42 @@ def test_softcap_at_d192_and_window_at_d96_compile_without_spills(name, d, heads
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
 
+@pytest.mark.parametrize("causal,heads_kv,dv", [(True, 1, 192), (False, 0, 128)])
+def test_dkv_swap_ab_compiles_without_spills(causal, heads_kv, dv):
+    """kb2:dkv_swap_ab=1 (common/backward_dkv_swap.py): 64 x 96 tiles, dK^T and dV^T with the
+    head dim as M, all five GEMMs from SMEM, P and dS by stmatrix (3 x4 each a thread), one
+    bulk dQ add per warpgroup; within 227 KiB (dO's ring 1 deep at dv = 192), no spills."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get("kb2:dkv_swap_ab=1"), 192, causal,
+                            heads=4 if heads_kv else 2, heads_kv=heads_kv,
+                            head_dim_v=0 if dv == 192 else dv)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+        assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
+    ptx, kernel = art["ptx"], art["kernel"]
+    assert kernel["block_n"] == 96 and kernel["options"]["shared_keys"] is False
+    # S, dP: 192 / 16 and dv / 16 k-steps; dV^T, dK^T: dv / 64 and 3 M blocks x 4; dQ: 6
+    assert count(ptx, r"wgmma\.mma_async") == 12 + dv // 16 + 4 * dv // 64 + 12 + 6
+    assert count(ptx, r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*\{") == 0     # no register A
+    assert count(ptx, r"stmatrix\.sync\.aligned") == 6
+    assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
+
+
+def test_dkv_swap_ab_refusals():
+    """The variant runs d = 192 (dv 192 or 128) on 64-row tiles, without a softcap, window
+    or packed batch, and is not the default."""
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    assert kb2.policy(Problem(1, 2, 128, 192, True))["dkv_swap_ab"] is False
+    for d, options in ((128, {}), (192, {"softcap": 30.0}), (192, {"block_m": 128}),
+                       (192, {"shared_keys": True})):
+        with pytest.raises(ValueError, match="dkv_swap_ab"):
+            kb2.FlashAttentionBackwardKB2(d, False, block_n=96, dkv_swap_ab=True, **{
+                "block_m": 64, **options})
+
+
 # ------------------------------------------------------------- the policy table (issue 58)
 
 def test_policy_rows_name_their_reason_and_results():

@@ -27,6 +27,19 @@
 
 Prints one line per group of cases (< 60 lines); everything goes to $OUT/bwd_dims.json (or
 --out), with the environment (GPU, driver, torch, CuTe DSL, FA4).
+
+    python tools/bwd_dims_gpu_check.py --variant-check [--quick] [--out DIR]
+
+checks and times `VARIANT` (kb2 at d = 192 on 64 x 96 tiles with dK^T and dV^T,
+common/backward_dkv_swap.py) instead, in ~2 minutes: its gradients (launched directly) at
+(192, 192) and (192, 128), MHA 4/4 and GQA 8/2, causal and not, lengths 17, 113, 1000 and
+the cross lengths 113 / 300, 1000 / 517, plus a long causal MHA case and a GQA case whose
+dK / dV are split in parts, against the fp32 reference with the bound above
+(window_reference.gradient_errors); then (not with --quick) the backward alone, round-robin,
+L2 flushed: kb2's default and the variant launched directly, ours and FA4's through autograd,
+N 4k and 16k (B x N = 32k tokens, 16 heads), causal and not, one line each with
+default / variant (> 1: the variant faster) and FA4 / the variant, the variant's time
+estimated through autograd as ours x variant / default. JSON: $OUT/bwd_dims_variant.json.
 """
 
 from __future__ import annotations
@@ -66,6 +79,11 @@ VARIANTS = {96: ["kb2", "kb2:early_dv=0,split_dv=0", "kb2:split_dv=0",
             192: ["kb2", "kb2:kv_with_first_tile=0", "kb2:convert_per_head=0",
                   "kb2:pdl=0,convert_per_head=0", "kb2:longest_first=0"]}
 CAUSAL_ONLY = ("kb2:split_dv=0", "kb2:longest_first=0")       # (the mask-free rows' own)
+VARIANT = "kb2:dkv_swap_ab=1"                 # d = 192 on 64 x 96 tiles (--variant-check)
+VARIANT_PAIRS = [(192, 192), (192, 128)]
+VARIANT_LENGTHS = [(17, 17), (113, 113), (1000, 1000), (113, 300), (1000, 517)]
+# (label, heads, heads_kv, batch, seqlen, causal): many kv tiles; dK / dV in parts
+VARIANT_LARGER = [("MHA long", 4, 4, 1, 3000, True), ("8:1 parts", 16, 2, 1, 2048, False)]
 
 
 def _plain_case(batch, heads, heads_kv, nq, nk, d, causal, seed) -> dict:
@@ -250,7 +268,137 @@ def variants(log, flush) -> list:
     return rows
 
 
+# ------------------------------------------------------------------- --variant-check
+
+def _variant_inputs(batch, heads, heads_kv, nq, nk, d, dv, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(batch, nq, heads, d), (batch, nk, heads_kv, d), (batch, nk, heads_kv, dv),
+              (batch, nq, heads, dv)]
+    return [torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16) for s in shapes]
+
+
+def _direct_dv(name, q, k, v, do, causal):
+    """A kb2 setting's backward alone (v dv wide), launched through the registry."""
+    import hopper_attn
+    from hopper_attn.harness import registry
+    entry = registry.get(name)
+    handle = entry.compile(Problem.from_tensor(q, causal, k, v=v))
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    call = lambda: entry.run(handle, q, k, v, out, do, lse, *grads)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    return call, grads
+
+
+def variant_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed) -> dict:
+    from hopper_attn.harness.window_reference import gradient_errors
+    q, k, v, do = _variant_inputs(batch, heads, heads_kv, nq, nk, d, dv, seed)
+    call, grads = _direct_dv(VARIANT, q, k, v, do, causal)
+    for grad in grads:
+        grad.fill_(float("nan"))                 # every element must be written (again)
+    call()
+    torch.cuda.synchronize()
+    errors = gradient_errors(q, k, v, do, grads, -1, 0 if causal else -1, d ** -0.5)
+    row = {"shape": [batch, heads, heads_kv, nq, nk, d, dv, causal], "ratio": {},
+           "errors": errors, "ok": True}
+    for name, grad in zip("qkv", grads):
+        err, _, bound = errors[name]
+        nan = bool(grad.isnan().any())
+        row["ratio"][name] = float("inf") if nan else err / bound
+        row["ok"] &= not nan and err <= bound
+    return row
+
+
+def variant_correctness(log) -> list:
+    rows, seed = [], 500
+    for d, dv in VARIANT_PAIRS:
+        for label, heads, heads_kv in GROUPS:
+            for causal in (False, True):
+                group_rows = []
+                for nq, nk in VARIANT_LENGTHS:
+                    seed += 1
+                    group_rows.append(variant_case(2, heads, heads_kv, nq, nk, d, dv, causal,
+                                                   seed))
+                rows += group_rows
+                worst = {n: max(r["ratio"][n] for r in group_rows) for n in "qkv"}
+                bad = [r["shape"] for r in group_rows if not r["ok"]]
+                log(f"  ({d}, {dv}) {label:4} {'causal' if causal else 'full':6} "
+                    f"{len(group_rows)} cases: worst ratio dq {worst['q']:.2f} dk "
+                    f"{worst['k']:.2f} dv {worst['v']:.2f}  "
+                    + (f"FAIL {bad}" if bad else "PASS"))
+        for label, heads, heads_kv, batch, n, causal in VARIANT_LARGER:
+            seed += 1
+            row = variant_case(batch, heads, heads_kv, n, n, d, dv, causal, seed)
+            rows.append(row)
+            log(f"  ({d}, {dv}) {label:9} {heads}/{heads_kv} B{batch} N{n} "
+                f"{'causal' if causal else 'full'}: ratio dq {row['ratio']['q']:.2f} dk "
+                f"{row['ratio']['k']:.2f} dv {row['ratio']['v']:.2f}  "
+                f"{'PASS' if row['ok'] else 'FAIL'}")
+    return rows
+
+
+def variant_speed(log) -> list:
+    from hopper_attn.harness.timing import L2Flush, benchmark_interleaved, round_ratios
+    try:
+        run_fa4 = fa4()
+    except Exception as exc:  # noqa: BLE001 - not installed here
+        log(f"  fa4 unavailable: {type(exc).__name__}: {str(exc)[:80]}")
+        run_fa4 = None
+    flush, rows = L2Flush(), []
+    for d, dv in VARIANT_PAIRS:
+        for causal in (False, True):
+            for n in (4096, 16384):
+                batch = TOKENS // n
+                q, k, v, do = _variant_inputs(batch, 16, 16, n, n, d, dv, seed=11)
+                calls, notes = {}, {}
+                for name in ("kb2", VARIANT):
+                    try:
+                        calls[name] = _direct_dv(name, q, k, v, do, causal)[0]
+                    except Exception as exc:  # noqa: BLE001 - recorded, the others still run
+                        notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                for name, forward in (("ours", _hopper), ("fa4", run_fa4)):
+                    if forward is None:
+                        continue
+                    try:
+                        calls[name] = _calls(forward, q, k, v, do, causal)[0]
+                    except Exception as exc:  # noqa: BLE001
+                        notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=20)
+                flops = Problem(batch, 16, n, d, causal, head_dim_v=0 if dv == d else dv).flops
+                shape = f"({d}, {dv}) MHA 16 B{batch} N{n // 1024}k {'causal' if causal else 'full'}"
+                row = {"shape": shape, "ms": {k_: t["ms"] for k_, t in timed.items()},
+                       "timed": timed, "unavailable": notes, "flops_forward": flops}
+                line = f"  {shape:32} " + " ".join(f"{k_} {t['ms']:.3f}"
+                                                     for k_, t in timed.items())
+                if "kb2" in timed and VARIANT in timed:
+                    gain = round_ratios(timed["kb2"], timed[VARIANT])
+                    row["default_over_variant"] = gain
+                    line += f" | default/variant {gain['ratio']:.3f}"
+                    if "ours" in timed and "fa4" in timed:
+                        estimate = timed["ours"]["ms"] / gain["ratio"]
+                        row["fa4_over_variant_est"] = timed["fa4"]["ms"] / estimate
+                        row["fa4_over_ours"] = round_ratios(timed["fa4"], timed["ours"])
+                        line += (f", fa4/ours {row['fa4_over_ours']['ratio']:.3f}, fa4/variant "
+                                 f"{row['fa4_over_variant_est']:.3f} (est., "
+                                 f"{2.5 * flops / (estimate * 1e-3) / 1e12:.0f} TFLOP/s)")
+                log(line + "".join(f"; {k_} failed" for k_ in notes))
+                rows.append(row)
+                del q, k, v, do, calls
+                torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
+    if "--variant-check" in sys.argv:
+        sys.argv.remove("--variant-check")
+        return run_check(
+            __doc__, "bwd_dims_variant.json", variant_correctness,
+            lambda log, t0: variant_speed(log),
+            f"{VARIANT} correctness (ratio = max error / (2x torch bf16 error + 2^-12 "
+            "max|ref|), <= 1 passes):",
+            "backward alone, ms (round-robin medians); kb2 / variant launched directly, ours "
+            "/ fa4 through autograd; x/y > 1: y faster:")
     return run_check(
         __doc__, "bwd_dims.json", correctness, lambda log, t0: speed(log),
         "correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):",

@@ -318,15 +318,15 @@ def backward_smem(storage, q_layout, kv_layout, ds_layout, head_dim_v: int = 0,
                for buf in (storage.sQ, storage.sdO))
     sdSt = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
     # (a row of d = 192 is ((64, 3)) in a 128-byte-swizzled layout: compare sizes)
+    dtype, (bm, _, stages) = sQ.element_type, sQ.shape
+    own_do_ring = bool(do_stages) and do_stages != cute.size(sQ, mode=[2])
     if cutlass.const_expr(head_dim_v and head_dim_v != cute.size(sK, mode=[1])):
-        dtype, (bm, _, stages) = sQ.element_type, sQ.shape
         v_layout = smem_tile_layout(dtype, sK.shape[0], head_dim_v)
-        do_layout = smem_tile_layout(dtype, bm, head_dim_v, do_stages or stages)
+        do_layout = smem_tile_layout(dtype, bm, head_dim_v, do_stages if own_do_ring else stages)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
         sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
-    elif cutlass.const_expr(do_stages and do_stages != sQ.shape[2]):
-        do_layout = smem_tile_layout(sQ.element_type, sQ.shape[0], cute.size(sK, mode=[1]),
-                                     do_stages)
+    elif cutlass.const_expr(own_do_ring):
+        do_layout = smem_tile_layout(dtype, bm, cute.size(sK, mode=[1]), do_stages)
         sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
     return sK, sV, sQ, sdO, sdSt
 
