@@ -72,12 +72,11 @@ from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
 from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_HANDOFF_THREADS,
-                                         DS_WRITTEN_BARRIER, EPILOGUE_BARRIER,
-                                         BackwardTiles, GroupWalk, PolicyRow, backward_smem,
+                                         DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, BackwardTiles,
+                                         DqWriter, GroupWalk, PolicyRow, backward_smem,
                                          column_stats, compile_backward, converted,
                                          fragment_slot, kernel_arguments, policy_settings,
-                                         run_backward,
-                                         stage_dkv, store_dkv, wait_for_count)
+                                         run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
@@ -101,7 +100,7 @@ SPEC = KernelSpec(
 )
 
 
-class FlashAttentionBackwardKB2(GroupWalk, DkvSwapConsumer):
+class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
@@ -404,56 +403,6 @@ class FlashAttentionBackwardKB2(GroupWalk, DkvSwapConsumer):
             produce.advance()
             if cutlass.const_expr(produce_do is not None):
                 produce_do.advance()
-
-    @cute.jit
-    def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
-                 head, batch, m_first, m_count, group):
-        """The dQ writer warp: each consumer warpgroup's dQ block of every query tile visited,
-        reduce-added from SMEM to the fp32 dQ buffer."""
-        bm, d = self.block_m, self.head_dim
-        dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
-        if cutlass.const_expr(not self.gqa):
-            dq_accum = mdQacc[batch, head, None, None].iterator
-        for it in cutlass.range(self.visits(m_count, group), unroll=1):
-            if cutlass.const_expr(self.gqa):
-                head_in_group, m_block = self.work_item(it, m_first, m_count)
-                q_head = head + head_in_group
-                dq_head = mdQacc[batch, q_head, None, None].iterator
-            else:
-                m_block = m_first + it
-            # hand each staging buffer back once the copy engine has read it (the
-            # previous tile's copies were committed in warpgroup order)
-            for wg in cutlass.range_constexpr(self.warpgroups):
-                cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
-                                         number_of_threads=DQ_HANDOFF_THREADS)
-            if cutlass.const_expr(self.deterministic):
-                if cutlass.const_expr(self.gqa):       # (varlen: mSem is no counter)
-                    turn = mSem[batch, q_head, None].iterator + m_block
-                else:
-                    turn = mSem[batch, head, None].iterator + m_block
-                if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
-                    wait_for_count(turn, n_block)
-                cute.arch.sync_warp()
-            for wg in cutlass.range_constexpr(self.warpgroups):
-                phase = self.trace.start("wait_dq_full")
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
-                                  number_of_threads=DQ_HANDOFF_THREADS)
-                self.trace.end(phase)
-                with cute.arch.elect_one():
-                    if cutlass.const_expr(self.gqa):
-                        tma.bulk_reduce_add_f32(
-                            sdQ + wg * dq_block,
-                            dq_head + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
-                    else:
-                        tma.bulk_reduce_add_f32(
-                            sdQ + wg * dq_block,
-                            dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
-                cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
-                with cute.arch.elect_one():
-                    cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def consume(self, ctidx, wg, kv_pipe: pipeline.PipelineTmaAsync,

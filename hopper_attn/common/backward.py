@@ -686,6 +686,61 @@ class GroupWalk:
                                             sm_count())
 
 
+class DqWriter:
+    """kb2's dQ writer warp (mixed into its kernel class: block_m, head_dim, warpgroups,
+    gqa, deterministic, trace and the GQA walk)."""
+
+    @cute.jit
+    def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
+                 head, batch, m_first, m_count, group):
+        """The dQ writer warp: each consumer warpgroup's dQ block of every query tile visited,
+        reduce-added from SMEM to the fp32 dQ buffer."""
+        bm, d = self.block_m, self.head_dim
+        dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
+        if cutlass.const_expr(not self.gqa):
+            dq_accum = mdQacc[batch, head, None, None].iterator
+        for it in cutlass.range(self.visits(m_count, group), unroll=1):
+            if cutlass.const_expr(self.gqa):
+                head_in_group, m_block = self.work_item(it, m_first, m_count)
+                q_head = head + head_in_group
+                dq_head = mdQacc[batch, q_head, None, None].iterator
+            else:
+                m_block = m_first + it
+            # hand each staging buffer back once the copy engine has read it (the
+            # previous tile's copies were committed in warpgroup order)
+            for wg in cutlass.range_constexpr(self.warpgroups):
+                cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
+                                         number_of_threads=DQ_HANDOFF_THREADS)
+            if cutlass.const_expr(self.deterministic):
+                if cutlass.const_expr(self.gqa):       # (varlen: mSem is no counter)
+                    turn = mSem[batch, q_head, None].iterator + m_block
+                else:
+                    turn = mSem[batch, head, None].iterator + m_block
+                if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
+                    wait_for_count(turn, n_block)
+                cute.arch.sync_warp()
+            for wg in cutlass.range_constexpr(self.warpgroups):
+                phase = self.trace.start("wait_dq_full")
+                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
+                                  number_of_threads=DQ_HANDOFF_THREADS)
+                self.trace.end(phase)
+                with cute.arch.elect_one():
+                    if cutlass.const_expr(self.gqa):
+                        tma.bulk_reduce_add_f32(
+                            sdQ + wg * dq_block,
+                            dq_head + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
+                    else:
+                        tma.bulk_reduce_add_f32(
+                            sdQ + wg * dq_block,
+                            dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
+                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
+                with cute.arch.elect_one():
+                    cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
+
+
 def kernel_arguments(settings: dict, given: dict, problem, block_n, deterministic: bool,
                      trace: bool, softcap: float, varlen: bool) -> dict:
     """kb2's constructor arguments: `policy_settings`' (`settings`), then the options a
