@@ -467,6 +467,40 @@ def test_dkv_swap_ab_compiles_without_spills(causal, heads_kv, dv):
     assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
 
 
+def test_dkv_swap_ab_warpgroups_keep_their_keys():
+    """Why P needs only a warpgroup's barrier (common/backward_dkv_swap.py): warpgroup w's S
+    registers, its stmatrix stores of P / dS and its dV^T / dK^T operand B and accumulator
+    all cover keys [48 w, 48 w + 48); its dQ columns are [96 w, 96 w + 96). Traced with
+    static thread indices, no compile."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16
+    from hopper_attn.common import wgmma
+    seen = {}
+
+    @cute.jit
+    def probe():
+        mn, k_major = cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K
+        mma_s = wgmma.qk_mma(1, 2, 48, BFloat16)
+        mma_dk = wgmma.smem_mma(1, 2, 48, mn, mn, BFloat16)
+        mma_dq = wgmma.smem_mma(1, 2, 96, k_major, mn, BFloat16)
+        store = wgmma.stmatrix_store(mma_s, BFloat16)
+        for t in (0, 77, 128, 255):
+            parts = {"S": (mma_s.get_slice(t).partition_C, (64, 96), 1),
+                     "stmatrix": (store.get_slice(t).partition_D, (64, 96), 1),
+                     "dK^T": (mma_dk.get_slice(t).partition_C, (192, 96), 1),
+                     "dK^T B": (mma_dk.get_slice(t - t % 128).partition_B, (96, 64), 0),
+                     "dQ": (mma_dq.get_slice(t).partition_C, (64, 192), 1)}
+            for name, (partition, shape, mode) in parts.items():
+                part = partition(cute.make_identity_tensor(shape))
+                seen[(name, t)] = {part[i][mode] for i in range(cute.size(part))}
+
+    probe()
+    assert len(seen) == 20
+    for (name, t), cols in seen.items():
+        w, width = t // 128, 96 if name == "dQ" else 48
+        assert min(cols) >= w * width and max(cols) < (w + 1) * width, (name, t, cols)
+
+
 def test_dkv_swap_ab_refusals():
     """The variant runs d = 192 (dv 192 or 128) on 64-row tiles, without a softcap, window
     or packed batch, and is not the default."""
