@@ -33,8 +33,8 @@ Prints one line per group of cases (< 60 lines); everything goes to $OUT/bwd_dim
 checks and times `VARIANT` (kb2 at d = 192 on 64 x 96 tiles with dK^T and dV^T,
 common/backward_dkv_swap.py) instead, in ~2 minutes: its gradients (launched directly) at
 (192, 192) and (192, 128), MHA 4/4 and GQA 8/2, causal and not, lengths 17, 113, 1000 and
-the cross lengths 113 / 300, 1000 / 517, plus a long causal MHA case and a GQA case whose
-dK / dV are split in parts, against the fp32 reference with the bound above
+the cross lengths 113 / 300, 1000 / 517, plus a long causal MHA case, a GQA case whose
+dK / dV are split in parts and the deterministic mode (GQA, same bits twice), against the fp32 reference with the bound above
 (window_reference.gradient_errors); then (not with --quick) the backward alone, round-robin,
 L2 flushed: kb2's default and the variant launched directly, ours and FA4's through autograd,
 N 4k and 16k (B x N = 32k tokens, 16 heads), causal and not, one line each with
@@ -83,7 +83,8 @@ VARIANT = "kb2:dkv_swap_ab=1"                 # d = 192 on 64 x 96 tiles (--vari
 VARIANT_PAIRS = [(192, 192), (192, 128)]
 VARIANT_LENGTHS = [(17, 17), (113, 113), (1000, 1000), (113, 300), (1000, 517)]
 # (label, heads, heads_kv, batch, seqlen, causal): many kv tiles; dK / dV in parts
-VARIANT_LARGER = [("MHA long", 4, 4, 1, 3000, True), ("8:1 parts", 16, 2, 1, 2048, False)]
+VARIANT_LARGER = [("MHA long", 4, 4, 1, 3000, True), ("8:1 parts", 16, 2, 1, 2048, False),
+                  ("deterministic", 8, 2, 2, 1000, True)]
 
 
 def _plain_case(batch, heads, heads_kv, nq, nk, d, causal, seed) -> dict:
@@ -291,10 +292,13 @@ def _direct_dv(name, q, k, v, do, causal):
     return call, grads
 
 
-def variant_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed) -> dict:
+def variant_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed,
+                 deterministic=False) -> dict:
     from hopper_attn.harness.window_reference import gradient_errors
     q, k, v, do = _variant_inputs(batch, heads, heads_kv, nq, nk, d, dv, seed)
-    call, grads = _direct_dv(VARIANT, q, k, v, do, causal)
+    name = VARIANT + (",deterministic=1" if deterministic else "")
+    call, grads = _direct_dv(name, q, k, v, do, causal)
+    first = [g.clone() for g in grads]
     for grad in grads:
         grad.fill_(float("nan"))                 # every element must be written (again)
     call()
@@ -302,6 +306,10 @@ def variant_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed) -> dict:
     errors = gradient_errors(q, k, v, do, grads, -1, 0 if causal else -1, d ** -0.5)
     row = {"shape": [batch, heads, heads_kv, nq, nk, d, dv, causal], "ratio": {},
            "errors": errors, "ok": True}
+    if deterministic:                            # the same bits on both runs
+        row["same_bits"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                               for a, b in zip(first, grads))
+        row["ok"] = row["same_bits"]
     for name, grad in zip("qkv", grads):
         err, _, bound = errors[name]
         nan = bool(grad.isnan().any())
@@ -329,12 +337,15 @@ def variant_correctness(log) -> list:
                     + (f"FAIL {bad}" if bad else "PASS"))
         for label, heads, heads_kv, batch, n, causal in VARIANT_LARGER:
             seed += 1
-            row = variant_case(batch, heads, heads_kv, n, n, d, dv, causal, seed)
+            deterministic = label == "deterministic"
+            row = variant_case(batch, heads, heads_kv, n, n, d, dv, causal, seed,
+                               deterministic)
             rows.append(row)
-            log(f"  ({d}, {dv}) {label:9} {heads}/{heads_kv} B{batch} N{n} "
+            log(f"  ({d}, {dv}) {label:13} {heads}/{heads_kv} B{batch} N{n} "
                 f"{'causal' if causal else 'full'}: ratio dq {row['ratio']['q']:.2f} dk "
-                f"{row['ratio']['k']:.2f} dv {row['ratio']['v']:.2f}  "
-                f"{'PASS' if row['ok'] else 'FAIL'}")
+                f"{row['ratio']['k']:.2f} dv {row['ratio']['v']:.2f}"
+                + (f", same bits {row['same_bits']}" if deterministic else "")
+                + f"  {'PASS' if row['ok'] else 'FAIL'}")
     return rows
 
 
@@ -392,6 +403,8 @@ def variant_speed(log) -> list:
 def main() -> int:
     if "--variant-check" in sys.argv:
         sys.argv.remove("--variant-check")
+        import faulthandler                     # a hung kernel: exit with the stacks
+        faulthandler.dump_traceback_later(540, exit=True)
         return run_check(
             __doc__, "bwd_dims_variant.json", variant_correctness,
             lambda log, t0: variant_speed(log),
