@@ -470,8 +470,8 @@ def test_dkv_swap_ab_compiles_without_spills(causal, heads_kv, dv):
 def test_dkv_swap_ab_warpgroups_keep_their_keys():
     """Why P needs only a warpgroup's barrier (common/backward_dkv_swap.py): warpgroup w's S
     registers, its stmatrix stores of P / dS and its dV^T / dK^T operand B and accumulator
-    all cover keys [48 w, 48 w + 48); its dQ columns are [96 w, 96 w + 96). Traced with
-    static thread indices, no compile."""
+    all cover keys [48 w, 48 w + 48); its dQ columns are [96 w, 96 w + 96), in kb2's dQ
+    register order. Traced with static thread indices, no compile."""
     import cutlass.cute as cute
     from cutlass import BFloat16
     from hopper_attn.common import wgmma
@@ -493,10 +493,18 @@ def test_dkv_swap_ab_warpgroups_keep_their_keys():
             for name, (partition, shape, mode) in parts.items():
                 part = partition(cute.make_identity_tensor(shape))
                 seen[(name, t)] = {part[i][mode] for i in range(cute.size(part))}
+            # dQ's registers in the order kb2's dQ writer and conversion (dq_mma) take them
+            ours, theirs = (m.get_slice(t).partition_C(cute.make_identity_tensor((64, 192)))
+                            for m in (mma_dq, wgmma.dq_mma(192, BFloat16)))
+            seen[("same dQ order", t)] = {int(all(ours[i] == theirs[i]
+                                                  for i in range(cute.size(ours))))}
 
     probe()
-    assert len(seen) == 20
+    assert len(seen) == 24
     for (name, t), cols in seen.items():
+        if name == "same dQ order":
+            assert cols == {1}, t
+            continue
         w, width = t // 128, 96 if name == "dQ" else 48
         assert min(cols) >= w * width and max(cols) < (w + 1) * width, (name, t, cols)
 
