@@ -60,6 +60,7 @@ consumer warpgroup, 128 + 32 threads).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -78,7 +79,7 @@ from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_H
                                          column_stats, compile_backward, converted,
                                          fragment_slot, kernel_arguments, policy_settings,
                                          run_backward, stage_dkv, store_dkv)
-from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap
+from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap, dkv_swap_keys
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
@@ -99,6 +100,9 @@ SPEC = KernelSpec(
     extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed
     and p.head_dim > 128 else None,
 )
+
+# d = 256 with dkv_swap_ab only (opt-in: the default route for d = 256 stays kb1)
+SPEC_D256 = dataclasses.replace(SPEC, head_dims=SPEC.head_dims + (256,))
 
 
 class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
@@ -124,13 +128,13 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         # shared_keys (d = 192): both consumer warpgroups on one 64-key tile, dK and dV split
         # by columns (wgmma.BackwardMmas), P^T through SMEM; dV issued after the dS^T barrier
         self.shared_keys = bool(shared_keys)
-        # dkv_swap_ab (d = 192): 96-key tiles, dK^T and dV^T (common/backward_dkv_swap.py)
+        # dkv_swap_ab (d = 192, 256): 96 / 48-key tiles, dK^T and dV^T (backward_dkv_swap.py)
         self.dkv_swap_ab = bool(dkv_swap_ab)
-        if block_m not in (64, 80, 128) or block_n != (96 if dkv_swap_ab else 64 if shared_keys
-                                                       else 128):
+        if block_m not in (64, 80, 128) or block_n != (dkv_swap_keys(head_dim) if dkv_swap_ab
+                                                       else 64 if shared_keys else 128):
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys; "
-                             "shared_keys: 64, dkv_swap_ab: 96) and 64, 80 or 128 queries; got "
-                             f"{block_m} x {block_n}")
+                             "shared_keys: 64, dkv_swap_ab: 96, d = 256: 48) and 64, 80 or 128 "
+                             f"queries; got {block_m} x {block_n}")
         # dq_swap_ab: 80 query rows are not a multiple of WGMMA's M (64), so dQ is computed
         # transposed, dQ^T = K^T dS^T, with head_dim split between the warpgroups
         self.dq_swap_ab = block_m % 64 != 0
@@ -743,10 +747,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                                                         (block_m, dp_first, early_dv))
     if shared_keys is None and problem.head_dim == 192:
         shared_keys = not dkv_swap_ab   # (dkv_swap_ab: 96-key tiles, dK^T and dV^T instead)
+    spec = SPEC_D256 if dkv_swap_ab and problem.head_dim == 256 else SPEC
     passed = locals()               # the options as given (None: the policy's)
     given = {name: value for name, value in passed.items() if name in DEFAULTS}
     settings = policy(problem, deterministic, tuned=block_m is None)
-    return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
+    return compile_backward(spec, FlashAttentionBackwardKB2, problem,
                             kernel_arguments(settings, given, problem, block_n, deterministic,
                                              trace, softcap, varlen),
                             compile_options=compile_options)

@@ -289,8 +289,9 @@ class BackwardTiles:
             d, d // 2 if shared_keys else d))
         kv_layout = smem_tile_layout(dtype, bn, d, atom_cols=swizzle_atom_cols(d, d // 2))
         dkv_layout = kv_layout if cols == d else smem_tile_layout(dtype, bn, cols)
-        ds_layout = smem_tile_layout(dtype, bm, bn, 1, swizzle_atom_cols(bn, bn // 2)) \
-            if dkv_swap_ab else smem_tile_layout(dtype, bn, bm, 2)
+        ds_layout = smem_tile_layout(dtype, bm, bn, 1, swizzle_atom_cols(bn, bn // 2)
+                                     if bn // 2 % 16 == 0 else 8) \
+            if dkv_swap_ab else smem_tile_layout(dtype, bn, bm, 2)   # (24 keys: no swizzle)
         do_layout, v_layout, dv_layout, dv_cols = q_layout, kv_layout, dkv_layout, cols
         if do_stages and do_stages != stages:
             do_layout = smem_tile_layout(dtype, bm, vd, do_stages)
@@ -752,10 +753,12 @@ def kernel_arguments(settings: dict, given: dict, problem, block_n, deterministi
     if not settings["pdl"] and given.get("convert_per_head") is None:
         settings["convert_per_head"] = False
     counts = ("block_m", "split_dv", "group_mib", "group_heads")
+    from .backward_dkv_swap import dkv_swap_keys
     early = settings.pop("early_dv")
     arguments = {name: bool(value) for name, value in settings.items() if name not in counts}
     arguments.update({name: int(settings[name]) for name in counts})
-    arguments.update(block_n=block_n or (96 if settings["dkv_swap_ab"] else 64
+    arguments.update(block_n=block_n or (dkv_swap_keys(problem.head_dim)
+                                         if settings["dkv_swap_ab"] else 64
                                          if settings["shared_keys"] else 128),
                      deterministic=bool(deterministic), early_dv=early, trace=bool(trace),
                      **({"softcap": float(softcap)} if softcap else {}),

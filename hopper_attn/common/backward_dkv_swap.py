@@ -41,25 +41,29 @@ from . import tma, wgmma
 from .layouts import acc_rows_cols, transposed
 from .masking import mask_scores
 
-DKV_SWAP_KEYS = 96                       # keys a CTA holds (48 a warpgroup)
 # named barriers (kb2 uses 0-6): P written (one per warpgroup), dS free (one per direction)
 P_WRITTEN_BARRIER, DS_FREE_BARRIER = 7, 9
 
 
+def dkv_swap_keys(head_dim: int) -> int:
+    """Keys a CTA holds with dkv_swap_ab (half a warpgroup): 96 at d = 192, 48 at d = 256."""
+    return {192: 96, 256: 48}.get(head_dim, 0)
+
+
 def check_dkv_swap(kernel) -> int:
     """ValueError unless kb2 `kernel`'s other settings go with dkv_swap_ab; dO's ring depth:
-    1 at dv = 192 (two stages do not fit, see above), else kb2's 2."""
-    if kernel.head_dim != 192 or kernel.head_dim_v not in (128, 192):
-        raise ValueError("kb2's dkv_swap_ab runs head_dim 192 (dv 192 or 128) only, got "
-                         f"({kernel.head_dim}, {kernel.head_dim_v})")
+    1 at dv = 192 and 256 (two stages do not fit, see above), else kb2's 2."""
+    if (kernel.head_dim, kernel.head_dim_v) not in ((192, 192), (192, 128), (256, 256)):
+        raise ValueError("kb2's dkv_swap_ab runs head_dim 192 (dv 192 or 128) and 256 (dv 256) "
+                         f"only, got ({kernel.head_dim}, {kernel.head_dim_v})")
     others = {"shared_keys": kernel.shared_keys, "softcap": kernel.softcap > 0.0,
               "varlen": kernel.varlen, "window": kernel.schedule.windowed,
               "early_dv": kernel.early_dv, "dp_first": kernel.dp_first,
               "block_m != 64": kernel.block_m != 64, "stmatrix=0": not kernel.stmatrix}
     if any(others.values()):
-        raise ValueError("kb2's dkv_swap_ab (64 x 96 tiles) does not take "
+        raise ValueError("kb2's dkv_swap_ab (64 x 96 / 64 x 48 tiles) does not take "
                          + ", ".join(name for name, on in others.items() if on))
-    return 1 if kernel.head_dim_v == 192 else kernel.stages
+    return 1 if kernel.head_dim_v >= 192 else kernel.stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +162,7 @@ class DkvSwapConsumer:
         s_coords = mmas.s_coords
         acc_dk = mmas.new_accumulator(mmas.thr_dk, (d, bn), zero=True)       # dK^T
         acc_dv = mmas.new_accumulator(mmas.thr_dv, (dv, bn), zero=True)      # dV^T
-        store_sdp = wgmma.stmatrix_store(mmas.mma_sdp, dtype)
+        store_sdp = wgmma.stmatrix_store(mmas.mma_sdp, dtype, 4 if bn // 2 % 16 == 0 else 2)
         thr_store = store_sdp.get_slice(ctidx)
         p_smem, ds_smem = thr_store.partition_D(sP), thr_store.partition_D(sdS)
         ds_written = pipeline.NamedBarrier(barrier_id=DS_WRITTEN_BARRIER, num_threads=256)
