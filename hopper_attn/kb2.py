@@ -35,7 +35,8 @@ What changes from kb1:
   192 + 192 dK and dV floats: `shared_keys` puts both consumer warpgroups on one 64-key
   tile, S^T and dP^T split by queries, dK, dV and dQ by columns (96 + 96 + 48 floats), P^T
   through SMEM like dS^T, dV issued after the dS^T barrier (docs/kb2.md). `dkv_swap_ab`, a
-  candidate (common/backward_dkv_swap.py): FA3's 64 x 96 tile, dK^T and dV^T with d as M.
+  candidate (common/backward_dkv_swap.py): FA3's 64 x 96 tile, dK^T and dV^T with d as M;
+  also d = 256 on FA4's 64 x 48 (opt-in only, `SPEC_D256`: d = 256 runs kb1 by default).
 
 What stays: kb1's 128-key tiles (d = 192: 64), the transposed formulation (P^T and dS^T
 from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,

@@ -467,35 +467,58 @@ def test_dkv_swap_ab_compiles_without_spills(causal, heads_kv, dv):
     assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
 
 
-def test_dkv_swap_ab_warpgroups_keep_their_keys():
+def test_dkv_swap_ab_d256_compiles_without_spills():
+    """kb2:dkv_swap_ab=1 at d = 256 (opt-in only: kb2's own SPEC still refuses d = 256, so
+    the default route is kb1): 64 x 48 tiles, 24 keys a warpgroup, P and dS by stmatrix x2,
+    within 227 KiB with 2 Q stages and 1 dO stage, no spills (causal GQA: the longest path)."""
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    assert kb2.SPEC.unsupported_reason(Problem(1, 2, 128, 256)) is not None
+    art = compile_artifacts(registry.get("kb2:dkv_swap_ab=1"), 256, True, heads=4, heads_kv=2)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+        assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
+    ptx, kernel = art["ptx"], art["kernel"]
+    assert kernel["block_n"] == 48 and kernel["options"]["gqa"] is True
+    # S, dP: 16 k-steps each; dV^T, dK^T: 4 M blocks x 4; all m64n24; dQ: 3 m64n128
+    assert count(ptx, r"wgmma\.mma_async\S*m64n24k16") == 64
+    assert count(ptx, r"wgmma\.mma_async\S*m64n128k16") == 3
+    assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x2") == 6
+
+
+@pytest.mark.parametrize("d,keys", [(192, 96), (256, 48)])
+def test_dkv_swap_ab_warpgroups_keep_their_keys(d, keys):
     """Why P needs only a warpgroup's barrier (common/backward_dkv_swap.py): warpgroup w's S
-    registers, its stmatrix stores of P / dS and its dV^T / dK^T operand B and accumulator
-    all cover keys [48 w, 48 w + 48); its dQ columns are [96 w, 96 w + 96), in kb2's dQ
-    register order. Traced with static thread indices, no compile."""
+    registers, its stmatrix stores of P / dS (x2 at d = 256) and its dV^T / dK^T operand B
+    and accumulator all cover keys [h w, h w + h), h = keys / 2; its dQ columns are
+    [d w / 2, d (w + 1) / 2), in kb2's dQ register order. Traced, no compile."""
     import cutlass.cute as cute
     from cutlass import BFloat16
     from hopper_attn.common import wgmma
-    seen = {}
+    seen, half = {}, keys // 2
 
     @cute.jit
     def probe():
         mn, k_major = cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K
-        mma_s = wgmma.qk_mma(1, 2, 48, BFloat16)
-        mma_dk = wgmma.smem_mma(1, 2, 48, mn, mn, BFloat16)
-        mma_dq = wgmma.smem_mma(1, 2, 96, k_major, mn, BFloat16)
-        store = wgmma.stmatrix_store(mma_s, BFloat16)
+        mma_s = wgmma.qk_mma(1, 2, half, BFloat16)
+        mma_dk = wgmma.smem_mma(1, 2, half, mn, mn, BFloat16)
+        mma_dq = wgmma.smem_mma(1, 2, d // 2, k_major, mn, BFloat16)
+        store = wgmma.stmatrix_store(mma_s, BFloat16, 4 if half % 16 == 0 else 2)
         for t in (0, 77, 128, 255):
-            parts = {"S": (mma_s.get_slice(t).partition_C, (64, 96), 1),
-                     "stmatrix": (store.get_slice(t).partition_D, (64, 96), 1),
-                     "dK^T": (mma_dk.get_slice(t).partition_C, (192, 96), 1),
-                     "dK^T B": (mma_dk.get_slice(t - t % 128).partition_B, (96, 64), 0),
-                     "dQ": (mma_dq.get_slice(t).partition_C, (64, 192), 1)}
+            parts = {"S": (mma_s.get_slice(t).partition_C, (64, keys), 1),
+                     "stmatrix": (store.get_slice(t).partition_D, (64, keys), 1),
+                     "dK^T": (mma_dk.get_slice(t).partition_C, (d, keys), 1),
+                     "dK^T B": (mma_dk.get_slice(t - t % 128).partition_B, (keys, 64), 0),
+                     "dQ": (mma_dq.get_slice(t).partition_C, (64, d), 1)}
             for name, (partition, shape, mode) in parts.items():
                 part = partition(cute.make_identity_tensor(shape))
                 seen[(name, t)] = {part[i][mode] for i in range(cute.size(part))}
             # dQ's registers in the order kb2's dQ writer and conversion (dq_mma) take them
-            ours, theirs = (m.get_slice(t).partition_C(cute.make_identity_tensor((64, 192)))
-                            for m in (mma_dq, wgmma.dq_mma(192, BFloat16)))
+            ours, theirs = (m.get_slice(t).partition_C(cute.make_identity_tensor((64, d)))
+                            for m in (mma_dq, wgmma.dq_mma(d, BFloat16)))
             seen[("same dQ order", t)] = {int(all(ours[i] == theirs[i]
                                                   for i in range(cute.size(ours))))}
 
@@ -505,7 +528,7 @@ def test_dkv_swap_ab_warpgroups_keep_their_keys():
         if name == "same dQ order":
             assert cols == {1}, t
             continue
-        w, width = t // 128, 96 if name == "dQ" else 48
+        w, width = t // 128, d // 2 if name == "dQ" else half
         assert min(cols) >= w * width and max(cols) < (w + 1) * width, (name, t, cols)
 
 
@@ -516,10 +539,10 @@ def test_dkv_swap_ab_refusals():
     from hopper_attn.common.contract import Problem
     assert kb2.policy(Problem(1, 2, 128, 192, True))["dkv_swap_ab"] is False
     for d, options in ((128, {}), (192, {"softcap": 30.0}), (192, {"block_m": 128}),
-                       (192, {"shared_keys": True})):
+                       (192, {"shared_keys": True}), (256, {"head_dim_v": 128})):
         with pytest.raises(ValueError, match="dkv_swap_ab"):
-            kb2.FlashAttentionBackwardKB2(d, False, block_n=96, dkv_swap_ab=True, **{
-                "block_m": 64, **options})
+            kb2.FlashAttentionBackwardKB2(d, False, block_n=96 if d != 256 else 48,
+                                          dkv_swap_ab=True, **{"block_m": 64, **options})
 
 
 # ------------------------------------------------------------- the policy table (issue 58)

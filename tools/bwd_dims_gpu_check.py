@@ -28,15 +28,17 @@
 Prints one line per group of cases (< 60 lines); everything goes to $OUT/bwd_dims.json (or
 --out), with the environment (GPU, driver, torch, CuTe DSL, FA4).
 
-    python tools/bwd_dims_gpu_check.py --variant-check [--quick] [--out DIR]
+    python tools/bwd_dims_gpu_check.py --variant-check [--dims 256] [--quick] [--out DIR]
 
-checks and times `VARIANT` (kb2 at d = 192 on 64 x 96 tiles with dK^T and dV^T,
-common/backward_dkv_swap.py) instead, in ~2 minutes: its gradients (launched directly) at
-(192, 192) and (192, 128), MHA 4/4 and GQA 8/2, causal and not, lengths 17, 113, 1000 and
+checks and times `VARIANT` (kb2 at d = 192 on 64 x 96 tiles, at d = 256 on 64 x 48, with dK^T
+and dV^T, common/backward_dkv_swap.py) instead, in ~3 minutes (`--dims 256`: d = 256 alone,
+~1): its gradients (launched directly) at (192, 192), (192, 128) and (256, 256), MHA 4/4 and
+GQA 8/2, causal and not, lengths 17, 113, 1000 and
 the cross lengths 113 / 300, 1000 / 517, plus a long causal MHA case, a GQA case whose
 dK / dV are split in parts and the deterministic mode (GQA, same bits twice), against the fp32 reference with the bound above
 (window_reference.gradient_errors); then (not with --quick) the backward alone, round-robin,
-L2 flushed: kb2's default and the variant launched directly, ours and FA4's through autograd,
+L2 flushed: kb2's default (d = 256: kb1's) and the variant launched directly, ours and FA4's
+(and at d = 256 cuDNN's, SDPA) through autograd,
 N 4k and 16k (B x N = 32k tokens, 16 heads), causal and not, one line each with
 default / variant (> 1: the variant faster) and FA4 / the variant, the variant's time
 estimated through autograd as ours x variant / default. JSON: $OUT/bwd_dims_variant.json.
@@ -79,8 +81,12 @@ VARIANTS = {96: ["kb2", "kb2:early_dv=0,split_dv=0", "kb2:split_dv=0",
             192: ["kb2", "kb2:kv_with_first_tile=0", "kb2:convert_per_head=0",
                   "kb2:pdl=0,convert_per_head=0", "kb2:longest_first=0"]}
 CAUSAL_ONLY = ("kb2:split_dv=0", "kb2:longest_first=0")       # (the mask-free rows' own)
-VARIANT = "kb2:dkv_swap_ab=1"                 # d = 192 on 64 x 96 tiles (--variant-check)
-VARIANT_PAIRS = [(192, 192), (192, 128)]
+VARIANT = "kb2:dkv_swap_ab=1"           # d = 192 on 64 x 96, 256 on 64 x 48 (--variant-check)
+VARIANT_PAIRS = [(192, 192), (192, 128), (256, 256)]
+DEFAULT_AT = {256: "kb1"}                 # the default the variant is timed against (else kb2)
+# seconds a (d, dv) pair takes on an H100 / H200, JIT compiles included (the d = 192 pairs
+# took ~2 minutes together): correctness, speed
+VARIANT_SECONDS = (30, 30)
 VARIANT_LENGTHS = [(17, 17), (113, 113), (1000, 1000), (113, 300), (1000, 517)]
 # (label, heads, heads_kv, batch, seqlen, causal): many kv tiles; dK / dV in parts
 VARIANT_LARGER = [("MHA long", 4, 4, 1, 3000, True), ("8:1 parts", 16, 2, 1, 2048, False),
@@ -363,12 +369,15 @@ def variant_speed(log) -> list:
                 batch = TOKENS // n
                 q, k, v, do = _variant_inputs(batch, 16, 16, n, n, d, dv, seed=11)
                 calls, notes = {}, {}
-                for name in ("kb2", VARIANT):
+                default = DEFAULT_AT.get(d, "kb2")
+                for name in (default, VARIANT):
                     try:
                         calls[name] = _direct_dv(name, q, k, v, do, causal)[0]
                     except Exception as exc:  # noqa: BLE001 - recorded, the others still run
                         notes[name] = f"{type(exc).__name__}: {str(exc)[:100]}"
-                for name, forward in (("ours", _hopper), ("fa4", run_fa4)):
+                others = [("ours", _hopper), ("fa4", run_fa4)] + \
+                    ([("cudnn", _sdpa("CUDNN_ATTENTION"))] if d == 256 else [])
+                for name, forward in others:
                     if forward is None:
                         continue
                     try:
@@ -382,8 +391,8 @@ def variant_speed(log) -> list:
                        "timed": timed, "unavailable": notes, "flops_forward": flops}
                 line = f"  {shape:32} " + " ".join(f"{k_} {t['ms']:.3f}"
                                                      for k_, t in timed.items())
-                if "kb2" in timed and VARIANT in timed:
-                    gain = round_ratios(timed["kb2"], timed[VARIANT])
+                if default in timed and VARIANT in timed:
+                    gain = round_ratios(timed[default], timed[VARIANT])
                     row["default_over_variant"] = gain
                     line += f" | default/variant {gain['ratio']:.3f}"
                     if "ours" in timed and "fa4" in timed:
@@ -393,6 +402,9 @@ def variant_speed(log) -> list:
                         line += (f", fa4/ours {row['fa4_over_ours']['ratio']:.3f}, fa4/variant "
                                  f"{row['fa4_over_variant_est']:.3f} (est., "
                                  f"{2.5 * flops / (estimate * 1e-3) / 1e12:.0f} TFLOP/s)")
+                        if "cudnn" in timed:
+                            row["cudnn_over_variant_est"] = timed["cudnn"]["ms"] / estimate
+                            line += f", cudnn/variant {row['cudnn_over_variant_est']:.3f}"
                 log(line + "".join(f"; {k_} failed" for k_ in notes))
                 rows.append(row)
                 del q, k, v, do, calls
@@ -403,6 +415,14 @@ def variant_speed(log) -> list:
 def main() -> int:
     if "--variant-check" in sys.argv:
         sys.argv.remove("--variant-check")
+        if "--dims" in sys.argv:                # e.g. --dims 256: those head dims' pairs only
+            at = sys.argv.index("--dims")
+            dims = {int(x) for x in sys.argv[at + 1].split(",")}
+            del sys.argv[at:at + 2]
+            VARIANT_PAIRS[:] = [pair for pair in VARIANT_PAIRS if pair[0] in dims]
+        estimate = len(VARIANT_PAIRS) * (VARIANT_SECONDS[0] + (
+            0 if "--quick" in sys.argv else VARIANT_SECONDS[1]))
+        print(f"--variant-check: (d, dv) {VARIANT_PAIRS}, estimated ~{estimate} s", flush=True)
         import faulthandler                     # a hung kernel: exit with the stacks
         faulthandler.dump_traceback_later(540, exit=True)
         return run_check(

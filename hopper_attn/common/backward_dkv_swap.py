@@ -1,4 +1,5 @@
-"""kb2's `dkv_swap_ab` consumer (head_dim 192, dv 192 or 128): 96-key tiles, dK^T and dV^T.
+"""kb2's `dkv_swap_ab` consumer (head_dim 192 with dv 192 or 128: 96-key tiles; head_dim 256:
+48-key tiles): dK^T and dV^T accumulated with the head dim as WGMMA's M.
 
 kb2's default at d = 192 (`shared_keys`) holds 64 keys a CTA: both consumer warpgroups on
 one 64 x 64 tile, so every Q / dO tile is loaded, and every dQ tile added, once per 64 keys,
@@ -25,6 +26,24 @@ V 36 (24), Q 2 stages 48, dO 1 stage 24 (dv = 128: 2 stages, 32), P 12, dS 12, d
 48 (64 x 192 fp32), rows and barriers ~1.3: ~217 KiB (dv = 128: ~213). A second dO stage at
 dv = 192 would need 241: the producer runs dO's ring at depth 1 (`do_stages`), loading the
 next dO once both warpgroups' dV^T has read this one.
+
+d = 256 (dv 256; FlashAttention-4's sm90 tile): 64 x 48, 24 keys a warpgroup (S and dP
+m64n24k16, dK^T and dV^T 4 M blocks of m64n24, dQ m64n128k16). 24 is not a multiple of 16,
+so P and dS are stored by stmatrix x2 (16 x 8 a warp) into an unswizzled buffer (a 16- or
+32-element swizzle atom would straddle the warpgroups' halves). The same code otherwise.
+
+    SMEM (KiB, bf16)   K 24, V 24, Q 2 stages 64, dO 1 stage 32, P 6, dS 6, dQ staging 64
+                       (64 x 256 fp32), rows and barriers ~1: 221 (compiled: 223 of 227)
+    registers / thread dK^T + dV^T 48 + 48 (256 x 48 fp32 each over 256 threads), S + dP
+                       12 + 12, dQ 64 (after S and dP), LSE and D 2 + 2: ~160 + addresses
+                       of 240 (compiled without spills)
+
+Other tiles do not fit: 64 x 64 needs 240 KiB with 2 Q stages (208 with one, but then dK^T +
+dV^T + dQ = 192 registers before S and dP); 64 x 80 (FA3's C++ tile) 260 KiB; 64 x 32 fits
+2 dO stages only without the second Q stage (232 with both) and loads Q / dO and adds dQ
+once per 32 keys. kb1's d = 256 (two CTAs a 128-key tile, 128 columns of d each) computes
+S and dP in both CTAs: 7 GEMM units a (query tile, 128 keys) against this tile's 5, but
+loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48).
 """
 
 from __future__ import annotations
