@@ -106,6 +106,11 @@ SPEC = KernelSpec(
 SPEC_D256 = dataclasses.replace(SPEC, head_dims=SPEC.head_dims + (256,))
 
 
+def spec_for(options: dict) -> KernelSpec:
+    """The SPEC a registry name's options give (bench.py, ref_check.py skip by it)."""
+    return SPEC_D256 if options.get("dkv_swap_ab") else SPEC
+
+
 class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV

@@ -476,6 +476,9 @@ def test_dkv_swap_ab_d256_compiles_without_spills():
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts
     assert kb2.SPEC.unsupported_reason(Problem(1, 2, 128, 256)) is not None
+    assert registry.get("kb2").spec.unsupported_reason(Problem(1, 2, 128, 256)) is not None
+    assert registry.get("kb2:dkv_swap_ab=1").spec.unsupported_reason(
+        Problem(1, 2, 128, 256)) is None
     art = compile_artifacts(registry.get("kb2:dkv_swap_ab=1"), 256, True, heads=4, heads_kv=2)
     assert art["ok"], art.get("error")
     for fn in resource_usage(art["cubin"]):
