@@ -467,10 +467,12 @@ def test_dkv_swap_ab_compiles_without_spills(causal, heads_kv, dv):
     assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
 
 
-def test_dkv_swap_ab_d256_compiles_without_spills():
+@pytest.mark.parametrize("split_d", [False, True])
+def test_dkv_swap_ab_d256_compiles_without_spills(split_d):
     """kb2:dkv_swap_ab=1 at d = 256 (opt-in only: kb2's own SPEC still refuses d = 256, so
     the default route is kb1): 64 x 48 tiles, 24 keys a warpgroup, P and dS by stmatrix x2,
-    within 227 KiB with 2 Q stages and 1 dO stage, no spills (causal GQA: the longest path)."""
+    within 227 KiB with 2 Q stages and 1 dO stage, no spills (causal GQA: the longest path);
+    `dkv_split_d`: dK^T and dV^T split by d (2 M blocks of m64n48 a warpgroup)."""
     from hopper_attn import kb2
     from hopper_attn.common.contract import Problem
     from hopper_attn.harness import registry
@@ -479,15 +481,18 @@ def test_dkv_swap_ab_d256_compiles_without_spills():
     assert registry.get("kb2").spec.unsupported_reason(Problem(1, 2, 128, 256)) is not None
     assert registry.get("kb2:dkv_swap_ab=1").spec.unsupported_reason(
         Problem(1, 2, 128, 256)) is None
-    art = compile_artifacts(registry.get("kb2:dkv_swap_ab=1"), 256, True, heads=4, heads_kv=2)
+    name = "kb2:dkv_swap_ab=1" + (",dkv_split_d=1" if split_d else "")
+    art = compile_artifacts(registry.get(name), 256, True, heads=4, heads_kv=2)
     assert art["ok"], art.get("error")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
         assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
     ptx, kernel = art["ptx"], art["kernel"]
     assert kernel["block_n"] == 48 and kernel["options"]["gqa"] is True
-    # S, dP: 16 k-steps each; dV^T, dK^T: 4 M blocks x 4; all m64n24; dQ: 3 m64n128
-    assert count(ptx, r"wgmma\.mma_async\S*m64n24k16") == 64
+    # S, dP: 16 k-steps each (m64n24); dV^T, dK^T: 4 M blocks x 4 (m64n24), or with
+    # split_d 2 x 4 (m64n48); dQ: 3 m64n128
+    assert count(ptx, r"wgmma\.mma_async\S*m64n24k16") == (32 if split_d else 64)
+    assert count(ptx, r"wgmma\.mma_async\S*m64n48k16") == (16 if split_d else 0)
     assert count(ptx, r"wgmma\.mma_async\S*m64n128k16") == 3
     assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x2") == 6
 
@@ -533,6 +538,35 @@ def test_dkv_swap_ab_warpgroups_keep_their_keys(d, keys):
             continue
         w, width = t // 128, d // 2 if name == "dQ" else half
         assert min(cols) >= w * width and max(cols) < (w + 1) * width, (name, t, cols)
+
+
+def test_dkv_swap_ab_split_d_warpgroups_own_d_rows():
+    """dkv_split_d (d = 256): each warpgroup's dK^T registers cover all 48 keys and 128 of
+    d's rows, the other's the other 128, and its operand A (Q^T) the same rows; so P and dS
+    need CTA-wide barriers and the P / dS free barriers (common/backward_dkv_swap.py)."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16
+    from hopper_attn.common import wgmma
+    seen = {}
+
+    @cute.jit
+    def probe():
+        mn = cute.nvgpu.OperandMajorMode.MN
+        mma_dk = wgmma.smem_mma(2, 1, 48, mn, mn, BFloat16)
+        for t in (0, 1, 2, 3, 77, 128, 129, 130, 131, 255):
+            c = mma_dk.get_slice(t).partition_C(cute.make_identity_tensor((256, 48)))
+            a = mma_dk.get_slice(t - t % 128).partition_A(cute.make_identity_tensor((256, 64)))
+            seen[("rows", t)] = {c[i][0] for i in range(cute.size(c))}
+            seen[("keys", t)] = {c[i][1] for i in range(cute.size(c))}
+            seen[("A rows", t)] = {a[i][0] for i in range(cute.size(a))}
+
+    probe()
+    for w in (0, 128):          # a quad of threads holds every key of its rows
+        assert set().union(*(seen[("keys", w + i)] for i in range(4))) == set(range(48))
+    for t in (0, 77, 128, 255):
+        assert seen[("rows", t)] <= seen[("A rows", t)] == seen[("A rows", t - t % 128)]
+        assert len(seen[("A rows", t)]) == 128
+    assert not seen[("A rows", 0)] & seen[("A rows", 128)]
 
 
 def test_dkv_swap_ab_refusals():
