@@ -31,8 +31,8 @@ Prints one line per group of cases (< 60 lines); everything goes to $OUT/bwd_dim
     python tools/bwd_dims_gpu_check.py --variant-check [--dims 256] [--quick] [--out DIR]
 
 checks and times `VARIANT` (kb2 at d = 192 on 64 x 96 tiles, at d = 256 on 64 x 48, with dK^T
-and dV^T, common/backward_dkv_swap.py) instead, in ~3 minutes (`--dims 256`: d = 256 alone,
-~1): its gradients (launched directly) at (192, 192), (192, 128) and (256, 256), MHA 4/4 and
+and dV^T, common/backward_dkv_swap.py; at d = 256 also with `dkv_split_d`) instead, in ~4
+minutes (`--dims 256`: d = 256 alone, ~1.5): its gradients (launched directly) at (192, 192), (192, 128) and (256, 256), MHA 4/4 and
 GQA 8/2, causal and not, lengths 17, 113, 1000 and
 the cross lengths 113 / 300, 1000 / 517, plus a long causal MHA case, a GQA case whose
 dK / dV are split in parts and the deterministic mode (GQA, same bits twice), against the fp32 reference with the bound above
@@ -40,8 +40,8 @@ dK / dV are split in parts and the deterministic mode (GQA, same bits twice), ag
 L2 flushed: kb2's default (d = 256: kb1's) and the variant launched directly, ours and FA4's
 (and at d = 256 cuDNN's, SDPA) through autograd,
 N 4k and 16k (B x N = 32k tokens, 16 heads), causal and not, one line each with
-default / variant (> 1: the variant faster) and FA4 / the variant, the variant's time
-estimated through autograd as ours x variant / default. JSON: $OUT/bwd_dims_variant.json.
+default / variant (> 1: the variant faster) and FA4 / the variant (and cuDNN / it), the
+variant's time estimated through autograd as ours x variant / default. JSON: $OUT/bwd_dims_variant.json.
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ CAUSAL_ONLY = ("kb2:split_dv=0", "kb2:longest_first=0")       # (the mask-free r
 VARIANT = "kb2:dkv_swap_ab=1"           # d = 192 on 64 x 96, 256 on 64 x 48 (--variant-check)
 VARIANT_PAIRS = [(192, 192), (192, 128), (256, 256)]
 DEFAULT_AT = {256: "kb1"}                 # the default the variant is timed against (else kb2)
+# the variants checked at a head dim (else VARIANT): at d = 256 also dK^T / dV^T split by d
+VARIANTS_AT = {256: (VARIANT, VARIANT + ",dkv_split_d=1")}
 # seconds a (d, dv) pair takes on an H100 / H200, JIT compiles included (the d = 192 pairs
-# took ~2 minutes together): correctness, speed
+# took ~2 minutes together): correctness (a variant), speed
 VARIANT_SECONDS = (30, 30)
 VARIANT_LENGTHS = [(17, 17), (113, 113), (1000, 1000), (113, 300), (1000, 517)]
 # (label, heads, heads_kv, batch, seqlen, causal): many kv tiles; dK / dV in parts
@@ -299,10 +301,10 @@ def _direct_dv(name, q, k, v, do, causal):
 
 
 def variant_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed,
-                 deterministic=False) -> dict:
+                 deterministic=False, variant=VARIANT) -> dict:
     from hopper_attn.harness.window_reference import gradient_errors
     q, k, v, do = _variant_inputs(batch, heads, heads_kv, nq, nk, d, dv, seed)
-    name = VARIANT + (",deterministic=1" if deterministic else "")
+    name = variant + (",deterministic=1" if deterministic else "")
     call, grads = _direct_dv(name, q, k, v, do, causal)
     first = [g.clone() for g in grads]
     for grad in grads:
@@ -310,7 +312,7 @@ def variant_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed,
     call()
     torch.cuda.synchronize()
     errors = gradient_errors(q, k, v, do, grads, -1, 0 if causal else -1, d ** -0.5)
-    row = {"shape": [batch, heads, heads_kv, nq, nk, d, dv, causal], "ratio": {},
+    row = {"shape": [batch, heads, heads_kv, nq, nk, d, dv, causal], "ratio": {}, "name": name,
            "errors": errors, "ok": True}
     if deterministic:                            # the same bits on both runs
         row["same_bits"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -327,31 +329,33 @@ def variant_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed,
 def variant_correctness(log) -> list:
     rows, seed = [], 500
     for d, dv in VARIANT_PAIRS:
-        for label, heads, heads_kv in GROUPS:
-            for causal in (False, True):
-                group_rows = []
-                for nq, nk in VARIANT_LENGTHS:
-                    seed += 1
-                    group_rows.append(variant_case(2, heads, heads_kv, nq, nk, d, dv, causal,
-                                                   seed))
-                rows += group_rows
-                worst = {n: max(r["ratio"][n] for r in group_rows) for n in "qkv"}
-                bad = [r["shape"] for r in group_rows if not r["ok"]]
-                log(f"  ({d}, {dv}) {label:4} {'causal' if causal else 'full':6} "
-                    f"{len(group_rows)} cases: worst ratio dq {worst['q']:.2f} dk "
-                    f"{worst['k']:.2f} dv {worst['v']:.2f}  "
-                    + (f"FAIL {bad}" if bad else "PASS"))
-        for label, heads, heads_kv, batch, n, causal in VARIANT_LARGER:
-            seed += 1
-            deterministic = label == "deterministic"
-            row = variant_case(batch, heads, heads_kv, n, n, d, dv, causal, seed,
-                               deterministic)
-            rows.append(row)
-            log(f"  ({d}, {dv}) {label:13} {heads}/{heads_kv} B{batch} N{n} "
-                f"{'causal' if causal else 'full'}: ratio dq {row['ratio']['q']:.2f} dk "
-                f"{row['ratio']['k']:.2f} dv {row['ratio']['v']:.2f}"
-                + (f", same bits {row['same_bits']}" if deterministic else "")
-                + f"  {'PASS' if row['ok'] else 'FAIL'}")
+        for variant in VARIANTS_AT.get(d, (VARIANT,)):
+            tag = f"({d}, {dv})" + (" split_d" if "dkv_split_d" in variant else "")
+            for label, heads, heads_kv in GROUPS:
+                for causal in (False, True):
+                    group_rows = []
+                    for nq, nk in VARIANT_LENGTHS:
+                        seed += 1
+                        group_rows.append(variant_case(2, heads, heads_kv, nq, nk, d, dv,
+                                                       causal, seed, variant=variant))
+                    rows += group_rows
+                    worst = {n: max(r["ratio"][n] for r in group_rows) for n in "qkv"}
+                    bad = [r["shape"] for r in group_rows if not r["ok"]]
+                    log(f"  {tag} {label:4} {'causal' if causal else 'full':6} "
+                        f"{len(group_rows)} cases: worst ratio dq {worst['q']:.2f} dk "
+                        f"{worst['k']:.2f} dv {worst['v']:.2f}  "
+                        + (f"FAIL {bad}" if bad else "PASS"))
+            for label, heads, heads_kv, batch, n, causal in VARIANT_LARGER:
+                seed += 1
+                deterministic = label == "deterministic"
+                row = variant_case(batch, heads, heads_kv, n, n, d, dv, causal, seed,
+                                   deterministic, variant=variant)
+                rows.append(row)
+                log(f"  {tag} {label:13} {heads}/{heads_kv} B{batch} N{n} "
+                    f"{'causal' if causal else 'full'}: ratio dq {row['ratio']['q']:.2f} dk "
+                    f"{row['ratio']['k']:.2f} dv {row['ratio']['v']:.2f}"
+                    + (f", same bits {row['same_bits']}" if deterministic else "")
+                    + f"  {'PASS' if row['ok'] else 'FAIL'}")
     return rows
 
 
@@ -369,8 +373,8 @@ def variant_speed(log) -> list:
                 batch = TOKENS // n
                 q, k, v, do = _variant_inputs(batch, 16, 16, n, n, d, dv, seed=11)
                 calls, notes = {}, {}
-                default = DEFAULT_AT.get(d, "kb2")
-                for name in (default, VARIANT):
+                default, variants = DEFAULT_AT.get(d, "kb2"), VARIANTS_AT.get(d, (VARIANT,))
+                for name in (default, *variants):
                     try:
                         calls[name] = _direct_dv(name, q, k, v, do, causal)[0]
                     except Exception as exc:  # noqa: BLE001 - recorded, the others still run
@@ -389,22 +393,26 @@ def variant_speed(log) -> list:
                 shape = f"({d}, {dv}) MHA 16 B{batch} N{n // 1024}k {'causal' if causal else 'full'}"
                 row = {"shape": shape, "ms": {k_: t["ms"] for k_, t in timed.items()},
                        "timed": timed, "unavailable": notes, "flops_forward": flops}
-                line = f"  {shape:32} " + " ".join(f"{k_} {t['ms']:.3f}"
+                short = {VARIANT: "variant", VARIANT + ",dkv_split_d=1": "split_d"}
+                line = f"  {shape:32} " + " ".join(f"{short.get(k_, k_)} {t['ms']:.3f}"
                                                      for k_, t in timed.items())
-                if default in timed and VARIANT in timed:
-                    gain = round_ratios(timed[default], timed[VARIANT])
-                    row["default_over_variant"] = gain
-                    line += f" | default/variant {gain['ratio']:.3f}"
+                for variant in variants:
+                    if default not in timed or variant not in timed:
+                        continue
+                    gain = round_ratios(timed[default], timed[variant])
+                    est = row.setdefault("estimates", {}).setdefault(variant, {})
+                    est["default_over_variant"] = gain
+                    line += f" | {default}/{short[variant]} {gain['ratio']:.3f}"
                     if "ours" in timed and "fa4" in timed:
+                        # the variant through autograd: ours x variant / default
                         estimate = timed["ours"]["ms"] / gain["ratio"]
-                        row["fa4_over_variant_est"] = timed["fa4"]["ms"] / estimate
+                        est["fa4_over_variant_est"] = timed["fa4"]["ms"] / estimate
                         row["fa4_over_ours"] = round_ratios(timed["fa4"], timed["ours"])
-                        line += (f", fa4/ours {row['fa4_over_ours']['ratio']:.3f}, fa4/variant "
-                                 f"{row['fa4_over_variant_est']:.3f} (est., "
+                        line += (f", fa4/it {est['fa4_over_variant_est']:.3f} (est., "
                                  f"{2.5 * flops / (estimate * 1e-3) / 1e12:.0f} TFLOP/s)")
                         if "cudnn" in timed:
-                            row["cudnn_over_variant_est"] = timed["cudnn"]["ms"] / estimate
-                            line += f", cudnn/variant {row['cudnn_over_variant_est']:.3f}"
+                            est["cudnn_over_variant_est"] = timed["cudnn"]["ms"] / estimate
+                            line += f", cudnn/it {est['cudnn_over_variant_est']:.3f}"
                 log(line + "".join(f"; {k_} failed" for k_ in notes))
                 rows.append(row)
                 del q, k, v, do, calls
@@ -420,8 +428,9 @@ def main() -> int:
             dims = {int(x) for x in sys.argv[at + 1].split(",")}
             del sys.argv[at:at + 2]
             VARIANT_PAIRS[:] = [pair for pair in VARIANT_PAIRS if pair[0] in dims]
-        estimate = len(VARIANT_PAIRS) * (VARIANT_SECONDS[0] + (
-            0 if "--quick" in sys.argv else VARIANT_SECONDS[1]))
+        estimate = sum(len(VARIANTS_AT.get(d, (VARIANT,))) * VARIANT_SECONDS[0]
+                       + (0 if "--quick" in sys.argv else VARIANT_SECONDS[1])
+                       for d, _ in VARIANT_PAIRS)
         print(f"--variant-check: (d, dv) {VARIANT_PAIRS}, estimated ~{estimate} s", flush=True)
         import faulthandler                     # a hung kernel: exit with the stacks
         faulthandler.dump_traceback_later(540, exit=True)
