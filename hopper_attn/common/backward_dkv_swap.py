@@ -44,6 +44,15 @@ dV^T + dQ = 192 registers before S and dP); 64 x 80 (FA3's C++ tile) 260 KiB; 64
 once per 32 keys. kb1's d = 256 (two CTAs a 128-key tile, 128 columns of d each) computes
 S and dP in both CTAs: 7 GEMM units a (query tile, 128 keys) against this tile's 5, but
 loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48).
+
+`dkv_split_d` (d = 256): dK^T and dV^T split by d's rows instead (each warpgroup 2 M blocks
+of m64n48 over all 48 keys, FA4's split): a warpgroup's A (Q^T, dO^T) halves, so each of
+the two GEMMs reads 44 KiB of SMEM a tile instead of 70 (at full rate an m64nNk16 with both
+operands in SMEM reads 4096 / N + 64 bytes a clock: 235 at N = 24, 149 at 48; SMEM gives
+128). Then dV^T and dK^T read the other warpgroup's P and dS columns too:
+P's barrier is CTA-wide, a warpgroup waits for the other's previous dV^T before storing P
+(`P_FREE_BARRIER`, arrive once dV^T is done) and for its previous dK^T (not only dQ) before
+storing dS. Registers the same.
 """
 
 from __future__ import annotations
