@@ -706,9 +706,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_n: int = 0, stag
 
     def workspace(p, device):            # (shared by every key count with its split count)
         splits = num_splits or num_splits_for(p, block_n, stages)
+
+        def make():                      # the memory check only where memory is allocated
+            SPEC.check(p)
+            return decode_workspace(p, device, block_n, stages, splits)
         return shared_workspace(("decode", p.batch, p.heads, p.seqlen, p.kv_heads,
-                                 p.head_dim, splits), device,
-                                lambda: decode_workspace(p, device, block_n, stages, splits))
+                                 p.head_dim, splits), device, make)
+    workspace.checks_memory = True
 
     def example_workspace(p, device):
         # (compiled against two splits, so that no extent of the workspace is a 1 that the

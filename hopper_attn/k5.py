@@ -187,6 +187,15 @@ class FlashAttentionK5:
                 varlen.lse_rows(mLSE, seq.offset_q, seq.seqlen_q),
                 varlen.sequence_batch(seq.offset_q, seq.seqlen_q))
 
+    def kv_boxes(self, atoms, coords, k: cute.Tensor, v: cute.Tensor):
+        """Host side: the (Q, K, V) TMA atoms and tensors, K's and V's boxes one kv tile
+        each (k6_paged: one page each where pages are smaller)."""
+        return atoms, coords
+
+    def sequence_loads(self, loads: tma.SplitKVLoads, head, kv_head, seq, batch):
+        """A packed batch's loads of one work item (k6_paged: K and V from pages)."""
+        return varlen.sequence_loads(loads, head, kv_head, seq)
+
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:
         """Q + K and V rings (16-bit elements; V's tiles dv wide), each 1024-byte aligned,
         + 1 KiB of mbarriers (k7 overrides it: FP8 rings, a V^T ring, an output buffer)."""
@@ -226,8 +235,10 @@ class FlashAttentionK5:
                mSinks: Optional[cute.Tensor] = None,
                mCuSeqlensQ: Optional[cute.Tensor] = None,
                mCuSeqlensK: Optional[cute.Tensor] = None,
-               mSeqUsedK: Optional[cute.Tensor] = None):
-        """The launch (k6's attention sinks: `mSinks`, fp32 (heads,), else None)."""
+               mSeqUsedK: Optional[cute.Tensor] = None,
+               mPageTable: Optional[cute.Tensor] = None):
+        """The launch (k6's attention sinks: `mSinks`, fp32 (heads,), else None; a paged
+        cache's page table: `mPageTable`, k6_paged.py)."""
         q, k, v, o = [ndhb_view(t) for t in (mQ, mK, mV, mO)]   # (N, d, H, B)
         seqlen, heads, batch = q.shape[0], q.shape[2], q.shape[3]
         if cutlass.const_expr(self.varlen):
@@ -241,6 +252,7 @@ class FlashAttentionK5:
         v_layout = kv_layout if dv == d else smem_tile_layout(self.dtype, bn, dv, self.stages)
         atoms, coords, self.q_bytes, kv_bytes = tma.make_qkv_loads(
             q, k, v, q_layout, kv_layout, bm, bn, d, None if dv == d else v_layout, dv)
+        atoms, coords = self.kv_boxes(atoms, coords, k, v)     # (k6_paged: page-sized boxes)
         self.tile_bytes = tma.tma_bytes(self.dtype, kv_layout)  # one K tile
         self.v_tile_bytes = kv_bytes - self.tile_bytes          # one V tile (dv wide)
         tma_o, o_coords = self.make_o_store(o, self.dtype)
@@ -261,7 +273,8 @@ class FlashAttentionK5:
         self.smem_bytes = self.shared_storage.size_in_bytes()
         self.mbarriers = {"q": 2, "k": 2 * self.stages, "v": 2 * self.stages}
         self.kernel(*coords, o_coords, o, mLSE, mCounter, *atoms, tma_o, scale_log2, q_layout,
-                    kv_layout, q, k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSinks).launch(
+                    kv_layout, q, k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSinks,
+                    mPageTable).launch(
             grid=self.scheduler.grid(seqlen, heads, batch),
             block=[self.threads, 1, 1],
             min_blocks_per_mp=1,        # ptxas: 65536 / threads registers at entry (setmaxnreg)
@@ -277,10 +290,12 @@ class FlashAttentionK5:
                mCuSeqlensQ: Optional[cute.Tensor] = None,
                mCuSeqlensK: Optional[cute.Tensor] = None,
                mSeqUsedK: Optional[cute.Tensor] = None,
-               mSinks: Optional[cute.Tensor] = None):
+               mSinks: Optional[cute.Tensor] = None,
+               mPageTable: Optional[cute.Tensor] = None):
         # (q_mem, k_mem: q and k again, unused since k6's exp_first left at 2031291; kept
         # so that the kernel's parameters, and with them its PTX, stay as measured)
         self.sink_logits = mSinks       # (k6's attention sinks, read by `finish_rows`)
+        self.page_table = mPageTable    # (k6_paged: read by `sequence_loads`)
         schedule, roles, scheduler = self.schedule, self.roles, self.scheduler
         bm, bn, d = self.block_m, self.block_n, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
@@ -533,7 +548,7 @@ class FlashAttentionK5:
                                                   batch_size)
                 n_count = k1 - first
             if cutlass.const_expr(packed is not None):
-                work = varlen.sequence_loads(loads, head, head // group, seq)
+                work = self.sequence_loads(loads, head, head // group, seq, batch)
             else:
                 work = loads.at(head, head // group, batch)
             if cutlass.const_expr(self.v_lags_k):

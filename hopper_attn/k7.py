@@ -126,7 +126,7 @@ class FlashAttentionK7(FlashAttentionK6):
                          rescale=rescale, item_end="q_buffer", v_lags_k=v_lags_k,
                          mask_per_row=True, longest_first=longest_first, stages=stages,
                          trace=trace)
-        _, self.early_q_release, self.wg_store, _ = ITEM_ENDS[item_end]
+        _, self.early_q_release, self.wg_store = ITEM_ENDS[item_end]
         if self.lazy_rescale:
             raise ValueError("k7: rescale eager or before_pv")
         self.p_scale_log2 = P_SCALE_LOG2

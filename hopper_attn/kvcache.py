@@ -11,6 +11,13 @@ table each kv tile is gathered from the cache's pages (hopper_attn/common/paged.
 tile and the number of splits come from the shapes only (the cache's capacity stands for
 the key count), so a decode step is capturable in a CUDA graph: no host reads of device
 data, no data-dependent allocation. docs/kvcache.md says how.
+
+Chunked prefill (more than 16 new queries per request, or a varlen query batch with
+`cu_seqlens_q`) runs k6 over a packed query batch instead: a
+contiguous cache as the packed keys of hopper_attn/k6_varlen.py (cu_seqlens_k a fixed
+stride apart, seqused_k the key counts: no new kernel), a paged one through
+hopper_attn/k6_paged.py (kv tiles gathered from pages, common/paged_prefill.py). Equally
+free of host reads (`_prefill`).
 """
 
 from __future__ import annotations
@@ -54,19 +61,20 @@ def _strided_ok(name, t):
 
 def check_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None, v_new=None,
                  num_splits: int = 0, softmax_scale=None, k_descale=None,
-                 v_descale=None) -> tuple[int, int]:
+                 v_descale=None, queries: bool = True) -> tuple[int, int]:
     """Every check the host can make (ValueError, before any launch); returns (page_size
-    (0: contiguous), capacity: keys a request can hold)."""
+    (0: contiguous), capacity: keys a request can hold). `queries=False`: any seqlen_q
+    (chunked prefill's checks)."""
     _tensor("q", q, 4)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t, 4)
     batch, seqlen_q, heads, head_dim = q.shape
     if q.dtype not in DTYPES:
         raise ValueError(f"q must be bf16 or fp16, got {q.dtype}")
-    if not 1 <= seqlen_q <= MAX_QUERIES:
-        raise ValueError(f"attention_with_kvcache takes 1-{MAX_QUERIES} new queries per "
-                         f"request, got seqlen_q={seqlen_q} (chunked prefill, longer or "
-                         f"varlen query batches, is not there yet: use attention())")
+    if queries and not 1 <= seqlen_q <= MAX_QUERIES:
+        raise ValueError(f"the decode path takes 1-{MAX_QUERIES} new queries per request, "
+                         f"got seqlen_q={seqlen_q} (attention_with_kvcache takes longer "
+                         f"chunks on its chunked-prefill path)")
     if tuple(k_cache.shape) != tuple(v_cache.shape):
         raise ValueError(f"k_cache and v_cache must have the same shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -338,10 +346,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softmax_scale: Optional[float] = None, return_lse: bool = False,
                            num_splits: int = 0, k_descale: Optional[torch.Tensor] = None,
                            v_descale: Optional[torch.Tensor] = None, window_size=(-1, -1),
-                           softcap: float = 0.0, sinks: Optional[torch.Tensor] = None):
-    """Attention of a few new queries per request over its KV cache (a decode step).
+                           softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                           cu_seqlens_q: Optional[torch.Tensor] = None,
+                           max_seqlen_q: Optional[int] = None):
+    """Attention of new queries per request over its KV cache: a decode step (1-16 queries)
+    or a chunk of a prefill (any number; below).
 
-    q: (batch, seqlen_q, heads, d), seqlen_q 1-16, bf16 or fp16, d 64, 128 or 256.
+    q: (batch, seqlen_q, heads, d), bf16 or fp16; decode: seqlen_q 1-16, d 64, 128 or 256.
     k_cache, v_cache: contiguous (batch, max_seqlen, kv_heads, d), or paged (num_pages,
     page_size, kv_heads, d) with `page_table` int32 (batch, max_pages): request b's key n in
     page page_table[b, n // page_size], row n % page_size; page_size 16, 32, 64, 128 or 256.
@@ -383,7 +394,33 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     checked (it would need a sync): page indices within the cache, cache_seqlens (+
     seqlen_new) within the capacity (max_seqlen, or max_pages x page_size) and >= 0; values
     outside these read or write outside the cache.
+
+    Chunked prefill (k6 over a packed query batch, hopper_attn/k6_varlen.py and, for a
+    paged cache, k6_paged.py; docs/kvcache.md), taken for seqlen_q > 16 and for
+    `cu_seqlens_q`:
+    * q (batch, seqlen_q, heads, d): seqlen_q new queries per request, keys as above
+      (k_new / v_new appended first);
+    * q (total_q, heads, d) with `cu_seqlens_q` (int32 (batch + 1,), request b's queries at
+      rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1) and `max_seqlen_q` (a python int >=
+      the longest; it picks the tile): vLLM's flash_attn_varlen_func convention, request b
+      seeing cache_seqlens[b] keys (the caller has written the new ones; no k_new / v_new).
+    Causal bottom-right per request (query i of n_q sees keys j <= i + keys_b - n_q),
+    `window_size`, `softcap` and `sinks` as in `attention_varlen` (sinks fp32 (heads,)); d
+    64, 96, 128, 192, 256; bf16 / fp16 caches only (an e4m3 cache: ValueError), no
+    descales, num_splits 0.
+    Paged: the pages page_size tokens apart in memory (the (num_pages, page_size, kv_heads,
+    d) layout, or a view of vLLM's (2, num_pages, ...) pair); rows past a request's keys
+    reach no output here either (TMA zero-fills them). Returns out like q and, with
+    return_lse, the LSE (batch, heads, seqlen_q) (a view) or (heads, total_q). The host
+    reads no device data (capturable in a CUDA graph after a first call, which compiles);
+    a request with no key gets zeros, LSE -inf. Not checked besides the above (a sync):
+    cu_seqlens_q starting at 0, non-decreasing, ending at total_q, chunks <= max_seqlen_q.
     """
+    if cu_seqlens_q is not None or (
+            isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] > MAX_QUERIES):
+        return _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new,
+                        causal, softmax_scale, return_lse, num_splits, k_descale, v_descale,
+                        cu_seqlens_q, max_seqlen_q, window_size, softcap, sinks)
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
                                           and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite number or None, got "
@@ -433,4 +470,188 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return (out, lse) if return_lse else out
 
 
-__all__ = ["attention_with_kvcache", "append_kv", "check_inputs", "UnsupportedProblem"]
+# --------------------------------------------------------------------------------------------
+# Chunked prefill: k6 over a packed query batch (docs/kvcache.md)
+# --------------------------------------------------------------------------------------------
+
+def check_prefill_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None,
+                         v_new=None, num_splits: int = 0, k_descale=None, v_descale=None,
+                         cu_seqlens_q=None, max_seqlen_q=None) -> tuple[int, int, int, int]:
+    """Every host check of a chunked-prefill call (ValueError, before any launch); returns
+    (batch, max_seqlen_q, page_size (0: contiguous), capacity)."""
+    from hopper_attn.common.varlen import BIG
+    _tensor("q", q)
+    if cu_seqlens_q is None:
+        _tensor("q", q, 4)
+        batch, max_seqlen_q = q.shape[0], q.shape[1]
+        q4 = q
+    else:
+        _tensor("q", q, 3)
+        _tensor("cu_seqlens_q", cu_seqlens_q, 1)
+        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape[0] < 1:
+            raise ValueError(f"cu_seqlens_q must be int32 with batch + 1 entries, got "
+                             f"{tuple(cu_seqlens_q.shape)} {cu_seqlens_q.dtype}")
+        batch = cu_seqlens_q.shape[0] - 1
+        if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) \
+                or not 0 <= max_seqlen_q < BIG:
+            raise ValueError(f"max_seqlen_q must be a python int in [0, {BIG}) with "
+                             f"cu_seqlens_q, got {max_seqlen_q!r}")
+        if q.shape[0] > batch * max_seqlen_q:
+            raise ValueError(f"q's {q.shape[0]} tokens do not fit {batch} requests of at "
+                             f"most max_seqlen_q = {max_seqlen_q} queries")
+        if k_new is not None or v_new is not None:
+            raise ValueError("k_new / v_new with cu_seqlens_q: write the new keys into the "
+                             "cache first (append_kv), then pass their counts in "
+                             "cache_seqlens")
+        q4 = q.unsqueeze(0).expand(batch, *q.shape)   # (the decode checks' shapes; no copy)
+    if k_cache.dtype == FP8 or v_cache.dtype == FP8 or k_descale is not None \
+            or v_descale is not None:
+        raise ValueError("chunked prefill reads bf16 / fp16 caches only: an e4m3 cache (and "
+                         "descales) is for 1-16 queries per request (the decode path)")
+    if num_splits not in (0, 1) or isinstance(num_splits, bool):
+        raise ValueError(f"num_splits is the decode path's (1-16 queries); chunked prefill "
+                         f"takes 0, got {num_splits!r}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(name, t, 4)
+        rows = t.shape[1]               # a page, or a request's capacity
+        if t.shape[0] > 1 and (t.stride(1) == 0 or t.stride(0) % t.stride(1)):
+            raise ValueError(f"{name}: its {'pages' if page_table is not None else 'requests'}"
+                             f" must lie a whole number of token rows apart, got strides "
+                             f"{t.stride()}")
+        stride_rows = t.stride(0) // t.stride(1) if t.shape[0] > 1 else rows
+        if page_table is not None and stride_rows != rows:
+            raise ValueError(f"{name}: chunked prefill reads pages page_size ({rows}) token "
+                             f"rows apart ((num_pages, page_size, kv_heads, d) layout), got "
+                             f"strides {t.stride()}")
+        if (t.shape[0] - 1) * stride_rows + rows >= BIG:
+            raise ValueError(f"{name}: at most {BIG - 1} token rows")
+    if k_cache.shape[0] > 1 and k_cache.stride()[:2] != v_cache.stride()[:2]:
+        raise ValueError(f"k_cache and v_cache must lie alike (one key offset per request "
+                         f"or page), got strides {k_cache.stride()} and {v_cache.stride()}")
+    page_size, capacity = check_inputs(q4, k_cache, v_cache, cache_seqlens, page_table,
+                                       k_new, v_new, queries=False)
+    if q.dim() == 3 and cu_seqlens_q.device != q.device:
+        raise ValueError(f"cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}")
+    return batch, max_seqlen_q, page_size, capacity
+
+
+_ARANGE: dict = {}
+
+
+def _arange_times(n: int, step: int, device) -> torch.Tensor:
+    """int32 [0, step, 2 step, .., n step] on the device, made once (no per-call launch)."""
+    key = (n, step, device)
+    if key not in _ARANGE:
+        if len(_ARANGE) >= 256:
+            _ARANGE.clear()
+        _ARANGE[key] = torch.arange(n + 1, dtype=torch.int32, device=device) * step
+    return _ARANGE[key]
+
+
+def _tokens(cache: torch.Tensor, rows: int) -> torch.Tensor:
+    """The cache as a packed (tokens, kv_heads, d) tensor (a view): `rows` token rows."""
+    return cache.as_strided((rows, *cache.shape[2:]), cache.stride()[1:])
+
+
+_PREFILL_FAST: dict = {}
+# Which length picks k6's POLICY row for a chunk: "queries" (max_seqlen_q, as
+# attention_varlen does), "keys" (the longer of it and the cache's capacity: a chunk's
+# items walk the whole cache, like the long rows' items) or "measured": the keys' row for
+# contiguous caches and pages of 128 and more (1.06-1.08x the queries' row), the queries'
+# for smaller pages (page 16: 0.96-0.97x with the keys' row; H200,
+# results/h200/2026-11-29_prefill_speed.json.xz). tools/prefill_gpu_check.py times both.
+PREFILL_POLICY_BY = "measured"
+
+
+def _rows_by_keys(page_size: int) -> bool:
+    """Whether a chunk takes the POLICY row of the cache's length (PREFILL_POLICY_BY)."""
+    if PREFILL_POLICY_BY == "measured":
+        return page_size == 0 or page_size >= 128
+    return PREFILL_POLICY_BY == "keys"
+
+
+def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causal,
+             softmax_scale, return_lse, num_splits, k_descale, v_descale, cu_seqlens_q,
+             max_seqlen_q, window_size, softcap, sinks=None):
+    from hopper_attn.api import _check_softcap
+    from hopper_attn import k6_paged, k6_varlen
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number or None, got "
+                         f"{softmax_scale!r}")
+    window = normalize_window(window_size, bool(causal))
+    softcap = _check_softcap(softcap)
+    tensors = (q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q,
+               sinks)
+    try:        # calls that passed every check once, by all the checks looked at
+        key = (*[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                 for t in tensors], bool(causal), window, softcap, max_seqlen_q,
+               type(max_seqlen_q), num_splits, type(num_splits), k_descale is None,
+               v_descale is None, PREFILL_POLICY_BY)
+        prepared = _PREFILL_FAST.get(key)
+    except (AttributeError, TypeError):
+        key = prepared = None
+    if prepared is None:
+        batch, max_q, page_size, capacity = check_prefill_inputs(
+            q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, num_splits,
+            k_descale, v_descale, cu_seqlens_q, max_seqlen_q)
+        if sinks is not None:
+            from hopper_attn.common.sinks import check_sinks
+            check_sinks(sinks, q.shape[-2], q.device)
+        q3 = q if q.dim() == 3 else q.reshape(-1, *q.shape[2:])
+        k_rows = k_cache.shape[0] * k_cache.shape[1] if page_size else \
+            (batch - 1) * (k_cache.stride(0) // k_cache.stride(1)) + capacity \
+            if batch > 1 else capacity
+        row_length = max(max_q, capacity) if _rows_by_keys(page_size) else max_q
+        problem = k6_varlen.problem_for(q3, _tokens(k_cache, k_rows), batch, row_length,
+                                        capacity, causal, window)
+        overrides = {"softcap": softcap} if softcap else {}
+        if page_size:
+            compiled, _ = k6_paged.compile_paged(problem, page_size, sinks=sinks is not None,
+                                                 **overrides)
+        else:
+            compiled, _ = k6_varlen.compile_varlen(problem, True, sinks=sinks is not None,
+                                                   **overrides)
+        prepared = (batch, max_q, page_size, k_rows, compiled, problem.softmax_scale)
+        if key is not None:
+            if len(_PREFILL_FAST) >= 4096:
+                _PREFILL_FAST.clear()
+            _PREFILL_FAST[key] = prepared
+    batch, max_q, page_size, k_rows, compiled, default_scale = prepared
+    if (q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()) % 16:
+        raise ValueError("q, k_cache, v_cache must be 16-byte aligned")
+    dense = cu_seqlens_q is None
+    q3 = q.reshape(-1, *q.shape[2:]) if dense else q
+    seqlens = cache_seqlens
+    if k_new is not None:
+        append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+        seqlens = cache_seqlens + k_new.shape[1]
+    # (the kernels are compiled for 16-byte aligned int tensors: a slice is copied, on the
+    # device)
+    if seqlens.data_ptr() % 16:
+        seqlens = seqlens.clone()
+    if dense:
+        cu_seqlens_q = _arange_times(batch, max_q, q.device)
+    elif cu_seqlens_q.data_ptr() % 16 or not cu_seqlens_q.is_contiguous():
+        cu_seqlens_q = cu_seqlens_q.clone()
+    out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q3.shape[1], q3.shape[0]), dtype=torch.float32, device=q.device)
+    scale = default_scale if softmax_scale is None else float(softmax_scale)
+    k3, v3 = _tokens(k_cache, k_rows), _tokens(v_cache, k_rows)
+    if batch and q3.shape[0]:
+        if page_size:
+            k6_paged.run_paged(compiled, q3, k3, v3, out, lse, cu_seqlens_q, seqlens,
+                               page_table, scale, sinks)
+        else:
+            cu_seqlens_k = _arange_times(batch, k_cache.stride(0) // k_cache.stride(1)
+                                         if batch > 1 else 0, q.device)
+            k6_varlen.run_varlen(compiled, q3, k3, v3, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                 seqlens, scale, sinks)
+    if dense:
+        out = out.view(q.shape)
+        lse = lse.view(q.shape[2], batch, max_q).transpose(0, 1)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["attention_with_kvcache", "append_kv", "check_inputs", "check_prefill_inputs",
+           "UnsupportedProblem"]

@@ -312,7 +312,8 @@ def test_backward_copies_views_when_strided_reads_are_off(monkeypatch):
 def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
     """A decode step with one key more than the last (a new shape) copies its sibling's
     handle and reuses the workspace of its split count: no compile, no allocation but the
-    output; an LSE nobody asked for goes to the workspace's own. Refusals stay."""
+    output, no memory query (cudaMemGetInfo) but the first; an LSE nobody asked for goes to
+    the workspace's own. Refusals stay."""
     from hopper_attn import api
     from hopper_attn.common import contract, cute_runtime as rt
     launches, compiles = [], []
@@ -323,11 +324,18 @@ def test_decode_steps_share_one_compile_and_workspace(monkeypatch):
     for name in ("_HANDLES", "_FAST", "_DECODE_SIBLINGS"):
         monkeypatch.setattr(api, name, {})
     monkeypatch.setattr(contract, "_SHARED_WORKSPACES", {})
+    memory_queries, reason = [], contract.KernelSpec.unsupported_reason
+
+    def counted(self, problem, check_memory=True):
+        memory_queries.append(check_memory)
+        return reason(self, problem, check_memory=check_memory)
+    monkeypatch.setattr(contract.KernelSpec, "unsupported_reason", counted)
     q = torch.randn(1, 1, 32, 128).to(torch.bfloat16)
     cache = torch.zeros(1, 700, 8, 128, dtype=torch.bfloat16)
     for n in range(512, 520):
         hopper_attn.attention(q, cache[:, :n], cache[:, :n])
     assert len(compiles) == 1 and len(launches) == 8 and len(api._HANDLES) == 8
+    assert sum(memory_queries) <= 2, memory_queries      # the compile's and the allocation's
     assert len({id(t[5]) for t in launches}) == 1             # one partial-O buffer
     assert len({id(t[4]) for t in launches}) == 1             # the workspace's LSE
     _, lse = hopper_attn.attention(q, cache[:, :520], cache[:, :520], return_lse=True)

@@ -4,11 +4,14 @@ On the CPU: refusals raise ValueError before any launch; the page-table gather a
 math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
 one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
 per page, pages as large as the tile or larger: one box per tile; an e4m3 cache; a window,
-a softcap with sinks) for sm_90a, no spills.
+a softcap with sinks) for sm_90a, no spills. Chunked prefill (k6 over the cache as packed
+keys): its refusals, the packed views of the cache, the page boxes' clipping, a compile of
+the paged kernel (pages of 16 and 128), the host path with the kernels emulated in torch.
 
 On the GPU (marked gpu): harness/kvcache_check.py's quick cases (fp32 reference over the
 gathered cache, NaN in unused pages and past the cache lengths, appends checked byte for
-byte, same bits twice) and a CUDA graph replay.
+byte, same bits twice) and a CUDA graph replay; harness/prefill_check.py's chunked-prefill
+cases and graph replay.
 """
 
 import tempfile
@@ -18,6 +21,7 @@ import torch
 
 from hopper_attn import kvcache
 from hopper_attn.harness import kvcache_check as kc
+from hopper_attn.harness import prefill_check
 
 
 def _inputs(**over):
@@ -41,7 +45,7 @@ def _refused(match, **over):
 
 def test_refusals_before_any_launch():
     bf = torch.bfloat16
-    _refused("chunked prefill", q=torch.zeros(2, 17, 8, 128, dtype=bf))
+    _refused("CUDA device", q=torch.zeros(2, 17, 8, 128, dtype=bf))    # the prefill path
     _refused("bf16 or fp16", q=torch.zeros(2, 1, 8, 128))
     _refused("same shape", v_cache=torch.zeros(6, 32, 2, 128, dtype=bf))
     _refused("dtype", k_cache=torch.zeros(6, 16, 2, 128, dtype=torch.float16),
@@ -178,4 +182,161 @@ def test_quick_case(index):
 @pytest.mark.gpu
 def test_graph_replay():
     row = kc.check_graph()
+    assert row["ok"], row
+
+
+def test_prefill_refusals_before_any_launch():
+    """Chunked prefill (seqlen_q > 16, cu_seqlens_q, a window or softcap): what it refuses
+    on the host, before any launch."""
+    bf = torch.bfloat16
+    q = torch.zeros(2, 20, 8, 128, dtype=bf)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+
+    def refused(match, **over):
+        t = _inputs(q=q)
+        t.update(over)
+        args = [t.pop(k) for k in ("q", "k_cache", "v_cache", "cache_seqlens")]
+        with pytest.raises(ValueError, match=match):
+            kvcache.attention_with_kvcache(*args, **t)
+
+    f8 = torch.float8_e4m3fn
+    refused("e4m3", k_cache=torch.zeros(6, 16, 2, 128, dtype=f8),
+            v_cache=torch.zeros(6, 16, 2, 128, dtype=f8))
+    refused("num_splits", num_splits=4)
+    refused("max_seqlen_q", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu)
+    refused("do not fit", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu,
+            max_seqlen_q=8)
+    refused("int32", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu.long(),
+            max_seqlen_q=13)
+    refused("append_kv", q=torch.zeros(20, 8, 128, dtype=bf), cu_seqlens_q=cu,
+            max_seqlen_q=13, k_new=torch.zeros(2, 1, 2, 128, dtype=bf),
+            v_new=torch.zeros(2, 1, 2, 128, dtype=bf))
+    pair = torch.zeros(2, 6, 16, 2, 128, dtype=bf)          # vLLM's K/V pair: read in place
+    heads_major = torch.zeros(6, 2, 16, 128, dtype=bf).transpose(1, 2)
+    refused("page_size .16. token rows apart", k_cache=heads_major,
+            v_cache=heads_major.clone())
+    refused("CUDA device", k_cache=pair[0], v_cache=pair[1])
+    refused("CUDA device", q=torch.zeros(2, 3, 8, 128, dtype=bf), window_size=(8, 0))
+    refused("softcap", softcap=-1.0)
+    refused("window_size", window_size=(4, 4))          # causal: the right side is 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_paged_prefill_compiles(page_size):
+    """k6 over a paged cache (chunked prefill), d 128, causal, GQA: sm_90a, no spills; K
+    and V each one TMA box per tile (page 128) or a loop over 8 page boxes (page 16), two
+    instructions a box at d = 128, at the two places each is loaded, beside Q's load and
+    O's store."""
+    from hopper_attn import k6_paged
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS
+    problem = Problem(4, 32, 512, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=8192)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = k6_paged.compile_paged(
+            problem, page_size, compile_options=f"--keep-ptx --dump-dir={dump} "
+                                                f"{SPILLS_AS_ERRORS}")
+        ptx = compiled.__ptx__
+    assert (kernel.block_n, kernel.page_size) == (128, page_size)
+    assert ptx.count("cp.async.bulk.tensor") == 4 + 4 * 2
+    assert kernel.roles.producer_regs == 24
+
+
+def test_prefill_cache_as_packed_tokens():
+    """What chunked prefill hands the varlen kernels: the cache as packed tokens (a view),
+    request b's key n at token cu_seqlens_k[b] + n (contiguous: b x the request stride) or
+    page_table[b, n // page_size] x page_size + n % page_size (paged, also vLLM's K/V pair
+    view); through the ragged TMA view a page's box clips exactly the keys past the
+    request's count."""
+    from hopper_attn.common import varlen
+    cache = torch.randn(3, 40, 2, 8)
+    flat = kvcache._tokens(cache, 2 * 40 + 40)
+    cu_k = torch.arange(4) * (cache.stride(0) // cache.stride(1))
+    for b in range(3):
+        assert torch.equal(flat[cu_k[b]:cu_k[b] + 40], cache[b])
+    pair = torch.randn(2, 6, 16, 2, 8)                      # (K/V, pages, page_size, H, d)
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]])
+    for pool in (pair[0], pair[1]):
+        tokens = kvcache._tokens(pool, 6 * 16)
+        for b in range(2):
+            keys = kc.gathered(pool, b, 48, table, 16)
+            rows = table[b, torch.arange(48) // 16] * 16 + torch.arange(48) % 16
+            assert torch.equal(tokens[rows], keys)
+    # copy_page_boxes' coordinates: a tile of 128 keys over 16-token pages, 37 keys
+    s, ps, seqlen = 2 * 8, 16, 37
+    for n in range(128):
+        first = n // ps * ps
+        length = max(min(seqlen - first, ps), 0)
+        page = int(table[0, min(n // ps, 2)])
+        address = varlen.ragged_address(0, page * ps, length, n - first, s, 2)
+        assert address == (None if n >= seqlen else (page * ps + n % ps) * s * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(prefill_check.cases(quick=True))))
+def test_prefill_case(index):
+    row = prefill_check.check(prefill_check.cases(quick=True)[index], seed=index)
+    assert row["ok"], row
+
+
+@pytest.mark.gpu
+def test_prefill_graph_replay():
+    row = prefill_check.check_graph()
+    assert row["ok"], row
+
+
+def _emulated_kernel(problem, softcap, q, k, v, out, lse, cu_q, seqused, scale, rows_of,
+                     sinks=None):
+    """What the varlen kernels compute, from the packed views they are handed: request b's
+    queries cu_q[b] .. cu_q[b + 1] - 1 over its keys (token rows `rows_of(b, n)`)."""
+    for b in range(cu_q.shape[0] - 1):
+        q0, q1, nk = int(cu_q[b]), int(cu_q[b + 1]), int(seqused[b])
+        rows = rows_of(b, torch.arange(nk))
+        group = q.shape[1] // k.shape[1]
+        kk, vv = (t[rows].float().repeat_interleave(group, 1) for t in (k, v))
+        s = torch.einsum("ihd,jhd->hij", q[q0:q1].float(), kk) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(q1 - q0)[:, None] + nk - (q1 - q0)
+        j = torch.arange(nk)[None]
+        visible = (j <= i) if problem.causal else torch.ones_like(j <= i)
+        if problem.window_left >= 0:
+            visible = visible & (j >= i - problem.window_left)
+        s = s.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            s = torch.cat([s, sinks[:, None, None].expand(-1, q1 - q0, 1)], -1)
+        lse[:, q0:q1] = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[:, q0:q1, None]).nan_to_num(0.0)[..., :nk]
+        out[q0:q1] = torch.einsum("hij,jhd->ihd", p, vv).to(out.dtype)
+
+
+@pytest.mark.parametrize("case", [
+    prefill_check.PCase((0, 5, 40), (20, 20, 20), 64, 0, seqlen_new=20, heads=4, heads_kv=2,
+                        head_dim=64),
+    prefill_check.PCase((30, 0, 64), (17, 0, 30), 64, 16, varlen=True, heads=4, heads_kv=2,
+                        head_dim=64, window_left=8),
+    prefill_check.PCase((3, 33), (20, 20), 64, 32, seqlen_new=20, heads=2, heads_kv=2,
+                        head_dim=64, softcap=5.0, sinks=True)], ids=lambda c: c.label())
+def test_prefill_host_path_emulated(case, monkeypatch):
+    """The chunked-prefill host path on the CPU, the kernels (and the CUDA-device check)
+    replaced by torch emulations of what they compute from the tensors they are handed:
+    the cache as packed tokens, cu_seqlens_q / cu_seqlens_k / seqused_k, the page table,
+    the appended keys, the output and LSE views; harness/prefill_check.py's verdict."""
+    from hopper_attn import k6_paged, k6_varlen
+    monkeypatch.setattr(kvcache, "check_inputs", lambda q, k, v, seqlens, table=None, *a, **kw:
+                        (0, k.shape[1]) if table is None else
+                        (k.shape[1], table.shape[1] * k.shape[1]))
+    monkeypatch.setattr(k6_varlen, "compile_varlen",
+                        lambda p, used, sinks=False, **o: ((p, o.get("softcap", 0.0)), None))
+    monkeypatch.setattr(k6_paged, "compile_paged",
+                        lambda p, ps, sinks=False, **o: ((p, o.get("softcap", 0.0), ps), None))
+    monkeypatch.setattr(k6_varlen, "run_varlen", lambda c, q, k, v, out, lse, cu_q, cu_k, used,
+                        scale, sinks=None: _emulated_kernel(
+                            *c, q, k, v, out, lse, cu_q, used, scale,
+                            lambda b, n: int(cu_k[b]) + n, sinks))
+    monkeypatch.setattr(k6_paged, "run_paged", lambda c, q, k, v, out, lse, cu_q, used, table,
+                        scale, sinks=None: _emulated_kernel(
+                            *c[:2], q, k, v, out, lse, cu_q, used, scale,
+                            lambda b, n: table[b, n // c[2]].long() * c[2] + n % c[2], sinks))
+    row = prefill_check.check(case, seed=1, device="cpu")
     assert row["ok"], row

@@ -552,7 +552,11 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
     if workspace is None:
         if handle.workspace_fn is not None and not handle.workspace:
             # re-check memory right before allocating, so we refuse instead of failing mid-run
-            handle.spec.check(problem)
+            # (a workspace_fn that `checks_memory` does so itself, only when it allocates:
+            # decode's is shared by key counts, and a generation step has a new one each time,
+            # so cudaMemGetInfo would run every step)
+            if not getattr(handle.workspace_fn, "checks_memory", False):
+                handle.spec.check(problem)
             handle.workspace = handle.workspace_fn(problem, q.device)
         workspace = handle.workspace if lse is None else [lse, *handle.workspace[1:]]
     if handle.spec.takes_work_counter:

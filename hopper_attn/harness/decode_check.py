@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from hopper_attn.harness.gpu_check import capture_graph
 from hopper_attn.harness.inputs import guarded_empty, guards_intact
 
 
@@ -178,13 +179,7 @@ def check_graph(case: Case = Case(1, 1, 32, 8, 8191), seed: int = 5) -> dict:
                       device=q.device)
     decode.run(handle, q, k, v, out, lse)          # workspace allocated outside the capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            decode.run(handle, q, k, v, out, lse)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, _ = capture_graph(lambda: decode.run(handle, q, k, v, out, lse))
     ok = True
     for s in range(3):
         q2, k2, v2 = make_inputs(case, seed + 1 + s)

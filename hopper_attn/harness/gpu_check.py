@@ -11,6 +11,20 @@ import os
 import time
 
 
+def capture_graph(call):
+    """`call()` captured into a CUDA graph on a side stream (the current stream waits for it
+    both ways, as torch's capture requires): (graph, what the captured call returned). Run
+    `call` once before (compiles and workspaces stay outside the capture)."""
+    import torch
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            result = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result
+
+
 def env_line(env: dict) -> str:
     """One line: GPU, driver, torch, CuTe DSL and FA4 versions."""
     return (f"{env.get('gpu')} driver {env.get('driver')} torch {env.get('torch')} "

@@ -23,6 +23,7 @@ import math
 import torch
 
 from hopper_attn.common.contract import normalize_window
+from hopper_attn.harness.gpu_check import capture_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,13 +388,7 @@ def check_graph(case: Case = Case((1000, 4095, 17, 0), 4096, 16, seqlen_new=1),
     inputs = make_case(case, "cuda", seed)
     _call(inputs, case)                          # compile and workspace outside the capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            out, lse = _call(inputs, case)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, (out, lse) = capture_graph(lambda: _call(inputs, case))
     ok = True
     for s in range(3):
         lens = tuple((n * (s + 3) + 11 * s) % (case.capacity - case.seqlen_new)

@@ -190,17 +190,10 @@ def guard(build_model, impls: dict, select, lengths, vocab: int, device) -> list
 
 
 def _timer(device):
+    """The training benchmark's CUDA-event timer (ms) on a GPU; wall clock on the CPU."""
     if torch.device(device).type == "cuda":
-        def timed(fn):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        return timed
+        from hopper_attn.harness.models import _timed
+        return _timed
 
     def timed_cpu(fn):
         t0 = time.perf_counter()
