@@ -30,15 +30,16 @@ What changes from kb1:
   dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
-* Head dims 96 and 192 (issue 63). d = 96 runs d = 128's consumer on 64-row tiles, K in a
-  32-byte swizzle (dQ reads K^T in 48 columns a warpgroup). At d = 192 a thread would hold
-  192 + 192 dK and dV floats: `shared_keys` puts both consumer warpgroups on one 64-key
-  tile, S^T and dP^T split by queries, dK, dV and dQ by columns (96 + 96 + 48 floats), P^T
-  through SMEM like dS^T, dV issued after the dS^T barrier (docs/kb2.md). `dkv_swap_ab`, a
-  candidate (common/backward_dkv_swap.py): FA3's 64 x 96 tile, dK^T and dV^T with d as M;
-  also d = 256 on FA4's 64 x 48 (opt-in only, `SPEC_D256`: d = 256 runs kb1 by default).
+* Head dims 96, 192 and 256 (issue 63). d = 96 runs d = 128's consumer on 64-row tiles, K in
+  a 32-byte swizzle (dQ reads K^T in 48 columns a warpgroup). At d = 192 and 256 a thread
+  cannot hold dK and dV of 64 keys: `dkv_swap_ab` (common/backward_dkv_swap.py) accumulates
+  dK^T and dV^T with d as WGMMA's M on FA3's 64 x 96 tile (d = 192) and FA4's 64 x 48
+  (d = 256), S and dP not transposed, P and dS through SMEM (d = 256 ran kb1 before: 1.44-
+  1.50x faster here). With a softcap d = 192 runs `shared_keys` instead: both consumer
+  warpgroups on one 64-key tile, S^T and dP^T split by queries, dK, dV and dQ by columns
+  (96 + 96 + 48 floats), P^T through SMEM like dS^T, dV issued after the dS^T barrier.
 
-What stays: kb1's 128-key tiles (d = 192: 64), the transposed formulation (P^T and dS^T
+What stays: kb1's 128-key tiles (d = 192: 96, 256: 48), the transposed formulation (P^T and dS^T
 from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
 as in kb1 (gqa: per dK head); at d = 128 with a causal mask launched longest first inside
@@ -51,8 +52,9 @@ Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
 ~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
 S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
-producer thread. d = 192 (64 x 64): K + V 48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T)
-32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB ((192, 128): V, dO 24 less: 202).
+producer thread. d = 192 and 256: common/backward_dkv_swap.py. shared_keys (64 x 64): K + V
+48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T) 32 KiB, dQ staging 48 KiB, rows and barriers
+2 KiB: 226 KiB ((192, 128): V, dO 24 less: 202).
 
 Named barriers: 0 = the CTA-wide sync publishing the mbarrier inits; 1 = dS^T written
 (256 consumer threads); 2 = epilogue (consumers); 3-4 = dQ full, 5-6 = dQ empty (one per
@@ -61,7 +63,6 @@ consumer warpgroup, 128 + 32 threads).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -93,7 +94,7 @@ from hopper_attn.common.warp_roles import WarpRoles
 SPEC = KernelSpec(
     name="kb2",
     summary="kb1 + producer warpgroup, setmaxnreg, Q/dO rings with LSE/D, dQ by bulk reduce-add",
-    head_dims=(64, 96, 128, 192),
+    head_dims=(64, 96, 128, 192, 256),
     dtypes=(torch.bfloat16, torch.float16),
     head_dim_pairs=((128, 64), (192, 128)),     # dv != d: V, dO, dV dv wide
     separate_kv=True,
@@ -101,14 +102,6 @@ SPEC = KernelSpec(
     extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed
     and p.head_dim > 128 else None,
 )
-
-# d = 256 with dkv_swap_ab only (opt-in: the default route for d = 256 stays kb1)
-SPEC_D256 = dataclasses.replace(SPEC, head_dims=SPEC.head_dims + (256,))
-
-
-def spec_for(options: dict) -> KernelSpec:
-    """The SPEC a registry name's options give (bench.py, ref_check.py skip by it)."""
-    return SPEC_D256 if options.get("dkv_swap_ab") else SPEC
 
 
 class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
@@ -126,7 +119,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
                  window_right: int = -1, shared_keys: bool = False, varlen: bool = False,
-                 dkv_swap_ab: bool = False, dkv_split_d: bool = False):
+                 dkv_swap_ab: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -136,10 +129,6 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         self.shared_keys = bool(shared_keys)
         # dkv_swap_ab (d = 192, 256): 96 / 48-key tiles, dK^T and dV^T (backward_dkv_swap.py)
         self.dkv_swap_ab = bool(dkv_swap_ab)
-        # dkv_split_d (with it, d = 256): dK^T / dV^T split by d rows, not keys (FA4's)
-        self.dkv_split_d = bool(dkv_split_d)
-        if self.dkv_split_d and not self.dkv_swap_ab:
-            raise ValueError("kb2: dkv_split_d splits dkv_swap_ab's dK^T and dV^T")
         if block_m not in (64, 80, 128) or block_n != (dkv_swap_keys(head_dim) if dkv_swap_ab
                                                        else 64 if shared_keys else 128):
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys; "
@@ -632,7 +621,7 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
-            "dkv_swap_ab": False, "dkv_split_d": False}
+            "dkv_swap_ab": False}
 
 
 POLICY = (
@@ -675,10 +664,19 @@ POLICY = (
                              "pdl": True, "longest_first": True, "convert_per_head": True},
               "d = 128's causal row (64 rows, dV split, longest first); not yet measured",
               ("tools/bwd_dims_gpu_check.py",)),
-    PolicyRow(192, None, "", {"shared_keys": True, "kv_with_first_tile": True, "pdl": True,
+    # d = 192 and 256: dK^T / dV^T with d as M (dkv_swap_ab; with a softcap, d = 192 runs
+    # shared_keys: compile_kernel). d = 256 ran kb1 before (two CTAs a 128-key tile)
+    PolicyRow(192, None, "", {"dkv_swap_ab": True, "kv_with_first_tile": True, "pdl": True,
                               "longest_first": True, "convert_per_head": True},
-              "the tile whose dK and dV fit (64 x 64, shared_keys); with a mask longest first "
-              "as at d = 128; not yet measured", ("tools/bwd_dims_gpu_check.py",)),
+              "64 x 96 tiles, dK^T / dV^T (dkv_swap_ab): 1.16-1.20x shared_keys' 64 x 64 at "
+              "(192, 192), 1.18-1.23x at (192, 128), FA4 / it 1.06-1.07 (est.); the other "
+              "settings as at d = 128, not measured alone",
+              ("results/h200/2026-11-29_bwd_dims_variant_d192_d256.json",)),
+    PolicyRow(256, None, "", {"dkv_swap_ab": True},
+              "64 x 48 tiles, dK^T / dV^T (dkv_swap_ab): 1.44-1.50x kb1, FA4 / it 0.94-1.02 "
+              "(est.); split by d rows (FA4's) 1.27-1.38x kb1; other settings not measured",
+              ("results/h200/2026-11-29_bwd_dims_variant_d192_d256.json",
+               "results/h200/2026-11-29_bwd_dims_variant_d256.json")),
     # the deterministic mode: CTAs wait for each other's dQ adds (longest first helps far
     # less); its turns use the per-head conversion's counters; fixed-size head groups
     PolicyRow(64, None, "deterministic", {"longest_first": True, "convert_per_head": False,
@@ -743,8 +741,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    trace: bool = False, convert_per_head: Optional[bool] = None,
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
-                   varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
-                   dkv_split_d: Optional[bool] = None):
+                   varlen: bool = False, dkv_swap_ab: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
@@ -756,13 +753,13 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
         block_m, dp_first, early_dv = SOFTCAP_TILES.get(problem.head_dim,
                                                         (block_m, dp_first, early_dv))
+    settings = policy(problem, deterministic, tuned=block_m is None)
     if shared_keys is None and problem.head_dim == 192:
-        shared_keys = not dkv_swap_ab   # (dkv_swap_ab: 96-key tiles, dK^T and dV^T instead)
-    spec = SPEC_D256 if dkv_swap_ab and problem.head_dim == 256 else SPEC
+        # d = 192 without dkv_swap_ab (softcap, or asked for): the 64 x 64 tile that fits
+        shared_keys = not (settings["dkv_swap_ab"] if dkv_swap_ab is None else dkv_swap_ab)
     passed = locals()               # the options as given (None: the policy's)
     given = {name: value for name, value in passed.items() if name in DEFAULTS}
-    settings = policy(problem, deterministic, tuned=block_m is None)
-    return compile_backward(spec, FlashAttentionBackwardKB2, problem,
+    return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
                             kernel_arguments(settings, given, problem, block_n, deterministic,
                                              trace, softcap, varlen),
                             compile_options=compile_options)

@@ -28,9 +28,7 @@ class KernelEntry:
 
     @property
     def spec(self):
-        module = self.load()
-        spec_for = getattr(module, "spec_for", None)     # (kb2: d = 256 with dkv_swap_ab)
-        return module.SPEC if spec_for is None else spec_for(dict(self.options))
+        return self.load().SPEC
 
     def compile(self, problem, compile_options: str = ""):
         return self.load().compile_kernel(problem, compile_options=compile_options,

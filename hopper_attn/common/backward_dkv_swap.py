@@ -1,10 +1,10 @@
-"""kb2's `dkv_swap_ab` consumer (head_dim 192 with dv 192 or 128: 96-key tiles; head_dim 256:
-48-key tiles): dK^T and dV^T accumulated with the head dim as WGMMA's M.
+"""kb2's `dkv_swap_ab` consumer, its default at head_dim 192 (dv 192 or 128: 96-key tiles)
+and 256 (48-key tiles): dK^T and dV^T accumulated with the head dim as WGMMA's M.
 
-kb2's default at d = 192 (`shared_keys`) holds 64 keys a CTA: both consumer warpgroups on
-one 64 x 64 tile, so every Q / dO tile is loaded, and every dQ tile added, once per 64 keys,
-and its GEMMs are m64n32 / m64n96 over K = 32-64. This variant holds 96 keys (FlashAttention-3's
-d = 192 tile) by turning the accumulators that do not fit around:
+kb2's other d = 192 tile (`shared_keys`, kept for the softcap) holds 64 keys a CTA: both
+consumer warpgroups on one 64 x 64 tile, so every Q / dO tile is loaded, and every dQ tile
+added, once per 64 keys, and its GEMMs are m64n32 / m64n96 over K = 32-64. This one holds 96
+keys (FlashAttention-3's d = 192 tile) by turning the accumulators that do not fit around:
 
     S  = Q K^T, dP = dO V^T       queries x keys (64 x 96), the warpgroups split the keys
                                   (48 each: m64n48k16); LSE and D per row (2 a thread)
@@ -43,16 +43,11 @@ dV^T + dQ = 192 registers before S and dP); 64 x 80 (FA3's C++ tile) 260 KiB; 64
 2 dO stages only without the second Q stage (232 with both) and loads Q / dO and adds dQ
 once per 32 keys. kb1's d = 256 (two CTAs a 128-key tile, 128 columns of d each) computes
 S and dP in both CTAs: 7 GEMM units a (query tile, 128 keys) against this tile's 5, but
-loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48).
+loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48). FA4's split of
+dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept").
 
-`dkv_split_d` (d = 256): dK^T and dV^T split by d's rows instead (each warpgroup 2 M blocks
-of m64n48 over all 48 keys, FA4's split): a warpgroup's A (Q^T, dO^T) halves, so each of
-the two GEMMs reads 44 KiB of SMEM a tile instead of 70 (at full rate an m64nNk16 with both
-operands in SMEM reads 4096 / N + 64 bytes a clock: 235 at N = 24, 149 at 48; SMEM gives
-128). Then dV^T and dK^T read the other warpgroup's P and dS columns too:
-P's barrier is CTA-wide, a warpgroup waits for the other's previous dV^T before storing P
-(`P_FREE_BARRIER`, arrive once dV^T is done) and for its previous dK^T (not only dQ) before
-storing dS. Registers the same.
+Packed batches (`varlen`) need nothing of their own here: the kernel hands this consumer a
+sequence as a batch of one (common/varlen_backward.py).
 """
 
 from __future__ import annotations
@@ -71,7 +66,6 @@ from .masking import mask_scores
 
 # named barriers (kb2 uses 0-6): P written (one per warpgroup), dS free (one per direction)
 P_WRITTEN_BARRIER, DS_FREE_BARRIER = 7, 9
-P_FREE_BARRIER = 11                      # dkv_split_d: P free (one per direction)
 
 
 def dkv_swap_keys(head_dim: int) -> int:
@@ -86,15 +80,12 @@ def check_dkv_swap(kernel) -> int:
         raise ValueError("kb2's dkv_swap_ab runs head_dim 192 (dv 192 or 128) and 256 (dv 256) "
                          f"only, got ({kernel.head_dim}, {kernel.head_dim_v})")
     others = {"shared_keys": kernel.shared_keys, "softcap": kernel.softcap > 0.0,
-              "varlen": kernel.varlen, "window": kernel.schedule.windowed,
+              "window": kernel.schedule.windowed,
               "early_dv": kernel.early_dv, "dp_first": kernel.dp_first,
               "block_m != 64": kernel.block_m != 64, "stmatrix=0": not kernel.stmatrix}
     if any(others.values()):
         raise ValueError("kb2's dkv_swap_ab (64 x 96 / 64 x 48 tiles) does not take "
                          + ", ".join(name for name, on in others.items() if on))
-    if kernel.dkv_split_d and kernel.head_dim != 256:
-        raise ValueError("kb2's dkv_swap_ab splits dK^T / dV^T by d (dkv_split_d) at d = 256 "
-                         f"only (4 M blocks), got {kernel.head_dim}")
     return 1 if kernel.head_dim_v >= 192 else kernel.stages
 
 
@@ -126,15 +117,13 @@ class SwappedMmas:
 
     @staticmethod
     def create(block_m: int, block_n: int, head_dim: int, head_dim_v: int, tidx,
-               sK, sV, sQ, sdO, sP, sdS, dtype, split_d: bool = False) -> "SwappedMmas":
+               sK, sV, sQ, sdO, sP, sdS, dtype) -> "SwappedMmas":
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         half_n = block_n // 2
         mma_sdp = wgmma.qk_mma(1, 2, half_n, dtype)                    # m64n48, keys split
-        # d x keys: each warpgroup its keys (or with split_d every key, half of d's blocks)
-        dkv_wgs, dkv_n = ((2, 1), block_n) if split_d else ((1, 2), half_n)
-        mma_dk = wgmma.smem_mma(*dkv_wgs, dkv_n, mn_major, mn_major, dtype)
+        mma_dk = wgmma.smem_mma(1, 2, half_n, mn_major, mn_major, dtype)   # d x keys
         mma_dv = mma_dk if head_dim_v == head_dim else \
-            wgmma.smem_mma(*dkv_wgs, dkv_n, mn_major, mn_major, dtype)
+            wgmma.smem_mma(1, 2, half_n, mn_major, mn_major, dtype)
         mma_dq = wgmma.smem_mma(1, 2, head_dim // 2, k_major, mn_major, dtype)
         wg_sdp, wg_dk, wg_dv, wg_dq = (wgmma.warpgroup_slice(m, tidx)
                                        for m in (mma_sdp, mma_dk, mma_dv, mma_dq))
@@ -192,9 +181,7 @@ class DkvSwapConsumer:
                                DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, fragment_slot, store_dkv)
         bm, bn, d, dv, dtype = (self.block_m, self.block_n, self.head_dim, self.head_dim_v,
                                 self.dtype)
-        split_d = self.dkv_split_d
-        mmas = SwappedMmas.create(bm, bn, d, dv, ctidx, sK, sV, sQ, sdO, sP, sdS, dtype,
-                                  split_d)
+        mmas = SwappedMmas.create(bm, bn, d, dv, ctidx, sK, sV, sQ, sdO, sP, sdS, dtype)
         s_coords = mmas.s_coords
         acc_dk = mmas.new_accumulator(mmas.thr_dk, (d, bn), zero=True)       # dK^T
         acc_dv = mmas.new_accumulator(mmas.thr_dv, (dv, bn), zero=True)      # dV^T
@@ -239,15 +226,9 @@ class DkvSwapConsumer:
             # P -> SMEM; this warpgroup's dV^T reads only its own 48 keys of it
             p_out = cute.make_rmem_tensor_like(acc_s, dtype)
             p_out.store(acc_s.load().to(dtype))
-            if cutlass.const_expr(split_d):
-                if it > 0:      # the other warpgroup's previous dV^T has read all of P
-                    cute.arch.barrier(barrier_id=P_FREE_BARRIER + wg, number_of_threads=256)
             cute.copy(store_sdp, thr_store.retile(p_out), p_smem[None, None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
-            if cutlass.const_expr(split_d):   # dV^T reads both halves
-                cute.arch.barrier(barrier_id=P_WRITTEN_BARRIER, number_of_threads=256)
-            else:
-                cute.arch.barrier(barrier_id=P_WRITTEN_BARRIER + wg, number_of_threads=128)
+            cute.arch.barrier(barrier_id=P_WRITTEN_BARRIER + wg, number_of_threads=128)
             wgmma.gemm(mmas.mma_dv, acc_dv, mmas.dot_frag[None, None, None, do_stage],
                        mmas.p_frag[None, None, None, 0], zero_init=False)   # dV^T += dO^T P
             warpgroup.wait_group(1)                                           # dP has landed
@@ -265,18 +246,13 @@ class DkvSwapConsumer:
             wgmma.gemm(mmas.mma_dq, acc_dq, mmas.ds_frag[None, None, None, 0], mmas.kt_frag,
                        zero_init=True)                                        # dQ = dS K
             warpgroup.wait_group(1)                                           # dV^T is done
-            if cutlass.const_expr(split_d):
-                if it + 1 < visits:
-                    cute.arch.barrier_arrive(barrier_id=P_FREE_BARRIER + 1 - wg,
-                                             number_of_threads=256)
             do_pipe.consumer_release(consume_do)
             wgmma.gemm(mmas.mma_dk, acc_dk, mmas.qt_frag[None, None, None, stage],
                        mmas.dst_frag[None, None, None, 0], zero_init=False)  # dK^T += Q^T dS
             warpgroup.wait_group(1)                                           # dQ is done
-            if cutlass.const_expr(not split_d):
-                if it + 1 < visits:
-                    cute.arch.barrier_arrive(barrier_id=DS_FREE_BARRIER + 1 - wg,
-                                             number_of_threads=256)
+            if it + 1 < visits:
+                cute.arch.barrier_arrive(barrier_id=DS_FREE_BARRIER + 1 - wg,
+                                         number_of_threads=256)
             # dQ -> the staging buffer (kb2's register order), once the writer has read the last
             cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg,
                               number_of_threads=DQ_HANDOFF_THREADS)
@@ -286,10 +262,6 @@ class DkvSwapConsumer:
             cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg,
                                      number_of_threads=DQ_HANDOFF_THREADS)
             warpgroup.wait_group(0)                                           # dK^T is done
-            if cutlass.const_expr(split_d):   # (dK^T read the other's dS columns too)
-                if it + 1 < visits:
-                    cute.arch.barrier_arrive(barrier_id=DS_FREE_BARRIER + 1 - wg,
-                                             number_of_threads=256)
             q_pipe.consumer_release(consume)
             consume.advance()
             consume_do.advance()
