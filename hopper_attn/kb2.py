@@ -655,7 +655,7 @@ POLICY = (
                "results/h100/2026-11-26_kb2_longest_first_causal.json",
                "results/h100/2026-11-26_backward_kb2_per_head.json",
                "results/h100/2026-11-26_backward_kb2_per_head_run2.json")),
-    # d = 96 and 192 (issue 63; tools/bwd_dims_gpu_check.py's results: to be run)
+    # d = 96 (issue 63; tools/bwd_dims_gpu_check.py)
     PolicyRow(96, False, "", {"early_dv": True, "kv_with_first_tile": True, "pdl": True,
                               "convert_per_head": True},
               "d = 128's settings on 64-row tiles (80 rows need dQ^T, whose M = d is not a "
