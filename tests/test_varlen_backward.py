@@ -130,18 +130,21 @@ def test_compiles_without_spills():
 
 
 @pytest.mark.compile
-def test_compiles_at_d192_on_the_dkv_swap_ab_tile():
-    """d = 192 takes kb2's default tile there too (64 x 96, dK^T and dV^T): GQA with a mask,
-    no spills."""
+def test_compiles_at_d192_on_the_shared_keys_tile():
+    """d = 192 keeps the 64 x 64 shared-keys tile for packed batches (the dense default's
+    dkv_swap_ab tile faulted on them): GQA with a mask, no spills; d = 256 refused."""
     q, k = torch.empty(1000, 4, 192, dtype=torch.bfloat16), torch.empty(1000, 2, 192,
                                                                          dtype=torch.bfloat16)
     with tempfile.TemporaryDirectory() as dump:
         handle = compile_for(q, k, True, compile_options=(
             f"--keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))
         cubin = handle.main.__cubin__
-    assert handle.options["dkv_swap_ab"] and handle.options["block_n"] == 96
+    assert not handle.options["dkv_swap_ab"] and handle.options["shared_keys"]
     for fn in resource_usage(cubin):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+    wide = torch.empty(100, 4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not 256"):
+        compile_for(wide, wide, True)
 
 
 @pytest.mark.compile
