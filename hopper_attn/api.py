@@ -23,8 +23,8 @@ packed (batch, seqlen, 3, heads, head_dim) QKV tensor: read in place, no copies.
 
 Gradients: when q, k or v requires grad, the op records what its backward needs (q, k, v,
 the output and the LSE) and `.backward()` runs the first backward stage of
-`BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64, 96, 128 and 192, bf16
-and fp16, GQA, cross-attention; kb1 the same at head_dim 256); a problem none supports is
+`BACKWARD_PREFERENCE` that supports the problem (kb2: head_dim 64, 96, 128, 192 and 256,
+bf16 and fp16, GQA, cross-attention; kb1's problems are a subset); a problem none supports is
 refused in the forward, before any launch. The LSE output itself is not differentiable. The backward
 reads q, k, v, the output and its gradient in place in the strided layouts the forward takes
 (transformers' and SDPA's (batch, heads, seqlen, head_dim) views, packed QKV) and returns
@@ -563,15 +563,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     combination needs). `stage` picks a stage by name (e.g. "k4", which writes no LSE: NaN)
     instead of the fastest one. Inputs: bf16 or fp16, on one CUDA device, head_dim 64, 96,
     128, 192 or 256 (k6; k5 and k4: 64 and 128, bf16), any sequence length;
-    anything else raises ValueError before a launch. Differentiable at head_dim 64, 96, 128
-    and 192 (the backward runs kb2) and 256 (kb1); with `deterministic` (kb2 only: 64-192),
+    anything else raises ValueError before a launch. Differentiable at head_dim 64, 96, 128,
+    192 and 256 (the backward runs kb2); with `deterministic`,
     dQ's additions happen in a fixed order, so the gradients have the same bits on every run
     (slower: docs/kb2.md).
 
     v may have its own head dim dv (DeepSeek MLA's (d, dv) = (192, 128), and (128, 64); k6,
     docs/head-dim-v.md): v (batch, seqlen_k, heads_kv, dv), the output (batch, seqlen,
     heads, dv); other pairs raise ValueError. Differentiable at both pairs (kb2; at
-    (192, 128) the d = 192 tile with dV split at dv / 2 per warpgroup).
+    (192, 128) d = 192's 64 x 96 tile with a dV^T of 2 blocks of 64 rows).
 
     `softcap` > 0: logit softcapping (Gemma 2, Grok): softmax(cap * tanh(s / cap)) on the
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 (any of its

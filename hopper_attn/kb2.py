@@ -30,13 +30,16 @@ What changes from kb1:
   dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
   mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
-* Head dims 96 and 192 (issue 63). d = 96 runs d = 128's consumer on 64-row tiles, K in a
-  32-byte swizzle (dQ reads K^T in 48 columns a warpgroup). At d = 192 a thread would hold
-  192 + 192 dK and dV floats: `shared_keys` puts both consumer warpgroups on one 64-key
-  tile, S^T and dP^T split by queries, dK, dV and dQ by columns (96 + 96 + 48 floats), P^T
-  through SMEM like dS^T, dV issued after the dS^T barrier (docs/kb2.md).
+* Head dims 96, 192 and 256 (issue 63). d = 96 runs d = 128's consumer on 64-row tiles, K in
+  a 32-byte swizzle (dQ reads K^T in 48 columns a warpgroup). At d = 192 and 256 a thread
+  cannot hold dK and dV of 64 keys: `dkv_swap_ab` (common/backward_dkv_swap.py) accumulates
+  dK^T and dV^T with d as WGMMA's M on FA3's 64 x 96 tile (d = 192) and FA4's 64 x 48
+  (d = 256), S and dP not transposed, P and dS through SMEM (d = 256 ran kb1 before: 1.44-
+  1.50x faster here). With a softcap d = 192 runs `shared_keys` instead: both consumer
+  warpgroups on one 64-key tile, S^T and dP^T split by queries, dK, dV and dQ by columns
+  (96 + 96 + 48 floats), P^T through SMEM like dS^T, dV issued after the dS^T barrier.
 
-What stays: kb1's 128-key tiles (d = 192: 64), the transposed formulation (P^T and dS^T
+What stays: kb1's 128-key tiles (d = 192: 96, 256: 48), the transposed formulation (P^T and dS^T
 from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), causal tile skipping,
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
 as in kb1 (gqa: per dK head); at d = 128 with a causal mask launched longest first inside
@@ -49,8 +52,9 @@ Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
 ~193 KiB (d = 64: ~113 KiB). Registers: 240 per consumer thread (dK + dV accumulators 128,
 S^T 32, dP^T 32, P^T and dS^T as bf16 16 + 16, dQ 32; not all live at once), 24 per
-producer thread. d = 192 (64 x 64): K + V 48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T)
-32 KiB, dQ staging 48 KiB, rows and barriers 2 KiB: 226 KiB ((192, 128): V, dO 24 less: 202).
+producer thread. d = 192 and 256: common/backward_dkv_swap.py. shared_keys (64 x 64): K + V
+48 KiB, 2 x (Q + dO) 96 KiB, 2 x (dS^T + P^T) 32 KiB, dQ staging 48 KiB, rows and barriers
+2 KiB: 226 KiB ((192, 128): V, dO 24 less: 202).
 
 Named barriers: 0 = the CTA-wide sync publishing the mbarrier inits; 1 = dS^T written
 (256 consumer threads); 2 = epilogue (consumers); 3-4 = dQ full, 5-6 = dQ empty (one per
@@ -71,11 +75,13 @@ from cutlass import Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 from hopper_attn.common import tma, wgmma
-from hopper_attn.common.backward import (BackwardTiles, GroupWalk, PolicyRow, backward_smem,
+from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_HANDOFF_THREADS,
+                                         DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, BackwardTiles,
+                                         DqWriter, GroupWalk, PolicyRow, backward_smem,
                                          column_stats, compile_backward, converted,
                                          fragment_slot, kernel_arguments, policy_settings,
-                                         run_backward,
-                                         stage_dkv, store_dkv, wait_for_count)
+                                         run_backward, stage_dkv, store_dkv)
+from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap, dkv_swap_keys
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
@@ -88,7 +94,7 @@ from hopper_attn.common.warp_roles import WarpRoles
 SPEC = KernelSpec(
     name="kb2",
     summary="kb1 + producer warpgroup, setmaxnreg, Q/dO rings with LSE/D, dQ by bulk reduce-add",
-    head_dims=(64, 96, 128, 192),
+    head_dims=(64, 96, 128, 192, 256),
     dtypes=(torch.bfloat16, torch.float16),
     head_dim_pairs=((128, 64), (192, 128)),     # dv != d: V, dO, dV dv wide
     separate_kv=True,
@@ -97,11 +103,8 @@ SPEC = KernelSpec(
     and p.head_dim > 128 else None,
 )
 
-DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
-DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer warp
 
-
-class FlashAttentionBackwardKB2(GroupWalk):
+class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
     dq_fragment_order = True           # dq_accum as the dQ WGMMA's registers (postprocess)
     takes_semaphores = True            # an int32 per (batch, head, query tile), after dV
 
@@ -115,7 +118,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, shared_keys: bool = False, varlen: bool = False):
+                 window_right: int = -1, shared_keys: bool = False, varlen: bool = False,
+                 dkv_swap_ab: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -123,10 +127,13 @@ class FlashAttentionBackwardKB2(GroupWalk):
         # shared_keys (d = 192): both consumer warpgroups on one 64-key tile, dK and dV split
         # by columns (wgmma.BackwardMmas), P^T through SMEM; dV issued after the dS^T barrier
         self.shared_keys = bool(shared_keys)
-        if block_m not in (64, 80, 128) or block_n != (64 if shared_keys else 128):
+        # dkv_swap_ab (d = 192, 256): 96 / 48-key tiles, dK^T and dV^T (backward_dkv_swap.py)
+        self.dkv_swap_ab = bool(dkv_swap_ab)
+        if block_m not in (64, 80, 128) or block_n != (dkv_swap_keys(head_dim) if dkv_swap_ab
+                                                       else 64 if shared_keys else 128):
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys; "
-                             "shared_keys: 64) and 64, 80 or 128 queries; got "
-                             f"{block_m} x {block_n}")
+                             "shared_keys: 64, dkv_swap_ab: 96, d = 256: 48) and 64, 80 or 128 "
+                             f"queries; got {block_m} x {block_n}")
         # dq_swap_ab: 80 query rows are not a multiple of WGMMA's M (64), so dQ is computed
         # transposed, dQ^T = K^T dS^T, with head_dim split between the warpgroups
         self.dq_swap_ab = block_m % 64 != 0
@@ -194,6 +201,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
                              "for dP^T before the exp2 loop)")
+        self.do_stages = check_dkv_swap(self) if self.dkv_swap_ab else self.stages   # dO's ring
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": self.block_m,
@@ -212,7 +220,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
         self.dtype = mQ.element_type
         tiles = BackwardTiles.create(mQ, mK, mV, mdO, mdK, mdV, bm, bn, d, self.stages,
                                      shared_keys=self.shared_keys, packed=self.varlen,
-                                     head_dim_v=self.head_dim_v)   # (V, dO, dV: dv wide)
+                                     head_dim_v=self.head_dim_v,   # (V, dO, dV: dv wide)
+                                     dkv_swap_ab=self.dkv_swap_ab, do_stages=self.do_stages)
         q_layout, kv_layout, ds_layout = tiles.q_layout, tiles.kv_layout, tiles.ds_layout
         v_layout, do_layout = tiles.v_layout, tiles.do_layout
         # lse2 / D rings: a TMA writes each stage's row, so stages start 128 bytes apart
@@ -238,7 +247,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(q_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(do_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)], 1024]
-            if cutlass.const_expr(self.shared_keys):    # P^T, by buffer as dS^T
+            if cutlass.const_expr(self.shared_keys or self.dkv_swap_ab):   # P^T (or P)
                 sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(ds_layout)],
                                        1024]
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, bm * d], 128]
@@ -289,7 +298,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sK, sV, sQ, sdO, sdSt = backward_smem(storage, q_layout, kv_layout, ds_layout,
-                                              self.head_dim_v)
+                                              self.head_dim_v, self.do_stages)
         sLSE, sD = storage.sLSE.get_tensor(row_layout), storage.sD.get_tensor(row_layout)
 
         consumer_warps = 4 * self.warpgroups
@@ -297,7 +306,7 @@ class FlashAttentionBackwardKB2(GroupWalk):
                                     self.k_bytes + self.v_bytes)
         q_pipe = tma.make_tma_ring(storage.q_barriers.data_ptr(), self.stages, consumer_warps,
                                    self.q_bytes)
-        do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.stages,
+        do_pipe = tma.make_tma_ring(storage.do_barriers.data_ptr(), self.do_stages,
                                     consumer_warps, self.do_bytes)
         tma.barriers_ready()
         loads = (tma_q, tma_do, tma_k, tma_v, tma_lse, tma_dsum)
@@ -334,11 +343,12 @@ class FlashAttentionBackwardKB2(GroupWalk):
             ctidx = tidx - 128                              # 0 .. 255
             wg = warp // 4 - 1
             sPt = storage.sPt.get_tensor(ds_layout.outer, swizzle=ds_layout.inner) \
-                if self.shared_keys else None                    # P^T (shared_keys)
-            self.consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
-                         dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
-                         n_block, dk_head if self.gqa else head, batch, m_first, m_count,
-                         seqlen_q, seqlen_k, group, sPt)
+                if self.shared_keys or self.dkv_swap_ab else None   # P^T (P: dkv_swap_ab)
+            consume = self.consume_dkv_swap if self.dkv_swap_ab else self.consume
+            consume(ctidx, wg, kv_pipe, q_pipe, do_pipe, sK, sV, sQ, sdO, sdSt, sLSE, sD,
+                    dq_staging, scale_log2, softmax_scale, mdK, mdV, tma_dk, tma_dv, warp,
+                    n_block, dk_head if self.gqa else head, batch, m_first, m_count,
+                    seqlen_q, seqlen_k, group, sPt)
 
     @cute.jit
     def load(self, loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD, kv_pipe,
@@ -359,6 +369,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
             lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
             dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
         produce = tma.producer_state(self.stages)
+        produce_do = None if self.do_stages == self.stages else \
+            tma.producer_state(self.do_stages)          # (dkv_swap_ab at dv = 192: depth 1)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):        # this tile's query head's copies
                 head_in_group, m_block = self.work_item(it, m_first, m_count)
@@ -383,65 +395,18 @@ class FlashAttentionBackwardKB2(GroupWalk):
                     cute.arch.griddepcontrol_wait()     # lse2 and D are written
             head_loads[2].copy(m_block, barrier, produce.index)
             phase = self.trace.start("load_do")
-            do_pipe.producer_acquire(produce)
+            ring_do = produce if produce_do is None else produce_do
+            do_pipe.producer_acquire(ring_do)
             self.trace.end(phase)
-            barrier = do_pipe.producer_get_barrier(produce)
+            barrier = do_pipe.producer_get_barrier(ring_do)
             if cutlass.const_expr(self.kv_with_first_tile):
                 if it == 0:
                     v_load.copy_on_armed(n_block, barrier, self.v_bytes)
-            head_loads[1].copy(m_block, barrier, produce.index)
-            head_loads[3].copy(m_block, barrier, produce.index)
+            head_loads[1].copy(m_block, barrier, ring_do.index)
+            head_loads[3].copy(m_block, barrier, ring_do.index)
             produce.advance()
-
-    @cute.jit
-    def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
-                 head, batch, m_first, m_count, group):
-        """The dQ writer warp: each consumer warpgroup's dQ block of every query tile visited,
-        reduce-added from SMEM to the fp32 dQ buffer."""
-        bm, d = self.block_m, self.head_dim
-        dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
-        if cutlass.const_expr(not self.gqa):
-            dq_accum = mdQacc[batch, head, None, None].iterator
-        for it in cutlass.range(self.visits(m_count, group), unroll=1):
-            if cutlass.const_expr(self.gqa):
-                head_in_group, m_block = self.work_item(it, m_first, m_count)
-                q_head = head + head_in_group
-                dq_head = mdQacc[batch, q_head, None, None].iterator
-            else:
-                m_block = m_first + it
-            # hand each staging buffer back once the copy engine has read it (the
-            # previous tile's copies were committed in warpgroup order)
-            for wg in cutlass.range_constexpr(self.warpgroups):
-                cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
-                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
-                                         number_of_threads=DQ_HANDOFF_THREADS)
-            if cutlass.const_expr(self.deterministic):
-                if cutlass.const_expr(self.gqa):       # (varlen: mSem is no counter)
-                    turn = mSem[batch, q_head, None].iterator + m_block
-                else:
-                    turn = mSem[batch, head, None].iterator + m_block
-                if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
-                    wait_for_count(turn, n_block)
-                cute.arch.sync_warp()
-            for wg in cutlass.range_constexpr(self.warpgroups):
-                phase = self.trace.start("wait_dq_full")
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
-                                  number_of_threads=DQ_HANDOFF_THREADS)
-                self.trace.end(phase)
-                with cute.arch.elect_one():
-                    if cutlass.const_expr(self.gqa):
-                        tma.bulk_reduce_add_f32(
-                            sdQ + wg * dq_block,
-                            dq_head + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
-                    else:
-                        tma.bulk_reduce_add_f32(
-                            sdQ + wg * dq_block,
-                            dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
-                cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
-                with cute.arch.elect_one():
-                    cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
+            if cutlass.const_expr(produce_do is not None):
+                produce_do.advance()
 
     @cute.jit
     def consume(self, ctidx, wg, kv_pipe: pipeline.PipelineTmaAsync,
@@ -655,7 +620,8 @@ class FlashAttentionBackwardKB2(GroupWalk):
 DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None,
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
-            "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False}
+            "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
+            "dkv_swap_ab": False}
 
 
 POLICY = (
@@ -689,7 +655,7 @@ POLICY = (
                "results/h100/2026-11-26_kb2_longest_first_causal.json",
                "results/h100/2026-11-26_backward_kb2_per_head.json",
                "results/h100/2026-11-26_backward_kb2_per_head_run2.json")),
-    # d = 96 and 192 (issue 63; tools/bwd_dims_gpu_check.py's results: to be run)
+    # d = 96 (issue 63; tools/bwd_dims_gpu_check.py)
     PolicyRow(96, False, "", {"early_dv": True, "kv_with_first_tile": True, "pdl": True,
                               "convert_per_head": True},
               "d = 128's settings on 64-row tiles (80 rows need dQ^T, whose M = d is not a "
@@ -698,10 +664,19 @@ POLICY = (
                              "pdl": True, "longest_first": True, "convert_per_head": True},
               "d = 128's causal row (64 rows, dV split, longest first); not yet measured",
               ("tools/bwd_dims_gpu_check.py",)),
-    PolicyRow(192, None, "", {"shared_keys": True, "kv_with_first_tile": True, "pdl": True,
+    # d = 192 and 256: dK^T / dV^T with d as M (dkv_swap_ab; with a softcap, d = 192 runs
+    # shared_keys: compile_kernel). d = 256 ran kb1 before (two CTAs a 128-key tile)
+    PolicyRow(192, None, "", {"dkv_swap_ab": True, "kv_with_first_tile": True, "pdl": True,
                               "longest_first": True, "convert_per_head": True},
-              "the tile whose dK and dV fit (64 x 64, shared_keys); with a mask longest first "
-              "as at d = 128; not yet measured", ("tools/bwd_dims_gpu_check.py",)),
+              "64 x 96 tiles, dK^T / dV^T (dkv_swap_ab): 1.16-1.20x shared_keys' 64 x 64 at "
+              "(192, 192), 1.18-1.23x at (192, 128), FA4 / it 1.06-1.07 (est.); the other "
+              "settings as at d = 128, not measured alone",
+              ("results/h200/2026-11-29_bwd_dims_variant_d192_d256.json",)),
+    PolicyRow(256, None, "", {"dkv_swap_ab": True},
+              "64 x 48 tiles, dK^T / dV^T (dkv_swap_ab): 1.44-1.50x kb1, FA4 / it 0.94-1.02 "
+              "(est.); split by d rows (FA4's) 1.27-1.38x kb1; other settings not measured",
+              ("results/h200/2026-11-29_bwd_dims_variant_d192_d256.json",
+               "results/h200/2026-11-29_bwd_dims_variant_d256.json")),
     # the deterministic mode: CTAs wait for each other's dQ adds (longest first helps far
     # less); its turns use the per-head conversion's counters; fixed-size head groups
     PolicyRow(64, None, "deterministic", {"longest_first": True, "convert_per_head": False,
@@ -766,7 +741,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    trace: bool = False, convert_per_head: Optional[bool] = None,
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
-                   varlen: bool = False):
+                   varlen: bool = False, dkv_swap_ab: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
@@ -778,11 +753,12 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
         block_m, dp_first, early_dv = SOFTCAP_TILES.get(problem.head_dim,
                                                         (block_m, dp_first, early_dv))
+    settings = policy(problem, deterministic, tuned=block_m is None)
     if shared_keys is None and problem.head_dim == 192:
-        shared_keys = True          # the one kb2 tile whose dK / dV fit the registers there
+        # d = 192 without dkv_swap_ab (softcap, or asked for): the 64 x 64 tile that fits
+        shared_keys = not (settings["dkv_swap_ab"] if dkv_swap_ab is None else dkv_swap_ab)
     passed = locals()               # the options as given (None: the policy's)
     given = {name: value for name, value in passed.items() if name in DEFAULTS}
-    settings = policy(problem, deterministic, tuned=block_m is None)
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
                             kernel_arguments(settings, given, problem, block_n, deterministic,
                                              trace, softcap, varlen),

@@ -109,12 +109,12 @@ def test_k6_compiles_per_pair(d, dv, causal, block_n):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("d,dv,causal,tile,dv_mma", [(128, 64, False, (80, 128), "m64n64k16"),
-                                                    (192, 128, True, (64, 64), "m64n64k16")])
+                                                    (192, 128, True, (64, 96), "m64n48k16")])
 def test_kb2_compiles_per_pair(d, dv, causal, tile, dv_mma):
     """kb2 per (d, dv), no spills. (128, 64): d = 128's 80-row tiles (dQ transposed); dP^T =
-    V dO^T contracts over dv, dV += P^T dO is dv wide. (192, 128): d = 192's shared_keys tile,
-    dV split by columns at dv / 2 = 64 a warpgroup (dK and dQ at d / 2 = 96), V and dO dv
-    wide: 24 KiB less SMEM than d = 192's 226 KiB."""
+    V dO^T contracts over dv, dV += P^T dO is dv wide. (192, 128): d = 192's dkv_swap_ab tile
+    (64 x 96), dV^T with dv as M (2 blocks of 64) and each warpgroup's 48 keys as N, dQ at
+    d / 2 = 96 a warpgroup, V and dO dv wide (dO in 2 stages): 214 KiB of SMEM."""
     import re
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
@@ -126,7 +126,7 @@ def test_kb2_compiles_per_pair(d, dv, causal, tile, dv_mma):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.{dv_mma}", art["ptx"])
     if d == 192:
         assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n96k16", art["ptx"])
-        assert art["kernel"]["smem_bytes"] <= 202 * 1024 + 1024
+        assert art["kernel"]["smem_bytes"] <= 215 * 1024
 
 
 def _cuda_inputs(nq, nk, heads, heads_kv, d, dv, seed=0):

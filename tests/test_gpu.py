@@ -339,8 +339,8 @@ def test_k6_runs_more_than_65535_heads():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_attention_backward_matches_fp32(d, causal, heads_kv, seqlen_k):
-    """attention(...).backward() (k6 forward, kb2 backward, at d = 192 with shared_keys; kb1
-    at d = 256) against the fp32 reference gradients, within 2x torch's own bf16 backward
+    """attention(...).backward() (k6 forward, kb2 backward, at d = 192 and 256 with
+    dkv_swap_ab) against the fp32 reference gradients, within 2x torch's own bf16 backward
     error on the same inputs."""
     _backward_matches_fp32(2, 4, heads_kv, 500, seqlen_k or 500, d, causal,
                            seed=d + 10 * heads_kv + seqlen_k + causal)

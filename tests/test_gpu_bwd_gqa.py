@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("nq,nk", [(1, 1), (17, 17), (113, 113), (1000, 1000), (113, 300),
                                    (1000, 517)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("heads_q,heads_kv", [(8, 2), (16, 2), (4, 1), (4, 4)])
 def test_kb2_gqa_backward_matches_fp32(heads_q, heads_kv, d, causal, nq, nk):
     """GQA 4:1 and 8:1, MQA, MHA; odd and cross lengths (a causal mask bottom-right)."""

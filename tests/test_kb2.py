@@ -384,18 +384,19 @@ def test_gqa_refusals():
     with pytest.raises(ValueError):
         Problem(1, 6, 128, 128, heads_kv=4)
     with pytest.raises(ValueError):
-        kb2.compile_kernel(Problem(1, 8, 128, 256, heads_kv=2))
+        kb2.compile_kernel(Problem(1, 8, 128, 160, heads_kv=2))
 
 
 # ------------------------------------------------------------ head dims 96 and 192 (issue 63)
 
 @pytest.mark.parametrize("d,causal", [(96, True), (192, False)])
 def test_head_dims_96_and_192_compile_without_spills(d, causal):
-    """d = 96: d = 128's consumer on 64-row tiles (dV and dK with A from registers); d = 192:
-    `shared_keys`, both consumer warpgroups on one 64-key tile, P^T and dS^T stored by
-    stmatrix and read from SMEM by dV and dK (no register-A WGMMA). Both within 227 KiB of
-    SMEM (dynamic + static) and without spills, dQ out by one bulk add per warpgroup."""
-    art = compiled("kb2", d, causal)
+    """d = 96: d = 128's consumer on 64-row tiles (dV and dK with A from registers); d = 192
+    with a softcap: `shared_keys`, both consumer warpgroups on one 64-key tile, P^T and dS^T
+    stored by stmatrix and read from SMEM by dV and dK (no register-A WGMMA). Both within
+    227 KiB of SMEM (dynamic + static) and without spills, dQ out by one bulk add per
+    warpgroup."""
+    art = compiled("kb2:softcap=30.0" if d == 192 else "kb2", d, causal)
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
         assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
@@ -426,7 +427,7 @@ def test_shared_keys_refusals():
     from hopper_attn.common.contract import Problem, UnsupportedProblem
     for options in ({"early_dv": True}, {"dp_first": True}, {"block_m": 80}):
         with pytest.raises(ValueError, match="shared_keys|80-row"):
-            kb2.compile_kernel(Problem(1, 2, 128, 192, False), **options)
+            kb2.compile_kernel(Problem(1, 2, 128, 192, False), dkv_swap_ab=False, **options)
     with pytest.raises(UnsupportedProblem, match="sliding windows"):
         kb2.compile_kernel(Problem(1, 2, 128, 192, True, window_left=64))
 
@@ -434,14 +435,117 @@ def test_shared_keys_refusals():
 @pytest.mark.parametrize("name,d,heads_kv,window", [("kb2:softcap=30.0", 192, 1, (-1, -1)),
                                                     ("kb2", 96, 0, (127, -1))])
 def test_softcap_at_d192_and_window_at_d96_compile_without_spills(name, d, heads_kv, window):
-    """The softcap's tanh and 1 - t^2 with shared_keys (GQA); a window's two limits at d = 96
-    on d = 128's causal row."""
+    """The softcap's tanh and 1 - t^2 with shared_keys (GQA; dkv_swap_ab takes no softcap); a
+    window's two limits at d = 96 on d = 128's causal row."""
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts
     art = compile_artifacts(registry.get(name), d, True, heads_kv=heads_kv, window=window)
     assert art["ok"], art.get("error")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.parametrize("causal,heads_kv,dv", [(True, 1, 192), (False, 0, 128)])
+def test_dkv_swap_ab_compiles_without_spills(causal, heads_kv, dv):
+    """kb2 at d = 192 (dkv_swap_ab, common/backward_dkv_swap.py): 64 x 96 tiles, dK^T and dV^T
+    with the head dim as M, all five GEMMs from SMEM, P and dS by stmatrix (3 x4 each a
+    thread), one bulk dQ add per warpgroup; within 227 KiB (dO's ring 1 deep at dv = 192),
+    no spills."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get("kb2"), 192, causal,
+                            heads=4 if heads_kv else 2, heads_kv=heads_kv,
+                            head_dim_v=0 if dv == 192 else dv)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+        assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
+    ptx, kernel = art["ptx"], art["kernel"]
+    assert kernel["block_n"] == 96 and kernel["options"]["dkv_swap_ab"] is True
+    assert kernel["options"]["shared_keys"] is False
+    # S, dP: 192 / 16 and dv / 16 k-steps; dV^T, dK^T: dv / 64 and 3 M blocks x 4; dQ: 6
+    assert count(ptx, r"wgmma\.mma_async") == 12 + dv // 16 + 4 * dv // 64 + 12 + 6
+    assert count(ptx, r"wgmma\.mma_async\S*\s*\{[^}]*\},\s*\{") == 0     # no register A
+    assert count(ptx, r"stmatrix\.sync\.aligned") == 6
+    assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
+
+
+def test_dkv_swap_ab_d256_compiles_without_spills():
+    """kb2 at d = 256 (dkv_swap_ab): 64 x 48 tiles, 24 keys a warpgroup, P and dS by
+    stmatrix x2, within 227 KiB with 2 Q stages and 1 dO stage, no spills (causal GQA: the
+    longest path)."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get("kb2"), 256, True, heads=4, heads_kv=2)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+        assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
+    ptx, kernel = art["ptx"], art["kernel"]
+    assert kernel["block_n"] == 48 and kernel["options"]["gqa"] is True
+    assert kernel["options"]["dkv_swap_ab"] is True
+    # S, dP: 16 k-steps each (m64n24); dV^T, dK^T: 4 M blocks x 4 (m64n24); dQ: 3 m64n128
+    assert count(ptx, r"wgmma\.mma_async\S*m64n24k16") == 64
+    assert count(ptx, r"wgmma\.mma_async\S*m64n128k16") == 3
+    assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x2") == 6
+
+
+@pytest.mark.parametrize("d,keys", [(192, 96), (256, 48)])
+def test_dkv_swap_ab_warpgroups_keep_their_keys(d, keys):
+    """Why P needs only a warpgroup's barrier (common/backward_dkv_swap.py): warpgroup w's S
+    registers, its stmatrix stores of P / dS (x2 at d = 256) and its dV^T / dK^T operand B
+    and accumulator all cover keys [h w, h w + h), h = keys / 2; its dQ columns are
+    [d w / 2, d (w + 1) / 2), in kb2's dQ register order. Traced, no compile."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16
+    from hopper_attn.common import wgmma
+    seen, half = {}, keys // 2
+
+    @cute.jit
+    def probe():
+        mn, k_major = cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.K
+        mma_s = wgmma.qk_mma(1, 2, half, BFloat16)
+        mma_dk = wgmma.smem_mma(1, 2, half, mn, mn, BFloat16)
+        mma_dq = wgmma.smem_mma(1, 2, d // 2, k_major, mn, BFloat16)
+        store = wgmma.stmatrix_store(mma_s, BFloat16, 4 if half % 16 == 0 else 2)
+        for t in (0, 77, 128, 255):
+            parts = {"S": (mma_s.get_slice(t).partition_C, (64, keys), 1),
+                     "stmatrix": (store.get_slice(t).partition_D, (64, keys), 1),
+                     "dK^T": (mma_dk.get_slice(t).partition_C, (d, keys), 1),
+                     "dK^T B": (mma_dk.get_slice(t - t % 128).partition_B, (keys, 64), 0),
+                     "dQ": (mma_dq.get_slice(t).partition_C, (64, d), 1)}
+            for name, (partition, shape, mode) in parts.items():
+                part = partition(cute.make_identity_tensor(shape))
+                seen[(name, t)] = {part[i][mode] for i in range(cute.size(part))}
+            # dQ's registers in the order kb2's dQ writer and conversion (dq_mma) take them
+            ours, theirs = (m.get_slice(t).partition_C(cute.make_identity_tensor((64, d)))
+                            for m in (mma_dq, wgmma.dq_mma(d, BFloat16)))
+            seen[("same dQ order", t)] = {int(all(ours[i] == theirs[i]
+                                                  for i in range(cute.size(ours))))}
+
+    probe()
+    assert len(seen) == 24
+    for (name, t), cols in seen.items():
+        if name == "same dQ order":
+            assert cols == {1}, t
+            continue
+        w, width = t // 128, d // 2 if name == "dQ" else half
+        assert min(cols) >= w * width and max(cols) < (w + 1) * width, (name, t, cols)
+
+
+def test_dkv_swap_ab_refusals():
+    """dkv_swap_ab runs d = 192 (dv 192 or 128) and 256 on 64-row tiles, without a softcap
+    or window: the policy's d = 192 and 256 rows (a softcap at d = 192: shared_keys)."""
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    for d in (192, 256):
+        assert kb2.policy(Problem(1, 2, 128, d, True))["dkv_swap_ab"] is True
+    assert kb2.policy(Problem(1, 2, 128, 192, True), tuned=False)["dkv_swap_ab"] is False
+    for d, options in ((128, {}), (192, {"softcap": 30.0}), (192, {"block_m": 128}),
+                       (192, {"shared_keys": True}), (256, {"head_dim_v": 128})):
+        with pytest.raises(ValueError, match="dkv_swap_ab"):
+            kb2.FlashAttentionBackwardKB2(d, False, block_n=96 if d != 256 else 48,
+                                          dkv_swap_ab=True, **{"block_m": 64, **options})
 
 
 # ------------------------------------------------------------- the policy table (issue 58)
@@ -476,8 +580,10 @@ def test_policy_rows_name_their_reason_and_results():
     (128, False, False, 2, {"gqa": True, "block_m": 80}),
     (96, True, False, 0, {"block_m": 64, "early_dv": True, "split_dv": 1,
                           "longest_first": True}),
-    (192, False, False, 0, {"shared_keys": True, "block_m": 64, "early_dv": None}),
-    (192, True, True, 2, {"shared_keys": True, "gqa": True, "group_heads": 8,
+    (192, False, False, 0, {"dkv_swap_ab": True, "shared_keys": False, "block_m": 64,
+                            "early_dv": None}),
+    (256, True, False, 0, {"dkv_swap_ab": True, "longest_first": False, "pdl": False}),
+    (192, True, True, 2, {"dkv_swap_ab": True, "gqa": True, "group_heads": 8,
                           "convert_per_head": False}),
 ])
 def test_policy(d, causal, deterministic, heads_kv, expect):

@@ -130,6 +130,24 @@ def test_compiles_without_spills():
 
 
 @pytest.mark.compile
+def test_compiles_at_d192_on_the_shared_keys_tile():
+    """d = 192 keeps the 64 x 64 shared-keys tile for packed batches (the dense default's
+    dkv_swap_ab tile faulted on them): GQA with a mask, no spills; d = 256 refused."""
+    q, k = torch.empty(1000, 4, 192, dtype=torch.bfloat16), torch.empty(1000, 2, 192,
+                                                                         dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory() as dump:
+        handle = compile_for(q, k, True, compile_options=(
+            f"--keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))
+        cubin = handle.main.__cubin__
+    assert not handle.options["dkv_swap_ab"] and handle.options["shared_keys"]
+    for fn in resource_usage(cubin):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    wide = torch.empty(100, 4, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not 256"):
+        compile_for(wide, wide, True)
+
+
+@pytest.mark.compile
 def test_table_kernel_compiles_without_spills():
     from hopper_attn.common import cute_runtime as rt
     from hopper_attn.common.varlen_backward import SequenceTableKernel

@@ -1,32 +1,38 @@
-"""GPU check of kb2's backward at head dims 96 and 192 (issue 63): correctness, then speed.
+"""GPU check of kb2's backward at head dims 96, 192, (192, 128) and 256: correctness, then
+speed against FlashAttention-4 and cuDNN.
 
-    source .gpu/prelude.sh && python tools/bwd_dims_gpu_check.py [--quick] [--out DIR]
+    source .gpu/prelude.sh && python tools/bwd_dims_gpu_check.py [--quick] [--dims 192,256]
+        [--settings] [--out DIR]
 
-1. Correctness, through `hopper_attn.attention(...).backward()` (kb2's defaults: d = 96 as
-   d = 128 on 64-row tiles, d = 192 with `shared_keys`): dQ, dK, dV against the fp32
-   reference (harness/reference_backward.py), d = 96 and 192, MHA (4 heads) and GQA 4:1
-   (8 / 2), causal and not, lengths 1, 17, 113, 1000 and the cross lengths 113 / 300 and
-   1000 / 517; GQA cases whose dK / dV are split in parts and a multi-tile causal MHA case;
-   the deterministic mode run twice (same bits), MHA and GQA; logit softcapping (caps 50
-   and 15, q and k times 6 to saturate the tanh: tests/test_softcap.check_softcap) at both,
-   and sliding windows at d = 96 (tools/window_gpu_check.backward_case: (127, 0) causal,
-   (256, 256) GQA cross lengths; d = 192 refused, as k6 does). A gradient
-   passes when its max error <= 2x torch's own bf16 backward error on the same inputs
-   (+ 2^-12 x max |ref|, FlashAttention's rule as tests/test_gpu.py applies it); `ratio` =
-   error / that bound.
-   Where a default fails, the same case through kb2 with the prologue, PDL and the per-head
-   dQ conversion off (`PLAIN`, launched directly) tells the tile from those options.
+kb2's defaults there (its POLICY): d = 96 runs d = 128's consumer on 64-row tiles; d = 192
+(dv 192 or 128) and 256 run `dkv_swap_ab` (common/backward_dkv_swap.py: 64 x 96 and 64 x 48
+tiles, dK^T and dV^T with d as WGMMA's M); d = 192 with a softcap runs `shared_keys`.
+
+1. Correctness, all through the user paths: `hopper_attn.attention(...).backward()` for
+   each (d, dv) pair, MHA (4 heads) and GQA 4:1 (8 / 2), causal and not, lengths 1, 17, 113,
+   1000 and the cross lengths 113 / 300 and 1000 / 517; GQA cases whose dK / dV are split
+   in parts and a multi-tile causal MHA case; the deterministic mode run twice (same bits),
+   GQA and MHA; logit softcapping (caps 50 and 15, q and k times 6 to saturate the tanh:
+   tests/test_softcap.check_softcap) at d = 96 and 192; sliding windows at d = 96
+   (tools/window_gpu_check.backward_case; d > 128 is refused, as k6 does); and
+   `hopper_attn.attention_varlen(...).backward()` at d = 192 and 256 on packed batches
+   (tools/varlen_bwd_gpu_check.check_case: lengths 0-1000, GQA cross lengths, MQA,
+   seqused_k, equal 2k lengths). A gradient passes when its max error <= 2x torch's own bf16
+   backward error on the same inputs (+ 2^-12 x max |ref|, FlashAttention's rule as
+   tests/test_gpu.py applies it); `ratio` = error / that bound.
 2. Speed (skipped with --quick): the backward alone (autograd.grad of a kept graph), CUDA
-   events, L2 flushed, round-robin medians (harness/timing.benchmark_interleaved), d = 96
-   and 192, N 2k-16k (batch x N = 32k tokens), causal and not, MHA (16 heads) and GQA
-   (16 / 4), against FA4's sm90 backward (flash_attn.cute; it runs d <= 128 and (192, 128)
-   only, so at d = 192 it is recorded as unavailable) and SDPA's cuDNN and flash backends.
-   Effective TFLOP/s: the backward counts 2.5x the forward's flops. Then POLICY's settings
-   at these head dims (none measured yet) against variants without each (`VARIANTS`, kb2
-   launched directly, backward alone) on MHA N = 8k, causal and not.
+   events, L2 flushed, round-robin medians (harness/timing.benchmark_interleaved), each
+   pair at N 4k and 16k (B x N = 32k tokens), MHA (16 heads) and GQA (16 / 4), causal and
+   not: ours against FA4's sm90 backward (flash_attn.cute, which runs all four pairs) and
+   SDPA's cuDNN backend (where it takes the shape), at d = 256 also kb1 (launched directly,
+   the default there until 2026-11-29). Effective TFLOP/s: the backward counts 2.5x the
+   forward's flops. `--settings`: POLICY's settings at d = 96 / 192 against variants
+   without each (`SETTINGS`, kb2 launched directly, backward alone) on MHA N = 8k.
 
-Prints one line per group of cases (< 60 lines); everything goes to $OUT/bwd_dims.json (or
---out), with the environment (GPU, driver, torch, CuTe DSL, FA4).
+`--dims 192,256` keeps the pairs of those head dims (the d = 192 and 256 part: about 3.5
+minutes on an H200 with the JIT compiles; d = 96 adds about 1). Prints one line per group
+of cases; everything goes to $OUT/bwd_dims.json (or --out), with the environment (GPU,
+driver, torch, CuTe DSL, FA4).
 """
 
 from __future__ import annotations
@@ -41,54 +47,76 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
-from bwd_gqa_gpu_check import _calls, _hopper, _inputs, _sdpa, check_case  # noqa: E402
+from bwd_gqa_gpu_check import _calls, _hopper, _sdpa  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
 from hopper_attn.harness.baselines import fa4  # noqa: E402
 from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 
-DIMS = (96, 192)
+PAIRS = [(96, 96), (192, 192), (192, 128), (256, 256)]       # (d, dv)
 GROUPS = [("MHA", 4, 4), ("4:1", 8, 2)]
 LENGTHS = [(1, 1), (17, 17), (113, 113), (1000, 1000), (113, 300), (1000, 517)]
 # (label, heads, heads_kv, batch, seqlen, causal): dK / dV in parts, many kv tiles
 LARGER = [("MQA parts", 8, 1, 1, 4096, True), ("MHA long", 4, 4, 1, 3000, True),
           ("8:1 parts", 16, 2, 1, 2048, False)]
 DETERMINISTIC = [(8, 2, 2, 2100, True), (4, 4, 1, 777, False)]
-# (causal, n, cap, magnitude, heads_kv) of check_softcap (4 query heads)
+# (causal, n, cap, magnitude, heads_kv) of check_softcap (4 query heads; dv = d only)
 SOFTCAP = [(True, 1000, 50.0, 1.0, 2), (False, 113, 15.0, 6.0, 4)]
 # (causal, window, nq, nk, heads, heads_kv) at d = 96, batch 2
 WINDOWS = [(True, (127, 0), 1000, 1000, 4, 4), (False, (256, 256), 1000, 1300, 8, 2)]
-PLAIN = "kb2:kv_with_first_tile=0,pdl=0,convert_per_head=0,longest_first=0"
-SEQLENS = (2048, 4096, 8192, 16384)
+# packed batches (d = 192, 256): (label, lengths_q, lengths_k, used_k, heads, heads_kv)
+VARLEN = [("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4),
+          ("GQA 8:2 cross", [1, 17, 113, 1000, 0, 40], [300, 5, 113, 517, 64, 0], None, 8, 2),
+          ("MQA", [17, 700, 5], None, None, 4, 1),
+          ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2),
+          ("equal GQA 3x2k", [2048] * 3, None, None, 4, 2)]
+VARLEN_DIMS = (192,)           # (d = 256: the varlen backward refuses it)
+SEQLENS = (4096, 16384)
 TOKENS = 32768
 # POLICY's rows at d = 96 / 192, each setting turned off in turn ("kb2": the defaults)
-VARIANTS = {96: ["kb2", "kb2:early_dv=0,split_dv=0", "kb2:split_dv=0",
+SETTINGS = {96: ["kb2", "kb2:early_dv=0,split_dv=0", "kb2:split_dv=0",
                  "kb2:kv_with_first_tile=0", "kb2:convert_per_head=0", "kb2:longest_first=0"],
             192: ["kb2", "kb2:kv_with_first_tile=0", "kb2:convert_per_head=0",
                   "kb2:pdl=0,convert_per_head=0", "kb2:longest_first=0"]}
 CAUSAL_ONLY = ("kb2:split_dv=0", "kb2:longest_first=0")       # (the mask-free rows' own)
+SETTINGS_ON = False                     # --settings
+WATCHDOG_S = 540                        # a hung kernel: exit with the stacks
 
 
-def _plain_case(batch, heads, heads_kv, nq, nk, d, causal, seed) -> dict:
-    """A failing default's case again through `PLAIN`, launched directly: the max error
-    ratio per gradient (same bound as check_case)."""
+def _inputs(batch, heads, heads_kv, nq, nk, d, dv, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [(batch, nq, heads, d), (batch, nk, heads_kv, d), (batch, nk, heads_kv, dv),
+              (batch, nq, heads, dv)]
+    return [torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16) for s in shapes]
+
+
+def _ours(q, k, v, do, causal, deterministic=False):
     import hopper_attn
-    from hopper_attn.harness import registry
-    from hopper_attn.harness.grad_check import _torch_lowp_grads
-    from hopper_attn.harness.reference_backward import attention_backward, forward_with_lse
-    q, k, v, do = _inputs(batch, heads, heads_kv, nq, nk, d, seed)
-    entry = registry.get(PLAIN)
-    handle = entry.compile(Problem.from_tensor(q, causal, k))
-    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-    entry.run(handle, q, k, v, out, do, lse, *grads)
-    o, lse_ref = forward_with_lse(q, k, v, causal)
-    ref = attention_backward(q, k, v, o, lse_ref, do, causal)
-    lowp = _torch_lowp_grads(q, k, v, do, causal)
-    ratios = {}
-    for name, grad, r, t in zip("qkv", grads, ref, lowp):
-        bound = 2 * (t.float() - r).abs().max().item() + 2 ** -12 * max(1.0, r.abs().max().item())
-        ratios[name] = (grad.float() - r).abs().max().item() / bound
-    return ratios
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    hopper_attn.attention(*leaves, causal=causal, deterministic=deterministic).backward(do)
+    return [t.grad for t in leaves]
+
+
+def check_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed,
+               deterministic=False) -> dict:
+    """One problem through attention()'s backward against the fp32 reference (and, in the
+    deterministic mode, a second run: same bits)."""
+    from hopper_attn.harness.window_reference import gradient_errors
+    q, k, v, do = _inputs(batch, heads, heads_kv, nq, nk, d, dv, seed)
+    grads = _ours(q, k, v, do, causal, deterministic)
+    errors = gradient_errors(q, k, v, do, grads, -1, 0 if causal else -1, d ** -0.5)
+    row = {"shape": [batch, heads, heads_kv, nq, nk, d, dv, causal], "ratio": {},
+           "errors": errors, "ok": True, "seed": seed}
+    for name, grad in zip("qkv", grads):
+        err, _, bound = errors[name]
+        nan = bool(grad.isnan().any())
+        row["ratio"][name] = float("inf") if nan else err / bound
+        row["ok"] &= not nan and err <= bound
+    if deterministic:
+        again = _ours(q, k, v, do, causal, True)
+        row["same_bits"] = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                               for a, b in zip(grads, again))
+        row["ok"] &= row["same_bits"]
+    return row
 
 
 def _log_row(log, row, text):
@@ -99,64 +127,51 @@ def _log_row(log, row, text):
 
 
 def correctness(log) -> list:
-    rows, failures, seed = [], [], 100
-    for d in DIMS:
+    rows, seed = [], 100
+    for d, dv in PAIRS:
+        tag = f"d{d}" if dv == d else f"({d}, {dv})"
         for label, heads, heads_kv in GROUPS:
             group_rows = []
             for causal in (False, True):
                 for nq, nk in LENGTHS:
                     seed += 1
-                    row = check_case(2, heads, heads_kv, nq, nk, d, causal, seed)
-                    row.update(label=label, seed=seed)
+                    row = check_case(2, heads, heads_kv, nq, nk, d, dv, causal, seed)
+                    row["label"] = label
                     group_rows.append(row)
             rows += group_rows
             worst = {n: max(r["ratio"][n] for r in group_rows) for n in "qkv"}
-            bad = [r for r in group_rows if not r["ok"]]
-            failures += bad
-            log(f"  d{d} {label:4} {len(group_rows):2} cases: worst ratio dq {worst['q']:.2f} "
-                f"dk {worst['k']:.2f} dv {worst['v']:.2f}  {'PASS' if not bad else 'FAIL'}")
+            bad = [r["shape"] for r in group_rows if not r["ok"]]
+            log(f"  {tag} {label:4} {len(group_rows):2} cases: worst ratio dq {worst['q']:.2f} "
+                f"dk {worst['k']:.2f} dv {worst['v']:.2f}  " + (f"FAIL {bad}" if bad else "PASS"))
         for label, heads, heads_kv, batch, n, causal in LARGER:
             seed += 1
-            row = check_case(batch, heads, heads_kv, n, n, d, causal, seed)
-            row.update(label=label, seed=seed)
+            row = check_case(batch, heads, heads_kv, n, n, d, dv, causal, seed)
+            row["label"] = label
             rows.append(row)
-            failures += [] if row["ok"] else [row]
-            _log_row(log, row, f"d{d} {label:9} {heads}/{heads_kv} B{batch} N{n} "
+            _log_row(log, row, f"{tag} {label:9} {heads}/{heads_kv} B{batch} N{n} "
                                f"{'causal' if causal else 'full'}")
         for heads, heads_kv, batch, n, causal in DETERMINISTIC:
             seed += 1
-            row = check_case(batch, heads, heads_kv, n, n, d, causal, seed, deterministic=True)
-            row.update(label="deterministic", seed=seed)
+            row = check_case(batch, heads, heads_kv, n, n, d, dv, causal, seed, True)
+            row["label"] = "deterministic"
             rows.append(row)
-            failures += [] if row["ok"] else [row]
-            _log_row(log, row, f"d{d} deterministic {heads}/{heads_kv} B{batch} N{n} "
+            _log_row(log, row, f"{tag} deterministic {heads}/{heads_kv} B{batch} N{n} "
                                f"{'causal' if causal else 'full'}")
-        rows += _softcap_and_windows(log, d, failures)
-    for row in failures[:4]:
-        if "shape" not in row:              # softcap / window: no plain rerun
-            log(f"  FAILED {row}")
-            continue
-        batch, heads, heads_kv, nq, nk, d, causal = row["shape"]
-        try:
-            row["plain_ratio"] = _plain_case(batch, heads, heads_kv, nq, nk, d, causal,
-                                             row["seed"])
-            note = ", ".join(f"d{n} {r:.2f}" for n, r in row["plain_ratio"].items())
-        except Exception as exc:  # noqa: BLE001 - a diagnosis, not a verdict
-            note = f"{type(exc).__name__}: {str(exc)[:80]}"
-        log(f"  FAILED {row['label']} {row['shape']}: ratio {row['ratio']}; {PLAIN}: {note}")
+        if dv == d:
+            rows += _softcap_windows_varlen(log, d)
     return rows
 
 
-def _softcap_and_windows(log, d, failures) -> list:
+def _softcap_windows_varlen(log, d) -> list:
     from test_softcap import check_softcap, within
+    from varlen_bwd_gpu_check import check_case as varlen_case
     from window_gpu_check import backward_case
     rows = []
-    for causal, n, cap, magnitude, heads_kv in SOFTCAP:
+    for causal, n, cap, magnitude, heads_kv in SOFTCAP if d <= 192 else []:
         errors = check_softcap(d, causal, n, cap, magnitude, heads_kv, seed=d + n)
         row = {"label": "softcap", "case": [d, causal, n, cap, magnitude, heads_kv],
                "errors": errors, "ok": within(errors)}
         rows.append(row)
-        failures += [] if row["ok"] else [row]
         worst = max(e / (2 * t + 2 ** -12 * max(1.0, r)) for e, t, r in errors.values())
         log(f"  d{d} softcap {cap:g} x{magnitude:g} 4/{heads_kv} N{n} "
             f"{'causal' if causal else 'full':6}: worst ratio {worst:.2f}  "
@@ -165,71 +180,103 @@ def _softcap_and_windows(log, d, failures) -> list:
         row = backward_case(2, nq, nk, heads, heads_kv, d, causal, window, seed=nq + nk)
         row["label"] = "window"
         rows.append(row)
-        failures += [] if row["ok"] else [row]
         log(f"  d{d} window {window} {heads}/{heads_kv} {nq}/{nk} "
             f"{'causal' if causal else 'full':6}: worst ratio {row['ratio']:.2f}  "
             f"{'PASS' if row['ok'] else 'FAIL'}")
+    for label, lq, lk, used, heads, heads_kv in VARLEN if d in VARLEN_DIMS else []:
+        for causal in (False, True):
+            try:
+                row = varlen_case(lq, lk or lq, heads, heads_kv, d, causal,
+                                  seed=d + 10 * len(lq) + causal, used=used)
+            except Exception as exc:  # noqa: BLE001 - one failing case, not the run
+                row = {"ok": False, "error_text": f"{type(exc).__name__}: {exc}"[:300],
+                       "ratio": {}}
+            row["label"] = f"varlen {label}"
+            rows.append(row)
+            ratio = " ".join(f"d{n} {row['ratio'].get(n, float('nan')):.2f}" for n in "qkv")
+            log(f"  d{d} varlen {label:14} {'causal' if causal else 'full':6} "
+                f"{row.get('path', '-')}: ratio {ratio}  {'PASS' if row['ok'] else 'FAIL'}"
+                + (f"  {row['error_text'][:100]}" if "error_text" in row else ""))
     return rows
 
 
 # ------------------------------------------------------------------------------ speed
 
+def _kb1_call(q, k, v, do, causal):
+    """kb1's backward alone (v as wide as q), launched through the registry."""
+    import hopper_attn
+    from hopper_attn.harness import registry
+    entry = registry.get("kb1")
+    handle = entry.compile(Problem.from_tensor(q, causal, k, v=v))
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    call = lambda: entry.run(handle, q, k, v, out, do, lse, *grads)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    return call
+
+
 def speed(log) -> list:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
-    providers = {"hopper": _hopper}
-    for name, make in (("fa4", fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION")),
-                       ("sdpa_flash", lambda: _sdpa("FLASH_ATTENTION"))):
+    providers = {"ours": _hopper}
+    for name, make in (("fa4", fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION"))):
         try:
             providers[name] = make()
         except Exception as exc:  # noqa: BLE001 - not installed here
             log(f"  {name} unavailable: {type(exc).__name__}: {str(exc)[:80]}")
-    columns = ("hopper", "fa4", "cudnn", "sdpa_flash")
     flush, rows = L2Flush(), []
-    log(f"  {'shape':34}" + " ".join(f"{n:>10}" for n in columns)
-        + "  /fa4  /cudnn  /flash")
-    for d in DIMS:
+    log(f"  {'shape':36} ms: ours, others; their time / ours (> 1: ours faster)")
+    for d, dv in PAIRS:
         for label, heads, heads_kv in (("MHA", 16, 16), ("GQA", 16, 4)):
             for causal in (False, True):
                 for n in SEQLENS:
                     batch = TOKENS // n
-                    shape = (f"d{d} {label} {heads}/{heads_kv} B{batch} N{n // 1024}k "
+                    shape = (f"({d}, {dv}) {label} {heads}/{heads_kv} B{batch} N{n // 1024}k "
                              f"{'causal' if causal else 'full'}")
-                    q, k, v, do = _inputs(batch, heads, heads_kv, n, n, d, seed=7)
-                    flops = Problem(batch, heads, n, d, causal, heads_kv=heads_kv).flops
+                    q, k, v, do = _inputs(batch, heads, heads_kv, n, n, d, dv, seed=7)
                     calls, notes = {}, {}
                     for name, forward in providers.items():
                         try:
                             calls[name] = _calls(forward, q, k, v, do, causal)[0]
-                        except Exception as exc:  # noqa: BLE001 - e.g. FA4 at d = 192
+                        except Exception as exc:  # noqa: BLE001 - e.g. a shape cuDNN refuses
                             notes[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-                    timed = benchmark_interleaved(calls, flush) if calls else {}
-                    row = {"shape": shape, "config": [batch, heads, heads_kv, n, d, causal],
+                    if d == 256:
+                        try:
+                            calls["kb1"] = _kb1_call(q, k, v, do, causal)
+                        except Exception as exc:  # noqa: BLE001
+                            notes["kb1"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                    timed = benchmark_interleaved(calls, flush, target_ms=150, max_reps=20)
+                    flops = Problem(batch, heads, n, d, causal, heads_kv=heads_kv,
+                                    head_dim_v=0 if dv == d else dv).flops
+                    row = {"shape": shape, "config": [batch, heads, heads_kv, n, d, dv, causal],
                            "flops_forward": flops, "unavailable": notes,
                            "bwd": {name: {**t, "tflops": 2.5 * flops / (t["ms"] * 1e-3) / 1e12}
                                    for name, t in timed.items()}}
-                    ratios = {p: row["bwd"][p]["ms"] / row["bwd"]["hopper"]["ms"]
-                              for p in columns[1:] if p in row["bwd"] and "hopper" in row["bwd"]}
-                    row["hopper_speedup"] = ratios          # their time / ours (> 1: faster)
-                    cells = [f"{row['bwd'][p]['tflops']:10.1f}" if p in row["bwd"] else f"{'-':>10}"
-                             for p in columns]
-                    log(f"  {shape:34}" + " ".join(cells) + "  " + " ".join(
-                        f"{ratios[p]:5.2f}" if p in ratios else f"{'-':>5}"
-                        for p in columns[1:]))
+                    ours = row["bwd"].get("ours", {}).get("ms")
+                    row["over_ours"] = {p: t["ms"] / ours for p, t in row["bwd"].items()
+                                        if ours and p != "ours"}
+                    log(f"  {shape:36} " + (f"ours {ours:.3f} ({row['bwd']['ours']['tflops']:.0f}"
+                                             " TFLOP/s)" if ours else "ours -") + "".join(
+                        f", {p} {row['bwd'][p]['ms']:.3f} ({r:.3f})"
+                        for p, r in row["over_ours"].items())
+                        + "".join(f"; {p} unavailable" for p in notes))
                     rows.append(row)
                     del q, k, v, do, calls
                     torch.cuda.empty_cache()
-    return rows + variants(log, flush)
+    return rows + (settings(log, flush) if SETTINGS_ON else [])
 
 
-def variants(log, flush) -> list:
+def settings(log, flush) -> list:
     """POLICY's settings at d = 96 / 192 against each turned off: backward alone, kb2
     launched directly (bwd_gqa_gpu_check._direct), MHA B4 H16 N = 8k."""
     from bwd_gqa_gpu_check import _direct
     from hopper_attn.harness.timing import benchmark_interleaved
     rows = []
-    for d, names in VARIANTS.items():
+    for d, names in SETTINGS.items():
+        if (d, d) not in PAIRS:
+            continue
         for causal in (False, True):
-            q, k, v, do = _inputs(4, 16, 16, 8192, 8192, d, seed=9)
+            q, k, v, do = _inputs(4, 16, 16, 8192, 8192, d, d, seed=9)
             calls, notes = {}, {}
             for name in names:
                 if name in CAUSAL_ONLY and not causal:
@@ -251,11 +298,24 @@ def variants(log, flush) -> list:
 
 
 def main() -> int:
+    if "--dims" in sys.argv:                    # e.g. --dims 192,256: those head dims' pairs
+        at = sys.argv.index("--dims")
+        dims = {int(x) for x in sys.argv[at + 1].split(",")}
+        del sys.argv[at:at + 2]
+        PAIRS[:] = [pair for pair in PAIRS if pair[0] in dims]
+    global SETTINGS_ON
+    if "--settings" in sys.argv:                # (run_check parses the other arguments)
+        sys.argv.remove("--settings")
+        SETTINGS_ON = True
+    print(f"(d, dv) pairs {PAIRS}", flush=True)
+    import faulthandler
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
     return run_check(
         __doc__, "bwd_dims.json", correctness, lambda log, t0: speed(log),
-        "correctness (ratio = max error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):",
-        "backward speed, effective TFLOP/s (2.5x the forward's flops), round-robin medians; "
-        "/x: x's time over ours (> 1: we are faster):")
+        "correctness through attention() / attention_varlen() (ratio = max error / (2x torch "
+        "bf16 error + 2^-12 max|ref|), <= 1 passes):",
+        "backward alone, ms, round-robin medians; ours / fa4 / cudnn through autograd, kb1 "
+        "launched directly:")
 
 
 if __name__ == "__main__":

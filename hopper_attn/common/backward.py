@@ -47,6 +47,11 @@ from .wgmma import dq_mma, dq_tile_shape
 
 _COMPILED: dict = {}
 
+# kb2's named barriers (0: the CTA-wide sync publishing the mbarrier inits; dQ full and empty:
+# one per consumer warpgroup; common/backward_dkv_swap.py's own from 7 on)
+DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, DQ_FULL_BARRIER, DQ_EMPTY_BARRIER = 1, 2, 3, 5
+DQ_HANDOFF_THREADS = 128 + 32          # a consumer warpgroup and the dQ writer warp
+
 
 @dataclasses.dataclass
 class CompiledBackward:
@@ -265,11 +270,14 @@ class BackwardTiles:
     @staticmethod
     def create(mQ, mK, mV, mdO, mdK, mdV, block_m: int, block_n: int, head_dim: int,
                stages: int, dkv_cols: int = 0, shared_keys: bool = False,
-               packed: bool = False, head_dim_v: int = 0) -> "BackwardTiles":
+               packed: bool = False, head_dim_v: int = 0, dkv_swap_ab: bool = False,
+               do_stages: int = 0) -> "BackwardTiles":
         """`shared_keys` (kb2): dK and dV split by columns between two warpgroups, so Q^T and
         dO^T are read MN-major in d / 2 columns (dQ always reads K^T in d / 2). `packed`:
         (1, total, H, d) tensors of a packed batch, moved through common/varlen's ragged TMA
-        views (seqlen_k: k's token count). `head_dim_v`: V, dO and dV dv wide (0: d)."""
+        views (seqlen_k: k's token count). `head_dim_v`: V, dO and dV dv wide (0: d).
+        `dkv_swap_ab` (kb2, common/backward_dkv_swap.py): one P / dS buffer, queries x keys,
+        read MN-major in block_n / 2 keys; `do_stages`: dO's ring depth (0: `stages`)."""
         q, k, v, do, dk, dv = [ndhb_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         extents = (k.shape[0], q.shape[2], q.shape[3])
         if packed:
@@ -281,10 +289,14 @@ class BackwardTiles:
             d, d // 2 if shared_keys else d))
         kv_layout = smem_tile_layout(dtype, bn, d, atom_cols=swizzle_atom_cols(d, d // 2))
         dkv_layout = kv_layout if cols == d else smem_tile_layout(dtype, bn, cols)
-        ds_layout = smem_tile_layout(dtype, bn, bm, 2)
+        ds_layout = smem_tile_layout(dtype, bm, bn, 1, swizzle_atom_cols(bn, bn // 2)
+                                     if bn // 2 % 16 == 0 else 8) \
+            if dkv_swap_ab else smem_tile_layout(dtype, bn, bm, 2)   # (24 keys: no swizzle)
         do_layout, v_layout, dv_layout, dv_cols = q_layout, kv_layout, dkv_layout, cols
+        if do_stages and do_stages != stages:
+            do_layout = smem_tile_layout(dtype, bm, vd, do_stages)
         if vd != d:                                 # V, dO and dV dv wide
-            do_layout = smem_tile_layout(dtype, bm, vd, stages)
+            do_layout = smem_tile_layout(dtype, bm, vd, do_stages or stages)
             v_layout = dv_layout = smem_tile_layout(dtype, bn, vd)
             dv_cols = vd
         copies = [tma.make_tma_load(q, q_layout, bm, d), tma.make_tma_load(do, do_layout, bm, vd),
@@ -296,21 +308,26 @@ class BackwardTiles:
                              v_layout)
 
 
-def backward_smem(storage, q_layout, kv_layout, ds_layout, head_dim_v: int = 0):
+def backward_smem(storage, q_layout, kv_layout, ds_layout, head_dim_v: int = 0,
+                  do_stages: int = 0):
     """The swizzled SMEM tensors of a backward CTA's SharedStorage (fields sK, sV, sQ, sdO,
     sdS): K and V (block_n, d); Q and dO (block_m, d, stage); dS^T (block_n, block_m, 2);
-    with `head_dim_v` (not d) V and dO dv wide."""
+    with `head_dim_v` (not d) V and dO dv wide; `do_stages`: dO's ring depth (0: Q's)."""
     sK, sV = (buf.get_tensor(kv_layout.outer, swizzle=kv_layout.inner)
               for buf in (storage.sK, storage.sV))
     sQ, sdO = (buf.get_tensor(q_layout.outer, swizzle=q_layout.inner)
                for buf in (storage.sQ, storage.sdO))
     sdSt = storage.sdS.get_tensor(ds_layout.outer, swizzle=ds_layout.inner)
     # (a row of d = 192 is ((64, 3)) in a 128-byte-swizzled layout: compare sizes)
+    dtype, (bm, _, stages) = sQ.element_type, sQ.shape
+    own_do_ring = bool(do_stages) and do_stages != cute.size(sQ, mode=[2])
     if cutlass.const_expr(head_dim_v and head_dim_v != cute.size(sK, mode=[1])):
-        dtype, (bm, _, stages) = sQ.element_type, sQ.shape
         v_layout = smem_tile_layout(dtype, sK.shape[0], head_dim_v)
-        do_layout = smem_tile_layout(dtype, bm, head_dim_v, stages)
+        do_layout = smem_tile_layout(dtype, bm, head_dim_v, do_stages if own_do_ring else stages)
         sV = storage.sV.get_tensor(v_layout.outer, swizzle=v_layout.inner)
+        sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
+    elif cutlass.const_expr(own_do_ring):
+        do_layout = smem_tile_layout(dtype, bm, cute.size(sK, mode=[1]), do_stages)
         sdO = storage.sdO.get_tensor(do_layout.outer, swizzle=do_layout.inner)
     return sK, sV, sQ, sdO, sdSt
 
@@ -670,6 +687,61 @@ class GroupWalk:
                                             sm_count())
 
 
+class DqWriter:
+    """kb2's dQ writer warp (mixed into its kernel class: block_m, head_dim, warpgroups,
+    gqa, deterministic, trace and the GQA walk)."""
+
+    @cute.jit
+    def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
+                 head, batch, m_first, m_count, group):
+        """The dQ writer warp: each consumer warpgroup's dQ block of every query tile visited,
+        reduce-added from SMEM to the fp32 dQ buffer."""
+        bm, d = self.block_m, self.head_dim
+        dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
+        if cutlass.const_expr(not self.gqa):
+            dq_accum = mdQacc[batch, head, None, None].iterator
+        for it in cutlass.range(self.visits(m_count, group), unroll=1):
+            if cutlass.const_expr(self.gqa):
+                head_in_group, m_block = self.work_item(it, m_first, m_count)
+                q_head = head + head_in_group
+                dq_head = mdQacc[batch, q_head, None, None].iterator
+            else:
+                m_block = m_first + it
+            # hand each staging buffer back once the copy engine has read it (the
+            # previous tile's copies were committed in warpgroup order)
+            for wg in cutlass.range_constexpr(self.warpgroups):
+                cute.arch.cp_async_bulk_wait_group(self.warpgroups - 1 - wg, read=True)
+                cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + wg,
+                                         number_of_threads=DQ_HANDOFF_THREADS)
+            if cutlass.const_expr(self.deterministic):
+                if cutlass.const_expr(self.gqa):       # (varlen: mSem is no counter)
+                    turn = mSem[batch, q_head, None].iterator + m_block
+                else:
+                    turn = mSem[batch, head, None].iterator + m_block
+                if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
+                    wait_for_count(turn, n_block)
+                cute.arch.sync_warp()
+            for wg in cutlass.range_constexpr(self.warpgroups):
+                phase = self.trace.start("wait_dq_full")
+                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + wg,
+                                  number_of_threads=DQ_HANDOFF_THREADS)
+                self.trace.end(phase)
+                with cute.arch.elect_one():
+                    if cutlass.const_expr(self.gqa):
+                        tma.bulk_reduce_add_f32(
+                            sdQ + wg * dq_block,
+                            dq_head + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
+                    else:
+                        tma.bulk_reduce_add_f32(
+                            sdQ + wg * dq_block,
+                            dq_accum + (m_block * (bm * d) + wg * dq_block), dq_block * 4)
+                cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
+                with cute.arch.elect_one():
+                    cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
+
+
 def kernel_arguments(settings: dict, given: dict, problem, block_n, deterministic: bool,
                      trace: bool, softcap: float, varlen: bool) -> dict:
     """kb2's constructor arguments: `policy_settings`' (`settings`), then the options a
@@ -681,10 +753,13 @@ def kernel_arguments(settings: dict, given: dict, problem, block_n, deterministi
     if not settings["pdl"] and given.get("convert_per_head") is None:
         settings["convert_per_head"] = False
     counts = ("block_m", "split_dv", "group_mib", "group_heads")
+    from .backward_dkv_swap import dkv_swap_keys
     early = settings.pop("early_dv")
     arguments = {name: bool(value) for name, value in settings.items() if name not in counts}
     arguments.update({name: int(settings[name]) for name in counts})
-    arguments.update(block_n=block_n or (64 if settings["shared_keys"] else 128),
+    arguments.update(block_n=block_n or (dkv_swap_keys(problem.head_dim)
+                                         if settings["dkv_swap_ab"] else 64
+                                         if settings["shared_keys"] else 128),
                      deterministic=bool(deterministic), early_dv=early, trace=bool(trace),
                      **({"softcap": float(softcap)} if softcap else {}),
                      **({"varlen": True} if varlen else {}), **window_options(problem))

@@ -692,6 +692,9 @@ def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
     time: kb2's policy is looked up once)."""
     if deterministic:
         raise ValueError("the varlen backward has no deterministic mode")
+    if q.shape[2] == 256:
+        raise ValueError("the varlen backward runs head dims 64, 96, 128 and 192, not 256 "
+                         "(kb2's d = 256 tile takes dense batches only)")
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left,
                      -1 if causal else right, float(softcap), compile_options,
@@ -709,7 +712,10 @@ def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, co
     # always sums a group's dK / dV in the CTA (no parts); the dQ conversion per head as
     # kb2's policy says (per sequence and head here), or, with CONVERT_PER_HEAD off, after
     # the whole main kernel
+    # d = 192: the 64 x 64 shared-keys tile (the dense call's dkv_swap_ab tile does not take
+    # packed batches: an illegal address on the H200)
     return kb2.compile_kernel(problem, varlen=True, softcap=softcap, heads_first=False,
+                              dkv_swap_ab=False if head_dim == 192 else None,
                               convert_per_head=None if per_head else False,
                               gqa=heads_kv != heads, compile_options=compile_options)
 

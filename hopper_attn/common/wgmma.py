@@ -103,13 +103,15 @@ def warpgroup_slice(tiled_mma: cute.TiledMma, tidx, uniform: bool = True):
     return tiled_mma.get_slice(cute.arch.make_warp_uniform(tidx // 128) * 128)
 
 
-def stmatrix_store(tiled_mma: cute.TiledMma, dtype) -> cute.TiledCopy:
+def stmatrix_store(tiled_mma: cute.TiledMma, dtype, num_matrices: int = 4) -> cute.TiledCopy:
     """A copy from `tiled_mma`'s accumulator layout (converted to the 16-bit `dtype`) to
     shared memory with `stmatrix`: four 8 x 8 blocks per warp instruction, instead of one
     4-byte store (and its swizzled address) per register pair. Used for O (k5-k7's
-    epilogue) and dS^T (kb2)."""
+    epilogue) and dS^T (kb2). `num_matrices` 2: two blocks (16 x 8 a warp), for an N that
+    is not a multiple of 16 (kb2's dkv_swap_ab at d = 256: 24 keys a warpgroup)."""
     return cute.make_tiled_copy_C(
-        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False,
+                                                              num_matrices=num_matrices),
                             dtype), tiled_mma)
 
 

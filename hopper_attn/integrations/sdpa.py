@@ -37,7 +37,7 @@ side and a backward from the other combine correctly: both use the same natural-
 back (and the last reason).
 
 `torch.are_deterministic_algorithms_enabled()` selects this project's deterministic
-backward (kb2, head_dim 64 to 192).
+backward (kb2, every head dim above).
 """
 
 from __future__ import annotations
