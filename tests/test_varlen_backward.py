@@ -130,21 +130,27 @@ def test_compiles_without_spills():
 
 
 @pytest.mark.compile
-def test_compiles_at_d192_on_the_shared_keys_tile():
-    """d = 192 keeps the 64 x 64 shared-keys tile for packed batches (the dense default's
-    dkv_swap_ab tile faulted on them): GQA with a mask, no spills; d = 256 refused."""
+def test_compiles_at_d192_and_refuses_unverified_head_dims(monkeypatch):
+    """d = 192 compiles on kb2's default tile (64 x 96, dK^T and dV^T), GQA with a mask, no
+    spills, and the preprocess and dQ conversion keep their padding lanes inside the row;
+    attention_varlen's backward refuses 96, 192 (until run on a GPU) and 256."""
+    from hopper_attn import api
     q, k = torch.empty(1000, 4, 192, dtype=torch.bfloat16), torch.empty(1000, 2, 192,
                                                                          dtype=torch.bfloat16)
+    for d in (96, 192, 256):
+        wide = torch.empty(100, 4, d, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="head dims 64 and 128"):
+            compile_for(wide, wide, True)
+    monkeypatch.setattr(api, "VARLEN_BACKWARD_HEAD_DIMS", (64, 128, 192))
     with tempfile.TemporaryDirectory() as dump:
         handle = compile_for(q, k, True, compile_options=(
             f"--keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))
         cubin = handle.main.__cubin__
-    assert not handle.options["dkv_swap_ab"] and handle.options["shared_keys"]
+    assert handle.options["dkv_swap_ab"] and handle.options["block_n"] == 96
+    from hopper_attn.common.varlen_backward import VarlenPreprocess
+    assert VarlenPreprocess(192, 64).padded and not VarlenPreprocess(128, 64).padded
     for fn in resource_usage(cubin):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
-    wide = torch.empty(100, 4, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="not 256"):
-        compile_for(wide, wide, True)
 
 
 @pytest.mark.compile

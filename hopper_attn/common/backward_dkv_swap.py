@@ -46,8 +46,9 @@ S and dP in both CTAs: 7 GEMM units a (query tile, 128 keys) against this tile's
 loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48). FA4's split of
 dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept").
 
-Packed batches (`varlen`) keep kb2's other tiles: with this one the H200 reported an illegal
-address (2026-11-29, tools/bwd_dims_gpu_check.py), not yet traced.
+Packed batches (`varlen`) need nothing of their own here: the kernel hands this consumer a
+sequence as a batch of one (common/varlen_backward.py; attention_varlen's backward at d = 192
+waits for its GPU check: api.VARLEN_BACKWARD_HEAD_DIMS).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def check_dkv_swap(kernel) -> int:
         raise ValueError("kb2's dkv_swap_ab runs head_dim 192 (dv 192 or 128) and 256 (dv 256) "
                          f"only, got ({kernel.head_dim}, {kernel.head_dim_v})")
     others = {"shared_keys": kernel.shared_keys, "softcap": kernel.softcap > 0.0,
-              "varlen": kernel.varlen, "window": kernel.schedule.windowed,
+              "window": kernel.schedule.windowed,
               "early_dv": kernel.early_dv, "dp_first": kernel.dp_first,
               "block_m != 64": kernel.block_m != 64, "stmatrix=0": not kernel.stmatrix}
     if any(others.values()):

@@ -68,7 +68,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .backward import (CHUNK, HELPER_THREADS, _COMPILED, CompiledBackward, DqConvertFragments,
-                       _aligned, _chunk, _tile_rows, fragment_slot, wait_for_count)
+                       _aligned, _chunk, _padding_lane, _tile_rows, fragment_slot, wait_for_count)
 from .layouts import ndhb_view, transposed
 from .masking import KVTileSchedule
 from .scheduler import head_group_order, heads_per_group
@@ -364,6 +364,7 @@ class VarlenPreprocess:
     def __init__(self, head_dim: int, block_m: int, pdl: bool = False):
         self.head_dim, self.rows, self.pdl = head_dim, block_m, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
+        self.padded = self.lanes * CHUNK != head_dim         # d = 96, 192: padding lanes
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -383,6 +384,8 @@ class VarlenPreprocess:
         valid, m_block, offset, seqlen, padded, head, _, _ = _query_tile(mSeqs, self.rows)
         if valid != 0:
             lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+            if cutlass.const_expr(self.padded):
+                own_column, col0 = _padding_lane(col0, self.head_dim)
             passes = self.rows // self.rows_per_pass
             o_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
             do_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
@@ -404,6 +407,9 @@ class VarlenPreprocess:
                 row = m_block * self.rows + p * self.rows_per_pass + lane_row
                 prod = o_rows[None, p].load().to(Float32) * do_rows[None, p].load().to(Float32)
                 partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                if cutlass.const_expr(self.padded):
+                    if not own_column:              # a padding lane counts nothing
+                        partial = Float32(0.0)
                 dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
                 if tidx % self.lanes == 0:
                     lse2 = Float32.inf
@@ -476,6 +482,8 @@ class VarlenDqConvert(DqConvertFragments):
                               thr.partition_C(transposed(tile) if self.swap_ab else tile))
             cute.arch.sync_threads()
             lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
+            if cutlass.const_expr(self.padded):      # d = 96, 192: stay inside the row
+                _, col0 = _padding_lane(col0, d)
             for p in cutlass.range_constexpr(bm // self.rows_per_pass):
                 r = p * self.rows_per_pass + lane_row
                 row = m_block * bm + r
@@ -692,9 +700,8 @@ def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
     time: kb2's policy is looked up once)."""
     if deterministic:
         raise ValueError("the varlen backward has no deterministic mode")
-    if q.shape[2] == 256:
-        raise ValueError("the varlen backward runs head dims 64, 96, 128 and 192, not 256 "
-                         "(kb2's d = 256 tile takes dense batches only)")
+    from hopper_attn.api import _check_varlen_backward_head_dim
+    _check_varlen_backward_head_dim(q.shape[2])
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left,
                      -1 if causal else right, float(softcap), compile_options,
@@ -712,10 +719,7 @@ def _compiled(heads, heads_kv, head_dim, dtype, causal, left, right, softcap, co
     # always sums a group's dK / dV in the CTA (no parts); the dQ conversion per head as
     # kb2's policy says (per sequence and head here), or, with CONVERT_PER_HEAD off, after
     # the whole main kernel
-    # d = 192: the 64 x 64 shared-keys tile (the dense call's dkv_swap_ab tile does not take
-    # packed batches: an illegal address on the H200)
     return kb2.compile_kernel(problem, varlen=True, softcap=softcap, heads_first=False,
-                              dkv_swap_ab=False if head_dim == 192 else None,
                               convert_per_head=None if per_head else False,
                               gqa=heads_kv != heads, compile_options=compile_options)
 
