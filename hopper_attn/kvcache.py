@@ -231,15 +231,34 @@ def _args(tensors, tvm_ffi: bool) -> list:
             for i, t in enumerate(tensors)]
 
 
+# The e4m3 cache's consumer: "widen" (decode.py's loader warpgroup; the default) or "swap"
+# (decode_fp8swap.py, a prototype: S^T = K Q'^T and O'^T = V^T P'^T with e4m3 WGMMAs; d 128,
+# at most 32 packed rows, no window / softcap / sinks; docs/lab/kvcache.md)
+FP8_CONSUMER = "widen"
+
+
+def _swap_rows(problem: Problem, fp8: bool) -> int:
+    """R of the swapped-operand consumer for this call (0: the default consumer)."""
+    if not fp8 or FP8_CONSUMER != "swap":
+        return 0
+    from hopper_attn import decode_fp8swap
+    if problem.head_dim != 128 or problem.windowed:
+        raise ValueError("FP8_CONSUMER 'swap': d = 128 without a window only")
+    return decode_fp8swap.rows_for(problem.heads // problem.kv_heads * problem.seqlen)
+
+
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
                    stages: int, tvm_ffi: bool = False, compile_options: str = "",
-                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False):
+                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False,
+                   swap_rows: int = 0):
     """The decode stage's `kv_cache_call` for one (head dim, mask, dtype, page size (0:
     contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant), window (as
     Problem's fields), softcap (0: none), sinks), compiled once: (compiled function, kernel
-    object)."""
+    object). `swap_rows` R > 0: the e4m3 cache's swapped-operand consumer (decode_fp8swap)."""
     kv_dtype = kv_dtype or dtype
     features = (tuple(window), float(softcap), bool(sinks))
+    if swap_rows:
+        features += (("swap", swap_rows),)
     key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options,
            kv_dtype) + (features if features != ((-1, -1), 0.0, False) else ())
     hit = _COMPILED.get(key)
@@ -250,9 +269,17 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
     from hopper_attn import decode
-    kernel = (decode.DecodeAttentionSinks if sinks else decode.DecodeAttention)(
-        head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size,
-        fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0], window_right=window[1])
+    if swap_rows:
+        if sinks or softcap:
+            raise ValueError("FP8_CONSUMER 'swap': no sinks or softcap")
+        from hopper_attn import decode_fp8swap
+        kernel = decode_fp8swap.DecodeFp8Swap(head_dim, causal, block_n, stages,
+                                              page_size=page_size, rows=swap_rows)
+    else:
+        kernel = (decode.DecodeAttentionSinks if sinks else decode.DecodeAttention)(
+            head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size,
+            fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0],
+            window_right=window[1])
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     batch, heads, pages = 2, 2, 4
     q = torch.empty((batch, 2, heads, head_dim), dtype=dtype, device=device)
@@ -294,6 +321,10 @@ def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int,
     """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the e4m3
     cache's tile and ring depth, decode.FP8_TILES, one CTA per SM)."""
     from hopper_attn import decode
+    if _swap_rows(problem, fp8):
+        from hopper_attn import decode_fp8swap
+        return (decode_fp8swap.BLOCK_N, decode_fp8swap.STAGES,
+                num_splits or decode_fp8swap.num_splits_for(problem))
     block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
     return block_n, stages, splits
@@ -318,7 +349,8 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_des
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
                                  block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype,
-                                 window=window, softcap=cap, sinks=with_sinks)
+                                 window=window, softcap=cap, sinks=with_sinks,
+                                 swap_rows=_swap_rows(problem, k_cache.dtype == FP8))
     workspace = _workspace(problem, q.device, block_n, stages, splits)
     return compiled, workspace, tvm_ffi, problem.head_dim
 
