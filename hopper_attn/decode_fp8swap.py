@@ -167,8 +167,9 @@ class DecodeFp8Swap(decode.DecodeAttention):
         group = heads // heads_kv
         rows_valid = group * seqlen_q                      # <= rows (checked on the host)
         seqlen_k = mSeqlensK[batch]
-        keys_any = seqlen_k
+        keys_all, keys_any = seqlen_k, seqlen_k    # keys every / any real row sees
         if cutlass.const_expr(self.causal):
+            keys_all = cutlass.min(seqlen_k, cutlass.max(seqlen_k - seqlen_q + 1, 0))
             keys_any = cutlass.min(seqlen_k, cutlass.max(
                 (rows_valid - 1) // group + seqlen_k - seqlen_q + 1, 0))
         n_total = cute.ceil_div(keys_any, bn)
@@ -281,7 +282,7 @@ class DecodeFp8Swap(decode.DecodeAttention):
                 tma.release_stage(k_ring, k_state)
                 k_state.advance()
                 self.tile_softmax(s_rc, o_rc, row_c, limits, m_run, l_run, row_max, tile,
-                                  jt % 2, warp, lane, consumers)
+                                  (tile + 1) * bn > keys_all, jt % 2, warp, lane, consumers)
                 fp8_swap.store_p_two_terms(p_base, s_rc, warp, lane)
                 cute.arch.fence_proxy("async.shared", space="cta")   # P'^T for the WGMMA
                 consumers.arrive_and_wait()
@@ -315,10 +316,11 @@ class DecodeFp8Swap(decode.DecodeAttention):
                            tidx, warp, lane)
 
     @cute.jit
-    def tile_softmax(self, s_rc, o_rc, row_c, limits, m_run, l_run, row_max, tile, buf,
-                     warp, lane, consumers):
-        """S^T's hi and lo columns summed, scaled, masked; the rows' maxima across the
-        warpgroup; P' = 2^8 exp2(t - m) into the hi columns; O'^T and the sums rescaled."""
+    def tile_softmax(self, s_rc, o_rc, row_c, limits, m_run, l_run, row_max, tile, masked,
+                     buf, warp, lane, consumers):
+        """S^T's hi and lo columns summed, scaled, masked (where `masked`: a tile with keys
+        some row does not see); the rows' maxima across the warpgroup; P' = 2^8 exp2(t - m)
+        into the hi columns; O'^T and the sums rescaled."""
         g, qq = lane // 4, lane % 4
         bn = self.block_n
         for j in cutlass.range_constexpr(cute.size(row_c)):
@@ -326,8 +328,9 @@ class DecodeFp8Swap(decode.DecodeAttention):
             for a in cutlass.range_constexpr(cute.size(s_rc.shape[0][1])):
                 for i in cutlass.range_constexpr(2):
                     t = (s_rc[(i, a), (0, j, 0)] + s_rc[(i, a), (1, j, 0)]) * row_c[j]
-                    if tile * bn + 64 * a + 16 * warp + g + 8 * i >= limits[j]:
-                        t = -Float32.inf                   # (a NaN of the cache replaced)
+                    if masked:
+                        if tile * bn + 64 * a + 16 * warp + g + 8 * i >= limits[j]:
+                            t = -Float32.inf               # (a NaN of the cache replaced)
                     s_rc[(i, a), (0, j, 0)] = t
                     top = cute.arch.fmax(top, t)
             for off in (4, 8, 16):

@@ -466,7 +466,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                cache_seqlens.dtype, cache_seqlens.device,
                *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                  for t in tensors[4:]], bool(causal), num_splits, type(num_splits),
-               tuple(window_size), softcap, type(softcap))
+               tuple(window_size), softcap, type(softcap), FP8_CONSUMER)
         prepared = _FAST.get(key)
     except (AttributeError, TypeError):     # not tensors: the checks say so
         key = prepared = None

@@ -127,9 +127,10 @@ def load_q_two_terms(q: cute.Tensor, q_base, row_scale: cute.Tensor, tidx, row0,
     """The tile's `rows` packed Q rows (zeros past rows_valid) as Q' = Q x s_r in two e4m3
     terms: rows 2r (hi) and 2r + 1 (lo) of the (2 rows, d) tile at shared address q_base,
     s_r = Q_TOP / max |q_r| (1 for a zero row); 1 / s_r into row_scale[r] (SMEM fp32). 128
-    threads, 128 / rows neighbouring lanes per row, 16 columns a step."""
-    lanes = 128 // rows
-    cols = head_dim // lanes                  # per thread: 16, 32 or 64 (rows 8, 16, 32)
+    threads, min(128 / rows, d / 16) neighbouring lanes per row (rows 8: threads 64-127 idle),
+    16 columns a step."""
+    lanes = min(128 // rows, head_dim // 16)
+    cols = head_dim // lanes                  # per thread: 16 or 32
     r = tidx // lanes
     c0 = (tidx % lanes) * cols
     vals = cute.make_rmem_tensor((cols,), Float32)
@@ -150,8 +151,14 @@ def load_q_two_terms(q: cute.Tensor, q_base, row_scale: cute.Tensor, tidx, row0,
     scale = Float32(1.0)
     if top > Float32(0.0):
         scale = Float32(Q_TOP) / top
-    if tidx % lanes == 0:
+    if tidx % lanes == 0 and r < rows:
         row_scale[r] = Float32(1.0) / scale
+    if r < rows:
+        _store_q_terms(vals, scale, q_base, r, c0, cols)
+
+
+@cute.jit
+def _store_q_terms(vals: cute.Tensor, scale, q_base, r, c0, cols: cutlass.Constexpr):
     for chunk in cutlass.range_constexpr(cols // 16):
         words = cute.make_rmem_tensor((8,), Int32)
         for k in cutlass.range_constexpr(4):
