@@ -173,6 +173,41 @@ def test_kv_cache_features_compile(page_size, block_n, stages, features):
     assert kernel.describe().get("window") == features.get("window")
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,rows,boxes", [(0, 16, 1), (16, 8, 8)])
+def test_fp8_swap_compiles(page_size, rows, boxes):
+    """The swapped-operand e4m3 consumer (decode_fp8swap, opt-in): compiles for sm_90a
+    without spills, within the registers of two CTAs per SM; both GEMMs are e4m3 WGMMAs
+    (2 m64 atoms x 4 k32 steps each, N = 2R) and V^T comes from ldmatrix.trans, no
+    16-bit WGMMA and no widening pass."""
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = kvcache.compile_kernel(
+            128, True, torch.bfloat16, page_size, 128, 3,
+            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
+            kv_dtype=kvcache.FP8, swap_rows=rows)
+        ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
+    (fn,) = resource_usage(cubin)
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert kernel.ctas_per_sm == 2 and fn["registers"] * kernel.threads * 2 <= 65536, fn
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{2 * rows}k32.f32.e4m3.e4m3") == 16
+    assert ".f16.f16" not in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx
+    assert ptx.count("cp.async.bulk.tensor") == 2 * boxes     # (e4m3 rows: one per box)
+
+
+def test_fp8_swap_plan(monkeypatch):
+    """Opt-in only; its tile (128 x 3) and splits over two CTAs per SM; more than 32 packed
+    rows refused (ValueError, before any launch)."""
+    from hopper_attn.common.contract import Problem
+    problem = Problem(1, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=32768)
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (64, 7)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap")
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 3)
+    with pytest.raises(ValueError, match="packed rows"):
+        kvcache.plan(Problem(1, 32, 16, 128, True, torch.bfloat16, heads_kv=8,
+                             seqlen_k=4096), 0, fp8=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", range(len(kc.feature_cases())))
 def test_feature_case(index):
