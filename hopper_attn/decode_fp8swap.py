@@ -261,33 +261,48 @@ class DecodeFp8Swap(decode.DecodeAttention):
 
             k_state = tma.consumer_state(self.stages)
             v_state = tma.consumer_state(self.stages)
+            # k6's order, shifted by a tile: S_j, then PV_{j-1} behind it; the softmax of
+            # tile j under PV_{j-1}; then O rescaled, V_j's fragment and P'_j for PV_j. No
+            # WGMMA group is in flight across the loop's back edge (ptxas would serialize
+            # every WGMMA: C7514).
+            alpha = cute.make_rmem_tensor((my_rows,), Float32)
             for jt in cutlass.range(n_count, unroll=1):
                 tile = n_first + jt
                 k_ring.consumer_wait(k_state)
                 wgmma.gemm(mma_s, acc_s, k_frag[None, None, None, k_state.index], q_frag,
                            zero_init=True)
+                if jt > 0:                                 # O'^T += V^T_{j-1} P'^T_{j-1}
+                    wgmma.gemm(mma_o, acc_o, vt_frag, p_frag, zero_init=False)
+                    warpgroup.wait_group(1)                # S^T_j done; PV_{j-1} may run
+                else:
+                    warpgroup.wait_group(0)
+                tma.release_stage(k_ring, k_state)
+                k_state.advance()
+                self.tile_softmax(s_rc, row_c, limits, m_run, l_run, alpha, row_max, tile,
+                                  (tile + 1) * bn > keys_all, jt % 2, warp, lane, consumers)
+                cute.arch.fence_acq_rel_cta()              # keeps ptxas's wait below the softmax
+                warpgroup.wait_group(0)                    # PV_{j-1} done: O, V^T, P'^T free
+                for j in cutlass.range_constexpr(my_rows):
+                    for rr in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
+                        for pair in cutlass.range_constexpr(2):
+                            o_rc[rr, (pair, j, 0)] = o_rc[rr, (pair, j, 0)] * alpha[j]
                 v_ring.consumer_wait(v_state)
                 v_base = v_base0 + v_state.index * (bn * d)
                 tail = seqlen_k - tile * bn
                 if tail < bn:                              # V rows past the keys: zeros
                     fp8_swap.clear_rows(v_base, tail, tidx, bn)
                     consumers.arrive_and_wait()           # (before any warp's ldmatrix)
-                warpgroup.wait_group(1)                    # PV_{j-1} done with V^T and P'^T
                 fp8_swap.load_vt_fragment(vt_frag, v_base, warp, lane)
                 if tail < bn:                              # (the async proxy writes it next)
                     cute.arch.fence_proxy("async.shared", space="cta")
                 tma.release_stage(v_ring, v_state)
                 v_state.advance()
-                warpgroup.wait_group(0)                    # S^T_j
-                tma.release_stage(k_ring, k_state)
-                k_state.advance()
-                self.tile_softmax(s_rc, o_rc, row_c, limits, m_run, l_run, row_max, tile,
-                                  (tile + 1) * bn > keys_all, jt % 2, warp, lane, consumers)
                 fp8_swap.store_p_two_terms(p_base, s_rc, warp, lane)
                 cute.arch.fence_proxy("async.shared", space="cta")   # P'^T for the WGMMA
                 consumers.arrive_and_wait()
+            if n_count > 0:                                # the last tile's PV
                 wgmma.gemm(mma_o, acc_o, vt_frag, p_frag, zero_init=False)
-            warpgroup.wait_group(0)
+                warpgroup.wait_group(0)
 
             # the row sums across the 8 lanes and the 4 warps
             for j in cutlass.range_constexpr(my_rows):
@@ -316,11 +331,11 @@ class DecodeFp8Swap(decode.DecodeAttention):
                            tidx, warp, lane)
 
     @cute.jit
-    def tile_softmax(self, s_rc, o_rc, row_c, limits, m_run, l_run, row_max, tile, masked,
+    def tile_softmax(self, s_rc, row_c, limits, m_run, l_run, alpha, row_max, tile, masked,
                      buf, warp, lane, consumers):
         """S^T's hi and lo columns summed, scaled, masked (where `masked`: a tile with keys
         some row does not see); the rows' maxima across the warpgroup; P' = 2^8 exp2(t - m)
-        into the hi columns; O'^T and the sums rescaled."""
+        into the hi columns; the sums rescaled, and `alpha` per row for O'^T."""
         g, qq = lane // 4, lane % 4
         bn = self.block_n
         for j in cutlass.range_constexpr(cute.size(row_c)):
@@ -346,7 +361,7 @@ class DecodeFp8Swap(decode.DecodeAttention):
             m_use = m_new
             if m_new == -Float32.inf:                      # no key yet: P = 0, no NaN
                 m_use = Float32(0.0)
-            alpha = cute.math.exp2(m_run[j] - m_use, fastmath=True)
+            alpha[j] = cute.math.exp2(m_run[j] - m_use, fastmath=True)
             m_run[j] = m_new
             total = Float32(0.0)
             for a in cutlass.range_constexpr(cute.size(s_rc.shape[0][1])):
@@ -354,10 +369,7 @@ class DecodeFp8Swap(decode.DecodeAttention):
                     p = cute.math.exp2(s_rc[(i, a), (0, j, 0)] - m_use, fastmath=True)
                     total = total + p
                     s_rc[(i, a), (0, j, 0)] = p * Float32(fp8_swap.P_SCALE)
-            l_run[j] = l_run[j] * alpha + total
-            for rr in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
-                for pair in cutlass.range_constexpr(2):
-                    o_rc[rr, (pair, j, 0)] = o_rc[rr, (pair, j, 0)] * alpha
+            l_run[j] = l_run[j] * alpha[j] + total
 
     @cute.jit
     def store_out(self, o, mLSE, mOPart, mLSEPart, mCount, acc_o, o_rc, inv, lse, storage,
