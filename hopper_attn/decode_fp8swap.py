@@ -240,8 +240,9 @@ class DecodeFp8Swap(decode.DecodeAttention):
                                           Float32)
             acc_o.fill(0.0)
             s_rc, o_rc = acc_rows_cols(acc_s), acc_rows_cols(acc_o)
-            my_rows = cute.size(s_rc.shape[1][1])          # rows r = qq + 4j of this thread
-            key_slots = cute.size(s_rc, mode=[0])          # its keys of a tile: g + 8i + 16w + 64a
+            # this thread's rows r = qq + 4j (S^T columns 2r, 2r + 1) and keys of a tile
+            # 64a + 16 warp + g + 8i
+            my_rows = cute.size(s_rc.shape[1][1])
 
             # per row: the score scale (log2 units: softmax scale x k_descale / s_r), the
             # first hidden key, the running max and this thread's share of the sum
