@@ -25,10 +25,10 @@ request's set to -inf) and V's rows past the keys zeroed before they are read (a
 hold NaN there).
 
 Budget at d = 128, 128-key tiles, 3 stages: SMEM = K + V rings 96 KiB + Q' 2R x 128 B +
-P'^T 2R x 128 B + row maxima 2 x R x 4 x 4 B + barriers: 106 KiB at R = 16, 114 at R = 32,
-two CTAs per SM. Registers per consumer thread: S^T 2R + O'^T 2R fp32, V^T fragment 32,
-R / 4 rows of state. Leaves out (ValueError): window, softcap, sinks, d != 128, more than
-32 packed rows.
+P'^T 2R x 128 B + row maxima 2 x R x 4 x 4 B + barriers: 101 KiB at R = 8, 105 at R = 16
+(two CTAs per SM), 114 at R = 32 (one). Registers per consumer thread: S^T 2R + O'^T 2R
+fp32, V^T fragment 32, R / 4 rows of state (139 at R = 8, ~155 at 16, 232 at 32). Leaves
+out (ValueError): window, softcap, sinks, d != 128, more than 32 packed rows.
 """
 
 from __future__ import annotations
