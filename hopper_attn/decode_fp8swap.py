@@ -65,18 +65,18 @@ def smem_estimate(rows: int, block_n: int = BLOCK_N, stages: int = STAGES,
         + smem_bytes(2 * rows * head_dim) + smem_bytes(2 * rows * block_n) + 2 * rows * 16
 
 
-def ctas_per_sm(rows: int) -> int:
-    return max(1, min(2, decode.SMEM_PER_SM // (smem_estimate(rows) + 1024)))
+def ctas_per_sm(rows: int, stages: int = STAGES) -> int:
+    return max(1, min(2, decode.SMEM_PER_SM // (smem_estimate(rows, stages=stages) + 1024)))
 
 
-def num_splits_for(problem, sms: int = 0) -> int:
+def num_splits_for(problem, stages: int = STAGES, sms: int = 0) -> int:
     """decode.num_splits_for's rule with this kernel's tile and CTAs per SM."""
     from hopper_attn.common.scheduler import sm_count
     sms = sms or sm_count()
-    limits = decode.split_limits(problem, BLOCK_N, STAGES, sms)
+    limits = decode.split_limits(problem, BLOCK_N, stages, sms)
     items = problem.batch * problem.kv_heads
     rows = rows_for(problem.heads // problem.kv_heads * problem.seqlen)
-    wave = max(1, sms * ctas_per_sm(rows) // items)
+    wave = max(1, sms * ctas_per_sm(rows, stages) // items)
     return min(decode.MAX_SPLITS, wave, limits["length"], limits["combine"])
 
 
@@ -91,11 +91,11 @@ class DecodeFp8Swap(decode.DecodeAttention):
             raise ValueError("fp8 swap: no window or softcap (the widening loop has them)")
         if rows not in ROW_CHOICES:
             raise ValueError(f"fp8 swap: rows must be one of {ROW_CHOICES}, got {rows}")
-        # (the base's checks and fields for a 16-bit cache; then this kernel's own)
-        super().__init__(head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size)
-        self.fp8, self.rows, self.threads = True, rows, decode.THREADS
+        # (the base's checks and fields for a 16-bit cache of one stage; then this kernel's)
+        super().__init__(head_dim, causal, block_n, 1, kv_cache=True, page_size=page_size)
+        self.fp8, self.rows, self.threads, self.stages = True, rows, decode.THREADS, stages
         self.wide_stages = 0
-        self.ctas_per_sm = ctas_per_sm(rows)
+        self.ctas_per_sm = ctas_per_sm(rows, stages)
         if smem_estimate(rows, block_n, stages) > decode.SMEM_PER_CTA:
             raise ValueError(f"fp8 swap: {stages} stages do not fit")
 

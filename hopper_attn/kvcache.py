@@ -233,13 +233,20 @@ def _args(tensors, tvm_ffi: bool) -> list:
 
 # The e4m3 cache's consumer: "widen" (decode.py's loader warpgroup; the default) or "swap"
 # (decode_fp8swap.py, a prototype: S^T = K Q'^T and O'^T = V^T P'^T with e4m3 WGMMAs; d 128,
-# at most 32 packed rows, no window / softcap / sinks; docs/lab/kvcache.md)
+# at most 32 packed rows, no window / softcap / sinks; docs/lab/kvcache.md); "swap:S" with
+# S e4m3 stages instead of decode_fp8swap.STAGES
 FP8_CONSUMER = "widen"
+
+
+def _swap_stages() -> int:
+    from hopper_attn import decode_fp8swap
+    _, _, stages = FP8_CONSUMER.partition(":")
+    return int(stages) if stages else decode_fp8swap.STAGES
 
 
 def _swap_rows(problem: Problem, fp8: bool) -> int:
     """R of the swapped-operand consumer for this call (0: the default consumer)."""
-    if not fp8 or FP8_CONSUMER != "swap":
+    if not fp8 or FP8_CONSUMER.partition(":")[0] != "swap":
         return 0
     from hopper_attn import decode_fp8swap
     if problem.head_dim != 128 or problem.windowed:
@@ -323,8 +330,9 @@ def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int,
     from hopper_attn import decode
     if _swap_rows(problem, fp8):
         from hopper_attn import decode_fp8swap
-        return (decode_fp8swap.BLOCK_N, decode_fp8swap.STAGES,
-                num_splits or decode_fp8swap.num_splits_for(problem))
+        stages = _swap_stages()
+        return (decode_fp8swap.BLOCK_N, stages,
+                num_splits or decode_fp8swap.num_splits_for(problem, stages))
     block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
     return block_n, stages, splits

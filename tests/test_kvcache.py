@@ -202,13 +202,15 @@ def test_fp8_swap_compiles(page_size, rows, boxes):
 
 
 def test_fp8_swap_plan(monkeypatch):
-    """Opt-in only; its tile (128 x 3) and splits over two CTAs per SM; more than 32 packed
+    """Opt-in only; its tile (128 x 3, or "swap:S" stages) and splits; more than 32 packed
     rows refused (ValueError, before any launch)."""
     from hopper_attn.common.contract import Problem
     problem = Problem(1, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=32768)
     assert kvcache.plan(problem, 0, fp8=True)[:2] == (64, 7)
     monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap")
     assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 3)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap:6")     # (6 stages, one CTA per SM)
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 6)
     with pytest.raises(ValueError, match="packed rows"):
         kvcache.plan(Problem(1, 32, 16, 128, True, torch.bfloat16, heads_kv=8,
                              seqlen_k=4096), 0, fp8=True)

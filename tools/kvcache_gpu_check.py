@@ -54,8 +54,9 @@ key counts, 1-4 queries at group 4 and 4 queries at group 8 (8-32 packed rows), 
 forced and automatic splits, causal and not, per-kv-head descales) checked as the quick
 e4m3 cases are (fp32 reference over the dequantized cache, 2x the error of SDPA over it in
 bf16 + 2^-10, LSE, same bits twice); then (not with --quick) the round-robin speed of the
-bf16 cache, the current e4m3 loop ("widen") and the swapped one at the four --fp8-speed
-shapes, and the largest difference between the two e4m3 outputs.
+bf16 cache, the current e4m3 loop ("widen") and the swapped one (3 stages, two CTAs per SM;
+and "swap:6", 6 stages, one CTA per SM) at the four --fp8-speed shapes, and the largest
+difference between the two e4m3 outputs.
 Everything goes to $OUT/kvcache.json.
 """
 
@@ -201,14 +202,16 @@ def fp8_swap_speed() -> list:
         timed = round_robin({
             "bf16": [lambda k=k, v=v: call(q, k, v, seqlens, "widen") for k, v in sets],
             "widen": [lambda k=k, v=v: call(q, k, v, seqlens, "widen") for k, v in sets8],
-            "swap": [lambda k=k, v=v: call(q, k, v, seqlens, "swap") for k, v in sets8]})
+            "swap": [lambda k=k, v=v: call(q, k, v, seqlens, "swap") for k, v in sets8],
+            # (6 stages: one CTA per SM, the same 192 KiB in flight per SM)
+            "swap:6": [lambda k=k, v=v: call(q, k, v, seqlens, "swap:6") for k, v in sets8]})
         us = {k: e["ms"] * 1e3 for k, e in timed.items() if "ms" in e}
         nan = float("nan")
         print(f"B{batch} {n // 1024}k: bf16 {us.get('bf16', nan):.1f} us | e4m3 widen "
               f"{us.get('widen', nan):.1f} | e4m3 swap {us.get('swap', nan):.1f} | swap / bf16 "
               f"speed {us.get('bf16', nan) / us.get('swap', nan):.2f}x, swap / widen "
-              f"{us.get('widen', nan) / us.get('swap', nan):.2f}x | max |swap - widen| "
-              f"{diff:.1e}", flush=True)
+              f"{us.get('widen', nan) / us.get('swap', nan):.2f}x | swap:6 (1 CTA/SM) "
+              f"{us.get('swap:6', nan):.1f} | max |swap - widen| {diff:.1e}", flush=True)
         rows.append({"batch": batch, "seqlen_k": n, "timed": timed, "swap_minus_widen": diff,
                      "plan_swap": _swap_plan(batch, n)})
         del sets, sets8
