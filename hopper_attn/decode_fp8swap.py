@@ -292,7 +292,9 @@ class DecodeFp8Swap(decode.DecodeAttention):
                 tail = seqlen_k - tile * bn
                 if tail < bn:                              # V rows past the keys: zeros
                     fp8_swap.clear_rows(v_base, tail, tidx, bn)
-                    consumers.arrive_and_wait()           # (before any warp's ldmatrix)
+                # every warp past its wait for PV_{j-1} (which read all of P'^T) before any
+                # writes P'_j; and V's cleared rows before any warp's ldmatrix
+                consumers.arrive_and_wait()
                 fp8_swap.load_vt_fragment(vt_frag, v_base, warp, lane)
                 if tail < bn:                              # (the async proxy writes it next)
                     cute.arch.fence_proxy("async.shared", space="cta")
