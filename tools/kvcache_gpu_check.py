@@ -49,7 +49,8 @@ bf16 and the e4m3 cache (the same values), contiguous, at B1 32k, B1 128k, B64 4
 B256 4k (one query, Hq 32 / Hkv 8, d 128, causal), the same round-robin; e4m3 / bf16 speed.
 `--fp8-swap` (instead of the above): the prototype e4m3 consumer with swapped operands
 (kvcache.FP8_CONSUMER = "swap", hopper_attn/decode_fp8swap.py, docs/lab/kvcache.md):
-`swap_cases` (contiguous and 16 / 64 / 128-token pages, NaN in unused pages, odd and zero
+one-hot probes of its index maps (`swap_probe`: 16 packed rows, each attending to one key
+of its own; which rows are wrong and whose V they got), then `swap_cases` (contiguous and 16 / 64 / 128-token pages, NaN in unused pages, odd and zero
 key counts, 1-4 queries at group 4 and 4 queries at group 8 (8-32 packed rows), appends,
 forced and automatic splits, causal and not, per-kv-head descales) checked as the quick
 e4m3 cases are (fp32 reference over the dequantized cache, 2x the error of SDPA over it in
@@ -151,11 +152,66 @@ def swap_cases() -> list:
     ]
 
 
+def swap_probe() -> list:
+    """One-hot probes of the swapped consumer's index maps (a diagnosis where the cases
+    fail): 4 queries x 4 heads of one kv head (16 packed rows), 128 keys, not causal; row
+    (query i, head h) has q = e_(4i + h) and its own key k_ih with K[k_ih, 4i + h] = 448,
+    every other K zero, so its output is V[k_ih] (to 1e-3: the other keys weigh 2^-57).
+    Per probe: the rows whose output is not V[k_ih], and for the first such row the key
+    whose V it is, and whether it is V[k_ih] with its d permuted."""
+    from hopper_attn import attention_with_kvcache, kvcache
+    f8 = torch.float8_e4m3fn
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n, queries, group = 128, 4, 4
+    v = torch.randint(-8, 9, (1, n, 1, D), device="cuda", generator=gen).float()
+    rows = []
+    for shift in (0, 1, 5, 37):
+        q = torch.zeros(1, queries, group, D, device="cuda")
+        k = torch.zeros(1, n, 1, D, device="cuda")
+        keys = {}
+        for i in range(queries):
+            for h in range(group):
+                c = 4 * i + h
+                keys[(i, h)] = (c * 7 + shift) % n
+                q[0, i, h, c] = 1.0
+                k[0, keys[(i, h)], 0, c] = 448.0
+        kvcache.FP8_CONSUMER = "swap"
+        try:
+            out = attention_with_kvcache(q.to(torch.bfloat16), k.to(f8), v.to(f8),
+                                         torch.full((1,), n, dtype=torch.int32,
+                                                    device="cuda"), causal=False)[0, :, :, :]
+        finally:
+            kvcache.FP8_CONSUMER = "widen"
+        out = out.float()
+        wrong = [(i, h) for (i, h), kk in keys.items()
+                 if not torch.allclose(out[i, h], v[0, kk, 0], atol=1e-3)]
+        row = {"shift": shift, "wrong_rows": wrong}
+        if wrong:
+            i, h = wrong[0]
+            got, want = out[i, h], v[0, keys[(i, h)], 0]
+            row["nearest_key"] = int((v[0, :, 0] - got).abs().sum(-1).argmin())
+            row["expected_key"] = keys[(i, h)]
+            row["d_permuted"] = bool(torch.equal(got.sort().values, want.sort().values))
+            row["sample"] = [got[:8].tolist(), want[:8].tolist()]
+        print(f"swap probe shift {shift}: {16 - len(wrong)}/16 rows right"
+              + (f"; row {wrong[0]} got key {row['nearest_key']}'s V (expected "
+                 f"{row['expected_key']}), d permuted {row['d_permuted']}" if wrong else ""),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def fp8_swap(quick: bool) -> dict:
-    """--fp8-swap: `swap_cases` with the swapped consumer; then e4m3 speed, both loops."""
+    """--fp8-swap: one-hot probes and `swap_cases` with the swapped consumer; then e4m3
+    speed, both loops."""
     from hopper_attn import kvcache
     from hopper_attn.harness import kvcache_check as kc
     result = {"correctness": []}
+    try:
+        result["probes"] = swap_probe()
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        result["probes"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(f"swap probe FAILED: {result['probes'][:200]}", flush=True)
     rows = result["correctness"]
     kvcache.FP8_CONSUMER = "swap"
     try:
