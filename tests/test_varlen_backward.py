@@ -141,7 +141,7 @@ def test_compiles_at_d192_and_refuses_unverified_head_dims(monkeypatch):
         wide = torch.empty(100, 4, d, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="head dims 64 and 128"):
             compile_for(wide, wide, True)
-    monkeypatch.setattr(api, "VARLEN_BACKWARD_HEAD_DIMS", (64, 128, 192))
+    monkeypatch.setattr(api, "VARLEN_BACKWARD_UNVERIFIED", (96, 256))
     with tempfile.TemporaryDirectory() as dump:
         handle = compile_for(q, k, True, compile_options=(
             f"--keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))
