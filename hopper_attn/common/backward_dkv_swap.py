@@ -47,7 +47,7 @@ loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48). FA4'
 dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept").
 
 Packed batches (`varlen`) need nothing of their own here: the kernel hands this consumer a
-sequence as a batch of one (common/varlen_backward.py; attention_varlen's backward at d = 192
+sequence as a batch of one (common/varlen_backward.py; attention_varlen's backward at d = 256
 waits for its GPU check: varlen_backward.UNVERIFIED_HEAD_DIMS).
 """
 
