@@ -577,7 +577,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 (any of its
     head dims) and the decode stage (the cap is compiled in: one compile per cap value),
     differentiable at
-    head_dim 64 to 192 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
+    head_dim 64 to 256 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
     non-finite cap, or a stage without it.
 
     `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
