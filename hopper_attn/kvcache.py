@@ -231,11 +231,12 @@ def _args(tensors, tvm_ffi: bool) -> list:
             for i, t in enumerate(tensors)]
 
 
-# The e4m3 cache's consumer: "widen" (decode.py's loader warpgroup; the default) or "swap"
-# (decode_fp8swap.py, a prototype: S^T = K Q'^T and O'^T = V^T P'^T with e4m3 WGMMAs; d 128,
-# at most 32 packed rows, no window / softcap / sinks; docs/lab/kvcache.md); "swap:S" with
-# S e4m3 stages instead of decode_fp8swap.STAGES
-FP8_CONSUMER = "widen"
+# The e4m3 cache's consumer. "auto" (the default): the swapped-operand one
+# (decode_fp8swap.py: S^T = K Q'^T and O'^T = V^T P'^T with e4m3 WGMMAs) at d 128 with at
+# most 32 packed rows and no window / softcap / sinks, where the H200 measured it 1.5-1.9x
+# the bf16 cache (docs/kvcache.md); decode.py's widening loaders elsewhere. "swap" forces the
+# former (ValueError where it cannot run), "widen" the latter; "swap:S": S e4m3 stages.
+FP8_CONSUMER = "auto"
 
 
 def _swap_stages() -> int:
@@ -244,14 +245,22 @@ def _swap_stages() -> int:
     return int(stages) if stages else decode_fp8swap.STAGES
 
 
-def _swap_rows(problem: Problem, fp8: bool) -> int:
-    """R of the swapped-operand consumer for this call (0: the default consumer)."""
-    if not fp8 or FP8_CONSUMER.partition(":")[0] != "swap":
+def _swap_rows(problem: Problem, fp8: bool, softcap: float = 0.0, sinks: bool = False) -> int:
+    """R of the swapped-operand consumer for this call (0: the widening consumer)."""
+    consumer = FP8_CONSUMER.partition(":")[0]
+    if not fp8 or consumer == "widen":
         return 0
     from hopper_attn import decode_fp8swap
+    packed = problem.heads // problem.kv_heads * problem.seqlen
+    fits = (problem.head_dim == 128 and not problem.windowed and not softcap and not sinks
+            and packed <= decode_fp8swap.ROW_CHOICES[-1])
+    if consumer == "auto" and not fits:
+        return 0
     if problem.head_dim != 128 or problem.windowed:
         raise ValueError("FP8_CONSUMER 'swap': d = 128 without a window only")
-    return decode_fp8swap.rows_for(problem.heads // problem.kv_heads * problem.seqlen)
+    if softcap or sinks:
+        raise ValueError("FP8_CONSUMER 'swap': no sinks or softcap")
+    return decode_fp8swap.rows_for(packed)
 
 
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
@@ -277,8 +286,6 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     from cutlass.cute.runtime import make_fake_stream
     from hopper_attn import decode
     if swap_rows:
-        if sinks or softcap:
-            raise ValueError("FP8_CONSUMER 'swap': no sinks or softcap")
         from hopper_attn import decode_fp8swap
         kernel = decode_fp8swap.DecodeFp8Swap(head_dim, causal, block_n, stages,
                                               page_size=page_size, rows=swap_rows)
@@ -324,11 +331,12 @@ def _workspace(problem: Problem, device, block_n: int, stages: int, splits: int)
     return ws
 
 
-def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int, int, int]:
+def plan(problem: Problem, num_splits: int = 0, fp8: bool = False, softcap: float = 0.0,
+         sinks: bool = False) -> tuple[int, int, int]:
     """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the e4m3
-    cache's tile and ring depth, decode.FP8_TILES, one CTA per SM)."""
+    cache's consumer: the swapped one's tile, or decode.FP8_TILES, one CTA per SM)."""
     from hopper_attn import decode
-    if _swap_rows(problem, fp8):
+    if _swap_rows(problem, fp8, softcap, sinks):
         from hopper_attn import decode_fp8swap
         stages = _swap_stages()
         return (decode_fp8swap.BLOCK_N, stages,
@@ -353,12 +361,13 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_des
                                        v_new, num_splits, None, k_descale, v_descale)
     problem = problem_for(q, k_cache.shape[2], capacity, causal, window)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
-    block_n, stages, splits = plan(problem, num_splits, k_cache.dtype == FP8)
+    fp8 = k_cache.dtype == FP8
+    block_n, stages, splits = plan(problem, num_splits, fp8, cap, with_sinks)
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
                                  block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype,
                                  window=window, softcap=cap, sinks=with_sinks,
-                                 swap_rows=_swap_rows(problem, k_cache.dtype == FP8))
+                                 swap_rows=_swap_rows(problem, fp8, cap, with_sinks))
     workspace = _workspace(problem, q.device, block_n, stages, splits)
     return compiled, workspace, tvm_ffi, problem.head_dim
 

@@ -202,18 +202,23 @@ def test_fp8_swap_compiles(page_size, rows, boxes):
 
 
 def test_fp8_swap_plan(monkeypatch):
-    """Opt-in only; its tile (128 x 3, or "swap:S" stages) and splits; more than 32 packed
-    rows refused (ValueError, before any launch)."""
+    """The default ("auto") takes the swapped consumer at d 128 with <= 32 packed rows and no
+    window / softcap / sinks, the widening one elsewhere; "swap" forces it (more than 32
+    packed rows refused, ValueError before any launch), "swap:S" sets its stages."""
     from hopper_attn.common.contract import Problem
     problem = Problem(1, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=32768)
-    assert kvcache.plan(problem, 0, fp8=True)[:2] == (64, 7)
-    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap")
+    wide = Problem(1, 32, 16, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=4096)
     assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 3)
+    for other in (dict(softcap=50.0), dict(sinks=True)):
+        assert kvcache.plan(problem, 0, fp8=True, **other)[:2] == (64, 7)
+    assert kvcache.plan(wide, 0, fp8=True)[:2] == (64, 7)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "widen")
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (64, 7)
     monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap:6")     # (6 stages, one CTA per SM)
     assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 6)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap")
     with pytest.raises(ValueError, match="packed rows"):
-        kvcache.plan(Problem(1, 32, 16, 128, True, torch.bfloat16, heads_kv=8,
-                             seqlen_k=4096), 0, fp8=True)
+        kvcache.plan(wide, 0, fp8=True)
 
 
 @pytest.mark.gpu

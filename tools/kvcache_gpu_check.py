@@ -47,8 +47,9 @@ pages, appends; the fp32 reference under the same masks, cap and sinks), then (n
 `--fp8-speed` (instead of the above, no correctness: --quick has the e4m3 cases): the
 bf16 and the e4m3 cache (the same values), contiguous, at B1 32k, B1 128k, B64 4k and
 B256 4k (one query, Hq 32 / Hkv 8, d 128, causal), the same round-robin; e4m3 / bf16 speed.
-`--fp8-swap` (instead of the above): the prototype e4m3 consumer with swapped operands
-(kvcache.FP8_CONSUMER = "swap", hopper_attn/decode_fp8swap.py, docs/lab/kvcache.md):
+`--fp8-swap` (instead of the above): the e4m3 consumer with swapped operands (the default
+at d 128 with <= 32 packed rows; forced here with kvcache.FP8_CONSUMER = "swap",
+hopper_attn/decode_fp8swap.py, docs/kvcache.md):
 one-hot probes of its index maps (`swap_probe`: 16 packed rows, each attending to one key
 of its own; which rows are wrong and whose V they got), then `swap_cases` (contiguous and 16 / 64 / 128-token pages, NaN in unused pages, odd and zero
 key counts, 1-4 queries at group 4 and 4 queries at group 8 (8-32 packed rows), appends,
@@ -56,7 +57,7 @@ forced and automatic splits, causal and not, per-kv-head descales) checked as th
 e4m3 cases are (fp32 reference over the dequantized cache, 2x the error of SDPA over it in
 bf16 + 2^-10, LSE, same bits twice); then (not with --quick) the round-robin speed of the
 bf16 cache, the current e4m3 loop ("widen") and the swapped one (3 stages, two CTAs per SM;
-and "swap:6", 6 stages, one CTA per SM) at the four --fp8-speed shapes, and the largest
+and "swap:6", 6 stages, one CTA per SM) at the four --fp8-speed shapes and B8 32k, and the largest
 difference between the two e4m3 outputs.
 Everything goes to $OUT/kvcache.json.
 """
@@ -181,7 +182,7 @@ def swap_probe() -> list:
                                          torch.full((1,), n, dtype=torch.int32,
                                                     device="cuda"), causal=False)[0, :, :, :]
         finally:
-            kvcache.FP8_CONSUMER = "widen"
+            kvcache.FP8_CONSUMER = "auto"
         out = out.float()
         wrong = [(i, h) for (i, h), kk in keys.items()
                  if not torch.allclose(out[i, h], v[0, kk, 0], atol=1e-3)]
@@ -223,7 +224,7 @@ def fp8_swap(quick: bool) -> dict:
                              "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
             print("swap " + _line(rows[-1]), flush=True)
     finally:
-        kvcache.FP8_CONSUMER = "widen"
+        kvcache.FP8_CONSUMER = "auto"
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     print(f"fp8 swap correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass, max error "
           f"ratio {max(ratios, default=float('nan')):.2f} (limit 2 + 2^-10 / torch error)")
@@ -242,10 +243,10 @@ def fp8_swap_speed() -> list:
         try:
             return attention_with_kvcache(q, k, v, seqlens)
         finally:
-            kvcache.FP8_CONSUMER = "widen"
+            kvcache.FP8_CONSUMER = "auto"
 
     rows = []
-    for batch, n in SMALL:
+    for batch, n in SMALL + [(8, 32768)]:
         gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
         copies = max(2, math.ceil(2 * L2_BYTES / (2 * batch * n * HKV * D * 2)))
         q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
@@ -283,7 +284,7 @@ def _swap_plan(batch: int, n: int) -> list:
         return list(kvcache.plan(Problem(batch, HQ, 1, D, True, torch.bfloat16, heads_kv=HKV,
                                          seqlen_k=n), 0, True))
     finally:
-        kvcache.FP8_CONSUMER = "widen"
+        kvcache.FP8_CONSUMER = "auto"
 
 
 def nan_probe() -> list:
