@@ -239,10 +239,10 @@ def _args(tensors, tvm_ffi: bool) -> list:
 FP8_CONSUMER = "auto"
 
 
-def _swap_stages() -> int:
+def _swap_stages(problem: Problem) -> int:
     from hopper_attn import decode_fp8swap
     _, _, stages = FP8_CONSUMER.partition(":")
-    return int(stages) if stages else decode_fp8swap.STAGES
+    return int(stages) if stages else decode_fp8swap.stages_for(problem)
 
 
 def _swap_rows(problem: Problem, fp8: bool, softcap: float = 0.0, sinks: bool = False) -> int:
@@ -338,7 +338,7 @@ def plan(problem: Problem, num_splits: int = 0, fp8: bool = False, softcap: floa
     from hopper_attn import decode
     if _swap_rows(problem, fp8, softcap, sinks):
         from hopper_attn import decode_fp8swap
-        stages = _swap_stages()
+        stages = _swap_stages(problem)
         return (decode_fp8swap.BLOCK_N, stages,
                 num_splits or decode_fp8swap.num_splits_for(problem, stages))
     block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)

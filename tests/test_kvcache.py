@@ -208,14 +208,16 @@ def test_fp8_swap_plan(monkeypatch):
     from hopper_attn.common.contract import Problem
     problem = Problem(1, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=32768)
     wide = Problem(1, 32, 16, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=4096)
-    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 3)
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 6)        # (B1: 8 pairs)
+    many = Problem(64, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=4096)
+    assert kvcache.plan(many, 0, fp8=True)[:2] == (128, 3)
     for other in (dict(softcap=50.0), dict(sinks=True)):
         assert kvcache.plan(problem, 0, fp8=True, **other)[:2] == (64, 7)
     assert kvcache.plan(wide, 0, fp8=True)[:2] == (64, 7)
     monkeypatch.setattr(kvcache, "FP8_CONSUMER", "widen")
     assert kvcache.plan(problem, 0, fp8=True)[:2] == (64, 7)
-    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap:6")     # (6 stages, one CTA per SM)
-    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 6)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap:3")
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 3)
     monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap")
     with pytest.raises(ValueError, match="packed rows"):
         kvcache.plan(wide, 0, fp8=True)
