@@ -213,14 +213,16 @@ POLICY = [
 ]
 
 
-def policy(problem) -> dict:
+def policy(problem, window_mask: str = "compare") -> dict:
     """The settings of POLICY's first row for the problem's head dim, mask and query length
     (a sliding window takes the causal rows)."""
     masked = problem.causal or getattr(problem, "windowed", False)
     seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
-    if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0:
+    if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0 and \
+            window_mask != "bits":
         # a window's left side: two limits per row, with which 192-row tiles spill (as the
-        # two-compare causal mask did): the 128-row causal row at every length
+        # two-compare causal mask did): the 128-row causal row at every length (the bit
+        # masks fit 192 rows)
         seqlen = 0
     for d, causal, lengths, settings, _why, _results in POLICY:
         if d == dims and causal == masked and seqlen in lengths:
@@ -241,7 +243,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False, window_left: int = -1, window_right: int = -1,
-                 head_dim_v: int = 0):
+                 head_dim_v: int = 0, window_mask: str = "compare"):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -299,6 +301,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if windowed and (stream_k or not kv_tail):
             raise ValueError("k6: a sliding window needs kv_tail and no stream_k")
         self.schedule = TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail), *window)
+        # a window's masked tiles: compares per element, or "bits" (common/masking.py)
+        if window_mask not in ("compare", "bits") or (window_mask == "bits" and block_n > 128):
+            raise ValueError(f"window_mask: compare or bits (kv tile <= 128), got {window_mask}")
+        self.window_mask_bits = window_mask == "bits" and windowed
         # the persistent grid (module doc): with a causal mask the next item from a global
         # counter, in head groups of `longest_first` MiB of K and V (N x d x 4 bytes a head)
         if stream_k and causal:
@@ -721,7 +727,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 # of BASE (spin_waits, uniform_descriptors, mask_per_row, fast_divmod, stream_k) are POLICY's
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fma_exp2_every",
            "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail", "peel_first",
-           "longest_first", "softcap")
+           "longest_first", "softcap", "window_mask")
 # softcapped exponents against a fixed 0 (OnlineSoftmax.fixed_max: no row maxima, no O
 # rescale) where the H200 measured them faster and correct: bf16 (P up to 2^(cap log2(e)),
 # past fp16's 2^16), cap <= 69 (cap log2(e) <= 100), d 128 and 256
@@ -736,7 +742,8 @@ def settings_for(problem, **overrides) -> dict:
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
-    settings = {**policy(problem), **{k: v for k, v in overrides.items() if v is not None}}
+    settings = {**policy(problem, overrides.get("window_mask") or "compare"),
+                **{k: v for k, v in overrides.items() if v is not None}}
     tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
     if tile is not None:
         settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))

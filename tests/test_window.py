@@ -13,8 +13,8 @@ import torch
 from hopper_attn.common.contract import Problem, normalize_window
 from hopper_attn.harness.window_reference import (gradient_errors, reference, torch_lowp,
                                                    window_inputs as _inputs, window_mask)
-from hopper_attn.common.masking import (window_m_range, window_needs_mask, window_ranges,
-                                        window_visible)
+from hopper_attn.common.masking import (window_keep_bits, window_m_range, window_needs_mask,
+                                        window_ranges, window_visible)
 
 # (left, right) with causal folded in (right 0); -1: unbounded
 WINDOWS = [(0, 0), (3, 0), (127, 0), (128, 0), (200, 0), (4095, 0), (256, 256), (-1, 64),
@@ -50,6 +50,29 @@ def test_forward_tile_ranges_match_the_element_mask(left, right):
                 cols = range(n * bn, (n + 1) * bn)
                 if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
                     assert all(j < nk and vis[i][j] for i in rows for j in cols), (m, n)
+
+
+@pytest.mark.parametrize("left,right", WINDOWS)
+def test_window_mask_bits_match_the_element_mask(left, right):
+    """k6's window_mask="bits" (masking.mask_window_bits, through its host mirror): in every
+    masked tile each thread's keep bit of element c (column thr_col + 8 (c // 2) + c % 2 of
+    the SM90 accumulator, thr_col = 2 (lane % 4)) is the element's visibility."""
+    for (nq, nk), (bm, bn) in itertools.product(LENGTHS[2:], TILES[:3]):
+        vis = _visible(nq, nk, left, right)
+        cols = bn // 4
+        for m in range(-(-nq // bm)):
+            first, count = window_ranges(m, bm, bn, nq, nk, left, right)
+            for n in range(first, count):
+                if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
+                    continue
+                for i, thr_col in itertools.product(range(m * bm, min((m + 1) * bm, nq)),
+                                                    (0, 2, 4, 6)):
+                    keep = window_keep_bits(i + nk - nq - n * bn - thr_col,
+                                            nk - n * bn - thr_col, cols, right >= 0,
+                                            max(right, 0), left)
+                    for c in range(cols):
+                        j = n * bn + thr_col + 8 * (c // 2) + c % 2
+                        assert bool(keep >> c & 1) == (j < nk and vis[i][j]), (m, n, i, c)
 
 
 @pytest.mark.parametrize("left,right", WINDOWS)
@@ -135,6 +158,20 @@ def test_k6_window_compiles_without_spills(d, causal, window, seqlen):
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
     art = compile_artifacts(registry.get("k6"), d, causal, seqlen=seqlen, window=window)
     assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,seqlen,window", [(64, 8192, (127, -1)), (128, 1000, (256, 256))])
+def test_k6_window_mask_bits_compiles_without_spills(d, seqlen, window):
+    """window_mask="bits": at d = 64 with a left side on the causal row's 192-row tile."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get("k6:window_mask=bits"), d, window[1] < 0,
+                            seqlen=seqlen, window=window)
+    assert art["ok"], art.get("error")
+    assert art["kernel"]["block_m"] == (192 if d == 64 else 128)
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
