@@ -213,13 +213,13 @@ POLICY = [
 ]
 
 
-def policy(problem, window_mask: str = "compare") -> dict:
+def policy(problem, window_mask: str = "") -> dict:
     """The settings of POLICY's first row for the problem's head dim, mask and query length
-    (a sliding window takes the causal rows)."""
+    (a sliding window takes the causal rows; window_mask: "" for WINDOW_MASK)."""
     masked = problem.causal or getattr(problem, "windowed", False)
     seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
     if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0 and \
-            window_mask != "bits":
+            (window_mask or WINDOW_MASK) != "bits":
         # a window's left side: two limits per row, with which 192-row tiles spill (as the
         # two-compare causal mask did): the 128-row causal row at every length (the bit
         # masks fit 192 rows)
@@ -727,22 +727,28 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 # of BASE (spin_waits, uniform_descriptors, mask_per_row, fast_divmod, stream_k) are POLICY's
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fma_exp2_every",
            "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail", "peel_first",
-           "longest_first", "softcap", "window_mask")
+           "longest_first", "softcap")
 # softcapped exponents against a fixed 0 (OnlineSoftmax.fixed_max: no row maxima, no O
 # rescale) where the H200 measured them faster and correct: bf16 (P up to 2^(cap log2(e)),
 # past fp16's 2^16), cap <= 69 (cap log2(e) <= 100), d 128 and 256
 # (results/h200/2026-11-29_softcap.json; docs/softcap.md)
 SOFTCAP_FIXED_MAX_DIMS = (128, 256)
+# a window's masked tiles (settings_for's `window_mask`, windowed problems only; not one of
+# OPTIONS): "compare" per element, or "bits" (per-row keep masks, common/masking.py; at d = 64
+# also the causal row's 192-row tiles), on the H200 by tools/window_fwd_gpu_check.py
+WINDOW_MASK = "compare"
 
 
-def settings_for(problem, **overrides) -> dict:
+def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     """FlashAttentionK6's settings for `problem`: its POLICY row, then `overrides` (None:
     the row's). kv_tail="whole" resolves to no tail test where the key length is a
-    multiple of the kv tile (no mask); peel_first needs the loop's tail test."""
+    multiple of the kv tile (no mask); peel_first needs the loop's tail test. window_mask:
+    WINDOW_MASK's choice for this call (windowed problems; "": WINDOW_MASK)."""
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
-    settings = {**policy(problem, overrides.get("window_mask") or "compare"),
+    window_mask = window_mask or WINDOW_MASK
+    settings = {**policy(problem, window_mask),
                 **{k: v for k, v in overrides.items() if v is not None}}
     tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
     if tile is not None:
@@ -751,7 +757,7 @@ def settings_for(problem, **overrides) -> dict:
         # the causal row's settings; a window's item starts at kv tile n_block_first, which
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
-                        stream_k=False, kv_tail=True)
+                        stream_k=False, kv_tail=True, window_mask=window_mask)
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])
@@ -766,16 +772,16 @@ def settings_for(problem, **overrides) -> dict:
 
 
 def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, sinks: int = 0,
-                   **overrides):
+                   window_mask: str = "", **overrides):
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden (docs/k6.md): tile ("192x96":
     block_m x block_n), kv_tail (0: no tail test, for whole kv tiles; "whole": 0 where the
     key length allows), longest_first (MiB of K and V per head group), softcap (logit
     softcapping's cap, compile time; 0: none); the others as FlashAttentionK6's arguments.
     trace: iket phase ranges (harness/timeline.py); sinks: 1 for attention sinks, a runtime
-    (heads,) fp32 input after `out` (common/sinks.py)."""
+    (heads,) fp32 input after `out` (common/sinks.py); window_mask: settings_for's."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
-    settings = {**settings_for(problem, **overrides), "trace": bool(trace)}
+    settings = {**settings_for(problem, window_mask, **overrides), "trace": bool(trace)}
     return compile_attention(SINKS_SPEC if sinks else SPEC,
                              FlashAttentionK6Sinks if sinks else FlashAttentionK6, problem,
                              {**settings, "sinks": True} if sinks else settings,
