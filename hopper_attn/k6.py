@@ -102,6 +102,10 @@ ITEM_ENDS = {
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
 RESCALES = ("eager", "lazy", "before_pv")
+WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
+# a windowed problem's masked tiles (settings_for's window_mask, not one of OPTIONS): compares
+# per element, or bit masks ("bits", common/masking.py; at d = 64 on 192 rows; docs/window.md)
+WINDOW_MASK = "compare"
 
 
 def pv_wait_after(pv_wait: str) -> int:
@@ -219,10 +223,9 @@ def policy(problem, window_mask: str = "") -> dict:
     masked = problem.causal or getattr(problem, "windowed", False)
     seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
     if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0 and \
-            (window_mask or WINDOW_MASK) != "bits":
-        # a window's left side: two limits per row, with which 192-row tiles spill (as the
-        # two-compare causal mask did): the 128-row causal row at every length (the bit
-        # masks fit 192 rows)
+            (window_mask or WINDOW_MASK) == "compare":
+        # a window's left side by compares: two limits per row, with which 192-row tiles
+        # spill (as the two-compare causal mask did): the 128-row causal row at every length
         seqlen = 0
     for d, causal, lengths, settings, _why, _results in POLICY:
         if d == dims and causal == masked and seqlen in lengths:
@@ -301,10 +304,11 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if windowed and (stream_k or not kv_tail):
             raise ValueError("k6: a sliding window needs kv_tail and no stream_k")
         self.schedule = TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail), *window)
-        # a window's masked tiles: compares per element, or "bits" (common/masking.py)
-        if window_mask not in ("compare", "bits") or (window_mask == "bits" and block_n > 128):
-            raise ValueError(f"window_mask: compare or bits (kv tile <= 128), got {window_mask}")
-        self.window_mask_bits = window_mask == "bits" and windowed
+        if window_mask not in WINDOW_MASKS or (window_mask != "compare" and block_n > 128):
+            raise ValueError(f"window_mask: one of {WINDOW_MASKS} (bits: kv tile <= 128)")
+        self.window_mask_bits = window_mask != "compare" and windowed
+        # bits_wg_first: with wg_causal_limit each warpgroup starts at its rows' first kv tile
+        self.wg_window_first = self.wg_causal_limit and window_mask == "bits_wg_first"
         # the persistent grid (module doc): with a causal mask the next item from a global
         # counter, in head groups of `longest_first` MiB of K and V (N x d x 4 bytes a head)
         if stream_k and causal:
@@ -501,13 +505,18 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             if cutlass.const_expr(self.skip_idle_wgs):
                 busy = m_block * self.block_m + wg * 64 < seqlen_q
             if busy:
+                n_first, n_work = n_base, n_busy
+                if cutlass.const_expr(self.wg_window_first):    # from its own first tile on
+                    n_skip = cutlass.min(self.schedule.n_block_first(
+                        m_block, seqlen_q, seqlen_k, wg * 64) - n_base, n_busy - 1)
+                    k_state, v_state = self.idle_tiles(loads, 0, n_skip, k_state, v_state)
+                    n_first, n_work = n_base + n_skip, n_busy - n_skip
                 k_state, v_state = self.busy_loop(
-                    loads, wg, m_block, n_busy, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
+                    loads, wg, m_block, n_work, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
                     k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state,
-                    n_base)
+                    n_first)
                 if cutlass.const_expr(self.wg_causal_limit):
-                    k_state, v_state = self.idle_tiles(loads, n_busy, n_count, k_state,
-                                                       v_state)
+                    k_state, v_state = self.idle_tiles(loads, n_busy, n_count, k_state, v_state)
             else:
                 k_state, v_state = self.idle_loop(loads, wg, n_count, k_state, v_state)
         else:
@@ -733,10 +742,6 @@ OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fm
 # past fp16's 2^16), cap <= 69 (cap log2(e) <= 100), d 128 and 256
 # (results/h200/2026-11-29_softcap.json; docs/softcap.md)
 SOFTCAP_FIXED_MAX_DIMS = (128, 256)
-# a window's masked tiles (settings_for's `window_mask`, windowed problems only; not one of
-# OPTIONS): "compare" per element, or "bits" (per-row keep masks, common/masking.py; at d = 64
-# also the causal row's 192-row tiles), on the H200 by tools/window_fwd_gpu_check.py
-WINDOW_MASK = "compare"
 
 
 def settings_for(problem, window_mask: str = "", **overrides) -> dict:
@@ -747,9 +752,8 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
-    window_mask = window_mask or WINDOW_MASK
-    settings = {**policy(problem, window_mask),
-                **{k: v for k, v in overrides.items() if v is not None}}
+    mask = window_mask or WINDOW_MASK
+    settings = {**policy(problem, mask), **{k: v for k, v in overrides.items() if v is not None}}
     tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
     if tile is not None:
         settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))
@@ -757,7 +761,7 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
         # the causal row's settings; a window's item starts at kv tile n_block_first, which
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
-                        stream_k=False, kv_tail=True, window_mask=window_mask)
+                        stream_k=False, kv_tail=True, window_mask=mask)
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])

@@ -46,6 +46,11 @@ def test_forward_tile_ranges_match_the_element_mask(left, right):
                 assert min(tiles) == first and max(tiles) == count - 1, (nq, nk, bm, bn, m)
             else:
                 assert count - first == 1
+            for row in range(0, bm, 64):        # k6's bits_wg_first: a warpgroup's first tile
+                wg_rows = range(m * bm + row, min(m * bm + row + 64, (m + 1) * bm, nq))
+                seen = {j // bn for i in wg_rows for j in range(nk) if vis[i][j]}
+                if seen and left >= 0:
+                    assert min(seen) == max(m * bm + row + nk - nq - left, 0) // bn
             for n in range(first, count):
                 cols = range(n * bn, (n + 1) * bn)
                 if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
@@ -163,12 +168,15 @@ def test_k6_window_compiles_without_spills(d, causal, window, seqlen):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d,seqlen,window", [(64, 8192, (127, -1)), (128, 1000, (256, 256))])
-def test_k6_window_mask_bits_compiles_without_spills(d, seqlen, window):
-    """window_mask="bits": at d = 64 with a left side on the causal row's 192-row tile."""
+@pytest.mark.parametrize("mask,d,seqlen,window", [
+    ("bits", 64, 8192, (127, -1)), ("bits", 128, 1000, (256, 256)),
+    ("bits_wg_first", 64, 2048, (127, -1))])
+def test_k6_window_mask_bits_compiles_without_spills(mask, d, seqlen, window):
+    """window_mask="bits": at d = 64 with a left side on the causal row's 192-row tile
+    (bits_wg_first: the row with wg_causal_limit)."""
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
-    art = compile_artifacts(registry.get("k6:window_mask=bits"), d, window[1] < 0,
+    art = compile_artifacts(registry.get(f"k6:window_mask={mask}"), d, window[1] < 0,
                             seqlen=seqlen, window=window)
     assert art["ok"], art.get("error")
     assert art["kernel"]["block_m"] == (192 if d == 64 else 128)

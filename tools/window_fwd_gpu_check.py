@@ -8,7 +8,10 @@ Variants (k6 options; docs/window.md "Forward"):
             with a left side the 128-row causal row at every length
   bits      window_mask=bits: masked tiles by per-row 32-bit keep masks (R2P); at d = 64
             the causal row at the problem's length (192-row tiles from 768 queries)
-  bits128   (d = 64) window_mask=bits on 128 x 128 tiles, the rest of that causal row
+  bits_wg   (d = 64) bits without turns, each warpgroup stopping at its own last kv tile
+            (pingpong=0, wg_causal_limit=1, pv_wait=free: the causal row's at 768-4096)
+  bits_wg_first  bits_wg, each warpgroup also starting at its own rows' first kv tile
+            (window_mask=bits_wg_first: on 192 rows a window of 128 leaves one in six unseen)
 
 1. Correctness (each variant through `hopper_attn.attention(..., stage=...)`, or k6_varlen
    directly for packed batches): O and LSE against an fp32 reference with the same window
@@ -45,15 +48,18 @@ from hopper_attn.harness.varlen_reference import cu_seqlens, lognormal_lengths  
 from hopper_attn.harness.window_reference import (reference, torch_lowp,  # noqa: E402
                                                    window_inputs, window_mask)
 
-STAGES = {"default": "k6", "bits": "k6:window_mask=bits",
-          "bits128": "k6:window_mask=bits,tile=128x128"}
+WG = {"pingpong": 0, "wg_causal_limit": 1, "pv_wait": "free"}
 OVERRIDES = {"default": {}, "bits": {"window_mask": "bits"},
-             "bits128": {"window_mask": "bits", "tile": "128x128"}}
+             "bits_wg": {"window_mask": "bits", **WG},
+             "bits_wg_first": {"window_mask": "bits_wg_first", **WG}}
+STAGES = {name: "k6" + (":" if o else "") + ",".join(f"{k}={v}" for k, v in o.items())
+          for name, o in OVERRIDES.items()}
 
 
 def variants(d: int) -> list:
-    """bits128 is bits at d = 128 (both 128 x 128)."""
-    return ["default", "bits", "bits128"] if d == 64 else ["default", "bits"]
+    """At d = 128 (128-row tiles: one warpgroup's rows reach every kv tile of the item) the
+    default and bits."""
+    return list(OVERRIDES) if d == 64 else ["default", "bits"]
 
 
 def _sinks(heads: int, seed: int) -> torch.Tensor:

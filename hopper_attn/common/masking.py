@@ -121,13 +121,16 @@ class TileSchedule:
         return count
 
     @cute.jit
-    def n_block_first(self, m_block, seqlen_q, seqlen_k) -> Int32:
+    def n_block_first(self, m_block, seqlen_q, seqlen_k, row=None) -> Int32:
         """The first kv tile query tile m_block visits: 0, or with a window's left side the
         tile of its first row's lowest key. Always below `n_block_count_kv` (a row's low
-        limit is at most its high one, and at most seqlen_k - 1)."""
+        limit is at most its high one, and at most seqlen_k - 1). `row`: from the tile's
+        row `row` on (k6's per-warpgroup window start)."""
         first = Int32(0)
         if cutlass.const_expr(self.window_left >= 0):
             low = m_block * self.block_m + seqlen_k - seqlen_q - self.window_left
+            if cutlass.const_expr(row is not None):
+                low = low + row
             first = cutlass.max(low, 0) // self.block_n
         return first
 
