@@ -34,6 +34,7 @@ Prints one line per group or shape; everything goes to $OUT/window_fwd.json (or 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -198,16 +199,19 @@ def _line(label, ms) -> str:
 
 def speed(log, deadline) -> list:
     from hopper_attn import k6_varlen
+    from hopper_attn.common.contract import normalize_window
     from hopper_attn.harness.baselines import fa4
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
     flush, rows = L2Flush(), []
 
     def time_row(label, calls, fa4_call, config):
+        """fa4_call: makes FA4's zero-argument call (ImportError where FA4 is missing)."""
         notes = {}
         if time.time() < deadline:
             try:
-                fa4_call()
-                calls["fa4"] = fa4_call
+                call = fa4_call()
+                call()
+                calls["fa4"] = call
             except Exception as exc:  # noqa: BLE001 - not installed, or no such option
                 notes["fa4"] = f"{type(exc).__name__}: {str(exc)[:100]}"
         else:
@@ -221,9 +225,9 @@ def speed(log, deadline) -> list:
         q, k, v = window_inputs(1, n, n, 16, 16, 128, seed=7)
         calls = {name: (lambda s=STAGES[name]: hopper_attn.attention(
             q, k, v, causal=True, window_size=(4095, 0), stage=s)) for name in variants(128)}
-        run = fa4(window_size=(4095, 0))
         time_row(f"w4096 causal B1 H16 d128 N{n // 1024}k", calls,
-                 lambda: run(q, k, v, True), [1, 16, 16, n, 128, [4095, 0]])
+                 lambda: functools.partial(fa4(window_size=(4095, 0)), q, k, v, True),
+                 [1, 16, 16, n, 128, [4095, 0]])
         del q, k, v, calls
     for batch, n in ((1, 8192), (1, 16384), (4, 8192), (4, 16384)):
         q, k, v = window_inputs(batch, n, n, 64, 8, 64, seed=8)
@@ -232,11 +236,11 @@ def speed(log, deadline) -> list:
             calls = {name: (lambda st=STAGES[name], sk=sinks: hopper_attn.attention(
                 q, k, v, causal=True, window_size=(127, 0), stage=st, sinks=sk))
                 for name in variants(64)}
-            run = fa4(window_size=(127, 0), **({} if sinks is None else
-                                               {"learnable_sink": sinks}))
+            extra = {} if sinks is None else {"learnable_sink": sinks}
             time_row(f"gpt-oss B{batch} N{n // 1024}k w127" + (" sinks" if sinks is not None
                                                                else ""),
-                     calls, lambda r=run: r(q, k, v, True),
+                     calls, lambda e=extra: functools.partial(
+                         fa4(window_size=(127, 0), **e), q, k, v, True),
                      [batch, 64, 8, n, 64, [127, 0], sinks is not None])
         del q, k, v
     lengths = lognormal_lengths(16384, 16)
@@ -246,7 +250,8 @@ def speed(log, deadline) -> list:
     k, v = (torch.randn(sum(lengths), 8, 64, device="cuda", generator=gen).bfloat16()
             for _ in range(2))
     s = torch.randn(64, device="cuda", generator=gen) * 2
-    problem = k6_varlen.problem_for(q, k, len(lengths), n, n, True, window)
+    problem = k6_varlen.problem_for(q, k, len(lengths), n, n, True,
+                                    normalize_window(window, True))
     out = torch.empty_like(q)
     lse = torch.empty((64, q.shape[0]), device="cuda")
     for sinks in (None, s):
@@ -263,9 +268,9 @@ def speed(log, deadline) -> list:
             except ImportError:
                 from flash_attn.cute.interface import flash_attn_varlen_func
             extra = {} if sk is None else {"learnable_sink": sk}
-            return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                          max_seqlen_q=n, max_seqlen_k=n, causal=True,
-                                          window_size=window, **extra)
+            return functools.partial(flash_attn_varlen_func, q, k, v, cu_seqlens_q=cu,
+                                     cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n,
+                                     causal=True, window_size=window, **extra)
         time_row("varlen gpt-oss 16k mix w128" + (" sinks" if sinks is not None else ""),
                  calls, fa4_varlen, ["lognormal 16k seed 16", 64, 8, 64, list(window),
                                      sinks is not None])
