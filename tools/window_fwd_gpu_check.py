@@ -23,10 +23,10 @@ Variants (k6 options; docs/window.md "Forward"):
    without causal, odd lengths, GQA 4/2 and 64/8, cross lengths whose first rows see no key,
    gpt-oss-shaped sinks, and a packed batch (sequences of 1 to ~2k tokens, one empty).
 2. Speed (not with --quick): CUDA events, L2 flushed, round-robin medians, forward only:
-   window (4095, 0) causal d 128 B1 H16 at N 16k and 64k; gpt-oss dense (64 / 8 heads, d 64,
-   window (127, 0), causal) B1 / B4 at N 8k / 16k with and without sinks; the packed 16k
-   lognormal mix (seed 16, window (128, 0), attention_varlen's path) with and without sinks.
-   FA4 where it runs (flash_attn_func / flash_attn_varlen_func with window_size=,
+   window (4095, 0) causal d 128 B1 H16 at N 16k and 64k; the packed 16k lognormal mix
+   (seed 16, window (128, 0), attention_varlen's path) with and without sinks; gpt-oss dense
+   (64 / 8 heads, d 64, window (127, 0), causal) B1 / B4 at N 8k / 16k with and without
+   sinks. FA4 where it runs (flash_attn_func / flash_attn_varlen_func with window_size=,
    learnable_sink=), skipped once 180 s have passed (its compiles are slow).
 
 Prints one line per group or shape; everything goes to $OUT/window_fwd.json (or --out).
@@ -229,20 +229,6 @@ def speed(log, deadline) -> list:
                  lambda: functools.partial(fa4(window_size=(4095, 0)), q, k, v, True),
                  [1, 16, 16, n, 128, [4095, 0]])
         del q, k, v, calls
-    for batch, n in ((1, 8192), (1, 16384), (4, 8192), (4, 16384)):
-        q, k, v = window_inputs(batch, n, n, 64, 8, 64, seed=8)
-        s = _sinks(64, 8)
-        for sinks in (None, s):
-            calls = {name: (lambda st=STAGES[name], sk=sinks: hopper_attn.attention(
-                q, k, v, causal=True, window_size=(127, 0), stage=st, sinks=sk))
-                for name in variants(64)}
-            extra = {} if sinks is None else {"learnable_sink": sinks}
-            time_row(f"gpt-oss B{batch} N{n // 1024}k w127" + (" sinks" if sinks is not None
-                                                               else ""),
-                     calls, lambda e=extra: functools.partial(
-                         fa4(window_size=(127, 0), **e), q, k, v, True),
-                     [batch, 64, 8, n, 64, [127, 0], sinks is not None])
-        del q, k, v
     lengths = lognormal_lengths(16384, 16)
     cu, n, window = cu_seqlens(lengths), max(lengths), (128, 0)
     gen = torch.Generator(device="cuda").manual_seed(16)
@@ -274,6 +260,21 @@ def speed(log, deadline) -> list:
         time_row("varlen gpt-oss 16k mix w128" + (" sinks" if sinks is not None else ""),
                  calls, fa4_varlen, ["lognormal 16k seed 16", 64, 8, 64, list(window),
                                      sinks is not None])
+    del q, k, v, out, lse
+    for batch, n in ((1, 8192), (1, 16384), (4, 8192), (4, 16384)):
+        q, k, v = window_inputs(batch, n, n, 64, 8, 64, seed=8)
+        s = _sinks(64, 8)
+        for sinks in (None, s):
+            calls = {name: (lambda st=STAGES[name], sk=sinks: hopper_attn.attention(
+                q, k, v, causal=True, window_size=(127, 0), stage=st, sinks=sk))
+                for name in variants(64)}
+            extra = {} if sinks is None else {"learnable_sink": sinks}
+            time_row(f"gpt-oss B{batch} N{n // 1024}k w127" + (" sinks" if sinks is not None
+                                                               else ""),
+                     calls, lambda e=extra: functools.partial(
+                         fa4(window_size=(127, 0), **e), q, k, v, True),
+                     [batch, 64, 8, n, 64, [127, 0], sinks is not None])
+        del q, k, v
     return rows
 
 
