@@ -259,6 +259,27 @@ def test_forward_matches_fp32(seqlen, causal, window, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mask,d", [("bits", 64), ("bits", 128), ("bits_wg_first", 64)])
+@pytest.mark.parametrize("causal,window", [(True, (0, 0)), (True, (127, 0)), (True, (4095, 0)),
+                                           (False, (256, 256)), (False, (-1, 64))])
+def test_forward_window_masks_match_fp32(causal, window, d, mask):
+    """k6's window_mask variants (stage names; at d = 64 on 192-row tiles, bits_wg_first with
+    wg_causal_limit): within the bound, the LSE within 1e-3."""
+    import hopper_attn
+    q, k, v = _inputs(2, 1001, 1001, 4, 2, d, seed=d + window[0])
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, window_size=window,
+                                     return_lse=True, stage=f"k6:window_mask={mask}")
+    right = 0 if causal else window[1]
+    ref, ref_lse = reference(q, k, v, window[0], right, d ** -0.5)
+    low, _ = torch_lowp(q, k, v, window[0], right, d ** -0.5)
+    assert (out.float() - ref).abs().max().item() <= \
+        2 * (low - ref).abs().max().item() + 2 ** -10
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [96])                    # (192, 256: refused, LSE unverified)
 @pytest.mark.parametrize("causal,window", [(True, (127, 0)), (False, (256, 256))])
 def test_forward_wide_head_dims_match_fp32(causal, window, d):
