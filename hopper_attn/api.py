@@ -792,15 +792,15 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-# Head dims the varlen backward runs (GPU-verified). 96 and 192: the preprocess and dQ
-# conversion read and wrote past a row at d / 8 chunks that are not a power of two (an
-# illegal address on the H200, 2026-11-29); fixed as the dense kernels do (padding lanes),
-# not yet run on a GPU. 256: kb2's d = 256 tile takes dense batches only.
-VARLEN_BACKWARD_HEAD_DIMS = (64, 128)
+# Head dims kb2 compiles that the varlen backward does not run yet. 96 and 192: the
+# preprocess and dQ conversion read and wrote past a row at d / 8 chunks that are not a
+# power of two (an illegal address on the H200, 2026-11-29); fixed as the dense kernels do
+# (padding lanes), not yet run on a GPU. 256: never run on packed batches.
+VARLEN_BACKWARD_UNVERIFIED = (96, 192, 256)
 
 
 def _check_varlen_backward_head_dim(head_dim: int) -> None:
-    if head_dim not in VARLEN_BACKWARD_HEAD_DIMS:
+    if head_dim in VARLEN_BACKWARD_UNVERIFIED:
         raise ValueError(f"attention_varlen's backward runs head dims 64 and 128, not "
                          f"{head_dim} (96 and 192: not yet verified on a GPU; the forward "
                          f"runs them under torch.no_grad())")
@@ -938,7 +938,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     non-decreasing, lengths <= max_seqlen_*; breaking these reads or writes out of bounds.
 
     A torch custom op (`torch.ops.hopper_attn.attention_varlen`) with a fake implementation:
-    torch.compile(fullgraph=True) traces through it. Differentiable through
+    torch.compile(fullgraph=True) traces through it. Differentiable at head dims 64 and 128
+    (96, 192: ValueError until the fixed backward runs on a GPU; 256: none) through
     `attention_varlen_backward` (the varlen backward; with sinks that needs a gradient
     `attention_varlen_backward_sinks`, the sinks' gradient from the backward's D).
     """

@@ -255,6 +255,30 @@ def test_decode_cuda_graph_replay():
     assert check_graph(Case(2, 4, 32, 8, 1000, causal=True, num_splits=1))["ok"]
 
 
+@pytest.mark.gpu
+def test_generation_steps_share_handles_and_stay_exact():
+    """attention() over one more key each call, as a generation loop calls it (views of a
+    longer cache, and caches that torch.cat grows: new strides), across kv tile boundaries:
+    each step's output and LSE equal a fresh call's (nothing reused) bit for bit, and the
+    fp32 reference within bf16's error."""
+    import hopper_attn
+    from hopper_attn import api
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(2, 4200, 8, 128, device="cuda", dtype=torch.bfloat16)
+    steps = [cache[:, :n] for n in [*range(4090, 4100), 4200]]
+    steps += [t.transpose(1, 2).contiguous().transpose(1, 2) for t in steps]
+    outs = [hopper_attn.attention(q, k, k, return_lse=True) for k in steps]
+    for k, (out, lse) in zip(steps, outs):
+        api._FAST.clear(), api._DECODE_STEPS.clear()
+        fresh, fresh_lse = hopper_attn.attention(q, k, k, return_lse=True)
+        assert torch.equal(out, fresh) and torch.equal(lse, fresh_lse), k.shape
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2).float(), k.transpose(1, 2).float(), k.transpose(1, 2).float(),
+            enable_gqa=True).transpose(1, 2)
+        assert (out.float() - ref).abs().max() < 2e-2, k.shape
+
+
 def _emulate(q, k, v, causal, splits, block_n):
     """The kernel's algorithm in torch (fp32, CPU), with its index arithmetic: packed rows,
     M tiles, each split's kv tiles, per-row key limits, the LSE combine."""

@@ -141,14 +141,14 @@ def test_compiles_at_d192_and_refuses_unverified_head_dims(monkeypatch):
         wide = torch.empty(100, 4, d, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="head dims 64 and 128"):
             compile_for(wide, wide, True)
-    monkeypatch.setattr(api, "VARLEN_BACKWARD_HEAD_DIMS", (64, 128, 192))
+    monkeypatch.setattr(api, "VARLEN_BACKWARD_UNVERIFIED", (96, 256))
     with tempfile.TemporaryDirectory() as dump:
         handle = compile_for(q, k, True, compile_options=(
             f"--keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))
         cubin = handle.main.__cubin__
     assert handle.options["dkv_swap_ab"] and handle.options["block_n"] == 96
-    from hopper_attn.common.varlen_backward import VarlenPreprocess
-    assert VarlenPreprocess(192, 64).padded and not VarlenPreprocess(128, 64).padded
+    from hopper_attn.common.backward import _row_lanes
+    assert _row_lanes(31, 32, 192)[1] == 184 and _row_lanes(31, 16, 128)[2] is None
     for fn in resource_usage(cubin):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 

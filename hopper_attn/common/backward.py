@@ -366,6 +366,19 @@ def _tile_rows(head_dim: int, threads: int):
     return lanes, threads // lanes
 
 
+def _row_lanes(tidx, lanes: int, head_dim: int):
+    """Thread `tidx`'s (row within a pass, first column, whether that column is the row's) for
+    rows covered by `lanes` lanes of CHUNK elements (`_tile_rows`). At d = 96 and 192 the
+    lanes are padded to a power of two and a padding lane reads the row's last chunk
+    (`_padding_lane`: every address inside the row); the third value, None where no lane
+    pads, says which lanes must count nothing."""
+    lane_row, col0 = tidx // lanes, (tidx % lanes) * CHUNK
+    if lanes * CHUNK == head_dim:
+        return lane_row, col0, None
+    own_column, col0 = _padding_lane(col0, head_dim)
+    return lane_row, col0, own_column
+
+
 def _padding_lane(col0, head_dim: int):
     """(whether lane column `col0` is one of the row's, the column it reads): a padding
     lane reads (and the conversions store again, with the same values) the row's last
@@ -399,7 +412,6 @@ class BackwardPreprocess:
         self.dq_head_dim = dq_head_dim or head_dim     # dQ's, where O's (dv) is not q's
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
-        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -419,9 +431,7 @@ class BackwardPreprocess:
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
-        if cutlass.const_expr(self.padded):
-            own_column, col0 = _padding_lane(col0, self.head_dim)
+        lane_row, col0, own_column = _row_lanes(tidx, self.lanes, self.head_dim)
         passes = self.rows // self.rows_per_pass
         seqlen = o.shape[0]
         # Every load first, then the stores: a store to mD may alias o or dO as far as the
@@ -449,7 +459,7 @@ class BackwardPreprocess:
             row = m_block * self.rows + p * self.rows_per_pass + lane_row
             prod = o_rows[None, p].load().to(Float32) * do_rows[None, p].load().to(Float32)
             partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            if cutlass.const_expr(self.padded):
+            if cutlass.const_expr(own_column is not None):
                 if not own_column:                  # a padding lane counts nothing
                     partial = Float32(0.0)
             dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
@@ -471,7 +481,6 @@ class DqConvert:
     def __init__(self, head_dim: int, rows_per_cta: int = 64, pdl: bool = False):
         self.head_dim, self.rows, self.pdl = head_dim, rows_per_cta, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
-        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
@@ -488,9 +497,7 @@ class DqConvert:
             cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
-        if cutlass.const_expr(self.padded):
-            _, col0 = _padding_lane(col0, self.head_dim)
+        lane_row, col0, _ = _row_lanes(tidx, self.lanes, self.head_dim)
         base = mdQacc[batch, head, None, None].iterator
         for p in cutlass.range_constexpr(self.rows // self.rows_per_pass):
             row = m_block * self.rows + p * self.rows_per_pass + lane_row
@@ -520,7 +527,6 @@ class DqConvertFragments:
         # so conversions of finished heads run in the main kernel's tail
         self.per_head = per_head
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, 256)
-        self.padded = self.lanes * CHUNK != head_dim
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCounters: cute.Tensor,
@@ -556,9 +562,7 @@ class DqConvertFragments:
                                     byte_alignment=16)
         cute.autovec_copy(converted, thr.partition_C(transposed(tile) if self.swap_ab else tile))
         cute.arch.sync_threads()
-        lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
-        if cutlass.const_expr(self.padded):
-            _, col0 = _padding_lane(col0, d)
+        lane_row, col0, _ = _row_lanes(tidx, self.lanes, d)
         for p in cutlass.range_constexpr(bm // self.rows_per_pass):
             r = p * self.rows_per_pass + lane_row
             row = m_block * bm + r

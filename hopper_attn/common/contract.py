@@ -566,9 +566,9 @@ def run_attention(handle: CompiledAttention, q, k, v, out,
         handle.compiled(q, k, v, out, *extra_inputs, *workspace, scale * LOG2_E)
         return
     rt = _cute()
-    key = (tuple((t.data_ptr(), t.stride()) for t in (q, k, v, out, *extra_inputs,
-                                                       *workspace)),
-           problem.shape)
+    # (shapes too: a decode handle serves every key count of its kv tile count, api.py)
+    key = tuple((t.data_ptr(), t.shape, t.stride()) for t in (q, k, v, out, *extra_inputs,
+                                                              *workspace))
     if handle._bound_key != key:
         tensors = [q, k, v, out, *extra_inputs, *workspace]
         handle._bound_args = rt.attention_args(tensors, v_seq_major=handle.spec.v_seq_major)

@@ -68,7 +68,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .backward import (CHUNK, HELPER_THREADS, _COMPILED, CompiledBackward, DqConvertFragments,
-                       _aligned, _chunk, _padding_lane, _tile_rows, fragment_slot, wait_for_count)
+                       _aligned, _chunk, _row_lanes, _tile_rows, fragment_slot, wait_for_count)
 from .layouts import ndhb_view, transposed
 from .masking import KVTileSchedule
 from .scheduler import head_group_order, heads_per_group
@@ -364,7 +364,6 @@ class VarlenPreprocess:
     def __init__(self, head_dim: int, block_m: int, pdl: bool = False):
         self.head_dim, self.rows, self.pdl = head_dim, block_m, pdl
         self.lanes, self.rows_per_pass = _tile_rows(head_dim, HELPER_THREADS)
-        self.padded = self.lanes * CHUNK != head_dim         # d = 96, 192: padding lanes
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor,
@@ -383,9 +382,7 @@ class VarlenPreprocess:
         tidx, _, _ = cute.arch.thread_idx()
         valid, m_block, offset, seqlen, padded, head, _, _ = _query_tile(mSeqs, self.rows)
         if valid != 0:
-            lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
-            if cutlass.const_expr(self.padded):
-                own_column, col0 = _padding_lane(col0, self.head_dim)
+            lane_row, col0, own_column = _row_lanes(tidx, self.lanes, self.head_dim)
             passes = self.rows // self.rows_per_pass
             o_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
             do_rows = cute.make_rmem_tensor((CHUNK, passes), o.element_type)
@@ -407,7 +404,7 @@ class VarlenPreprocess:
                 row = m_block * self.rows + p * self.rows_per_pass + lane_row
                 prod = o_rows[None, p].load().to(Float32) * do_rows[None, p].load().to(Float32)
                 partial = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-                if cutlass.const_expr(self.padded):
+                if cutlass.const_expr(own_column is not None):
                     if not own_column:              # a padding lane counts nothing
                         partial = Float32(0.0)
                 dsum = cute.arch.warp_reduction_sum(partial, threads_in_group=self.lanes)
@@ -481,9 +478,7 @@ class VarlenDqConvert(DqConvertFragments):
             cute.autovec_copy(converted,
                               thr.partition_C(transposed(tile) if self.swap_ab else tile))
             cute.arch.sync_threads()
-            lane_row, col0 = tidx // self.lanes, (tidx % self.lanes) * CHUNK
-            if cutlass.const_expr(self.padded):      # d = 96, 192: stay inside the row
-                _, col0 = _padding_lane(col0, d)
+            lane_row, col0, _ = _row_lanes(tidx, self.lanes, d)
             for p in cutlass.range_constexpr(bm // self.rows_per_pass):
                 r = p * self.rows_per_pass + lane_row
                 row = m_block * bm + r
