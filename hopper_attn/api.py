@@ -792,20 +792,6 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-# Head dims kb2 compiles that the varlen backward does not run yet. 96 and 192: the
-# preprocess and dQ conversion read and wrote past a row at d / 8 chunks that are not a
-# power of two (an illegal address on the H200, 2026-11-29); fixed as the dense kernels do
-# (padding lanes), not yet run on a GPU. 256: never run on packed batches.
-VARLEN_BACKWARD_UNVERIFIED = (96, 192, 256)
-
-
-def _check_varlen_backward_head_dim(head_dim: int) -> None:
-    if head_dim in VARLEN_BACKWARD_UNVERIFIED:
-        raise ValueError(f"attention_varlen's backward runs head dims 64 and 128, not "
-                         f"{head_dim} (96 and 192: not yet verified on a GPU; the forward "
-                         f"runs them under torch.no_grad())")
-
-
 def _varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                      max_seqlen_k: int, causal: bool, softmax_scale: Optional[float],
                      seqused_k, window: tuple, softcap: float):
@@ -958,7 +944,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       seqused_k, window, softcap, sinks, on_device=False)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            _check_varlen_backward_head_dim(q.shape[2])
+            from hopper_attn.common.varlen_backward import check_head_dim
+            check_head_dim(q.shape[2])
     out, lse = torch.ops.hopper_attn.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
         softmax_scale, seqused_k, *window, float(softcap), sinks)

@@ -134,14 +134,14 @@ def test_compiles_at_d192_and_refuses_unverified_head_dims(monkeypatch):
     """d = 192 compiles on kb2's default tile (64 x 96, dK^T and dV^T), GQA with a mask, no
     spills, and the preprocess and dQ conversion keep their padding lanes inside the row;
     attention_varlen's backward refuses 96, 192 (until run on a GPU) and 256."""
-    from hopper_attn import api
     q, k = torch.empty(1000, 4, 192, dtype=torch.bfloat16), torch.empty(1000, 2, 192,
                                                                          dtype=torch.bfloat16)
     for d in (96, 192, 256):
         wide = torch.empty(100, 4, d, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="head dims 64 and 128"):
             compile_for(wide, wide, True)
-    monkeypatch.setattr(api, "VARLEN_BACKWARD_UNVERIFIED", (96, 256))
+    from hopper_attn.common import varlen_backward
+    monkeypatch.setattr(varlen_backward, "UNVERIFIED_HEAD_DIMS", (96, 256))
     with tempfile.TemporaryDirectory() as dump:
         handle = compile_for(q, k, True, compile_options=(
             f"--keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}"))

@@ -18,7 +18,7 @@ tiles, dK^T and dV^T with d as WGMMA's M); d = 192 with a softcap runs `shared_k
    `hopper_attn.attention_varlen(...).backward()` at d = 96 and 192 on packed batches
    (tools/varlen_bwd_gpu_check.check_case: lengths 0-1000, GQA cross lengths, MQA,
    seqused_k, equal 2k lengths), which attention_varlen refuses until these cases pass
-   (`api.VARLEN_BACKWARD_UNVERIFIED`: the check lets them through). A gradient passes when its max error <= 2x torch's own bf16
+   (`common/varlen_backward.UNVERIFIED_HEAD_DIMS`: the check lets them through). A gradient passes when its max error <= 2x torch's own bf16
    backward error on the same inputs (+ 2^-12 x max |ref|, FlashAttention's rule as
    tests/test_gpu.py applies it); `ratio` = error / that bound.
 2. Speed (skipped with --quick): the backward alone (autograd.grad of a kept graph), CUDA
@@ -185,9 +185,9 @@ def _softcap_windows_varlen(log, d) -> list:
             f"{'causal' if causal else 'full':6}: worst ratio {row['ratio']:.2f}  "
             f"{'PASS' if row['ok'] else 'FAIL'}")
     if d in VARLEN_DIMS:                      # the fixed padding lanes: what this checks
-        from hopper_attn import api
-        api.VARLEN_BACKWARD_UNVERIFIED = tuple(x for x in api.VARLEN_BACKWARD_UNVERIFIED
-                                               if x != d)
+        from hopper_attn.common import varlen_backward
+        varlen_backward.UNVERIFIED_HEAD_DIMS = tuple(
+            x for x in varlen_backward.UNVERIFIED_HEAD_DIMS if x != d)
     for label, lq, lk, used, heads, heads_kv in VARLEN if d in VARLEN_DIMS else []:
         for causal in (False, True):
             try:
@@ -209,16 +209,8 @@ def _softcap_windows_varlen(log, d) -> list:
 
 def _kb1_call(q, k, v, do, causal):
     """kb1's backward alone (v as wide as q), launched through the registry."""
-    import hopper_attn
-    from hopper_attn.harness import registry
-    entry = registry.get("kb1")
-    handle = entry.compile(Problem.from_tensor(q, causal, k, v=v))
-    out, lse = hopper_attn.attention(q, k, v, causal=causal, return_lse=True)
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-    call = lambda: entry.run(handle, q, k, v, out, do, lse, *grads)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    return call
+    from dv_gpu_check import direct_backward
+    return direct_backward("kb1", q, k, v, do, causal)
 
 
 def speed(log) -> list:

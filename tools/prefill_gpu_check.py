@@ -51,10 +51,8 @@ def _line(r: dict) -> str:
         return f"FAIL {r['case']}: {r['error'][:120]}"
     if "ratio" not in r:
         return f"{'ok  ' if r['ok'] else 'FAIL'} {r['case']}"
-    flags = "" if r["ok"] else (" nan" * (not r["no_nan"]) + " bits" * (not r["same_bits"])
-                                + " cache" * (not r["cache_ok"])
-                                + " lse-inf" * (not r["lse_inf_ok"])
-                                + f" lse{r['lse_err']:.1e}" * (r["lse_err"] > 1e-3))
+    from hopper_attn.harness.kvcache_check import failure_flags
+    flags = failure_flags(r)
     return f"{'ok  ' if r['ok'] else 'FAIL'} {r['ratio']:4.2f} {r['case']}{flags}"
 
 

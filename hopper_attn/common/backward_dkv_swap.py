@@ -48,7 +48,7 @@ dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not 
 
 Packed batches (`varlen`) need nothing of their own here: the kernel hands this consumer a
 sequence as a batch of one (common/varlen_backward.py; attention_varlen's backward at d = 192
-waits for its GPU check: api.VARLEN_BACKWARD_UNVERIFIED).
+waits for its GPU check: varlen_backward.UNVERIFIED_HEAD_DIMS).
 """
 
 from __future__ import annotations

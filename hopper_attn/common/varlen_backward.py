@@ -688,6 +688,22 @@ def _readable(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0)
 
 
+# Head dims kb2 compiles that the varlen backward does not run yet. 96 and 192: the
+# preprocess and dQ conversion read and wrote past a row at d / 8 chunks that are not a
+# power of two (an illegal address on the H200, 2026-11-29); fixed as the dense kernels do
+# (`_row_lanes`), not yet run on a GPU. 256: never run on packed batches.
+UNVERIFIED_HEAD_DIMS = (96, 192, 256)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """ValueError for a head dim the varlen backward does not run (attention_varlen calls
+    it before the forward when gradients are wanted)."""
+    if head_dim in UNVERIFIED_HEAD_DIMS:
+        raise ValueError(f"attention_varlen's backward runs head dims 64 and 128, not "
+                         f"{head_dim} (96 and 192: not yet verified on a GPU; the forward "
+                         f"runs them under torch.no_grad())")
+
+
 def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
                 deterministic: bool = False, compile_options: str = ""):
     """kb2's varlen kernels for packed q (total_q, H, d), k (total_k, H_kv, d): ValueError
@@ -695,8 +711,7 @@ def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
     time: kb2's policy is looked up once)."""
     if deterministic:
         raise ValueError("the varlen backward has no deterministic mode")
-    from hopper_attn.api import _check_varlen_backward_head_dim
-    _check_varlen_backward_head_dim(q.shape[2])
+    check_head_dim(q.shape[2])
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left,
                      -1 if causal else right, float(softcap), compile_options,

@@ -384,6 +384,15 @@ def check_case(case: Case, seed: int = 0) -> dict:
             "plan": kvcache.plan(problem, case.num_splits, case.fp8)}
 
 
+def failure_flags(verdict: dict) -> str:
+    """What a failed `check` (or prefill_check's) verdict failed on, for a printed line."""
+    if verdict["ok"]:
+        return ""
+    return (" nan" * (not verdict["no_nan"]) + " bits" * (not verdict["same_bits"])
+            + " cache" * (not verdict["cache_ok"]) + " lse-inf" * (not verdict["lse_inf_ok"])
+            + f" lse{verdict['lse_err']:.1e}" * (verdict["lse_err"] > 1e-3))
+
+
 def check_graph(case: Case = Case((1000, 4095, 17, 0), 4096, 16, seqlen_new=1),
                 seed: int = 11) -> dict:
     """Capture one decode step (append + attention) in a CUDA graph; replay it with new
