@@ -103,9 +103,13 @@ PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
 RESCALES = ("eager", "lazy", "before_pv")
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
-# a windowed problem's masked tiles (settings_for's window_mask, not one of OPTIONS): compares
-# per element, or bit masks ("bits", common/masking.py; at d = 64 on 192 rows; docs/window.md)
-WINDOW_MASK = "compare"
+# A windowed problem's masked tiles (settings_for's window_mask, not one of OPTIONS), per
+# head dim: bit masks (common/masking.py) where the H200 measured them faster, d = 64 also
+# without turns, each warpgroup between its own rows' first and last kv tiles (WINDOW_WGS):
+# gpt-oss's window 128 1.25-1.31x the compares, 1.22x FA4; d = 128 window 4096 1.01-1.03x
+# (results/h200/2026-11-29_window_fwd_masks.json.xz, docs/window.md). Elsewhere compares.
+WINDOW_MASK = {64: "bits_wg_first", 128: "bits"}
+WINDOW_WGS = dict(pingpong=False, wg_causal_limit=True, pv_wait="free")
 
 
 def pv_wait_after(pv_wait: str) -> int:
@@ -217,13 +221,18 @@ POLICY = [
 ]
 
 
+def window_mask_for(problem) -> str:
+    """WINDOW_MASK's choice for a problem's head dim ("compare" where it has none)."""
+    return WINDOW_MASK.get(getattr(problem, "head_dims", problem.head_dim), "compare")
+
+
 def policy(problem, window_mask: str = "") -> dict:
     """The settings of POLICY's first row for the problem's head dim, mask and query length
-    (a sliding window takes the causal rows; window_mask: "" for WINDOW_MASK)."""
+    (a sliding window takes the causal rows; window_mask: "" for WINDOW_MASK's)."""
     masked = problem.causal or getattr(problem, "windowed", False)
     seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
     if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0 and \
-            (window_mask or WINDOW_MASK) == "compare":
+            (window_mask or window_mask_for(problem)) == "compare":
         # a window's left side by compares: two limits per row, with which 192-row tiles
         # spill (as the two-compare causal mask did): the 128-row causal row at every length
         seqlen = 0
@@ -748,16 +757,19 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     """FlashAttentionK6's settings for `problem`: its POLICY row, then `overrides` (None:
     the row's). kv_tail="whole" resolves to no tail test where the key length is a
     multiple of the kv tile (no mask); peel_first needs the loop's tail test. window_mask:
-    WINDOW_MASK's choice for this call (windowed problems; "": WINDOW_MASK)."""
+    WINDOW_MASK's choice for this call (windowed problems; "": WINDOW_MASK's)."""
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
-    mask = window_mask or WINDOW_MASK
-    settings = {**policy(problem, mask), **{k: v for k, v in overrides.items() if v is not None}}
+    mask = window_mask or window_mask_for(problem)
+    windowed = getattr(problem, "windowed", False)
+    own_wgs = WINDOW_WGS if windowed and mask == "bits_wg_first" else {}
+    settings = {**policy(problem, mask), **own_wgs,
+                **{k: v for k, v in overrides.items() if v is not None}}
     tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
     if tile is not None:
         settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))
-    if getattr(problem, "windowed", False):
+    if windowed:
         # the causal row's settings; a window's item starts at kv tile n_block_first, which
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
