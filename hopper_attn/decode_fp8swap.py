@@ -1,5 +1,5 @@
-"""decode, e4m3 cache, swapped operands: a prototype consumer for the kv-cache decode
-(compile-time option `kvcache.FP8_CONSUMER = "swap"`, not a default; docs/lab/kvcache.md).
+"""decode, e4m3 cache, swapped operands: the kv-cache decode's e4m3 consumer at d 128 with
+at most 32 packed rows (`kvcache.FP8_CONSUMER`, "auto"; docs/kvcache.md, docs/lab/kvcache.md).
 
 What changes from the e4m3 variant of decode.py (loaders widening e4m3 tiles into 16-bit
 rings, 64 packed rows as WGMMA's M of which 4-16 are real): the keys are M and the few
