@@ -4,8 +4,8 @@ at d 96 / 192 / 256 (dkv_swap_ab), its GQA parts and deterministic mode, varlen 
 backward (d 96 / 192 too), the decode stage's split-KV combine, attention_with_kvcache (pages
 of 16 and 128, appends, an e4m3 cache, chunked prefill).
 
-    source .gpu/prelude.sh && python tools/sanitizer_gpu_check.py            # all (~5-6 min)
-    source .gpu/prelude.sh && python tools/sanitizer_gpu_check.py --quick    # (~2 min)
+    source .gpu/prelude.sh && python tools/sanitizer_gpu_check.py            # all
+    source .gpu/prelude.sh && python tools/sanitizer_gpu_check.py --quick    # memcheck, racecheck
     python tools/sanitizer_gpu_check.py --list                               # no GPU needed
     python tools/sanitizer_gpu_check.py --tools racecheck --cases kb2_dims,decode
     python tools/sanitizer_gpu_check.py --run-case k6_window_d128_gqa_causal  # one, unsanitized
@@ -28,9 +28,12 @@ the cache append) run unchecked; `--report-api-errors no`: CuTe DSL's driver pro
 harmless cuGetProcAddress API errors (../shared/gpu/README.md). memcheck runs with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every tensor is its own allocation and a read or write
 past one is reported (the caching allocator would hide it inside its blocks). Subprocesses
-run `--jobs` at a time (default 4: the time is mostly CPU, imports and compiles), racecheck's
-first. rc: 0 clean, 99 the sanitizer reported errors, 1 a case failed its check (or raised),
-anything else a crash; `timeout` past --timeout seconds.
+run `--jobs` at a time (default 6: the time is mostly CPU, imports and compiles; the H200
+host has 16 cores), racecheck's first; one that crashes (rc not 0, 1 or 99) runs again
+alone. rc: 0 clean, 99 the sanitizer reported errors, 1 a case failed its check (or
+raised), anything else a crash; `timeout` past --timeout seconds (its process group killed).
+Time (estimated, not yet measured): --quick 22 subprocesses (2 tools x 11 groups, 13 cases),
+~2 min; all 33 (50 cases), ~5-6 min, mostly imports and JIT compiles (1-2 s a kernel).
 
 Prints one line per (tool, group): rc, the sanitizer's summary line, seconds, cases passed.
 $OUT/sanitizer.json (or --out): the environment, the commands, per (tool, group) rc, summary,
@@ -47,6 +50,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -122,7 +126,7 @@ class Case:
     name: str
     group: str
     spec: object          # Dense, Varlen, or a kvcache_check.Case / prefill_check.PCase
-    quick: bool = False   # the one case of its group that --quick runs
+    quick: bool = False   # what --quick runs: one case per feature
 
     def label(self) -> str:
         return self.spec.label()
@@ -215,13 +219,14 @@ def cases() -> list[Case]:
                                                96, causal=True, unverified=True), quick=True)
     add(g, "varlen_bwd_d192_full", Varlen((129, 250), (300, 100), 2, 2, 192, unverified=True))
     g = "decode"              # attention() with 1-16 queries: packed GQA, split-KV + combine
+    # (splits on an H200's 132 SMs: 4, 1, 6, 2, 1; the sinks join the combine in the 4th)
     add(g, "decode_split_d128_gqa", Dense(1, 1, 2000, 8, 2, 128, grad=False), quick=True)
     add(g, "decode_window_d128_causal", Dense(2, 4, 1000, 8, 2, 128, causal=True,
                                               window=(128, 0), grad=False))
     add(g, "decode_softcap_d256_causal", Dense(1, 4, 1500, 4, 2, 256, causal=True,
                                                softcap=50.0, grad=False))
-    add(g, "decode_sinks_window_d64", Dense(2, 1, 1200, 16, 2, 64, causal=True,
-                                            window=(128, 0), sinks=True, grad=False))
+    add(g, "decode_window_sinks_split_d64", Dense(1, 1, 2000, 16, 2, 64, causal=True,
+                                                  window=(900, 0), sinks=True, grad=False))
     add(g, "decode_sinks_no_key_rows", Dense(2, 16, 5, 4, 1, 128, causal=True, sinks=True,
                                             grad=False))               # rows that see no key
     g = "kvcache"             # attention_with_kvcache: pages, appends, e4m3, chunked prefill
@@ -232,12 +237,14 @@ def cases() -> list[Case]:
     add(g, "kvcache_e4m3_contig", _kv((0, 1, 127, 129, 500, 512), 512, 0, heads=8,
                                       heads_kv=2, fp8=True))
     add(g, "kvcache_e4m3_page16_append", _kv((5, 300, 1000, 777), 1024, 16, seqlen_q=4,
-                                             heads=8, heads_kv=2, seqlen_new=4, fp8=True))
+                                             heads=8, heads_kv=2, seqlen_new=4, fp8=True),
+        quick=True)
     add(g, "kvcache_features_page16", _kv((5, 300, 700, 1000), 1024, 16, seqlen_q=4,
                                           heads=8, heads_kv=2, seqlen_new=4, window=(128, 0),
                                           softcap=30.0, sinks=True))
     add(g, "kvcache_prefill_page16_append", _prefill((0, 15, 17, 300), (113,) * 4, 512, 16,
-                                                     seqlen_new=113, heads=8, heads_kv=2))
+                                                     seqlen_new=113, heads=8, heads_kv=2),
+        quick=True)
     add(g, "kvcache_prefill_varlen_page128", _prefill((300, 17, 500), (17, 0, 100), 512, 128,
                                                       varlen=True, heads=8, heads_kv=2))
     return c
@@ -304,6 +311,15 @@ def _check_dense(s: Dense, seed: int = 0) -> dict:
     do = _randn(gen, *out.shape)
     grads = torch.autograd.grad(out, leaves, do) if s.grad else []
     _sync()
+    info = {}
+    if not s.grad and s.nq <= 16:          # the decode stage: its split count
+        from hopper_attn import api, decode
+        from hopper_attn.common.contract import normalize_window
+        handle = api._checked_handle(q, k, v, s.causal, "", float(s.softcap),
+                                     normalize_window(s.window, s.causal), s.sinks)
+        info = {"stage": handle.spec.name}
+        if handle.spec.name == "decode":
+            info["splits"] = decode.splits_of(handle)
     # the fp32 reference, differentiable in fp32 leaves
     ref_in = [t.detach().float().requires_grad_(s.grad) for t in leaves]
     left, right = s.window[0], (0 if s.causal else s.window[1])
@@ -321,7 +337,7 @@ def _check_dense(s: Dense, seed: int = 0) -> dict:
     nan = int(out.isnan().sum()) + sum(int(g.isnan().sum()) for g in grads)
     ok = (nan == 0 and lse_ok and errs["out"] <= OUT_LIMIT and errs["lse"] <= 1e-2
           and all(v <= GRAD_LIMIT for n, v in errs.items() if n.startswith("d")))
-    return {"ok": ok, "errs": errs, "nan": nan, "lse_inf_ok": lse_ok}
+    return {"ok": ok, "errs": errs, "nan": nan, "lse_inf_ok": lse_ok, **info}
 
 
 def _lift_unverified(head_dim: int) -> None:
@@ -431,8 +447,10 @@ def _case_line(v: dict) -> str:
         detail = " ".join(f"{k} {x:.2g}" for k, x in errs.items())
     elif "err" in v:
         detail = f"err {v['err']:.2g} (torch {v.get('torch_err', 0):.2g})"
+        detail += f" plan {v['plan']}" if "plan" in v else ""
     else:
         detail = v.get("error", "")
+    detail += f" splits {v['splits']}" if "splits" in v else ""
     return (f"  {v['case']:<34} {'ok  ' if v['ok'] else 'FAIL'} {detail}  "
             f"[{v['label']}] {v['seconds']:.1f} s")
 
@@ -484,21 +502,31 @@ def _trimmed(text: str) -> str:
     return "\n".join(lines[:LOG_HEAD] + [f"... ({cut} lines cut) ..."] + lines[-LOG_TAIL:])
 
 
+def _text(data) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def _run_group(cmd: list[str], env: dict, timeout: float) -> tuple:
+    """(rc or "timeout", stdout + stderr); past `timeout` the subprocess's whole process
+    group is killed (compute-sanitizer and the python under it)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, _text(out)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return "timeout", _text(out)
+
+
 def run_one(tool: str, group: str, names: list[str], args, sanitizer: str, log_dir: str) -> dict:
     cmd = command(sanitizer, tool, names, args.all_kernels)
     env = dict(os.environ)
     if tool == "memcheck":                 # every tensor its own allocation (module doc)
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=args.timeout)
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        rc = "timeout"
-        text = ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes)
-                else (exc.stdout or "")) + ((exc.stderr or b"").decode(errors="replace")
-                                            if isinstance(exc.stderr, bytes) else (exc.stderr or ""))
+    rc, text = _run_group(cmd, env, args.timeout)
     seconds = time.perf_counter() - t0
     verdicts = []
     for ln in text.splitlines():
@@ -589,7 +617,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", action="store_true",
                     help="with --list: the stages each dense case resolves to (host only)")
     ap.add_argument("--run-case", help="run these cases here, unsanitized (comma-separated)")
-    ap.add_argument("--jobs", type=int, default=4, help="subprocesses at a time")
+    ap.add_argument("--jobs", type=int, default=6, help="subprocesses at a time")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per subprocess")
     ap.add_argument("--all-kernels", action="store_true",
                     help="check torch's kernels too (no --kernel-name filter)")
@@ -627,10 +655,22 @@ def main(argv=None) -> int:
             r = fut.result()
             results.append(r)
             print(_row(r), flush=True)
+    crashed = [i for i, r in enumerate(results) if r["rc"] not in (0, 1, 99, "timeout")]
+    if crashed and args.jobs > 1:          # (concurrent sanitized processes: try alone once)
+        print(f"{len(crashed)} crashed; again one at a time:", flush=True)
+        for i in crashed:
+            r = results[i]
+            again = run_one(r["tool"], r["group"], r["cases"], args, sanitizer, log_dir)
+            again["first_try"] = {key: r[key] for key in ("rc", "summary", "seconds")}
+            results[i] = again
+            print(_row(again), flush=True)
     wall = time.perf_counter() - t0
-    clean = all(r["rc"] == 0 for r in results)
-    print(f"{'all clean' if clean else 'NOT clean'}: {sum(r['rc'] == 0 for r in results)}/"
-          f"{len(results)} subprocesses rc 0, {wall:.0f} s; logs {log_dir}", flush=True)
+    for r in results:                      # rc 0 and every case's verdict seen
+        r["clean"] = r["rc"] == 0 and r["cases_ok"] == len(r["cases"])
+    clean = all(r["clean"] for r in results)
+    print(f"{'all clean' if clean else 'NOT clean'}: {sum(r['clean'] for r in results)}/"
+          f"{len(results)} subprocesses clean (rc 0, every case ok), {wall:.0f} s; logs "
+          f"{log_dir}", flush=True)
     failing = [(r["tool"], v) for r in results for v in r["case_results"] if not v["ok"]]
     for tool, v in failing[:20]:
         print(f"{tool}: " + _case_line(v).strip(), flush=True)
