@@ -449,7 +449,7 @@ def _case_line(v: dict) -> str:
         detail = f"err {v['err']:.2g} (torch {v.get('torch_err', 0):.2g})"
         detail += f" plan {v['plan']}" if "plan" in v else ""
     else:
-        detail = v.get("error", "")
+        detail = v.get("error", "")[:120]
     detail += f" splits {v['splits']}" if "splits" in v else ""
     return (f"  {v['case']:<34} {'ok  ' if v['ok'] else 'FAIL'} {detail}  "
             f"[{v['label']}] {v['seconds']:.1f} s")
