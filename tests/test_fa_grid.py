@@ -104,3 +104,33 @@ def test_inspect_counts_compiles_without_compiling(cases):
     found = grid.inspect(grid.select(cases, dims=[64], max_cases=40))
     assert found["calls"] == 40 and found["compiles"]["fwd"] >= 1
     assert found["compiles"]["bwd"] >= 1
+
+
+def test_checks_pass_the_math_and_fail_a_scaled_output(cases):
+    """The GPU run's checks, on the CPU with a stand-in for attention() (the fp32 reference
+    rounded to bf16, which FA's rule must pass), and the same scaled by 1.25 (must fail;
+    with softcap the rule is loose: q x cap / 4 puts torch's bf16 error near 0.1):
+    a GQA call with softcap, sinks and the backward, and a causal one with rows that see
+    no key (forward only)."""
+    from hopper_attn.common.contract import normalize_window
+    from hopper_attn.harness.window_reference import reference
+
+    def stand_in(q, k, v, *, causal, window_size, softcap, sinks, deterministic, gain=1.0):
+        left, right = normalize_window(window_size, causal)
+        o, _ = reference(q.float(), k.float(), v.float(), left, 0 if causal else right,
+                         q.shape[-1] ** -0.5, softcap, None if sinks is None else sinks.float())
+        return (o * gain).to(q.dtype)
+
+    def off(*args, **kwargs):
+        return stand_in(*args, **kwargs, gain=1.25)
+
+    both = _find(cases, d=64, seqlen_q=113, seqlen_k=203, mha_type="gqa", softcap=15.0,
+                 sinks=True, local_enum=0, causal=False)
+    blind = _find(cases, d=64, seqlen_q=64, seqlen_k=32, causal=True, sinks=False,
+                  softcap=0.0)
+    assert both.backward and not blind.backward
+    for case, checked in ((both, {"out", "dq", "dk", "dv", "dsinks"}), (blind, {"out"})):
+        good = grid.run_case(case, attention=stand_in, dev="cpu")
+        assert good["status"] == "PASS" and good["ratio"] <= 1, good
+        assert {name for name, v in good.items() if isinstance(v, dict)} == checked
+        assert grid.run_case(case, attention=off, dev="cpu")["status"] == "FAIL"

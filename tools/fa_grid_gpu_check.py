@@ -15,8 +15,9 @@ a window (w0, w1); (None, -w1); (-w0, None), with w0, w1 = `random.randrange(0, 
 after `random.seed(0)`: reproduced here exactly, two draws per call); softcap 0 and 15 (q
 scaled by cap / 4 first, as the test does); deterministic; learnable sinks (bf16, one per
 query head); 26 (seqlen_q, seqlen_k) pairs from (1, 1) to (4224, 4224); batch 9, or 2 where
-seqlen_k > 2048. The test skips local with causal; so does this grid. Per call: 6 x 26 x 5
-x 2 x 2 x 2 x 3 = 3,120 calls per head dim (6,240 at d = 128), 18,720 in all.
+seqlen_k > 2048. The test skips local with causal; so does this grid: 26 pairs x 3 mha types
+x 5 (causal, or one of the 4 local values) x 2 x 2 x 2 = 3,120 calls per head dim (6,240 at
+d = 128), 18,720 in all, 9,408 of them with the backward.
 
 What FA's test runs, this runs: the forward on every call; the backward (autograd: dQ, dK,
 dV and the sinks' gradient) where the test does, i.e. dv = d <= 128 or (d, dv) = (192, 128),
@@ -54,12 +55,16 @@ head dim and a total; JSON with every call, the environment and the grid to $OUT
 (the global call index the progress and failure lines print).
 
 Compiles: one per kernel configuration (stage, head dims, mask, window size, cap, sinks,
-POLICY row), each forward 1-3 s, a backward (main + pre/post kernels) a few seconds; FA's
-windows are drawn per sequence length, and each window size is its own compile.
-`--inspect` counts them on the CPU (no compile, no launch) and says which calls
-`attention()` refuses. `--quick` (< 2 min): per head dim one seqlen pair (113, 203) through
-a rotation of the other parameters, plus the odd pairs (1, 1), (239, 1), (799, 3) and
-(4224, 4224) once each.
+POLICY row), about 1.1-1.5 s each on one CPU core; FA's windows are drawn per key length
+and each window size is its own compile in `attention()` (FA4 passes them at run time).
+`--inspect` counts them on the CPU (no compile, no launch; 2026-11-29: 464 forward and 208
+backward configurations, 364 and 144 of them windows; per head dim 164 / 132 / 228 / 56 /
+92) and says which calls `attention()` refuses (7,788: 6,576 with a negative window side,
+972 deterministic backward with a window, 240 windowed backward at d = 192). So the whole
+grid is ~15 min of compiles plus the calls: run it in three commands of < 10 min,
+`--dims 64,192`, `--dims 96,256`, `--dims 128`. `--quick` (50 calls, 49 configurations,
+< 2 min): per head dim the pair (113, 203) through a rotation of the other parameters, plus
+the odd pairs (1, 1), (239, 1), (799, 3) and (4224, 4224) once each.
 """
 
 from __future__ import annotations
@@ -419,15 +424,17 @@ def _judge_dsink(ours, ref, low, rtol, atol) -> dict:
             "ok": not nan and bool((diff <= tol).all())}
 
 
-def run_case(case: Case) -> dict:
-    """One call on the GPU: {"status", "ratio", per tensor verdicts, "message"}."""
+def run_case(case: Case, attention=None, dev: str = "cuda") -> dict:
+    """One call on the GPU: {"status", "ratio", per tensor verdicts, "message"}.
+    `attention`: hopper_attn.attention (another, and `dev`, for the CPU test of the checks)."""
     import torch
 
     import hopper_attn
     from hopper_attn.harness.window_reference import reference
 
+    attention = attention or hopper_attn.attention
     torch.manual_seed(case.index)
-    dev, bf16 = "cuda", torch.bfloat16
+    bf16 = torch.bfloat16
     q = torch.randn(case.batch, case.seqlen_q, HEADS, case.d, device=dev)
     if case.softcap:
         q = q * case.softcap / 4                       # (the test's: scores within the cap)
@@ -443,7 +450,7 @@ def run_case(case: Case) -> dict:
     mine = [t.clone().requires_grad_(grad) for t in (q, k, v)]
     my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
     try:
-        out = hopper_attn.attention(*mine, causal=case.causal, window_size=window,
+        out = attention(*mine, causal=case.causal, window_size=window,
                                     softcap=case.softcap, sinks=my_sinks,
                                     deterministic=case.deterministic)
     except ValueError as exc:
@@ -550,6 +557,12 @@ def main(argv=None) -> int:
     return run(chosen, cases, args)
 
 
+def _compiled_count() -> int:
+    """Kernel configurations compiled in this process (the forward and backward caches)."""
+    from hopper_attn.common import backward, contract
+    return len(contract._COMPILED) + len(backward._COMPILED)
+
+
 # CUDA errors after which the context is unusable (every later call would fail too)
 POISONED = ("illegal memory access", "illegal instruction", "unspecified launch failure",
             "misaligned address")
@@ -572,13 +585,15 @@ def run(chosen, cases, args) -> int:
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the sweep
             r = {"status": "FAIL", "message": f"{type(exc).__name__}: {str(exc)[:300]}",
                  "where": "run"}
+        status = r["status"]
+        # a PASS in brief (the case is its index: enumerate_grid()), the others in full
+        records.append({"index": case.index, "status": status, "ratio": r["ratio"],
+                        "worst": r["worst"]} if status == "PASS" else
+                       {"index": case.index, "label": case.label(), **r})
         if r.get("where") == "run" and any(s in r["message"].lower() for s in POISONED):
-            records.append({"index": case.index, "case": dataclasses.asdict(case), **r})
             print(f"{case.label()}: FAIL {r['message'][:160]} -- the process is poisoned; "
                   f"rerun with --start {case.index + 1}", flush=True)
             break
-        records.append({"index": case.index, "case": dataclasses.asdict(case), **r})
-        status = r["status"]
         if args.verbose or (status != "PASS" and printed[status] < 30):
             if status != "PASS":
                 printed[status] += 1
@@ -589,9 +604,18 @@ def run(chosen, cases, args) -> int:
             print(f"... {n + 1}/{len(chosen)} calls, last index {case.index}, "
                   f"{time.time() - t0:.0f} s", flush=True)
     summary = _summary(records, by_index)
+    reasons: dict = {}
+    for r in records:
+        if r["status"] == "REFUSED":
+            reasons[_reason(r["message"])] = reasons.get(_reason(r["message"]), 0) + 1
+    summary["refused_by_reason"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+    summary["compiles"] = _compiled_count()
+    for reason, count in list(summary["refused_by_reason"].items())[:8]:
+        print(f"  REFUSED x{count}: {reason[:150]}")
     for d, row in summary["per_head_dim"].items():
         print(_line(d, row))
-    print(_line("all", {**summary["total"]}) + f" ({time.time() - t0:.0f} s)")
+    print(_line("all", {**summary["total"]}) + f" ({time.time() - t0:.0f} s, "
+          f"{summary['compiles']} kernels compiled)")
     result = {"env": env, "grid": {
         "source": "Dao-AILab/flash-attention tests/cute/test_flash_attn.py::"
                   "test_flash_attn_output (file version 008e636)",
