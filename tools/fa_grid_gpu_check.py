@@ -4,7 +4,7 @@
     python tools/fa_grid_gpu_check.py --list                 # case counts per head dim (CPU)
     python tools/fa_grid_gpu_check.py --inspect [--quick]    # host-side checks, compiles (CPU)
     source .gpu/prelude.sh && python tools/fa_grid_gpu_check.py [--quick] [--dims 64,128]
-        [--start N] [--max-cases M] [--out DIR]
+        [--start N] [--max-cases M] [--deadline S] [--verbose] [--out DIR]
 
 The grid: the parametrize lists of `tests/cute/test_flash_attn.py::test_flash_attn_output`
 in Dao-AILab/flash-attention (read 2026-11-29, file version 008e636), written here as data:
@@ -51,8 +51,10 @@ Verdict per call: PASS, FAIL (a check failed, or an exception after the forward 
 or REFUSED (ValueError from `attention()` before any launch, with its message). Prints the
 FAIL / REFUSED lines (the first 30 of each), progress every 500 calls, one summary line per
 head dim and a total; JSON with every call, the environment and the grid to $OUT/fa_grid.json
-(or --out). An illegal-address fault poisons the process: rerun with `--start <index>`
-(the global call index the progress and failure lines print).
+(or --out), rewritten every 500 calls. An illegal-address fault poisons the process: rerun
+with `--start <index>` (the global call index the progress and failure lines print; the
+JSON's `resume_from`); `--deadline S` starts no call after S seconds, so that a run cut
+short by a time limit still writes its JSON.
 
 Compiles: one per kernel configuration (stage, head dims, mask, window size, cap, sinks,
 POLICY row), about 1.1-1.5 s each on one CPU core; FA's windows are drawn per key length
@@ -525,6 +527,9 @@ def main(argv=None) -> int:
     parser.add_argument("--start", type=int, default=0,
                         help="skip calls with a global index below this (resume)")
     parser.add_argument("--max-cases", type=int, default=0, help="at most this many calls")
+    parser.add_argument("--deadline", type=float, default=0,
+                        help="start no call after this many seconds (0: none); the JSON "
+                             "says where to resume")
     parser.add_argument("--verbose", action="store_true", help="print every call's line")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
@@ -569,17 +574,21 @@ POISONED = ("illegal memory access", "illegal instruction", "unspecified launch 
 
 
 def run(chosen, cases, args) -> int:
-    import torch
-
     from hopper_attn.harness.env import environment
-    from hopper_attn.harness.gpu_check import env_line, write_json
+    from hopper_attn.harness.gpu_check import env_line
     env = environment()
     print(env_line(env), flush=True)
     print(f"{len(chosen)} calls (of {len(cases)}), from index "
           f"{chosen[0].index if chosen else '-'}", flush=True)
     records, printed, t0 = [], {"FAIL": 0, "REFUSED": 0}, time.time()
     by_index = {c.index: c for c in cases}
+    stopped = None                         # the index to resume from, if stopped early
     for n, case in enumerate(chosen):
+        if args.deadline and time.time() - t0 > args.deadline:
+            stopped = case.index
+            print(f"deadline ({args.deadline} s) reached: resume with --start {case.index}",
+                  flush=True)
+            break
         try:
             r = run_case(case)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the sweep
@@ -591,6 +600,7 @@ def run(chosen, cases, args) -> int:
                         "worst": r["worst"]} if status == "PASS" else
                        {"index": case.index, "label": case.label(), **r})
         if r.get("where") == "run" and any(s in r["message"].lower() for s in POISONED):
+            stopped = case.index + 1
             print(f"{case.label()}: FAIL {r['message'][:160]} -- the process is poisoned; "
                   f"rerun with --start {case.index + 1}", flush=True)
             break
@@ -603,6 +613,21 @@ def run(chosen, cases, args) -> int:
         if (n + 1) % 500 == 0:
             print(f"... {n + 1}/{len(chosen)} calls, last index {case.index}, "
                   f"{time.time() - t0:.0f} s", flush=True)
+            _write(env, args, cases, records, by_index, t0, partial=case.index + 1)
+    summary, path = _write(env, args, cases, records, by_index, t0, partial=stopped)
+    for reason, count in list(summary["refused_by_reason"].items())[:8]:
+        print(f"  REFUSED x{count}: {reason[:150]}")
+    for d, row in summary["per_head_dim"].items():
+        print(_line(d, row))
+    print(_line("all", {**summary["total"]}) + f" ({time.time() - t0:.0f} s, "
+          f"{summary['compiles']} kernels compiled)")
+    print("wrote", path)
+    return 0 if summary["total"]["FAIL"] == 0 and summary["total"]["REFUSED"] == 0 else 1
+
+
+def _write(env, args, cases, records, by_index, t0, partial=None):
+    """The JSON so far (`partial`: the index a rerun would --start from; None: complete)."""
+    from hopper_attn.harness.gpu_check import write_json
     summary = _summary(records, by_index)
     reasons: dict = {}
     for r in records:
@@ -610,12 +635,6 @@ def run(chosen, cases, args) -> int:
             reasons[_reason(r["message"])] = reasons.get(_reason(r["message"]), 0) + 1
     summary["refused_by_reason"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
     summary["compiles"] = _compiled_count()
-    for reason, count in list(summary["refused_by_reason"].items())[:8]:
-        print(f"  REFUSED x{count}: {reason[:150]}")
-    for d, row in summary["per_head_dim"].items():
-        print(_line(d, row))
-    print(_line("all", {**summary["total"]}) + f" ({time.time() - t0:.0f} s, "
-          f"{summary['compiles']} kernels compiled)")
     result = {"env": env, "grid": {
         "source": "Dao-AILab/flash-attention tests/cute/test_flash_attn.py::"
                   "test_flash_attn_output (file version 008e636)",
@@ -623,10 +642,9 @@ def run(chosen, cases, args) -> int:
         "heads": HEADS, "local_enum": LOCAL_ENUM, "softcaps": SOFTCAPS,
         "deterministic": DETERMINISTIC, "sinks": SINKS, "dtypes": DTYPES,
         "skipped": SKIPPED, "calls": len(cases)},
-        "args": vars(args), "summary": summary, "seconds": time.time() - t0,
-        "records": records}
-    print("wrote", write_json(result, "fa_grid.json", args.out))
-    return 0 if summary["total"]["FAIL"] == 0 and summary["total"]["REFUSED"] == 0 else 1
+        "args": vars(args), "resume_from": partial, "summary": summary,
+        "seconds": time.time() - t0, "records": records}
+    return summary, write_json(result, "fa_grid.json", args.out)
 
 
 if __name__ == "__main__":
