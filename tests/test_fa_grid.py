@@ -134,3 +134,19 @@ def test_checks_pass_the_math_and_fail_a_scaled_output(cases):
         assert good["status"] == "PASS" and good["ratio"] <= 1, good
         assert {name for name, v in good.items() if isinstance(v, dict)} == checked
         assert grid.run_case(case, attention=off, dev="cpu")["status"] == "FAIL"
+
+
+@pytest.mark.gpu
+def test_fa_grid_sample_on_gpu(cases):
+    """A few grid calls through attention() on the GPU (the tool runs them all): the plain,
+    GQA + softcap + sinks and causal calls of d = 64 and (192, 128) at (113, 203) pass."""
+    picks = [dict(d=64, mha_type="mha", local_enum=0, causal=False, softcap=0.0, sinks=False,
+                  deterministic=False),
+             dict(d=64, mha_type="gqa", local_enum=1, softcap=15.0, sinks=True,
+                  deterministic=False),
+             dict(d=192, mha_type="mqa", causal=True, softcap=0.0, sinks=True,
+                  deterministic=True)]
+    for want in picks:
+        case = _find(cases, seqlen_q=113, seqlen_k=203, **want)
+        row = grid.run_case(case)
+        assert row["status"] == "PASS", (case.label(), row)
