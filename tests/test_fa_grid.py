@@ -107,22 +107,13 @@ def test_inspect_counts_compiles_without_compiling(cases):
 
 
 def test_checks_pass_the_math_and_fail_a_scaled_output(cases):
-    """The GPU run's checks, on the CPU with a stand-in for attention() (the fp32 reference
-    rounded to bf16, which FA's rule must pass), and the same scaled by 1.25 (must fail;
-    with softcap the rule is loose: q x cap / 4 puts torch's bf16 error near 0.1):
-    a GQA call with softcap, sinks and the backward, and a causal one with rows that see
-    no key (forward only)."""
-    from hopper_attn.common.contract import normalize_window
-    from hopper_attn.harness.window_reference import reference
-
-    def stand_in(q, k, v, *, causal, window_size, softcap, sinks, deterministic, gain=1.0):
-        left, right = normalize_window(window_size, causal)
-        o, _ = reference(q.float(), k.float(), v.float(), left, 0 if causal else right,
-                         q.shape[-1] ** -0.5, softcap, None if sinks is None else sinks.float())
-        return (o * gain).to(q.dtype)
-
+    """The GPU run's checks on the CPU (`--dry-run`'s): the tool's stand-in for attention()
+    (the fp32 reference rounded to bf16, which FA's rule must pass) passes, the same scaled
+    by 1.25 fails (with softcap the rule is loose: q x cap / 4 puts torch's bf16 error near
+    0.1): a GQA call with softcap, sinks and the backward, and a causal one with rows that
+    see no key (forward only)."""
     def off(*args, **kwargs):
-        return stand_in(*args, **kwargs, gain=1.25)
+        return grid.stand_in_attention(*args, **kwargs) * 1.25
 
     both = _find(cases, d=64, seqlen_q=3, seqlen_k=3, mha_type="gqa", softcap=15.0,
                  sinks=True, local_enum=0, causal=False)
@@ -130,10 +121,28 @@ def test_checks_pass_the_math_and_fail_a_scaled_output(cases):
                   softcap=0.0)
     assert both.backward and not blind.backward
     for case, checked in ((both, {"out", "dq", "dk", "dv", "dsinks"}), (blind, {"out"})):
-        good = grid.run_case(case, attention=stand_in, dev="cpu")
+        good = grid.dry_run_case(case)
         assert good["status"] == "PASS" and good["ratio"] <= 1, good
         assert {name for name, v in good.items() if isinstance(v, dict)} == checked
         assert grid.run_case(case, attention=off, dev="cpu")["status"] == "FAIL"
+    refused = _find(cases, d=64, local_enum=1, deterministic=True, seqlen_q=3, seqlen_k=3)
+    assert grid.dry_run_case(refused)["status"] == "REFUSED"
+
+
+def test_jobs_split_the_compiles(cases):
+    """--jobs' shards: disjoint, every call once, no kernel configuration in two shards."""
+    chosen = grid.select(cases, dims=[64], max_cases=300)
+    shards, loads = grid.plan_jobs(chosen, 3)
+    assert sorted(i for s in shards for i in s) == [c.index for c in chosen]
+    assert max(loads) <= 1.5 * min(loads)
+    restore = grid._recording_compiles()
+    try:
+        keys = [{k for i in s for k in (grid.host_check(cases[i], keys=True).get("fwd_key"),
+                                        grid.host_check(cases[i], keys=True).get("bwd_key"))
+                 if k} for s in shards]
+    finally:
+        restore()
+    assert not (keys[0] & keys[1]) and not (keys[0] & keys[2]) and not (keys[1] & keys[2])
 
 
 @pytest.mark.gpu

@@ -4,7 +4,8 @@
     python tools/fa_grid_gpu_check.py --list                 # case counts per head dim (CPU)
     python tools/fa_grid_gpu_check.py --inspect [--quick]    # host-side checks, compiles (CPU)
     source .gpu/prelude.sh && python tools/fa_grid_gpu_check.py [--quick] [--dims 64,128]
-        [--start N] [--max-cases M] [--deadline S] [--verbose] [--out DIR]
+        [--start N] [--max-cases M] [--jobs 8] [--deadline S] [--verbose] [--out DIR]
+    python tools/fa_grid_gpu_check.py --dry-run [...]       # the plumbing, on the CPU
 
 The grid: the parametrize lists of `tests/cute/test_flash_attn.py::test_flash_attn_output`
 in Dao-AILab/flash-attention (read 2026-11-29, file version 008e636), written here as data:
@@ -64,10 +65,15 @@ and each window size is its own compile in `attention()` (FA4 passes them at run
 backward configurations, 364 and 144 of them windows; per head dim 164 / 132 / 228 / 56 /
 92) and says which calls `attention()` refuses (7,788: 6,576 with a negative window side,
 972 deterministic backward with a window, 240 windowed backward at d = 192). So the whole
-grid is ~15 min of compiles plus the calls: run it in three commands of < 10 min,
-`--dims 64,192`, `--dims 96,256`, `--dims 128`. `--quick` (50 calls, 49 configurations,
-< 2 min): per head dim the pair (113, 203) through a rotation of the other parameters, plus
-the odd pairs (1, 1), (239, 1), (799, 3) and (4224, 4224) once each.
+grid is ~15 min of compiles in one process. `--jobs N` runs N worker processes on the one
+GPU (each compiles its own kernels, so the compiles run in parallel on the host's cores),
+over shards that share no kernel configuration (`plan_jobs`: 444 groups of calls, none
+sharing one, dealt by estimated work): the whole grid with `--jobs 8` is ~150 s of compiles
+per worker. Without it, three commands of < 10 min: `--dims 64,192`, `--dims 96,256`,
+`--dims 128`. `--quick` (50 calls, 49 configurations, < 2 min): per head dim the pair
+(113, 203) through a rotation of the other parameters, plus the odd pairs (1, 1), (239, 1),
+(799, 3) and (4224, 4224) once each. `--dry-run`: no GPU; attention()'s host checks, then
+the checks against `stand_in_attention` (the fp32 math rounded to bf16) on the CPU.
 """
 
 from __future__ import annotations
@@ -495,6 +501,26 @@ def run_case(case: Case, attention=None, dev: str = "cuda") -> dict:
             "worst": worst, **row}
 
 
+def stand_in_attention(q, k, v, *, causal, window_size, softcap, sinks, deterministic):
+    """The fp32 reference rounded to bf16 (differentiable): what `--dry-run` checks in place
+    of attention(), on the CPU; FA's rule must pass it."""
+    from hopper_attn.common.contract import normalize_window
+    from hopper_attn.harness.window_reference import reference
+    left, right = normalize_window(window_size, causal)
+    out, _ = reference(q.float(), k.float(), v.float(), left, 0 if causal else right,
+                       q.shape[-1] ** -0.5, softcap, None if sinks is None else sinks.float())
+    return out.to(q.dtype)
+
+
+def dry_run_case(case: Case) -> dict:
+    """`--dry-run`'s call: attention()'s host checks (REFUSED as it would refuse), then
+    run_case on the CPU with stand_in_attention."""
+    row = host_check(case)
+    if row["status"] == "REFUSED":
+        return {"status": "REFUSED", "message": row["message"], "where": "host_check"}
+    return run_case(case, attention=stand_in_attention, dev="cpu")
+
+
 def _summary(records, cases_by_index) -> dict:
     per_dim: dict = {}
     for r in records:
@@ -531,12 +557,23 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=0,
                         help="start no call after this many seconds (0: none); the JSON "
                              "says where to resume")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes on the one GPU, each its own compiles (the "
+                             "whole grid: 8 on a 16-core host)")
+    parser.add_argument("--indices", default="",
+                        help="(a worker's) file of the global call indices to run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: attention()'s host checks, then the checks against "
+                             "stand_in_attention on the CPU (the tool's plumbing)")
     parser.add_argument("--verbose", action="store_true", help="print every call's line")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     dims = [int(x) for x in args.dims.split(",") if x.strip()]
     cases = enumerate_grid()
     chosen = select(cases, args.quick, dims, args.start, args.max_cases)
+    if args.indices:
+        with open(args.indices) as f:
+            chosen = [cases[int(i)] for i in f.read().split()]
     if args.list:
         for d in HEAD_DIMS:
             mine = [c for c in chosen if c.d == d]
@@ -560,6 +597,8 @@ def main(argv=None) -> int:
                   f"{reason[:160]}")
         print(f"  stages (forward, backward): {found['stages']}")
         return 0
+    if args.jobs > 1 and not args.indices:
+        return run_jobs(chosen, cases, args)
     return run(chosen, cases, args)
 
 
@@ -567,6 +606,129 @@ def _compiled_count() -> int:
     """Kernel configurations compiled in this process (the forward and backward caches)."""
     from hopper_attn.common import backward, contract
     return len(contract._COMPILED) + len(backward._COMPILED)
+
+
+COMPILE_S, CALL_S = 1.3, 0.03       # rough seconds: one compile, one call (for the planner)
+
+
+def plan_jobs(chosen: list[Case], jobs: int) -> tuple[list, list]:
+    """`chosen` split into `jobs` shards of about equal work, each compile in one shard only:
+    calls grouped by (d, dv, softcap, causal, window), which every kernel configuration's key
+    fixes (the sinks' forward differs, their backward does not: they stay together), each
+    group's work estimated as its configurations x COMPILE_S + its runnable calls x CALL_S
+    (host_check), dealt largest first to the least loaded shard. (shards of indices, loads)"""
+    restore = _recording_compiles()
+    try:
+        rows = [(c, host_check(c, keys=True)) for c in chosen]
+    finally:
+        restore()
+    groups: dict = {}
+    for c, r in rows:
+        group = groups.setdefault((c.d, c.dv, c.softcap, c.causal, c.fa_window),
+                                  {"calls": [], "keys": set(), "runnable": 0})
+        group["calls"].append(c.index)
+        if r["status"] == "OK":
+            group["runnable"] += 1
+            group["keys"].update(k for k in (r.get("fwd_key"), r.get("bwd_key")) if k)
+
+    def work(group):
+        return len(group["keys"]) * COMPILE_S + group["runnable"] * CALL_S
+    shards, loads = [[] for _ in range(jobs)], [0.0] * jobs
+    for group in sorted(groups.values(), key=work, reverse=True):
+        i = loads.index(min(loads))
+        shards[i] += group["calls"]
+        loads[i] += work(group)
+    return [sorted(s) for s in shards], loads
+
+
+def run_jobs(chosen, cases, args) -> int:
+    """`--jobs N`: N worker processes (this script with --indices) on disjoint shards, their
+    JSON under a temporary folder (not $OUT: the device returns few files), merged into
+    one. A worker that stops early (a poisoned context, a crash) is restarted on the calls
+    it left, twice at most; a call a worker died on without a verdict is a FAIL."""
+    import subprocess
+    import tempfile
+
+    from hopper_attn.harness.env import environment
+    from hopper_attn.harness.gpu_check import env_line
+    env = environment()
+    print(env_line(env), flush=True)
+    t0 = time.time()
+    shards, loads = plan_jobs(chosen, args.jobs)
+    print(f"{len(chosen)} calls in {args.jobs} workers (estimated {max(loads):.0f} s each)",
+          flush=True)
+    folder = tempfile.mkdtemp(prefix="fa_grid_")
+    by_index = {c.index: c for c in cases}
+    records: dict = {}
+    compiles = 0
+    pending = {j: shard for j, shard in enumerate(shards) if shard}
+    for attempt in range(3):
+        procs = {}
+        for j, shard in pending.items():
+            part = os.path.join(folder, f"job{j}_{attempt}")
+            os.makedirs(part)
+            with open(os.path.join(part, "indices.txt"), "w") as f:
+                f.write(" ".join(map(str, shard)))
+            cmd = [sys.executable, os.path.abspath(__file__), "--indices",
+                   os.path.join(part, "indices.txt"), "--out", part] + \
+                ["--dry-run"] * args.dry_run
+            if args.deadline:
+                cmd += ["--deadline", str(max(1.0, args.deadline - (time.time() - t0)))]
+            log = open(os.path.join(part, "log.txt"), "w")
+            procs[j] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), part, log)
+        next_pending = {}
+        for j, (proc, part, log) in procs.items():
+            rc = proc.wait()
+            log.close()
+            done = {}
+            try:
+                with open(os.path.join(part, "fa_grid.json")) as f:
+                    result = json.load(f)
+                done = {r["index"]: r for r in result["records"]}
+                compiles += result["summary"].get("compiles", 0)
+            except (OSError, ValueError, KeyError):
+                result = {}
+            records.update(done)
+            left = [i for i in pending[j] if i not in done]
+            print(f"worker {j}: {len(done)} of {len(pending[j])} calls, exit {rc}"
+                  + (f", {len(left)} left" if left else ""), flush=True)
+            if not left or (args.deadline and time.time() - t0 > args.deadline):
+                continue
+            if result.get("stopped", "running") == "running":   # died: on which call?
+                try:
+                    with open(os.path.join(part, "current.txt")) as f:
+                        dead = int(f.read())
+                except (OSError, ValueError):
+                    dead = left[0]
+                records[dead] = {"index": dead, "label": by_index[dead].label(),
+                                 "status": "FAIL", "where": "worker",
+                                 "message": f"the worker process died on this call (exit "
+                                            f"{rc}): {os.path.join(part, 'log.txt')}"}
+                left = [i for i in left if i != dead]
+            if left:
+                next_pending[j] = left
+        pending = next_pending
+        if not pending:
+            break
+    ordered = [records[c.index] for c in chosen if c.index in records]
+    missing = [c.index for c in chosen if c.index not in records]
+    for status in ("FAIL", "REFUSED"):
+        for r in [r for r in ordered if r["status"] == status][:30]:
+            detail = f"ratio {r['ratio']:.2f} ({r['worst']})" if "ratio" in r else \
+                r.get("message", "")[:160]
+            print(f"{by_index[r['index']].label()}: {status} {detail}")
+    summary, path = _write(env, args, cases, ordered, by_index, t0,
+                           partial=missing[0] if missing else None, compiles=compiles)
+    for reason, count in list(summary["refused_by_reason"].items())[:8]:
+        print(f"  REFUSED x{count}: {reason[:150]}")
+    for d, row in summary["per_head_dim"].items():
+        print(_line(d, row))
+    print(_line("all", {**summary["total"]}) + f" ({time.time() - t0:.0f} s, "
+          f"{compiles} kernels compiled)" + (f"; {len(missing)} calls not run, first "
+                                              f"{missing[0]}" if missing else ""))
+    print("wrote", path, f"(workers' logs: {folder})")
+    return 0 if summary["total"]["FAIL"] == 0 and summary["total"]["REFUSED"] == 0 \
+        and not missing else 1
 
 
 # CUDA errors after which the context is unusable (every later call would fail too)
@@ -584,14 +746,18 @@ def run(chosen, cases, args) -> int:
     records, printed, t0 = [], {"FAIL": 0, "REFUSED": 0}, time.time()
     by_index = {c.index: c for c in cases}
     stopped = None                         # the index to resume from, if stopped early
+    why = None                             # "deadline" or "poisoned" where it stopped early
     for n, case in enumerate(chosen):
         if args.deadline and time.time() - t0 > args.deadline:
-            stopped = case.index
+            stopped, why = case.index, "deadline"
             print(f"deadline ({args.deadline} s) reached: resume with --start {case.index}",
                   flush=True)
             break
+        if args.indices:                   # a worker: which call it is on, should it die
+            with open(os.path.join(args.out, "current.txt"), "w") as f:
+                f.write(str(case.index))
         try:
-            r = run_case(case)
+            r = dry_run_case(case) if args.dry_run else run_case(case)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the sweep
             r = {"status": "FAIL", "message": f"{type(exc).__name__}: {str(exc)[:300]}",
                  "where": "run"}
@@ -601,7 +767,7 @@ def run(chosen, cases, args) -> int:
                         "worst": r["worst"]} if status == "PASS" else
                        {"index": case.index, "label": case.label(), **r})
         if r.get("where") == "run" and any(s in r["message"].lower() for s in POISONED):
-            stopped = case.index + 1
+            stopped, why = case.index + 1, "poisoned"
             print(f"{case.label()}: FAIL {r['message'][:160]} -- the process is poisoned; "
                   f"rerun with --start {case.index + 1}", flush=True)
             break
@@ -614,8 +780,11 @@ def run(chosen, cases, args) -> int:
         if (n + 1) % 500 == 0:
             print(f"... {n + 1}/{len(chosen)} calls, last index {case.index}, "
                   f"{time.time() - t0:.0f} s", flush=True)
-            _write(env, args, cases, records, by_index, t0, partial=case.index + 1)
-    summary, path = _write(env, args, cases, records, by_index, t0, partial=stopped)
+        if (n + 1) % 100 == 0:
+            _write(env, args, cases, records, by_index, t0, partial=case.index + 1,
+                   stopped="running")
+    summary, path = _write(env, args, cases, records, by_index, t0, partial=stopped,
+                           stopped=why)
     for reason, count in list(summary["refused_by_reason"].items())[:8]:
         print(f"  REFUSED x{count}: {reason[:150]}")
     for d, row in summary["per_head_dim"].items():
@@ -626,8 +795,10 @@ def run(chosen, cases, args) -> int:
     return 0 if summary["total"]["FAIL"] == 0 and summary["total"]["REFUSED"] == 0 else 1
 
 
-def _write(env, args, cases, records, by_index, t0, partial=None):
-    """The JSON so far (`partial`: the index a rerun would --start from; None: complete)."""
+def _write(env, args, cases, records, by_index, t0, partial=None, compiles=None,
+           stopped=None):
+    """The JSON so far (`partial`: the index a rerun would --start from; None: complete;
+    `stopped`: "running" while it runs, "deadline" or "poisoned" where it stopped early)."""
     from hopper_attn.harness.gpu_check import write_json
     summary = _summary(records, by_index)
     reasons: dict = {}
@@ -635,7 +806,7 @@ def _write(env, args, cases, records, by_index, t0, partial=None):
         if r["status"] == "REFUSED":
             reasons[_reason(r["message"])] = reasons.get(_reason(r["message"]), 0) + 1
     summary["refused_by_reason"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
-    summary["compiles"] = _compiled_count()
+    summary["compiles"] = _compiled_count() if compiles is None else compiles
     result = {"env": env, "grid": {
         "source": "Dao-AILab/flash-attention tests/cute/test_flash_attn.py::"
                   "test_flash_attn_output (file version 008e636)",
@@ -643,7 +814,7 @@ def _write(env, args, cases, records, by_index, t0, partial=None):
         "heads": HEADS, "local_enum": LOCAL_ENUM, "softcaps": SOFTCAPS,
         "deterministic": DETERMINISTIC, "sinks": SINKS, "dtypes": DTYPES,
         "skipped": SKIPPED, "calls": len(cases)},
-        "args": vars(args), "resume_from": partial, "summary": summary,
+        "args": vars(args), "resume_from": partial, "stopped": stopped, "summary": summary,
         "seconds": time.time() - t0, "records": records}
     return summary, write_json(result, "fa_grid.json", args.out)
 
