@@ -608,15 +608,16 @@ def _compiled_count() -> int:
     return len(contract._COMPILED) + len(backward._COMPILED)
 
 
-COMPILE_S, CALL_S = 1.3, 0.03       # rough seconds: one compile, one call (for the planner)
+# rough seconds (for the planner): one compile, one call, one refused call
+COMPILE_S, CALL_S, REFUSED_S = 1.3, 0.03, 0.002
 
 
 def plan_jobs(chosen: list[Case], jobs: int) -> tuple[list, list]:
     """`chosen` split into `jobs` shards of about equal work, each compile in one shard only:
     calls grouped by (d, dv, softcap, causal, window), which every kernel configuration's key
     fixes (the sinks' forward differs, their backward does not: they stay together), each
-    group's work estimated as its configurations x COMPILE_S + its runnable calls x CALL_S
-    (host_check), dealt largest first to the least loaded shard. (shards of indices, loads)"""
+    group's work estimated from its configurations and calls (host_check), dealt largest
+    first to the least loaded shard. (shards of indices, loads)"""
     restore = _recording_compiles()
     try:
         rows = [(c, host_check(c, keys=True)) for c in chosen]
@@ -632,7 +633,8 @@ def plan_jobs(chosen: list[Case], jobs: int) -> tuple[list, list]:
             group["keys"].update(k for k in (r.get("fwd_key"), r.get("bwd_key")) if k)
 
     def work(group):
-        return len(group["keys"]) * COMPILE_S + group["runnable"] * CALL_S
+        return (len(group["keys"]) * COMPILE_S + group["runnable"] * CALL_S
+                + (len(group["calls"]) - group["runnable"]) * REFUSED_S)
     shards, loads = [[] for _ in range(jobs)], [0.0] * jobs
     for group in sorted(groups.values(), key=work, reverse=True):
         i = loads.index(min(loads))
