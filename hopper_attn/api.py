@@ -577,7 +577,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     scaled scores s = q k^T * scale, the LSE that of the capped scores; k6 (any of its
     head dims) and the decode stage (the cap is compiled in: one compile per cap value),
     differentiable at
-    head_dim 64 to 192 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
+    head_dim 64 to 256 (kb2). 0: no softcap, today's kernels. ValueError for a negative or
     non-finite cap, or a stage without it.
 
     `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
@@ -924,8 +924,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     non-decreasing, lengths <= max_seqlen_*; breaking these reads or writes out of bounds.
 
     A torch custom op (`torch.ops.hopper_attn.attention_varlen`) with a fake implementation:
-    torch.compile(fullgraph=True) traces through it. Differentiable at head dims 64 and 128
-    (96, 192: ValueError until the fixed backward runs on a GPU; 256: none) through
+    torch.compile(fullgraph=True) traces through it. Differentiable at head dims 64, 96, 128
+    and 192 (256: ValueError, not yet run on packed batches) through
     `attention_varlen_backward` (the varlen backward; with sinks that needs a gradient
     `attention_varlen_backward_sinks`, the sinks' gradient from the backward's D).
     """

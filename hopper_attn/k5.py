@@ -80,7 +80,7 @@ from hopper_attn.common.contract import (LOG2_E, KernelSpec, compile_attention,
                                          run_attention)
 from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, ndhb_view, qkv_smem,
                                         smem_bytes, smem_tile_layout, transposed)
-from hopper_attn.common.masking import TileSchedule, mask_scores
+from hopper_attn.common.masking import TileSchedule, mask_scores, mask_window_bits
 from hopper_attn.common.scheduler import TileScheduler, fetch_next_item, retire
 from hopper_attn.common.softmax import OnlineSoftmax, scale_rows
 from hopper_attn.common.trace import PhaseTrace
@@ -105,6 +105,8 @@ class FlashAttentionK5:
     # masked tiles: two compares per element (k6 and k7 take one key limit per row instead,
     # common/masking.py)
     mask_per_row = False
+    # a window's masked tiles by bit masks (k6's window_mask="bits", common/masking.py)
+    window_mask_bits = False
     # a packed batch (common/varlen.py; k6_varlen.py sets it): per-sequence lengths, ragged
     # TMA views, the varlen work list
     varlen = False
@@ -658,7 +660,11 @@ class FlashAttentionK5:
         diagonal hides them (only tiles that need it run the mask code)."""
         s_rc = acc_rows_cols(acc_s)
         if self.schedule.needs_mask_kv(m_block, n, seqlen_q, seqlen_k):
-            if cutlass.const_expr(self.schedule.windowed):     # (k6's sliding window)
+            if cutlass.const_expr(self.schedule.windowed and self.window_mask_bits):
+                mask_window_bits(s_rc, s_coords, m_block * self.block_m, n * self.block_n,
+                                 seqlen_k, self.schedule.bounded_right, seqlen_k - seqlen_q,
+                                 right=self.schedule.right, left=self.schedule.window_left)
+            elif cutlass.const_expr(self.schedule.windowed):   # (k6's sliding window)
                 mask_scores(s_rc, s_coords, m_block * self.block_m, n * self.block_n,
                             seqlen_k, self.schedule.bounded_right, seqlen_k - seqlen_q,
                             per_row_limit=self.mask_per_row, right=self.schedule.right,

@@ -102,6 +102,14 @@ ITEM_ENDS = {
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
 RESCALES = ("eager", "lazy", "before_pv")
+WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
+# A windowed problem's masked tiles (settings_for's window_mask, not one of OPTIONS), per
+# head dim: bit masks (common/masking.py) where the H200 measured them faster, d = 64 also
+# without turns, each warpgroup between its own rows' first and last kv tiles (WINDOW_WGS):
+# gpt-oss's window 128 1.25-1.31x the compares, 1.22x FA4; d = 128 window 4096 1.01-1.03x
+# (results/h200/2026-11-29_window_fwd_masks.json.xz, docs/window.md). Elsewhere compares.
+WINDOW_MASK = {64: "bits_wg_first", 128: "bits"}
+WINDOW_WGS = dict(pingpong=False, wg_causal_limit=True, pv_wait="free")
 
 
 def pv_wait_after(pv_wait: str) -> int:
@@ -213,14 +221,20 @@ POLICY = [
 ]
 
 
-def policy(problem) -> dict:
+def window_mask_for(problem) -> str:
+    """WINDOW_MASK's choice for a problem's head dim ("compare" where it has none)."""
+    return WINDOW_MASK.get(getattr(problem, "head_dims", problem.head_dim), "compare")
+
+
+def policy(problem, window_mask: str = "") -> dict:
     """The settings of POLICY's first row for the problem's head dim, mask and query length
-    (a sliding window takes the causal rows)."""
+    (a sliding window takes the causal rows; window_mask: "" for WINDOW_MASK's)."""
     masked = problem.causal or getattr(problem, "windowed", False)
     seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
-    if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0:
-        # a window's left side: two limits per row, with which 192-row tiles spill (as the
-        # two-compare causal mask did): the 128-row causal row at every length
+    if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0 and \
+            (window_mask or window_mask_for(problem)) == "compare":
+        # a window's left side by compares: two limits per row, with which 192-row tiles
+        # spill (as the two-compare causal mask did): the 128-row causal row at every length
         seqlen = 0
     for d, causal, lengths, settings, _why, _results in POLICY:
         if d == dims and causal == masked and seqlen in lengths:
@@ -241,7 +255,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False, window_left: int = -1, window_right: int = -1,
-                 head_dim_v: int = 0):
+                 head_dim_v: int = 0, window_mask: str = "compare"):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -299,6 +313,11 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if windowed and (stream_k or not kv_tail):
             raise ValueError("k6: a sliding window needs kv_tail and no stream_k")
         self.schedule = TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail), *window)
+        if window_mask not in WINDOW_MASKS or (window_mask != "compare" and block_n > 128):
+            raise ValueError(f"window_mask: one of {WINDOW_MASKS} (bits: kv tile <= 128)")
+        self.window_mask_bits = window_mask != "compare" and windowed
+        # bits_wg_first: with wg_causal_limit each warpgroup starts at its rows' first kv tile
+        self.wg_window_first = self.wg_causal_limit and window_mask == "bits_wg_first"
         # the persistent grid (module doc): with a causal mask the next item from a global
         # counter, in head groups of `longest_first` MiB of K and V (N x d x 4 bytes a head)
         if stream_k and causal:
@@ -495,13 +514,18 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             if cutlass.const_expr(self.skip_idle_wgs):
                 busy = m_block * self.block_m + wg * 64 < seqlen_q
             if busy:
+                n_first, n_work = n_base, n_busy
+                if cutlass.const_expr(self.wg_window_first):    # from its own first tile on
+                    n_skip = cutlass.min(self.schedule.n_block_first(
+                        m_block, seqlen_q, seqlen_k, wg * 64) - n_base, n_busy - 1)
+                    k_state, v_state = self.idle_tiles(loads, 0, n_skip, k_state, v_state)
+                    n_first, n_work = n_base + n_skip, n_busy - n_skip
                 k_state, v_state = self.busy_loop(
-                    loads, wg, m_block, n_busy, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
+                    loads, wg, m_block, n_work, seqlen_q, seqlen_k, mma_qk, mma_pv, q_frag,
                     k_frag, vt_frag, p_frag, acc_s, acc_o, s_coords, softmax, k_state, v_state,
-                    n_base)
+                    n_first)
                 if cutlass.const_expr(self.wg_causal_limit):
-                    k_state, v_state = self.idle_tiles(loads, n_busy, n_count, k_state,
-                                                       v_state)
+                    k_state, v_state = self.idle_tiles(loads, n_busy, n_count, k_state, v_state)
             else:
                 k_state, v_state = self.idle_loop(loads, wg, n_count, k_state, v_state)
         else:
@@ -729,22 +753,27 @@ OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fm
 SOFTCAP_FIXED_MAX_DIMS = (128, 256)
 
 
-def settings_for(problem, **overrides) -> dict:
+def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     """FlashAttentionK6's settings for `problem`: its POLICY row, then `overrides` (None:
     the row's). kv_tail="whole" resolves to no tail test where the key length is a
-    multiple of the kv tile (no mask); peel_first needs the loop's tail test."""
+    multiple of the kv tile (no mask); peel_first needs the loop's tail test. window_mask:
+    WINDOW_MASK's choice for this call (windowed problems; "": WINDOW_MASK's)."""
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
-    settings = {**policy(problem), **{k: v for k, v in overrides.items() if v is not None}}
+    mask = window_mask or window_mask_for(problem)
+    windowed = getattr(problem, "windowed", False)
+    own_wgs = WINDOW_WGS if windowed and mask == "bits_wg_first" else {}
+    settings = {**policy(problem, mask), **own_wgs,
+                **{k: v for k, v in overrides.items() if v is not None}}
     tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
     if tile is not None:
         settings["block_m"], settings["block_n"] = (int(x) for x in str(tile).split("x"))
-    if getattr(problem, "windowed", False):
+    if windowed:
         # the causal row's settings; a window's item starts at kv tile n_block_first, which
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
-                        stream_k=False, kv_tail=True)
+                        stream_k=False, kv_tail=True, window_mask=mask)
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])
@@ -759,16 +788,16 @@ def settings_for(problem, **overrides) -> dict:
 
 
 def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, sinks: int = 0,
-                   **overrides):
+                   window_mask: str = "", **overrides):
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden (docs/k6.md): tile ("192x96":
     block_m x block_n), kv_tail (0: no tail test, for whole kv tiles; "whole": 0 where the
     key length allows), longest_first (MiB of K and V per head group), softcap (logit
     softcapping's cap, compile time; 0: none); the others as FlashAttentionK6's arguments.
     trace: iket phase ranges (harness/timeline.py); sinks: 1 for attention sinks, a runtime
-    (heads,) fp32 input after `out` (common/sinks.py)."""
+    (heads,) fp32 input after `out` (common/sinks.py); window_mask: settings_for's."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
-    settings = {**settings_for(problem, **overrides), "trace": bool(trace)}
+    settings = {**settings_for(problem, window_mask, **overrides), "trace": bool(trace)}
     return compile_attention(SINKS_SPEC if sinks else SPEC,
                              FlashAttentionK6Sinks if sinks else FlashAttentionK6, problem,
                              {**settings, "sinks": True} if sinks else settings,

@@ -29,7 +29,8 @@ What changes from kb1:
 * Packed batches (`varlen`, common/varlen_backward.py): one CTA per (kv tile of a sequence,
   dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
-  mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills.
+  mask, dS^T times 1 - t^2; 64-row query tiles (`SOFTCAP_TILES`), which hold it without spills
+  (d = 256: the swapped tile's S and dS, not transposed).
 * Head dims 96, 192 and 256 (issue 63). d = 96 runs d = 128's consumer on 64-row tiles, K in
   a 32-byte swizzle (dQ reads K^T in 48 columns a warpgroup). At d = 192 and 256 a thread
   cannot hold dK and dV of 64 keys: `dkv_swap_ab` (common/backward_dkv_swap.py) accumulates
@@ -728,7 +729,7 @@ def policy(problem, deterministic: bool = False, tuned: bool = True) -> dict:
 # softcap (block_m, dp_first, early_dv) per head dim: 64-row query tiles, at d = 128 with dP^T
 # first (1 - t^2 used in the exp2 loop, not held until dS^T); the default tiles spill
 SOFTCAP_TILES = {64: (64, None, None), 96: (64, None, None), 128: (64, True, False),
-                 192: (64, None, None)}
+                 192: (64, None, None), 256: (64, None, None)}
 
 
 def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int] = None,
@@ -754,6 +755,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
         block_m, dp_first, early_dv = SOFTCAP_TILES.get(problem.head_dim,
                                                         (block_m, dp_first, early_dv))
     settings = policy(problem, deterministic, tuned=block_m is None)
+    if dkv_swap_ab is None and problem.head_dim == 256:
+        dkv_swap_ab = True                      # (d = 256's only tile, softcap included)
     if shared_keys is None and problem.head_dim == 192:
         # d = 192 without dkv_swap_ab (softcap, or asked for): the 64 x 64 tile that fits
         shared_keys = not (settings["dkv_swap_ab"] if dkv_swap_ab is None else dkv_swap_ab)

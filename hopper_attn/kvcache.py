@@ -231,15 +231,50 @@ def _args(tensors, tvm_ffi: bool) -> list:
             for i, t in enumerate(tensors)]
 
 
+# The e4m3 cache's consumer. "auto" (the default): the swapped-operand one
+# (decode_fp8swap.py: S^T = K Q'^T and O'^T = V^T P'^T with e4m3 WGMMAs) at d 128 with at
+# most 32 packed rows and no window / softcap / sinks, where the H200 measured it 1.5-1.9x
+# the bf16 cache (docs/kvcache.md); decode.py's widening loaders elsewhere. "swap" forces the
+# former (ValueError where it cannot run), "widen" the latter; "swap:S": S e4m3 stages.
+FP8_CONSUMER = "auto"
+
+
+def _swap_stages(problem: Problem) -> int:
+    from hopper_attn import decode_fp8swap
+    _, _, stages = FP8_CONSUMER.partition(":")
+    return int(stages) if stages else decode_fp8swap.stages_for(problem)
+
+
+def _swap_rows(problem: Problem, fp8: bool, softcap: float = 0.0, sinks: bool = False) -> int:
+    """R of the swapped-operand consumer for this call (0: the widening consumer)."""
+    consumer = FP8_CONSUMER.partition(":")[0]
+    if not fp8 or consumer == "widen":
+        return 0
+    from hopper_attn import decode_fp8swap
+    packed = problem.heads // problem.kv_heads * problem.seqlen
+    fits = (problem.head_dim == 128 and not problem.windowed and not softcap and not sinks
+            and packed <= decode_fp8swap.ROW_CHOICES[-1])
+    if consumer == "auto" and not fits:
+        return 0
+    if problem.head_dim != 128 or problem.windowed:
+        raise ValueError("FP8_CONSUMER 'swap': d = 128 without a window only")
+    if softcap or sinks:
+        raise ValueError("FP8_CONSUMER 'swap': no sinks or softcap")
+    return decode_fp8swap.rows_for(packed)
+
+
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
                    stages: int, tvm_ffi: bool = False, compile_options: str = "",
-                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False):
+                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False,
+                   swap_rows: int = 0):
     """The decode stage's `kv_cache_call` for one (head dim, mask, dtype, page size (0:
     contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant), window (as
     Problem's fields), softcap (0: none), sinks), compiled once: (compiled function, kernel
-    object)."""
+    object). `swap_rows` R > 0: the e4m3 cache's swapped-operand consumer (decode_fp8swap)."""
     kv_dtype = kv_dtype or dtype
     features = (tuple(window), float(softcap), bool(sinks))
+    if swap_rows:
+        features += (("swap", swap_rows),)
     key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options,
            kv_dtype) + (features if features != ((-1, -1), 0.0, False) else ())
     hit = _COMPILED.get(key)
@@ -250,9 +285,15 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
     from hopper_attn import decode
-    kernel = (decode.DecodeAttentionSinks if sinks else decode.DecodeAttention)(
-        head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size,
-        fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0], window_right=window[1])
+    if swap_rows:
+        from hopper_attn import decode_fp8swap
+        kernel = decode_fp8swap.DecodeFp8Swap(head_dim, causal, block_n, stages,
+                                              page_size=page_size, rows=swap_rows)
+    else:
+        kernel = (decode.DecodeAttentionSinks if sinks else decode.DecodeAttention)(
+            head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size,
+            fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0],
+            window_right=window[1])
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     batch, heads, pages = 2, 2, 4
     q = torch.empty((batch, 2, heads, head_dim), dtype=dtype, device=device)
@@ -290,10 +331,16 @@ def _workspace(problem: Problem, device, block_n: int, stages: int, splits: int)
     return ws
 
 
-def plan(problem: Problem, num_splits: int = 0, fp8: bool = False) -> tuple[int, int, int]:
+def plan(problem: Problem, num_splits: int = 0, fp8: bool = False, softcap: float = 0.0,
+         sinks: bool = False) -> tuple[int, int, int]:
     """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the e4m3
-    cache's tile and ring depth, decode.FP8_TILES, one CTA per SM)."""
+    cache's consumer: the swapped one's tile, or decode.FP8_TILES, one CTA per SM)."""
     from hopper_attn import decode
+    if _swap_rows(problem, fp8, softcap, sinks):
+        from hopper_attn import decode_fp8swap
+        stages = _swap_stages(problem)
+        return (decode_fp8swap.BLOCK_N, stages,
+                num_splits or decode_fp8swap.num_splits_for(problem, stages))
     block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
     return block_n, stages, splits
@@ -314,11 +361,13 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_des
                                        v_new, num_splits, None, k_descale, v_descale)
     problem = problem_for(q, k_cache.shape[2], capacity, causal, window)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
-    block_n, stages, splits = plan(problem, num_splits, k_cache.dtype == FP8)
+    fp8 = k_cache.dtype == FP8
+    block_n, stages, splits = plan(problem, num_splits, fp8, cap, with_sinks)
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
                                  block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype,
-                                 window=window, softcap=cap, sinks=with_sinks)
+                                 window=window, softcap=cap, sinks=with_sinks,
+                                 swap_rows=_swap_rows(problem, fp8, cap, with_sinks))
     workspace = _workspace(problem, q.device, block_n, stages, splits)
     return compiled, workspace, tvm_ffi, problem.head_dim
 
@@ -434,7 +483,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                cache_seqlens.dtype, cache_seqlens.device,
                *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                  for t in tensors[4:]], bool(causal), num_splits, type(num_splits),
-               tuple(window_size), softcap, type(softcap))
+               tuple(window_size), softcap, type(softcap), FP8_CONSUMER)
         prepared = _FAST.get(key)
     except (AttributeError, TypeError):     # not tensors: the checks say so
         key = prepared = None

@@ -14,6 +14,7 @@ byte, same bits twice) and a CUDA graph replay; harness/prefill_check.py's chunk
 cases and graph replay.
 """
 
+import shutil
 import tempfile
 
 import pytest
@@ -171,6 +172,55 @@ def test_kv_cache_features_compile(page_size, block_n, stages, features):
     assert fn["registers"] * kernel.threads * kernel.ctas_per_sm <= 65536, fn
     assert ("tanh.approx.f32" in ptx) == bool(features.get("softcap"))
     assert kernel.describe().get("window") == features.get("window")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("page_size,rows,boxes", [(0, 16, 1), (16, 8, 8)])
+def test_fp8_swap_compiles(page_size, rows, boxes):
+    """The swapped-operand e4m3 consumer (decode_fp8swap, opt-in): compiles for sm_90a
+    without spills, within the registers of two CTAs per SM; both GEMMs are e4m3 WGMMAs
+    (2 m64 atoms x 4 k32 steps each, N = 2R) and V^T comes from ldmatrix.trans, no
+    16-bit WGMMA and no widening pass; with a ptxas on PATH, no note that it serialized
+    the WGMMAs (C7514 and the like)."""
+    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
+    with tempfile.TemporaryDirectory() as dump:
+        compiled, kernel = kvcache.compile_kernel(
+            128, True, torch.bfloat16, page_size, 128, 3,
+            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
+            kv_dtype=kvcache.FP8, swap_rows=rows)
+        ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
+    (fn,) = resource_usage(cubin)
+    assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert kernel.ctas_per_sm == 2 and fn["registers"] * kernel.threads * 2 <= 65536, fn
+    # S^T and PV_{j-1} in the loop, the last PV after it: 8 m64nNk32 each
+    assert ptx.count(f"wgmma.mma_async.sync.aligned.m64n{2 * rows}k32.f32.e4m3.e4m3") == 24
+    assert ".f16.f16" not in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans" in ptx
+    assert ptx.count("cp.async.bulk.tensor") == 2 * boxes     # (e4m3 rows: one per box)
+    if shutil.which("ptxas"):   # (a CUDA toolkit here: its notes on serialized WGMMAs)
+        from hopper_attn.harness.compile_report import ptxas_notes
+        assert not ptxas_notes(ptx), ptxas_notes(ptx)
+
+
+def test_fp8_swap_plan(monkeypatch):
+    """The default ("auto") takes the swapped consumer at d 128 with <= 32 packed rows and no
+    window / softcap / sinks, the widening one elsewhere; "swap" forces it (more than 32
+    packed rows refused, ValueError before any launch), "swap:S" sets its stages."""
+    from hopper_attn.common.contract import Problem
+    problem = Problem(1, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=32768)
+    wide = Problem(1, 32, 16, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=4096)
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 6)        # (B1: 8 pairs)
+    many = Problem(64, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=4096)
+    assert kvcache.plan(many, 0, fp8=True)[:2] == (128, 3)
+    for other in (dict(softcap=50.0), dict(sinks=True)):
+        assert kvcache.plan(problem, 0, fp8=True, **other)[:2] == (64, 7)
+    assert kvcache.plan(wide, 0, fp8=True)[:2] == (64, 7)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "widen")
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (64, 7)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap:3")
+    assert kvcache.plan(problem, 0, fp8=True)[:2] == (128, 3)
+    monkeypatch.setattr(kvcache, "FP8_CONSUMER", "swap")
+    with pytest.raises(ValueError, match="packed rows"):
+        kvcache.plan(wide, 0, fp8=True)
 
 
 @pytest.mark.gpu

@@ -91,11 +91,14 @@ def test_stages_without_softcap_refuse_it(stage):
         hopper_attn.attention(q, q, q, softcap=30.0, stage=stage)
 
 
-def test_softcap_backward_at_d256_is_refused_before_the_forward():
-    import hopper_attn
-    q = torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16, requires_grad=True)
-    with pytest.raises(ValueError):
-        hopper_attn.attention(q, q, q, softcap=50.0)
+@pytest.mark.compile
+@pytest.mark.parametrize("causal,heads_kv", [(True, 1), (False, 0)])
+def test_kb2_softcap_at_d256_on_the_swapped_tile(causal, heads_kv):
+    """d = 256 (Gemma 2): the softcap on kb2's dkv_swap_ab tile (64 x 48), one tanh per
+    score, no spills."""
+    art = compiled("kb2:softcap=50.0", 256, causal, heads_kv=heads_kv)
+    _no_spills(art)
+    assert re.search(TANH, art["ptx"]) and art["kernel"]["options"]["dkv_swap_ab"]
 
 
 def capped_attention(q, k, v, causal, cap, scale=None):
@@ -163,7 +166,7 @@ def test_softcap_forward_matches_fp32(d, causal, n, cap, magnitude):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 17, 113, 1000])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128, 192])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("heads_kv", [4, 2])             # MHA, GQA 2:1
 @pytest.mark.parametrize("cap,magnitude", [(50.0, 1.0), (15.0, 6.0)])
 def test_softcap_backward_matches_fp32(d, causal, n, heads_kv, cap, magnitude):

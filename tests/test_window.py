@@ -13,8 +13,8 @@ import torch
 from hopper_attn.common.contract import Problem, normalize_window
 from hopper_attn.harness.window_reference import (gradient_errors, reference, torch_lowp,
                                                    window_inputs as _inputs, window_mask)
-from hopper_attn.common.masking import (window_m_range, window_needs_mask, window_ranges,
-                                        window_visible)
+from hopper_attn.common.masking import (window_keep_bits, window_m_range, window_needs_mask,
+                                        window_ranges, window_visible)
 
 # (left, right) with causal folded in (right 0); -1: unbounded
 WINDOWS = [(0, 0), (3, 0), (127, 0), (128, 0), (200, 0), (4095, 0), (256, 256), (-1, 64),
@@ -46,10 +46,38 @@ def test_forward_tile_ranges_match_the_element_mask(left, right):
                 assert min(tiles) == first and max(tiles) == count - 1, (nq, nk, bm, bn, m)
             else:
                 assert count - first == 1
+            for row in range(0, bm, 64):        # k6's bits_wg_first: a warpgroup's first tile
+                wg_rows = range(m * bm + row, min(m * bm + row + 64, (m + 1) * bm, nq))
+                seen = {j // bn for i in wg_rows for j in range(nk) if vis[i][j]}
+                if seen and left >= 0:
+                    assert min(seen) == max(m * bm + row + nk - nq - left, 0) // bn
             for n in range(first, count):
                 cols = range(n * bn, (n + 1) * bn)
                 if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
                     assert all(j < nk and vis[i][j] for i in rows for j in cols), (m, n)
+
+
+@pytest.mark.parametrize("left,right", WINDOWS)
+def test_window_mask_bits_match_the_element_mask(left, right):
+    """k6's window_mask="bits" (masking.mask_window_bits, through its host mirror): in every
+    masked tile each thread's keep bit of element c (column thr_col + 8 (c // 2) + c % 2 of
+    the SM90 accumulator, thr_col = 2 (lane % 4)) is the element's visibility."""
+    for (nq, nk), (bm, bn) in itertools.product(LENGTHS[2:], TILES[:3]):
+        vis = _visible(nq, nk, left, right)
+        cols = bn // 4
+        for m in range(-(-nq // bm)):
+            first, count = window_ranges(m, bm, bn, nq, nk, left, right)
+            for n in range(first, count):
+                if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
+                    continue
+                for i, thr_col in itertools.product(range(m * bm, min((m + 1) * bm, nq)),
+                                                    (0, 2, 4, 6)):
+                    keep = window_keep_bits(i + nk - nq - n * bn - thr_col,
+                                            nk - n * bn - thr_col, cols, right >= 0,
+                                            max(right, 0), left)
+                    for c in range(cols):
+                        j = n * bn + thr_col + 8 * (c // 2) + c % 2
+                        assert bool(keep >> c & 1) == (j < nk and vis[i][j]), (m, n, i, c)
 
 
 @pytest.mark.parametrize("left,right", WINDOWS)
@@ -140,6 +168,23 @@ def test_k6_window_compiles_without_spills(d, causal, window, seqlen):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("mask,d,seqlen,window", [
+    ("bits", 64, 8192, (127, -1)), ("bits", 128, 1000, (256, 256)),
+    ("bits_wg_first", 64, 2048, (127, -1))])
+def test_k6_window_mask_bits_compiles_without_spills(mask, d, seqlen, window):
+    """window_mask="bits": at d = 64 with a left side on the causal row's 192-row tile
+    (bits_wg_first: the row with wg_causal_limit)."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get(f"k6:window_mask={mask}"), d, window[1] < 0,
+                            seqlen=seqlen, window=window)
+    assert art["ok"], art.get("error")
+    assert art["kernel"]["block_m"] == (192 if d == 64 else 128)
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
 def test_k6_window_compiles_without_spills_at_d96():
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
@@ -208,6 +253,27 @@ def test_forward_matches_fp32(seqlen, causal, window, d):
     low, _ = torch_lowp(q, k, v, window[0], right, d ** -0.5)
     torch_err = (low - ref).abs().max().item()
     assert (out.float() - ref).abs().max().item() <= 2 * torch_err + 2 ** -10
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask,d", [("bits", 64), ("bits", 128), ("bits_wg_first", 64)])
+@pytest.mark.parametrize("causal,window", [(True, (0, 0)), (True, (127, 0)), (True, (4095, 0)),
+                                           (False, (256, 256)), (False, (-1, 64))])
+def test_forward_window_masks_match_fp32(causal, window, d, mask):
+    """k6's window_mask variants (stage names; at d = 64 on 192-row tiles, bits_wg_first with
+    wg_causal_limit): within the bound, the LSE within 1e-3."""
+    import hopper_attn
+    q, k, v = _inputs(2, 1001, 1001, 4, 2, d, seed=d + window[0])
+    out, lse = hopper_attn.attention(q, k, v, causal=causal, window_size=window,
+                                     return_lse=True, stage=f"k6:window_mask={mask}")
+    right = 0 if causal else window[1]
+    ref, ref_lse = reference(q, k, v, window[0], right, d ** -0.5)
+    low, _ = torch_lowp(q, k, v, window[0], right, d ** -0.5)
+    assert (out.float() - ref).abs().max().item() <= \
+        2 * (low - ref).abs().max().item() + 2 ** -10
     finite = ref_lse.isfinite()
     assert torch.equal(lse.isfinite(), finite)
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3

@@ -10,6 +10,8 @@ path and SDPA over a gathered cache.
     python tools/kvcache_gpu_check.py --features --quick   # window / softcap / sinks (< 2 min)
     python tools/kvcache_gpu_check.py --features           # + their timing rows
     python tools/kvcache_gpu_check.py --fp8-speed          # e4m3 / bf16 speed (~1 min)
+    python tools/kvcache_gpu_check.py --fp8-swap           # the swapped-operand e4m3 consumer
+    python tools/kvcache_gpu_check.py --fp8-swap --quick   # its correctness only
 
 Correctness: every case of hopper_attn/harness/kvcache_check.py's `quick_cases` (contiguous
 and paged caches 16-256, shuffled page tables, NaN in unused pages and past the cache
@@ -45,6 +47,18 @@ pages, appends; the fp32 reference under the same masks, cap and sinks), then (n
 `--fp8-speed` (instead of the above, no correctness: --quick has the e4m3 cases): the
 bf16 and the e4m3 cache (the same values), contiguous, at B1 32k, B1 128k, B64 4k and
 B256 4k (one query, Hq 32 / Hkv 8, d 128, causal), the same round-robin; e4m3 / bf16 speed.
+`--fp8-swap` (instead of the above): the e4m3 consumer with swapped operands (the default
+at d 128 with <= 32 packed rows; forced here with kvcache.FP8_CONSUMER = "swap",
+hopper_attn/decode_fp8swap.py, docs/kvcache.md):
+one-hot probes of its index maps (`swap_probe`: 16 packed rows, each attending to one key
+of its own; which rows are wrong and whose V they got), then `swap_cases` (contiguous and 16 / 64 / 128-token pages, NaN in unused pages, odd and zero
+key counts, 1-4 queries at group 4 and 4 queries at group 8 (8-32 packed rows), appends,
+forced and automatic splits, causal and not, per-kv-head descales) checked as the quick
+e4m3 cases are (fp32 reference over the dequantized cache, 2x the error of SDPA over it in
+bf16 + 2^-10, LSE, same bits twice); then (not with --quick) the round-robin speed of the
+bf16 cache, the current e4m3 loop ("widen") and the swapped one (3 stages, two CTAs per SM;
+and "swap:6", 6 stages, one CTA per SM) at the four --fp8-speed shapes and B8 32k, and the largest
+difference between the two e4m3 outputs.
 Everything goes to $OUT/kvcache.json.
 """
 
@@ -120,6 +134,157 @@ def fp8_speed() -> list:
         del sets, sets8
         torch.cuda.empty_cache()
     return rows
+
+
+def swap_cases() -> list:
+    """The e4m3 cases for the swapped-operand consumer (d 128, at most 32 packed rows)."""
+    from hopper_attn.harness.kvcache_check import Case
+    return [
+        Case((0, 1, 127, 128, 129, 1000, 1023, 1024), 1024, 0, fp8=True),
+        Case((130, 190, 250, 700), 1024, 0, fp8=True, num_splits=3),
+        Case((5, 300, 1000, 777), 1024, 16, seqlen_q=4, seqlen_new=4, fp8=True),
+        Case(tuple(i * 97 % 1024 for i in range(20)), 1024, 64, seqlen_new=1, fp8=True),
+        Case((3000, 8189, 4096, 1), 8192, 128, seqlen_q=2, seqlen_new=3, fp8=True),
+        Case((1000, 2047, 15, 0), 2048, 16, seqlen_q=3, causal=False, fp8=True),
+        Case((999, 4097, 33), 8192, 0, seqlen_q=4, heads=64, heads_kv=8, fp8=True),
+        Case((777, 31, 2049), 4096, 128, heads=8, heads_kv=8, fp8=True, num_splits=1),
+        Case((100001,), 131072, 0, fp8=True),
+        Case((65, 4095, 17, 0), 4096, 16, seqlen_q=2, seqlen_new=1, fp8=True, unused="far"),
+    ]
+
+
+def swap_probe() -> list:
+    """One-hot probes of the swapped consumer's index maps (a diagnosis where the cases
+    fail): 4 queries x 4 heads of one kv head (16 packed rows), 128 keys, not causal; row
+    (query i, head h) has q = e_(4i + h) and its own key k_ih with K[k_ih, 4i + h] = 448,
+    every other K zero, so its output is V[k_ih] (to 1e-3: the other keys weigh 2^-57).
+    Per probe: the rows whose output is not V[k_ih], and for the first such row the key
+    whose V it is, and whether it is V[k_ih] with its d permuted."""
+    from hopper_attn import attention_with_kvcache, kvcache
+    f8 = torch.float8_e4m3fn
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    n, queries, group = 128, 4, 4
+    v = torch.randint(-8, 9, (1, n, 1, D), device="cuda", generator=gen).float()
+    rows = []
+    for shift in (0, 1, 5, 37):
+        q = torch.zeros(1, queries, group, D, device="cuda")
+        k = torch.zeros(1, n, 1, D, device="cuda")
+        keys = {}
+        for i in range(queries):
+            for h in range(group):
+                c = 4 * i + h
+                keys[(i, h)] = (c * 7 + shift) % n
+                q[0, i, h, c] = 1.0
+                k[0, keys[(i, h)], 0, c] = 448.0
+        kvcache.FP8_CONSUMER = "swap"
+        try:
+            out = attention_with_kvcache(q.to(torch.bfloat16), k.to(f8), v.to(f8),
+                                         torch.full((1,), n, dtype=torch.int32,
+                                                    device="cuda"), causal=False)[0, :, :, :]
+        finally:
+            kvcache.FP8_CONSUMER = "auto"
+        out = out.float()
+        wrong = [(i, h) for (i, h), kk in keys.items()
+                 if not torch.allclose(out[i, h], v[0, kk, 0], atol=1e-3)]
+        row = {"shift": shift, "wrong_rows": wrong}
+        if wrong:
+            i, h = wrong[0]
+            got, want = out[i, h], v[0, keys[(i, h)], 0]
+            row["nearest_key"] = int((v[0, :, 0] - got).abs().sum(-1).argmin())
+            row["expected_key"] = keys[(i, h)]
+            row["d_permuted"] = bool(torch.equal(got.sort().values, want.sort().values))
+            row["sample"] = [got[:8].tolist(), want[:8].tolist()]
+        print(f"swap probe shift {shift}: {16 - len(wrong)}/16 rows right"
+              + (f"; row {wrong[0]} got key {row['nearest_key']}'s V (expected "
+                 f"{row['expected_key']}), d permuted {row['d_permuted']}" if wrong else ""),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def fp8_swap(quick: bool) -> dict:
+    """--fp8-swap: one-hot probes and `swap_cases` with the swapped consumer; then e4m3
+    speed, both loops."""
+    from hopper_attn import kvcache
+    from hopper_attn.harness import kvcache_check as kc
+    result = {"correctness": []}
+    try:
+        result["probes"] = swap_probe()
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        result["probes"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(f"swap probe FAILED: {result['probes'][:200]}", flush=True)
+    rows = result["correctness"]
+    kvcache.FP8_CONSUMER = "swap"
+    try:
+        for i, case in enumerate(swap_cases()):
+            try:
+                rows.append(kc.check_case(case, seed=100 + i))
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                rows.append({"case": case.label(), "ok": False,
+                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            print("swap " + _line(rows[-1]), flush=True)
+    finally:
+        kvcache.FP8_CONSUMER = "auto"
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    print(f"fp8 swap correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass, max error "
+          f"ratio {max(ratios, default=float('nan')):.2f} (limit 2 + 2^-10 / torch error)")
+    if not quick:
+        result["speed"] = fp8_swap_speed()
+    return result
+
+
+def fp8_swap_speed() -> list:
+    """bf16, e4m3 "widen" and e4m3 "swap" at SMALL, contiguous, round-robin."""
+    from decode_gpu_check import round_robin
+    from hopper_attn import attention_with_kvcache, kvcache
+
+    def call(q, k, v, seqlens, consumer):
+        kvcache.FP8_CONSUMER = consumer
+        try:
+            return attention_with_kvcache(q, k, v, seqlens)
+        finally:
+            kvcache.FP8_CONSUMER = "auto"
+
+    rows = []
+    for batch, n in SMALL + [(8, 32768)]:
+        gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
+        copies = max(2, math.ceil(2 * L2_BYTES / (2 * batch * n * HKV * D * 2)))
+        q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+        seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+        sets = [_caches(batch, n, 0, gen)[:2] for _ in range(copies)]
+        sets8 = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in sets]
+        k8, v8 = sets8[0]
+        diff = (call(q, k8, v8, seqlens, "swap").float()
+                - call(q, k8, v8, seqlens, "widen").float()).abs().max().item()
+        timed = round_robin({
+            "bf16": [lambda k=k, v=v: call(q, k, v, seqlens, "widen") for k, v in sets],
+            "widen": [lambda k=k, v=v: call(q, k, v, seqlens, "widen") for k, v in sets8],
+            "swap": [lambda k=k, v=v: call(q, k, v, seqlens, "swap") for k, v in sets8],
+            # (6 stages: one CTA per SM, the same 192 KiB in flight per SM)
+            "swap:6": [lambda k=k, v=v: call(q, k, v, seqlens, "swap:6") for k, v in sets8]})
+        us = {k: e["ms"] * 1e3 for k, e in timed.items() if "ms" in e}
+        nan = float("nan")
+        print(f"B{batch} {n // 1024}k: bf16 {us.get('bf16', nan):.1f} us | e4m3 widen "
+              f"{us.get('widen', nan):.1f} | e4m3 swap {us.get('swap', nan):.1f} | swap / bf16 "
+              f"speed {us.get('bf16', nan) / us.get('swap', nan):.2f}x, swap / widen "
+              f"{us.get('widen', nan) / us.get('swap', nan):.2f}x | swap:6 (1 CTA/SM) "
+              f"{us.get('swap:6', nan):.1f} | max |swap - widen| {diff:.1e}", flush=True)
+        rows.append({"batch": batch, "seqlen_k": n, "timed": timed, "swap_minus_widen": diff,
+                     "plan_swap": _swap_plan(batch, n)})
+        del sets, sets8
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _swap_plan(batch: int, n: int) -> list:
+    from hopper_attn import kvcache
+    from hopper_attn.common.contract import Problem
+    kvcache.FP8_CONSUMER = "swap"
+    try:
+        return list(kvcache.plan(Problem(batch, HQ, 1, D, True, torch.bfloat16, heads_kv=HKV,
+                                         seqlen_k=n), 0, True))
+    finally:
+        kvcache.FP8_CONSUMER = "auto"
 
 
 def nan_probe() -> list:
@@ -336,6 +501,8 @@ def main():
                         help="window / softcap / sinks cases (and timing rows) instead")
     parser.add_argument("--fp8-speed", action="store_true",
                         help="e4m3 / bf16 cache speed at four shapes, instead")
+    parser.add_argument("--fp8-swap", action="store_true",
+                        help="the swapped-operand e4m3 consumer: its cases and speed, instead")
     args = parser.parse_args()
     global SORTED_PAGES
     SORTED_PAGES = args.sorted_pages
@@ -354,7 +521,9 @@ def main():
               "sorted_pages": SORTED_PAGES,
               "tiles_d128": [list(t) for t in decode.TILES[D]]}
     try:
-        if args.fp8_speed:
+        if args.fp8_swap:
+            result["fp8_swap"] = fp8_swap(args.quick)
+        elif args.fp8_speed:
             result["fp8_speed"] = fp8_speed()
         elif args.features:
             result["features"] = correctness(features=True)
@@ -363,7 +532,7 @@ def main():
         elif not args.no_correctness:
             result["correctness"] = correctness()
             result["nan_probe"] = nan_probe()
-        if not args.quick and not args.features and not args.fp8_speed:
+        if not args.quick and not args.features and not args.fp8_speed and not args.fp8_swap:
             result["benchmark"] = benchmark(SMALL if args.shapes == "small" else SHAPES)
     except Exception:  # noqa: BLE001 - keep what was measured
         result["error"] = traceback.format_exc()

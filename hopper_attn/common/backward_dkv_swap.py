@@ -47,7 +47,7 @@ loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48). FA4'
 dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept").
 
 Packed batches (`varlen`) need nothing of their own here: the kernel hands this consumer a
-sequence as a batch of one (common/varlen_backward.py; attention_varlen's backward at d = 192
+sequence as a batch of one (common/varlen_backward.py; attention_varlen's backward at d = 256
 waits for its GPU check: varlen_backward.UNVERIFIED_HEAD_DIMS).
 """
 
@@ -58,12 +58,14 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float16, Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from . import tma, wgmma
 from .layouts import acc_rows_cols, transposed
+from .contract import LOG2_E
 from .masking import mask_scores
+from .softmax import softcap_scores
 
 # named barriers (kb2 uses 0-6): P written (one per warpgroup), dS free (one per direction)
 P_WRITTEN_BARRIER, DS_FREE_BARRIER = 7, 9
@@ -80,7 +82,8 @@ def check_dkv_swap(kernel) -> int:
     if (kernel.head_dim, kernel.head_dim_v) not in ((192, 192), (192, 128), (256, 256)):
         raise ValueError("kb2's dkv_swap_ab runs head_dim 192 (dv 192 or 128) and 256 (dv 256) "
                          f"only, got ({kernel.head_dim}, {kernel.head_dim_v})")
-    others = {"shared_keys": kernel.shared_keys, "softcap": kernel.softcap > 0.0,
+    others = {"shared_keys": kernel.shared_keys,
+              "softcap at d = 192": kernel.softcap > 0.0 and kernel.head_dim == 192,
               "window": kernel.schedule.windowed,
               "early_dv": kernel.early_dv, "dp_first": kernel.dp_first,
               "block_m != 64": kernel.block_m != 64, "stmatrix=0": not kernel.stmatrix}
@@ -196,6 +199,10 @@ class DkvSwapConsumer:
         consume = tma.consumer_state(self.stages)
         consume_do = tma.consumer_state(self.do_stages)
         causal_offset = seqlen_k - seqlen_q
+        # the exponents' factor: scale log2(e), or with a softcap cap log2(e) (on tanh)
+        score_log2 = scale_log2
+        if cutlass.const_expr(self.softcap > 0.0):
+            score_log2 = Float32(self.softcap * LOG2_E)
         visits = self.visits(m_count, group)
         for it in cutlass.range(visits, unroll=1):
             if cutlass.const_expr(self.gqa):
@@ -216,12 +223,20 @@ class DkvSwapConsumer:
             wgmma.gemm(mmas.mma_sdp, acc_dp, mmas.do_frag[None, None, None, do_stage],
                        mmas.v_frag, zero_init=True)                           # dP
             warpgroup.wait_group(1)                                           # S has landed
+            if cutlass.const_expr(self.softcap > 0.0):
+                # t = tanh(s scale / cap) before the mask; dS times 1 - t^2, kept in fp16
+                # until dS (kb2's softcap without dp_first; docs/softcap.md)
+                softcap_scores(s_rc, scale_log2 * (1.0 / (self.softcap * LOG2_E)))
+                tanh_slope = cute.make_rmem_tensor(s_rc.shape, Float16)
+                for r in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                        tanh_slope[r, c] = Float16(1.0 - s_rc[r, c] * s_rc[r, c])
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k, self.causal,
                             causal_offset)
             for r in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                    s_rc[r, c] = cute.math.exp2(s_rc[r, c] * scale_log2 - lse2[r],
+                    s_rc[r, c] = cute.math.exp2(s_rc[r, c] * score_log2 - lse2[r],
                                                 fastmath=True)               # P
             dsum = row_stats(sD, s_coords, do_stage, rows)
             # P -> SMEM; this warpgroup's dV^T reads only its own 48 keys of it
@@ -236,6 +251,8 @@ class DkvSwapConsumer:
             for r in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dsum[r])        # dS
+                    if cutlass.const_expr(self.softcap > 0.0):
+                        dp_rc[r, c] = dp_rc[r, c] * Float32(tanh_slope[r, c])
             ds_out = cute.make_rmem_tensor_like(acc_dp, dtype)
             ds_out.store(acc_dp.load().to(dtype))
             if it > 0:          # the other warpgroup's previous dQ has read dS

@@ -32,7 +32,7 @@ import heapq
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 
 from hopper_attn.common.scheduler import head_group_order, heads_per_group
 
@@ -121,13 +121,16 @@ class TileSchedule:
         return count
 
     @cute.jit
-    def n_block_first(self, m_block, seqlen_q, seqlen_k) -> Int32:
+    def n_block_first(self, m_block, seqlen_q, seqlen_k, row=None) -> Int32:
         """The first kv tile query tile m_block visits: 0, or with a window's left side the
         tile of its first row's lowest key. Always below `n_block_count_kv` (a row's low
-        limit is at most its high one, and at most seqlen_k - 1)."""
+        limit is at most its high one, and at most seqlen_k - 1). `row`: from the tile's
+        row `row` on (k6's per-warpgroup window start)."""
         first = Int32(0)
         if cutlass.const_expr(self.window_left >= 0):
             low = m_block * self.block_m + seqlen_k - seqlen_q - self.window_left
+            if cutlass.const_expr(row is not None):
+                low = low + row
             first = cutlass.max(low, 0) // self.block_n
         return first
 
@@ -242,6 +245,75 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                     hidden = hidden or key < query + causal_offset - left
                 if hidden:
                     s_rc[r, c] = minus_inf
+
+
+# ---- a window's masked tiles by bit masks (k6's `window_mask="bits"`) ----
+# A thread's scores of one row of a WGMMA accumulator ([row, col] view, layouts.acc_rows_cols)
+# lie at columns thr_col + 8 (c // 2) + c % 2 for its c-th element (column pairs 8 apart):
+# the element offsets are compile-time, only thr_col (2 (lane % 4)) is not. So per row the
+# window's two limits become two counts of elements (those left of each limit), the counts one
+# 32-bit keep mask, and each element a test of a compile-time bit (ptxas may take 7 at once
+# with R2P): per element a select and (at most) a bit test, instead of two or three compares
+# on its own column (mask_scores). FlashAttention-4's sm90 masks work the same way.
+
+def window_elements_below(limit: int, span: int) -> int:
+    """Host mirror of `_elements_below`: how many of a thread's elements lie at offsets <
+    limit (offsets 8 (c // 2) + c % 2 below span = 8 x pairs)."""
+    t = min(max(limit, 0), span)
+    return (t >> 3) * 2 + min(t & 7, 2)
+
+
+def window_keep_bits(position: int, tail: int, cols: int, bounded_right: bool, right: int,
+                     left: int) -> int:
+    """Host mirror of one row of `mask_window_bits`: the keep mask of a thread's `cols`
+    elements, `position` (query + offset) and `tail` (seqlen) counted from its first column."""
+    span = 8 * ((cols + 1) // 2)
+    limit = min(tail, position + right + 1) if bounded_right else tail
+    keep = (1 << window_elements_below(limit, span)) - 1
+    if left >= 0:
+        keep &= ~((1 << window_elements_below(position - left, span)) - 1)
+    return keep
+
+
+@cute.jit
+def _elements_below(limit, span: cutlass.Constexpr[int]):
+    t = cutlass.min(cutlass.max(limit, 0), span)
+    return (t >> 3) * 2 + cutlass.min(t & 7, 2)
+
+
+@cute.jit
+def _low_bits(count):
+    """The `count` (0 .. 32) low bits set, without a 32-bit shift by 32 (undefined): two
+    shifts of at most 16, the 2^32 of count = 32 wrapping to 0 before the - 1."""
+    half = Uint32(count >> 1)
+    return ((Uint32(1) << half) << (Uint32(count) - half)) - Uint32(1)
+
+
+@cute.jit
+def mask_window_bits(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: Int32,
+                     seqlen: Int32, bounded_right: cutlass.Constexpr[bool], offset: Int32,
+                     right: cutlass.Constexpr[int] = 0, left: cutlass.Constexpr[int] = -1):
+    """`mask_scores` with a window (rows are queries, not transposed), by bit masks (above):
+    -inf where the key is past `seqlen`, right of query + offset + right (bounded_right), or
+    left of query + offset - left (left >= 0). At most 32 elements per row (kv tile <= 128)."""
+    cols = cute.size(s_rc, mode=[1])
+    if cutlass.const_expr(cols > 32):
+        raise ValueError("mask_window_bits: at most 32 scores per row (kv tile <= 128)")
+    span = 8 * ((cols + 1) // 2)
+    minus_inf = s_rc.element_type(-Float32.inf)
+    thr_col = coords_rc[0, 0][1]
+    tail = seqlen - col0 - thr_col                  # in this thread's offsets
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        position = coords_rc[r, 0][0] + row0 + offset - col0 - thr_col
+        limit = tail
+        if cutlass.const_expr(bounded_right):
+            limit = cutlass.min(limit, position + (right + 1))
+        keep = _low_bits(_elements_below(limit, span))
+        if cutlass.const_expr(left >= 0):
+            keep = keep & ~_low_bits(_elements_below(position - left, span))
+        for c in cutlass.range_constexpr(cols):
+            if (keep & Uint32(1 << c)) == Uint32(0):
+                s_rc[r, c] = minus_inf
 
 
 @cute.jit

@@ -688,20 +688,19 @@ def _readable(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0)
 
 
-# Head dims kb2 compiles that the varlen backward does not run yet. 96 and 192: the
-# preprocess and dQ conversion read and wrote past a row at d / 8 chunks that are not a
-# power of two (an illegal address on the H200, 2026-11-29); fixed as the dense kernels do
-# (`_row_lanes`), not yet run on a GPU. 256: never run on packed batches.
-UNVERIFIED_HEAD_DIMS = (96, 192, 256)
+# Head dims kb2 compiles that the varlen backward does not run yet: 256 was never run on
+# packed batches (96 and 192 passed tools/bwd_dims_gpu_check.py on the H200 once the
+# preprocess and dQ conversion kept their padding lanes inside the row, `_row_lanes`).
+UNVERIFIED_HEAD_DIMS = (256,)
 
 
 def check_head_dim(head_dim: int) -> None:
     """ValueError for a head dim the varlen backward does not run (attention_varlen calls
     it before the forward when gradients are wanted)."""
     if head_dim in UNVERIFIED_HEAD_DIMS:
-        raise ValueError(f"attention_varlen's backward runs head dims 64 and 128, not "
-                         f"{head_dim} (96 and 192: not yet verified on a GPU; the forward "
-                         f"runs them under torch.no_grad())")
+        raise ValueError(f"attention_varlen's backward runs head dims 64, 96, 128 and 192, "
+                         f"not {head_dim} (not yet verified on a GPU; the forward runs it "
+                         f"under torch.no_grad())")
 
 
 def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
