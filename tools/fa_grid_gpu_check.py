@@ -1,0 +1,832 @@
+"""FlashAttention-4's own forward + backward test grid, run through `hopper_attn.attention()`
+(issue 63: "every one runs through attention(), none refused, and passes").
+
+    python tools/fa_grid_gpu_check.py --list                 # case counts per head dim (CPU)
+    python tools/fa_grid_gpu_check.py --inspect [--quick]    # host-side checks, compiles (CPU)
+    source .gpu/prelude.sh && python tools/fa_grid_gpu_check.py [--quick] [--dims 64,128]
+        [--start N] [--max-cases M] [--jobs 8] [--deadline S] [--verbose] [--out DIR]
+    python tools/fa_grid_gpu_check.py --dry-run [...]       # the plumbing, on the CPU
+
+The grid: the parametrize lists of `tests/cute/test_flash_attn.py::test_flash_attn_output`
+in Dao-AILab/flash-attention (read 2026-11-29, file version 008e636), written here as data:
+dtype bf16; mha_type mha / mqa / gqa (6 query heads; 6 / 1 / 3 k/v heads); head dim d 64, 96,
+128, 192, 256 with v's head dim dv = d, except (192, 128) and at d = 128 both 64 and 128 (two
+calls per test case there, as the test loops over them); causal; local_enum 0-3 (no window;
+a window (w0, w1); (None, -w1); (-w0, None), with w0, w1 = `random.randrange(0, seqlen_k)`
+after `random.seed(0)`: reproduced here exactly, two draws per call); softcap 0 and 15 (q
+scaled by cap / 4 first, as the test does); deterministic; learnable sinks (bf16, one per
+query head); 26 (seqlen_q, seqlen_k) pairs from (1, 1) to (4224, 4224); batch 9, or 2 where
+seqlen_k > 2048. The test skips local with causal; so does this grid: 26 pairs x 3 mha types
+x 5 (causal, or one of the 4 local values) x 2 x 2 x 2 = 3,120 calls per head dim (6,240 at
+d = 128), 18,720 in all, 9,408 of them with the backward.
+
+What FA's test runs, this runs: the forward on every call; the backward (autograd: dQ, dK,
+dV and the sinks' gradient) where the test does, i.e. dv = d <= 128 or (d, dv) = (192, 128),
+and not (causal or a window) with seqlen_k < seqlen_q (on sm90 the test marks the GQA / MQA
+backward at (192, 128) xfail, an FA4 gap: run here all the same). q, k, v (and the sinks) require
+gradients exactly on those calls; a forward-only call gets inputs without gradients (FA's
+test gives every call grad-requiring inputs, but its forward never asks whether a backward
+exists; `attention()` does, so `--inspect` also lists what it would refuse there).
+
+Left out, because `attention()` has no such concept: `has_qv` (the grid has only False),
+`pack_gqa` (the test runs its forward with False, True and None: ours picks its own GQA
+packing, one call), `num_splits` > 1 (skipped on sm90 by the test itself),
+`attention_chunk` (only 0 in the grid), fp8 and descales (not in the grid). A window side
+given negative (local_enum 2 and 3: FA's shifted diagonals, e.g. (None, -5) sees keys up to
+5 before the diagonal) has no `attention()` spelling: -1 means unbounded there and below -1
+is a ValueError. Such calls are passed as they are, so `attention()` refuses them (REFUSED,
+its message), except a side of exactly -1, which would silently mean "unbounded": the tool
+refuses those itself (REFUSED, "mapping: ..."). FA's None is -1.
+
+Checks (FlashAttention's rule, as its test applies it): the reference is the same math in
+fp32 from the bf16 inputs (harness/window_reference.reference: window, softcap, sinks; rows
+that see no key 0), torch's error is that of the same math in bf16 (the test's
+`upcast=False, reorder_ops=True` path: bf16 scores of q and k x scale, the cap in bf16,
+softmax in bf16, with sinks in fp32 as the test's reference does, bf16 P V; autograd for its
+gradients). out, dQ, dK, dV pass when max |ours - ref| <= rtol x max |torch - ref| + atol,
+rtol 2 (3 with softcap), atol 2 x the fp32 reference's own rounding (max |(ref + 0.3 - 0.3)
+- ref|), + 3e-4 for gradients with softcap, and a gradient's bound at least 2^-16 x the
+largest reference gradient of the call (a reference of exact zeros, one key a row, has no
+rounding to set atol: FA's own 1 x 1 case passes on its reference's fp32 noise); the sinks' gradient elementwise within rtol x
+torch's max error + 2 bf16 ulps of the reference (+ 3e-4 with softcap). NaN fails. `ratio`:
+the worst error / bound of a call.
+
+Verdict per call: PASS, FAIL (a check failed, or an exception after the forward launched)
+or REFUSED (ValueError from `attention()` before any launch, with its message). Prints the
+FAIL / REFUSED lines (the first 30 of each), progress every 500 calls, one summary line per
+head dim and a total; JSON with every call, the environment and the grid to $OUT/fa_grid.json
+(or --out), rewritten every 500 calls. An illegal-address fault poisons the process: rerun
+with `--start <index>` (the global call index the progress and failure lines print; the
+JSON's `resume_from`); `--deadline S` starts no call after S seconds, so that a run cut
+short by a time limit still writes its JSON.
+
+Compiles: one per kernel configuration (stage, head dims, mask, window size, cap, sinks,
+POLICY row), about 1.1-1.5 s each on one CPU core; FA's windows are drawn per key length
+and each window size is its own compile in `attention()` (FA4 passes them at run time).
+`--inspect` counts them on the CPU (no compile, no launch; 2026-11-29: 464 forward and 208
+backward configurations, 364 and 144 of them windows; per head dim 164 / 132 / 228 / 56 /
+92) and says which calls `attention()` refuses (7,788: 6,576 with a negative window side,
+972 deterministic backward with a window, 240 windowed backward at d = 192). So the whole
+grid is ~15 min of compiles in one process. `--jobs N` runs N worker processes on the one
+GPU (each compiles its own kernels, so the compiles run in parallel on the host's cores),
+over shards that share no kernel configuration (`plan_jobs`: 444 groups of calls, none
+sharing one, dealt by estimated work): the whole grid with `--jobs 8` is ~150 s of compiles
+per worker. Without it, three commands of < 10 min: `--dims 64,192`, `--dims 96,256`,
+`--dims 128`. `--quick` (50 calls, 49 configurations, < 2 min): per head dim the pair
+(113, 203) through a rotation of the other parameters, plus the odd pairs (1, 1), (239, 1),
+(799, 3) and (4224, 4224) once each. `--dry-run`: no GPU; attention()'s host checks, then
+the checks against `stand_in_attention` (the fp32 math rounded to bf16) on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import random
+import sys
+import time
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# ---- the grid: test_flash_attn_output's parametrize lists (facts, written as data) --------
+HEAD_DIMS = (64, 96, 128, 192, 256)
+SEQLEN_PAIRS = ((1, 1), (3, 3), (64, 32), (64, 128), (64, 1), (128, 128), (128, 192),
+                (256, 256), (255, 256), (239, 1), (799, 3), (113, 203), (113, 128),
+                (128, 217), (113, 211), (108, 256), (256, 512), (384, 256), (640, 128),
+                (512, 256), (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048),
+                (4096, 4096), (4224, 4224))
+MHA_TYPES = ("mha", "mqa", "gqa")
+KV_HEADS = {"mha": 6, "mqa": 1, "gqa": 3}
+HEADS = 6
+CAUSAL = (False, True)
+LOCAL_ENUM = (0, 1, 2, 3)
+SOFTCAPS = (0.0, 15.0)
+DETERMINISTIC = (False, True)
+SINKS = (False, True)
+DTYPES = ("bf16",)
+
+
+def dv_values(d: int) -> tuple:
+    """v's head dims the test loops over for q's d (in its order)."""
+    return (128,) if d == 192 else (64, 128) if d == 128 else (d,)
+
+
+def batch_for(seqlen_k: int) -> int:
+    return 9 if seqlen_k <= 2048 else 2
+
+
+SKIPPED = {
+    "has_qv": "no qv input in attention() (the grid has only has_qv=False)",
+    "pack_gqa": "the test's forward runs pack_gqa False / True / None; attention() packs GQA "
+                "itself: one call",
+    "num_splits": "> 1 is skipped on sm90 by the test itself; attention() splits only in decode",
+    "attention_chunk": "only 0 in the grid; no chunked attention in attention()",
+    "fp8 / descales": "not in the grid (dtype bf16 only)",
+    "negative window sides": "local_enum 2 / 3 give (None, -w1) / (-w0, None): FA's shifted "
+                             "diagonals; attention() has no spelling for them (-1 is "
+                             "unbounded, < -1 a ValueError): passed through, so refused",
+}
+
+
+def _fa_windows(seqlen_k: int, calls: int) -> list:
+    """The (w0, w1) draws of the test for its `calls` dv iterations: random.seed(0) at the
+    test's start, then two randrange(0, seqlen_k) per iteration (only where local)."""
+    rng = random.Random(0)
+    return [(rng.randrange(0, seqlen_k), rng.randrange(0, seqlen_k)) for _ in range(calls)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention() call of the grid (a test case at one dv)."""
+    index: int
+    d: int
+    dv: int
+    seqlen_q: int
+    seqlen_k: int
+    mha_type: str
+    causal: bool
+    local_enum: int
+    softcap: float
+    deterministic: bool
+    sinks: bool
+    dtype: str
+    fa_window: tuple            # FA's window_size: (None, None), or ints / None
+
+    @property
+    def batch(self) -> int:
+        return batch_for(self.seqlen_k)
+
+    @property
+    def heads_kv(self) -> int:
+        return KV_HEADS[self.mha_type]
+
+    @property
+    def local(self) -> bool:
+        return self.local_enum > 0
+
+    @property
+    def backward(self) -> bool:
+        """Whether FA's test runs the backward on this call (on sm90, bf16)."""
+        pair = (self.dv == self.d and self.d <= 128) or (self.d, self.dv) == (192, 128)
+        return pair and not ((self.causal or self.local) and self.seqlen_k < self.seqlen_q)
+
+    def window_size(self) -> tuple[int, int]:
+        """attention()'s window_size for FA's: None -> -1, ints as they are (a negative side
+        below -1 is for attention() to refuse); ValueError for a side of exactly -1, which
+        attention() would read as unbounded."""
+        if -1 in self.fa_window:
+            raise ValueError(f"mapping: FA's window {self.fa_window} has a side -1 (the "
+                             "diagonal shifted by one key); attention()'s -1 is unbounded")
+        return tuple(-1 if w is None else w for w in self.fa_window)
+
+    def label(self) -> str:
+        w = "" if not self.local else f" win{self.fa_window}".replace(" ", "").replace(
+            "None", "N")
+        return (f"#{self.index} d{self.d}/{self.dv} {self.seqlen_q}x{self.seqlen_k} "
+                f"{self.mha_type}{' causal' if self.causal else ''}{w}"
+                f"{' cap15' if self.softcap else ''}{' det' if self.deterministic else ''}"
+                f"{' sinks' if self.sinks else ''}{' +bwd' if self.backward else ''}")
+
+
+def enumerate_grid() -> list[Case]:
+    """Every call of the grid, head dim by head dim (the global index is stable)."""
+    cases = []
+    for d in HEAD_DIMS:
+        dvs = dv_values(d)
+        for (nq, nk), mha, causal, local_enum, cap, det, sinks, dtype in itertools.product(
+                SEQLEN_PAIRS, MHA_TYPES, CAUSAL, LOCAL_ENUM, SOFTCAPS, DETERMINISTIC, SINKS,
+                DTYPES):
+            if local_enum and causal:          # the test skips local with causal
+                continue
+            for dv, (w0, w1) in zip(dvs, _fa_windows(nk, len(dvs))):
+                window = {0: (None, None), 1: (w0, w1), 2: (None, -w1),
+                          3: (-w0, None)}[local_enum]
+                cases.append(Case(len(cases), d, dv, nq, nk, mha, causal, local_enum, cap,
+                                  det, sinks, dtype, window))
+    return cases
+
+
+QUICK_PAIR = (113, 203)
+QUICK_ODD = ((1, 1), (239, 1), (799, 3), (4224, 4224))
+
+
+def quick_cases(cases: list[Case]) -> list[Case]:
+    """Per head dim: the pair (113, 203) through a rotation of the other parameters (each
+    value of each at least once, both dv at d = 128), and each odd pair once."""
+    chosen = []
+    for d in HEAD_DIMS:
+        mine = [c for c in cases if c.d == d and (c.seqlen_q, c.seqlen_k) == QUICK_PAIR]
+        for i, (causal, local_enum) in enumerate([(False, 0), (True, 0), (False, 1),
+                                                  (False, 2), (False, 3), (False, 1)]):
+            want = dict(causal=causal, local_enum=local_enum, mha_type=MHA_TYPES[i % 3],
+                        softcap=SOFTCAPS[i // 2 % 2], deterministic=DETERMINISTIC[i % 2],
+                        sinks=SINKS[(i + 1) // 2 % 2], dv=dv_values(d)[i % len(dv_values(d))])
+            chosen += [c for c in mine if all(getattr(c, k) == v for k, v in want.items())]
+        for j, pair in enumerate(QUICK_ODD):
+            want = dict(causal=j % 2 == 1, local_enum=0, mha_type=MHA_TYPES[j % 3],
+                        softcap=0.0, deterministic=False, sinks=j == 2, dv=dv_values(d)[-1])
+            chosen += [c for c in cases if c.d == d and (c.seqlen_q, c.seqlen_k) == pair
+                       and all(getattr(c, k) == v for k, v in want.items())]
+    return chosen
+
+
+def select(cases, quick=False, dims=None, start=0, max_cases=None) -> list[Case]:
+    chosen = quick_cases(cases) if quick else cases
+    chosen = [c for c in chosen if (not dims or c.d in dims) and c.index >= start]
+    return chosen[:max_cases] if max_cases else chosen
+
+
+# ---- host-side inspection (CPU: meta tensors, no compile, no launch) -----------------------
+class _Recorded(Exception):
+    """Raised in place of a compile: carries the configuration key it would compile."""
+
+
+def _recording_compiles():
+    """Patch the stages' compile entry points to raise _Recorded(key) instead of compiling
+    (the key as compile_attention / compile_backward cache it)."""
+    import importlib
+
+    def forward(spec, factory, problem, options=None, **_):
+        spec.check(problem)
+        opts = dict(options or {}, head_dim_v=problem.dv)
+        raise _Recorded(("fwd", spec.name, factory.__name__, problem.head_dim, problem.causal,
+                         str(problem.dtype), tuple(sorted(opts.items()))))
+
+    def backward(spec, factory, problem, options=None, **_):
+        spec.check(problem)
+        opts = dict(options or {}, head_dim_v=problem.dv)
+        raise _Recorded(("bwd", spec.name, factory.__name__, problem.head_dim, problem.causal,
+                         str(problem.dtype), tuple(sorted(opts.items()))))
+
+    saved = []
+    for name, attr, fn in (("k6", "compile_attention", forward),
+                           ("decode", "compile_attention", forward),
+                           ("k5", "compile_attention", forward),
+                           ("k4", "compile_attention", forward),
+                           ("kb2", "compile_backward", backward),
+                           ("kb1", "compile_backward", backward)):
+        module = importlib.import_module(f"hopper_attn.{name}")
+        saved.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, fn)
+
+    def restore():
+        for module, attr, fn in saved:
+            setattr(module, attr, fn)
+    return restore
+
+
+def _compile_key(entry, problem):
+    try:
+        entry.compile(problem)
+    except _Recorded as recorded:
+        return recorded.args[0]
+    return None
+
+
+def host_check(case: Case, grad: Optional[bool] = None, keys: bool = False) -> dict:
+    """What `attention()` decides on the host for `case` (meta tensors): {"status": "OK" or
+    "REFUSED", "message", "forward": stage, "backward": stage, and with `keys` the compile
+    configurations "fwd_key" / "bwd_key"}. `grad` (default: the case's backward) as q, k, v
+    requiring gradients. The checks are attention()'s own, in its order (window, sinks,
+    whether a backward exists, the forward stage); the tensor layout / device checks need a
+    GPU and are left to the run."""
+    import torch
+
+    from hopper_attn import api
+    from hopper_attn.common.contract import Problem, normalize_window
+    from hopper_attn.common.sinks import as_kernel_sinks
+
+    grad = case.backward if grad is None else grad
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q = torch.empty(case.batch, case.seqlen_q, HEADS, case.d, **meta)
+    k = torch.empty(case.batch, case.seqlen_k, case.heads_kv, case.d, **meta)
+    v = torch.empty(case.batch, case.seqlen_k, case.heads_kv, case.dv, **meta)
+    row = {"status": "OK", "message": "", "forward": None, "backward": None}
+    try:
+        window = normalize_window(case.window_size(), case.causal)
+        if case.sinks:
+            as_kernel_sinks(torch.empty(HEADS, **meta), HEADS, q.device)
+        if grad:
+            api._check_differentiable(q, k, v, case.causal, None, case.deterministic,
+                                      api._check_softcap(case.softcap), window)
+        api._check(q, k, v)
+        problem = Problem.from_tensor(q, case.causal, k, window, v)
+        entry = api._entry_for(problem, "", case.softcap, case.sinks)
+        row["forward"] = entry.name
+        bwd = api._backward_entry(problem, case.deterministic, case.softcap) if grad else None
+        row["backward"] = bwd.name if bwd else None
+    except ValueError as exc:
+        return {**row, "status": "REFUSED", "message": str(exc)}
+    if keys:
+        row["fwd_key"] = _compile_key(entry, problem)
+        if bwd is not None:
+            row["bwd_key"] = _compile_key(bwd, problem)
+    return row
+
+
+def inspect(cases: list[Case], print_limit: int = 40) -> dict:
+    """host_check over `cases`: refusals by reason, forward-only calls that would be refused
+    with gradients, and the distinct compile configurations (per head dim, fwd / bwd)."""
+    restore = _recording_compiles()
+    try:
+        rows = [(c, host_check(c, keys=True)) for c in cases]
+        grad_refused = [(c, host_check(c, grad=True)) for c, r in rows
+                        if not c.backward and r["status"] == "OK"]
+    finally:
+        restore()
+    reasons: dict = {}
+    for c, r in rows:
+        if r["status"] == "REFUSED":
+            reasons.setdefault(_reason(r["message"]), []).append(c.index)
+    with_grad: dict = {}
+    for c, r in grad_refused:
+        if r["status"] == "REFUSED":
+            with_grad.setdefault(_reason(r["message"]), []).append(c.index)
+    keys = {"fwd": set(), "bwd": set()}
+    per_dim: dict = {}
+    for c, r in rows:
+        for kind in ("fwd", "bwd"):
+            key = r.get(f"{kind}_key")
+            if key is not None:
+                keys[kind].add(key)
+                per_dim.setdefault(c.d, {"fwd": set(), "bwd": set()})[kind].add(key)
+    return {"calls": len(rows), "refused": sum(len(v) for v in reasons.values()),
+            "refused_by_reason": {k: {"count": len(v), "first": v[:print_limit]}
+                                  for k, v in sorted(reasons.items(), key=lambda kv: -len(kv[1]))},
+            "forward_only_refused_with_grad": {k: {"count": len(v), "first": v[:print_limit]}
+                                               for k, v in with_grad.items()},
+            "compiles": {"fwd": len(keys["fwd"]), "bwd": len(keys["bwd"])},
+            "compiles_per_head_dim": {d: {k: len(s) for k, s in v.items()}
+                                      for d, v in sorted(per_dim.items())},
+            "stages": sorted({(r["forward"], r["backward"]) for _, r in rows
+                              if r["status"] == "OK"}, key=str)}
+
+
+def _reason(message: str) -> str:
+    """A refusal's message without its numbers' specifics (for grouping)."""
+    import re
+    if message.startswith("mapping"):
+        return "mapping: a window side of -1 (FA: shifted diagonal; attention(): unbounded)"
+    if "window_size: right must be" in message or "window_size: left must be" in message:
+        return re.sub(r"got -?\d+", "got <negative>", message)
+    return message
+
+
+# ---- the GPU run -------------------------------------------------------------------------
+def _seen(nq, nk, left, right, device):
+    from hopper_attn.harness.window_reference import window_mask
+    return window_mask(nq, nk, left, right, device)
+
+
+def torch_bf16(q, k, v, left, right, scale, softcap, sinks):
+    """The same math in bf16 as FA's test's `upcast=False, reorder_ops=True` reference: bf16
+    scores of q and k x scale, the cap in bf16, a bf16 softmax (with sinks: fp32 with the
+    sink column, then bf16), bf16 P V; rows that see no key 0. Differentiable."""
+    import torch
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    s = torch.einsum("bthd,bshd->bhts", q, k * scale)
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    seen = _seen(q.shape[1], k.shape[1], left, right, q.device)
+    blind = ~seen.any(-1)[:, None]                     # rows with no key: no NaN anywhere
+    s = s.masked_fill(~seen, float("-inf")).masked_fill(blind, 0.0)
+    if sinks is None:
+        p = torch.softmax(s, -1)
+    else:
+        s32, sink = s.float(), sinks.float()[None, :, None, None]
+        m = torch.maximum(s32.amax(-1, keepdim=True), sink)
+        e = torch.exp(s32 - m)
+        p = (e / (e.sum(-1, keepdim=True) + torch.exp(sink - m))).to(q.dtype)
+    p = p.masked_fill(blind, 0.0)
+    return torch.einsum("bhts,bshd->bthd", p, v)
+
+
+def _fp32_noise(ref) -> float:
+    """max |(ref + 0.3 - 0.3) - ref|: the fp32 reference's own rounding (FA's atol)."""
+    return (ref + 0.3 - 0.3 - ref).abs().max().item()
+
+
+def _judge(ours, ref, low, rtol, extra_atol=0.0, floor=0.0) -> dict:
+    err = (ours.float() - ref).abs().max().item() if ours.numel() else 0.0
+    torch_err = (low.float() - ref).abs().max().item() if ours.numel() else 0.0
+    bound = max(rtol * torch_err + 2 * _fp32_noise(ref) + extra_atol, floor) \
+        if ours.numel() else 0.0
+    nan = bool(ours.isnan().any())
+    ratio = float("inf") if nan else (err / bound if bound > 0 else (0.0 if err == 0 else
+                                                                     float("inf")))
+    return {"error": err, "torch_error": torch_err, "bound": bound, "ratio": ratio,
+            "ok": not nan and err <= bound}
+
+
+def _judge_dsink(ours, ref, low, rtol, atol) -> dict:
+    import torch
+    ref_lp = ref.to(ours.dtype).abs()
+    ulp = (torch.nextafter(ref_lp, torch.full_like(ref_lp, float("inf"))) - ref_lp).float()
+    torch_err = (low.float() - ref).abs().max().item()
+    diff = (ours.float() - ref).abs()
+    tol = rtol * torch_err + 2 * ulp + atol
+    nan = bool(ours.isnan().any())
+    return {"error": diff.max().item(), "torch_error": torch_err,
+            "ratio": float("inf") if nan else (diff / tol.clamp_min(1e-30)).max().item(),
+            "ok": not nan and bool((diff <= tol).all())}
+
+
+def run_case(case: Case, attention=None, dev: str = "cuda") -> dict:
+    """One call on the GPU: {"status", "ratio", per tensor verdicts, "message"}.
+    `attention`: hopper_attn.attention (another, and `dev`, for the CPU test of the checks)."""
+    import torch
+
+    import hopper_attn
+    from hopper_attn.harness.window_reference import reference
+
+    attention = attention or hopper_attn.attention
+    torch.manual_seed(case.index)
+    bf16 = torch.bfloat16
+    q = torch.randn(case.batch, case.seqlen_q, HEADS, case.d, device=dev)
+    if case.softcap:
+        q = q * case.softcap / 4                       # (the test's: scores within the cap)
+    q = q.to(bf16)
+    k = torch.randn(case.batch, case.seqlen_k, case.heads_kv, case.d, device=dev).to(bf16)
+    v = torch.randn(case.batch, case.seqlen_k, case.heads_kv, case.dv, device=dev).to(bf16)
+    sinks = torch.randn(HEADS, device=dev).to(bf16) if case.sinks else None
+    grad = case.backward
+    try:
+        window = case.window_size()
+    except ValueError as exc:
+        return {"status": "REFUSED", "message": str(exc), "where": "mapping"}
+    mine = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
+    try:
+        out = attention(*mine, causal=case.causal, window_size=window,
+                                    softcap=case.softcap, sinks=my_sinks,
+                                    deterministic=case.deterministic)
+    except ValueError as exc:
+        return {"status": "REFUSED", "message": str(exc), "where": "forward"}
+    from hopper_attn.common.contract import normalize_window
+    left, right = normalize_window(window, case.causal)
+    right = 0 if case.causal else right
+    scale = case.d ** -0.5
+    rtol = 3 if case.softcap else 2
+    leaves = [t.detach().float().requires_grad_(grad) for t in (q, k, v)]
+    ref_sinks = sinks.detach().float().requires_grad_(grad) if sinks is not None else None
+    ref, _ = reference(*leaves, left, right, scale, case.softcap, ref_sinks)
+    lows = [t.detach().clone().requires_grad_(grad) for t in (q, k, v)]
+    low_sinks = sinks.detach().clone().requires_grad_(grad) if sinks is not None else None
+    low = torch_bf16(*lows, left, right, scale, case.softcap, low_sinks)
+    row = {"out": _judge(out.detach(), ref.detach(), low.detach(), rtol)}
+    if grad:
+        g = torch.randn_like(out)
+        inputs = mine + ([my_sinks] if sinks is not None else [])
+        try:
+            grads = torch.autograd.grad(out, inputs, g)
+        except ValueError as exc:      # attention() refuses before the forward, not here
+            return {"status": "FAIL", "message": f"backward raised ValueError after the "
+                    f"forward ran: {exc}", "where": "backward", **row}
+        refs = torch.autograd.grad(ref, leaves + ([ref_sinks] if sinks is not None else []),
+                                   g.float())
+        lowg = torch.autograd.grad(low, lows + ([low_sinks] if sinks is not None else []), g)
+        atol = 3e-4 if case.softcap else 0.0
+        # A gradient whose fp32 reference is exactly 0 (one key a row: dS = P (dP - D) = 0)
+        # has no fp32 noise to set FA's atol; 2^-16 of the largest gradient (128x below bf16's
+        # resolution there) stands in for it.
+        floor = 2 ** -16 * max(r.abs().max().item() for r in refs[:3] if r.numel())
+        for name, ours, r, lo in zip(("dq", "dk", "dv"), grads, refs, lowg):
+            row[name] = _judge(ours, r, lo, rtol, atol, floor)
+        if sinks is not None:
+            row["dsinks"] = _judge_dsink(grads[3], refs[3], lowg[3], rtol, atol)
+            row["dsinks"]["dtype_ok"] = grads[3].dtype == sinks.dtype
+            row["dsinks"]["ok"] &= row["dsinks"]["dtype_ok"]
+    checks = {k: v for k, v in row.items() if isinstance(v, dict)}
+    ok = all(v["ok"] for v in checks.values())
+    worst = max(checks, key=lambda n: checks[n]["ratio"])
+    return {"status": "PASS" if ok else "FAIL", "ratio": checks[worst]["ratio"],
+            "worst": worst, **row}
+
+
+def stand_in_attention(q, k, v, *, causal, window_size, softcap, sinks, deterministic):
+    """The fp32 reference rounded to bf16 (differentiable): what `--dry-run` checks in place
+    of attention(), on the CPU; FA's rule must pass it."""
+    from hopper_attn.common.contract import normalize_window
+    from hopper_attn.harness.window_reference import reference
+    left, right = normalize_window(window_size, causal)
+    out, _ = reference(q.float(), k.float(), v.float(), left, 0 if causal else right,
+                       q.shape[-1] ** -0.5, softcap, None if sinks is None else sinks.float())
+    return out.to(q.dtype)
+
+
+def dry_run_case(case: Case) -> dict:
+    """`--dry-run`'s call: attention()'s host checks (REFUSED as it would refuse), then
+    run_case on the CPU with stand_in_attention."""
+    row = host_check(case)
+    if row["status"] == "REFUSED":
+        return {"status": "REFUSED", "message": row["message"], "where": "host_check"}
+    return run_case(case, attention=stand_in_attention, dev="cpu")
+
+
+def _summary(records, cases_by_index) -> dict:
+    per_dim: dict = {}
+    for r in records:
+        c = cases_by_index[r["index"]]
+        row = per_dim.setdefault(c.d, {"PASS": 0, "FAIL": 0, "REFUSED": 0, "calls": 0,
+                                       "worst_ratio": 0.0})
+        row[r["status"]] += 1
+        row["calls"] += 1
+        if r["status"] != "REFUSED" and r.get("ratio") is not None:
+            row["worst_ratio"] = max(row["worst_ratio"], r["ratio"])
+    total = {k: sum(v[k] for v in per_dim.values()) for k in ("PASS", "FAIL", "REFUSED",
+                                                                "calls")}
+    return {"per_head_dim": per_dim, "total": total}
+
+
+def _line(d, row) -> str:
+    return (f"d {d}: {row['calls']} calls: PASS {row['PASS']} FAIL {row['FAIL']} "
+            f"REFUSED {row['REFUSED']}" + (f" (worst ratio {row['worst_ratio']:.2f})"
+                                           if "worst_ratio" in row else ""))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true",
+                        help="print the call count per head dim and exit (CPU, no CUDA)")
+    parser.add_argument("--inspect", action="store_true",
+                        help="attention()'s host-side checks and the compile count (CPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a subset: (113, 203) per head dim plus the odd pairs (< 2 min)")
+    parser.add_argument("--dims", default="", help="head dims to keep, e.g. 64,128")
+    parser.add_argument("--start", type=int, default=0,
+                        help="skip calls with a global index below this (resume)")
+    parser.add_argument("--max-cases", type=int, default=0, help="at most this many calls")
+    parser.add_argument("--deadline", type=float, default=0,
+                        help="start no call after this many seconds (0: none); the JSON "
+                             "says where to resume")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="worker processes on the one GPU, each its own compiles (the "
+                             "whole grid: 8 on a 16-core host)")
+    parser.add_argument("--indices", default="",
+                        help="(a worker's) file of the global call indices to run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: attention()'s host checks, then the checks against "
+                             "stand_in_attention on the CPU (the tool's plumbing)")
+    parser.add_argument("--verbose", action="store_true", help="print every call's line")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    dims = [int(x) for x in args.dims.split(",") if x.strip()]
+    cases = enumerate_grid()
+    chosen = select(cases, args.quick, dims, args.start, args.max_cases)
+    if args.indices:
+        with open(args.indices) as f:
+            chosen = [cases[int(i)] for i in f.read().split()]
+    if args.list:
+        for d in HEAD_DIMS:
+            mine = [c for c in chosen if c.d == d]
+            print(f"d {d}: {len(mine)} calls ({sum(c.backward for c in mine)} with the "
+                  f"backward)")
+        print(f"total: {len(chosen)} calls ({sum(c.backward for c in chosen)} with the "
+              f"backward) of {len(cases)}")
+        return 0
+    if args.inspect:
+        t0 = time.time()
+        found = inspect(chosen)
+        print(f"{found['calls']} calls: {found['refused']} refused by attention() (host "
+              f"checks), {found['compiles']['fwd']} forward and {found['compiles']['bwd']} "
+              f"backward compile configurations ({time.time() - t0:.0f} s)")
+        for d, n in found["compiles_per_head_dim"].items():
+            print(f"  d {d}: compiles fwd {n['fwd']} bwd {n['bwd']}")
+        for reason, row in found["refused_by_reason"].items():
+            print(f"  REFUSED x{row['count']}: {reason[:200]}")
+        for reason, row in found["forward_only_refused_with_grad"].items():
+            print(f"  (forward-only, refused if q/k/v required grad) x{row['count']}: "
+                  f"{reason[:160]}")
+        print(f"  stages (forward, backward): {found['stages']}")
+        return 0
+    if args.jobs > 1 and not args.indices:
+        return run_jobs(chosen, cases, args)
+    return run(chosen, cases, args)
+
+
+def _compiled_count() -> int:
+    """Kernel configurations compiled in this process (the forward and backward caches)."""
+    from hopper_attn.common import backward, contract
+    return len(contract._COMPILED) + len(backward._COMPILED)
+
+
+# rough seconds (for the planner): one compile, one call, one refused call
+COMPILE_S, CALL_S, REFUSED_S = 1.3, 0.03, 0.002
+
+
+def plan_jobs(chosen: list[Case], jobs: int) -> tuple[list, list]:
+    """`chosen` split into `jobs` shards of about equal work, each compile in one shard only:
+    calls grouped by (d, dv, softcap, causal, window), which every kernel configuration's key
+    fixes (the sinks' forward differs, their backward does not: they stay together), each
+    group's work estimated from its configurations and calls (host_check), dealt largest
+    first to the least loaded shard. (shards of indices, loads)"""
+    restore = _recording_compiles()
+    try:
+        rows = [(c, host_check(c, keys=True)) for c in chosen]
+    finally:
+        restore()
+    groups: dict = {}
+    for c, r in rows:
+        group = groups.setdefault((c.d, c.dv, c.softcap, c.causal, c.fa_window),
+                                  {"calls": [], "keys": set(), "runnable": 0})
+        group["calls"].append(c.index)
+        if r["status"] == "OK":
+            group["runnable"] += 1
+            group["keys"].update(k for k in (r.get("fwd_key"), r.get("bwd_key")) if k)
+
+    def work(group):
+        return (len(group["keys"]) * COMPILE_S + group["runnable"] * CALL_S
+                + (len(group["calls"]) - group["runnable"]) * REFUSED_S)
+    shards, loads = [[] for _ in range(jobs)], [0.0] * jobs
+    for group in sorted(groups.values(), key=work, reverse=True):
+        i = loads.index(min(loads))
+        shards[i] += group["calls"]
+        loads[i] += work(group)
+    return [sorted(s) for s in shards], loads
+
+
+def run_jobs(chosen, cases, args) -> int:
+    """`--jobs N`: N worker processes (this script with --indices) on disjoint shards, their
+    JSON under a temporary folder (not $OUT: the device returns few files), merged into
+    one. A worker that stops early (a poisoned context, a crash) is restarted on the calls
+    it left, twice at most; a call a worker died on without a verdict is a FAIL."""
+    import subprocess
+    import tempfile
+
+    from hopper_attn.harness.env import environment
+    from hopper_attn.harness.gpu_check import env_line
+    env = environment()
+    print(env_line(env), flush=True)
+    t0 = time.time()
+    shards, loads = plan_jobs(chosen, args.jobs)
+    print(f"{len(chosen)} calls in {args.jobs} workers (estimated {max(loads):.0f} s each)",
+          flush=True)
+    folder = tempfile.mkdtemp(prefix="fa_grid_")
+    by_index = {c.index: c for c in cases}
+    records: dict = {}
+    compiles = 0
+    pending = {j: shard for j, shard in enumerate(shards) if shard}
+    for attempt in range(3):
+        procs = {}
+        for j, shard in pending.items():
+            part = os.path.join(folder, f"job{j}_{attempt}")
+            os.makedirs(part)
+            with open(os.path.join(part, "indices.txt"), "w") as f:
+                f.write(" ".join(map(str, shard)))
+            cmd = [sys.executable, os.path.abspath(__file__), "--indices",
+                   os.path.join(part, "indices.txt"), "--out", part] + \
+                ["--dry-run"] * args.dry_run
+            if args.deadline:
+                cmd += ["--deadline", str(max(1.0, args.deadline - (time.time() - t0)))]
+            log = open(os.path.join(part, "log.txt"), "w")
+            procs[j] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), part, log)
+        next_pending = {}
+        for j, (proc, part, log) in procs.items():
+            rc = proc.wait()
+            log.close()
+            done = {}
+            try:
+                with open(os.path.join(part, "fa_grid.json")) as f:
+                    result = json.load(f)
+                done = {r["index"]: r for r in result["records"]}
+                compiles += result["summary"].get("compiles", 0)
+            except (OSError, ValueError, KeyError):
+                result = {}
+            records.update(done)
+            left = [i for i in pending[j] if i not in done]
+            print(f"worker {j}: {len(done)} of {len(pending[j])} calls, exit {rc}"
+                  + (f", {len(left)} left" if left else ""), flush=True)
+            if not left or (args.deadline and time.time() - t0 > args.deadline):
+                continue
+            if result.get("stopped", "running") == "running":   # died: on which call?
+                try:
+                    with open(os.path.join(part, "current.txt")) as f:
+                        dead = int(f.read())
+                except (OSError, ValueError):
+                    dead = left[0]
+                records[dead] = {"index": dead, "label": by_index[dead].label(),
+                                 "status": "FAIL", "where": "worker",
+                                 "message": f"the worker process died on this call (exit "
+                                            f"{rc}): {os.path.join(part, 'log.txt')}"}
+                left = [i for i in left if i != dead]
+            if left:
+                next_pending[j] = left
+        pending = next_pending
+        if not pending:
+            break
+    ordered = [records[c.index] for c in chosen if c.index in records]
+    missing = [c.index for c in chosen if c.index not in records]
+    for status in ("FAIL", "REFUSED"):
+        for r in [r for r in ordered if r["status"] == status][:30]:
+            detail = f"ratio {r['ratio']:.2f} ({r['worst']})" if "ratio" in r else \
+                r.get("message", "")[:160]
+            print(f"{by_index[r['index']].label()}: {status} {detail}")
+    summary, path = _write(env, args, cases, ordered, by_index, t0,
+                           partial=missing[0] if missing else None, compiles=compiles)
+    for reason, count in list(summary["refused_by_reason"].items())[:8]:
+        print(f"  REFUSED x{count}: {reason[:150]}")
+    for d, row in summary["per_head_dim"].items():
+        print(_line(d, row))
+    print(_line("all", {**summary["total"]}) + f" ({time.time() - t0:.0f} s, "
+          f"{compiles} kernels compiled)" + (f"; {len(missing)} calls not run, first "
+                                              f"{missing[0]}" if missing else ""))
+    print("wrote", path, f"(workers' logs: {folder})")
+    return 0 if summary["total"]["FAIL"] == 0 and summary["total"]["REFUSED"] == 0 \
+        and not missing else 1
+
+
+# CUDA errors after which the context is unusable (every later call would fail too)
+POISONED = ("illegal memory access", "illegal instruction", "unspecified launch failure",
+            "misaligned address")
+
+
+def run(chosen, cases, args) -> int:
+    from hopper_attn.harness.env import environment
+    from hopper_attn.harness.gpu_check import env_line
+    env = environment()
+    print(env_line(env), flush=True)
+    print(f"{len(chosen)} calls (of {len(cases)}), from index "
+          f"{chosen[0].index if chosen else '-'}", flush=True)
+    records, printed, t0 = [], {"FAIL": 0, "REFUSED": 0}, time.time()
+    by_index = {c.index: c for c in cases}
+    stopped = None                         # the index to resume from, if stopped early
+    why = None                             # "deadline" or "poisoned" where it stopped early
+    for n, case in enumerate(chosen):
+        if args.deadline and time.time() - t0 > args.deadline:
+            stopped, why = case.index, "deadline"
+            print(f"deadline ({args.deadline} s) reached: resume with --start {case.index}",
+                  flush=True)
+            break
+        if args.indices:                   # a worker: which call it is on, should it die
+            with open(os.path.join(args.out, "current.txt"), "w") as f:
+                f.write(str(case.index))
+        try:
+            r = dry_run_case(case) if args.dry_run else run_case(case)
+        except Exception as exc:  # noqa: BLE001 - one failure must not stop the sweep
+            r = {"status": "FAIL", "message": f"{type(exc).__name__}: {str(exc)[:300]}",
+                 "where": "run"}
+        status = r["status"]
+        # a PASS in brief (the case is its index: enumerate_grid()), the others in full
+        records.append({"index": case.index, "status": status, "ratio": r["ratio"],
+                        "worst": r["worst"]} if status == "PASS" else
+                       {"index": case.index, "label": case.label(), **r})
+        if r.get("where") == "run" and any(s in r["message"].lower() for s in POISONED):
+            stopped, why = case.index + 1, "poisoned"
+            print(f"{case.label()}: FAIL {r['message'][:160]} -- the process is poisoned; "
+                  f"rerun with --start {case.index + 1}", flush=True)
+            break
+        if args.verbose or (status != "PASS" and printed[status] < 30):
+            if status != "PASS":
+                printed[status] += 1
+            detail = f"ratio {r['ratio']:.2f} ({r['worst']})" if "ratio" in r else \
+                r.get("message", "")[:160]
+            print(f"{case.label()}: {status} {detail}", flush=True)
+        if (n + 1) % 500 == 0:
+            print(f"... {n + 1}/{len(chosen)} calls, last index {case.index}, "
+                  f"{time.time() - t0:.0f} s", flush=True)
+        if (n + 1) % 100 == 0:
+            _write(env, args, cases, records, by_index, t0, partial=case.index + 1,
+                   stopped="running")
+    summary, path = _write(env, args, cases, records, by_index, t0, partial=stopped,
+                           stopped=why)
+    for reason, count in list(summary["refused_by_reason"].items())[:8]:
+        print(f"  REFUSED x{count}: {reason[:150]}")
+    for d, row in summary["per_head_dim"].items():
+        print(_line(d, row))
+    print(_line("all", {**summary["total"]}) + f" ({time.time() - t0:.0f} s, "
+          f"{summary['compiles']} kernels compiled)")
+    print("wrote", path)
+    return 0 if summary["total"]["FAIL"] == 0 and summary["total"]["REFUSED"] == 0 else 1
+
+
+def _write(env, args, cases, records, by_index, t0, partial=None, compiles=None,
+           stopped=None):
+    """The JSON so far (`partial`: the index a rerun would --start from; None: complete;
+    `stopped`: "running" while it runs, "deadline" or "poisoned" where it stopped early)."""
+    from hopper_attn.harness.gpu_check import write_json
+    summary = _summary(records, by_index)
+    reasons: dict = {}
+    for r in records:
+        if r["status"] == "REFUSED":
+            reasons[_reason(r["message"])] = reasons.get(_reason(r["message"]), 0) + 1
+    summary["refused_by_reason"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+    summary["compiles"] = _compiled_count() if compiles is None else compiles
+    result = {"env": env, "grid": {
+        "source": "Dao-AILab/flash-attention tests/cute/test_flash_attn.py::"
+                  "test_flash_attn_output (file version 008e636)",
+        "head_dims": HEAD_DIMS, "seqlen_pairs": SEQLEN_PAIRS, "mha_types": KV_HEADS,
+        "heads": HEADS, "local_enum": LOCAL_ENUM, "softcaps": SOFTCAPS,
+        "deterministic": DETERMINISTIC, "sinks": SINKS, "dtypes": DTYPES,
+        "skipped": SKIPPED, "calls": len(cases)},
+        "args": vars(args), "resume_from": partial, "stopped": stopped, "summary": summary,
+        "seconds": time.time() - t0, "records": records}
+    return summary, write_json(result, "fa_grid.json", args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
