@@ -13,8 +13,8 @@ import torch
 from hopper_attn.common.contract import Problem, normalize_window
 from hopper_attn.harness.window_reference import (gradient_errors, reference, torch_lowp,
                                                    window_inputs as _inputs, window_mask)
-from hopper_attn.common.masking import (window_keep_bits, window_m_range, window_needs_mask,
-                                        window_ranges, window_visible)
+from hopper_attn.common.masking import (window_dq_first, window_keep_bits, window_m_range,
+                                        window_needs_mask, window_ranges, window_visible)
 
 # (left, right) with causal folded in (right 0); -1: unbounded
 WINDOWS = [(0, 0), (3, 0), (127, 0), (128, 0), (200, 0), (4095, 0), (256, 256), (-1, 64),
@@ -101,6 +101,82 @@ def test_backward_tile_ranges_match_the_element_mask(left, right):
                 if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
                     assert all(j < nk and vis[i][j] for i in rows
                                for j in range(n * bn, (n + 1) * bn)), (m, n)
+
+
+def _dq_adds_in_turn(schedule, nq, nk, heads, heads_kv, batch, walk, resident):
+    """kb2's deterministic dQ turns, simulated: CTAs start in the schedule's launch order
+    (host_order), at most `resident` at a time; each walks its query heads' tiles (the
+    window_m_range host mirror, fully masked tiles included) and adds into (batch, head,
+    m) only once that tile's counter equals n_block - window_dq_first(m), then counts.
+    Returns the kv tiles in the order they added, per (batch, head, m); asserts no
+    deadlock."""
+    from collections import deque
+    left, right = schedule.window_left, schedule.right_limit
+    bm, bn = schedule.block_m, schedule.block_n
+    dk_heads = heads // walk
+    ctas = deque()
+    for n, hb in schedule.host_order(nq, nk, dk_heads, batch, walk):
+        first, end = window_m_range(n, bm, bn, nq, nk, left, right)
+        b, dk_head = hb // dk_heads, hb % dk_heads
+        ctas.append((n, deque((b, h, m) for h in range(dk_head * walk, (dk_head + 1) * walk)
+                              for m in range(first, end))))
+    counters, order, running = {}, {}, []
+    while ctas or running:
+        while ctas and len(running) < resident:
+            running.append(ctas.popleft())
+        moved = False
+        for n, items in running:
+            while items:
+                b, h, m = items[0]
+                if counters.get((b, h, m), 0) != n - window_dq_first(m, bm, bn, nq, nk, left,
+                                                                      right):
+                    break
+                counters[(b, h, m)] = counters.get((b, h, m), 0) + 1
+                order.setdefault((b, h, m), []).append(n)
+                items.popleft()
+                moved = True
+        running = [cta for cta in running if cta[1]]
+        assert moved or not running, ("deadlock", schedule, nq, nk, heads, heads_kv, walk)
+    return order
+
+
+@pytest.mark.parametrize("d,causal,heads_kv", [(64, True, 4), (128, True, 4), (128, False, 4),
+                                               (64, True, 1), (128, False, 2), (96, True, 1)])
+def test_deterministic_dq_turns_never_deadlock(d, causal, heads_kv):
+    """With a window's left side a query tile's dQ adds come from kv tiles n_first(m) ..
+    n_last(m), not from 0: the writer waits for n_block - window_dq_first(m). Simulated with
+    the schedule the deterministic policy gives (MHA; GQA 4:1 and MQA, their dK head parts;
+    the tiles of other head dims too), over windows and lengths: every tile's adds arrive in
+    kv tile order, contiguous from window_dq_first(m), and every wait is met (at most 1 or 5
+    CTAs resident, in launch order)."""
+    import dataclasses
+    import random
+    from hopper_attn import kb2
+    from hopper_attn.common.backward import kernel_arguments
+    heads = 4
+    rng = random.Random(d * 10 + heads_kv + causal)
+    for case in range(40):
+        nq, nk = rng.choice(LENGTHS + [(1000, 1000), (2100, 700), (700, 2100), (113, 1000)])
+        left = rng.choice([0, 3, 127, 128, 200, 255, nq + nk + 5, rng.randrange(600)])
+        right = 0 if causal else rng.choice([-1, 0, 5, 256, rng.randrange(600)])
+        window = (left, -1 if causal else right)
+        problem = Problem(1, heads, nq, d, causal, heads_kv=heads_kv, seqlen_k=nk,
+                          window_left=window[0], window_right=window[1])
+        kernel = kb2.FlashAttentionBackwardKB2(d, causal, **kernel_arguments(
+            kb2.policy(problem, True), {}, problem, None, True, False, 0.0, False))
+        schedule = kernel.schedule
+        if case % 3:                    # other tiles: 80 rows, 64 / 96 / 48-key tiles
+            bm, bn = rng.choice([(64, 128), (128, 128), (80, 128), (64, 64), (64, 96),
+                                 (64, 48)])
+            schedule = dataclasses.replace(schedule, block_m=bm, block_n=bn)
+        group = heads // heads_kv
+        for walk in sorted({group, 1} if kernel.gqa else {1}):
+            order = _dq_adds_in_turn(schedule, nq, nk, heads, heads_kv, 2, walk,
+                                     resident=1 + 4 * (case % 2))
+            for (b, h, m), tiles in order.items():
+                first = window_dq_first(m, schedule.block_m, schedule.block_n, nq, nk, left,
+                                        schedule.right_limit)
+                assert tiles == list(range(first, first + len(tiles))), (nq, nk, window, m)
 
 
 def test_left_beyond_the_keys_is_no_window():
@@ -216,6 +292,27 @@ def test_kb2_window_compiles_without_spills(d, causal, window, heads_kv):
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
     art = compile_artifacts(registry.get("kb2"), d, causal, heads_kv=heads_kv, window=window)
     assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal,heads_kv,window", [(128, True, 0, (127, -1)),
+                                                      (64, False, 1, (256, 256))])
+def test_kb2_deterministic_window_compiles_without_spills(d, causal, heads_kv, window):
+    """The deterministic mode with a window (MHA; MQA's gqa variant): the writer's turns
+    count from the query tile's first kv tile (acquire spin, one release per tile)."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    from ptx import count
+    art = compile_artifacts(registry.get("kb2:deterministic=1"), d, causal,
+                            heads=4 if heads_kv else 2, heads_kv=heads_kv, window=window)
+    assert art["ok"], art.get("error")
+    options = art["kernel"]["options"]
+    assert options["deterministic"] and options["window_left"] == window[0]
+    assert options["gqa"] == bool(heads_kv)
+    assert count(art["ptx"], r"atom\.global\.acquire(\.gpu)?\.add") >= 1
+    assert count(art["ptx"], r"atom\.global\.release(\.gpu)?\.add") == 1
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
 
