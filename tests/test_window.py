@@ -1,7 +1,8 @@
 """Sliding-window attention (issue 61): k6 forward, kb2 backward, through `attention()`.
 
 CPU: the schedules' kv / query tile ranges and mask decisions (masking's host mirrors)
-against a brute-force per-element mask over many shapes; the API's checks; windowed k6 and
+against a brute-force per-element mask over many shapes; kb2's deterministic dQ turns with a
+window, simulated (no deadlock, adds in kv tile order); the API's checks; windowed k6 and
 kb2 compile without spills. GPU (`-m gpu`): forward, LSE and gradients against an fp32
 reference with the window's mask, within 2x the error of the same math in bf16."""
 
@@ -468,6 +469,11 @@ def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
     assert windows == {("k6", (127, -1)), ("kb2", (127, -1))}, windows
     hopper_attn.attention(q, k, v, causal=True)
     assert calls.compiles[-1][1].window_left == -1
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]     # deterministic: kb2's too
+    hopper_attn.attention(*leaves, causal=True, window_size=(127, 0),
+                          deterministic=True).float().sum().backward()
+    name, problem = calls.compiles[-1]
+    assert name == "kb2:deterministic=1" and problem.window_left == 127, calls.compiles[-1]
 
 
 @pytest.mark.gpu
