@@ -180,6 +180,20 @@ def test_deterministic_dq_turns_never_deadlock(d, causal, heads_kv):
                 assert tiles == list(range(first, first + len(tiles))), (nq, nk, window, m)
 
 
+def test_dq_turn_first_matches_its_host_mirror():
+    """KVTileSchedule.dq_turn_first's body (plain Python on ints) gives window_dq_first."""
+    from hopper_attn.common.masking import KVTileSchedule
+    device = KVTileSchedule.dq_turn_first.__wrapped__
+    for (left, right), (bm, bn) in itertools.product(WINDOWS, TILES + [(64, 96), (64, 48)]):
+        causal = right == 0
+        schedule = KVTileSchedule(bm, bn, causal, window_left=left,
+                                  window_right=-1 if causal else right)
+        for nq, nk in LENGTHS:
+            for m in range(-(-nq // bm)):
+                assert int(device(schedule, m, nq, nk)) == window_dq_first(
+                    m, bm, bn, nq, nk, left, right), (left, right, bm, bn, nq, nk, m)
+
+
 def test_left_beyond_the_keys_is_no_window():
     for nq, nk in LENGTHS:
         for bm, bn in TILES:
