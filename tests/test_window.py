@@ -180,18 +180,24 @@ def test_deterministic_dq_turns_never_deadlock(d, causal, heads_kv):
                 assert tiles == list(range(first, first + len(tiles))), (nq, nk, window, m)
 
 
-def test_dq_turn_first_matches_its_host_mirror():
-    """KVTileSchedule.dq_turn_first's body (plain Python on ints) gives window_dq_first."""
+def test_dq_turns_device_code_matches_the_host_mirrors():
+    """The bodies (plain Python on ints) of KVTileSchedule.dq_turn_first and
+    window_m_block_range give window_dq_first and window_m_range, which the simulation
+    below runs on."""
     from hopper_attn.common.masking import KVTileSchedule
-    device = KVTileSchedule.dq_turn_first.__wrapped__
+    turn_first = KVTileSchedule.dq_turn_first.__wrapped__
+    m_range = KVTileSchedule.window_m_block_range.__wrapped__
     for (left, right), (bm, bn) in itertools.product(WINDOWS, TILES + [(64, 96), (64, 48)]):
         causal = right == 0
         schedule = KVTileSchedule(bm, bn, causal, window_left=left,
                                   window_right=-1 if causal else right)
         for nq, nk in LENGTHS:
             for m in range(-(-nq // bm)):
-                assert int(device(schedule, m, nq, nk)) == window_dq_first(
+                assert int(turn_first(schedule, m, nq, nk)) == window_dq_first(
                     m, bm, bn, nq, nk, left, right), (left, right, bm, bn, nq, nk, m)
+            for n in range(-(-nk // bn)):
+                assert tuple(map(int, m_range(schedule, n, nq, nk))) == window_m_range(
+                    n, bm, bn, nq, nk, left, right), (left, right, bm, bn, nq, nk, n)
 
 
 def test_left_beyond_the_keys_is_no_window():
