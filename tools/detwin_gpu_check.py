@@ -78,14 +78,19 @@ def _hung(label: str) -> None:
 
 def _synchronize(label: str) -> None:
     """torch.cuda.synchronize, given HANG_S seconds (a thread: a hung kernel never returns)."""
-    done = threading.Event()
+    done, failed = threading.Event(), []
 
     def wait():
-        torch.cuda.synchronize()
+        try:
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - raised in the caller's thread
+            failed.append(exc)
         done.set()
     threading.Thread(target=wait, daemon=True).start()
     if not done.wait(HANG_S):
         _hung(label)
+    if failed:
+        raise failed[0]
 
 
 def _grads(q, k, v, do, causal, window, label):
