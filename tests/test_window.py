@@ -437,12 +437,20 @@ def test_rows_that_see_no_key(nq, nk, window):
         assert torch.equal(t.grad[:, unseen].float(), torch.zeros_like(t.grad[:, unseen].float()))
 
 
-def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed):
+def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed,
+                    deterministic=False):
     import hopper_attn
     q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
     do = torch.randn(batch, nq, heads, d, device="cuda").to(torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
+    hopper_attn.attention(*leaves, causal=causal, window_size=window,
+                          deterministic=deterministic).backward(do)
+    if deterministic:                   # the same bits again
+        again = [t.clone().requires_grad_() for t in (q, k, v)]
+        hopper_attn.attention(*again, causal=causal, window_size=window,
+                              deterministic=True).backward(do)
+        for a, b in zip(leaves, again):
+            assert torch.equal(a.grad.view(torch.int16), b.grad.view(torch.int16))
     right = 0 if causal else window[1]
     errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], window[0], right,
                              d ** -0.5)
@@ -467,6 +475,16 @@ def test_backward_matches_fp32(seqlen, causal, window, d):
 @pytest.mark.parametrize("nq,nk", [(1000, 1000), (700, 1300), (4096, 4096)])
 def test_backward_gqa_matches_fp32(nq, nk, causal, window, d):
     _backward_check(1, nq, nk, 8, 2, d, causal, window, seed=nq + d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,heads,heads_kv", [(64, 4, 1), (128, 8, 2), (96, 4, 4)])
+@pytest.mark.parametrize("causal,window", [(True, (127, 0)), (False, (256, 256))])
+def test_backward_deterministic_matches_fp32(causal, window, d, heads, heads_kv):
+    """The deterministic mode's dQ turns from each query tile's first kv tile (a wrong
+    count hangs: tools/detwin_gpu_check.py runs the sweep under a watchdog)."""
+    _backward_check(2, 1000, 2100, heads, heads_kv, d, causal, window, seed=d + heads_kv,
+                    deterministic=True)
 
 
 def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
