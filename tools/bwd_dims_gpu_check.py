@@ -16,7 +16,8 @@ tiles, dK^T and dV^T with d as WGMMA's M); d = 192 with a softcap runs `shared_k
    tests/test_softcap.check_softcap) at d = 96 and 192; sliding windows (`WINDOWS`, every
    pair: `window_case`), at d = 192, (192, 128) and 256 also one-sided, with a softcap
    (d = 192: the shared_keys tile), with sinks (their gradient too) and with rows that see
-   no key and keys no query sees (`WIDE_WINDOWS`; dK and dV of unseen keys exactly 0); and
+   no key and keys no query sees (`WIDE_WINDOWS`; dK and dV of unseen keys exactly 0), and
+   at d = 192 on packed batches (`VARLEN_WINDOWS`); and
    `hopper_attn.attention_varlen(...).backward()` at d = 96 and 192 on packed batches
    (tools/varlen_bwd_gpu_check.check_case: lengths 0-1000, GQA cross lengths, MQA,
    seqused_k, equal 2k lengths), which attention_varlen refuses until these cases pass
@@ -34,7 +35,7 @@ tiles, dK^T and dV^T with d as WGMMA's M); d = 192 with a softcap runs `shared_k
 
 `--dims 192,256` keeps the pairs of those head dims (the d = 192 and 256 part: about 3.5
 minutes on an H200 with the JIT compiles before the window cases; d = 96 adds about 1).
-`--windows`: the sliding-window cases only (17 at --dims 192,256, each compiling its own
+`--windows`: the sliding-window cases only (19 at --dims 192,256, each compiling its own
 forward and backward). Prints one line per group of cases (a window case: one line);
 everything goes to $OUT/bwd_dims.json (or --out), with the environment (GPU, driver,
 torch, CuTe DSL, FA4).
@@ -82,6 +83,9 @@ VARLEN = [("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4),
           ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2),
           ("equal GQA 3x2k", [2048] * 3, None, None, 4, 2)]
 VARLEN_DIMS = (96, 192)        # (d = 256: the varlen backward has no packed tile)
+# packed batches with a window at d = 192 (the swapped tile): (causal, window), on VARLEN's
+# GQA cross lengths
+VARLEN_WINDOWS = [(True, (127, 0)), (False, (256, 256))]
 SEQLENS = (4096, 16384)
 TOKENS = 32768
 # POLICY's rows at d = 96 / 192, each setting turned off in turn ("kb2": the defaults)
@@ -265,6 +269,23 @@ def _windows(log, d, dv, tag) -> list:
             + (f", {row['unseen_keys']} unseen keys" if row.get("unseen_keys") else "")
             + f"  {'PASS' if row['ok'] else 'FAIL'}"
             + (f"  {row['error_text'][:100]}" if "error_text" in row else ""))
+    if d in VARLEN_DIMS and d > 128 and dv == d:
+        from varlen_bwd_gpu_check import check_case as varlen_case
+        _, lq, lk, used, heads, heads_kv = VARLEN[1]
+        for causal, window in VARLEN_WINDOWS:
+            try:
+                row = varlen_case(lq, lk, heads, heads_kv, d, causal, seed=d + window[0],
+                                  used=used, window=window)
+            except Exception as exc:  # noqa: BLE001 - one failing case, not the run
+                row = {"ok": False, "error_text": f"{type(exc).__name__}: {exc}"[:300],
+                       "ratio": {}}
+            row["label"] = "varlen window"
+            rows.append(row)
+            ratio = " ".join(f"d{n} {row['ratio'].get(n, float('nan')):.2f}" for n in "qkv")
+            log(f"  {tag} varlen window {window} {heads}/{heads_kv} cross "
+                f"{'causal' if causal else 'full':6}: ratio {ratio}  "
+                f"{'PASS' if row['ok'] else 'FAIL'}"
+                + (f"  {row['error_text'][:100]}" if "error_text" in row else ""))
     return rows
 
 
