@@ -99,9 +99,7 @@ SPEC = KernelSpec(
     dtypes=(torch.bfloat16, torch.float16),
     head_dim_pairs=((128, 64), (192, 128)),     # dv != d: V, dO, dV dv wide
     separate_kv=True,
-    window=True,                # sliding windows (compiled per window size), d = 64-128:
-    extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed
-    and p.head_dim > 128 else None,
+    window=True,                # sliding windows (compiled per window size)
 )
 
 
