@@ -496,22 +496,9 @@ class DecodeAttention:
                                      warp == PRODUCER_WARP, self.stages, self.page_size, bn)
             else:
                 # -------------- producer warp: K_j, V_j of this split's kv tiles --------------
-                if cutlass.const_expr(self.page_size):
-                    last_slot = paged.last_page_slot(seqlen_k, self.page_size)
-                else:
-                    k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK_load)
-                    v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV_load)
-                produce = tma.producer_state(self.stages)
-                for j in cutlass.range(n_count, unroll=1):
-                    if cutlass.const_expr(self.page_size):     # (loads in flight while it waits)
-                        pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
-                                                 self.page_size, bn)
-                        paged.load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK_load,
-                                         sV_load, produce, n_first + j, kv_head,
-                                         self.page_size, bn)
-                    else:
-                        paged.load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
-                    produce.advance()
+                paged.produce_kv(k_pipe, v_pipe, tma_k, tma_v, mK, mV, mPageTable, sK_load,
+                                 sV_load, n_first, n_count, seqlen_k, kv_head, batch,
+                                 self.stages, self.page_size, bn)
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
             consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)

@@ -200,21 +200,9 @@ class DecodeFp8Swap(decode.DecodeAttention):
 
         if warp == decode.PRODUCER_WARP:
             # -------------- producer warp: K_j, V_j of this split's kv tiles (e4m3) --------------
-            if cutlass.const_expr(self.page_size):
-                last_slot = paged.last_page_slot(seqlen_k, self.page_size)
-            else:
-                k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK8)
-                v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV8)
-            produce = tma.producer_state(self.stages)
-            for j in cutlass.range(n_count, unroll=1):
-                if cutlass.const_expr(self.page_size):
-                    pages = paged.tile_pages(mPageTable, n_first + j, batch, last_slot,
-                                             self.page_size, bn)
-                    paged.load_paged(k_ring, v_ring, tma_k, tma_v, mK, mV, pages, sK8, sV8,
-                                     produce, n_first + j, kv_head, self.page_size, bn)
-                else:
-                    paged.load_tiles(k_ring, v_ring, k_tiles, v_tiles, produce, n_first + j)
-                produce.advance()
+            paged.produce_kv(k_ring, v_ring, tma_k, tma_v, mK, mV, mPageTable, sK8, sV8,
+                             n_first, n_count, seqlen_k, kv_head, batch, self.stages,
+                             self.page_size, bn)
         elif warp < decode.PRODUCER_WARP:
             # ---------------- consumer warpgroup: S^T, the softmax along M, O'^T ----------------
             lane = tidx % 32

@@ -240,6 +240,29 @@ def load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, produce, t
                     v_pipe.producer_get_barrier(produce), page_size, block_n)
 
 
+@cute.jit
+def produce_kv(k_pipe, v_pipe, tma_k, tma_v, mK, mV, mPageTable, sK, sV, n_first, n_count,
+               seqlen_k, kv_head, batch, stages: cutlass.Constexpr,
+               page_size: cutlass.Constexpr, block_n: cutlass.Constexpr):
+    """The decode producer warp's loop: K_j and V_j of kv tiles n_first .. n_first + n_count
+    - 1 into the rings, by pages (`page_size` > 0: each tile's page indices read first, in
+    flight while it waits for a free stage) or as one contiguous box per tile."""
+    if cutlass.const_expr(page_size):
+        last_slot = last_page_slot(seqlen_k, page_size)
+    else:
+        k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
+        v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
+    produce = tma.producer_state(stages)
+    for j in cutlass.range(n_count, unroll=1):
+        if cutlass.const_expr(page_size):
+            pages = tile_pages(mPageTable, n_first + j, batch, last_slot, page_size, block_n)
+            load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK, sV, produce,
+                       n_first + j, kv_head, page_size, block_n)
+        else:
+            load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
+        produce.advance()
+
+
 def last_page_slot(seqlen_k, page_size: int):
     """The page-table slot of a request's last key (0 for an empty request)."""
     return cutlass.max(seqlen_k - 1, Int32(0)) // page_size
