@@ -34,7 +34,6 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   branch between the exp2s and the conversions), `wg_causal_limit` (each warpgroup stops at
   its own diagonal), `skip_idle_wgs`, `kv_tail` (no tail test for whole kv tiles),
   `peel_first` (an item's first kv tile before the loop), `fast_divmod`.
-
 * Attention sinks (`sinks=1`, docs/sinks.md): per-head logits joined at an item's end.
 * Logit softcapping (`softcap`, a compile-time cap; docs/softcap.md): the raw scores through
   tanh(s scale / cap) before the mask, then the same softmax in units of cap log2(e); where
@@ -104,8 +103,8 @@ WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgrou
 RESCALES = ("eager", "lazy", "before_pv")
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
 # A windowed problem's masked tiles per head dim (else compares): bit masks where the H200
-# measured them faster, at d = 64 without turns (WINDOW_WGS): gpt-oss 1.22x FA4 (docs/window.md,
-# results/h200/2026-11-29_window_fwd_masks.json.xz)
+# measured them faster, at d = 64 without turns (WINDOW_WGS; compares spill on its 192 rows):
+# gpt-oss 1.22x FA4 (docs/window.md, results/h200/2026-11-29_window_fwd_masks.json.xz)
 WINDOW_MASK = {64: "bits_wg_first", 128: "bits"}
 WINDOW_WGS = dict(pingpong=False, wg_causal_limit=True, pv_wait="free")
 
@@ -219,16 +218,11 @@ POLICY = [
 ]
 
 
-def policy(problem, window_mask: str = "") -> dict:
+def policy(problem) -> dict:
     """The settings of POLICY's first row for the problem's head dim, mask and query length
-    (a sliding window takes the causal rows; window_mask: "" for WINDOW_MASK's)."""
+    (a sliding window takes the causal rows)."""
     masked = problem.causal or getattr(problem, "windowed", False)
     seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
-    if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0 and \
-            (window_mask or WINDOW_MASK.get(dims, "compare")) == "compare":
-        # a window's left side by compares: two limits per row, with which 192-row tiles
-        # spill (as the two-compare causal mask did): the 128-row causal row at every length
-        seqlen = 0
     for d, causal, lengths, settings, _why, _results in POLICY:
         if d == dims and causal == masked and seqlen in lengths:
             return {**BASE, **settings}
@@ -758,7 +752,7 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
                                           "compare")
     windowed = getattr(problem, "windowed", False)
     own_wgs = WINDOW_WGS if windowed and mask == "bits_wg_first" else {}
-    settings = {**policy(problem, mask), **own_wgs,
+    settings = {**policy(problem), **own_wgs,
                 **{k: v for k, v in overrides.items() if v is not None}}
     tile = settings.pop("tile", None)              # "192x96" (block_m x block_n)
     if tile is not None:
