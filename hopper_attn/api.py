@@ -531,8 +531,6 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
         key = None
     _check(q, k, v)
     problem = Problem.from_tensor(q, causal, k, window, v)
-    if problem.windowed and deterministic:
-        raise ValueError("window_size: the deterministic backward has no sliding window")
     if softcap:
         _backward_entry(problem, deterministic, softcap)
         return
@@ -584,8 +582,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
     r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
     (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6, the decode stage
-    (a few queries: only the window's kv tiles are read and split) and kb2 (head dims 64,
-    96 and 128 with gradients; not deterministic); compiled once per window size. A row
+    (a few queries: only the window's kv tiles are read and split) and kb2 (gradients at
+    every head dim, deterministic too); compiled once per window size. A row
     that sees no key: zero output, LSE -inf.
 
     `sinks`: attention sinks (gpt-oss's `s_aux`), one logit per query head, a (heads,)

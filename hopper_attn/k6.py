@@ -104,11 +104,9 @@ PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
 RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv")
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
-# A windowed problem's masked tiles (settings_for's window_mask, not one of OPTIONS), per
-# head dim: bit masks (common/masking.py) where the H200 measured them faster, d = 64 also
-# without turns, each warpgroup between its own rows' first and last kv tiles (WINDOW_WGS):
-# gpt-oss's window 128 1.25-1.31x the compares, 1.22x FA4; d = 128 window 4096 1.01-1.03x
-# (results/h200/2026-11-29_window_fwd_masks.json.xz, docs/window.md). Elsewhere compares.
+# A windowed problem's masked tiles per head dim (else compares): bit masks where the H200
+# measured them faster, at d = 64 without turns (WINDOW_WGS): gpt-oss 1.22x FA4 (docs/window.md,
+# results/h200/2026-11-29_window_fwd_masks.json.xz)
 WINDOW_MASK = {64: "bits_wg_first", 128: "bits"}
 WINDOW_WGS = dict(pingpong=False, wg_causal_limit=True, pv_wait="free")
 
@@ -222,18 +220,13 @@ POLICY = [
 ]
 
 
-def window_mask_for(problem) -> str:
-    """WINDOW_MASK's choice for a problem's head dim ("compare" where it has none)."""
-    return WINDOW_MASK.get(getattr(problem, "head_dims", problem.head_dim), "compare")
-
-
 def policy(problem, window_mask: str = "") -> dict:
     """The settings of POLICY's first row for the problem's head dim, mask and query length
     (a sliding window takes the causal rows; window_mask: "" for WINDOW_MASK's)."""
     masked = problem.causal or getattr(problem, "windowed", False)
     seqlen, dims = problem.seqlen, getattr(problem, "head_dims", problem.head_dim)
     if problem.head_dim == 64 and getattr(problem, "window_left", -1) >= 0 and \
-            (window_mask or window_mask_for(problem)) == "compare":
+            (window_mask or WINDOW_MASK.get(dims, "compare")) == "compare":
         # a window's left side by compares: two limits per row, with which 192-row tiles
         # spill (as the two-compare causal mask did): the 128-row causal row at every length
         seqlen = 0
@@ -770,7 +763,8 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
-    mask = window_mask or window_mask_for(problem)
+    mask = window_mask or WINDOW_MASK.get(getattr(problem, "head_dims", problem.head_dim),
+                                          "compare")
     windowed = getattr(problem, "windowed", False)
     own_wgs = WINDOW_WGS if windowed and mask == "bits_wg_first" else {}
     settings = {**policy(problem, mask), **own_wgs,

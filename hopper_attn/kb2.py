@@ -99,9 +99,7 @@ SPEC = KernelSpec(
     dtypes=(torch.bfloat16, torch.float16),
     head_dim_pairs=((128, 64), (192, 128)),     # dv != d: V, dO, dV dv wide
     separate_kv=True,
-    window=True,                # sliding windows (compiled per window size), d = 64-128:
-    extra_limits=lambda p: "sliding windows at head_dim 64, 96 and 128 only" if p.windowed
-    and p.head_dim > 128 else None,
+    window=True,                # sliding windows (compiled per window size)
 )
 
 
@@ -155,8 +153,6 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         # a sliding window (compile-time sizes): kv tile n walks the query tiles it reaches
         window = {} if window_left < 0 and (causal or window_right < 0) else \
             dict(window_left=int(window_left), window_right=-1 if causal else int(window_right))
-        if window and deterministic:
-            raise ValueError("kb2: the deterministic mode has no sliding window")
         # varlen: a packed batch, a work list of (sequence, kv tile) (common/varlen_backward.py)
         self.varlen = bool(varlen)
         if self.varlen and (deterministic or self.heads_first):
@@ -325,7 +321,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()             # the dQ buffer is zeroed
                 self.write_dq(dq_staging, mdQacc, mSem, n_block, head, batch, m_first, m_count,
-                              group)
+                              group, (seqlen_q, seqlen_k))
                 if cutlass.const_expr(self.convert_per_head):
                     cute.arch.cp_async_bulk_wait_group(0, read=False)    # adds landed
                     with cute.arch.elect_one():

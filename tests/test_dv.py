@@ -45,15 +45,13 @@ def test_api_refuses_before_launching():
         hopper_attn.attention(*_qkv(128, 64), stage="k5")
     with pytest.raises(ValueError, match="CUDA"):          # supported: only the device is wrong
         hopper_attn.attention(*_qkv(128, 64))
-    # kb2 runs both pairs' backward: with gradients only the device is wrong; a window at
-    # d = 192 has no backward (nor forward): refused before any launch
+    # kb2 runs both pairs' backward, windowed too: with gradients only the device is wrong
     for d, dv in ((192, 128), (128, 64)):
         q, k, v = _qkv(d, dv)
         with pytest.raises(ValueError, match="CUDA"):
             hopper_attn.attention(q.requires_grad_(), k, v)
-    q, k, v = _qkv(192, 128)
-    with pytest.raises(UnsupportedProblem, match="window"):
-        hopper_attn.attention(q.requires_grad_(), k, v, window_size=(64, 0))
+        with pytest.raises(ValueError, match="CUDA"):
+            hopper_attn.attention(q.requires_grad_(), k, v, window_size=(64, 0))
 
 
 def test_fake_implementation_gives_dv_wide_output():

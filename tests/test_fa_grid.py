@@ -73,13 +73,15 @@ def _find(cases, **want):
 
 def test_host_checks_take_and_refuse(cases):
     """attention()'s own host checks on meta tensors: plain, GQA, softcap + sinks calls are
-    taken (k6 or decode, kb2); FA's negative window sides, the deterministic backward with a
-    window and d = 192's windowed backward are refused; a side of -1 the tool refuses."""
+    taken (k6 or decode, kb2), the deterministic backward with a window and d = 192's windowed
+    backward too; FA's negative window sides are refused; a side of -1 the tool refuses."""
     take = [dict(d=64, seqlen_q=113, seqlen_k=203, mha_type="gqa", local_enum=0),
             dict(d=192, seqlen_q=1024, seqlen_k=1023, mha_type="mqa", softcap=15.0,
                  sinks=True, causal=True),
             dict(d=128, dv=64, seqlen_q=1, seqlen_k=1, mha_type="mha"),
-            dict(d=96, seqlen_q=128, seqlen_k=217, local_enum=1, deterministic=False)]
+            dict(d=96, seqlen_q=128, seqlen_k=217, local_enum=1, deterministic=False),
+            dict(d=64, local_enum=1, deterministic=True, seqlen_q=113, seqlen_k=203),
+            dict(d=192, local_enum=1, deterministic=False, seqlen_q=113, seqlen_k=203)]
     for want in take:
         c = _find(cases, **want)
         row = grid.host_check(c)
@@ -87,11 +89,7 @@ def test_host_checks_take_and_refuse(cases):
         assert row["forward"].split(":")[0] in ("k6", "decode")
         assert (row["backward"] or "").startswith("kb2") == c.backward
     refuse = [(dict(local_enum=2, seqlen_k=4096), "window_size: right"),
-              (dict(local_enum=3, seqlen_k=4096), "window_size: left"),
-              (dict(d=64, local_enum=1, deterministic=True, seqlen_q=113, seqlen_k=203),
-               "deterministic backward has no sliding window"),
-              (dict(d=192, local_enum=1, deterministic=False, seqlen_q=113, seqlen_k=203),
-               "sliding windows at head_dim 64, 96 and 128 only")]
+              (dict(local_enum=3, seqlen_k=4096), "window_size: left")]
     for want, message in refuse:
         c = _find(cases, **want)
         row = grid.host_check(c)
@@ -125,7 +123,7 @@ def test_checks_pass_the_math_and_fail_a_scaled_output(cases):
         assert good["status"] == "PASS" and good["ratio"] <= 1, good
         assert {name for name, v in good.items() if isinstance(v, dict)} == checked
         assert grid.run_case(case, attention=off, dev="cpu")["status"] == "FAIL"
-    refused = _find(cases, d=64, local_enum=1, deterministic=True, seqlen_q=3, seqlen_k=3)
+    refused = _find(cases, d=64, local_enum=2, seqlen_q=3, seqlen_k=3)
     assert grid.dry_run_case(refused)["status"] == "REFUSED"
 
 

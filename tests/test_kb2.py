@@ -422,14 +422,12 @@ def test_swizzle_atom_cols():
 
 def test_shared_keys_refusals():
     """shared_keys issues dV after the dS^T barrier: no early dV, dP^T first or 80-row
-    tiles; d = 192 takes no sliding window (kb2 refuses before compiling)."""
+    tiles."""
     from hopper_attn import kb2
-    from hopper_attn.common.contract import Problem, UnsupportedProblem
+    from hopper_attn.common.contract import Problem
     for options in ({"early_dv": True}, {"dp_first": True}, {"block_m": 80}):
         with pytest.raises(ValueError, match="shared_keys|80-row"):
             kb2.compile_kernel(Problem(1, 2, 128, 192, False), dkv_swap_ab=False, **options)
-    with pytest.raises(UnsupportedProblem, match="sliding windows"):
-        kb2.compile_kernel(Problem(1, 2, 128, 192, True, window_left=64))
 
 
 @pytest.mark.parametrize("name,d,heads_kv,window", [("kb2:softcap=30.0", 192, 1, (-1, -1)),
@@ -490,6 +488,27 @@ def test_dkv_swap_ab_d256_compiles_without_spills():
     assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x2") == 6
 
 
+@pytest.mark.parametrize("name,d,dv,causal,heads_kv,window,tile", [
+    ("kb2", 192, 128, True, 1, (127, -1), "dkv_swap_ab"),
+    ("kb2:softcap=30.0", 192, 0, False, 0, (256, 256), "shared_keys"),
+    ("kb2:softcap=30.0", 256, 0, True, 1, (127, -1), "dkv_swap_ab")])
+def test_windows_at_d192_and_d256_compile_without_spills(name, d, dv, causal, heads_kv,
+                                                          window, tile):
+    """Sliding windows at d = 192 and 256 (issue 61): the swapped tile masks S (queries x
+    keys) with the window's two limits, shared_keys (d = 192 with a softcap) S^T as d = 128
+    does; GQA and the softcap on top, within 227 KiB and without spills."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get(name), d, causal, heads=4 if heads_kv else 2,
+                            heads_kv=heads_kv, window=window, head_dim_v=dv)
+    assert art["ok"], art.get("error")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+        assert art["kernel"]["smem_bytes"] + fn["static_smem"] <= 227 * 1024
+    assert art["kernel"]["options"][tile] is True
+    assert art["kernel"]["options"]["window_left"] == window[0]
+
+
 @pytest.mark.parametrize("d,keys", [(192, 96), (256, 48)])
 def test_dkv_swap_ab_warpgroups_keep_their_keys(d, keys):
     """Why P needs only a warpgroup's barrier (common/backward_dkv_swap.py): warpgroup w's S
@@ -534,8 +553,8 @@ def test_dkv_swap_ab_warpgroups_keep_their_keys(d, keys):
 
 
 def test_dkv_swap_ab_refusals():
-    """dkv_swap_ab runs d = 192 (dv 192 or 128) and 256 on 64-row tiles, without a softcap
-    or window: the policy's d = 192 and 256 rows (a softcap at d = 192: shared_keys)."""
+    """dkv_swap_ab runs d = 192 (dv 192 or 128) and 256 on 64-row tiles, at d = 192 without
+    a softcap: the policy's d = 192 and 256 rows (a softcap at d = 192: shared_keys)."""
     from hopper_attn import kb2
     from hopper_attn.common.contract import Problem
     for d in (192, 256):

@@ -1,7 +1,8 @@
 """Sliding-window attention (issue 61): k6 forward, kb2 backward, through `attention()`.
 
 CPU: the schedules' kv / query tile ranges and mask decisions (masking's host mirrors)
-against a brute-force per-element mask over many shapes; the API's checks; windowed k6 and
+against a brute-force per-element mask over many shapes; kb2's deterministic dQ turns with a
+window, simulated (no deadlock, adds in kv tile order); the API's checks; windowed k6 and
 kb2 compile without spills. GPU (`-m gpu`): forward, LSE and gradients against an fp32
 reference with the window's mask, within 2x the error of the same math in bf16."""
 
@@ -13,8 +14,8 @@ import torch
 from hopper_attn.common.contract import Problem, normalize_window
 from hopper_attn.harness.window_reference import (gradient_errors, reference, torch_lowp,
                                                    window_inputs as _inputs, window_mask)
-from hopper_attn.common.masking import (window_keep_bits, window_m_range, window_needs_mask,
-                                        window_ranges, window_visible)
+from hopper_attn.common.masking import (window_dq_first, window_keep_bits, window_m_range,
+                                        window_needs_mask, window_ranges, window_visible)
 
 # (left, right) with causal folded in (right 0); -1: unbounded
 WINDOWS = [(0, 0), (3, 0), (127, 0), (128, 0), (200, 0), (4095, 0), (256, 256), (-1, 64),
@@ -101,6 +102,102 @@ def test_backward_tile_ranges_match_the_element_mask(left, right):
                 if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
                     assert all(j < nk and vis[i][j] for i in rows
                                for j in range(n * bn, (n + 1) * bn)), (m, n)
+
+
+def _dq_adds_in_turn(schedule, nq, nk, heads, heads_kv, batch, walk, resident):
+    """kb2's deterministic dQ turns, simulated: CTAs start in the schedule's launch order
+    (host_order), at most `resident` at a time; each walks its query heads' tiles (the
+    window_m_range host mirror, fully masked tiles included) and adds into (batch, head,
+    m) only once that tile's counter equals n_block - window_dq_first(m), then counts.
+    Returns the kv tiles in the order they added, per (batch, head, m); asserts no
+    deadlock."""
+    from collections import deque
+    left, right = schedule.window_left, schedule.right_limit
+    bm, bn = schedule.block_m, schedule.block_n
+    dk_heads = heads // walk
+    ctas = deque()
+    for n, hb in schedule.host_order(nq, nk, dk_heads, batch, walk):
+        first, end = window_m_range(n, bm, bn, nq, nk, left, right)
+        b, dk_head = hb // dk_heads, hb % dk_heads
+        ctas.append((n, deque((b, h, m) for h in range(dk_head * walk, (dk_head + 1) * walk)
+                              for m in range(first, end))))
+    counters, order, running = {}, {}, []
+    while ctas or running:
+        while ctas and len(running) < resident:
+            running.append(ctas.popleft())
+        moved = False
+        for n, items in running:
+            while items:
+                b, h, m = items[0]
+                if counters.get((b, h, m), 0) != n - window_dq_first(m, bm, bn, nq, nk, left,
+                                                                      right):
+                    break
+                counters[(b, h, m)] = counters.get((b, h, m), 0) + 1
+                order.setdefault((b, h, m), []).append(n)
+                items.popleft()
+                moved = True
+        running = [cta for cta in running if cta[1]]
+        assert moved or not running, ("deadlock", schedule, nq, nk, heads, heads_kv, walk)
+    return order
+
+
+@pytest.mark.parametrize("d,causal,heads_kv", [(64, True, 4), (128, True, 4), (128, False, 4),
+                                               (64, True, 1), (128, False, 2), (96, True, 1)])
+def test_deterministic_dq_turns_never_deadlock(d, causal, heads_kv):
+    """With a window's left side a query tile's dQ adds come from kv tiles n_first(m) ..
+    n_last(m), not from 0: the writer waits for n_block - window_dq_first(m). Simulated with
+    the schedule the deterministic policy gives (MHA; GQA 4:1 and MQA, their dK head parts;
+    the tiles of other head dims too), over windows and lengths: every tile's adds arrive in
+    kv tile order, contiguous from window_dq_first(m), and every wait is met (at most 1 or 5
+    CTAs resident, in launch order)."""
+    import dataclasses
+    import random
+    from hopper_attn import kb2
+    from hopper_attn.common.backward import kernel_arguments
+    heads = 4
+    rng = random.Random(d * 10 + heads_kv + causal)
+    for case in range(40):
+        nq, nk = rng.choice(LENGTHS + [(1000, 1000), (2100, 700), (700, 2100), (113, 1000)])
+        left = rng.choice([0, 3, 127, 128, 200, 255, nq + nk + 5, rng.randrange(600)])
+        right = 0 if causal else rng.choice([-1, 0, 5, 256, rng.randrange(600)])
+        window = (left, -1 if causal else right)
+        problem = Problem(1, heads, nq, d, causal, heads_kv=heads_kv, seqlen_k=nk,
+                          window_left=window[0], window_right=window[1])
+        kernel = kb2.FlashAttentionBackwardKB2(d, causal, **kernel_arguments(
+            kb2.policy(problem, True), {}, problem, None, True, False, 0.0, False))
+        schedule = kernel.schedule
+        if case % 3:                    # other tiles: 80 rows, 64 / 96 / 48-key tiles
+            bm, bn = rng.choice([(64, 128), (128, 128), (80, 128), (64, 64), (64, 96),
+                                 (64, 48)])
+            schedule = dataclasses.replace(schedule, block_m=bm, block_n=bn)
+        group = heads // heads_kv
+        for walk in sorted({group, 1} if kernel.gqa else {1}):
+            order = _dq_adds_in_turn(schedule, nq, nk, heads, heads_kv, 2, walk,
+                                     resident=1 + 4 * (case % 2))
+            for (b, h, m), tiles in order.items():
+                first = window_dq_first(m, schedule.block_m, schedule.block_n, nq, nk, left,
+                                        schedule.right_limit)
+                assert tiles == list(range(first, first + len(tiles))), (nq, nk, window, m)
+
+
+def test_dq_turns_device_code_matches_the_host_mirrors():
+    """The bodies (plain Python on ints) of KVTileSchedule.dq_turn_first and
+    window_m_block_range give window_dq_first and window_m_range, which the simulation
+    below runs on."""
+    from hopper_attn.common.masking import KVTileSchedule
+    turn_first = KVTileSchedule.dq_turn_first.__wrapped__
+    m_range = KVTileSchedule.window_m_block_range.__wrapped__
+    for (left, right), (bm, bn) in itertools.product(WINDOWS, TILES + [(64, 96), (64, 48)]):
+        causal = right == 0
+        schedule = KVTileSchedule(bm, bn, causal, window_left=left,
+                                  window_right=-1 if causal else right)
+        for nq, nk in LENGTHS:
+            for m in range(-(-nq // bm)):
+                assert int(turn_first(schedule, m, nq, nk)) == window_dq_first(
+                    m, bm, bn, nq, nk, left, right), (left, right, bm, bn, nq, nk, m)
+            for n in range(-(-nk // bn)):
+                assert tuple(map(int, m_range(schedule, n, nq, nk))) == window_m_range(
+                    n, bm, bn, nq, nk, left, right), (left, right, bm, bn, nq, nk, n)
 
 
 def test_left_beyond_the_keys_is_no_window():
@@ -227,6 +324,27 @@ def test_kb2_window_compiles_without_spills(d, causal, window, heads_kv):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("d,causal,heads_kv,window", [(128, True, 0, (127, -1)),
+                                                      (64, False, 1, (256, 256))])
+def test_kb2_deterministic_window_compiles_without_spills(d, causal, heads_kv, window):
+    """The deterministic mode with a window (MHA; MQA's gqa variant): the writer's turns
+    count from the query tile's first kv tile (acquire spin, one release per tile)."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    from ptx import count
+    art = compile_artifacts(registry.get("kb2:deterministic=1"), d, causal,
+                            heads=4 if heads_kv else 2, heads_kv=heads_kv, window=window)
+    assert art["ok"], art.get("error")
+    options = art["kernel"]["options"]
+    assert options["deterministic"] and options["window_left"] == window[0]
+    assert options["gqa"] == bool(heads_kv)
+    assert count(art["ptx"], r"atom\.global\.acquire(\.gpu)?\.add") >= 1
+    assert count(art["ptx"], r"atom\.global\.release(\.gpu)?\.add") == 1
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("stage", ["k6", "kb2"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_window_with_softcap_compiles_without_spills(stage, d):
@@ -325,12 +443,20 @@ def test_rows_that_see_no_key(nq, nk, window):
         assert torch.equal(t.grad[:, unseen].float(), torch.zeros_like(t.grad[:, unseen].float()))
 
 
-def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed):
+def _backward_check(batch, nq, nk, heads, heads_kv, d, causal, window, seed,
+                    deterministic=False):
     import hopper_attn
     q, k, v = _inputs(batch, nq, nk, heads, heads_kv, d, seed)
     do = torch.randn(batch, nq, heads, d, device="cuda").to(torch.bfloat16)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    hopper_attn.attention(*leaves, causal=causal, window_size=window).backward(do)
+    hopper_attn.attention(*leaves, causal=causal, window_size=window,
+                          deterministic=deterministic).backward(do)
+    if deterministic:                   # the same bits again
+        again = [t.clone().requires_grad_() for t in (q, k, v)]
+        hopper_attn.attention(*again, causal=causal, window_size=window,
+                              deterministic=True).backward(do)
+        for a, b in zip(leaves, again):
+            assert torch.equal(a.grad.view(torch.int16), b.grad.view(torch.int16))
     right = 0 if causal else window[1]
     errors = gradient_errors(q, k, v, do, [leaf.grad for leaf in leaves], window[0], right,
                              d ** -0.5)
@@ -357,6 +483,16 @@ def test_backward_gqa_matches_fp32(nq, nk, causal, window, d):
     _backward_check(1, nq, nk, 8, 2, d, causal, window, seed=nq + d)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,heads,heads_kv", [(64, 4, 1), (128, 8, 2), (96, 4, 4)])
+@pytest.mark.parametrize("causal,window", [(True, (127, 0)), (False, (256, 256))])
+def test_backward_deterministic_matches_fp32(causal, window, d, heads, heads_kv):
+    """The deterministic mode's dQ turns from each query tile's first kv tile (a wrong
+    count hangs: tools/detwin_gpu_check.py runs the sweep under a watchdog)."""
+    _backward_check(2, 1000, 2100, heads, heads_kv, d, causal, window, seed=d + heads_kv,
+                    deterministic=True)
+
+
 def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
     """Through the eager autograd path and the custom op (stand-ins for the compiled stages,
     test_api's): the forward and the backward compile the windowed problem (k6, kb2), one
@@ -377,6 +513,11 @@ def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
     assert windows == {("k6", (127, -1)), ("kb2", (127, -1))}, windows
     hopper_attn.attention(q, k, v, causal=True)
     assert calls.compiles[-1][1].window_left == -1
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]     # deterministic: kb2's too
+    hopper_attn.attention(*leaves, causal=True, window_size=(127, 0),
+                          deterministic=True).float().sum().backward()
+    name, problem = calls.compiles[-1]
+    assert name == "kb2:deterministic=1" and problem.window_left == 127, calls.compiles[-1]
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 speed against FlashAttention-4 and cuDNN.
 
     source .gpu/prelude.sh && python tools/bwd_dims_gpu_check.py [--quick] [--dims 192,256]
-        [--settings] [--out DIR]
+        [--settings] [--windows] [--out DIR]
 
 kb2's defaults there (its POLICY): d = 96 runs d = 128's consumer on 64-row tiles; d = 192
 (dv 192 or 128) and 256 run `dkv_swap_ab` (common/backward_dkv_swap.py: 64 x 96 and 64 x 48
@@ -13,8 +13,11 @@ tiles, dK^T and dV^T with d as WGMMA's M); d = 192 with a softcap runs `shared_k
    1000 and the cross lengths 113 / 300 and 1000 / 517; GQA cases whose dK / dV are split
    in parts and a multi-tile causal MHA case; the deterministic mode run twice (same bits),
    GQA and MHA; logit softcapping (caps 50 and 15, q and k times 6 to saturate the tanh:
-   tests/test_softcap.check_softcap) at d = 96 and 192; sliding windows at d = 96
-   (tools/window_gpu_check.backward_case; d > 128 is refused, as k6 does); and
+   tests/test_softcap.check_softcap) at d = 96 and 192; sliding windows (`WINDOWS`, every
+   pair: `window_case`), at d = 192 and 256 also with a softcap (d = 192: the shared_keys
+   tile), with sinks (their gradient too), with rows that see no key and keys no query
+   sees (`WIDE_WINDOWS`; dK and dV of unseen keys exactly 0), at d = 192 one-sided and on
+   packed batches (`VARLEN_WINDOWS`); and
    `hopper_attn.attention_varlen(...).backward()` at d = 96 and 192 on packed batches
    (tools/varlen_bwd_gpu_check.check_case: lengths 0-1000, GQA cross lengths, MQA,
    seqused_k, equal 2k lengths), which attention_varlen refuses until these cases pass
@@ -31,9 +34,11 @@ tiles, dK^T and dV^T with d as WGMMA's M); d = 192 with a softcap runs `shared_k
    without each (`SETTINGS`, kb2 launched directly, backward alone) on MHA N = 8k.
 
 `--dims 192,256` keeps the pairs of those head dims (the d = 192 and 256 part: about 3.5
-minutes on an H200 with the JIT compiles; d = 96 adds about 1). Prints one line per group
-of cases; everything goes to $OUT/bwd_dims.json (or --out), with the environment (GPU,
-driver, torch, CuTe DSL, FA4).
+minutes on an H200 with the JIT compiles before the window cases; d = 96 adds about 1).
+`--windows`: the sliding-window cases only (16 at --dims 192,256, each compiling its own
+forward and backward: about a minute more in --quick). Prints one line per group of cases (a window case: one line);
+everything goes to $OUT/bwd_dims.json (or --out), with the environment (GPU, driver,
+torch, CuTe DSL, FA4).
 """
 
 from __future__ import annotations
@@ -62,8 +67,16 @@ LARGER = [("MQA parts", 8, 1, 1, 4096, True), ("MHA long", 4, 4, 1, 3000, True),
 DETERMINISTIC = [(8, 2, 2, 2100, True), (4, 4, 1, 777, False)]
 # (causal, n, cap, magnitude, heads_kv) of check_softcap (4 query heads; dv = d only)
 SOFTCAP = [(True, 1000, 50.0, 1.0, 2), (False, 113, 15.0, 6.0, 4)]
-# (causal, window, nq, nk, heads, heads_kv) at d = 96, batch 2
-WINDOWS = [(True, (127, 0), 1000, 1000, 4, 4), (False, (256, 256), 1000, 1300, 8, 2)]
+# (causal, window, nq, nk, heads, heads_kv, softcap, sinks), batch 2: WINDOWS at every pair,
+# WIDE_WINDOWS (softcap, sinks with blind rows, unseen keys; then one-sided) at d = 192 and
+# (the first three) 256
+WINDOWS = [(True, (127, 0), 1000, 1000, 4, 4, 0.0, False),
+           (False, (256, 256), 1000, 1300, 8, 2, 0.0, False)]
+WIDE_WINDOWS = [(True, (127, 0), 1000, 1000, 8, 2, 30.0, False),
+                (True, (127, 0), 1000, 517, 4, 2, 0.0, True),
+                (True, (63, 0), 113, 300, 4, 1, 0.0, False),
+                (False, (-1, 64), 1000, 1000, 4, 4, 0.0, False),
+                (False, (300, -1), 1000, 1300, 4, 2, 0.0, False)]
 # packed batches (d = 192, 256): (label, lengths_q, lengths_k, used_k, heads, heads_kv)
 VARLEN = [("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4),
           ("GQA 8:2 cross", [1, 17, 113, 1000, 0, 40], [300, 5, 113, 517, 64, 0], None, 8, 2),
@@ -71,6 +84,9 @@ VARLEN = [("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4),
           ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2),
           ("equal GQA 3x2k", [2048] * 3, None, None, 4, 2)]
 VARLEN_DIMS = (96, 192)        # (d = 256: the varlen backward has no packed tile)
+# packed batches with a window at d = 192 (the swapped tile): (causal, window), on VARLEN's
+# GQA cross lengths
+VARLEN_WINDOWS = [(True, (127, 0)), (False, (256, 256))]
 SEQLENS = (4096, 16384)
 TOKENS = 32768
 # POLICY's rows at d = 96 / 192, each setting turned off in turn ("kb2": the defaults)
@@ -80,6 +96,7 @@ SETTINGS = {96: ["kb2", "kb2:early_dv=0,split_dv=0", "kb2:split_dv=0",
                   "kb2:pdl=0,convert_per_head=0", "kb2:longest_first=0"]}
 CAUSAL_ONLY = ("kb2:split_dv=0", "kb2:longest_first=0")       # (the mask-free rows' own)
 SETTINGS_ON = False                     # --settings
+WINDOWS_ONLY = False                    # --windows
 WATCHDOG_S = 540                        # a hung kernel: exit with the stacks
 
 
@@ -120,6 +137,73 @@ def check_case(batch, heads, heads_kv, nq, nk, d, dv, causal, seed,
     return row
 
 
+def _eager_bf16(q, k, v, seen, scale, softcap, sinks):
+    """The windowed attention as torch computes it in bf16 (eager, differentiable): the
+    error bound's reference where SDPA has no softcap or sinks."""
+    group = q.shape[2] // k.shape[2]
+    s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(group, dim=2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(*s.shape[:3], 1)], -1)
+    p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
+    p = p[..., :-1] if sinks is not None else p
+    return torch.einsum("bhij,bjhd->bihd", p, v.repeat_interleave(group, dim=2))
+
+
+def window_case(batch, nq, nk, heads, heads_kv, d, dv, causal, window, seed, softcap=0.0,
+                sinks=False) -> dict:
+    """A sliding window through attention()'s backward (softcap, sinks: their gradient too)
+    against window_reference.reference in fp32; torch's error: SDPA with the window's mask,
+    or with a softcap or sinks the same math eager in bf16; dK and dV of keys no query sees
+    exactly 0."""
+    import hopper_attn
+    from hopper_attn.harness.window_reference import (gradient_errors, reference,
+                                                      window_mask)
+    q, k, v, do = _inputs(batch, heads, heads_kv, nq, nk, d, dv, seed)
+    s = None
+    if sinks:
+        s = torch.randn(heads, device=q.device, generator=torch.Generator(
+            device=q.device).manual_seed(seed)) * 2
+        s[0] = 8.0                                      # a sink that dominates its rows
+    right, scale = (0 if causal else window[1]), d ** -0.5
+    mine = [t.clone().requires_grad_() for t in (q, k, v)] + \
+        ([s.clone().requires_grad_()] if sinks else [])
+    hopper_attn.attention(*mine[:3], causal=causal, window_size=window, softcap=softcap,
+                          sinks=mine[3] if sinks else None).backward(do)
+    grads = [t.grad for t in mine]
+    if not softcap and not sinks:
+        errors = gradient_errors(q, k, v, do, grads, window[0], right, scale)
+    else:
+        ins = [t.float().requires_grad_() for t in (q, k, v)] + \
+            ([s.clone().requires_grad_()] if sinks else [])
+        out, _ = reference(*ins[:3], window[0], right, scale, softcap,
+                           ins[3] if sinks else None)
+        out.backward(do.float())
+        low = [t.clone().requires_grad_() for t in (q, k, v)] + \
+            ([s.clone().requires_grad_()] if sinks else [])
+        seen = window_mask(nq, nk, window[0], right, q.device)
+        _eager_bf16(*low[:3], seen, scale, softcap, low[3] if sinks else None).backward(do)
+        errors = {}
+        for name, grad, ref, lo in zip(("q", "k", "v", "sinks"), grads, ins, low):
+            r = ref.grad.nan_to_num(0.0)
+            torch_err = (lo.grad.float().nan_to_num(0.0) - r).abs().max().item()
+            errors[name] = ((grad.float() - r).abs().max().item(), torch_err,
+                            2 * torch_err + 2 ** -12 * max(1.0, r.abs().max().item()))
+    unseen = ~window_mask(nq, nk, window[0], right, q.device).any(0)  # keys no query sees
+    zero_ok = all(bool((g[:, unseen] == 0).all()) for g in grads[1:3])
+    row = {"case": [batch, nq, nk, heads, heads_kv, d, dv, causal, list(window), softcap,
+                    sinks], "label": "window", "errors": errors, "ratio": {},
+           "unseen_keys": int(unseen.sum()), "zero_ok": zero_ok, "ok": zero_ok, "seed": seed}
+    for name, grad in zip(errors, grads):
+        err, _, bound = errors[name]
+        nan = bool(grad.isnan().any())
+        row["ratio"][name] = float("inf") if nan else err / bound
+        row["ok"] &= not nan and err <= bound
+    return row
+
+
 def _log_row(log, row, text):
     log(f"  {text}: ratio dq {row['ratio']['q']:.2f} dk {row['ratio']['k']:.2f} "
         f"dv {row['ratio']['v']:.2f}" + (f", same bits {row['same_bits']}"
@@ -131,6 +215,9 @@ def correctness(log) -> list:
     rows, seed = [], 100
     for d, dv in PAIRS:
         tag = f"d{d}" if dv == d else f"({d}, {dv})"
+        if WINDOWS_ONLY:
+            rows += _windows(log, d, dv, tag)
+            continue
         for label, heads, heads_kv in GROUPS:
             group_rows = []
             for causal in (False, True):
@@ -158,15 +245,55 @@ def correctness(log) -> list:
             rows.append(row)
             _log_row(log, row, f"{tag} deterministic {heads}/{heads_kv} B{batch} N{n} "
                                f"{'causal' if causal else 'full'}")
+        rows += _windows(log, d, dv, tag)
         if dv == d:
-            rows += _softcap_windows_varlen(log, d)
+            rows += _softcap_varlen(log, d)
     return rows
 
 
-def _softcap_windows_varlen(log, d) -> list:
+def _windows(log, d, dv, tag) -> list:
+    rows = []
+    # one-sided windows at d = 192 only (d = 256 runs the same consumer code): --quick's time
+    wide = WIDE_WINDOWS if (d, dv) == (192, 192) else WIDE_WINDOWS[:3] if d == 256 else []
+    for causal, window, nq, nk, heads, heads_kv, cap, sinks in WINDOWS + wide:
+        try:
+            row = window_case(2, nq, nk, heads, heads_kv, d, dv, causal, window, nq + nk + d,
+                              cap, sinks)
+        except Exception as exc:  # noqa: BLE001 - one failing case, not the run
+            row = {"case": [nq, nk, heads, heads_kv, d, dv, causal, list(window), cap, sinks],
+                   "label": "window", "ok": False, "ratio": {},
+                   "error_text": f"{type(exc).__name__}: {exc}"[:300]}
+        rows.append(row)
+        extra = (f" softcap {cap:g}" if cap else "") + (" sinks" if sinks else "")
+        ratio = " ".join(f"d{n} {r:.2f}" for n, r in row["ratio"].items())
+        log(f"  {tag} window {window} {heads}/{heads_kv} {nq}/{nk} "
+            f"{'causal' if causal else 'full':6}{extra}: ratio {ratio or '-'}"
+            + (f", {row['unseen_keys']} unseen keys" if row.get("unseen_keys") else "")
+            + f"  {'PASS' if row['ok'] else 'FAIL'}"
+            + (f"  {row['error_text'][:100]}" if "error_text" in row else ""))
+    if d in VARLEN_DIMS and d > 128 and dv == d:
+        from varlen_bwd_gpu_check import check_case as varlen_case
+        _, lq, lk, used, heads, heads_kv = VARLEN[1]
+        for causal, window in VARLEN_WINDOWS:
+            try:
+                row = varlen_case(lq, lk, heads, heads_kv, d, causal, seed=d + window[0],
+                                  used=used, window=window)
+            except Exception as exc:  # noqa: BLE001 - one failing case, not the run
+                row = {"ok": False, "error_text": f"{type(exc).__name__}: {exc}"[:300],
+                       "ratio": {}}
+            row["label"] = "varlen window"
+            rows.append(row)
+            ratio = " ".join(f"d{n} {row['ratio'].get(n, float('nan')):.2f}" for n in "qkv")
+            log(f"  {tag} varlen window {window} {heads}/{heads_kv} cross "
+                f"{'causal' if causal else 'full':6}: ratio {ratio}  "
+                f"{'PASS' if row['ok'] else 'FAIL'}"
+                + (f"  {row['error_text'][:100]}" if "error_text" in row else ""))
+    return rows
+
+
+def _softcap_varlen(log, d) -> list:
     from test_softcap import check_softcap, within
     from varlen_bwd_gpu_check import check_case as varlen_case
-    from window_gpu_check import backward_case
     rows = []
     for causal, n, cap, magnitude, heads_kv in SOFTCAP if d <= 192 else []:
         errors = check_softcap(d, causal, n, cap, magnitude, heads_kv, seed=d + n)
@@ -176,13 +303,6 @@ def _softcap_windows_varlen(log, d) -> list:
         worst = max(e / (2 * t + 2 ** -12 * max(1.0, r)) for e, t, r in errors.values())
         log(f"  d{d} softcap {cap:g} x{magnitude:g} 4/{heads_kv} N{n} "
             f"{'causal' if causal else 'full':6}: worst ratio {worst:.2f}  "
-            f"{'PASS' if row['ok'] else 'FAIL'}")
-    for causal, window, nq, nk, heads, heads_kv in WINDOWS if d == 96 else []:
-        row = backward_case(2, nq, nk, heads, heads_kv, d, causal, window, seed=nq + nk)
-        row["label"] = "window"
-        rows.append(row)
-        log(f"  d{d} window {window} {heads}/{heads_kv} {nq}/{nk} "
-            f"{'causal' if causal else 'full':6}: worst ratio {row['ratio']:.2f}  "
             f"{'PASS' if row['ok'] else 'FAIL'}")
     if d in VARLEN_DIMS:                      # the fixed padding lanes: what this checks
         from hopper_attn.common import varlen_backward
@@ -300,10 +420,13 @@ def main() -> int:
         dims = {int(x) for x in sys.argv[at + 1].split(",")}
         del sys.argv[at:at + 2]
         PAIRS[:] = [pair for pair in PAIRS if pair[0] in dims]
-    global SETTINGS_ON
+    global SETTINGS_ON, WINDOWS_ONLY
     if "--settings" in sys.argv:                # (run_check parses the other arguments)
         sys.argv.remove("--settings")
         SETTINGS_ON = True
+    if "--windows" in sys.argv:                 # the window cases only (with --quick)
+        sys.argv.remove("--windows")
+        WINDOWS_ONLY = True
     print(f"(d, dv) pairs {PAIRS}", flush=True)
     import faulthandler
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)

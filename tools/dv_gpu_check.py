@@ -20,8 +20,8 @@
      own bf16 gradients' error + 2^-12 max|ref| (window_reference.gradient_errors), lengths
      17, 113, 1000, causal and not, GQA 8/2 with cross lengths; the deterministic backward
      (same bits twice, within the bound), also with GQA 8/2 at (192, 128);
-   * at (128, 64) a causal window (127, 0), forward (as above) and backward, GQA 4/2 (no
-     window at d = 192).
+   * at (128, 64) a causal window (127, 0), forward (as above) and backward, GQA 4/2 (d =
+     192's windows: tools/bwd_dims_gpu_check.py).
 2. Speed (skipped with --quick), CUDA events, L2 flushed, round-robin medians: ours vs
    FA4's `flash_attn_func` with the same v, both pairs, N 2k / 4k / 8k / 16k (batch
    16k / N, 16 heads), causal and not: forward, and backward (through autograd, both
@@ -61,7 +61,7 @@ BACKWARD_PAIRS = [(192, 128), (128, 64)]       # kb2's
 BWD_VARIANTS = {(192, 128): ["kb2", "kb2:convert_per_head=0", "kb2:kv_with_first_tile=0",
                              "kb2:longest_first=0"]}
 CAUSAL_ONLY = ("kb2:longest_first=0",)
-WINDOW_PAIRS = [(128, 64)]                     # (no window at d = 192)
+WINDOW_PAIRS = [(128, 64)]                     # (d = 192's: tools/bwd_dims_gpu_check.py)
 LENGTHS = [1, 17, 113, 1000]
 
 

@@ -697,9 +697,11 @@ class DqWriter:
 
     @cute.jit
     def write_dq(self, sdQ: cute.Pointer, mdQacc: cute.Tensor, mSem: cute.Tensor, n_block,
-                 head, batch, m_first, m_count, group):
+                 head, batch, m_first, m_count, group, seqlens=None):
         """The dQ writer warp: each consumer warpgroup's dQ block of every query tile visited,
-        reduce-added from SMEM to the fp32 dQ buffer."""
+        reduce-added from SMEM to the fp32 dQ buffer. `seqlens` (seqlen_q, seqlen_k): the
+        deterministic mode's turns with a window's left side, which count from the first kv
+        tile that walks the query tile (`KVTileSchedule.dq_turn_first`), not from 0."""
         bm, d = self.block_m, self.head_dim
         dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
         if cutlass.const_expr(not self.gqa):
@@ -722,8 +724,12 @@ class DqWriter:
                     turn = mSem[batch, q_head, None].iterator + m_block
                 else:
                     turn = mSem[batch, head, None].iterator + m_block
-                if cute.arch.lane_idx() == 0:      # kv tiles 0 .. n_block - 1 added
-                    wait_for_count(turn, n_block)
+                if cute.arch.lane_idx() == 0:      # kv tiles first .. n_block - 1 added
+                    if cutlass.const_expr(self.schedule.window_left >= 0):
+                        wait_for_count(turn, n_block - self.schedule.dq_turn_first(
+                            m_block, *seqlens))
+                    else:
+                        wait_for_count(turn, n_block)
                 cute.arch.sync_warp()
             for wg in cutlass.range_constexpr(self.warpgroups):
                 phase = self.trace.start("wait_dq_full")

@@ -46,9 +46,11 @@ S and dP in both CTAs: 7 GEMM units a (query tile, 128 keys) against this tile's
 loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48). FA4's split of
 dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept").
 
-Packed batches (`varlen`) need nothing of their own here: the kernel hands this consumer a
-sequence as a batch of one (common/varlen_backward.py; attention_varlen's backward at d = 256
-waits for its GPU check: varlen_backward.UNVERIFIED_HEAD_DIMS).
+Sliding windows: which query tiles a kv tile walks is the schedule's (as without one), and
+a masked tile gets the window's two limits on S, queries x keys as in the forward (d <= 128
+masks S^T). Packed batches (`varlen`) need nothing of their own here: the kernel hands this
+consumer a sequence as a batch of one (common/varlen_backward.py; attention_varlen's
+backward at d = 256 waits for its GPU check: varlen_backward.UNVERIFIED_HEAD_DIMS).
 """
 
 from __future__ import annotations
@@ -84,7 +86,6 @@ def check_dkv_swap(kernel) -> int:
                          f"only, got ({kernel.head_dim}, {kernel.head_dim_v})")
     others = {"shared_keys": kernel.shared_keys,
               "softcap at d = 192": kernel.softcap > 0.0 and kernel.head_dim == 192,
-              "window": kernel.schedule.windowed,
               "early_dv": kernel.early_dv, "dp_first": kernel.dp_first,
               "block_m != 64": kernel.block_m != 64, "stmatrix=0": not kernel.stmatrix}
     if any(others.values()):
@@ -232,8 +233,14 @@ class DkvSwapConsumer:
                     for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                         tanh_slope[r, c] = Float16(1.0 - s_rc[r, c] * s_rc[r, c])
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
-                mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k, self.causal,
-                            causal_offset)
+                if cutlass.const_expr(self.schedule.windowed):     # S: queries x keys
+                    mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k,
+                                self.schedule.right_limit >= 0, causal_offset,
+                                right=max(self.schedule.right_limit, 0),
+                                left=self.schedule.window_left)
+                else:
+                    mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k,
+                                self.causal, causal_offset)
             for r in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                     s_rc[r, c] = cute.math.exp2(s_rc[r, c] * score_log2 - lse2[r],

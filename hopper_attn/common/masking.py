@@ -550,6 +550,25 @@ class KVTileSchedule:
         return first, end
 
     @cute.jit
+    def dq_turn_first(self, m_block, seqlen_q, seqlen_k):
+        """The first kv tile that walks query tile `m_block` (its dQ adds come from kv tiles
+        dq_turn_first .. in order: kb2's deterministic turns count from it). 0 without a
+        window's left side; with one, the first whose keys its first row sees or, before
+        it, one whose keys no query sees and whose fully masked tile is this one (the
+        left side is unbounded for tile 0). Host mirror: `window_dq_first`."""
+        first = Int32(0)
+        if cutlass.const_expr(self.window_left >= 0):
+            diagonal = m_block * self.block_m + seqlen_k - seqlen_q
+            first = cutlass.max(diagonal - self.window_left, 0) // self.block_n
+            if cutlass.const_expr(self.right_limit >= 0):
+                # the first kv tile whose m_block_range starts at or past m_block
+                past = cutlass.max(diagonal + self.right_limit, 0)
+                first = cutlass.min(first, (past + self.block_n - 1) // self.block_n)
+            if m_block == 0:
+                first = Int32(0)
+        return first
+
+    @cute.jit
     def needs_mask(self, m_block, n_block, seqlen_q, seqlen_k):
         if cutlass.const_expr(self.windowed):
             last_key = (n_block + 1) * self.block_n - 1
@@ -608,6 +627,19 @@ def window_m_range(n_block: int, block_m: int, block_n: int, seqlen_q: int, seql
         last = (n_block + 1) * block_n - 1 - offset + left
         end = max(min(end, max(last, 0) // block_m + 1), first + 1)
     return first, end
+
+
+def window_dq_first(m_block: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
+                    left: int, right: int) -> int:
+    """KVTileSchedule.dq_turn_first on the host: the first kv tile whose `window_m_range`
+    holds query tile m_block (where any does)."""
+    if left < 0 or m_block == 0:
+        return 0
+    diagonal = m_block * block_m + seqlen_k - seqlen_q
+    first = max(diagonal - left, 0) // block_n
+    if right >= 0:
+        first = min(first, -(-max(diagonal + right, 0) // block_n))
+    return first
 
 
 def window_options(problem) -> dict:
