@@ -19,7 +19,8 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   "one_group": P's k16 slices also converted last first), after the tile's n-th exp2
   ("after<n>"), before the exp2s ("first"), or where ptxas puts it ("free").
 * `rescale="lazy"`: O rescaled only where a row maximum grew by more than 2^8, with P
-  rounded to the input type before the row sums (l then adds what the PV GEMM multiplies).
+  rounded to the input type before the row sums (l then adds what the PV GEMM multiplies);
+  "lazy_after_wait" (windows) rescales O after the PV wait, not behind a wait of its own.
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -70,8 +71,8 @@ from hopper_attn.common.layouts import (acc_as_operand_a, acc_rows_cols, smem_by
 from hopper_attn.common.masking import TileSchedule
 from hopper_attn.common.scheduler import ItemQueue, TileScheduler, sm_count
 from hopper_attn.common.sinks import SinkLogits, sink_inputs, with_sinks
-from hopper_attn.common.softmax import (OnlineSoftmax, scale_rows, softcap_scales,
-                                        softcap_scores)
+from hopper_attn.common.softmax import (OnlineSoftmax, scale_rows, scale_rows_below_one,
+                                        softcap_scales, softcap_scores)
 from hopper_attn.common.stream_k import StreamKPartials
 from hopper_attn.common.warp_roles import PingPong
 from hopper_attn.k5 import FIRST_SCHEDULER_BARRIER, FlashAttentionK5, lse_buffer
@@ -100,7 +101,7 @@ ITEM_ENDS = {
 }
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
-RESCALES = ("eager", "lazy", "before_pv")
+RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv")
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
 # A windowed problem's masked tiles per head dim (else compares): bit masks where the H200
 # measured them faster, at d = 64 without turns (WINDOW_WGS; compares spill on its 192 rows):
@@ -265,7 +266,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # O rescaled only where a row maximum grew by more than 2^8, with P rounded to the
         # input type before the row sums (l then adds what the PV GEMM multiplies); or (k7)
         # O *= alpha under the QK GEMM, before PV is issued
-        self.lazy_rescale = self.round_p_sums = rescale == "lazy"
+        self.lazy_rescale = self.round_p_sums = rescale in ("lazy", "lazy_after_wait")
+        # lazy_after_wait: O *= alpha after the PV wait (the vote is per warp, and "lazy"'s
+        # wait under it may split a warpgroup: wgmma.wait_group is .sync.aligned)
+        self.rescale_after_pv_wait = rescale == "lazy_after_wait"
         self.rescale_threshold_log2 = 8.0
         self.rescale_before_pv = rescale == "before_pv"
         if (after or self.pv_wait_first or self.rescale_before_pv) and self.lazy_rescale:
@@ -662,7 +666,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         """(softcap: tanh first), mask, then the online-softmax step. Eager: alpha goes to
         `finish_tile`, which rescales O (the PV wait among or before the exp2s: every row's
         maximum and alpha first). Lazy: O rescaled here, only where a row maximum of this warp
-        grew by more than 2^rescale_threshold_log2 (a rare branch, after PV_{n-1})."""
+        grew by more than 2^rescale_threshold_log2 (a rare branch, after PV_{n-1}); with
+        lazy_after_wait in `finish_tile`."""
         if cutlass.const_expr(self.softcap > 0.0):
             softcap_scores(acc_rows_cols(acc_s), softmax.softcap_prescale)
         if cutlass.const_expr(self.softcap_fixed_max):
@@ -682,7 +687,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         else:
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             m_new = softmax.running_max(s_rc)
-            if softmax.needs_rescale(m_new, self.rescale_threshold_log2):
+            if cutlass.const_expr(self.rescale_after_pv_wait):
+                softmax.rebase_if_grown(m_new, self.rescale_threshold_log2, alpha)
+            elif softmax.needs_rescale(m_new, self.rescale_threshold_log2):
                 warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
                 scale_rows(o_rc, softmax.rebase(m_new))
             softmax.exponentiate(s_rc)
@@ -723,6 +730,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                               self.after_first(n, later))
             if self.after_first(n, later):
                 v_state.advance()
+        if cutlass.const_expr(self.rescale_after_pv_wait):
+            scale_rows_below_one(o_rc, alpha)           # the lazy rescale's O, if any
         self.trace.end(phase)
         return v_state
 
@@ -762,6 +771,8 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
                         stream_k=False, kv_tail=True, window_mask=mask)
+        if settings["rescale"] == "lazy":       # (a window's first keys split warps'
+            settings["rescale"] = "lazy_after_wait"     # votes: synccheck, docs/window.md)
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])

@@ -178,6 +178,34 @@ def test_sass_order_reads_wgmma_groups_and_loops():
     assert events[-3:] == ["DEPBAR 0x1", "EX2 x2", "DEPBAR 0x0"]
 
 
+def test_sass_order_finds_warpgroup_ops_under_a_warp_vote():
+    """harness.sass_order.warpgroup_ops_under_warp_votes on k6's lazy rescale as it was (a
+    WGMMA wait behind a branch on a per-warp vote) and as "lazy_after_wait" compiles (only
+    multiplies behind it); the vote's predicate written again ends the search."""
+    from hopper_attn.harness.sass_order import warpgroup_ops_under_warp_votes
+    text = """
+        /*0100*/                   VOTE.ANY P0, P0 ;
+        /*0110*/              @!P0 BRA `(.L_x_32) ;
+        /*0120*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0130*/                   FMUL R24, R24, R8 ;
+.L_x_32:
+        /*0140*/                   VOTE.ANY P0, !P0 ;
+        /*0150*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0160*/              @!P0 BRA `(.L_x_33) ;
+        /*0170*/                   FMUL R24, R24, R8 ;
+.L_x_33:
+        /*0180*/                   VOTE.ALL P1, P1 ;
+        /*0190*/                   FSETP.GEU.AND P1, PT, R2, R3, PT ;
+        /*01a0*/              @!P1 BRA `(.L_x_34) ;
+        /*01b0*/                   HGMMA.64x112x16.F32.BF16 R120, gdesc[UR16], RZ, !UPT ;
+.L_x_34:
+        /*01c0*/                   EXIT ;
+"""
+    found = warpgroup_ops_under_warp_votes(text)
+    assert found == [(0x100, 0x110, [(0x120, "WARPGROUP.DEPBAR.LE gsb0, 0x0")]),
+                     (0x140, 0x160, [])]
+
+
 def test_power_survey_summary():
     """harness/power.py: the benchmark's shapes, and nvidia-smi samples reduced to the
     medians of their settled part (the first third dropped, malformed lines skipped)."""

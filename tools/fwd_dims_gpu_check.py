@@ -66,6 +66,8 @@ D64C, D192 = k6.D64C, k6.D192     # d = 64's causal rows' bundle; d = 192's
 # rows) and 240 with two; 192 x 128 at d = 96 (144) and 192 x 112 with pv_wait=after<n>
 # spill. Tiles per key: the per-tile work (O's 48 multiplies at d = 96, ring waits,
 # branches) is what the d = 96 profile found over FA4's (docs/k6.md, "The profile").
+AFTER_WAIT = ("the POLICY row with rescale=lazy_after_wait (windows'): O's lazy rescale "
+              "after the PV wait, no WGMMA wait behind a per-warp vote (docs/window.md)")
 CANDIDATES = {
     (96, False): {
         "w112": (dict(D96, block_n=112), "14% fewer kv tiles a key; 132 of 160 registers"),
@@ -112,6 +114,7 @@ CANDIDATES = {
         "spin_release_sk": (dict(D192, spin_waits=True, v_release_last=True, stream_k=True),
                             "spin + release_last + stream_k"),
         "turns": (dict(D192, pingpong=True), "turns (FA4 has none at d > 128): a control"),
+        "after_wait": (dict(D192, rescale="lazy_after_wait"), AFTER_WAIT),
     },
     (192, True): {
         "wgl": (dict(D192, spin_waits=True, wg_causal_limit=True),
@@ -129,7 +132,15 @@ CANDIDATES = {
         "release_last": (dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
                               v_release_last=True), "wgl_lf32 + d = 256's V release"),
         "no_spin": (dict(D192, wg_causal_limit=True, longest_first=32), "wgl_lf32 without spins"),
+        "after_wait": (dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
+                            mask_per_row=True, rescale="lazy_after_wait"), AFTER_WAIT),
     },
+    # d = 256's rows (from 2k when causal) with the windows' lazy rescale
+    (256, False): {"after_wait": (dict(k6.D256, kv_tail="whole", rescale="lazy_after_wait"),
+                                  AFTER_WAIT)},
+    (256, True): {"after_wait": (dict(k6.D256, spin_waits=True, wg_causal_limit=True,
+                                      longest_first=32, rescale="lazy_after_wait"),
+                                 AFTER_WAIT)},
 }
 
 

@@ -32,8 +32,9 @@ run `--jobs` at a time (default 6: the time is mostly CPU, imports and compiles;
 host has 16 cores), racecheck's first; one that crashes (rc not 0, 1 or 99) runs again
 alone. rc: 0 clean, 99 the sanitizer reported errors, 1 a case failed its check (or
 raised), anything else a crash; `timeout` past --timeout seconds (its process group killed).
-Time (estimated, not yet measured): --quick 22 subprocesses (2 tools x 11 groups, 13 cases),
-~2 min; all 33 (50 cases), ~5-6 min, mostly imports and JIT compiles (1-2 s a kernel).
+Time (estimated, not yet measured): --quick 24 subprocesses (2 tools x 12 groups, 14 cases),
+~2 min; all 36 (52 cases), ~5-6 min, mostly imports and JIT compiles (1-2 s a kernel).
+Probes (a known defect's evidence: k6_lazy_default_*) run only where --cases names them.
 
 Prints one line per (tool, group): rc, the sanitizer's summary line, seconds, cases passed.
 $OUT/sanitizer.json (or --out): the environment, the commands, per (tool, group) rc, summary,
@@ -87,13 +88,17 @@ class Dense:
     sinks: bool = False
     grad: bool = True
     deterministic: bool = False
+    stage: str = ""         # attention(stage=...): "" the default's choice
+    inputs: str = ""        # "jump": `_jump_scores`; "" random
 
     def label(self) -> str:
         return (f"B{self.batch} q{self.nq} k{self.nk} H{self.heads}/{self.heads_kv} d{self.d}"
                 + (f"/{self.dv}" if self.dv else "") + " causal" * self.causal
                 + (f" w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "")
                 + (f" cap{self.softcap:g}" if self.softcap else "") + " sinks" * self.sinks
-                + " det" * self.deterministic + (" fwd+bwd" if self.grad else " fwd"))
+                + " det" * self.deterministic + (" fwd+bwd" if self.grad else " fwd")
+                + (f" {self.inputs}" if self.inputs else "")
+                + (f" {self.stage}" if self.stage else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +132,7 @@ class Case:
     group: str
     spec: object          # Dense, Varlen, or a kvcache_check.Case / prefill_check.PCase
     quick: bool = False   # what --quick runs: one case per feature
+    probe: bool = False   # a known defect's evidence: runs only where --cases names it
 
     def label(self) -> str:
         return self.spec.label()
@@ -148,8 +154,8 @@ def cases() -> list[Case]:
     lengths whose first rows see no key, a split-KV combine, page boundaries."""
     c = []
 
-    def add(group, name, spec, quick=False):
-        c.append(Case(name, group, spec, quick))
+    def add(group, name, spec, quick=False, probe=False):
+        c.append(Case(name, group, spec, quick, probe))
 
     g = "k6_window"           # k6 forward + kb2 backward (d 64 / 96 / 128), forward at 192, 256
     add(g, "k6_window_d128_gqa_causal", Dense(2, 300, 300, 4, 2, 128, causal=True,
@@ -160,6 +166,21 @@ def cases() -> list[Case]:
     add(g, "k6_window_d192_fwd", Dense(1, 300, 300, 2, 2, 192, window=(64, 64), grad=False))
     add(g, "k6_window_d256_fwd", Dense(1, 300, 300, 2, 2, 256, causal=True, window=(100, 0),
                                        grad=False))
+    # k6's lazy rescale (d 192 / 256) votes per warp; "lazy" waits for PV behind the vote (a
+    # warpgroup's warps may part: synccheck), "lazy_after_wait" (windows' setting) does not.
+    # Warps part where a causal cross-length problem's no-key rows end at a warp boundary
+    # (q - k = 160: rows 128-159 see nothing, 160-191 key 0) or where scores jump in some
+    # warps' rows only (`_jump_scores`). The probes run the defaults ("lazy") on those
+    g = "k6_lazy_vote"
+    after_wait = "k6:rescale=lazy_after_wait"
+    add(g, "k6_lazy_vote_d192_cross_causal", Dense(1, 360, 200, 2, 2, 192, causal=True,
+                                                   grad=False, stage=after_wait), quick=True)
+    add(g, "k6_lazy_vote_d256_jump", Dense(1, 300, 300, 2, 2, 256, grad=False, inputs="jump",
+                                           stage=after_wait))
+    add("k6_lazy_default_cross", "k6_lazy_default_d192_cross_causal",
+        Dense(1, 360, 200, 2, 2, 192, causal=True, grad=False), probe=True)
+    add("k6_lazy_default_jump", "k6_lazy_default_d256_jump",
+        Dense(1, 300, 300, 2, 2, 256, grad=False, inputs="jump"), probe=True)
     g = "k6_softcap"          # kb2's softcap tiles (d 64-192; 192: shared_keys)
     add(g, "k6_softcap_d128_gqa_causal", Dense(2, 300, 300, 4, 2, 128, causal=True,
                                                softcap=30.0), quick=True)
@@ -285,6 +306,18 @@ def _sinks(heads, gen):
     return torch.randn(heads, generator=gen, device=DEVICE) * 2.0
 
 
+def _jump_scores(q, k, at: int = 240, size: float = 16.0):
+    """q and k whose scores jump by size^2 / sqrt(d) (16 nats at d 256) from key `at` on in
+    rows 32-63 of every 64 (warps 2 and 3 of a consumer warpgroup) and nowhere else: at that
+    kv tile those warps' lazy-rescale votes say yes, warps 0 and 1's no."""
+    import torch
+    q, k = q.clone(), k.clone()
+    q[..., 0], k[..., 0] = 0.0, 0.0
+    q[:, (torch.arange(q.shape[1], device=q.device) % 64) >= 32, :, 0] = size
+    k[:, at:, :, 0] = size
+    return q, k
+
+
 def _check_dense(s: Dense, seed: int = 0) -> dict:
     import torch
 
@@ -293,6 +326,8 @@ def _check_dense(s: Dense, seed: int = 0) -> dict:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     q = _randn(gen, s.batch, s.nq, s.heads, s.d)
     k = _randn(gen, s.batch, s.nk, s.heads_kv, s.d)
+    if s.inputs == "jump":
+        q, k = _jump_scores(q, k)
     v = _randn(gen, s.batch, s.nk, s.heads_kv, s.dv or s.d)
     sinks = _sinks(s.heads, gen) if s.sinks else None
     leaves = [q, k, v] + ([sinks] if s.sinks else [])
@@ -307,7 +342,8 @@ def _check_dense(s: Dense, seed: int = 0) -> dict:
         kw["sinks"] = sinks
     with torch.set_grad_enabled(s.grad):
         out, lse = hopper_attn.attention(q, k, v, causal=s.causal, return_lse=True,
-                                         deterministic=s.deterministic, **kw)
+                                         deterministic=s.deterministic,
+                                         stage=s.stage or None, **kw)
     do = _randn(gen, *out.shape)
     grads = torch.autograd.grad(out, leaves, do) if s.grad else []
     _sync()
@@ -563,6 +599,8 @@ def select(args) -> tuple[list[str], list[Case]]:
         if bad:
             raise SystemExit(f"unknown group(s) / case(s) {bad}; see --list")
         chosen = [c for c in chosen if c.group in wanted or c.name in wanted]
+    else:
+        chosen = [c for c in chosen if not c.probe]
     if args.quick:
         chosen = [c for c in chosen if c.quick]
     return tools, chosen
@@ -583,7 +621,7 @@ def _plan(case: Case) -> str:
                       heads_kv=spec.heads_kv, seqlen_k=spec.nk, window_left=window[0],
                       window_right=window[1], head_dim_v=spec.dv or 0)
     try:
-        fwd = api._entry_for(problem, "", spec.softcap, spec.sinks).name
+        fwd = api._entry_for(problem, spec.stage, spec.softcap, spec.sinks).name
         bwd = ""
         if spec.grad:
             if problem.windowed and spec.deterministic:

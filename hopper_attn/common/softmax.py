@@ -299,6 +299,16 @@ class OnlineSoftmax:
         return alpha
 
     @cute.jit
+    def rebase_if_grown(self, m_new: cute.Tensor, threshold_log2: float, alpha: cute.Tensor):
+        """The lazy step without O: `rebase` where `needs_rescale` says so, alpha its factors,
+        else alpha = 1; the caller scales O after its PV wait (`scale_rows_below_one`). The
+        vote is per warp, and a branch on it must hold no `wgmma.wait_group`: that one is
+        .sync.aligned, all four warps of the warpgroup at the same instruction."""
+        alpha.fill(1.0)
+        if self.needs_rescale(m_new, threshold_log2):
+            alpha.store(self.rebase(m_new).load())
+
+    @cute.jit
     def merge_row(self, r, m_other, l_other):
         """Row r of another partial softmax over other keys (its maximum and raw sum) merged
         into this one: both rebased to the larger maximum; returns (this side's factor, the
@@ -396,6 +406,17 @@ def scale_rows(o_rc: cute.Tensor, factor: cute.Tensor):
     """o[r, :] *= factor[r] for a [row, col] register view."""
     for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
         o_rc[r, None].store(o_rc[r, None].load() * factor[r])
+
+
+@cute.jit
+def scale_rows_below_one(o_rc: cute.Tensor, factor: cute.Tensor):
+    """`scale_rows` where a row of this warp has a factor below 1 (`rebase_if_grown` moved
+    its maximum): a per-warp branch of multiplies only, which most tiles skip."""
+    below = False
+    for r in cutlass.range_constexpr(cute.size(factor)):
+        below = below or factor[r] < 1.0
+    if cute.arch.vote_any_sync(below):
+        scale_rows(o_rc, factor)
 
 
 @dataclasses.dataclass(frozen=True)

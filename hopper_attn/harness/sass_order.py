@@ -160,6 +160,35 @@ def exp2_gaps(sass_hex: str) -> list:
     return result
 
 
+WARPGROUP_OPS = re.compile(r"\bWARPGROUP\.|\b[HQ]GMMA\.")
+
+
+def warpgroup_ops_under_warp_votes(sass_text: str) -> list:
+    """[(vote address, branch address, [(address, text) of each WARPGROUP.* / HGMMA that
+    the branch skips])] for every forward branch on a `VOTE.ANY`'s / `VOTE.ALL`'s
+    predicate. A vote is per warp, so such a branch may split a warpgroup's four warps;
+    the WGMMA instructions are .sync.aligned: all four must execute each one at the same pc
+    (compute-sanitizer synccheck: "Mismatching warpgroup instruction pc between warps")."""
+    instructions, labels = _instructions(sass_text)
+    found = []
+    for i, (vote_at, text) in enumerate(instructions):
+        vote = re.match(r"VOTE\.(?:ANY|ALL)\S*\s+(P\d)\b", text)
+        if not vote:
+            continue
+        pred = vote.group(1)
+        for branch_at, branch in instructions[i + 1:]:
+            if re.match(rf"@!?{pred}\s", branch) and " BRA " in f" {branch} ":
+                target = re.search(r"`\((\.L_x_\d+)\)", branch)
+                end = labels.get(target.group(1), -1) if target else -1
+                skipped = [(a, t) for a, t in instructions
+                           if branch_at < a < end and WARPGROUP_OPS.search(t)]
+                found.append((vote_at, branch_at, skipped))
+                break
+            if re.match(rf"(@!?P\d\s+)?\S+\s+(PT,\s*)?{pred},", branch):
+                break                               # the predicate written again
+    return found
+
+
 def summary(ptx: str, sass_text: str) -> str:
     lines = [f"ex2: {ptx.count('ex2.approx')} in the PTX, {sass_text.count('MUFU.EX2')} "
              f"MUFU.EX2 in the SASS",
