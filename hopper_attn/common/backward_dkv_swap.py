@@ -44,7 +44,11 @@ dV^T + dQ = 192 registers before S and dP); 64 x 80 (FA3's C++ tile) 260 KiB; 64
 once per 32 keys. kb1's d = 256 (two CTAs a 128-key tile, 128 columns of d each) computes
 S and dP in both CTAs: 7 GEMM units a (query tile, 128 keys) against this tile's 5, but
 loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48). FA4's split of
-dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept").
+dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept") with its
+P barrier before dV^T; `dkv_split_d` now takes FA4's order (off by default, waiting for its
+GPU A/B): a CTA-wide barrier before P is stored (both warpgroups done with the last tile:
+P and dS free), one after dS is computed (all of P written; then dS stored, dV^T issued),
+one after dS is stored (dQ, dK^T) - the main loop FA4's, m64n48 for dK^T / dV^T.
 
 Sliding windows: which query tiles a kv tile walks is the schedule's (as without one), and
 a masked tile gets the window's two limits on S, queries x keys as in the forward (d <= 128
