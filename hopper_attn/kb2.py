@@ -118,7 +118,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
                  window_right: int = -1, shared_keys: bool = False, varlen: bool = False,
-                 dkv_swap_ab: bool = False):
+                 dkv_swap_ab: bool = False, dkv_split_d: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -128,6 +128,10 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         self.shared_keys = bool(shared_keys)
         # dkv_swap_ab (d = 192, 256): 96 / 48-key tiles, dK^T and dV^T (backward_dkv_swap.py)
         self.dkv_swap_ab = bool(dkv_swap_ab)
+        # dkv_split_d (with it, d = 256): dK^T / dV^T split by d rows, FA4's barriers
+        self.dkv_split_d = bool(dkv_split_d)
+        if self.dkv_split_d and not self.dkv_swap_ab:
+            raise ValueError("kb2: dkv_split_d splits dkv_swap_ab's dK^T and dV^T")
         if block_m not in (64, 80, 128) or block_n != (dkv_swap_keys(head_dim) if dkv_swap_ab
                                                        else 64 if shared_keys else 128):
             raise ValueError("kb2 runs 128-key tiles (one consumer warpgroup per 64 keys; "
@@ -618,7 +622,7 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
-            "dkv_swap_ab": False}
+            "dkv_swap_ab": False, "dkv_split_d": False}
 
 
 POLICY = (
@@ -738,7 +742,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    trace: bool = False, convert_per_head: Optional[bool] = None,
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
-                   varlen: bool = False, dkv_swap_ab: Optional[bool] = None):
+                   varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
+                   dkv_split_d: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not

@@ -468,13 +468,16 @@ def test_dkv_swap_ab_compiles_without_spills(causal, heads_kv, dv):
     assert count(ptx, r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32") == 2
 
 
-def test_dkv_swap_ab_d256_compiles_without_spills():
+@pytest.mark.parametrize("split_d", [False, True])
+def test_dkv_swap_ab_d256_compiles_without_spills(split_d):
     """kb2 at d = 256 (dkv_swap_ab): 64 x 48 tiles, 24 keys a warpgroup, P and dS by
     stmatrix x2, within 227 KiB with 2 Q stages and 1 dO stage, no spills (causal GQA: the
-    longest path)."""
+    longest path); `dkv_split_d`: dK^T and dV^T split by d (2 M blocks of m64n48 a
+    warpgroup), three CTA-wide barriers a tile (FA4's order)."""
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts
-    art = compile_artifacts(registry.get("kb2"), 256, True, heads=4, heads_kv=2)
+    name = "kb2:dkv_split_d=1" if split_d else "kb2"
+    art = compile_artifacts(registry.get(name), 256, True, heads=4, heads_kv=2)
     assert art["ok"], art.get("error")
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
@@ -482,8 +485,11 @@ def test_dkv_swap_ab_d256_compiles_without_spills():
     ptx, kernel = art["ptx"], art["kernel"]
     assert kernel["block_n"] == 48 and kernel["options"]["gqa"] is True
     assert kernel["options"]["dkv_swap_ab"] is True
-    # S, dP: 16 k-steps each (m64n24); dV^T, dK^T: 4 M blocks x 4 (m64n24); dQ: 3 m64n128
-    assert count(ptx, r"wgmma\.mma_async\S*m64n24k16") == 64
+    # S, dP: 16 k-steps each (m64n24); dV^T, dK^T: 4 M blocks x 4 (m64n24), or with
+    # split_d 2 x 4 (m64n48); dQ: 3 m64n128
+    assert count(ptx, r"wgmma\.mma_async\S*m64n24k16") == (32 if split_d else 64)
+    assert count(ptx, r"wgmma\.mma_async\S*m64n48k16") == (16 if split_d else 0)
+    assert kernel["options"]["dkv_split_d"] is split_d
     assert count(ptx, r"wgmma\.mma_async\S*m64n128k16") == 3
     assert count(ptx, r"stmatrix\.sync\.aligned\.m8n8\.x2") == 6
 
@@ -565,6 +571,8 @@ def test_dkv_swap_ab_refusals():
         with pytest.raises(ValueError, match="dkv_swap_ab"):
             kb2.FlashAttentionBackwardKB2(d, False, block_n=96 if d != 256 else 48,
                                           dkv_swap_ab=True, **{"block_m": 64, **options})
+    with pytest.raises(ValueError, match="dkv_split_d"):        # d = 256 only
+        kb2.FlashAttentionBackwardKB2(192, False, block_n=96, dkv_swap_ab=True, dkv_split_d=True)
 
 
 # ------------------------------------------------------------- the policy table (issue 58)

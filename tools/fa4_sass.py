@@ -4,6 +4,7 @@ same SASS summary as `hopper_attn.harness.sass_order` prints for this repo's ker
 
     ../shared/gpu/pack --with-fa4            # once: .gpu/fa4-*.tar.xz
     python tools/fa4_sass.py 256:0 256:1 192:0 96:0   # head_dim:causal
+    python tools/fa4_sass.py bwd256:0                 # the backward (d = 256's tile only)
 
 FA4 is unpacked from `.gpu/fa4-*.tar.xz` into a temporary folder (or taken from FA4_DIR).
 Its package `__init__` files (flash_attn, flash_attn.cute, quack) are bypassed: they import
@@ -18,6 +19,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import re
 import sys
 import tarfile
 import tempfile
@@ -66,6 +68,51 @@ def import_fa4(folder: str):
     return FlashAttentionForwardSm90, to_cute_tensor
 
 
+def compile_fa4_backward(causal: bool):
+    """PTX and cubin of FA4's sm90 backward at d = 256 with its tile (interface.py's
+    _tile_size_bwd_sm90: 64 x 48, Q 2 stages, dO and P / dS 1, dK^T / dV^T swapped and split
+    by d's rows, dQ m64n128 a warpgroup), bf16, against fake global tensors (its LSE and
+    dPsum bulk copies need a global address space, which CPU torch tensors do not give)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+    from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
+    from flash_attn.cute.utils import AuxData
+    d = 256
+    fa = FlashAttentionBackwardSm90(
+        cutlass.BFloat16, d, d, 1, causal, is_local=False, deterministic=False, tile_m=64,
+        tile_n=48, Q_stage=2, dO_stage=1, PdS_stage=1, SdP_swapAB=False, dKV_swapAB=True,
+        dQ_swapAB=False, AtomLayoutMSdP=1, AtomLayoutNdKV=1, AtomLayoutMdQ=1,
+        num_threads=384)
+
+    def fake(dtype, rank):         # dynamic extents and strides, the last mode contiguous
+        return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(rank)),
+                                (*(cute.sym_int(divisibility=8) for _ in range(rank - 1)), 1),
+                                assumed_align=16)
+    bf16, fp32 = cutlass.BFloat16, cutlass.Float32
+    # q, k, v, dO (b, s, h, d); LSE, dPsum (b, h, s); dQ accumulator (b, h, s d); dK, dV
+    args = [fake(bf16, 4) for _ in range(4)] + [fake(fp32, 3) for _ in range(3)] + \
+        [fake(bf16, 4) for _ in range(2)]
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = cute.compile(fa, *args, Float32(1.0 / math.sqrt(d)), *([None] * 9),
+                                AuxData(), None, None, stream=make_fake_stream(),
+                                options=f"--keep-ptx --keep-cubin --dump-dir={dump}")
+    return compiled.__ptx__.rstrip("\0"), bytes(compiled.__cubin__)
+
+
+def loop_sizes(sass_text: str) -> str:
+    """Per innermost WGMMA loop: instructions, of which HGMMA, BAR and mbarrier (SYNCS)."""
+    from hopper_attn.harness.sass_order import loop_body, loops
+    out = []
+    for loop in loops(sass_text):
+        body = loop_body(sass_text, loop)
+        count = lambda op: sum(bool(re.search(rf"(^|\s){op}", t)) for t in body)  # noqa: E731
+        out.append(f"loop {loop[0]:#x}: {len(body)} instructions, {count('HGMMA')} HGMMA, "
+                   f"{count('BAR[.]')} BAR, {count('SYNCS[.]')} SYNCS")
+    return "\n".join(out)
+
+
 def compile_fa4(kernel_class, to_cute_tensor, head_dim: int, causal: bool):
     """PTX and cubin of FA4's forward for (B2, N256, H2, head_dim) bf16."""
     import cutlass
@@ -98,6 +145,15 @@ def main(specs):
     from hopper_attn.harness.sass_order import summary
     kernel_class, to_cute_tensor = import_fa4(fa4_dir())
     for spec in specs:
+        if spec.startswith("bwd"):
+            head_dim, causal = (int(x) for x in spec[3:].split(":"))
+            if head_dim != 256:
+                raise SystemExit("the backward is compiled at d = 256 only")
+            ptx, cubin = compile_fa4_backward(bool(causal))
+            print(f"== FA4 sm90 backward, d = 256, {'causal' if causal else 'no mask'}")
+            print(summary(ptx, sass(cubin)))
+            print(loop_sizes(sass(cubin)))
+            continue
         head_dim, causal = (int(x) for x in spec.split(":"))
         ptx, cubin = compile_fa4(kernel_class, to_cute_tensor, head_dim, bool(causal))
         print(f"== FA4 sm90 forward, d = {head_dim}, {'causal' if causal else 'no mask'}")

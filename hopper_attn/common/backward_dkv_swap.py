@@ -44,7 +44,11 @@ dV^T + dQ = 192 registers before S and dP); 64 x 80 (FA3's C++ tile) 260 KiB; 64
 once per 32 keys. kb1's d = 256 (two CTAs a 128-key tile, 128 columns of d each) computes
 S and dP in both CTAs: 7 GEMM units a (query tile, 128 keys) against this tile's 5, but
 loads Q / dO once per 64 keys (here 48) and adds dQ once per 128 (here 48). FA4's split of
-dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept").
+dK^T / dV^T by d's rows instead of keys was slower (docs/kb2.md, "Tried and not kept") with its
+P barrier before dV^T; `dkv_split_d` now takes FA4's order (off by default, waiting for its
+GPU A/B): a CTA-wide barrier before P is stored (both warpgroups done with the last tile:
+P and dS free), one after dS is computed (all of P written; then dS stored, dV^T issued),
+one after dS is stored (dQ, dK^T) - the main loop FA4's, m64n48 for dK^T / dV^T.
 
 Sliding windows: which query tiles a kv tile walks is the schedule's (as without one), and
 a masked tile gets the window's two limits on S, queries x keys as in the forward (d <= 128
@@ -91,6 +95,9 @@ def check_dkv_swap(kernel) -> int:
     if any(others.values()):
         raise ValueError("kb2's dkv_swap_ab (64 x 96 / 64 x 48 tiles) does not take "
                          + ", ".join(name for name, on in others.items() if on))
+    if kernel.dkv_split_d and kernel.head_dim != 256:
+        raise ValueError("kb2's dkv_swap_ab splits dK^T / dV^T by d (dkv_split_d) at d = 256 "
+                         f"only (4 M blocks), got {kernel.head_dim}")
     return 1 if kernel.head_dim_v >= 192 else kernel.stages
 
 
@@ -122,13 +129,15 @@ class SwappedMmas:
 
     @staticmethod
     def create(block_m: int, block_n: int, head_dim: int, head_dim_v: int, tidx,
-               sK, sV, sQ, sdO, sP, sdS, dtype) -> "SwappedMmas":
+               sK, sV, sQ, sdO, sP, sdS, dtype, split_d: bool = False) -> "SwappedMmas":
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         half_n = block_n // 2
         mma_sdp = wgmma.qk_mma(1, 2, half_n, dtype)                    # m64n48, keys split
-        mma_dk = wgmma.smem_mma(1, 2, half_n, mn_major, mn_major, dtype)   # d x keys
+        # d x keys: each warpgroup its keys (split_d: every key, half of d's rows)
+        dkv_wgs, dkv_n = ((2, 1), block_n) if split_d else ((1, 2), half_n)
+        mma_dk = wgmma.smem_mma(*dkv_wgs, dkv_n, mn_major, mn_major, dtype)
         mma_dv = mma_dk if head_dim_v == head_dim else \
-            wgmma.smem_mma(1, 2, half_n, mn_major, mn_major, dtype)
+            wgmma.smem_mma(*dkv_wgs, dkv_n, mn_major, mn_major, dtype)
         mma_dq = wgmma.smem_mma(1, 2, head_dim // 2, k_major, mn_major, dtype)
         wg_sdp, wg_dk, wg_dv, wg_dq = (wgmma.warpgroup_slice(m, tidx)
                                        for m in (mma_sdp, mma_dk, mma_dv, mma_dq))
@@ -186,7 +195,9 @@ class DkvSwapConsumer:
                                DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, fragment_slot, store_dkv)
         bm, bn, d, dv, dtype = (self.block_m, self.block_n, self.head_dim, self.head_dim_v,
                                 self.dtype)
-        mmas = SwappedMmas.create(bm, bn, d, dv, ctidx, sK, sV, sQ, sdO, sP, sdS, dtype)
+        split_d = self.dkv_split_d
+        mmas = SwappedMmas.create(bm, bn, d, dv, ctidx, sK, sV, sQ, sdO, sP, sdS, dtype,
+                                  split_d)
         s_coords = mmas.s_coords
         acc_dk = mmas.new_accumulator(mmas.thr_dk, (d, bn), zero=True)       # dK^T
         acc_dv = mmas.new_accumulator(mmas.thr_dv, (dv, bn), zero=True)      # dV^T
@@ -249,12 +260,17 @@ class DkvSwapConsumer:
             # P -> SMEM; this warpgroup's dV^T reads only its own 48 keys of it
             p_out = cute.make_rmem_tensor_like(acc_s, dtype)
             p_out.store(acc_s.load().to(dtype))
+            if cutlass.const_expr(split_d):
+                # FA4's order: both warpgroups done with the previous tile (P and dS free)
+                if it > 0:
+                    ds_written.arrive_and_wait()
             cute.copy(store_sdp, thr_store.retile(p_out), p_smem[None, None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=P_WRITTEN_BARRIER + wg, number_of_threads=128)
-            wgmma.gemm(mmas.mma_dv, acc_dv, mmas.dot_frag[None, None, None, do_stage],
-                       mmas.p_frag[None, None, None, 0], zero_init=False)   # dV^T += dO^T P
-            warpgroup.wait_group(1)                                           # dP has landed
+            if cutlass.const_expr(not split_d):
+                cute.arch.barrier(barrier_id=P_WRITTEN_BARRIER + wg, number_of_threads=128)
+                wgmma.gemm(mmas.mma_dv, acc_dv, mmas.dot_frag[None, None, None, do_stage],
+                           mmas.p_frag[None, None, None, 0], zero_init=False)  # dV^T += dO^T P
+            warpgroup.wait_group(1 if not split_d else 0)                     # dP has landed
             for r in cutlass.range_constexpr(rows):
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                     dp_rc[r, c] = s_rc[r, c] * (dp_rc[r, c] - dsum[r])        # dS
@@ -262,9 +278,15 @@ class DkvSwapConsumer:
                         dp_rc[r, c] = dp_rc[r, c] * Float32(tanh_slope[r, c])
             ds_out = cute.make_rmem_tensor_like(acc_dp, dtype)
             ds_out.store(acc_dp.load().to(dtype))
-            if it > 0:          # the other warpgroup's previous dQ has read dS
-                cute.arch.barrier(barrier_id=DS_FREE_BARRIER + wg, number_of_threads=256)
-            cute.copy(store_sdp, thr_store.retile(ds_out), ds_smem[None, None, None, 0])
+            if cutlass.const_expr(split_d):
+                ds_written.arrive_and_wait()          # all of P written; dV^T reads it
+                cute.copy(store_sdp, thr_store.retile(ds_out), ds_smem[None, None, None, 0])
+                wgmma.gemm(mmas.mma_dv, acc_dv, mmas.dot_frag[None, None, None, do_stage],
+                           mmas.p_frag[None, None, None, 0], zero_init=False)  # dV^T += dO^T P
+            else:
+                if it > 0:      # the other warpgroup's previous dQ has read dS
+                    cute.arch.barrier(barrier_id=DS_FREE_BARRIER + wg, number_of_threads=256)
+                cute.copy(store_sdp, thr_store.retile(ds_out), ds_smem[None, None, None, 0])
             cute.arch.fence_proxy("async.shared", space="cta")
             ds_written.arrive_and_wait()                                      # both halves
             acc_dq = mmas.new_accumulator(mmas.thr_dq, (bm, d))
@@ -275,9 +297,10 @@ class DkvSwapConsumer:
             wgmma.gemm(mmas.mma_dk, acc_dk, mmas.qt_frag[None, None, None, stage],
                        mmas.dst_frag[None, None, None, 0], zero_init=False)  # dK^T += Q^T dS
             warpgroup.wait_group(1)                                           # dQ is done
-            if it + 1 < visits:
-                cute.arch.barrier_arrive(barrier_id=DS_FREE_BARRIER + 1 - wg,
-                                         number_of_threads=256)
+            if cutlass.const_expr(not split_d):   # (split_d: the next tile's first barrier)
+                if it + 1 < visits:
+                    cute.arch.barrier_arrive(barrier_id=DS_FREE_BARRIER + 1 - wg,
+                                             number_of_threads=256)
             # dQ -> the staging buffer (kb2's register order), once the writer has read the last
             cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg,
                               number_of_threads=DQ_HANDOFF_THREADS)
