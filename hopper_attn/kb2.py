@@ -118,7 +118,8 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
                  heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
                  window_right: int = -1, shared_keys: bool = False, varlen: bool = False,
-                 dkv_swap_ab: bool = False, dkv_split_d: bool = False):
+                 dkv_swap_ab: bool = False, dkv_split_d: bool = False,
+                 dq_rows: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -142,6 +143,10 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         self.dq_swap_ab = block_m % 64 != 0
         if self.dq_swap_ab and head_dim != 128:
             raise ValueError(f"kb2 takes 80-row query tiles at head_dim 128 only, got {head_dim}")
+        # dq_rows (128-row tiles): dQ split by query rows, not columns (wgmma.dq_mma)
+        self.dq_rows = bool(dq_rows)
+        if self.dq_rows and (block_m != 128 or shared_keys or dkv_swap_ab):
+            raise ValueError("kb2: dq_rows splits 128-row query tiles (64 rows a warpgroup)")
         self.head_dim, self.causal = head_dim, causal
         self.block_m, self.block_n = block_m, block_n
         self.warpgroups = 2                                 # consumer warpgroups
@@ -422,7 +427,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         bm, bn, d, dtype = self.block_m, self.block_n, self.head_dim, self.dtype
         mmas = wgmma.BackwardMmas.create(self.warpgroups, bm, bn, d, ctidx, sK, sV, sQ, sdO,
                                          sdSt, dtype, self.dq_swap_ab, sPt=sPt,
-                                         head_dim_v=self.head_dim_v)  # kb1's GEMMs
+                                         head_dim_v=self.head_dim_v, dq_rows=self.dq_rows)
         st_coords = mmas.st_coords
         acc_dk = mmas.new_dkv_accumulator(bn, d)
         acc_dv = mmas.new_dv_accumulator(bn, self.head_dim_v)
@@ -622,7 +627,7 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
-            "dkv_swap_ab": False, "dkv_split_d": False}
+            "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False}
 
 
 POLICY = (
@@ -743,7 +748,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
                    varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
-                   dkv_split_d: Optional[bool] = None):
+                   dkv_split_d: Optional[bool] = None,
+                   dq_rows: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not

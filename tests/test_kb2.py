@@ -619,3 +619,20 @@ def test_policy(d, causal, deterministic, heads_kv, expect):
     settings = kb2.policy(Problem(1, 4, 1024, d, causal, heads_kv=heads_kv), deterministic)
     for name, value in expect.items():
         assert settings[name] == value, name
+
+
+def test_dq_rows_compiles_without_spills():
+    """dq_rows (d = 64, 128-row tiles): dQ split by query rows between the warpgroups, 8
+    m64n64k16 WGMMAs a warpgroup from SMEM instead of 16 m64n32k16 (FA4's split); causal
+    GQA compiles without spills, and 64-row tiles are refused."""
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    art = compiled("kb2:dq_rows=1", 64, True, heads_kv=1)
+    assert art["kernel"]["options"]["dq_rows"] is True
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert count(art["ptx"], r"wgmma\.mma_async\.sync\.aligned\.m64n32k16") == 0
+    assert count(art["ptx"], r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\S*\s+\{[^}]*\},"
+                             r"\s*%rd") == 128 // 16                           # dQ
+    with pytest.raises(ValueError, match="dq_rows"):
+        kb2.compile_kernel(Problem(1, 2, 128, 64, True), block_m=64, dq_rows=True)

@@ -143,13 +143,15 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
             lse, *stats, dq_accum, counters, tvm_ffi=ffi)
     # dq_accum in row order (kb1) or in the dQ WGMMA's fragment order (kb2)
     fragments = getattr(kernel, "dq_fragment_order", False)
-    swap_ab = getattr(kernel, "dq_swap_ab", False)
+    swap_ab, rows = getattr(kernel, "dq_swap_ab", False), getattr(kernel, "dq_rows", False)
     per_head = bool(getattr(kernel, "convert_per_head", False))
-    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl, per_head)
+    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl, per_head,
+                rows)
     if post_key not in _COMPILED:
         # both conversions take (dq_accum, dq, counters, scale, kv tiles); DqConvert ignores
         # the counters and the kv tile count (only the per-head wait reads them)
-        convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl, per_head) if fragments \
+        convert = DqConvertFragments(d, kernel.block_m, swap_ab, pdl, per_head, rows) \
+            if fragments \
             else DqConvert(d, pdl=pdl)
         _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], counters,
                                                       scalars=(1.0, 1.0), tvm_ffi=ffi)
@@ -519,8 +521,9 @@ class DqConvertFragments:
     that the global stores are 16-byte row chunks."""
 
     def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False,
-                 per_head: bool = False):
+                 per_head: bool = False, rows: bool = False):
         self.head_dim, self.block_m, self.swap_ab, self.pdl = head_dim, block_m, swap_ab, pdl
+        self.rows = rows                    # dQ split by query rows (kb2's dq_rows, dq_mma)
         # per_head (kb2's convert_per_head): launched early (PDL) but, instead of waiting
         # for the whole main grid, each CTA waits until every kv tile of its head has
         # counted its dQ adds as landed (counters[b, h, 0] == kv_tiles, release/acquire),
@@ -549,7 +552,7 @@ class DqConvertFragments:
             cute.arch.sync_threads()
         elif cutlass.const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()          # launched early: wait for the main kernel
-        thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
+        thr = dq_mma(d, self.dtype, self.swap_ab, bm, self.rows).get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C(dq_tile_shape(bm, d, self.swap_ab)),
                                     Float32)
         src = fragment_slot(acc_all[batch, head, None, None].iterator, m_block, tidx, bm, d,

@@ -427,8 +427,8 @@ class VarlenDqConvert(DqConvertFragments):
     sequences that are done convert in the main kernel's tail."""
 
     def __init__(self, head_dim: int, block_m: int, swap_ab: bool = False, pdl: bool = False,
-                 per_head: bool = False, block_n: int = 128):
-        super().__init__(head_dim, block_m, swap_ab, pdl, per_head)
+                 per_head: bool = False, block_n: int = 128, rows: bool = False):
+        super().__init__(head_dim, block_m, swap_ab, pdl, per_head, rows)
         self.block_n = block_n
 
     @cute.jit
@@ -465,7 +465,7 @@ class VarlenDqConvert(DqConvertFragments):
         tile = smem.allocate_tensor(self.dtype, cute.make_layout((bm, d), stride=(d + CHUNK, 1)),
                                     byte_alignment=16)
         if valid != 0:
-            thr = dq_mma(d, self.dtype, self.swap_ab, bm).get_slice(tidx)
+            thr = dq_mma(d, self.dtype, self.swap_ab, bm, self.rows).get_slice(tidx)
             acc = cute.make_rmem_tensor(
                 thr.partition_shape_C(dq_tile_shape(bm, d, self.swap_ab)), Float32)
             acc.fill(0.0)
@@ -592,9 +592,10 @@ def compile_varlen_backward(spec, kernel_factory, problem: Problem, options: dic
                                                      tvm_ffi=ffi)
     swap_ab = bool(getattr(kernel, "dq_swap_ab", False))
     per_head, bn = bool(getattr(kernel, "convert_per_head", False)), kernel.block_n
-    post_key = ("varlen postprocess", d, dt, bm, swap_ab, ffi, pdl, per_head, bn)
+    rows = bool(getattr(kernel, "dq_rows", False))
+    post_key = ("varlen postprocess", d, dt, bm, swap_ab, ffi, pdl, per_head, bn, rows)
     if post_key not in _COMPILED:
-        convert = VarlenDqConvert(d, bm, swap_ab, pdl, per_head, bn)
+        convert = VarlenDqConvert(d, bm, swap_ab, pdl, per_head, bn, rows)
         _COMPILED[post_key] = rt.compile_with_tensors(convert, dq_accum, qkv[0], seqs,
                                                       scalars=(1.0,), tvm_ffi=ffi)
     _COMPILED[key] = (kernel, main, _COMPILED[pre_key], _COMPILED[post_key])

@@ -58,15 +58,20 @@ def smem_mma(warpgroups_m: int, warpgroups_n: int, tile_n: int, a_major, b_major
         tiler_mn=(64, tile_n))
 
 
-def dq_mma(head_dim: int, dtype=BFloat16, swap_ab: bool = False, block_m: int = 64):
+def dq_mma(head_dim: int, dtype=BFloat16, swap_ab: bool = False, block_m: int = 64,
+           rows: bool = False):
     """The backward's dQ = dS K for a query tile of `block_m` rows (a multiple of 64): two
     warpgroups side by side, each block_m x d/2 (A = dS and B = K^T, both read MN-major from
     SMEM). A WGMMA's M is a multiple of 64, so a tile of 80 rows (kb2 at d = 128) computes
     the transpose instead (`swap_ab`): dQ^T = K^T dS^T, the warpgroups one above the other
-    over head_dim (64 rows each) and the query rows as N."""
+    over head_dim (64 rows each) and the query rows as N. `rows` (128-row tiles): the
+    warpgroups one above the other, 64 query rows x d each (FA4's at d = 64): half the
+    WGMMAs, each twice as wide, and K^T read once a k-step instead of twice."""
     mn = cute.nvgpu.OperandMajorMode.MN
     if swap_ab:
         return smem_mma(head_dim // 64, 1, block_m, mn, mn, dtype)
+    if rows:
+        return smem_mma(block_m // 64, 1, head_dim, mn, mn, dtype)
     return smem_mma(1, 2, head_dim // 2, mn, mn, dtype)
 
 
@@ -241,7 +246,8 @@ class BackwardMmas:
     def create(warpgroups: int, block_m: int, block_n: int, head_dim: int, tidx,
                sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
                sdSt: cute.Tensor, dtype=BFloat16, dq_swap_ab: bool = False,
-               columns=None, sPt=None, head_dim_v: int = 0) -> "BackwardMmas":
+               columns=None, sPt=None, head_dim_v: int = 0,
+               dq_rows: bool = False) -> "BackwardMmas":
         """`columns`: (head_dim part, sK, sQ, sdO views of that part's columns) when this
         CTA computes dK, dV and dQ for part of d only (S^T and dP^T still contract over all
         of it); None: all of d. `head_dim_v`: V's, dO's and dV's head dim (0: head_dim;
@@ -263,7 +269,7 @@ class BackwardMmas:
                               cute.nvgpu.OperandMajorMode.MN, dtype) if shared_keys \
                 else pv_mma(warpgroups, head_dim_v, dtype)
             wg_dv, thr_dv = warpgroup_slice(mma_dv, tidx), mma_dv.get_slice(tidx)
-        mma_dq = dq_mma(d_out, dtype, dq_swap_ab, bm)
+        mma_dq = dq_mma(d_out, dtype, dq_swap_ab, bm, dq_rows)      # (dq_rows: dq_mma)
         wg_dq, thr_dq = warpgroup_slice(mma_dq, tidx), mma_dq.get_slice(tidx)
         if dq_swap_ab:          # dQ^T = K^T dS^T: K^T is A (d x keys), dS^T is B (queries x keys)
             ds_frag = wg_dq.make_fragment_B(wg_dq.partition_B(transposed(sdSt)))
