@@ -5,6 +5,7 @@ same SASS summary as `hopper_attn.harness.sass_order` prints for this repo's ker
     ../shared/gpu/pack --with-fa4            # once: .gpu/fa4-*.tar.xz
     python tools/fa4_sass.py 256:0 256:1 192:0 96:0   # head_dim:causal
     python tools/fa4_sass.py bwd256:0                 # the backward (d = 256's tile only)
+    python tools/fa4_sass.py 192x128:1                # (d x dv):causal, v narrower
 
 FA4 is unpacked from `.gpu/fa4-*.tar.xz` into a temporary folder (or taken from FA4_DIR).
 Its package `__init__` files (flash_attn, flash_attn.cute, quack) are bypassed: they import
@@ -113,23 +114,36 @@ def loop_sizes(sass_text: str) -> str:
     return "\n".join(out)
 
 
-def compile_fa4(kernel_class, to_cute_tensor, head_dim: int, causal: bool):
-    """PTX and cubin of FA4's forward for (B2, N256, H2, head_dim) bf16."""
+def fa4_tile(head_dim: int, head_dim_v: int, causal: bool) -> tuple:
+    """FA4_TILES' row, with the kv tile FA4's interface picks for (d, dv) and the mask
+    (`_tile_size_fwd_sm90`: d = 96 causal 128 wide; d = 192 with dv <= 128 128 wide)."""
+    tile_m, tile_n, pv_rs, overlap = FA4_TILES[head_dim]
+    if head_dim == 96 and causal:
+        tile_n = 128
+    if head_dim == 192 and head_dim_v <= 128:
+        tile_n = 128
+    return tile_m, tile_n, pv_rs, overlap
+
+
+def compile_fa4(kernel_class, to_cute_tensor, head_dim: int, causal: bool,
+                head_dim_v: int = 0):
+    """PTX and cubin of FA4's forward for (B2, N256, H2, head_dim) bf16, v head_dim_v wide
+    (0: head_dim)."""
     import cutlass
     import cutlass.cute as cute
     import torch
     from cutlass import Float32
     from cutlass.cute.runtime import make_fake_stream
-    tile_m, tile_n, pv_rs, overlap = FA4_TILES[head_dim]
-    if head_dim == 96 and causal:
-        tile_n = 128
-    fa = kernel_class(cutlass.BFloat16, head_dim, head_dim, 1, is_causal=causal,
+    dv = head_dim_v or head_dim
+    tile_m, tile_n, pv_rs, overlap = fa4_tile(head_dim, dv, causal)
+    fa = kernel_class(cutlass.BFloat16, head_dim, dv, 1, is_causal=causal,
                       is_local=False, pack_gqa=False, tile_m=tile_m, tile_n=tile_n,
                       num_stages=2, num_threads=384, Q_in_regs=False,
                       intra_wg_overlap=overlap, mma_pv_is_rs=pv_rs, mask_mod=None,
                       score_mod=None, has_aux_tensors=False, q_subtile_factor=1,
                       paged_kv_non_tma=False)
-    tensors = [torch.empty(2, 256, 2, head_dim, dtype=torch.bfloat16) for _ in range(4)]
+    tensors = [torch.empty(2, 256, 2, width, dtype=torch.bfloat16)
+               for width in (head_dim, head_dim, dv, dv)]      # q, k, v, out
     args = [to_cute_tensor(t, enable_tvm_ffi=False) for t in tensors]
     args.append(to_cute_tensor(torch.empty(2, 2, 256, dtype=torch.float32), assumed_align=4,
                                enable_tvm_ffi=False))
@@ -154,9 +168,12 @@ def main(specs):
             print(summary(ptx, sass(cubin)))
             print(loop_sizes(sass(cubin)))
             continue
-        head_dim, causal = (int(x) for x in spec.split(":"))
-        ptx, cubin = compile_fa4(kernel_class, to_cute_tensor, head_dim, bool(causal))
-        print(f"== FA4 sm90 forward, d = {head_dim}, {'causal' if causal else 'no mask'}")
+        dims, causal = spec.split(":")
+        head_dim, head_dim_v = (int(x) for x in (dims + "x0").split("x")[:2])
+        ptx, cubin = compile_fa4(kernel_class, to_cute_tensor, head_dim, bool(int(causal)),
+                                 head_dim_v)
+        pair = f"({head_dim}, {head_dim_v})" if head_dim_v else f"d = {head_dim}"
+        print(f"== FA4 sm90 forward, {pair}, {'causal' if int(causal) else 'no mask'}")
         print(summary(ptx, sass(cubin)))
 
 

@@ -1,9 +1,11 @@
-"""GPU check of k6's forward at head dims 96 and 192 (issue 63): POLICY's row and candidate
-settings, round-robin with FlashAttention-4 and cuDNN.
+"""GPU check of k6's forward at head dims 96 and 192 and at (d, dv) = (192, 128) (issues 63
+and 61): POLICY's row and candidate settings, round-robin with FlashAttention-4 and cuDNN.
 
-    python tools/fwd_dims_gpu_check.py [--quick] [--dims 96,192] [--masks full,causal]
+    python tools/fwd_dims_gpu_check.py [--quick] [--dims 96,192,192x128] [--masks full,causal]
         [--lengths 1024,2048,4096,8192,16384] [--only NAME,...] [--target-ms 200] [--out DIR]
     python tools/fwd_dims_gpu_check.py --compile-only [--dims ...]     (CPU: no GPU needed)
+
+A dim is a head dim (q, k and v) or a pair dxdv, v narrower (`192x128`: DeepSeek MLA's).
 
 --compile-only compiles every row for sm_90a with spills as errors and prints its shared
 memory and its steady loop (the longest in the SASS: instructions a thread issues per kv tile
@@ -33,6 +35,13 @@ for all with --compile-only), ~50 s; correctness ~10 s; FA4's JIT, one kernel pe
 or --masks causal; --lengths 2048,8192 and --only w112,lf32 cut the timing and compiles.
 Prints one line per candidate (correctness), per cell and per (dim, mask) (the three
 candidates best against POLICY's row); everything goes to $OUT/fwd_dims.json (or --out).
+
+(192, 128) against FA4, with d = 192's POLICY rows and FA4 in the same kind of rounds
+(docs/lab/k6.md "(192, 128) against FA4 in the SASS"; ~4 min on an H200, --quick ~1.5):
+
+    python tools/fwd_dims_gpu_check.py --dims 192x128,192 --lengths 2048,4096,8192,16384 \
+        --only d192x128:w112,d192x128:eager_after7,d192x128c:d192c,d192x128c:d192c_eager,\
+d192x128c:d192c_eager_after7,d192x128c:d192c_w128_eager,d192x128c:d192c_w128_eager_after7
 """
 
 from __future__ import annotations
@@ -61,6 +70,13 @@ CHECK_SHAPES = ((1, 4, 1000), (2, 16, 2048))        # (batch, heads, seqlen)
 D96 = dict(k6.policy(Problem(1, 1, 4096, 96, False)))
 D96C = dict(k6.policy(Problem(1, 1, 2048, 96, True)))
 D64C, D192 = k6.D64C, k6.D192     # d = 64's causal rows' bundle; d = 192's
+# d = 192's causal row (POLICY, 2026-11-29_fwd_dims_d192: 1.03-1.07x spins alone); POLICY's
+# (192, 128) causal row is D192 + spins only
+D192C = dict(k6.policy(Problem(1, 1, 4096, 192, True)))
+# eager rescale with the PV wait after n exp2s (d = 128's loop): O's dv / 2 multiplies a
+# tile interleaved with the exp2s, as FA4's loop has them, in place of the rounded sums'
+# 3 instructions a pair of P; no `needs_rescale` vote, so no WGMMA wait behind one
+EAGER_AFTER7 = dict(rescale="eager", pv_wait="after7", v_release_last=True)
 # (head dim, causal) -> name -> (row over k6.BASE, why). Registers a consumer thread (fp32
 # accumulators): S block_n / 2 + P block_n / 4 + O d / 2, of 160 with three warpgroups (192
 # rows) and 240 with two; 192 x 128 at d = 96 (144) and 192 x 112 with pv_wait=after<n>
@@ -115,6 +131,26 @@ CANDIDATES = {
                             "spin + release_last + stream_k"),
         "turns": (dict(D192, pingpong=True), "turns (FA4 has none at d > 128): a control"),
         "after_wait": (dict(D192, rescale="lazy_after_wait"), AFTER_WAIT),
+    },
+    # (192, 128): FA4 runs 128 x 128 with and without a mask, eager rescale, PV wait where
+    # ptxas puts it (after 10-11 of 66 exp2s); POLICY's rows are d = 192's (docs/lab/k6.md
+    # "(192, 128) against FA4 in the SASS")
+    ((192, 128), False): {
+        "w112": (dict(D192, block_n=112), "d = 192's kv tile (1.03-1.05x 128 x 128 at 4k-16k, "
+                 "2026-11-29_dv_speed)"),
+        "eager_after7": (dict(D192, block_n=128, **EAGER_AFTER7),
+                         "O's 64 multiplies among the exp2s, no rounded sums (96 instructions)"),
+    },
+    ((192, 128), True): {
+        "d192c": (dict(D192C), "d = 192's causal row: each WG to its diagonal, 32 MiB head "
+                  "groups longest first, one key limit per row"),
+        "d192c_eager_after7": (dict(D192C, **EAGER_AFTER7), "d192c with the eager loop"),
+        "d192c_w128_eager_after7": (dict(D192C, block_n=128, **EAGER_AFTER7, peel_first=False),
+                                    "FA4's 128 x 128 tile with it (peeled, ptxas serializes "
+                                    "every WGMMA)"),
+        "d192c_w128_eager": (dict(D192C, block_n=128, rescale="eager"),
+                             "FA4's tile, eager, the pinned one-group wait"),
+        "d192c_eager": (dict(D192C, rescale="eager"), "d192c eager, the pinned one-group wait"),
     },
     (192, True): {
         "wgl": (dict(D192, spin_waits=True, wg_causal_limit=True),
@@ -174,8 +210,23 @@ class Candidate:
         k6.run_kernel(handle, q, k, v, out)
 
 
-def candidates(d: int, causal: bool, only=None) -> list:
-    prefix = f"d{d}{'c' if causal else ''}"
+def dims_of(dim) -> tuple[int, int]:
+    """(d, dv) of a dim (a head dim, or a (d, dv) pair); dv 0 where v is d wide."""
+    return dim if isinstance(dim, tuple) else (dim, 0)
+
+
+def dim_name(dim) -> str:
+    d, dv = dims_of(dim)
+    return f"d{d}x{dv}" if dv else f"d{d}"
+
+
+def make_problem(batch: int, heads: int, n: int, dim, causal: bool) -> Problem:
+    d, dv = dims_of(dim)
+    return Problem(batch, heads, n, d, causal, head_dim_v=dv)
+
+
+def candidates(d, causal: bool, only=None) -> list:
+    prefix = f"{dim_name(d)}{'c' if causal else ''}"
     named = [Candidate("policy", None)] + [Candidate(f"{prefix}:{name}", row) for name, (row, _)
                                            in CANDIDATES[(d, causal)].items()]
     return [c for c in named if c.name == "policy" or not only
@@ -200,13 +251,14 @@ def compile_only(args, log) -> list:
         for cand in candidates(d, causal, args.only):
             seen = {}
             for n in args.lengths:
-                problem = Problem(2, 2, n, d, causal)
+                problem = make_problem(2, 2, n, d, causal)
                 settings = k6.settings_for(problem) if cand.row is None else \
                     candidate_settings(problem, cand.row)
                 key = repr(sorted(settings.items()))
                 if key in seen:
                     continue
-                art = compile_artifacts(cand, d, causal, seqlen=n)
+                art = compile_artifacts(cand, dims_of(d)[0], causal, seqlen=n,
+                                        head_dim_v=dims_of(d)[1])
                 row = {"name": cand.name, "head_dim": d, "causal": causal, "seqlen": n,
                        "ok": art["ok"], "spills": art["spills"],
                        "compile_s": round(art["compile_s"], 2)}
@@ -222,7 +274,9 @@ def compile_only(args, log) -> list:
                                loop_instructions=len(body),
                                per_key=len(body) / settings["block_n"],
                                fmul=sum("FMUL" in ln for ln in body),
-                               branches=sum(" BRA" in ln for ln in body))
+                               branches=sum(" BRA" in ln for ln in body),
+                               # 2 a tile (QK, PV); more: ptxas serialized WGMMAs
+                               wgmma_groups=sum("WARPGROUP.ARRIVE" in ln for ln in body))
                 else:
                     row["error"] = art["error"]
                 seen[key] = row
@@ -230,7 +284,8 @@ def compile_only(args, log) -> list:
                 log(f"  {cand.name:22} N{n:<6} " + (
                     f"ok  smem {row['smem_bytes'] / 1024:.0f} KiB, loop {row['loop_instructions']}"
                     f" a tile ({row['per_key']:.2f} a key, {row['fmul']} FMUL, "
-                    f"{row['branches']} BRA), {row['compile_s']:.1f} s"
+                    f"{row['branches']} BRA, {row['wgmma_groups']} WGMMA groups), "
+                    f"{row['compile_s']:.1f} s"
                     if art["ok"] else f"FAIL {'spills' if art['spills'] else row['error'][:90]}"))
     return rows
 
@@ -241,7 +296,7 @@ def correctness(args, log) -> tuple[list, set]:
     from hopper_attn.harness.checks import ReferenceCase
     rows, failed = [], set()
     for d, causal in cells(args):
-        cases = [ReferenceCase(Problem(b, h, n, d, causal), seed=b * n + d)
+        cases = [ReferenceCase(make_problem(b, h, n, d, causal), seed=b * n + sum(dims_of(d)))
                  for b, h, n in CHECK_SHAPES]
         for cand in candidates(d, causal, args.only):
             worst, ok, note = 0.0, True, ""
@@ -257,7 +312,7 @@ def correctness(args, log) -> tuple[list, set]:
                 worst = max(worst, verdict.get("error_ratio", float("inf")))
             if not ok:
                 failed.add(cand.name)
-            log(f"  d{d:<3} {'causal' if causal else 'full  '} {cand.name:22} worst error "
+            log(f"  {dim_name(d):<5} {'causal' if causal else 'full  '} {cand.name:22} worst error "
                 f"{worst:.2f}x torch's  {'PASS' if ok else 'FAIL'} {note}")
         del cases
         torch.cuda.empty_cache()
@@ -284,8 +339,8 @@ def speed(args, log, failed: set) -> list:
     for d, causal in cells(args):
         for n in args.lengths:
             batch = max(1, TOKEN_HEADS // (args.heads * n))
-            problem = Problem(batch, args.heads, n, d, causal)
-            q, k, v, out = make_inputs(problem, seed=n + d)
+            problem = make_problem(batch, args.heads, n, d, causal)
+            q, k, v, out = make_inputs(problem, seed=n + sum(dims_of(d)))
             calls, notes = {}, {}
             for cand in candidates(d, causal, args.only):
                 if cand.name in failed:
@@ -319,7 +374,7 @@ def speed(args, log, failed: set) -> list:
                            key=lambda c: row["vs_faster_baseline"][c], default="policy")
                 ratio = row["vs_faster_baseline"]
                 fa4_round = row.get("vs_fa4_rounds", {}).get(best) or {}
-                log(f"  d{d:<3} {'causal' if causal else 'full  '} B{batch:<3} N{n:<6} "
+                log(f"  {dim_name(d):<5} {'causal' if causal else 'full  '} B{batch:<3} N{n:<6} "
                     f"/{faster}: policy {ratio.get('policy', float('nan')):.3f}, best "
                     f"{best.split(':')[-1]} {ratio[best]:.3f} (x fa4 per round "
                     f"{fa4_round.get('ratio', float('nan')):.3f}); fa4 "
@@ -345,7 +400,7 @@ def _summary(log, d, causal, rows) -> None:
         per = [r["ms"]["policy"] / r["ms"][c] for r in rows if c in r["ms"]]
         gains[c] = (math.prod(per) ** (1 / len(per)), per)
     top = sorted(gains, key=lambda c: -gains[c][0])[:3]
-    log(f"  d{d:<3} {'causal' if causal else 'full  '} policy / candidate over "
+    log(f"  {dim_name(d):<5} {'causal' if causal else 'full  '} policy / candidate over "
         f"{'/'.join(str(r['seqlen'] // 1024) + 'k' for r in rows)}: " + "; ".join(
             f"{c.split(':')[-1]} {gains[c][0]:.3f} ("
             + " ".join(f"{x:.3f}" for x in gains[c][1]) + ")" for c in top))
@@ -365,22 +420,23 @@ def main() -> int:
                         help="timing budget per callable and cell (benchmark_interleaved)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    args.dims = [int(x) for x in args.dims.split(",")]
+    args.dims = [tuple(int(y) for y in x.split("x")) if "x" in x else int(x)
+                 for x in args.dims.split(",")]
     masks = {"full": False, "causal": True}
     args.masks = [masks[m] for m in args.masks.split(",")]
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.only = {x for x in args.only.split(",") if x}
     for d, causal in cells(args):
         if (d, causal) not in CANDIDATES:
-            parser.error(f"no candidates for d = {d}")
+            parser.error(f"no candidates for {dim_name(d)}")
     known = {name for rows in CANDIDATES.values() for name in rows}
-    known |= {f"d{d}{'c' if c else ''}:{name}" for (d, c), rows in CANDIDATES.items()
+    known |= {f"{dim_name(d)}{'c' if c else ''}:{name}" for (d, c), rows in CANDIDATES.items()
               for name in rows}
     if args.only - known:
         parser.error(f"unknown candidates {sorted(args.only - known)}")
     log, t0 = Log(), time.time()
     result = {"argv": sys.argv[1:], "candidates": {
-        f"d{d}{'c' if c else ''}": {name: {"row": row, "why": why}
+        f"{dim_name(d)}{'c' if c else ''}": {name: {"row": row, "why": why}
                                     for name, (row, why) in rows.items()}
         for (d, c), rows in CANDIDATES.items()}}
     if args.compile_only:
