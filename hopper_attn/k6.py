@@ -41,11 +41,9 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   measured (bf16, d 128 / 256, cap <= 69) against a fixed 0, without row maxima.
 * v narrower than q and k (`head_dim_v`, POLICY's (d, dv) rows; docs/head-dim-v.md): k5's.
 
-Where the kernel launches: k5's `__call__`; k6 replaces the consumer loop (`mainloop`) and
-overrides k5's hooks for the schedule and an item's end.
-
-What stays: k5's producer warpgroup, setmaxnreg split, separate K/V rings, the last tile's
-PV in one more turn, the epilogue's conversion and TMA store.
+What stays: k5's `__call__` (k6 replaces the consumer loop, `mainloop`, and the hooks for
+the schedule and an item's end), producer warpgroup, setmaxnreg split, separate K/V rings,
+the last tile's PV in one more turn, the epilogue's conversion and TMA store.
 
 Budget: tiles and turns in POLICY. SMEM = (block_m + 4 x block_n) x d x 2 bytes (+ O's own
 buffer at d <= 128; + 1 KiB): at d = 256 128 x 80 fills 225 of 227 KiB. Registers per
@@ -136,6 +134,7 @@ D192 = dict(block_m=128, block_n=112, pv_wait="one_group", rescale="lazy",
             item_end="q_buffer_wg", peel_first=True)
 D256 = dict(block_m=128, block_n=80, pv_wait="one_group", rescale="lazy",
             item_end="q_buffer_wg", v_release_last=True, peel_first=True)
+EAGER_AFTER7 = dict(rescale="eager", pv_wait="after7", v_release_last=True)
 H100, H200 = "results/h100/2026-11-", "results/h200/2026-11-"
 # (head_dim, causal, query lengths, settings, why, results): the first row that matches.
 # kv_tail="whole": no tail test where the key length is a multiple of the kv tile;
@@ -210,10 +209,12 @@ POLICY = [
     (256, True, ALL, dict(D256, spin_waits=True, wg_causal_limit=True),
      "beyond the measured longest-first lengths", H100 + "26_k6_longest_first_*.json"),
     # (d, dv), v narrower than q and k (docs/head-dim-v.md): d's rows, not tuned, no stream-K
-    ((192, 128), False, ALL, dict(D192, block_n=128), "d = 192's; 128 x 128 tiles fit, V 128 "
-     "wide (209 KiB)", H200 + "28_k6_d192_*lazy_*.json"),
-    ((192, 128), True, ALL, dict(D192, spin_waits=True), "d = 192's 128 x 112 tile: 1.01-1.11x "
-     "128 x 128 at 2k-16k (H200)", H200 + "29_dv_speed.txt"),
+    ((192, 128), False, ALL, dict(D192, block_n=128, **EAGER_AFTER7), "FA4's 128 x 128 tile, "
+     "eager, the PV wait after 7 exp2s: 1.09-1.12x d = 192's loop",
+     H200 + "29_fwd_192x128.json.xz"),
+    ((192, 128), True, ALL, dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
+                                 mask_per_row=True, block_n=128, peel_first=False, **EAGER_AFTER7),
+     "d = 192's causal row on that tile and loop: 1.16-1.21x it", H200 + "29_fwd_192x128.json.xz"),
     *[((128, 64), c, ALL, dict(D128, pv_wait="after7", v_release_last=True), "d = 128's",
        H100 + "26_k6_pv_wait_after_*.json") for c in (False, True)],
 ]

@@ -630,15 +630,17 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False}
 
 
+BWD64 = "results/h200/2026-11-29_bwd64_dq_rows.json.xz"
 POLICY = (
-    PolicyRow(64, False, "", {"block_m": 128, "dp_first": True},
-              "FA3's 128-row tiles, dP^T first (no D registers, no spills): +8-14% over 64 rows",
-              ("results/h100/2026-11-24_kb2_tiles_d64.json",)),
+    PolicyRow(64, False, "", {"block_m": 128, "dp_first": True, "dq_rows": True},
+              "FA3's 128-row tiles, dP^T first (no D registers, no spills): +8-14% over 64 "
+              "rows; dQ split by rows (8 m64n64k16) +1.6-2.1% (MHA; GQA: its row)",
+              ("results/h100/2026-11-24_kb2_tiles_d64.json", BWD64)),
     PolicyRow(64, True, "", {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1,
-                             "pdl": True, "convert_per_head": True},
+                             "pdl": True, "convert_per_head": True, "dq_rows": True},
               "128 rows +2-7% (stmatrix spills there); dV split +1.3%; dQ converted per head "
-              "(needs the early launch) +0.4-3.6%",
-              ("results/h100/2026-11-24_kb2_tiles_d64.json",
+              "(needs the early launch) +0.4-3.6%; dQ split by rows +4.3-5.9% (MHA and GQA)",
+              (BWD64, "results/h100/2026-11-24_kb2_tiles_d64.json",
                "results/h100/2026-11-25_kb2_split_dv_d64_causal.json",
                "results/h100/2026-11-26_kb2_per_head_d64.json",
                "results/h100/2026-11-26_kb2_per_head_d64_run2.json")),
@@ -678,15 +680,15 @@ POLICY = (
               "(192, 192), 1.18-1.23x at (192, 128), FA4 / it 1.06-1.07 (est.); the other "
               "settings as at d = 128, not measured alone",
               ("results/h200/2026-11-29_bwd_dims_variant_d192_d256.json",)),
-    PolicyRow(256, None, "", {"dkv_swap_ab": True},
-              "64 x 48 tiles, dK^T / dV^T (dkv_swap_ab): 1.44-1.50x kb1, FA4 / it 0.94-1.02 "
-              "(est.); split by d rows (FA4's) 1.27-1.38x kb1; other settings not measured",
+    PolicyRow(256, None, "", {"dkv_swap_ab": True, "dkv_split_d": True},
+              "64 x 48 tiles, dK^T / dV^T (dkv_swap_ab): 1.44-1.50x kb1; their d rows split "
+              "in FA4's barrier order +0.2-7.3% (B8 N4k, B2 N16k; FA4 / it 0.99-1.01)",
               ("results/h200/2026-11-29_bwd_dims_variant_d192_d256.json",
-               "results/h200/2026-11-29_bwd_dims_variant_d256.json")),
+               "results/h200/2026-11-29_bwd256_split_d.json.xz")),
     # the deterministic mode: CTAs wait for each other's dQ adds (longest first helps far
     # less); its turns use the per-head conversion's counters; fixed-size head groups
     PolicyRow(64, None, "deterministic", {"longest_first": True, "convert_per_head": False,
-                                          "group_heads": 32},
+                                          "group_heads": 32, "dq_rows": False},
               "32-head groups: +14 / +19% at N = 8k / 16k against 32 MiB groups",
               ("results/h100/2026-11-26_kb2_deterministic_group_heads_d64.json",
                "results/h100/2026-11-26_kb2_deterministic_longest_first_d64.json")),
@@ -708,15 +710,17 @@ POLICY = (
               ("tools/bwd_gqa_gpu_check.py",)),        # its results: to be run
     # with a mask a CTA's length varies `group` times more: d = 128 keeps the MHA row's
     # longest first; d = 64 heads first (the 1-D grid's index arithmetic spills there)
+    PolicyRow(64, False, "gqa", {"dq_rows": False},
+              "dQ split by rows -5.1 / -6.3% at 16/4 (B8 N4k, B2 N16k)", (BWD64,)),
     PolicyRow(64, True, "gqa", {"heads_first": True},
               "kv tile 0 of every head first: grid time estimated 1.24 -> 1.01x ideal at 32/8 "
               "B1 N = 8k (dkv_parts' model; not yet measured)",
               ("tools/bwd_gqa_gpu_check.py",)),
     # a sliding window (the causal row first): its masks' second limit costs registers
     PolicyRow(64, None, "window", {"dp_first": True, "stmatrix": False, "early_dv": False,
-                                   "split_dv": 0},
+                                   "split_dv": 0, "dq_rows": False},
               "dP^T first (no D registers), no stmatrix: the causal row's settings spill with "
-              "a window's two limits (4-12 bytes); not yet measured",
+              "a window's two limits (4-12 bytes); dQ by columns (rows untried); not yet measured",
               ("tools/window_gpu_check.py",)),
     PolicyRow(64, True, "gqa deterministic", {"longest_first": False},
               "heads first here too (the 1-D grid spills one register); it also starts each "

@@ -476,7 +476,7 @@ def test_dkv_swap_ab_d256_compiles_without_spills(split_d):
     warpgroup), three CTA-wide barriers a tile (FA4's order)."""
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts
-    name = "kb2:dkv_split_d=1" if split_d else "kb2"
+    name = "kb2" if split_d else "kb2:dkv_split_d=0"      # split: the default
     art = compile_artifacts(registry.get(name), 256, True, heads=4, heads_kv=2)
     assert art["ok"], art.get("error")
     for fn in resource_usage(art["cubin"]):
