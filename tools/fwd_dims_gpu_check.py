@@ -131,6 +131,9 @@ CANDIDATES = {
                             "spin + release_last + stream_k"),
         "turns": (dict(D192, pingpong=True), "turns (FA4 has none at d > 128): a control"),
         "after_wait": (dict(D192, rescale="lazy_after_wait"), AFTER_WAIT),
+        "eager_after7": (dict(D192, **EAGER_AFTER7), "(192, 128)'s eager loop on 128 x 112"),
+        "eager_after7_np": (dict(D192, **EAGER_AFTER7, peel_first=False), "the same, unpeeled"),
+        "eager_after7_sk": (dict(D192, **EAGER_AFTER7, stream_k=True), "eager_after7 + stream_k"),
     },
     # (192, 128): FA4 runs 128 x 128 with and without a mask, eager rescale, PV wait where
     # ptxas puts it (after 10-11 of 66 exp2s); POLICY's rows are d = 192's (docs/lab/k6.md
@@ -170,6 +173,8 @@ CANDIDATES = {
         "no_spin": (dict(D192, wg_causal_limit=True, longest_first=32), "wgl_lf32 without spins"),
         "after_wait": (dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
                             mask_per_row=True, rescale="lazy_after_wait"), AFTER_WAIT),
+        "eager_after7": (dict(D192C, **EAGER_AFTER7), "(192, 128)'s eager loop on 128 x 112"),
+        "eager_after7_np": (dict(D192C, **EAGER_AFTER7, peel_first=False), "the same, unpeeled"),
     },
     # d = 256's rows (from 2k when causal) with the windows' lazy rescale
     (256, False): {"after_wait": (dict(k6.D256, kv_tail="whole", rescale="lazy_after_wait"),
