@@ -20,7 +20,8 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   ("after<n>"), before the exp2s ("first"), or where ptxas puts it ("free").
 * `rescale="lazy"`: O rescaled only where a row maximum grew by more than 2^8, with P
   rounded to the input type before the row sums (l then adds what the PV GEMM multiplies);
-  "lazy_after_wait" (windows) rescales O after the PV wait, not behind a wait of its own.
+  "lazy_after_wait" (d = 256, windows) rescales O after the PV wait, not behind a wait of
+  its own (a wait under a per-warp vote; d = 192 keeps it: docs/window.md).
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -132,7 +133,7 @@ D128 = dict(block_m=128, block_n=128, item_end="own_buffer_wg", spin_waits=True,
             fma_exp2_every=16)
 D192 = dict(block_m=128, block_n=112, pv_wait="one_group", rescale="lazy",
             item_end="q_buffer_wg", peel_first=True)
-D256 = dict(block_m=128, block_n=80, pv_wait="one_group", rescale="lazy",
+D256 = dict(block_m=128, block_n=80, pv_wait="one_group", rescale="lazy_after_wait",
             item_end="q_buffer_wg", v_release_last=True, peel_first=True)
 EAGER_AFTER7 = dict(rescale="eager", pv_wait="after7", v_release_last=True)
 H100, H200 = "results/h100/2026-11-", "results/h200/2026-11-"
@@ -210,8 +211,7 @@ POLICY = [
      "beyond the measured longest-first lengths", H100 + "26_k6_longest_first_*.json"),
     # (d, dv), v narrower than q and k (docs/head-dim-v.md): d's rows, not tuned, no stream-K
     ((192, 128), False, ALL, dict(D192, block_n=128, **EAGER_AFTER7), "FA4's 128 x 128 tile, "
-     "eager, the PV wait after 7 exp2s: 1.09-1.12x d = 192's loop",
-     H200 + "29_fwd_192x128.json.xz"),
+     "eager, PV wait after 7 exp2s: 1.09-1.12x d = 192's", H200 + "29_fwd_192x128.json.xz"),
     ((192, 128), True, ALL, dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
                                  mask_per_row=True, block_n=128, peel_first=False, **EAGER_AFTER7),
      "d = 192's causal row on that tile and loop: 1.16-1.21x it", H200 + "29_fwd_192x128.json.xz"),
@@ -264,12 +264,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # with the wait among the exp2s on 192-row tiles ptxas recomputes part of P after the
         # fence: every exp2 result goes through an opaque move (OnlineSoftmax.opaque_exp2)
         self.opaque_exp2 = after > 0 and block_m == 192
-        # O rescaled only where a row maximum grew by more than 2^8, with P rounded to the
-        # input type before the row sums (l then adds what the PV GEMM multiplies); or (k7)
-        # O *= alpha under the QK GEMM, before PV is issued
+        # lazy (module doc); lazy_after_wait: O *= alpha after the PV wait ("lazy"'s wait under
+        # a per-warp vote may split a warpgroup: wgmma.wait_group is .sync.aligned); or (k7)
+        # before_pv: O *= alpha under the QK GEMM, before PV is issued
         self.lazy_rescale = self.round_p_sums = rescale in ("lazy", "lazy_after_wait")
-        # lazy_after_wait: O *= alpha after the PV wait (the vote is per warp, and "lazy"'s
-        # wait under it may split a warpgroup: wgmma.wait_group is .sync.aligned)
         self.rescale_after_pv_wait = rescale == "lazy_after_wait"
         self.rescale_threshold_log2 = 8.0
         self.rescale_before_pv = rescale == "before_pv"
@@ -278,19 +276,16 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if self.rescale_before_pv and self.wait_pv_late:
             # with the late wait ptxas then serializes every WGMMA of the kernel
             raise ValueError("rescale=before_pv needs the PV wait in the iteration")
-        # V_{n-1}'s stage handed back after O's rescale and P's conversion, by a predicated
-        # arrive: its `n > 0` test was a branch that split the exp2s from the conversions
-        # (always with the wait among the exp2s)
+        # V_{n-1}'s stage handed back after O's rescale and P's conversion by a predicated
+        # arrive (no branch between exp2s and conversions; always with the wait among them)
         self.v_release_last = bool(v_release_last) or after > 0
-        # with a causal mask each consumer warpgroup stops at the last kv tile its own rows
-        # see and takes the rest without math (`idle_tiles`)
+        # causal: each warpgroup stops at its own rows' last kv tile (`idle_tiles` after)
         self.wg_causal_limit = bool(wg_causal_limit) and causal
         if self.wg_causal_limit and pingpong:
             raise ValueError("wg_causal_limit: without turns (pingpong=0)")
         # an item's first kv tile before the loop (its `n > 0` tests then fold away)
         self.peel_first = bool(peel_first)
-        # a consumer warpgroup whose rows all lie past the sequence's end keeps only the
-        # rings and turns going (`idle_loop`)
+        # a warpgroup whose rows all lie past the end keeps the rings and turns going only
         self.skip_idle_wgs = bool(skip_idle_wgs)
         # one key limit per row in masked tiles: the 192-row causal tile fits without spills
         self.mask_per_row = bool(mask_per_row)
@@ -310,13 +305,11 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.window_mask_bits = window_mask != "compare" and windowed
         # bits_wg_first: with wg_causal_limit each warpgroup starts at its rows' first kv tile
         self.wg_window_first = self.wg_causal_limit and window_mask == "bits_wg_first"
-        # the persistent grid (module doc): with a causal mask the next item from a global
-        # counter, in head groups of `longest_first` MiB of K and V (N x d x 4 bytes a head)
+        # the persistent grid (module doc); head groups of `longest_first` MiB of K and V
         if stream_k and causal:
             raise ValueError("stream_k: the static persistent schedule (no mask) only")
         self.stream_k = bool(stream_k)
-        # (a window's items differ in length as causal ones do, at the edges: the dynamic
-        # schedule, the last query tiles first, which with a causal window are the longest)
+        # (a window's items differ in length at the edges: the dynamic schedule, as causal)
         ordered = causal or windowed
         self.scheduler = TileScheduler(self.block_m, ordered, True,
                                        persistent_ctas or sm_count(),
@@ -324,13 +317,11 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                                        bool(fast_divmod), self.stream_k, self.block_n)
         self.uniform_descriptors = bool(uniform_descriptors)
         self.spin_waits = bool(spin_waits)
-        # K_{j+1} loaded before V_j (k5's order), or (False) V_j before K_{j+1} (k5's
-        # load_loop has both)
+        # K_{j+1} loaded before V_j (k5's order), or (False) V_j before K_{j+1}
         self.v_lags_k = bool(v_lags_k)
         # every n-th exp2 on the FMA pipe instead of the SFU (OnlineSoftmax)
         self.fma_exp2_every = int(fma_exp2_every)
-        # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none: the kernel
-        # without it); fixed_max: exponents against a fixed 0 (`softcap_fixed_max`)
+        # logit softcapping, cap * tanh(s / cap) (0: none); fixed_max: exponents against 0
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
             raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
@@ -737,16 +728,13 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         return v_state
 
 
-# what a caller may set (`k6:name=value`), over the problem's POLICY row: the user features
-# (softcap; trace, a compile_kernel argument) and steps some row turns on; the other columns
-# of BASE (spin_waits, uniform_descriptors, mask_per_row, fast_divmod, stream_k) are POLICY's
+# what a caller may set (`k6:name=value`) over the POLICY row: the user features (softcap) and
+# steps some row turns on; BASE's other columns (spin_waits, stream_k, ...) are POLICY's
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fma_exp2_every",
            "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail", "peel_first",
            "longest_first", "softcap")
-# softcapped exponents against a fixed 0 (OnlineSoftmax.fixed_max: no row maxima, no O
-# rescale) where the H200 measured them faster and correct: bf16 (P up to 2^(cap log2(e)),
-# past fp16's 2^16), cap <= 69 (cap log2(e) <= 100), d 128 and 256
-# (results/h200/2026-11-29_softcap.json; docs/softcap.md)
+# softcapped exponents against a fixed 0 (no row maxima, no O rescale) where the H200 measured
+# them faster and correct: bf16, cap log2(e) <= 100, d 128 and 256 (docs/softcap.md)
 SOFTCAP_FIXED_MAX_DIMS = (128, 256)
 
 
@@ -772,8 +760,8 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
                         stream_k=False, kv_tail=True, window_mask=mask)
-        if settings["rescale"] == "lazy":       # (a window's first keys split warps'
-            settings["rescale"] = "lazy_after_wait"     # votes: synccheck, docs/window.md)
+        if settings["rescale"] == "lazy":       # (d = 192: a window's first keys split
+            settings["rescale"] = "lazy_after_wait"     # warps' votes; docs/window.md)
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])
