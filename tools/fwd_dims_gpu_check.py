@@ -71,7 +71,7 @@ D96 = dict(k6.policy(Problem(1, 1, 4096, 96, False)))
 D96C = dict(k6.policy(Problem(1, 1, 2048, 96, True)))
 D64C, D192 = k6.D64C, k6.D192     # d = 64's causal rows' bundle; d = 192's
 # d = 192's causal row (POLICY, 2026-11-29_fwd_dims_d192: 1.03-1.07x spins alone); POLICY's
-# (192, 128) causal row is D192 + spins only
+# (192, 128) causal row was D192 + spins only
 D192C = dict(k6.policy(Problem(1, 1, 4096, 192, True)))
 # eager rescale with the PV wait after n exp2s (d = 128's loop): O's dv / 2 multiplies a
 # tile interleaved with the exp2s, as FA4's loop has them, in place of the rounded sums'
@@ -131,9 +131,8 @@ CANDIDATES = {
                             "spin + release_last + stream_k"),
         "turns": (dict(D192, pingpong=True), "turns (FA4 has none at d > 128): a control"),
         "after_wait": (dict(D192, rescale="lazy_after_wait"), AFTER_WAIT),
-        "eager_after7": (dict(D192, **EAGER_AFTER7), "(192, 128)'s eager loop on 128 x 112"),
-        "eager_after7_np": (dict(D192, **EAGER_AFTER7, peel_first=False), "the same, unpeeled"),
-        "eager_after7_sk": (dict(D192, **EAGER_AFTER7, stream_k=True), "eager_after7 + stream_k"),
+        "eager_after7_np": (dict(D192, **EAGER_AFTER7, peel_first=False),
+                            "(192, 128)'s eager loop, unpeeled: 0.78-0.82x this row (H200)"),
     },
     # (192, 128): FA4 runs 128 x 128 with and without a mask, eager rescale, PV wait where
     # ptxas puts it (after 10-11 of 66 exp2s); POLICY's rows are d = 192's (docs/lab/k6.md
@@ -170,18 +169,9 @@ CANDIDATES = {
                                   longest_first=32, mask_per_row=True), "the three together"),
         "release_last": (dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
                               v_release_last=True), "wgl_lf32 + d = 256's V release"),
-        "no_spin": (dict(D192, wg_causal_limit=True, longest_first=32), "wgl_lf32 without spins"),
         "after_wait": (dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
                             mask_per_row=True, rescale="lazy_after_wait"), AFTER_WAIT),
-        "eager_after7": (dict(D192C, **EAGER_AFTER7), "(192, 128)'s eager loop on 128 x 112"),
-        "eager_after7_np": (dict(D192C, **EAGER_AFTER7, peel_first=False), "the same, unpeeled"),
     },
-    # d = 256's rows (from 2k when causal) with the windows' lazy rescale
-    (256, False): {"after_wait": (dict(k6.D256, kv_tail="whole", rescale="lazy_after_wait"),
-                                  AFTER_WAIT)},
-    (256, True): {"after_wait": (dict(k6.D256, spin_waits=True, wg_causal_limit=True,
-                                      longest_first=32, rescale="lazy_after_wait"),
-                                 AFTER_WAIT)},
 }
 
 
