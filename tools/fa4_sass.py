@@ -4,7 +4,8 @@ same SASS summary as `hopper_attn.harness.sass_order` prints for this repo's ker
 
     ../shared/gpu/pack --with-fa4            # once: .gpu/fa4-*.tar.xz
     python tools/fa4_sass.py 256:0 256:1 192:0 96:0   # head_dim:causal
-    python tools/fa4_sass.py bwd256:0                 # the backward (d = 256's tile only)
+    python tools/fa4_sass.py bwd256:0 bwd64:1         # the backward (d = 64 and 256's tiles)
+    python tools/fa4_sass.py kb2_64:1 kb2_64:1:dq_rows=0   # kb2's loops, counted the same way
     python tools/fa4_sass.py 192x128:1                # (d x dv):causal, v narrower
 
 FA4 is unpacked from `.gpu/fa4-*.tar.xz` into a temporary folder (or taken from FA4_DIR).
@@ -69,23 +70,34 @@ def import_fa4(folder: str):
     return FlashAttentionForwardSm90, to_cute_tensor
 
 
-def compile_fa4_backward(causal: bool):
-    """PTX and cubin of FA4's sm90 backward at d = 256 with its tile (interface.py's
-    _tile_size_bwd_sm90: 64 x 48, Q 2 stages, dO and P / dS 1, dK^T / dV^T swapped and split
-    by d's rows, dQ m64n128 a warpgroup), bf16, against fake global tensors (its LSE and
-    dPsum bulk copies need a global address space, which CPU torch tensors do not give)."""
+# FA4's sm90 backward tiles (interface.py's _tile_size_bwd_sm90) per head dim: d = 64 128 x 128,
+# Q / dO / P-dS 2 stages, S^T and dP^T, dQ split by rows between the MMA warpgroups; d = 256
+# 64 x 48, Q 2 stages, dO and P / dS 1, dK^T / dV^T swapped and split by d's rows
+FA4_BWD_TILES = {
+    64: dict(tile_m=128, tile_n=128, Q_stage=2, dO_stage=2, PdS_stage=2, SdP_swapAB=True,
+             dKV_swapAB=False, dQ_swapAB=False, AtomLayoutMSdP=1, AtomLayoutNdKV=2,
+             AtomLayoutMdQ=2, V_in_regs=False, dQ_single_wg=False),
+    256: dict(tile_m=64, tile_n=48, Q_stage=2, dO_stage=1, PdS_stage=1, SdP_swapAB=False,
+              dKV_swapAB=True, dQ_swapAB=False, AtomLayoutMSdP=1, AtomLayoutNdKV=1,
+              AtomLayoutMdQ=1),
+}
+
+
+def compile_fa4_backward(head_dim: int, causal: bool):
+    """PTX and cubin of FA4's sm90 backward at `head_dim` (FA4_BWD_TILES), bf16, against fake
+    global tensors (its LSE and dPsum bulk copies need a global address space, which CPU
+    torch tensors do not give)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
     from flash_attn.cute.flash_bwd_sm90 import FlashAttentionBackwardSm90
     from flash_attn.cute.utils import AuxData
-    d = 256
-    fa = FlashAttentionBackwardSm90(
-        cutlass.BFloat16, d, d, 1, causal, is_local=False, deterministic=False, tile_m=64,
-        tile_n=48, Q_stage=2, dO_stage=1, PdS_stage=1, SdP_swapAB=False, dKV_swapAB=True,
-        dQ_swapAB=False, AtomLayoutMSdP=1, AtomLayoutNdKV=1, AtomLayoutMdQ=1,
-        num_threads=384)
+    if head_dim not in FA4_BWD_TILES:
+        raise SystemExit(f"the backward is compiled at d = {sorted(FA4_BWD_TILES)} only")
+    d = head_dim
+    fa = FlashAttentionBackwardSm90(cutlass.BFloat16, d, d, 1, causal, is_local=False,
+                                    deterministic=False, num_threads=384, **FA4_BWD_TILES[d])
 
     def fake(dtype, rank):         # dynamic extents and strides, the last mode contiguous
         return make_fake_tensor(dtype, tuple(cute.sym_int() for _ in range(rank)),
@@ -102,15 +114,35 @@ def compile_fa4_backward(causal: bool):
     return compiled.__ptx__.rstrip("\0"), bytes(compiled.__cubin__)
 
 
+def compile_kb2(head_dim: int, causal: bool, options: str = ""):
+    """PTX and cubin of kb2's main kernel (its policy's settings, then `options`)."""
+    import torch
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts
+    art = compile_artifacts(registry.get("kb2" + (":" + options if options else "")),
+                            head_dim, causal, torch.bfloat16)
+    if not art["ok"]:
+        raise RuntimeError(f"compile failed: {art['error']}")
+    return art["ptx"], art["cubin"]
+
+
 def loop_sizes(sass_text: str) -> str:
-    """Per innermost WGMMA loop: instructions, of which HGMMA, BAR and mbarrier (SYNCS)."""
+    """Per innermost WGMMA loop: instructions; HGMMA by shape (and with A from registers);
+    BAR; SYNCS (mbarrier); STS / STSM / LDS; bulk copies; EX2; warp(group) syncs."""
+    import collections
     from hopper_attn.harness.sass_order import loop_body, loops
     out = []
     for loop in loops(sass_text):
         body = loop_body(sass_text, loop)
         count = lambda op: sum(bool(re.search(rf"(^|\s){op}", t)) for t in body)  # noqa: E731
-        out.append(f"loop {loop[0]:#x}: {len(body)} instructions, {count('HGMMA')} HGMMA, "
-                   f"{count('BAR[.]')} BAR, {count('SYNCS[.]')} SYNCS")
+        shapes = collections.Counter(m.group(1) for t in body
+                                     for m in [re.search(r"HGMMA\.(\d+x\d+x\d+)", t)] if m)
+        rs = sum(bool(re.search(r"HGMMA\S*\s+R\d+,\s*R\d+", t)) for t in body)
+        out.append(f"loop {loop[0]:#x}: {len(body)} instructions, {count('HGMMA')} HGMMA "
+                   f"{dict(shapes)} ({rs} with A from registers), {count('BAR[.]')} BAR, "
+                   f"{count('SYNCS[.]')} SYNCS, {count('STS[.]?')} STS, {count('STSM')} STSM, "
+                   f"{count('LDS')} LDS, {count('UBLKRED|UTMA|UBLKCP')} bulk, "
+                   f"{count('MUFU.EX2')} EX2, {count('WARPSYNC|WARPGROUP')} wg-sync")
     return "\n".join(out)
 
 
@@ -159,12 +191,16 @@ def main(specs):
     from hopper_attn.harness.sass_order import summary
     kernel_class, to_cute_tensor = import_fa4(fa4_dir())
     for spec in specs:
-        if spec.startswith("bwd"):
-            head_dim, causal = (int(x) for x in spec[3:].split(":"))
-            if head_dim != 256:
-                raise SystemExit("the backward is compiled at d = 256 only")
-            ptx, cubin = compile_fa4_backward(bool(causal))
-            print(f"== FA4 sm90 backward, d = 256, {'causal' if causal else 'no mask'}")
+        if spec.startswith(("bwd", "kb2")):       # bwd<d>:<causal>, kb2<d>:<causal>[:options]
+            head_dim, causal, *options = spec[3:].lstrip("_").split(":")
+            mask = "causal" if int(causal) else "no mask"
+            if spec.startswith("bwd"):
+                ptx, cubin = compile_fa4_backward(int(head_dim), bool(int(causal)))
+                print(f"== FA4 sm90 backward, d = {head_dim}, {mask}")
+            else:
+                ptx, cubin = compile_kb2(int(head_dim), bool(int(causal)), ",".join(options))
+                print(f"== kb2{':' + ','.join(options) if options else ''}, d = {head_dim}, "
+                      f"{mask}")
             print(summary(ptx, sass(cubin)))
             print(loop_sizes(sass(cubin)))
             continue
