@@ -83,7 +83,7 @@ VARLEN = [("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4),
           ("MQA", [17, 700, 5], None, None, 4, 1),
           ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2),
           ("equal GQA 3x2k", [2048] * 3, None, None, 4, 2)]
-VARLEN_DIMS = (96, 192)        # (d = 256: the varlen backward has no packed tile)
+VARLEN_DIMS = (96, 192, 256)   # (256: its first run lifts UNVERIFIED_HEAD_DIMS in this process)
 # packed batches with a window at d = 192 (the swapped tile): (causal, window), on VARLEN's
 # GQA cross lengths
 VARLEN_WINDOWS = [(True, (127, 0)), (False, (256, 256))]
