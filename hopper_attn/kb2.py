@@ -36,7 +36,8 @@ What changes from kb1:
   cannot hold dK and dV of 64 keys: `dkv_swap_ab` (common/backward_dkv_swap.py) accumulates
   dK^T and dV^T with d as WGMMA's M on FA3's 64 x 96 tile (d = 192) and FA4's 64 x 48
   (d = 256), S and dP not transposed, P and dS through SMEM (d = 256 ran kb1 before: 1.44-
-  1.50x faster here). With a softcap d = 192 runs `shared_keys` instead: both consumer
+  1.50x faster here); at d = 256 the warpgroups split dK^T and dV^T by d's rows in FA4's
+  barrier order (`dkv_split_d`). With a softcap d = 192 runs `shared_keys` instead: both consumer
   warpgroups on one 64-key tile, S^T and dP^T split by queries, dK, dV and dQ by columns
   (96 + 96 + 48 floats), P^T through SMEM like dS^T, dV issued after the dS^T barrier.
 
@@ -45,8 +46,8 @@ from registers into dV and dK), dS^T through SMEM for dQ (double-buffered), caus
 seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, head, batch)
 as in kb1 (gqa: per dK head); at d = 128 with a causal mask launched longest first inside
 head groups that share L2 (`longest_first`). Query tiles (`POLICY`, FlashAttention-3's):
-128 rows at d = 64; at d = 128 80 without a mask (dQ transposed, `dq_swap_ab`) and 64 with
-one. At d = 128 the prologue is FA4's (K and V on the first Q / dO stages' barriers), and
+128 rows at d = 64 (dQ split by query rows, `dq_rows`, but for GQA without a mask); at
+d = 128 80 without a mask (dQ transposed, `dq_swap_ab`) and 64 with one. At d = 128 the prologue is FA4's (K and V on the first Q / dO stages' barriers), and
 the main kernel and the dQ conversion are programmatic dependent launches.
 
 Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
