@@ -47,8 +47,9 @@ seqlen_k != seqlen_q, the pre/post-processing structure. One CTA per (kv tile, h
 as in kb1 (gqa: per dK head); at d = 128 with a causal mask launched longest first inside
 head groups that share L2 (`longest_first`). Query tiles (`POLICY`, FlashAttention-3's):
 128 rows at d = 64 (dQ split by query rows, `dq_rows`, but for GQA without a mask); at
-d = 128 80 without a mask (dQ transposed, `dq_swap_ab`) and 64 with one. At d = 128 the prologue is FA4's (K and V on the first Q / dO stages' barriers), and
-the main kernel and the dQ conversion are programmatic dependent launches.
+d = 128 80 without a mask (dQ transposed, `dq_swap_ab`) and 64 with one. At d = 128 the
+prologue is FA4's (K and V on the first Q / dO stages' barriers), and the main kernel and the
+dQ conversion are programmatic dependent launches.
 
 Budget (d = 128, 64-row tiles): 384 threads = producer WG + 2 consumer WGs. SMEM: K + V 64 KiB,
 2 x (Q + dO) 64 KiB, 2 x dS^T 32 KiB, dQ staging 2 x 16 KiB, LSE and D rows 1 KiB, barriers:
