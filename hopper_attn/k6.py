@@ -20,8 +20,8 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   ("after<n>"), before the exp2s ("first"), or where ptxas puts it ("free").
 * `rescale="lazy"`: O rescaled only where a row maximum grew by more than 2^8, with P
   rounded to the input type before the row sums (l then adds what the PV GEMM multiplies);
-  "lazy_after_wait" (d = 256, windows) rescales O after the PV wait, not behind a wait of
-  its own (a wait under a per-warp vote; d = 192 keeps it: docs/window.md).
+  its PV wait under a per-warp vote splits warpgroups (docs/window.md): "lazy_wg" votes per
+  warpgroup (`bar.red.or`), "lazy_after_wait" (d = 256, windows) scales O after the PV wait.
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -100,7 +100,8 @@ ITEM_ENDS = {
 }
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
-RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv")
+RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv", "lazy_wg")
+RESCALE_VOTE_BARRIER = 5         # + consumer warpgroup: lazy_wg's vote (k5: 1, 2..4 taken)
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
 # A windowed problem's masked tiles per head dim (else compares): bit masks where the H200
 # measured them faster, at d = 64 without turns (WINDOW_WGS; compares spill on its 192 rows):
@@ -265,9 +266,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # fence: every exp2 result goes through an opaque move (OnlineSoftmax.opaque_exp2)
         self.opaque_exp2 = after > 0 and block_m == 192
         # lazy (module doc); lazy_after_wait: O *= alpha after the PV wait ("lazy"'s wait under
-        # a per-warp vote may split a warpgroup: wgmma.wait_group is .sync.aligned); or (k7)
-        # before_pv: O *= alpha under the QK GEMM, before PV is issued
-        self.lazy_rescale = self.round_p_sums = rescale in ("lazy", "lazy_after_wait")
+        # a per-warp vote may split a warpgroup: wgmma.wait_group is .sync.aligned); lazy_wg:
+        # lazy, voting per warpgroup; or (k7) before_pv: O *= alpha under QK, before PV's issue
+        self.lazy_rescale = self.round_p_sums = rescale.startswith("lazy")
+        self.rescale_vote_wg = rescale == "lazy_wg"
         self.rescale_after_pv_wait = rescale == "lazy_after_wait"
         self.rescale_threshold_log2 = 8.0
         self.rescale_before_pv = rescale == "before_pv"
@@ -363,13 +365,15 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
     # ---- the softmax and a work item's end (k5's hooks) ----
     def make_softmax(self, rows: int, scale_log2: Float32) -> OnlineSoftmax:
         prescale, scale_log2 = softcap_scales(scale_log2, self.softcap)
+        vote = (RESCALE_VOTE_BARRIER - 1 + cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+                if self.rescale_vote_wg else None)      # lazy_wg: a barrier per warpgroup
         return OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4,
                                     fma_exp2_every=self.fma_exp2_every,
                                     fence_after=self.softmax_fence_after,
                                     opaque_exp2=self.opaque_exp2,
                                     round_p=self.dtype if self.round_p_sums else None,
                                     softcap_prescale=prescale,
-                                    fixed_max=self.softcap_fixed_max)
+                                    fixed_max=self.softcap_fixed_max, vote_barrier=vote)
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
