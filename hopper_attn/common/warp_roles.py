@@ -185,3 +185,11 @@ def barrier_any(pred, barrier_id, threads: int, *, loc=None, ip=None):
                             has_side_effects=True, is_align_stack=False,
                             asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return Int32(value) != 0
+
+
+@cute.jit
+def warpgroup_any(pred, first_barrier: cutlass.Constexpr):
+    """`barrier_any` over the calling warpgroup's 128 threads, at named barrier
+    first_barrier + its index (warp // 4): one barrier per warpgroup."""
+    wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
+    return barrier_any(pred, first_barrier + wg, 128)
