@@ -42,6 +42,14 @@ candidates best against POLICY's row); everything goes to $OUT/fwd_dims.json (or
     python tools/fwd_dims_gpu_check.py --dims 192x128,192 --lengths 2048,4096,8192,16384 \
         --only d192x128:w112,d192x128:eager_after7,d192x128c:d192c,d192x128c:d192c_eager,\
 d192x128c:d192c_eager_after7,d192x128c:d192c_w128_eager,d192x128c:d192c_w128_eager_after7
+
+d = 192's lazy loops without a WGMMA wait under a per-warp vote, against "lazy" (POLICY;
+`stream_k` is it with stream-K, POLICY's from 4k) and after_wait (docs/lab/k6.md "The lazy
+vote per warpgroup"; ~3 min on an H200):
+
+    python tools/fwd_dims_gpu_check.py --dims 192 --lengths 2048,8192,16384 \
+        --only d192:lazy_wg,d192:before_pv,d192:after_wait,d192:stream_k,d192:lazy_wg_sk,\
+d192:before_pv_sk,d192c:lazy_wg,d192c:before_pv,d192c:after_wait
 """
 
 from __future__ import annotations
