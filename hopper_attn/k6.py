@@ -20,8 +20,8 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   ("after<n>"), before the exp2s ("first"), or where ptxas puts it ("free").
 * `rescale="lazy"`: O rescaled only where a row maximum grew by more than 2^8, with P
   rounded to the input type before the row sums (l then adds what the PV GEMM multiplies);
-  "lazy_after_wait" (d = 256, windows) rescales O after the PV wait, not behind a wait of
-  its own (a wait under a per-warp vote; d = 192 keeps it: docs/window.md).
+  its PV wait under a per-warp vote splits warpgroups (docs/window.md): "lazy_wg" votes per
+  warpgroup, "lazy_after_wait" (d 256) / "lazy_before_pv" scale O after PV's wait / under QK.
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -100,7 +100,8 @@ ITEM_ENDS = {
 }
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
-RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv")
+RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv", "lazy_wg", "lazy_before_pv")
+RESCALE_VOTE_BARRIERS = 4        # + warpgroup 1..W (5..7; k5 takes 1, 2..4): lazy_wg's vote
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
 # A windowed problem's masked tiles per head dim (else compares): bit masks where the H200
 # measured them faster, at d = 64 without turns (WINDOW_WGS; compares spill on its 192 rows):
@@ -264,14 +265,15 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # with the wait among the exp2s on 192-row tiles ptxas recomputes part of P after the
         # fence: every exp2 result goes through an opaque move (OnlineSoftmax.opaque_exp2)
         self.opaque_exp2 = after > 0 and block_m == 192
-        # lazy (module doc); lazy_after_wait: O *= alpha after the PV wait ("lazy"'s wait under
-        # a per-warp vote may split a warpgroup: wgmma.wait_group is .sync.aligned); or (k7)
-        # before_pv: O *= alpha under the QK GEMM, before PV is issued
-        self.lazy_rescale = self.round_p_sums = rescale in ("lazy", "lazy_after_wait")
+        # lazy (module doc; its wait under a per-warp vote may split a warpgroup: wait_group is
+        # .sync.aligned), lazy_wg: voting per warpgroup; lazy_after_wait / lazy_before_pv: O's
+        # rows scaled after the PV wait / under QK; (k7) before_pv: O *= alpha under QK
+        self.lazy_rescale = self.round_p_sums = rescale.startswith("lazy")
+        self.vote_barriers = RESCALE_VOTE_BARRIERS if rescale == "lazy_wg" else None
         self.rescale_after_pv_wait = rescale == "lazy_after_wait"
         self.rescale_threshold_log2 = 8.0
-        self.rescale_before_pv = rescale == "before_pv"
-        if (after or self.pv_wait_first or self.rescale_before_pv) and self.lazy_rescale:
+        self.rescale_before_pv = rescale.endswith("before_pv")
+        if (after or self.pv_wait_first) and self.lazy_rescale:
             raise ValueError("pv_wait=after<n> / first and rescale=before_pv: eager only")
         if self.rescale_before_pv and self.wait_pv_late:
             # with the late wait ptxas then serializes every WGMMA of the kernel
@@ -365,11 +367,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         prescale, scale_log2 = softcap_scales(scale_log2, self.softcap)
         return OnlineSoftmax.create(rows, scale_log2, lanes_per_row=4,
                                     fma_exp2_every=self.fma_exp2_every,
-                                    fence_after=self.softmax_fence_after,
-                                    opaque_exp2=self.opaque_exp2,
+                                    fence_after=self.softmax_fence_after, softcap_prescale=prescale,
+                                    opaque_exp2=self.opaque_exp2, fixed_max=self.softcap_fixed_max,
                                     round_p=self.dtype if self.round_p_sums else None,
-                                    softcap_prescale=prescale,
-                                    fixed_max=self.softcap_fixed_max)
+                                    vote_barriers=self.vote_barriers)
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
@@ -621,9 +622,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                    zero_init=True)                      # S = Q K_n^T, first in the queue
         if self.after_first(n, later):          # O += P_{n-1} V_{n-1}, behind it
             if cutlass.const_expr(self.rescale_before_pv):
-                # (only QK_n is in flight: this wait costs nothing, and it shows ptxas
-                # that no earlier PV still accumulates into O, so it adds no wait of its
-                # own for QK before the multiplies)
+                # (QK_n alone in flight: free; it shows ptxas that no PV still writes O, so it
+                # adds no wait of its own for QK before the multiplies)
                 warpgroup.wait_group(1)
                 self.rescale_o(o_rc, p_frag, alpha)     # O *= alpha_{n-1}, under QK_n
             if cutlass.const_expr(self.v_lags_k):       # V_{n-1} was loaded after K_n
@@ -679,7 +679,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         else:
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
             m_new = softmax.running_max(s_rc)
-            if cutlass.const_expr(self.rescale_after_pv_wait):
+            if cutlass.const_expr(self.rescale_after_pv_wait or self.rescale_before_pv):
                 softmax.rebase_if_grown(m_new, self.rescale_threshold_log2, alpha)
             elif softmax.needs_rescale(m_new, self.rescale_threshold_log2):
                 warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
@@ -692,8 +692,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 
     @cute.jit
     def rescale_o(self, o_rc: cute.Tensor, p_frag, alpha: cute.Tensor):
-        """O *= alpha per row."""
-        scale_rows(o_rc, alpha)
+        """O *= alpha per row (lazy: where a row of the warp has alpha < 1)."""
+        (scale_rows_below_one if self.lazy_rescale else scale_rows)(o_rc, alpha)
 
     @cute.jit
     def finish_tile(self, loads: tma.SplitKVLoads, n, acc_s: cute.Tensor, o_rc: cute.Tensor,
@@ -770,7 +770,7 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     settings["peel_first"] = settings["peel_first"] and settings["kv_tail"]
     cap = float(settings.get("softcap", 0.0))
     if 0.0 < cap * LOG2_E <= 100.0 and problem.dtype == torch.bfloat16 and \
-            problem.head_dim in SOFTCAP_FIXED_MAX_DIMS and settings["rescale"] != "before_pv":
+            problem.head_dim in SOFTCAP_FIXED_MAX_DIMS and "before_pv" not in settings["rescale"]:
         settings["softcap_fixed_max"] = True
     return settings
 

@@ -182,7 +182,7 @@ def test_sass_order_finds_warpgroup_ops_under_a_warp_vote():
     """harness.sass_order.warpgroup_ops_under_warp_votes on k6's lazy rescale as it was (a
     WGMMA wait behind a branch on a per-warp vote) and as "lazy_after_wait" compiles (only
     multiplies behind it); the vote's predicate written again ends the search."""
-    from hopper_attn.harness.sass_order import warpgroup_ops_under_warp_votes
+    from hopper_attn.harness.sass_order import BARRIER_VOTE, warpgroup_ops_under_warp_votes
     text = """
         /*0100*/                   VOTE.ANY P0, P0 ;
         /*0110*/              @!P0 BRA `(.L_x_32) ;
@@ -204,6 +204,18 @@ def test_sass_order_finds_warpgroup_ops_under_a_warp_vote():
     found = warpgroup_ops_under_warp_votes(text)
     assert found == [(0x100, 0x110, [(0x120, "WARPGROUP.DEPBAR.LE gsb0, 0x0")]),
                      (0x140, 0x160, [])]
+    # rescale="lazy_wg": the branch on a warpgroup-wide barrier vote (bar.red.or.pred)
+    barrier = """
+        /*0100*/                   BAR.RED.OR.DEFER_BLOCKING R9, 0x80, P0 ;
+        /*0110*/                   B2R.RESULT RZ, P0 ;
+        /*0120*/              @!P0 BRA `(.L_x_24) ;
+        /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+.L_x_24:
+        /*0140*/                   EXIT ;
+"""
+    assert warpgroup_ops_under_warp_votes(barrier) == []
+    assert warpgroup_ops_under_warp_votes(barrier, BARRIER_VOTE) == \
+        [(0x110, 0x120, [(0x130, "WARPGROUP.DEPBAR.LE gsb0, 0x0")])]
 
 
 def test_power_survey_summary():

@@ -197,6 +197,35 @@ def test_d256_rescales_lazily_with_rounded_sums(dtype):
     assert steady_f2fp(plain) == 20 and steady_f2fp(art) == 40
 
 
+@pytest.mark.parametrize("rescale", ["lazy_wg", "lazy_before_pv"])
+def test_d192_lazy_candidates_keep_wgmma_waits_off_warp_votes(rescale):
+    """d = 192's lazy loops without "lazy"'s undefined behaviour (docs/lab/k6.md "The lazy
+    vote per warpgroup"): no WGMMA instruction under a branch on a per-warp vote (synccheck's
+    mismatching warpgroup pc); lazy_wg's PV wait under a branch on a warpgroup-wide barrier
+    vote (bar.red.or.pred) instead, lazy_before_pv's O multiplies under a per-warp vote with
+    no wait. The steady loop's PV wait leaves only P's 28 operand conversions behind it, as
+    "lazy"'s does (lazy_after_wait's rounded sums sink behind it at d = 192); no spills."""
+    from hopper_attn.harness.sass_order import (BARRIER_VOTE, loop_body, loops,
+                                                warpgroup_ops_under_warp_votes)
+    art = artifacts(192, False, name=f"k6:rescale={rescale}")
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    text = sass(art["cubin"])
+    votes = warpgroup_ops_under_warp_votes(text)
+    barrier_votes = warpgroup_ops_under_warp_votes(text, BARRIER_VOTE)
+    assert all(not skipped for _, _, skipped in votes), votes
+    if rescale == "lazy_wg":
+        assert "bar.red.or.pred" in art["ptx"] and barrier_votes
+        assert all(skipped and all("DEPBAR" in t for _, t in skipped)
+                   for _, _, skipped in barrier_votes), barrier_votes
+    else:
+        assert votes and not barrier_votes
+    body = loop_body(text, max(loops(text), key=lambda lp: lp[1] - lp[0]))
+    last_wait = max(i for i, t in enumerate(body) if t.startswith("WARPGROUP.DEPBAR.LE")
+                    and t.endswith("0x0"))
+    assert sum("F2FP" in t for t in body[last_wait:]) == 112 // 4
+
+
 def test_lazy_rescale_defaults():
     """POLICY: d = 192 and 256 (both masks) rescale lazily with rounded sums in the loop
     whose PV wait is pinned (one PV group; d = 256 after that wait); d <= 128 keeps the

@@ -33,7 +33,7 @@ host has 16 cores), racecheck's first; one that crashes (rc not 0, 1 or 99) runs
 alone. rc: 0 clean, 99 the sanitizer reported errors, 1 a case failed its check (or
 raised), anything else a crash; `timeout` past --timeout seconds (its process group killed).
 Time (estimated, not yet measured): --quick 24 subprocesses (2 tools x 12 groups, 14 cases),
-~2 min; all 36 (52 cases), ~5-6 min, mostly imports and JIT compiles (1-2 s a kernel).
+~2 min; all 36 (57 cases), ~5-6 min, mostly imports and JIT compiles (1-2 s a kernel).
 Probes (a known defect's evidence: k6_lazy_default_*) run only where --cases names them.
 
 Prints one line per (tool, group): rc, the sanitizer's summary line, seconds, cases passed.
@@ -181,6 +181,17 @@ def cases() -> list[Case]:
         Dense(1, 360, 200, 2, 2, 192, causal=True, grad=False), probe=True)
     add("k6_lazy_default_jump", "k6_lazy_default_d256_jump",
         Dense(1, 300, 300, 2, 2, 256, grad=False, inputs="jump"), probe=True)
+    # the two UB-free lazy loops for d = 192 (docs/lab/k6.md "The lazy vote per warpgroup")
+    # on the probes' inputs: lazy_wg (the vote over the warpgroup, the PV wait behind it) and
+    # lazy_before_pv (no wait behind the per-warp vote); expected clean
+    for rescale in ("lazy_wg", "lazy_before_pv"):
+        stage = f"k6:rescale={rescale}"
+        add(g, f"k6_{rescale}_d192_cross_causal", Dense(1, 360, 200, 2, 2, 192, causal=True,
+                                                         grad=False, stage=stage))
+        add(g, f"k6_{rescale}_d192_jump", Dense(1, 300, 300, 2, 2, 192, grad=False,
+                                                 inputs="jump", stage=stage))
+    add(g, "k6_lazy_wg_d256_jump", Dense(1, 300, 300, 2, 2, 256, grad=False, inputs="jump",
+                                         stage="k6:rescale=lazy_wg"))
     g = "k6_softcap"          # kb2's softcap tiles (d 64-192; 192: shared_keys)
     add(g, "k6_softcap_d128_gqa_causal", Dense(2, 300, 300, 4, 2, 128, causal=True,
                                                softcap=30.0), quick=True)

@@ -163,16 +163,23 @@ def exp2_gaps(sass_hex: str) -> list:
 WARPGROUP_OPS = re.compile(r"\bWARPGROUP\.|\b[HQ]GMMA\.")
 
 
-def warpgroup_ops_under_warp_votes(sass_text: str) -> list:
+WARP_VOTE = r"VOTE\.(?:ANY|ALL)\S*\s+(P\d)\b"
+# a named barrier's reduction (bar.red.or / .and .pred): its result predicate, the same
+# for every thread the barrier counts (a warpgroup's 128: common/warp_roles.barrier_any)
+BARRIER_VOTE = r"B2R\.RESULT\s+RZ,\s*(P\d)\b"
+
+
+def warpgroup_ops_under_warp_votes(sass_text: str, vote_pattern: str = WARP_VOTE) -> list:
     """[(vote address, branch address, [(address, text) of each WARPGROUP.* / HGMMA that
     the branch skips])] for every forward branch on a `VOTE.ANY`'s / `VOTE.ALL`'s
     predicate. A vote is per warp, so such a branch may split a warpgroup's four warps;
     the WGMMA instructions are .sync.aligned: all four must execute each one at the same pc
-    (compute-sanitizer synccheck: "Mismatching warpgroup instruction pc between warps")."""
+    (compute-sanitizer synccheck: "Mismatching warpgroup instruction pc between warps").
+    vote_pattern=BARRIER_VOTE: the same for branches on a barrier reduction's result."""
     instructions, labels = _instructions(sass_text)
     found = []
     for i, (vote_at, text) in enumerate(instructions):
-        vote = re.match(r"VOTE\.(?:ANY|ALL)\S*\s+(P\d)\b", text)
+        vote = re.match(vote_pattern, text)
         if not vote:
             continue
         pred = vote.group(1)
