@@ -30,6 +30,8 @@ the L2, medians of 30 rounds):
   p16-2w-sorted  the candidate on the sorted table
   p16-64x6, p16-2w-64x6, contig-64x6  the kv tile 64 x 6 stages (same SMEM, one CTA per
                SM, 16 boxes a tile, a finer ring) instead of tile_for's choice
+  p16-64x2, contig-64x2  64 x 2, two CTAs per SM (two producer warps per SM, 128 KiB in
+               flight instead of 192) and twice the splits at B1
 Reading: p16-sorted ~ contig -> the loss is where the pages lie (DRAM / TLB), not the
 producer; p16-runs8 ~ p128 and p16 < p16-runs8 -> page scatter at 32 KiB granularity; p16 ~
 p16-sorted < contig -> the boxes / the producer's issue (then p16-2w should gain).
@@ -180,20 +182,23 @@ def benchmark() -> list:
             "p16-2w-sorted": [_api(q, k, v, seqlens, t["sorted"], 2) for k, v, t in p16],
         }
         plans = {}
-        for label, kvs, producers in (("p16-64x6", p16, 1), ("p16-2w-64x6", p16, 2),
-                                      ("contig-64x6", contig, 1)):
+        for label, kvs, tile, producers in (
+                ("p16-64x6", p16, (64, 6), 1), ("p16-2w-64x6", p16, (64, 6), 2),
+                ("contig-64x6", contig, (64, 6), 1), ("p16-64x2", p16, (64, 2), 1),
+                ("contig-64x2", contig, (64, 2), 1)):
             calls[label] = []
             for entry in kvs:
                 call, plans[label] = _direct(q, entry[0], entry[1], seqlens,
                                              entry[2]["shuffled"] if len(entry) > 2 else None,
-                                             64, 6, producers)
+                                             *tile, producers)
                 calls[label].append(call)
         problem = Problem(batch, HQ, 1, D, True, torch.bfloat16, heads_kv=HKV, seqlen_k=n)
         plans["api"] = list(kvcache.plan(problem))
         # the candidate and the tile probe against today's kernel on the same table
         diffs = {}
         for a, b in (("p16-2w", "p16"), ("p16-2w-sorted", "p16-sorted"), ("p16-64x6", "p16"),
-                     ("p16-2w-64x6", "p16-64x6"), ("contig-64x6", "contig")):
+                     ("p16-2w-64x6", "p16-64x6"), ("contig-64x6", "contig"),
+                     ("p16-64x2", "p16")):
             try:
                 diffs[a] = (calls[a][0]().float() - calls[b][0]().float()).abs().max().item()
             except Exception as exc:  # noqa: BLE001 - round_robin reports the variant too
