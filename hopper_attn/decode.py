@@ -485,12 +485,10 @@ class DecodeAttention:
         v_pipe = tma.make_tma_ring(storage.v_barriers.data_ptr(), self.stages, 4,
                                    self.tile_bytes)
         k_ring, v_ring = k_pipe, v_pipe                     # the rings the WGMMAs read
-        loaders = warp == PRODUCER_WARP
+        loaders = warp >= PRODUCER_WARP if self.kv_producers == 2 else warp == PRODUCER_WARP
         if cutlass.const_expr(self.fp8):                    # e4m3: the 16-bit rings
             k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), self.wide_stages) for barriers
                               in (storage.k16_barriers, storage.v16_barriers))
-            loaders = warp >= PRODUCER_WARP
-        if cutlass.const_expr(self.kv_producers == 2):
             loaders = warp >= PRODUCER_WARP
         tma.barriers_ready()
 

@@ -34,7 +34,8 @@ the L2, medians of 30 rounds):
                flight instead of 192) and twice the splits at B1
 Reading: p16-sorted ~ contig -> the loss is where the pages lie (DRAM / TLB), not the
 producer; p16-runs8 ~ p128 and p16 < p16-runs8 -> page scatter at 32 KiB granularity; p16 ~
-p16-sorted < contig -> the boxes / the producer's issue (then p16-2w should gain).
+p16-sorted < contig -> the boxes / the producer's issue (then p16-2w and p16-64x2 should gain);
+p16-64x6 > p16 with contig-64x6 ~ contig -> the ring's granularity.
 One line per shape (us and speed relative to contig); everything to $OUT/page16_ab.json.
 """
 
