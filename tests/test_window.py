@@ -282,6 +282,22 @@ def test_k6_window_mask_bits_compiles_without_spills(mask, d, seqlen, window):
 
 
 @pytest.mark.compile
+def test_k6_window_group_compiles_without_spills():
+    """window_group=4 (w4096, d 128, 16k): head groups of 4 heads at any N (the producer warp
+    decodes the item; docs/window.md "The schedule at window 4096")."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get("k6:window_group=4"), 128, True, seqlen=16384,
+                            window=(4095, -1))
+    assert art["ok"], art.get("error")
+    assert art["kernel"]["options"]["window_group"] == 4
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    from hopper_attn.k6 import FlashAttentionK6      # without a window: no groups (old PTX)
+    assert FlashAttentionK6(128, True, 128, 128, window_group=4).scheduler.group_heads == 0
+
+
+@pytest.mark.compile
 def test_k6_window_compiles_without_spills_at_d96():
     from hopper_attn.harness import registry
     from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
