@@ -13,16 +13,19 @@ list schedule onto 132 SMs (an item goes to the SM that frees first, in the give
   (``longest_first``) `head_group_order` over groups of `group` heads;
 * FA4 (sm90, `is_local`): `SingleTileScheduler`, grid (query tiles, heads, batch), so the
   hardware starts CTAs with the query tile fastest, the first (shortest) tile of a head
-  first, each CTA one item.
+  first, each CTA one item (full causal: `SingleTileLPTScheduler`, the last tile first in
+  sections of as many heads as 50 MiB holds; our model puts the partial section first).
 
 Printed per case and schedule: items, kv tiles (masked), the makespan in tile units against
-the ideal (all work over 132 SMs) and the tail's loss, for a few OVERHEAD / EXTRA values;
-then the overhead per item that the H200's times imply if k6's causal and windowed runs
-share one per-tile cost. A model: no L2, no clocks, no overlap beyond what OVERHEAD says.
+the ideal (all work over 132 SMs) and the tail's loss, for OVERHEAD / EXTRA (X / y) 0 / 0
+and 2 / 0.3; with a window the K/V bytes an LRU cache of 30 MiB misses (each kv tile read
+at its step's time; 128 MiB at 16k, 512 at 64k: every tile once); then the H200's measured
+cost per kv tile. A model: no clocks, no overlap beyond what OVERHEAD says. Takes ~20 s.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import os
 import sys
@@ -32,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hopper_attn.common.masking import window_needs_mask, window_ranges  # noqa: E402
 
 SMS, BLOCK, HEADS = 132, 128, 16
+TILE_KV_BYTES = 2 * BLOCK * 128 * 2          # a kv tile's K and V, d 128, bf16
+L2_MIB = 30                                 # (the H200's 60 MiB in two halves)
 
 
 def items_of_head(seqlen: int, left: int) -> list:
@@ -61,25 +66,44 @@ def head_group_sequence(m_blocks: int, heads: int, group: int) -> list:
     return seq
 
 
-def makespan(order, per_head, overhead, extra) -> float:
-    free = [0.0] * SMS
-    heapq.heapify(free)
-    end = 0.0
-    for m, _head in order:
+def makespan(order, per_head, overhead, extra, l2_mib=0):
+    """(the last SM's end, MiB of K/V missed by an LRU cache of l2_mib (0: not modelled))."""
+    free = [(0.0, sm) for sm in range(SMS)]
+    end, reads = 0.0, []
+    for m, head in order:
+        start, sm = heapq.heappop(free)
         tiles, masked = per_head[m]
-        t = heapq.heappop(free) + overhead + tiles + extra * masked
+        reads += [(start + overhead + i, (head, m - tiles + 1 + i)) for i in range(tiles)]
+        t = start + overhead + tiles + extra * masked
         end = max(end, t)
-        heapq.heappush(free, t)
-    return end
+        heapq.heappush(free, (t, sm))
+    missed = 0
+    if l2_mib:
+        cache, capacity = collections.OrderedDict(), (l2_mib << 20) // TILE_KV_BYTES
+        for _, key in sorted(reads, key=lambda r: r[0]):
+            if key in cache:
+                cache.move_to_end(key)
+            else:
+                missed, cache[key] = missed + 1, True
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return end, missed * TILE_KV_BYTES / 2 ** 20
 
 
-def orders(m_blocks: int) -> dict:
-    return {"k6 (head by head, last tile first)":
-            [(m_blocks - 1 - m, h) for h in range(HEADS) for m in range(m_blocks)],
-            "k6 longest_first, 4-head groups": head_group_sequence(m_blocks, HEADS, 4),
-            "k6 longest_first, all 16 heads": head_group_sequence(m_blocks, HEADS, 16),
-            "FA4 (grid, first tile first)": [(m, h) for h in range(HEADS)
-                                             for m in range(m_blocks)]}
+def orders(m_blocks: int, windowed: bool) -> dict:
+    """(m, head) per schedule, in start order."""
+    out = {"k6 now (head by head, last tile first)":
+           [(m_blocks - 1 - m, h) for h in range(HEADS) for m in range(m_blocks)]}
+    for group in (4, 8, 16) if windowed else (16,):
+        out[f"k6 window_group={group}"] = head_group_sequence(m_blocks, HEADS, group)
+    if windowed:                 # SingleTileScheduler: the grid's order
+        out["FA4 (grid, first tile first)"] = [(m, h) for h in range(HEADS)
+                                               for m in range(m_blocks)]
+    else:                        # SingleTileLPTScheduler: heads by L2 sections, longest first
+        swizzle = 1 << max(((50 << 20) // (m_blocks * TILE_KV_BYTES)).bit_length() - 1, 0)
+        out[f"FA4 (LPT, {swizzle}-head sections)"] = head_group_sequence(m_blocks, HEADS,
+                                                                         swizzle)
+    return out
 
 
 def main() -> int:
@@ -92,27 +116,22 @@ def main() -> int:
             print(f"N {seqlen // 1024}k {name}: per head {m_blocks} items, {tiles} kv tiles "
                   f"({masked} masked); {m_blocks * HEADS} items on {SMS} SMs = "
                   f"{m_blocks * HEADS / SMS:.2f} per SM")
-            for label, order in orders(m_blocks).items():
-                if left < 0 and "groups" in label:
-                    continue
+            for label, order in orders(m_blocks, left >= 0).items():
                 cells = []
-                for overhead, extra in ((0, 0), (1, 0.3), (3, 0.3)):
+                for overhead, extra in ((0, 0), (2, 0.3)):
                     ideal = HEADS * (tiles + extra * masked + overhead * m_blocks) / SMS
-                    span = makespan(order, per_head, overhead, extra)
-                    cells.append(f"X{overhead} y{extra}: {span:.0f}/{ideal:.0f} "
+                    span, _ = makespan(order, per_head, overhead, extra)
+                    cells.append(f"X{overhead} y{extra}: {span:.0f} / {ideal:.0f} "
                                  f"(+{100 * (span / ideal - 1):.1f}%)")
-                print(f"  {label:36} " + "; ".join(cells))
+                if left >= 0:
+                    _, missed = makespan(order, per_head, 2, 0.3, L2_MIB)
+                    cells.append(f"K/V missed ({L2_MIB} MiB LRU) {missed:.0f} MiB")
+                print(f"  {label:38} " + "; ".join(cells))
     # k6's H200 times (docs/window.md, docs/k6.md): per-tile cost of causal and window
     t_causal, t_win = 1.556 / (HEADS * 8256 / SMS), 0.743 / (HEADS * 3696 / SMS)
-    print(f"k6 H200 16k: ms per kv tile per SM, causal {t_causal * 1e3:.3f} us, window "
-          f"{t_win * 1e3:.3f} us ({100 * (t_win / t_causal - 1):+.1f}%); FA4 window "
-          f"{0.733 / (HEADS * 3696 / SMS) * 1e3:.3f} us")
-    # one per-item overhead X (tile units) explaining both: (448 + 15.5 X) / (1000.7 + 15.5 X)
-    # = t_win / t_causal x 448 / 1000.7
-    w, c, items = HEADS * 3696 / SMS, HEADS * 8256 / SMS, 2048 / SMS
-    r = 0.743 / 1.556
-    x = (r * c - w) / (items - r * items)
-    print(f"  the same per-tile cost in both would need {x:.1f} tiles of overhead per item")
+    print(f"H200 16k, us per kv tile and SM: k6 causal {t_causal * 1e3:.3f}, window "
+          f"{t_win * 1e3:.3f} ({100 * (t_win / t_causal - 1):+.1f}%); FA4 window "
+          f"{0.733 / (HEADS * 3696 / SMS) * 1e3:.3f}")
     return 0
 
 
