@@ -245,7 +245,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False, window_left: int = -1, window_right: int = -1,
-                 head_dim_v: int = 0, window_mask: str = "compare"):
+                 head_dim_v: int = 0, window_mask: str = "compare", window_group: int = 0):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -307,16 +307,17 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.window_mask_bits = window_mask != "compare" and windowed
         # bits_wg_first: with wg_causal_limit each warpgroup starts at its rows' first kv tile
         self.wg_window_first = self.wg_causal_limit and window_mask == "bits_wg_first"
-        # the persistent grid (module doc); head groups of `longest_first` MiB of K and V
+        # the persistent grid (module doc); head groups: `longest_first` MiB of K/V, or (a
+        # window) `window_group` heads at any N: its items read the window's keys, not N's
         if stream_k and causal:
             raise ValueError("stream_k: the static persistent schedule (no mask) only")
         self.stream_k = bool(stream_k)
         # (a window's items differ in length at the edges: the dynamic schedule, as causal)
         ordered = causal or windowed
-        self.scheduler = TileScheduler(self.block_m, ordered, True,
-                                       persistent_ctas or sm_count(),
+        self.scheduler = TileScheduler(self.block_m, ordered, True, persistent_ctas or sm_count(),
                                        ordered, (longest_first << 20) // (head_dim * 4),
-                                       bool(fast_divmod), self.stream_k, self.block_n)
+                                       bool(fast_divmod), self.stream_k, self.block_n,
+                                       group_heads=int(window_group) if windowed else 0)
         self.uniform_descriptors = bool(uniform_descriptors)
         self.spin_waits = bool(spin_waits)
         # K_{j+1} loaded before V_j (k5's order), or (False) V_j before K_{j+1}
@@ -732,7 +733,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 # steps some row turns on; BASE's other columns (spin_waits, stream_k, ...) are POLICY's
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fma_exp2_every",
            "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail", "peel_first",
-           "longest_first", "softcap")
+           "longest_first", "softcap", "window_group")
 # softcapped exponents against a fixed 0 (no row maxima, no O rescale) where the H200 measured
 # them faster and correct: bf16, cap log2(e) <= 100, d 128 and 256 (docs/softcap.md)
 SOFTCAP_FIXED_MAX_DIMS = (128, 256)
@@ -780,8 +781,9 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, s
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden (docs/k6.md): tile ("192x96":
     block_m x block_n), kv_tail (0: no tail test, for whole kv tiles; "whole": 0 where the
-    key length allows), longest_first (MiB of K and V per head group), softcap (logit
-    softcapping's cap, compile time; 0: none); the others as FlashAttentionK6's arguments.
+    key length allows), longest_first (MiB of K and V per head group; window_group: heads per
+    group, a window's at any N), softcap (logit softcapping's cap, compile time; 0: none); the
+    others as FlashAttentionK6's arguments.
     trace: iket phase ranges (harness/timeline.py); sinks: 1 for attention sinks, a runtime
     (heads,) fp32 input after `out` (common/sinks.py); window_mask: settings_for's."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup

@@ -1,11 +1,17 @@
 """GPU check of k6's forward variants for sliding windows (issue 61): correctness of each
 variant, then its speed against the current default and FA4.
 
-    python tools/window_fwd_gpu_check.py [--quick] [--speed-only] [--out DIR]
+    python tools/window_fwd_gpu_check.py [--quick] [--speed-only] [--masks] [--out DIR]
 
-Variants (k6 options; docs/window.md "Forward"):
-  default   the windowed POLICY row as it is: masked tiles by compares per element; at d = 64
-            with a left side the 128-row causal row at every length
+Variants (k6 options; docs/window.md "Forward"). Without --masks, the schedule's (docs/window.md
+"The schedule at window 4096"; tools/window_schedule_model.py):
+  default   the windowed POLICY row as it is (bit masks at d 64 and 128; head by head)
+  group4    window_group=4: the dynamic schedule in groups of 4 heads, every head's last
+            query tile first, at any N (so the schedule ends on the short first tiles of all
+            heads, not on one head's)
+  group8    (d = 128) window_group=8
+With --masks, the masked tiles' variants (as measured on 2026-11-29):
+  default   the windowed POLICY row
   bits      window_mask=bits: masked tiles by per-row 32-bit keep masks (R2P); at d = 64
             the causal row at the problem's length (192-row tiles from 768 queries)
   bits_wg   (d = 64) bits without turns, each warpgroup stopping at its own last kv tile
@@ -24,10 +30,12 @@ Variants (k6 options; docs/window.md "Forward"):
    gpt-oss-shaped sinks, and a packed batch (sequences of 1 to ~2k tokens, one empty).
 2. Speed (not with --quick): CUDA events, L2 flushed, round-robin medians, forward only:
    window (4095, 0) causal d 128 B1 H16 at N 16k and 64k; the packed 16k lognormal mix
-   (seed 16, window (128, 0), attention_varlen's path) with and without sinks; gpt-oss dense
-   (64 / 8 heads, d 64, window (127, 0), causal) B1 / B4 at N 8k / 16k with and without
-   sinks. FA4 where it runs (flash_attn_func / flash_attn_varlen_func with window_size=,
-   learnable_sink=), skipped once 180 s have passed (its compiles are slow).
+   (seed 16, window (128, 0), attention_varlen's path; --masks only: packed batches keep
+   their own order) with and without sinks; gpt-oss dense (64 / 8 heads, d 64, window
+   (127, 0), causal) B1 / B4 at N 8k / 16k with and without sinks (without --masks: B1 8k,
+   B1 16k, B4 16k with sinks, a control). FA4 where it runs (flash_attn_func /
+   flash_attn_varlen_func with window_size=, learnable_sink=), skipped once 180 s (--masks)
+   or 300 s have passed (its compiles are slow).
 
 Prints one line per group or shape; everything goes to $OUT/window_fwd.json (or --out).
 """
@@ -49,18 +57,24 @@ from hopper_attn.harness.varlen_reference import cu_seqlens, lognormal_lengths  
 from hopper_attn.harness.window_reference import (reference, torch_lowp,  # noqa: E402
                                                    window_inputs, window_mask)
 
+MASKS = "--masks" in sys.argv             # (run_check parses the rest)
+if MASKS:
+    sys.argv.remove("--masks")
 WG = {"pingpong": 0, "wg_causal_limit": 1, "pv_wait": "free"}
 OVERRIDES = {"default": {}, "bits": {"window_mask": "bits"},
              "bits_wg": {"window_mask": "bits", **WG},
-             "bits_wg_first": {"window_mask": "bits_wg_first", **WG}}
+             "bits_wg_first": {"window_mask": "bits_wg_first", **WG},
+             "group4": {"window_group": 4}, "group8": {"window_group": 8}}
 STAGES = {name: "k6" + (":" if o else "") + ",".join(f"{k}={v}" for k, v in o.items())
           for name, o in OVERRIDES.items()}
 
 
 def variants(d: int) -> list:
-    """At d = 128 (128-row tiles: one warpgroup's rows reach every kv tile of the item) the
-    default and bits."""
-    return list(OVERRIDES) if d == 64 else ["default", "bits"]
+    """--masks: at d = 128 (128-row tiles: one warpgroup's rows reach every kv tile of the
+    item) the default and bits, at d = 64 all four. Else the schedule's head groups."""
+    if MASKS:
+        return ["default", "bits", "bits_wg", "bits_wg_first"] if d == 64 else ["default", "bits"]
+    return ["default", "group4"] + (["group8"] if d == 128 else [])
 
 
 def _sinks(heads: int, seed: int) -> torch.Tensor:
@@ -229,6 +243,9 @@ def speed(log, deadline) -> list:
                  lambda: functools.partial(fa4(window_size=(4095, 0)), q, k, v, True),
                  [1, 16, 16, n, 128, [4095, 0]])
         del q, k, v, calls
+    if not MASKS:                          # the schedule's variants: dense only
+        gpt_oss(time_row, ((1, 8192, False), (1, 16384, False), (4, 16384, True)))
+        return rows
     lengths = lognormal_lengths(16384, 16)
     cu, n, window = cu_seqlens(lengths), max(lengths), (128, 0)
     gen = torch.Generator(device="cuda").manual_seed(16)
@@ -261,29 +278,35 @@ def speed(log, deadline) -> list:
                  calls, fa4_varlen, ["lognormal 16k seed 16", 64, 8, 64, list(window),
                                      sinks is not None])
     del q, k, v, out, lse
-    for batch, n in ((1, 8192), (1, 16384), (4, 8192), (4, 16384)):
-        q, k, v = window_inputs(batch, n, n, 64, 8, 64, seed=8)
-        s = _sinks(64, 8)
-        for sinks in (None, s):
-            calls = {name: (lambda st=STAGES[name], sk=sinks: hopper_attn.attention(
-                q, k, v, causal=True, window_size=(127, 0), stage=st, sinks=sk))
-                for name in variants(64)}
-            extra = {} if sinks is None else {"learnable_sink": sinks}
-            time_row(f"gpt-oss B{batch} N{n // 1024}k w127" + (" sinks" if sinks is not None
-                                                               else ""),
-                     calls, lambda e=extra: functools.partial(
-                         fa4(window_size=(127, 0), **e), q, k, v, True),
-                     [batch, 64, 8, n, 64, [127, 0], sinks is not None])
-        del q, k, v
+    gpt_oss(time_row, [(b, n, sk) for b in (1, 4) for n in (8192, 16384)
+                       for sk in (False, True)])
     return rows
+
+
+def gpt_oss(time_row, shapes) -> None:
+    """gpt-oss dense rows (64 / 8 heads, d 64, window (127, 0), causal): (batch, N, sinks)."""
+    from hopper_attn.harness.baselines import fa4
+    for batch, n, with_sinks in shapes:
+        q, k, v = window_inputs(batch, n, n, 64, 8, 64, seed=8)
+        sinks = _sinks(64, 8) if with_sinks else None
+        calls = {name: (lambda st=STAGES[name], sk=sinks: hopper_attn.attention(
+            q, k, v, causal=True, window_size=(127, 0), stage=st, sinks=sk))
+            for name in variants(64)}
+        extra = {} if sinks is None else {"learnable_sink": sinks}
+        time_row(f"gpt-oss B{batch} N{n // 1024}k w127" + (" sinks" if with_sinks else ""),
+                 calls, lambda e=extra: functools.partial(
+                     fa4(window_size=(127, 0), **e), q, k, v, True),
+                 [batch, 64, 8, n, 64, [127, 0], with_sinks])
+        del q, k, v
 
 
 def main() -> int:
     return run_check(
         __doc__, "window_fwd.json", correctness,
-        lambda log, t0: speed(log, deadline=t0 + 180),
+        lambda log, t0: speed(log, deadline=t0 + (180 if MASKS else 300)),
         "correctness (ratio = max error / (2x the bf16 reference's error + floor), <= 1 "
-        "passes; per variant: " + ", ".join(STAGES) + "):",
+        "passes; per variant: " + ", ".join(STAGES[name] for name in dict.fromkeys(
+            variants(128) + variants(64))) + "):",
         "speed (forward ms, round-robin medians; (x): default / variant):")
 
 

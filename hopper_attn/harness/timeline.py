@@ -52,7 +52,8 @@ def workload(args) -> int:
     from hopper_attn.harness.inputs import make_inputs
     from hopper_attn.harness.timing import benchmark
 
-    problem = Problem(args.batch, args.heads, args.seqlen, args.head_dim, args.causal)
+    problem = Problem(args.batch, args.heads, args.seqlen, args.head_dim, args.causal,
+                      window_left=args.window_left)       # (-1: no sliding window)
     backward = args.kernel.partition(":")[0] in registry.BACKWARD_KERNELS
     if backward:                                        # kb1, kb2: gradients of one case
         from hopper_attn.harness.grad_check import BackwardCase
@@ -98,6 +99,8 @@ def record(args) -> int:
            "--head-dim", str(args.head_dim), "--cost-json", cost_json]
     if args.causal:
         cmd.append("--causal")
+    if args.window_left >= 0:
+        cmd += ["--window-left", str(args.window_left)]
     print(" ".join(cmd))
     rc = subprocess.run(cmd, env=env).returncode
     for pattern, suffix in (("*.trace.json", ".trace.json"), ("*.pftrace", ".pftrace")):
@@ -284,6 +287,8 @@ def main(argv=None) -> int:
         p.add_argument("--seqlen", type=int, default=4096)
         p.add_argument("--head-dim", type=int, default=128)
         p.add_argument("--causal", action="store_true")
+        p.add_argument("--window-left", type=int, default=-1,
+                       help="a sliding window's left size (forward stages; -1: none)")
         if name == "record":
             p.add_argument("--out", required=True)
             p.add_argument("--cta", type=int, default=7, help="blockIdx.x of the CTA to record")
