@@ -508,7 +508,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                 if cutlass.const_expr(self.schedule.windowed):
                     mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
                                 self.schedule.right_limit is not None, causal_offset,
-                                transposed=True, right=self.schedule.right_limit or 0,
+                                transposed=True, right=self.schedule.right,
                                 left=self.schedule.window_left)
                 else:
                     mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,

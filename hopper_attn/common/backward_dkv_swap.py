@@ -247,7 +247,7 @@ class DkvSwapConsumer:
                 if cutlass.const_expr(self.schedule.windowed):     # S: queries x keys
                     mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k,
                                 self.schedule.right_limit is not None, causal_offset,
-                                right=self.schedule.right_limit or 0,
+                                right=self.schedule.right,
                                 left=self.schedule.window_left)
                 else:
                     mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k,

@@ -506,6 +506,11 @@ class KVTileSchedule:
         return 0 if self.causal else self.window_right
 
     @property
+    def right(self) -> int:
+        """`right_limit` where bounded, else 0 (mask_scores' `right`)."""
+        return 0 if self.right_limit is None else self.right_limit
+
+    @property
     def shifted(self) -> bool:
         """TileSchedule's: a side is negative."""
         return shifted_window(self.window_left, self.right_limit)
