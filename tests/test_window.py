@@ -219,6 +219,27 @@ def test_dq_turns_device_code_matches_the_host_mirrors():
                     n, bm, bn, nq, nk, left, right), (left, right, bm, bn, nq, nk, n)
 
 
+def test_forward_device_code_matches_the_host_mirrors():
+    """The bodies (plain Python on ints) of TileSchedule.n_block_first and
+    n_block_count_rows (the whole tile's rows) give window_ranges, the mirror the range
+    tests above run on (negative sides' clamps included)."""
+    import functools
+    from hopper_attn.common.masking import TileSchedule
+    count_rows = TileSchedule.n_block_count_rows.__wrapped__
+    block_first = TileSchedule.n_block_first.__wrapped__
+    for (left, right), (bm, bn) in itertools.product(ALL_WINDOWS, TILES):
+        causal = right == 0
+        schedule = TileSchedule(bm, bn, causal, True, left, None if causal else right)
+        object.__setattr__(schedule, "n_block_count_rows", functools.partial(count_rows,
+                                                                             schedule))
+        for nq, nk in LENGTHS:
+            for m in range(-(-nq // bm)):
+                got = (int(block_first(schedule, m, nq, nk)),
+                       int(count_rows(schedule, m, bm, nq, nk)))
+                assert got == window_ranges(m, bm, bn, nq, nk, left, right), \
+                    (left, right, bm, bn, nq, nk, m)
+
+
 def test_left_beyond_the_keys_is_no_window():
     for nq, nk in LENGTHS:
         for bm, bn in TILES:

@@ -122,11 +122,10 @@ class TileSchedule:
         count = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.bounded_right):
             visible = m_block * self.block_m + rows + seqlen_k - seqlen_q
-            if cutlass.const_expr(self.right < 0):   # (the last query's limit is below nk)
-                visible = cutlass.min(m_block * self.block_m + rows, seqlen_q) + seqlen_k \
-                    - seqlen_q
             if cutlass.const_expr(self.right != 0):
                 visible = visible + self.right
+            if cutlass.const_expr(self.right < 0):   # (the last query's limit is below nk)
+                visible = cutlass.min(visible, seqlen_k + self.right)
             visible = cutlass.max(visible, 1)
             count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
         if cutlass.const_expr(self.varlen):
