@@ -275,8 +275,8 @@ class DecodeAttention:
         into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
         head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
         `window_right`: a sliding window as Problem's fields (None: unbounded; sides >= 0;
-        with causal the right side is 0 and window_right None). All compile-time: none of them, none of
-        their code."""
+        with causal the right side is 0 and window_right None). All compile-time: none of
+        them, none of their code."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):

@@ -431,12 +431,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     or (kv_heads,) (None: 1). The kernel widens each e4m3 tile to fp16 in shared memory
     (exact) and runs its WGMMAs in fp16 (q converted once: |q| < 65504), folds k_descale
     into the softmax scale and v_descale into the output's 1 / l.
-    window_size: (left, right), flash-attn's sliding window (-1: unbounded; with causal the
-    right side is 0): query i sees keys i + off - left .. i + off + right, off = keys_b -
-    seqlen_q; kv tiles left of every packed row's window are not read, so the work shrinks
-    with the window. A key inside a read tile but left of a row's window is masked, and its
-    cache rows must hold finite values (0 x NaN in P V): pages a request no longer needs
-    may be reused only once a whole kv tile of them lies left of every window.
+    window_size: (left, right), flash-attn's sliding window (-1 or None: unbounded; sides
+    >= 0, a negative one is a ValueError here; with causal the right side is 0): query i
+    sees keys i + off - left .. i + off + right, off = keys_b - seqlen_q; kv tiles left of
+    every packed row's window are not read, so the work shrinks with the window. A key
+    inside a read tile but left of a row's window is masked, and its cache rows must hold
+    finite values (0 x NaN in P V): pages a request no longer needs may be reused only once
+    a whole kv tile of them lies left of every window.
     softcap: logit softcapping, scores cap * tanh(s * scale / cap) before the mask (0: none).
     sinks: fp32 (heads,), one logit per query head joined to every row's denominator
     (docs/sinks.md). All three are compile-time features: a call without them runs the

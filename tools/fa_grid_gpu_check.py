@@ -71,9 +71,10 @@ in parallel on the host's cores), over shards that share no kernel configuration
 (`plan_jobs`: groups of calls, none sharing one, dealt by estimated work): the whole grid
 with `--jobs 8` is ~300 s of compiles per worker (estimated from ~150 s at half the
 configurations). Without it, commands of < 10 min each: `--dims 64`, `--dims 96`,
-`--dims 128` (with `--deadline` and `--start`), `--dims 192`, `--dims 256`. `--quick` (50 calls, 49 configurations, < 2 min): per head dim the pair
-(113, 203) through a rotation of the other parameters, plus the odd pairs (1, 1), (239, 1),
-(799, 3) and (4224, 4224) once each. `--dry-run`: no GPU; attention()'s host checks, then
+`--dims 128` (with `--deadline` and `--start`), `--dims 192`, `--dims 256`. `--quick` (50
+calls, 10 of them negative windows; 46 forward and 30 backward configurations, was 49 in
+all: ~2 min): per head dim the pair (113, 203) through a rotation of the other parameters,
+plus the odd pairs (1, 1), (239, 1), (799, 3) and (4224, 4224) once each. `--dry-run`: no GPU; attention()'s host checks, then
 the checks against `stand_in_attention` (the fp32 math rounded to bf16) on the CPU.
 """
 
