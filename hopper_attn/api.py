@@ -585,7 +585,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     literally, negative included (FlashAttention-4's spelling: (None, -1) sees keys
     j <= r - 1, (-3, None) keys j >= r + 3); with two ints -1 is unbounded
     (FlashAttention-2's and transformers' convention) and any other int literal, negative
-    included ((5, -3): keys r - 5 .. r - 3). With causal the right side is 0 (right must
+    included ((5, -3): keys r - 5 .. r - 3; two negative ints: no window, as in FlashAttention-2
+    and -4). With causal the right side is 0 (right must
     be 0, -1 or None). Mistral / Qwen2: (4095, 0) with causal. k6, the decode stage (a few
     queries: only the window's kv tiles are read and split; sides >= 0, a negative one runs
     on k6) and kb2 (gradients at every head dim, deterministic too); compiled once per

@@ -262,6 +262,7 @@ def test_normalize_window():
     assert normalize_window((-3, None), False) == (-3, None)
     assert normalize_window((None, -1), True) == (None, None)     # causal: right 0
     assert normalize_window((5, -3), False) == (5, -3)            # both literal
+    assert normalize_window((-3, -5), False) == (None, None)      # both negative: no window
     for window in ALL_WINDOWS:                                    # normalized: fixed points
         assert normalize_window(window, False) == window
     for bad, causal in [((0, 1), True), ((0, -2), True), ((1.0, 0), False), ((True, 0), False),

@@ -217,8 +217,9 @@ def normalize_window(window_size, causal: bool) -> tuple:
     FlashAttention-4's, the other side literal, negative included ((None, -1): keys <= r -
     1; (-3, None): keys >= r + 3); if both are ints, -1 is unbounded (FlashAttention-2's and
     transformers' convention) and any other int literal, negative included ((5, -3): keys
-    r - 5 .. r - 3). With causal the right side is 0 (right 0, -1 or None; returned as
-    None). (None, None), and (-1, -1) or, with causal, (-1, 0): no window. A normalized
+    r - 5 .. r - 3); two negative ints are no window (as in FlashAttention-2 and -4). With
+    causal the right side is 0 (right 0, -1 or None; returned as None). (None, None), and
+    (-1, -1) or, with causal, (-1, 0): no window. A normalized
     pair normalizes to itself (a literal -1 only comes with the other side None)."""
     try:
         left, right = window_size
@@ -233,6 +234,8 @@ def normalize_window(window_size, causal: bool) -> tuple:
         raise ValueError(f"window_size: with causal=True the right side is 0 (or -1 or None), "
                          f"got {right}")
     if left is not None and right is not None:          # both ints: -1 is unbounded
+        if left < 0 and right < 0:                      # (FlashAttention-2 and -4: no window)
+            left = right = -1
         left, right = (None if left == -1 else left), (None if right == -1 else right)
     if causal:
         right = None
