@@ -155,7 +155,7 @@ _FAST_LIMIT = 4096
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
          softmax_scale: Optional[float], stage: str, softcap: float = 0.0,
-         window: tuple = (-1, -1), sinks: Optional[torch.Tensor] = None,
+         window: tuple = (None, None), sinks: Optional[torch.Tensor] = None,
          want_lse: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """out and the LSE; with `want_lse=False` (nobody reads it) the LSE may be None: a stage
     that keeps its workspace (decode) then writes it into its own buffer, one allocation
@@ -167,7 +167,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         handle = _FAST.get(key)
     except AttributeError:                     # not tensors: the checks below say so
         key = handle = None
-    if handle is None and key is not None and window == (-1, -1):
+    if handle is None and key is not None and window == (None, None):
         handle = _decode_step_handle(q, k, v, key)
     if handle is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         handle = _checked_handle(q, k, v, causal, stage, softcap, window, sinks is not None)
@@ -175,7 +175,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             _FAST.clear()
             _DECODE_STEPS.clear()
         _FAST[key] = handle
-        if handle.spec.name == "decode" and window == (-1, -1):
+        if handle.spec.name == "decode" and window == (None, None):
             _remember_decode_step(k, key, handle)
     out = _out_like(q, v)
     lse = _lse_like(q) if want_lse or not handle.spec.keeps_workspace else None
@@ -234,7 +234,7 @@ def _tma_strides(t: torch.Tensor) -> bool:
 
 
 def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,
-                    window: tuple = (-1, -1), sinks: bool = False):
+                    window: tuple = (None, None), sinks: bool = False):
     """Every check of a call (ValueError before any launch), then its compiled kernel."""
     _check(q, k, v)
     softcap = _check_softcap(softcap)
@@ -281,7 +281,8 @@ def _handle(entry, problem: Problem, compile_options: str = ""):
 @torch.library.custom_op("hopper_attn::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: Optional[float], stage: str, deterministic: bool = False,
-                  softcap: float = 0.0, window_left: int = -1, window_right: int = -1,
+                  softcap: float = 0.0, window_left: Optional[int] = None,
+                  window_right: Optional[int] = None,
                   sinks: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _run(q, k, v, causal, softmax_scale, stage, softcap, (window_left, window_right),
                 sinks)
@@ -299,8 +300,8 @@ def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, softmax_scale, stage, deterministic=False, softcap=0.0, window_left=-1,
-      window_right=-1, sinks=None):
+def _(q, k, v, causal, softmax_scale, stage, deterministic=False, softcap=0.0, window_left=None,
+      window_right=None, sinks=None):
     _check(q, k, v)
     _check_softcap(softcap)
     normalize_window((window_left, window_right), causal)
@@ -332,7 +333,7 @@ _BWD_FAST: dict = {}
 
 def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optional[float],
                    deterministic: bool = False, softcap: float = 0.0,
-                   window: tuple = (-1, -1)):
+                   window: tuple = (None, None)):
     """dq, dk, dv (dq like q's layout, dk / dv like k's and v's where those are dense) by the
     first backward stage that supports the problem; ValueError before any launch."""
     return _backward_rows(q, k, v, out, dout, lse, causal, softmax_scale, deterministic,
@@ -341,7 +342,7 @@ def _backward_impl(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
 
 def _backward_rows(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optional[float],
                    deterministic: bool = False, softcap: float = 0.0,
-                   window: tuple = (-1, -1)):
+                   window: tuple = (None, None)):
     """_backward_impl's dq, dk, dv and the preprocess's D = rowsum(dO * O) (for the sinks'
     gradient)."""
     tensors = (q, k, v, out, dout)
@@ -373,7 +374,7 @@ def _backward_rows(q, k, v, out, dout, lse, causal: bool, softmax_scale: Optiona
 
 
 def _checked_backward(tensors, lse, causal: bool, deterministic: bool, softcap: float = 0.0,
-                      window: tuple = (-1, -1)):
+                      window: tuple = (None, None)):
     """Every check of a backward call (ValueError before any launch), then its compiled
     stage: (run_kernel, handle, copies)."""
     from hopper_attn.common.backward import check_backward_tensors
@@ -397,7 +398,7 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                            causal: bool, softmax_scale: Optional[float],
                            deterministic: bool = False, softcap: float = 0.0,
-                           window_left: int = -1, window_right: int = -1
+                           window_left: Optional[int] = None, window_right: Optional[int] = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward_impl(q, k, v, out, dout, lse, causal, softmax_scale, deterministic,
                           softcap, (window_left, window_right))
@@ -405,7 +406,7 @@ def _attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_attention_backward_op.register_fake
 def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic=False, softcap=0.0,
-      window_left=-1, window_right=-1):
+      window_left=None, window_right=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -414,8 +415,8 @@ def _attention_backward_sinks_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                                  sinks: torch.Tensor, causal: bool,
                                  softmax_scale: Optional[float], deterministic: bool = False,
-                                 softcap: float = 0.0, window_left: int = -1,
-                                 window_right: int = -1
+                                 softcap: float = 0.0, window_left: Optional[int] = None,
+                                 window_right: Optional[int] = None
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                             torch.Tensor]:
     """attention_backward and the sinks' gradient from the backward's own D."""
@@ -425,7 +426,7 @@ def _attention_backward_sinks_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 @_attention_backward_sinks_op.register_fake
 def _(q, k, v, out, dout, lse, sinks, causal, softmax_scale, deterministic=False, softcap=0.0,
-      window_left=-1, window_right=-1):
+      window_left=None, window_right=None):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(sinks))
 
@@ -520,7 +521,7 @@ _DIFFERENTIABLE: set = set()
 
 def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
                           deterministic: bool = False, softcap: float = 0.0,
-                          window: tuple = (-1, -1)) -> None:
+                          window: tuple = (None, None)) -> None:
     """Before a forward whose result needs gradients: can a backward stage run it?"""
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, causal, stage, deterministic, softcap,
@@ -545,7 +546,7 @@ def _check_differentiable(q, k, v, causal: bool, stage: Optional[str],
         _DIFFERENTIABLE.add(key)
 
 
-_NO_SOFTCAP, _NO_WINDOW = 0.0, (-1, -1)     # attention()'s defaults
+_NO_SOFTCAP, _NO_WINDOW = 0.0, (None, None)     # attention()'s defaults
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -580,11 +581,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     `window_size=(left, right)`: sliding-window attention, FlashAttention's definition: query
     i, at row position r = i + seqlen_k - seqlen_q (bottom-right aligned), sees keys
-    r - left <= j <= r + right; -1: unbounded on that side; with causal the right side is 0
-    (right must be 0 or -1). Mistral / Qwen2: (4095, 0) with causal. k6, the decode stage
-    (a few queries: only the window's kv tiles are read and split) and kb2 (gradients at
-    every head dim, deterministic too); compiled once per window size. A row
-    that sees no key: zero output, LSE -inf.
+    r - left <= j <= r + right. A side None is unbounded, and then the other side is taken
+    literally, negative included (FlashAttention-4's spelling: (None, -1) sees keys
+    j <= r - 1, (-3, None) keys j >= r + 3); with two ints -1 is unbounded
+    (FlashAttention-2's and transformers' convention) and any other int literal, negative
+    included ((5, -3): keys r - 5 .. r - 3; two negative ints: no window, as in FlashAttention-2
+    and -4). With causal the right side is 0 (right must
+    be 0, -1 or None). Mistral / Qwen2: (4095, 0) with causal. k6, the decode stage (a few
+    queries: only the window's kv tiles are read and split; sides >= 0, a negative one runs
+    on k6) and kb2 (gradients at every head dim, deterministic too); compiled once per
+    window size. A row that sees no key: zero output, LSE -inf.
 
     `sinks`: attention sinks (gpt-oss's `s_aux`), one logit per query head, a (heads,)
     fp32, bf16 or fp16 tensor on q's device: each row's softmax gets one more column with
@@ -775,7 +781,8 @@ def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                          softmax_scale: Optional[float], seqused_k: Optional[torch.Tensor],
-                         window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                         window_left: Optional[int] = None,
+                         window_right: Optional[int] = None, softcap: float = 0.0,
                          sinks: Optional[torch.Tensor] = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -784,7 +791,7 @@ def _attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_attention_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      seqused_k, window_left=-1, window_right=-1, softcap=0.0, sinks=None):
+      seqused_k, window_left=None, window_right=None, softcap=0.0, sinks=None):
     _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                   seqused_k, (window_left, window_right), softcap, sinks, on_device=False)
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -818,8 +825,9 @@ def _attention_varlen_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                                   max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                                   softmax_scale: Optional[float],
-                                  seqused_k: Optional[torch.Tensor], window_left: int = -1,
-                                  window_right: int = -1, softcap: float = 0.0
+                                  seqused_k: Optional[torch.Tensor],
+                                  window_left: Optional[int] = None,
+                                  window_right: Optional[int] = None, softcap: float = 0.0
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                             max_seqlen_k, causal, softmax_scale, seqused_k,
@@ -828,7 +836,7 @@ def _attention_varlen_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 @_attention_varlen_backward_op.register_fake
 def _(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-      softmax_scale, seqused_k, window_left=-1, window_right=-1, softcap=0.0):
+      softmax_scale, seqused_k, window_left=None, window_right=None, softcap=0.0):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -838,7 +846,8 @@ def _attention_varlen_backward_sinks_op(
         dout: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, cu_seqlens_q: torch.Tensor,
         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
         softmax_scale: Optional[float], seqused_k: Optional[torch.Tensor],
-        window_left: int = -1, window_right: int = -1, softcap: float = 0.0
+        window_left: Optional[int] = None, window_right: Optional[int] = None,
+        softcap: float = 0.0
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """attention_varlen_backward and the sinks' gradient from the backward's own D."""
     from hopper_attn.common.sinks import varlen_sink_grad
@@ -850,7 +859,7 @@ def _attention_varlen_backward_sinks_op(
 
 @_attention_varlen_backward_sinks_op.register_fake
 def _(q, k, v, out, dout, lse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      causal, softmax_scale, seqused_k, window_left=-1, window_right=-1, softcap=0.0):
+      causal, softmax_scale, seqused_k, window_left=None, window_right=None, softcap=0.0):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             torch.empty_like(sinks))
 

@@ -119,6 +119,9 @@ def item_rows(problem) -> int:
 
 
 def _limits(problem):
+    if masking.shifted_window(problem.window_left, problem.window_right):
+        return ("a window side below 0 (a shifted diagonal) is for the prefill stages (k6): "
+                "the split ranges here take sides >= 0")
     if problem.kv_heads > MAX_GRID_YZ or problem.batch * m_tiles(problem) > MAX_GRID_YZ:
         return (f"the grid is (splits, k/v heads, batch x M tiles): k/v heads "
                 f"({problem.kv_heads}) and batch x M tiles ({problem.batch * m_tiles(problem)})"
@@ -265,16 +268,17 @@ class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
                  page_size: int = 0, fp8: bool = False, softcap: float = 0.0,
-                 window_left: int = -1, window_right: int = -1, kv_producers: int = 1):
+                 window_left: Optional[int] = None, window_right: Optional[int] = None,
+                 kv_producers: int = 1):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
         into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
         head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
-        `window_right`: a sliding window as Problem's fields (-1: unbounded; with causal
-        the right side is 0 and window_right -1). `kv_producers` 2 (a 16-bit kv_cache only):
-        K and V issued by two producer warps (192 threads; docs/lab/kvcache.md, page 16).
-        All compile-time: none of them, none of their code."""
+        `window_right`: a sliding window as Problem's fields (None: unbounded; sides >= 0;
+        with causal the right side is 0 and window_right None). `kv_producers` 2 (a 16-bit
+        kv_cache only): K and V issued by two producer warps (192 threads; docs/lab/kvcache.md,
+        page 16). All compile-time: none of them, none of their code."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
@@ -306,11 +310,12 @@ class DecodeAttention:
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
             raise ValueError(f"softcap must be finite and >= 0 (0: none), got {softcap}")
-        if min(window_left, window_right) < -1 or (causal and window_right != -1):
-            raise ValueError(f"bad window ({window_left}, {window_right}): -1 or >= 0 each, "
-                             f"window_right -1 with causal")
-        self.window_left, self.window_right = int(window_left), int(window_right)
-        self.windowed = window_left >= 0 or window_right >= 0
+        if any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0)
+               for w in (window_left, window_right)) or (causal and window_right is not None):
+            raise ValueError(f"bad window ({window_left}, {window_right}): None or >= 0 each, "
+                             f"window_right None with causal")
+        self.window_left, self.window_right = window_left, window_right
+        self.windowed = (window_left, window_right) != (None, None)
 
     def describe(self) -> dict:
         return {"smem_bytes": getattr(self, "smem_bytes", None), "block_m": ROWS,

@@ -92,11 +92,11 @@ def num_splits_for(problem, stages: int = STAGES, sms: int = 0) -> int:
 class DecodeFp8Swap(decode.DecodeAttention):
     def __init__(self, head_dim: int, causal: bool, block_n: int = BLOCK_N,
                  stages: int = STAGES, kv_cache: bool = True, page_size: int = 0,
-                 fp8: bool = True, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, rows: int = 16):
+                 fp8: bool = True, softcap: float = 0.0, window_left=None,
+                 window_right=None, rows: int = 16):
         if head_dim != 128 or block_n != BLOCK_N or not kv_cache or not fp8:
             raise ValueError("fp8 swap: an e4m3 kv cache at d = 128 with 128-key tiles only")
-        if softcap or window_left >= 0 or window_right >= 0:
+        if softcap or (window_left, window_right) != (None, None):
             raise ValueError("fp8 swap: no window or softcap (the widening loop has them)")
         if rows not in ROW_CHOICES:
             raise ValueError(f"fp8 swap: rows must be one of {ROW_CHOICES}, got {rows}")

@@ -366,7 +366,7 @@ class FlashAttentionK5:
                     packed, batch, seqlen_q, seqlen_k, mO, mLSE)
                 n_count = schedule.n_block_count_kv(m_block, item_q, item_k)
                 k0, k1 = 0, n_count                     # (k6's stream_k: a piece of the item)
-                if cutlass.const_expr(schedule.window_left >= 0):   # (k6's sliding window)
+                if cutlass.const_expr(schedule.window_left is not None):   # (k6's sliding window)
                     k0 = schedule.n_block_first(m_block, item_q, item_k)
                 if cutlass.const_expr(scheduler.stream_k):
                     _, _, k0, k1 = scheduler.piece(tiles, seqlen_q, seqlen_k, heads, batch_size)
@@ -542,7 +542,7 @@ class FlashAttentionK5:
                 item_q, item_k = seq.seqlen_q, seq.seqlen_k
             n_count = schedule.n_block_count_kv(m_block, item_q, item_k)   # >= 1
             first = 0                                   # (k6's stream_k: the piece's tiles)
-            if cutlass.const_expr(schedule.window_left >= 0):   # (k6's sliding window)
+            if cutlass.const_expr(schedule.window_left is not None):   # (k6's sliding window)
                 first = schedule.n_block_first(m_block, item_q, item_k)
                 n_count = n_count - first
             if cutlass.const_expr(scheduler.stream_k):

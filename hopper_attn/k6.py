@@ -244,7 +244,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  fast_divmod: bool = False, stream_k: bool = False, kv_tail: bool = True,
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
-                 trace: bool = False, window_left: int = -1, window_right: int = -1,
+                 trace: bool = False, window_left: int | None = None, window_right=None,
                  head_dim_v: int = 0, window_mask: str = "compare", window_group: int = 0):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
@@ -295,10 +295,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.early_q_release, self.wg_store = early_q_release, wg_store
         self.pingpong = PingPong(self.warpgroups, FIRST_SCHEDULER_BARRIER, on=bool(pingpong))
         # kv_tail=False: a loop without the tail test (whole kv tiles). A sliding window
-        # (compile-time sizes; -1, -1: none): an item walks kv tiles n_block_first ..
+        # (compile-time sides, None: unbounded): an item walks kv tiles n_block_first ..
         # n_block_count_kv - 1 (k5's loops start at n_base), masked at the window's edges
-        window = (int(window_left), -1 if causal else int(window_right))
-        windowed = window[0] >= 0 or window[1] >= 0
+        window = (window_left, None if causal else window_right)
+        windowed = window != (None, None)
         if windowed and (stream_k or not kv_tail):
             raise ValueError("k6: a sliding window needs kv_tail and no stream_k")
         self.schedule = TileSchedule(self.block_m, self.block_n, causal, bool(kv_tail), *window)

@@ -63,7 +63,7 @@ class FlashAttentionK6VarlenSinks(FlashAttentionK6Varlen):
 
 
 def problem_for(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int,
-                max_seqlen_k: int, causal: bool, window=(-1, -1)) -> Problem:
+                max_seqlen_k: int, causal: bool, window=(None, None)) -> Problem:
     """The dense problem whose POLICY row a packed batch runs with: its longest sequences."""
     return Problem(max(batch, 1), q.shape[1], max(max_seqlen_q, 1), q.shape[2], bool(causal),
                    q.dtype, heads_kv=k.shape[1], seqlen_k=max(max_seqlen_k, 1),

@@ -118,8 +118,9 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  kv_with_first_tile: bool = False, pdl: bool = False, split_dv: int = 0,
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
-                 heads_first: bool = False, softcap: float = 0.0, window_left: int = -1,
-                 window_right: int = -1, shared_keys: bool = False, varlen: bool = False,
+                 heads_first: bool = False, softcap: float = 0.0,
+                 window_left: Optional[int] = None, window_right: Optional[int] = None,
+                 shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
                  dq_rows: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
@@ -161,9 +162,10 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         l2_rows = (group_mib << 20) // (head_dim * 8) if self.longest_first else 0
         # heads_first (causal): the grid (heads, kv tiles, batch), kv tile 0 of every head first
         self.heads_first = bool(heads_first) and causal and not self.longest_first
-        # a sliding window (compile-time sizes): kv tile n walks the query tiles it reaches
-        window = {} if window_left < 0 and (causal or window_right < 0) else \
-            dict(window_left=int(window_left), window_right=-1 if causal else int(window_right))
+        # a sliding window (compile-time sides as Problem's, None: unbounded): kv tile n walks
+        # the query tiles it reaches
+        window = {} if window_left is None and (causal or window_right is None) else \
+            dict(window_left=window_left, window_right=None if causal else window_right)
         # varlen: a packed batch, a work list of (sequence, kv tile) (common/varlen_backward.py)
         self.varlen = bool(varlen)
         if self.varlen and (deterministic or self.heads_first):
@@ -507,8 +509,8 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 if cutlass.const_expr(self.schedule.windowed):
                     mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,
-                                self.schedule.right_limit >= 0, causal_offset, transposed=True,
-                                right=max(self.schedule.right_limit, 0),
+                                self.schedule.right_limit is not None, causal_offset,
+                                transposed=True, right=self.schedule.right,
                                 left=self.schedule.window_left)
                 else:
                     mask_scores(st_rc, st_coords, n_block * bn, m_block * bm, seqlen_k,

@@ -173,9 +173,11 @@ def check_inputs(q, k_cache, v_cache, cache_seqlens, page_table=None, k_new=None
 
 def check_features(q, causal, window_size=(-1, -1), softcap=0.0, sinks=None) -> tuple:
     """window_size, softcap and sinks checked (ValueError): ((window_left, window_right) as
-    Problem's fields (-1: unbounded; causal: right -1), the cap (0.0: none), sinks given)."""
+    Problem's fields (None: unbounded; causal: right None), the cap (0.0: none), sinks
+    given). A negative side (a shifted diagonal) is refused: the decode kernel's split
+    ranges take sides >= 0."""
     _tensor("q", q, 4)
-    window = normalize_window(window_size, bool(causal))
+    window = _cache_window(window_size, causal)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) \
             or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
@@ -185,14 +187,24 @@ def check_features(q, causal, window_size=(-1, -1), softcap=0.0, sinks=None) -> 
     return window, float(softcap), sinks is not None
 
 
-def problem_for(q, kv_heads: int, capacity: int, causal: bool, window=(-1, -1)) -> Problem:
+def _cache_window(window_size, causal) -> tuple:
+    """normalize_window's, refusing a negative side (a shifted diagonal; ValueError): the
+    kv cache's kernels (decode's split ranges, the paged prefill) take sides >= 0."""
+    window = normalize_window(window_size, bool(causal))
+    if any(w is not None and w < 0 for w in window):
+        raise ValueError(f"window_size {window_size!r}: the kv cache takes window sides "
+                         f">= 0 (or unbounded), not a shifted diagonal")
+    return window
+
+
+def problem_for(q, kv_heads: int, capacity: int, causal: bool, window=(None, None)) -> Problem:
     """The decode Problem the tile and the splits are chosen for: the cache's capacity as
     the key count (shapes only); with a window's left side (Problem's fields) at most the
     keys an M tile's rows see, left + seqlen_q + right, and a kv tile (256) either side."""
     batch, seqlen_q, heads, head_dim = q.shape
     left, right = window
-    if left >= 0:
-        capacity = min(capacity, left + seqlen_q + max(right, 0) + 2 * 256)
+    if left is not None:
+        capacity = min(capacity, left + seqlen_q + (right or 0) + 2 * 256)
     return Problem(batch, heads, seqlen_q, head_dim, bool(causal), q.dtype, heads_kv=kv_heads,
                    seqlen_k=capacity)
 
@@ -268,7 +280,7 @@ def _swap_rows(problem: Problem, fp8: bool, softcap: float = 0.0, sinks: bool = 
 
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
                    stages: int, tvm_ffi: bool = False, compile_options: str = "",
-                   kv_dtype=None, window=(-1, -1), softcap: float = 0.0, sinks: bool = False,
+                   kv_dtype=None, window=(None, None), softcap: float = 0.0, sinks: bool = False,
                    swap_rows: int = 0, kv_producers: int = 1):
     """The decode stage's `kv_cache_call` for one (head dim, mask, dtype, page size (0:
     contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant), window (as
@@ -282,7 +294,7 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
     if kv_producers != 1:
         features += (("producers", kv_producers),)
     key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options,
-           kv_dtype) + (features if features != ((-1, -1), 0.0, False) else ())
+           kv_dtype) + (features if features != ((None, None), 0.0, False) else ())
     hit = _COMPILED.get(key)
     if hit is not None:
         return hit
@@ -427,12 +439,13 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     or (kv_heads,) (None: 1). The kernel widens each e4m3 tile to fp16 in shared memory
     (exact) and runs its WGMMAs in fp16 (q converted once: |q| < 65504), folds k_descale
     into the softmax scale and v_descale into the output's 1 / l.
-    window_size: (left, right), flash-attn's sliding window (-1: unbounded; with causal the
-    right side is 0): query i sees keys i + off - left .. i + off + right, off = keys_b -
-    seqlen_q; kv tiles left of every packed row's window are not read, so the work shrinks
-    with the window. A key inside a read tile but left of a row's window is masked, and its
-    cache rows must hold finite values (0 x NaN in P V): pages a request no longer needs
-    may be reused only once a whole kv tile of them lies left of every window.
+    window_size: (left, right), flash-attn's sliding window (-1 or None: unbounded; sides
+    >= 0, a negative one is a ValueError here; with causal the right side is 0): query i
+    sees keys i + off - left .. i + off + right, off = keys_b - seqlen_q; kv tiles left of
+    every packed row's window are not read, so the work shrinks with the window. A key
+    inside a read tile but left of a row's window is masked, and its cache rows must hold
+    finite values (0 x NaN in P V): pages a request no longer needs may be reused only once
+    a whole kv tile of them lies left of every window.
     softcap: logit softcapping, scores cap * tanh(s * scale / cap) before the mask (0: none).
     sinks: fp32 (heads,), one logit per query head joined to every row's denominator
     (docs/sinks.md). All three are compile-time features: a call without them runs the
@@ -636,7 +649,7 @@ def _prefill(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, causa
                                           and math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite number or None, got "
                          f"{softmax_scale!r}")
-    window = normalize_window(window_size, bool(causal))
+    window = _cache_window(window_size, causal)
     softcap = _check_softcap(softcap)
     tensors = (q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, cu_seqlens_q,
                sinks)

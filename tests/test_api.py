@@ -386,7 +386,7 @@ def test_decode_shapes_with_window_softcap_sinks_pick_the_decode_stage(monkeypat
     (name, problem), = calls.compiles
     assert name == expect, model
     assert (problem.window_left, problem.window_right) == \
-        ((kwargs["window_size"][0], -1) if "window_size" in kwargs else (-1, -1))
+        ((kwargs["window_size"][0], None) if "window_size" in kwargs else (None, None))
 
 
 def test_the_decode_stage_takes_softcap_and_window_by_name():

@@ -380,7 +380,7 @@ def _emulated_kernel(problem, softcap, q, k, v, out, lse, cu_q, seqused, scale, 
         i = torch.arange(q1 - q0)[:, None] + nk - (q1 - q0)
         j = torch.arange(nk)[None]
         visible = (j <= i) if problem.causal else torch.ones_like(j <= i)
-        if problem.window_left >= 0:
+        if problem.window_left is not None:
             visible = visible & (j >= i - problem.window_left)
         s = s.masked_fill(~visible, float("-inf"))
         if sinks is not None:

@@ -1,4 +1,5 @@
-"""Sliding-window attention (issue 61): k6 forward, kb2 backward, through `attention()`.
+"""Sliding-window attention (issue 61): k6 forward, kb2 backward, through `attention()`;
+negative sides (FlashAttention's shifted diagonals, issue 63) too.
 
 CPU: the schedules' kv / query tile ranges and mask decisions (masking's host mirrors)
 against a brute-force per-element mask over many shapes; kb2's deterministic dQ turns with a
@@ -17,9 +18,20 @@ from hopper_attn.harness.window_reference import (gradient_errors, reference, to
 from hopper_attn.common.masking import (window_dq_first, window_keep_bits, window_m_range,
                                         window_needs_mask, window_ranges, window_visible)
 
-# (left, right) with causal folded in (right 0); -1: unbounded
-WINDOWS = [(0, 0), (3, 0), (127, 0), (128, 0), (200, 0), (4095, 0), (256, 256), (-1, 64),
-           (64, -1), (0, -1), (5, 7), (1000, 0), (-1, 0)]
+# (left, right) with causal folded in (right 0), as Problem's fields (None: unbounded)
+WINDOWS = [normalize_window(w, False) for w in [
+    (0, 0), (3, 0), (127, 0), (128, 0), (200, 0), (4095, 0), (256, 256), (-1, 64), (64, -1),
+    (0, -1), (5, 7), (1000, 0), (-1, 0)]]
+# negative sides: FlashAttention's (None, -w) and (-w, None), both sides literal, and
+# windows no row sees a key of ((3, -5): left + right < 0)
+NEGATIVE_WINDOWS = [(None, -1), (None, -5), (None, -130), (-1, None), (-3, None),
+                    (-200, None), (5, -3), (-3, 10), (130, -129), (3, -5)]
+ALL_WINDOWS = WINDOWS + NEGATIVE_WINDOWS
+
+
+def _empty(left, right):
+    """No row sees a key (the ranges still walk one tile per tile, not tight)."""
+    return left is not None and right is not None and left + right < 0
 LENGTHS = [(1, 1), (17, 17), (113, 113), (300, 300), (17, 300), (300, 17), (129, 64),
            (64, 129), (250, 1000)]
 TILES = [(128, 128), (192, 128), (128, 80), (64, 128), (80, 128)]
@@ -30,7 +42,7 @@ def _visible(seqlen_q, seqlen_k, left, right):
             for i in range(seqlen_q)]
 
 
-@pytest.mark.parametrize("left,right", WINDOWS)
+@pytest.mark.parametrize("left,right", ALL_WINDOWS)
 def test_forward_tile_ranges_match_the_element_mask(left, right):
     """Every visible key lies in the query tile's kv tiles [first, count); every tile in
     that range has a visible key (none loaded wholly outside the window) unless the tile's
@@ -46,11 +58,11 @@ def test_forward_tile_ranges_match_the_element_mask(left, right):
             if tiles:
                 assert min(tiles) == first and max(tiles) == count - 1, (nq, nk, bm, bn, m)
             else:
-                assert count - first == 1
+                assert count - first == 1 or _empty(left, right)
             for row in range(0, bm, 64):        # k6's bits_wg_first: a warpgroup's first tile
                 wg_rows = range(m * bm + row, min(m * bm + row + 64, (m + 1) * bm, nq))
                 seen = {j // bn for i in wg_rows for j in range(nk) if vis[i][j]}
-                if seen and left >= 0:
+                if seen and left is not None:
                     assert min(seen) == max(m * bm + row + nk - nq - left, 0) // bn
             for n in range(first, count):
                 cols = range(n * bn, (n + 1) * bn)
@@ -58,7 +70,7 @@ def test_forward_tile_ranges_match_the_element_mask(left, right):
                     assert all(j < nk and vis[i][j] for i in rows for j in cols), (m, n)
 
 
-@pytest.mark.parametrize("left,right", WINDOWS)
+@pytest.mark.parametrize("left,right", ALL_WINDOWS)
 def test_window_mask_bits_match_the_element_mask(left, right):
     """k6's window_mask="bits" (masking.mask_window_bits, through its host mirror): in every
     masked tile each thread's keep bit of element c (column thr_col + 8 (c // 2) + c % 2 of
@@ -74,14 +86,14 @@ def test_window_mask_bits_match_the_element_mask(left, right):
                 for i, thr_col in itertools.product(range(m * bm, min((m + 1) * bm, nq)),
                                                     (0, 2, 4, 6)):
                     keep = window_keep_bits(i + nk - nq - n * bn - thr_col,
-                                            nk - n * bn - thr_col, cols, right >= 0,
-                                            max(right, 0), left)
+                                            nk - n * bn - thr_col, cols, right is not None,
+                                            right or 0, left)
                     for c in range(cols):
                         j = n * bn + thr_col + 8 * (c // 2) + c % 2
                         assert bool(keep >> c & 1) == (j < nk and vis[i][j]), (m, n, i, c)
 
 
-@pytest.mark.parametrize("left,right", WINDOWS)
+@pytest.mark.parametrize("left,right", ALL_WINDOWS)
 def test_backward_tile_ranges_match_the_element_mask(left, right):
     """Per kv tile the query tiles [first, end) hold every query that sees one of its keys;
     none wholly outside (unless no query sees the tile: one, masked); unmasked tiles are
@@ -96,7 +108,7 @@ def test_backward_tile_ranges_match_the_element_mask(left, right):
             if tiles:
                 assert min(tiles) == first and max(tiles) == end - 1, (nq, nk, bm, bn, n)
             else:
-                assert end - first == 1
+                assert end - first == 1 or _empty(left, right)
             for m in range(first, end):
                 rows = range(m * bm, min((m + 1) * bm, nq))
                 if not window_needs_mask(m, n, bm, bn, nq, nk, left, right):
@@ -142,7 +154,8 @@ def _dq_adds_in_turn(schedule, nq, nk, heads, heads_kv, batch, walk, resident):
 
 
 @pytest.mark.parametrize("d,causal,heads_kv", [(64, True, 4), (128, True, 4), (128, False, 4),
-                                               (64, True, 1), (128, False, 2), (96, True, 1)])
+                                               (64, True, 1), (128, False, 2), (96, True, 1),
+                                               (128, False, 1)])
 def test_deterministic_dq_turns_never_deadlock(d, causal, heads_kv):
     """With a window's left side a query tile's dQ adds come from kv tiles n_first(m) ..
     n_last(m), not from 0: the writer waits for n_block - window_dq_first(m). Simulated with
@@ -158,11 +171,16 @@ def test_deterministic_dq_turns_never_deadlock(d, causal, heads_kv):
     rng = random.Random(d * 10 + heads_kv + causal)
     for case in range(40):
         nq, nk = rng.choice(LENGTHS + [(1000, 1000), (2100, 700), (700, 2100), (113, 1000)])
-        left = rng.choice([0, 3, 127, 128, 200, 255, nq + nk + 5, rng.randrange(600)])
-        right = 0 if causal else rng.choice([-1, 0, 5, 256, rng.randrange(600)])
-        window = (left, -1 if causal else right)
+        left = rng.choice([0, 3, 127, 128, 200, 255, nq + nk + 5, rng.randrange(600),
+                           -3, -200, None])
+        right = 0 if causal else rng.choice([-1, 0, 5, 256, rng.randrange(600), -5, -130,
+                                             None])
+        if left is None and right is None:
+            left = 3
+        window = (left, -1 if causal else right)    # (both ints: -1 unbounded)
         problem = Problem(1, heads, nq, d, causal, heads_kv=heads_kv, seqlen_k=nk,
                           window_left=window[0], window_right=window[1])
+        left = problem.window_left
         kernel = kb2.FlashAttentionBackwardKB2(d, causal, **kernel_arguments(
             kb2.policy(problem, True), {}, problem, None, True, False, 0.0, False))
         schedule = kernel.schedule
@@ -187,10 +205,11 @@ def test_dq_turns_device_code_matches_the_host_mirrors():
     from hopper_attn.common.masking import KVTileSchedule
     turn_first = KVTileSchedule.dq_turn_first.__wrapped__
     m_range = KVTileSchedule.window_m_block_range.__wrapped__
-    for (left, right), (bm, bn) in itertools.product(WINDOWS, TILES + [(64, 96), (64, 48)]):
+    for (left, right), (bm, bn) in itertools.product(ALL_WINDOWS,
+                                                     TILES + [(64, 96), (64, 48)]):
         causal = right == 0
         schedule = KVTileSchedule(bm, bn, causal, window_left=left,
-                                  window_right=-1 if causal else right)
+                                  window_right=None if causal else right)
         for nq, nk in LENGTHS:
             for m in range(-(-nq // bm)):
                 assert int(turn_first(schedule, m, nq, nk)) == window_dq_first(
@@ -200,26 +219,60 @@ def test_dq_turns_device_code_matches_the_host_mirrors():
                     n, bm, bn, nq, nk, left, right), (left, right, bm, bn, nq, nk, n)
 
 
+def test_forward_device_code_matches_the_host_mirrors():
+    """The bodies (plain Python on ints) of TileSchedule.n_block_first and
+    n_block_count_rows (the whole tile's rows) give window_ranges, the mirror the range
+    tests above run on (negative sides' clamps included)."""
+    import functools
+    from hopper_attn.common.masking import TileSchedule
+    count_rows = TileSchedule.n_block_count_rows.__wrapped__
+    block_first = TileSchedule.n_block_first.__wrapped__
+    for (left, right), (bm, bn) in itertools.product(ALL_WINDOWS, TILES):
+        causal = right == 0
+        schedule = TileSchedule(bm, bn, causal, True, left, None if causal else right)
+        object.__setattr__(schedule, "n_block_count_rows", functools.partial(count_rows,
+                                                                             schedule))
+        for nq, nk in LENGTHS:
+            for m in range(-(-nq // bm)):
+                got = (int(block_first(schedule, m, nq, nk)),
+                       int(count_rows(schedule, m, bm, nq, nk)))
+                assert got == window_ranges(m, bm, bn, nq, nk, left, right), \
+                    (left, right, bm, bn, nq, nk, m)
+
+
 def test_left_beyond_the_keys_is_no_window():
     for nq, nk in LENGTHS:
         for bm, bn in TILES:
             for m in range(-(-nq // bm)):
                 assert window_ranges(m, bm, bn, nq, nk, nq + nk, 0)[0] == 0
-                assert window_ranges(m, bm, bn, nq, nk, nq + nk, -1) == (0, -(-nk // bn))
+                assert window_ranges(m, bm, bn, nq, nk, nq + nk, None) == (0, -(-nk // bn))
 
 
 def test_normalize_window():
-    assert normalize_window((-1, -1), False) == (-1, -1)
-    assert normalize_window((-1, 0), True) == (-1, -1)        # plain causal
-    assert normalize_window((127, -1), True) == (127, -1)     # (127, 0)
-    assert normalize_window([4095, 0], True) == (4095, -1)
+    assert normalize_window((-1, -1), False) == (None, None)
+    assert normalize_window((None, None), False) == (None, None)
+    assert normalize_window((-1, 0), True) == (None, None)        # plain causal
+    assert normalize_window((127, -1), True) == (127, None)       # (127, 0)
+    assert normalize_window([4095, 0], True) == (4095, None)
+    assert normalize_window((4095, None), True) == (4095, None)
     assert normalize_window((256, 256), False) == (256, 256)
-    for bad, causal in [((-2, 0), False), ((0, 1), True), ((1.0, 0), False), ((True, 0), False),
-                        ((1,), False), (5, False), (("a", 0), False)]:
+    assert normalize_window((5, -1), False) == (5, None)          # both ints: -1 unbounded
+    # FlashAttention-4's spelling (a side None): the other side literal, -1 included
+    assert normalize_window((None, -1), False) == (None, -1)
+    assert normalize_window((-3, None), False) == (-3, None)
+    assert normalize_window((None, -1), True) == (None, None)     # causal: right 0
+    assert normalize_window((5, -3), False) == (5, -3)            # both literal
+    assert normalize_window((-3, -5), False) == (None, None)      # both negative: no window
+    for window in ALL_WINDOWS:                                    # normalized: fixed points
+        assert normalize_window(window, False) == window
+    for bad, causal in [((0, 1), True), ((0, -2), True), ((1.0, 0), False), ((True, 0), False),
+                        ((None, False), False), ((1,), False), (5, False), (("a", 0), False)]:
         with pytest.raises(ValueError):
             normalize_window(bad, causal)
-    with pytest.raises(ValueError):
-        Problem(1, 1, 8, 64, True, window_left=3, window_right=0)   # not normalized
+    # Problem normalizes any spelling
+    assert Problem(1, 1, 8, 64, True, window_left=3, window_right=0).window == (3, 0)
+    assert Problem(1, 1, 8, 64, window_left=5, window_right=-1).window_right is None
+    assert Problem(1, 1, 8, 64, window_left=None, window_right=-1).window == (None, -1)
 
 
 def test_attention_checks_the_window_before_anything():
@@ -228,7 +281,7 @@ def test_attention_checks_the_window_before_anything():
     with pytest.raises(ValueError, match="window_size"):
         hopper_attn.attention(q, q, q, causal=True, window_size=(3, 2))
     with pytest.raises(ValueError, match="window_size"):
-        hopper_attn.attention(q, q, q, window_size=(-3, 2))
+        hopper_attn.attention(q, q, q, window_size=(None, 2.0))
     with pytest.raises(ValueError, match="window_size"):
         hopper_attn.attention(q, q, q, window_size=(3.5, 2))
     for stage in ("k4", "k5", "k7"):
@@ -244,6 +297,26 @@ def test_backward_stages_without_a_window_refuse_it():
     assert "window_size" in stages.get("kb1").spec.unsupported_reason(problem)
     assert stages.get("k6").spec.unsupported_reason(problem) is None
     assert stages.get("kb2").spec.unsupported_reason(problem) is None
+
+
+def test_negative_sides_run_on_k6_and_kb2_not_decode_or_the_kv_cache():
+    """Decode's split ranges take sides >= 0: a few queries with a negative side run on k6
+    (decode's SPEC refuses them), and the kv cache refuses them before anything."""
+    from hopper_attn import decode, kvcache, stages
+    for window in [(None, -5), (-3, None), (5, -3)]:
+        problem = Problem(1, 8, 1, 128, False, heads_kv=1, seqlen_k=4096,
+                          window_left=window[0], window_right=window[1])
+        assert not decode.prefers(problem)
+        assert "below 0" in decode.SPEC.unsupported_reason(problem)
+        assert stages.get("k6").spec.unsupported_reason(problem) is None
+        assert stages.get("kb2").spec.unsupported_reason(problem) is None
+        with pytest.raises(ValueError, match="shifted diagonal"):
+            kvcache.check_features(torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16), False,
+                                   window)
+    with pytest.raises(ValueError, match="bad window"):
+        decode.DecodeAttention(128, False, window_left=None, window_right=-5)
+    assert kvcache.check_features(torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16), True,
+                                  (127, 0))[0] == (127, None)
 
 
 # ---- compiles (sm_90a on the CPU) ----
@@ -297,6 +370,41 @@ def test_k6_window_group_compiles_without_spills():
     assert count(art["ptx"], r"st\.shared\.v4\.b32") == 1
     from hopper_attn.k6 import FlashAttentionK6      # without a window: no groups (old PTX)
     assert FlashAttentionK6(128, True, 128, 128, window_group=4).scheduler.group_heads == 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("stage,d,window", [("k6", 64, (None, -5)), ("k6", 128, (5, -3)),
+                                            ("kb2", 64, (-3, None)), ("kb2", 128, (None, -1))])
+def test_negative_window_sides_compile_without_spills(stage, d, window):
+    """Shifted diagonals (FA4's (None, -w), (-w, None), both sides literal): k6's default
+    masks there (d = 64: bits_wg_first on 192-row tiles; 128: bits) and kb2, no spills."""
+    from hopper_attn.harness import registry
+    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
+    art = compile_artifacts(registry.get(stage), d, False, seqlen=1000, window=window)
+    assert art["ok"], art.get("error")
+    options = art["kernel"]["options"]
+    assert (options["window_left"], options["window_right"]) == window, options
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [(None, -1), (-3, None), (5, -3), (3, -5)])
+@pytest.mark.parametrize("nq,nk", [(1000, 1000), (1000, 300), (300, 1000)])
+def test_negative_window_sides_match_fp32(nq, nk, window, d):
+    """Forward (output, LSE, rows without keys) and gradients (keys no query sees: zero)."""
+    import hopper_attn
+    q, k, v = _inputs(1, nq, nk, 4, 2, d, seed=nq + d)
+    out, lse = hopper_attn.attention(q, k, v, window_size=window, return_lse=True)
+    ref, ref_lse = reference(q, k, v, *window, d ** -0.5)
+    low, _ = torch_lowp(q, k, v, *window, d ** -0.5)
+    assert (out.float() - ref).abs().max().item() <= 2 * (low - ref).abs().max().item() + 2 ** -10
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    if finite.any():
+        assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+    _backward_check(1, nq, nk, 4, 2, d, False, window, seed=nq + d)
 
 
 @pytest.mark.compile
@@ -547,9 +655,19 @@ def test_window_reaches_the_forward_and_backward_stages(monkeypatch):
             out = hopper_attn.attention(*leaves, causal=True, window_size=(127, 0))
         out.float().sum().backward()
     windows = {(name, (p.window_left, p.window_right)) for name, p in calls.compiles}
-    assert windows == {("k6", (127, -1)), ("kb2", (127, -1))}, windows
+    assert windows == {("k6", (127, None)), ("kb2", (127, None))}, windows
     hopper_attn.attention(q, k, v, causal=True)
-    assert calls.compiles[-1][1].window_left == -1
+    assert calls.compiles[-1][1].window_left is None
+    for op in (False, True):                    # a negative side: FA4's spelling, literal
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if op:
+            out, _ = torch.ops.hopper_attn.attention(*leaves, False, None, "", False, 0.0,
+                                                     None, -1)
+        else:
+            out = hopper_attn.attention(*leaves, window_size=(None, -1))
+        out.float().sum().backward()
+        assert [(n, (p.window_left, p.window_right)) for n, p in calls.compiles[-2:]] == \
+            [("k6", (None, -1)), ("kb2", (None, -1))], calls.compiles[-2:]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]     # deterministic: kb2's too
     hopper_attn.attention(*leaves, causal=True, window_size=(127, 0),
                           deterministic=True).float().sum().backward()

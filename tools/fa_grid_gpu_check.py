@@ -31,12 +31,11 @@ exists; `attention()` does, so `--inspect` also lists what it would refuse there
 Left out, because `attention()` has no such concept: `has_qv` (the grid has only False),
 `pack_gqa` (the test runs its forward with False, True and None: ours picks its own GQA
 packing, one call), `num_splits` > 1 (skipped on sm90 by the test itself),
-`attention_chunk` (only 0 in the grid), fp8 and descales (not in the grid). A window side
-given negative (local_enum 2 and 3: FA's shifted diagonals, e.g. (None, -5) sees keys up to
-5 before the diagonal) has no `attention()` spelling: -1 means unbounded there and below -1
-is a ValueError. Such calls are passed as they are, so `attention()` refuses them (REFUSED,
-its message), except a side of exactly -1, which would silently mean "unbounded": the tool
-refuses those itself (REFUSED, "mapping: ..."). FA's None is -1.
+`attention_chunk` (only 0 in the grid), fp8 and descales (not in the grid). FA's windows
+pass as they are: `attention()`'s `window_size` takes FA4's spelling (a side None is
+unbounded, the other literal, negative included: local_enum 2 and 3's shifted diagonals,
+e.g. (None, -5) sees keys up to 5 before the diagonal); local_enum 1's (w0, w1) are ints
+>= 0, literal in either spelling.
 
 Checks (FlashAttention's rule, as its test applies it): the reference is the same math in
 fp32 from the bf16 inputs (harness/window_reference.reference: window, softcap, sinks; rows
@@ -63,18 +62,19 @@ short by a time limit still writes its JSON.
 Compiles: one per kernel configuration (stage, head dims, mask, window size, cap, sinks,
 POLICY row), about 1.1-1.5 s each on one CPU core; FA's windows are drawn per key length
 and each window size is its own compile in `attention()` (FA4 passes them at run time).
-`--inspect` counts them on the CPU (no compile, no launch; 2026-11-29: 464 forward and 208
-backward configurations, 364 and 144 of them windows; per head dim 164 / 132 / 228 / 56 /
-92) and says which calls `attention()` refuses (7,788: 6,576 with a negative window side,
-972 deterministic backward with a window, 240 windowed backward at d = 192). So the whole
-grid is ~15 min of compiles in one process. `--jobs N` runs N worker processes on the one
-GPU (each compiles its own kernels, so the compiles run in parallel on the host's cores),
-over shards that share no kernel configuration (`plan_jobs`: 444 groups of calls, none
-sharing one, dealt by estimated work): the whole grid with `--jobs 8` is ~150 s of compiles
-per worker. Without it, three commands of < 10 min: `--dims 64,192`, `--dims 96,256`,
-`--dims 128`. `--quick` (50 calls, 49 configurations, < 2 min): per head dim the pair
-(113, 203) through a rotation of the other parameters, plus the odd pairs (1, 1), (239, 1),
-(799, 3) and (4224, 4224) once each. `--dry-run`: no GPU; attention()'s host checks, then
+`--inspect` counts them on the CPU (no compile, no launch) and says which calls
+`attention()` refuses: none since negative window sides run (was 6,576); 1,008 forward and
+992 backward configurations (488 and 448 before them; forward per head dim 192 / 152 /
+340 / 148 / 176). So the whole grid is ~30-40 min of compiles in one process. `--jobs N`
+runs N worker processes on the one GPU (each compiles its own kernels, so the compiles run
+in parallel on the host's cores), over shards that share no kernel configuration
+(`plan_jobs`: groups of calls, none sharing one, dealt by estimated work): the whole grid
+with `--jobs 8` is ~300 s of compiles per worker (estimated from ~150 s at half the
+configurations). Without it, commands of < 10 min each: `--dims 64`, `--dims 96`,
+`--dims 128` (with `--deadline` and `--start`), `--dims 192`, `--dims 256`. `--quick` (50
+calls, 10 of them negative windows; 46 forward and 30 backward configurations, was 49 in
+all: ~2 min): per head dim the pair (113, 203) through a rotation of the other parameters,
+plus the odd pairs (1, 1), (239, 1), (799, 3) and (4224, 4224) once each. `--dry-run`: no GPU; attention()'s host checks, then
 the checks against `stand_in_attention` (the fp32 math rounded to bf16) on the CPU.
 """
 
@@ -126,9 +126,6 @@ SKIPPED = {
     "num_splits": "> 1 is skipped on sm90 by the test itself; attention() splits only in decode",
     "attention_chunk": "only 0 in the grid; no chunked attention in attention()",
     "fp8 / descales": "not in the grid (dtype bf16 only)",
-    "negative window sides": "local_enum 2 / 3 give (None, -w1) / (-w0, None): FA's shifted "
-                             "diagonals; attention() has no spelling for them (-1 is "
-                             "unbounded, < -1 a ValueError): passed through, so refused",
 }
 
 
@@ -174,14 +171,10 @@ class Case:
         pair = (self.dv == self.d and self.d <= 128) or (self.d, self.dv) == (192, 128)
         return pair and not ((self.causal or self.local) and self.seqlen_k < self.seqlen_q)
 
-    def window_size(self) -> tuple[int, int]:
-        """attention()'s window_size for FA's: None -> -1, ints as they are (a negative side
-        below -1 is for attention() to refuse); ValueError for a side of exactly -1, which
-        attention() would read as unbounded."""
-        if -1 in self.fa_window:
-            raise ValueError(f"mapping: FA's window {self.fa_window} has a side -1 (the "
-                             "diagonal shifted by one key); attention()'s -1 is unbounded")
-        return tuple(-1 if w is None else w for w in self.fa_window)
+    def window_size(self) -> tuple:
+        """attention()'s window_size: FA's as it is (FA4's spelling: None unbounded, the
+        other side literal, negative included; (w0, w1) >= 0 literal in either spelling)."""
+        return tuple(self.fa_window)
 
     def label(self) -> str:
         w = "" if not self.local else f" win{self.fa_window}".replace(" ", "").replace(
@@ -369,8 +362,6 @@ def inspect(cases: list[Case], print_limit: int = 40) -> dict:
 def _reason(message: str) -> str:
     """A refusal's message without its numbers' specifics (for grouping)."""
     import re
-    if message.startswith("mapping"):
-        return "mapping: a window side of -1 (FA: shifted diagonal; attention(): unbounded)"
     if "window_size: right must be" in message or "window_size: left must be" in message:
         return re.sub(r"got -?\d+", "got <negative>", message)
     return message
@@ -455,10 +446,7 @@ def run_case(case: Case, attention=None, dev: str = "cuda") -> dict:
     v = torch.randn(case.batch, case.seqlen_k, case.heads_kv, case.dv, device=dev).to(bf16)
     sinks = torch.randn(HEADS, device=dev).to(bf16) if case.sinks else None
     grad = case.backward
-    try:
-        window = case.window_size()
-    except ValueError as exc:
-        return {"status": "REFUSED", "message": str(exc), "where": "mapping"}
+    window = case.window_size()
     mine = [t.clone().requires_grad_(grad) for t in (q, k, v)]
     my_sinks = sinks.clone().requires_grad_(grad) if sinks is not None else None
     try:

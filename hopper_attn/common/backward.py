@@ -728,7 +728,7 @@ class DqWriter:
                 else:
                     turn = mSem[batch, head, None].iterator + m_block
                 if cute.arch.lane_idx() == 0:      # kv tiles first .. n_block - 1 added
-                    if cutlass.const_expr(self.schedule.window_left >= 0):
+                    if cutlass.const_expr(self.schedule.window_left is not None):
                         wait_for_count(turn, n_block - self.schedule.dq_turn_first(
                             m_block, *seqlens))
                     else:

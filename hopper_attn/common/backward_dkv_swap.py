@@ -246,8 +246,8 @@ class DkvSwapConsumer:
             if self.schedule.needs_mask(m_block, n_block, seqlen_q, seqlen_k):
                 if cutlass.const_expr(self.schedule.windowed):     # S: queries x keys
                     mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k,
-                                self.schedule.right_limit >= 0, causal_offset,
-                                right=max(self.schedule.right_limit, 0),
+                                self.schedule.right_limit is not None, causal_offset,
+                                right=self.schedule.right,
                                 left=self.schedule.window_left)
                 else:
                     mask_scores(s_rc, s_coords, m_block * bm, n_block * bn, seqlen_k,

@@ -62,12 +62,13 @@ class Problem:
     # a KV prefix; the causal mask is then aligned bottom-right)
     heads_kv: int = 0
     seqlen_k: int = 0
-    # a sliding window (FlashAttention's window_size, as `window_size` normalizes it): query
-    # i at row position r = i + seqlen_k - seqlen_q sees keys r - window_left .. r +
-    # window_right; -1: unbounded on that side; with causal the right side is 0 and
-    # window_right stays -1. (-1, -1): no window
-    window_left: int = -1
-    window_right: int = -1
+    # a sliding window (FlashAttention's window_size, as `normalize_window` normalizes it;
+    # any spelling it takes is normalized here too): query i at row position r = i +
+    # seqlen_k - seqlen_q sees keys r - window_left .. r + window_right, each side literal
+    # (negative ones too: shifted diagonals); None: unbounded on that side; with causal the
+    # right side is 0 and window_right stays None. (None, None): no window
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
     # v's (and the output's) head dim when it is not q's and k's (0: head_dim), e.g.
     # DeepSeek's MLA (192, 128)
     head_dim_v: int = 0
@@ -83,14 +84,10 @@ class Problem:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field} must be an int >= 1 (or 0: as q), got {value!r}")
-        for field in ("window_left", "window_right"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-                raise ValueError(f"{field} must be an int >= 0 (or -1: unbounded), got "
-                                 f"{value!r}")
-        if self.causal and self.window_right != -1:
-            raise ValueError("with causal the window's right side is 0: window_right must "
-                             "be -1 (window_size normalizes it)")
+        # (frozen: the normalized sides replace the given ones)
+        left, right = normalize_window((self.window_left, self.window_right), self.causal)
+        object.__setattr__(self, "window_left", left)
+        object.__setattr__(self, "window_right", right)
         if self.heads % self.kv_heads:
             raise ValueError(f"q's heads ({self.heads}) must be a multiple of k/v's "
                              f"({self.kv_heads})")
@@ -99,16 +96,16 @@ class Problem:
 
     @property
     def windowed(self) -> bool:
-        return self.window_left >= 0 or self.window_right >= 0
+        return self.window_left is not None or self.window_right is not None
 
     @property
-    def window(self) -> tuple[int, int]:
-        """(left, right), -1 unbounded, causal as right = 0."""
+    def window(self) -> tuple:
+        """(left, right), None unbounded, causal as right = 0."""
         return self.window_left, 0 if self.causal else self.window_right
 
     @classmethod
     def from_tensor(cls, q: torch.Tensor, causal: bool = False,
-                    k: Optional[torch.Tensor] = None, window_size=(-1, -1),
+                    k: Optional[torch.Tensor] = None, window_size=(None, None),
                     v: Optional[torch.Tensor] = None) -> "Problem":
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t is not None and t.dim() != 4:
@@ -174,8 +171,8 @@ class Problem:
         nq, nk = self.seqlen, self.kv_seqlen
         if self.windowed:          # query i sees keys max(0, r - left) .. min(nk - 1, r + right)
             left, right = self.window
-            pairs = sum(max(0, min(nk - 1, r + right if right >= 0 else nk)
-                            - max(0, r - left if left >= 0 else 0) + 1)
+            pairs = sum(max(0, min(nk - 1, nk if right is None else r + right)
+                            - max(0, 0 if left is None else r - left) + 1)
                         for r in range(nk - nq, nk))
         elif not self.causal:
             pairs = nq * nk
@@ -214,25 +211,35 @@ class Problem:
         return out
 
 
-def normalize_window(window_size, causal: bool) -> tuple[int, int]:
-    """FlashAttention's `window_size` (left, right) checked (ValueError) and normalized to
-    Problem's fields: with causal the right side is 0 (window_right -1), and (-1, -1) or,
-    with causal, (-1, 0) is no window."""
+def normalize_window(window_size, causal: bool) -> tuple:
+    """`window_size` (left, right) checked (ValueError) and normalized to Problem's fields
+    (None: unbounded on that side). Two spellings: if a side is None (unbounded) it is
+    FlashAttention-4's, the other side literal, negative included ((None, -1): keys <= r -
+    1; (-3, None): keys >= r + 3); if both are ints, -1 is unbounded (FlashAttention-2's and
+    transformers' convention) and any other int literal, negative included ((5, -3): keys
+    r - 5 .. r - 3); two negative ints are no window (as in FlashAttention-2 and -4). With
+    causal the right side is 0 (right 0, -1 or None; returned as None). (None, None), and
+    (-1, -1) or, with causal, (-1, 0): no window. A normalized
+    pair normalizes to itself (a literal -1 only comes with the other side None)."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") \
             from None
     for name, value in (("left", left), ("right", right)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(f"window_size: {name} must be an int >= 0 or -1 (unbounded), "
-                             f"got {value!r}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"window_size: {name} must be an int (-1: unbounded where both "
+                             f"are ints) or None (unbounded), got {value!r}")
+    if causal and right not in (-1, 0, None):
+        raise ValueError(f"window_size: with causal=True the right side is 0 (or -1 or None), "
+                         f"got {right}")
+    if left is not None and right is not None:          # both ints: -1 is unbounded
+        if left < 0 and right < 0:                      # (FlashAttention-2 and -4: no window)
+            left = right = -1
+        left, right = (None if left == -1 else left), (None if right == -1 else right)
     if causal:
-        if right not in (-1, 0):
-            raise ValueError(f"window_size: with causal=True the right side is 0 (or -1), "
-                             f"got {right}")
-        right = -1
-    return left, right
+        right = None
+    return (None if left is None else int(left)), (None if right is None else int(right))
 
 
 @dataclasses.dataclass(frozen=True)

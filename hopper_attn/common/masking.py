@@ -8,9 +8,13 @@ A CTA owns query rows [m_block * BM, (m_block + 1) * BM) and walks kv tiles of B
   tiles entirely left of it need no mask, and only the tiles the diagonal crosses are masked.
   With seqlen_k != seqlen_q (k5 on: `n_block_count_kv`, `needs_mask_kv`) the diagonal is aligned
   bottom-right: query i sees keys j <= i + seqlen_k - seqlen_q.
-* Sliding window (FlashAttention's `window_size` = (left, right); -1: unbounded on that
+* Sliding window (FlashAttention's `window_size` = (left, right); None: unbounded on that
   side; with causal the right side is 0): query i, at row position r = i + seqlen_k -
-  seqlen_q, sees keys r - left <= j <= r + right. A query tile visits only the kv tiles
+  seqlen_q, sees keys r - left <= j <= r + right. A side may be negative (a shifted
+  diagonal, e.g. right = -1: keys before the row's own): then a tile's range can hold no
+  key of some (or all) of its rows, and the ranges are clamped so that every query tile
+  still walks one kv tile and every kv tile one query tile (fully masked where no key is
+  seen; `shifted`). A query tile visits only the kv tiles
   between its first row's low limit and its last row's high limit (`n_block_first`,
   `n_block_count_kv`), so the cost grows with the window, not N; masked are only the tiles
   the window's left edge, its right (causal) edge or the key tail cross. The window sizes
@@ -29,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
@@ -45,9 +50,9 @@ class TileSchedule:
     # False: every kv tile is whole (seqlen_k a multiple of block_n, known when compiling):
     # no tail mask, so without a causal mask the loop has no mask test at all (k6's kv_tail)
     kv_tail: bool = True
-    # the sliding window (see the module doc); -1: unbounded on that side
-    window_left: int = -1
-    window_right: int = -1
+    # the sliding window (see the module doc); None: unbounded on that side
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
     # a packed batch (common/varlen.py): a sequence may have no keys at all; its query
     # tiles still visit one (zero-filled, fully masked) kv tile, as rows that see no key do
     varlen: bool = False
@@ -55,16 +60,23 @@ class TileSchedule:
     @property
     def bounded_right(self) -> bool:
         """Keys right of a row's limit are hidden (causal, or a window's right side)."""
-        return self.causal or self.window_right >= 0
+        return self.causal or self.window_right is not None
 
     @property
     def right(self) -> int:
-        """How far right of the diagonal a row sees (0 with causal)."""
-        return 0 if self.causal else max(self.window_right, 0)
+        """How far right of the diagonal a row sees (0 with causal; negative: left of it;
+        0 where unbounded, unused then)."""
+        return 0 if self.causal or self.window_right is None else self.window_right
 
     @property
     def windowed(self) -> bool:
-        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
+        return self.window_left is not None or (self.window_right is not None
+                                                and not self.causal)
+
+    @property
+    def shifted(self) -> bool:
+        """A side is negative: a tile's rows may see none of its kv range's keys."""
+        return shifted_window(self.window_left, None if self.causal else self.window_right)
 
     def grid(self, seqlen, heads, batch):
         return [cute.ceil_div(seqlen, self.block_m), heads, batch]
@@ -110,28 +122,36 @@ class TileSchedule:
         count = cute.ceil_div(seqlen_k, self.block_n)
         if cutlass.const_expr(self.bounded_right):
             visible = m_block * self.block_m + rows + seqlen_k - seqlen_q
-            if cutlass.const_expr(self.right > 0):
+            if cutlass.const_expr(self.right != 0):
                 visible = visible + self.right
+            if cutlass.const_expr(self.right < 0):   # (the last query's limit is below nk)
+                visible = cutlass.min(visible, seqlen_k + self.right)
             visible = cutlass.max(visible, 1)
             count = cutlass.min(count, cute.ceil_div(visible, self.block_n))
         if cutlass.const_expr(self.varlen):
             count = cutlass.max(count, 1)
-        if cutlass.const_expr(self.window_left >= 0 and n_base is not None):
+        if cutlass.const_expr(self.window_left is not None and n_base is not None):
             count = count - n_base
+            if cutlass.const_expr(self.shifted):
+                count = cutlass.max(count, 1)   # (rows that see none of the item's keys)
         return count
 
     @cute.jit
     def n_block_first(self, m_block, seqlen_q, seqlen_k, row=None) -> Int32:
         """The first kv tile query tile m_block visits: 0, or with a window's left side the
         tile of its first row's lowest key. Always below `n_block_count_kv` (a row's low
-        limit is at most its high one, and at most seqlen_k - 1). `row`: from the tile's
-        row `row` on (k6's per-warpgroup window start)."""
+        limit is at most its high one, and at most seqlen_k - 1; with a negative side
+        neither need hold, so it is clamped there). `row`: from the tile's row `row` on
+        (k6's per-warpgroup window start)."""
         first = Int32(0)
-        if cutlass.const_expr(self.window_left >= 0):
+        if cutlass.const_expr(self.window_left is not None):
             low = m_block * self.block_m + seqlen_k - seqlen_q - self.window_left
             if cutlass.const_expr(row is not None):
                 low = low + row
             first = cutlass.max(low, 0) // self.block_n
+            if cutlass.const_expr(self.shifted):
+                first = cutlass.min(first, self.n_block_count_rows(
+                    m_block, self.block_m, seqlen_q, seqlen_k) - 1)
         return first
 
     @cute.jit
@@ -158,7 +178,7 @@ class TileSchedule:
         needs = last_col >= seqlen_k if cutlass.const_expr(self.kv_tail) else False
         if cutlass.const_expr(self.bounded_right):
             needs = needs or last_col > diagonal + self.right
-        if cutlass.const_expr(self.window_left >= 0):
+        if cutlass.const_expr(self.window_left is not None):
             needs = needs or n_block * self.block_n < \
                 diagonal + (self.block_m - 1 - self.window_left)
         return needs
@@ -178,12 +198,12 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                 seqlen: Int32, causal: cutlass.Constexpr[bool], causal_offset: Int32 = 0,
                 transposed: cutlass.Constexpr[bool] = False,
                 per_row_limit: cutlass.Constexpr[bool] = False,
-                right: cutlass.Constexpr[int] = 0, left: cutlass.Constexpr[int] = -1):
+                right: cutlass.Constexpr[int] = 0, left: cutlass.Constexpr = None):
     """Set s to -inf where the key is past the end (`seqlen` keys), or, if causal, after
     the query shifted by `causal_offset` (seqlen_k - seqlen_q: bottom-right alignment).
     A sliding window: `causal` then means the right side is bounded, `right` keys past the
-    shifted query (0: causal), and `left` >= 0 also hides keys before query + causal_offset
-    - left (two limits per row).
+    shifted query (0: causal; negative: before it), and `left` (not None; any sign) also
+    hides keys before query + causal_offset - left (two limits per row).
 
     `coords_rc[r, c]` is the (row, col) of register s_rc[r, c] inside the tile; row0 and col0
     are the tile's offsets in the sequence. Rows are queries and columns keys, or, with
@@ -196,7 +216,7 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
     uses it.
     """
     minus_inf = s_rc.element_type(-Float32.inf)        # (fp32, or k7's fp16 scores)
-    if cutlass.const_expr(transposed and left >= 0):
+    if cutlass.const_expr(transposed and left is not None):
         # the backward with a window's left side: in terms of key - query - offset (one
         # register, `base`, plus the coordinates), a compare against each window edge
         base = row0 - col0 - causal_offset
@@ -214,12 +234,12 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
         for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
             limit = seqlen
             if cutlass.const_expr(causal):
-                if cutlass.const_expr(right > 0):
+                if cutlass.const_expr(right != 0):
                     limit = cutlass.min(limit, coords_rc[r, 0][0] + row0 + causal_offset
                                         + (1 + right))
                 else:
                     limit = cutlass.min(limit, coords_rc[r, 0][0] + row0 + causal_offset + 1)
-            if cutlass.const_expr(left >= 0):
+            if cutlass.const_expr(left is not None):
                 low = coords_rc[r, 0][0] + row0 + causal_offset - left
                 for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                     col = coords_rc[r, c][1] + col0
@@ -237,11 +257,11 @@ def mask_scores(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: In
                 query, key = (col, row) if cutlass.const_expr(transposed) else (row, col)
                 hidden = key >= seqlen
                 if cutlass.const_expr(causal):
-                    if cutlass.const_expr(right > 0):
+                    if cutlass.const_expr(right != 0):
                         hidden = hidden or key > query + causal_offset + right
                     else:
                         hidden = hidden or key > query + causal_offset
-                if cutlass.const_expr(left >= 0):
+                if cutlass.const_expr(left is not None):
                     hidden = hidden or key < query + causal_offset - left
                 if hidden:
                     s_rc[r, c] = minus_inf
@@ -264,13 +284,13 @@ def window_elements_below(limit: int, span: int) -> int:
 
 
 def window_keep_bits(position: int, tail: int, cols: int, bounded_right: bool, right: int,
-                     left: int) -> int:
+                     left: Optional[int]) -> int:
     """Host mirror of one row of `mask_window_bits`: the keep mask of a thread's `cols`
     elements, `position` (query + offset) and `tail` (seqlen) counted from its first column."""
     span = 8 * ((cols + 1) // 2)
     limit = min(tail, position + right + 1) if bounded_right else tail
     keep = (1 << window_elements_below(limit, span)) - 1
-    if left >= 0:
+    if left is not None:
         keep &= ~((1 << window_elements_below(position - left, span)) - 1)
     return keep
 
@@ -292,10 +312,11 @@ def _low_bits(count):
 @cute.jit
 def mask_window_bits(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col0: Int32,
                      seqlen: Int32, bounded_right: cutlass.Constexpr[bool], offset: Int32,
-                     right: cutlass.Constexpr[int] = 0, left: cutlass.Constexpr[int] = -1):
+                     right: cutlass.Constexpr[int] = 0, left: cutlass.Constexpr = None):
     """`mask_scores` with a window (rows are queries, not transposed), by bit masks (above):
     -inf where the key is past `seqlen`, right of query + offset + right (bounded_right), or
-    left of query + offset - left (left >= 0). At most 32 elements per row (kv tile <= 128)."""
+    left of query + offset - left (left not None). Sides of any sign: the counts clamp to
+    0 .. span. At most 32 elements per row (kv tile <= 128)."""
     cols = cute.size(s_rc, mode=[1])
     if cutlass.const_expr(cols > 32):
         raise ValueError("mask_window_bits: at most 32 scores per row (kv tile <= 128)")
@@ -309,7 +330,7 @@ def mask_window_bits(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col
         if cutlass.const_expr(bounded_right):
             limit = cutlass.min(limit, position + (right + 1))
         keep = _low_bits(_elements_below(limit, span))
-        if cutlass.const_expr(left >= 0):
+        if cutlass.const_expr(left is not None):
             keep = keep & ~_low_bits(_elements_below(position - left, span))
         for c in cutlass.range_constexpr(cols):
             if (keep & Uint32(1 << c)) == Uint32(0):
@@ -318,33 +339,33 @@ def mask_window_bits(s_rc: cute.Tensor, coords_rc: cute.Tensor, row0: Int32, col
 
 @cute.jit
 def query_keys(query, shift, seqlen_k, causal: cutlass.Constexpr[bool],
-               left: cutlass.Constexpr[int], right: cutlass.Constexpr[int]):
+               left: cutlass.Constexpr, right: cutlass.Constexpr):
     """The keys one query sees, [low, limit) (low >= limit: none), for kernels whose rows
     are not consecutive queries (the decode stage's packed (query, head) rows): position r =
     query + shift (shift = seqlen_k - seqlen_q, bottom-right), keys r - left .. r + right
-    (right 0 with causal; -1: unbounded on that side), clipped to [0, seqlen_k)."""
+    (right 0 with causal; None: unbounded on that side), clipped to [0, seqlen_k)."""
     limit = seqlen_k
-    if cutlass.const_expr(causal or right >= 0):
+    if cutlass.const_expr(causal or right is not None):
         high = query + shift + 1
-        if cutlass.const_expr(not causal and right > 0):
+        if cutlass.const_expr(not causal and right is not None and right != 0):
             high = high + right
         limit = cutlass.min(seqlen_k, cutlass.max(high, 0))
     low = Int32(0)
-    if cutlass.const_expr(left >= 0):
+    if cutlass.const_expr(left is not None):
         low = cutlass.max(query + shift - left, 0)
     return low, limit
 
 
 @cute.jit
 def mask_key_ranges(s_rc: cute.Tensor, coords_rc: cute.Tensor, col0, lows: cute.Tensor,
-                    limits: cute.Tensor, left: cutlass.Constexpr[int]):
+                    limits: cute.Tensor, left: cutlass.Constexpr):
     """-inf where a score's key (coords_rc[r, c][1] + col0) is outside its row's [lows[r],
-    limits[r]) (`query_keys` per register row; left < 0: no low side)."""
+    limits[r]) (`query_keys` per register row; left None: no low side)."""
     for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             col = col0 + coords_rc[r, c][1]
             hidden = col >= limits[r]
-            if cutlass.const_expr(left >= 0):
+            if cutlass.const_expr(left is not None):
                 hidden = hidden or col < lows[r]
             if hidden:
                 s_rc[r, c] = -Float32.inf
@@ -387,9 +408,9 @@ class KVTileSchedule:
     # without the 1-D grid's index arithmetic (kb2's gqa variant at d = 64, where that
     # arithmetic's registers spill one)
     heads_first: bool = False
-    # the sliding window (TileSchedule's); -1: unbounded on that side
-    window_left: int = -1
-    window_right: int = -1
+    # the sliding window (TileSchedule's); None: unbounded on that side
+    window_left: Optional[int] = None
+    window_right: Optional[int] = None
     # below 16 kv tiles per head the reordering lost on the H100 (kb2, d = 128, N = 1k:
     # -0.5% to -10% as the group grew from 16 to 48 heads; docs/kb2.md)
     LONGEST_FIRST_MIN_KV_TILES = 16
@@ -475,12 +496,23 @@ class KVTileSchedule:
 
     @property
     def windowed(self) -> bool:
-        return self.window_left >= 0 or (self.window_right >= 0 and not self.causal)
+        return self.window_left is not None or (self.window_right is not None
+                                                and not self.causal)
 
     @property
-    def right_limit(self) -> int:
-        """The window's right side (0 with causal), -1 where unbounded."""
+    def right_limit(self) -> Optional[int]:
+        """The window's right side (0 with causal), None where unbounded."""
         return 0 if self.causal else self.window_right
+
+    @property
+    def right(self) -> int:
+        """`right_limit` where bounded, else 0 (mask_scores' `right`)."""
+        return 0 if self.right_limit is None else self.right_limit
+
+    @property
+    def shifted(self) -> bool:
+        """TileSchedule's: a side is negative."""
+        return shifted_window(self.window_left, self.right_limit)
 
     def part(self):
         """Which part of d's columns the calling CTA owns (0 with one part)."""
@@ -536,15 +568,21 @@ class KVTileSchedule:
     def window_m_block_range(self, n_block, seqlen_q, seqlen_k):
         """`m_block_range` with a window: from the tile of the first query whose high
         limit reaches key n_block * block_n to that of the last query whose low limit
-        reaches key (n_block + 1) * block_n - 1."""
+        reaches key (n_block + 1) * block_n - 1. With a negative right side that query may
+        be past the last: the last query tile then (fully masked)."""
         offset = seqlen_k - seqlen_q
         first = Int32(0)
-        if cutlass.const_expr(self.right_limit >= 0):
+        if cutlass.const_expr(self.right_limit is not None):
             first = cutlass.max(n_block * self.block_n - offset - self.right_limit, 0) \
                 // self.block_m
         end = cute.ceil_div(seqlen_q, self.block_m)
-        if cutlass.const_expr(self.window_left >= 0):
+        if cutlass.const_expr(self.right_limit is not None and self.right_limit < 0):
+            first = cutlass.min(first, end - 1)
+        if cutlass.const_expr(self.window_left is not None):
             last = (n_block + 1) * self.block_n - 1 - offset + self.window_left
+            if cutlass.const_expr(self.window_left < 0):    # (the last key is below r)
+                last = cutlass.min((n_block + 1) * self.block_n, seqlen_k) - 1 - offset \
+                    + self.window_left
             end = cutlass.min(end, cutlass.max(last, 0) // self.block_m + 1)
             end = cutlass.max(end, first + 1)
         return first, end
@@ -557,10 +595,10 @@ class KVTileSchedule:
         it, one whose keys no query sees and whose fully masked tile is this one (the
         left side is unbounded for tile 0). Host mirror: `window_dq_first`."""
         first = Int32(0)
-        if cutlass.const_expr(self.window_left >= 0):
+        if cutlass.const_expr(self.window_left is not None):
             diagonal = m_block * self.block_m + seqlen_k - seqlen_q
             first = cutlass.max(diagonal - self.window_left, 0) // self.block_n
-            if cutlass.const_expr(self.right_limit >= 0):
+            if cutlass.const_expr(self.right_limit is not None):
                 # the first kv tile whose m_block_range starts at or past m_block
                 past = cutlass.max(diagonal + self.right_limit, 0)
                 first = cutlass.min(first, (past + self.block_n - 1) // self.block_n)
@@ -574,9 +612,9 @@ class KVTileSchedule:
             last_key = (n_block + 1) * self.block_n - 1
             diagonal = m_block * self.block_m + seqlen_k - seqlen_q
             needs = last_key >= seqlen_k
-            if cutlass.const_expr(self.right_limit >= 0):
+            if cutlass.const_expr(self.right_limit is not None):
                 needs = needs or last_key > diagonal + self.right_limit
-            if cutlass.const_expr(self.window_left >= 0):
+            if cutlass.const_expr(self.window_left is not None):
                 needs = needs or n_block * self.block_n < \
                     diagonal + (self.block_m - 1 - self.window_left)
             return needs
@@ -589,55 +627,72 @@ class KVTileSchedule:
 
 # ---- the same ranges on the host (pure Python: tests, grid estimates) ----
 
-def window_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, left: int, right: int) -> bool:
+def shifted_window(left: Optional[int], right: Optional[int]) -> bool:
+    """A window side (None: unbounded) is negative: the clamps of the module doc apply."""
+    return (left is not None and left < 0) or (right is not None and right < 0)
+
+
+def window_visible(i: int, j: int, seqlen_q: int, seqlen_k: int, left: Optional[int],
+                   right: Optional[int]) -> bool:
     """Query i sees key j: j < seqlen_k and r - left <= j <= r + right, r = i + seqlen_k -
-    seqlen_q (-1: unbounded on that side; causal is right = 0)."""
+    seqlen_q (None: unbounded on that side; causal is right = 0)."""
     r = i + seqlen_k - seqlen_q
-    return j < seqlen_k and (left < 0 or j >= r - left) and (right < 0 or j <= r + right)
+    return (0 <= j < seqlen_k and (left is None or j >= r - left)
+            and (right is None or j <= r + right))
 
 
 def window_ranges(m_block: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
-                  left: int, right: int) -> tuple:
+                  left: Optional[int], right: Optional[int]) -> tuple:
     """TileSchedule's (n_block_first, n_block_count_kv) for query tile m_block."""
     offset = seqlen_k - seqlen_q
     count = -(-seqlen_k // block_n)
-    if right >= 0:
-        visible = max(m_block * block_m + block_m + offset + right, 1)
+    if right is not None:
+        rows_end = m_block * block_m + block_m
+        if right < 0:
+            rows_end = min(rows_end, seqlen_q)
+        visible = max(rows_end + offset + right, 1)
         count = min(count, -(-visible // block_n))
-    first = max(m_block * block_m + offset - left, 0) // block_n if left >= 0 else 0
+    first = max(m_block * block_m + offset - left, 0) // block_n if left is not None else 0
+    if shifted_window(left, right):
+        first = min(first, count - 1)
     return first, count
 
 
 def window_needs_mask(m_block: int, n_block: int, block_m: int, block_n: int, seqlen_q: int,
-                      seqlen_k: int, left: int, right: int) -> bool:
+                      seqlen_k: int, left: Optional[int], right: Optional[int]) -> bool:
     """TileSchedule.needs_window_mask (with the tail test) on the host."""
     last_col = (n_block + 1) * block_n - 1
     diagonal = m_block * block_m + seqlen_k - seqlen_q
-    return (last_col >= seqlen_k or (right >= 0 and last_col > diagonal + right)
-            or (left >= 0 and n_block * block_n < diagonal + block_m - 1 - left))
+    return (last_col >= seqlen_k or (right is not None and last_col > diagonal + right)
+            or (left is not None and n_block * block_n < diagonal + block_m - 1 - left))
 
 
 def window_m_range(n_block: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
-                   left: int, right: int) -> tuple:
+                   left: Optional[int], right: Optional[int]) -> tuple:
     """KVTileSchedule.window_m_block_range on the host: (first, end) query tiles."""
     offset = seqlen_k - seqlen_q
-    first = max(n_block * block_n - offset - right, 0) // block_m if right >= 0 else 0
     end = -(-seqlen_q // block_m)
-    if left >= 0:
-        last = (n_block + 1) * block_n - 1 - offset + left
+    first = 0
+    if right is not None:
+        first = max(n_block * block_n - offset - right, 0) // block_m
+        if right < 0:
+            first = min(first, end - 1)
+    if left is not None:
+        last = min((n_block + 1) * block_n, seqlen_k if left < 0 else 1 << 62) - 1 - offset \
+            + left
         end = max(min(end, max(last, 0) // block_m + 1), first + 1)
     return first, end
 
 
 def window_dq_first(m_block: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
-                    left: int, right: int) -> int:
+                    left: Optional[int], right: Optional[int]) -> int:
     """KVTileSchedule.dq_turn_first on the host: the first kv tile whose `window_m_range`
     holds query tile m_block (where any does)."""
-    if left < 0 or m_block == 0:
+    if left is None or m_block == 0:
         return 0
     diagonal = m_block * block_m + seqlen_k - seqlen_q
     first = max(diagonal - left, 0) // block_n
-    if right >= 0:
+    if right is not None:
         first = min(first, -(-max(diagonal + right, 0) // block_n))
     return first
 

@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 
 from . import cute_runtime as rt    # sets the target architecture before cutlass is imported
-from .contract import LOG2_E, Problem
+from .contract import LOG2_E, Problem, normalize_window
 
 import cutlass
 import cutlass.cute as cute
@@ -704,7 +704,7 @@ def check_head_dim(head_dim: int) -> None:
                          f"under torch.no_grad())")
 
 
-def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
+def compile_for(q, k, causal: bool, window=(None, None), softcap: float = 0.0,
                 deterministic: bool = False, compile_options: str = ""):
     """kb2's varlen kernels for packed q (total_q, H, d), k (total_k, H_kv, d): ValueError
     (UnsupportedProblem) for what kb2 does not run. Cached per configuration (a call's host
@@ -712,10 +712,10 @@ def compile_for(q, k, causal: bool, window=(-1, -1), softcap: float = 0.0,
     if deterministic:
         raise ValueError("the varlen backward has no deterministic mode")
     check_head_dim(q.shape[2])
-    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-    return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left,
-                     -1 if causal else right, float(softcap), compile_options,
-                     CONVERT_PER_HEAD)
+    # (Problem's fields, None: unbounded)
+    left, right = normalize_window((None, None) if window is None else window, bool(causal))
+    return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left, right,
+                     float(softcap), compile_options, CONVERT_PER_HEAD)
 
 
 @functools.lru_cache(maxsize=64)

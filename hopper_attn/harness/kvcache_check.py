@@ -269,7 +269,7 @@ def reference(q, k_cache, v_cache, keys, table, page_size: int, causal: bool, sc
     b, nq, h, d = q.shape
     out = torch.zeros(b, nq, h, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, nq), float("-inf"), dtype=torch.float32, device=q.device)
-    left, right = window
+    left, right = normalize_window(window, False)     # (any spelling; None: unbounded)
     right = 0 if causal else right
     for r in range(b):
         nk = int(keys[r])
@@ -289,9 +289,9 @@ def reference(q, k_cache, v_cache, keys, table, page_size: int, causal: bool, sc
         pos = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
         j = torch.arange(nk, device=q.device)[None, :]
         hidden = torch.zeros(nq, nk, dtype=torch.bool, device=q.device)
-        if right >= 0:
+        if right is not None:
             hidden |= j > pos + right
-        if left >= 0:
+        if left is not None:
             hidden |= j < pos - left
         s = s.masked_fill(hidden, float("-inf"))
         if sinks is not None:

@@ -112,16 +112,17 @@ def _lowp_sinks(q, k, v, left, right, scale, sinks):
 
 def visible_pairs(nq: int, nk: int, causal: bool, window=(-1, -1)) -> int:
     """Query-key pairs a sequence computes (bottom-right aligned mask)."""
-    left, right = window
+    from hopper_attn.common.contract import normalize_window
+    left, right = normalize_window(window, False)
     if causal:
         right = 0
-    if left < 0 and right < 0:
+    if left is None and right is None:
         return nq * nk
     total = 0
     for i in range(nq):
         r = i + nk - nq
-        hi = min(nk - 1, r + right) if right >= 0 else nk - 1
-        lo = max(0, r - left) if left >= 0 else 0
+        hi = min(nk - 1, r + right) if right is not None else nk - 1
+        lo = max(0, r - left) if left is not None else 0
         total += max(0, hi - lo + 1)
     return total
 

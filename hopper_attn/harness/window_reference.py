@@ -9,13 +9,17 @@ import torch
 
 
 def window_mask(nq, nk, left, right, device="cuda"):
-    """(nq, nk) bool, True where query i sees key j (bottom-right aligned)."""
+    """(nq, nk) bool, True where query i sees key j (bottom-right aligned); (left, right) in
+    any spelling `normalize_window` takes (None or, with both ints, -1: unbounded; other
+    sides literal, negative ones too)."""
+    from hopper_attn.common.contract import normalize_window
+    left, right = normalize_window((left, right), False)
     i = torch.arange(nq, device=device)[:, None] + (nk - nq)
     j = torch.arange(nk, device=device)[None, :]
     seen = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if left >= 0:
+    if left is not None:
         seen &= j >= i - left
-    if right >= 0:
+    if right is not None:
         seen &= j <= i + right
     return seen
 
