@@ -155,7 +155,7 @@ def test_kv_cache_variants_compile(page_size, block_n, stages, fp8, boxes):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("page_size,block_n,stages,features", [
-    (16, 128, 3, dict(window=(128, -1))), (0, 64, 2, dict(softcap=30.0, sinks=True))])
+    (16, 128, 3, dict(window=(128, None))), (0, 64, 2, dict(softcap=30.0, sinks=True))])
 def test_kv_cache_features_compile(page_size, block_n, stages, features):
     """A windowed (causal, left 128) and a softcapped kv-cache config with sinks compile
     for sm_90a without spills, within the registers of their CTAs per SM; one tanh per
