@@ -30,10 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bwd_gqa_gpu_check import _calls, _hopper, _sdpa  # noqa: E402
+from bwd_gqa_gpu_check import _calls, backward_providers  # noqa: E402
 from dv_gpu_check import direct_backward  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
-from hopper_attn.harness.baselines import fa4  # noqa: E402
 from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 
 HEADS = 16
@@ -107,12 +106,7 @@ def correctness(log) -> list:
 
 def speed(log) -> list:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
-    providers = {"ours": _hopper}
-    for name, make in (("fa4", fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION"))):
-        try:
-            providers[name] = make()
-        except Exception as exc:  # noqa: BLE001 - not installed here
-            log(f"  {name} unavailable: {type(exc).__name__}: {str(exc)[:80]}")
+    providers = backward_providers(log)
     flush, rows, d = L2Flush(), [], ARGS.dim
     shapes = [tuple(int(x) for x in s.split("x")) for s in ARGS.shapes.split(",")]
     masks = [bool(int(c)) for c in ARGS.causal.split(",")]

@@ -53,9 +53,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
-from bwd_gqa_gpu_check import _calls, _hopper, _sdpa  # noqa: E402
+from bwd_gqa_gpu_check import _calls, backward_providers  # noqa: E402
 from hopper_attn.common.contract import Problem  # noqa: E402
-from hopper_attn.harness.baselines import fa4  # noqa: E402
 from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 
 PAIRS = [(96, 96), (192, 192), (192, 128), (256, 256)]       # (d, dv)
@@ -335,12 +334,7 @@ def _kb1_call(q, k, v, do, causal):
 
 def speed(log) -> list:
     from hopper_attn.harness.timing import L2Flush, benchmark_interleaved
-    providers = {"ours": _hopper}
-    for name, make in (("fa4", fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION"))):
-        try:
-            providers[name] = make()
-        except Exception as exc:  # noqa: BLE001 - not installed here
-            log(f"  {name} unavailable: {type(exc).__name__}: {str(exc)[:80]}")
+    providers = backward_providers(log)
     flush, rows = L2Flush(), []
     log(f"  {'shape':36} ms: ours, others; their time / ours (> 1: ours faster)")
     for d, dv in PAIRS:

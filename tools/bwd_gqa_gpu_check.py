@@ -167,6 +167,18 @@ def _hopper(q, k, v, causal):
     return hopper_attn.attention(q, k, v, causal=causal)
 
 
+def backward_providers(log) -> dict:
+    """name -> forward(q, k, v, causal) for the backward timings: ours (attention()), FA4
+    and cuDNN (SDPA's backend) where this host has them (a line logged for each missing)."""
+    providers = {"ours": _hopper}
+    for name, make in (("fa4", fa4), ("cudnn", lambda: _sdpa("CUDNN_ATTENTION"))):
+        try:
+            providers[name] = make()
+        except Exception as exc:  # noqa: BLE001 - not installed here
+            log(f"  {name} unavailable: {type(exc).__name__}: {str(exc)[:80]}")
+    return providers
+
+
 def _calls(forward, q, k, v, do, causal):
     """(backward alone, forward + backward) callables of one provider."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
