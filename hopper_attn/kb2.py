@@ -122,7 +122,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
-                 dq_rows: bool = False):
+                 dq_rows: bool = False, gqa_stagger: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -207,6 +207,10 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         # gqa: a CTA walks every query head of its group (or part: `dkv_parts`), stores dK
         # and dV once; a separate variant, so the MHA kernels compile as before
         self.gqa = bool(gqa)
+        # gqa_stagger: kv tile n starts its walk at query head n mod group (GroupWalk); off
+        # without the walk, in the deterministic mode (its dQ turns) and varlen (untried)
+        self.gqa_stagger = bool(gqa_stagger) and self.gqa and not deterministic \
+            and not self.varlen
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -378,12 +382,15 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
             do_load = tma.TmaTiles.partition(tma_do, mdO, head, batch, sdO)
             lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
             dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
+        else:
+            walk_start = self.walk_start(n_block, group)
         produce = tma.producer_state(self.stages)
         produce_do = None if self.do_stages == self.stages else \
             tma.producer_state(self.do_stages)          # (dkv_swap_ab at dv = 192: depth 1)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):        # this tile's query head's copies
-                head_in_group, m_block = self.work_item(it, m_first, m_count)
+                head_in_group, m_block = self.work_item(it, m_first, m_count, walk_start,
+                                                        group)
                 q_head = head + head_in_group
                 head_loads = (tma.TmaTiles.partition(tma_q, mQ, q_head, batch, sQ),
                               tma.TmaTiles.partition(tma_do, mdO, q_head, batch, sdO),
@@ -631,7 +638,8 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
-            "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False}
+            "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False,
+            "gqa_stagger": False}
 
 
 BWD64 = "results/h200/2026-11-29_bwd64_dq_rows.json.xz"
@@ -757,7 +765,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
                    varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
                    dkv_split_d: Optional[bool] = None,
-                   dq_rows: Optional[bool] = None):
+                   dq_rows: Optional[bool] = None, gqa_stagger: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not

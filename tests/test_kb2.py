@@ -636,3 +636,19 @@ def test_dq_rows_compiles_without_spills():
                              r"\s*%rd") == 128 // 16                           # dQ
     with pytest.raises(ValueError, match="dq_rows"):
         kb2.compile_kernel(Problem(1, 2, 128, 64, True), block_m=64, dq_rows=True)
+
+
+def test_gqa_stagger_compiles_without_spills():
+    """gqa_stagger (the gqa walk from query head n_block mod group, docs/lab/kb2.md "GQA at
+    d = 64: rows against columns"): d = 64 GQA without a mask and dQ by rows compiles without
+    spills; without the walk (MHA) or in the deterministic mode the option is off."""
+    from hopper_attn import kb2
+    art = compiled("kb2:dq_rows=1,gqa_stagger=1", 64, False, heads_kv=1)
+    assert art["kernel"]["options"]["gqa_stagger"] is True
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert count(art["ptx"], r"\brem\.s32") >= 1                 # n_block mod group
+    for gqa, deterministic in ((False, False), (True, True)):
+        kernel = kb2.FlashAttentionBackwardKB2(64, False, block_m=128, gqa=gqa,
+                                               deterministic=deterministic, gqa_stagger=True)
+        assert kernel.gqa_stagger is False

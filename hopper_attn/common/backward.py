@@ -676,11 +676,27 @@ class GroupWalk:
     its part of it, masking.dkv_parts), head after head, and stores dK and dV once."""
 
     @cute.jit
-    def work_item(self, it, m_first, m_count):
+    def work_item(self, it, m_first, m_count, start=None, group=None):
         """The `it`-th (query head of the group, query tile) pair a CTA visits: each head's
-        query tiles in order, the group's heads one after the other."""
-        head_in_group = it // m_count
-        return head_in_group, m_first + (it - head_in_group * m_count)
+        query tiles in order, the group's heads one after the other (gqa_stagger: from head
+        `start` of `group`, `walk_start`; the query tile does not depend on it)."""
+        turn = it // m_count
+        m_block = m_first + (it - turn * m_count)
+        head_in_group = turn
+        if cutlass.const_expr(start is not None):
+            head_in_group = turn + start
+            if head_in_group >= group:
+                head_in_group = head_in_group - group
+        return head_in_group, m_block
+
+    @cute.jit
+    def walk_start(self, n_block, group):
+        """gqa_stagger: the query head kv tile `n_block` walks first, n_block mod group, so
+        that the CTAs of one k/v head (which run in step) read Q / dO and add dQ tiles of
+        `group` different query heads at a time, not all of one; None without it."""
+        if cutlass.const_expr(not self.gqa_stagger):
+            return None
+        return n_block % group
 
     def visits(self, m_count, group):
         """How many query tiles a CTA walks (gqa: times the group's query heads)."""
@@ -709,9 +725,12 @@ class DqWriter:
         dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
         if cutlass.const_expr(not self.gqa):
             dq_accum = mdQacc[batch, head, None, None].iterator
+        else:
+            walk_start = self.walk_start(n_block, group)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):
-                head_in_group, m_block = self.work_item(it, m_first, m_count)
+                head_in_group, m_block = self.work_item(it, m_first, m_count, walk_start,
+                                                        group)
                 q_head = head + head_in_group
                 dq_head = mdQacc[batch, q_head, None, None].iterator
             else:
