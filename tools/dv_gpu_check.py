@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.baselines import fa4  # noqa: E402
-from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.gpu_check import CaseGroups, run_check  # noqa: E402
 from hopper_attn.harness.window_reference import (gradient_errors, reference,  # noqa: E402
                                                    torch_lowp, window_mask)
 
@@ -181,18 +181,8 @@ def refused_case(d, dv, window) -> dict:
 
 
 def correctness(log) -> list:
-    groups = {}
-    seed = 0
-
-    def run(label, fn, *args):
-        nonlocal seed
-        seed += 1
-        try:
-            row = fn(*args, seed)
-        except Exception as exc:  # noqa: BLE001 - reported as a failure
-            row = {"case": [label, *args], "ok": False, "ratio": float("inf"),
-                   "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        groups.setdefault(label, []).append(row)
+    cases = CaseGroups()
+    run = cases.run
 
     for d, dv in PAIRS:
         for n in LENGTHS:
@@ -220,9 +210,9 @@ def correctness(log) -> list:
                 run(f"window (127,0) ({d},{dv})", functools.partial(fn, window=(127, 0)), 2,
                     1000, 1000, 4, 2, d, dv, True)
         else:
-            groups.setdefault("window refused", []).append(refused_case(d, dv, (127, 0)))
+            cases.groups.setdefault("window refused", []).append(refused_case(d, dv, (127, 0)))
     rows = []
-    for label, group in groups.items():
+    for label, group in cases.groups.items():
         bad = [r for r in group if not r["ok"]]
         log(f"  {label:28} {len(group):3} cases, worst ratio "
             f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")

@@ -110,18 +110,25 @@ def correctness(features: bool = False) -> list:
     return rows
 
 
+def _bf16_and_fp8_sets(batch, n):
+    """One query per request, the key counts, and contiguous bf16 caches and their e4m3 copies
+    (enough copies that two calls' K and V exceed 2x L2)."""
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
+    copies = max(2, math.ceil(2 * L2_BYTES / (2 * batch * n * HKV * D * 2)))
+    q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
+    sets = [_caches(batch, n, 0, gen)[:2] for _ in range(copies)]
+    return q, seqlens, sets, [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
+                              for k, v in sets]
+
+
 def fp8_speed() -> list:
     """--fp8-speed: the bf16 and the e4m3 cache, contiguous, on SMALL; e4m3 / bf16 speed."""
     from decode_gpu_check import round_robin
     from hopper_attn import attention_with_kvcache
     rows = []
     for batch, n in SMALL:
-        gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
-        copies = max(2, math.ceil(2 * L2_BYTES / (2 * batch * n * HKV * D * 2)))
-        q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
-        seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
-        sets = [_caches(batch, n, 0, gen)[:2] for _ in range(copies)]
-        sets8 = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in sets]
+        q, seqlens, sets, sets8 = _bf16_and_fp8_sets(batch, n)
         timed = round_robin({name: [lambda k=k, v=v: attention_with_kvcache(q, k, v, seqlens)
                                     for k, v in kv] for name, kv in (("bf16", sets),
                                                                      ("fp8", sets8))})
@@ -247,12 +254,7 @@ def fp8_swap_speed() -> list:
 
     rows = []
     for batch, n in SMALL + [(8, 32768)]:
-        gen = torch.Generator(device="cuda").manual_seed(batch * 7 + n)
-        copies = max(2, math.ceil(2 * L2_BYTES / (2 * batch * n * HKV * D * 2)))
-        q = torch.randn(batch, 1, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
-        seqlens = torch.full((batch,), n, dtype=torch.int32, device="cuda")
-        sets = [_caches(batch, n, 0, gen)[:2] for _ in range(copies)]
-        sets8 = [(k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in sets]
+        q, seqlens, sets, sets8 = _bf16_and_fp8_sets(batch, n)
         k8, v8 = sets8[0]
         diff = (call(q, k8, v8, seqlens, "swap").float()
                 - call(q, k8, v8, seqlens, "widen").float()).abs().max().item()

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.common.sinks import reference_with_sinks  # noqa: E402
-from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.gpu_check import CaseGroups, run_check  # noqa: E402
 from hopper_attn.harness.window_reference import window_mask  # noqa: E402
 
 ROUNDED_SUMS_LSE = math.log1p(2 ** -8)     # d 192 / 256: P rounded to bf16 before l's sums
@@ -141,17 +141,8 @@ def backward_case(batch, nq, nk, heads, heads_kv, d, causal, left, sinks, seed) 
 
 
 def correctness(log) -> list:
-    groups, seed = {}, 0
-
-    def run(label, fn, *args, **kwargs):
-        nonlocal seed
-        seed += 1
-        try:
-            row = fn(*args, seed, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported as a failure
-            row = {"case": [label, *args], "ok": False, "ratio": float("inf"),
-                   "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        groups.setdefault(label, []).append(row)
+    cases = CaseGroups()
+    run = cases.run
 
     for left in (128, -1):                              # gpt-oss: GQA 64/8, d 64
         for n in (1, 17, 113, 1000):
@@ -174,7 +165,7 @@ def correctness(log) -> list:
                 run(f"d{d} window LSE", forward_case, 1, n, n, 4, 4, d, True, left, sinks)
         run(f"d{d} window LSE", forward_case, 1, 1000, 1000, 4, 2, d, False, 256, False)
     rows = []
-    for label, group in groups.items():
+    for label, group in cases.groups.items():
         bad = [r for r in group if not r["ok"]]
         lse = max((r.get("lse_error", 0.0) for r in group), default=0.0)
         log(f"  {label:22} {len(group):2} cases, worst ratio "

@@ -50,8 +50,8 @@ import torch  # noqa: E402
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.gpu_check import run_check  # noqa: E402
 from hopper_attn.harness.varlen_reference import (  # noqa: E402
-    cu_seqlens, flops, lognormal_lengths, reference, speed_dims, speed_equal_lengths,
-    speed_mixes)
+    cu_seqlens, flops, gpt_oss_packed, lognormal_lengths, reference, speed_dims,
+    speed_equal_lengths, speed_mixes)
 
 PAD = 64                    # poisoned tokens before and after every tensor
 TAILS = [0, 1, 17, 113, 1000, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 300]
@@ -311,13 +311,9 @@ def sinks_speed(log, flush) -> dict:
     16k lognormal mix (seed 16), forward and backward (autograd.grad on a kept graph: dq, dk,
     dv and dsinks), ours with sinks, ours without, FA4 with `learnable_sink` where it runs."""
     from hopper_attn.harness.timing import benchmark_interleaved, tflops
-    lengths = lognormal_lengths(16384, 16)
-    cu, n, window = cu_seqlens(lengths), max(lengths), (128, 0)
-    gen = torch.Generator(device="cuda").manual_seed(16)
-    q = torch.randn(sum(lengths), 64, 64, device="cuda", generator=gen).bfloat16()
-    k, v = (torch.randn(sum(lengths), 8, 64, device="cuda", generator=gen).bfloat16()
-            for _ in range(2))
-    sinks = torch.randn(64, device="cuda", generator=gen) * 2
+    mix = gpt_oss_packed()
+    q, k, v, sinks, cu, n, window = (mix[key] for key in ("q", "k", "v", "sinks", "cu",
+                                                          "max_seqlen", "window"))
     do = torch.randn_like(q)
     row = {"mix": "lognormal 16k", "seed": 16, "heads": 64, "heads_kv": 8, "d": 64,
            "window": list(window), "notes": {}}

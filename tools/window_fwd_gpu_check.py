@@ -52,8 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
-from hopper_attn.harness.gpu_check import run_check  # noqa: E402
-from hopper_attn.harness.varlen_reference import cu_seqlens, lognormal_lengths  # noqa: E402
+from hopper_attn.harness.gpu_check import CaseGroups, run_check  # noqa: E402
+from hopper_attn.harness.varlen_reference import (cu_seqlens, gpt_oss_packed,  # noqa: E402
+                                                  lognormal_lengths)
 from hopper_attn.harness.window_reference import (reference, torch_lowp,  # noqa: E402
                                                    window_inputs, window_mask)
 
@@ -161,17 +162,8 @@ def packed_case(lengths, heads, heads_kv, d, window, seed, sinks=False) -> list:
 
 
 def correctness(log) -> list:
-    groups, seed = {}, 0
-
-    def run(label, fn, *args, **kwargs):
-        nonlocal seed
-        seed += 1
-        try:
-            found = fn(*args, seed, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported as a failure
-            found = [{"case": [label, *args], "ok": False, "ratio": float("inf"),
-                      "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}]
-        groups.setdefault(label, []).extend(found)
+    cases = CaseGroups()
+    run = cases.run
 
     # (window, causal, length): one compile per window and POLICY row, so one length each
     dense = [((4095, 0), True, 5000), ((127, 0), True, 1000), ((3, 0), True, 113),
@@ -187,7 +179,7 @@ def correctness(log) -> list:
     for sinks in (False, True):
         run("packed gpt-oss", packed_case, docs, 64, 8, 64, (128, 0), sinks=sinks)
     rows = []
-    for label, group in groups.items():
+    for label, group in cases.groups.items():
         bad = [r for r in group if not r["ok"]]
         same = [r["same_bits"] for r in group if "same_bits" in r]
         log(f"  {label:20} {len(group):3} cases, worst ratio "
@@ -246,14 +238,10 @@ def speed(log, deadline) -> list:
     if not MASKS:                          # the schedule's variants: dense only
         gpt_oss(time_row, ((1, 8192, False), (1, 16384, False), (4, 16384, True)))
         return rows
-    lengths = lognormal_lengths(16384, 16)
-    cu, n, window = cu_seqlens(lengths), max(lengths), (128, 0)
-    gen = torch.Generator(device="cuda").manual_seed(16)
-    q = torch.randn(sum(lengths), 64, 64, device="cuda", generator=gen).bfloat16()
-    k, v = (torch.randn(sum(lengths), 8, 64, device="cuda", generator=gen).bfloat16()
-            for _ in range(2))
-    s = torch.randn(64, device="cuda", generator=gen) * 2
-    problem = k6_varlen.problem_for(q, k, len(lengths), n, n, True,
+    mix = gpt_oss_packed()
+    q, k, v, s, cu, n, window = (mix[key] for key in ("q", "k", "v", "sinks", "cu",
+                                                      "max_seqlen", "window"))
+    problem = k6_varlen.problem_for(q, k, len(mix["lengths"]), n, n, True,
                                     normalize_window(window, True))
     out = torch.empty_like(q)
     lse = torch.empty((64, q.shape[0]), device="cuda")

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
 from hopper_attn.harness.baselines import fa4  # noqa: E402
-from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.gpu_check import CaseGroups, run_check  # noqa: E402
 from hopper_attn.harness.window_reference import (gradient_errors, reference,  # noqa: E402
                                                    torch_lowp, window_inputs, window_mask)
 
@@ -86,18 +86,8 @@ def backward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> di
 
 
 def correctness(log) -> list:
-    groups = {}
-    seed = 0
-
-    def run(label, fn, *args):
-        nonlocal seed
-        seed += 1
-        try:
-            row = fn(*args, seed)
-        except Exception as exc:  # noqa: BLE001 - reported as a failure
-            row = {"case": [label, *args], "ok": False, "ratio": float("inf"),
-                   "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        groups.setdefault(label, []).append(row)
+    cases = CaseGroups()
+    run = cases.run
 
     for n in LENGTHS:
         for causal, window in FWD_WINDOWS:
@@ -123,7 +113,7 @@ def correctness(log) -> list:
         run("cross (blind rows/keys)", forward_case, 1, nq, nk, 2, 2, 64, causal, window)
         run("cross (blind rows/keys)", backward_case, 1, nq, nk, 2, 2, 64, causal, window)
     rows = []
-    for label, group in groups.items():
+    for label, group in cases.groups.items():
         bad = [r for r in group if not r["ok"]]
         log(f"  {label:24} {len(group):3} cases, worst ratio "
             f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")

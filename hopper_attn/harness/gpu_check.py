@@ -56,6 +56,24 @@ def write_json(result: dict, name: str, out_dir: str | None = None) -> str:
     return path
 
 
+class CaseGroups:
+    """Correctness cases of a GPU check, grouped by label: `run(label, fn, *args, **kwargs)`
+    calls fn(*args, seed, **kwargs) with the next seed (1, 2, ...), which returns one row or a
+    list of rows (each with "ok" and "ratio"); an exception is a failed row of its own."""
+
+    def __init__(self):
+        self.groups, self.seed = {}, 0
+
+    def run(self, label, fn, *args, **kwargs):
+        self.seed += 1
+        try:
+            found = fn(*args, self.seed, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported as a failure
+            found = {"case": [label, *args], "ok": False, "ratio": float("inf"),
+                     "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        self.groups.setdefault(label, []).extend(found if isinstance(found, list) else [found])
+
+
 def run_check(doc: str, json_name: str, correctness, speed, correctness_legend: str,
               speed_legend: str) -> int:
     """Parse --quick (correctness only), --speed-only and --out (default $OUT); print the environment;

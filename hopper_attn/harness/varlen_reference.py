@@ -155,6 +155,20 @@ def cu_seqlens(lengths, device="cuda") -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32, device=device)
 
 
+def gpt_oss_packed(total: int = 16384, seed: int = 16) -> dict:
+    """gpt-oss's attention shape over a lognormal document mix (`total` tokens, `seed`):
+    packed q (64 heads), k and v (8 heads), d 64, bf16, per-head sink logits, causal window
+    (128, 0): {"q", "k", "v", "sinks", "cu", "max_seqlen", "window", "lengths"}."""
+    lengths = lognormal_lengths(total, seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lengths), 64, 64, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(sum(lengths), 8, 64, device="cuda", generator=gen).bfloat16()
+            for _ in range(2))
+    sinks = torch.randn(64, device="cuda", generator=gen) * 2
+    return {"q": q, "k": k, "v": v, "sinks": sinks, "cu": cu_seqlens(lengths),
+            "max_seqlen": max(lengths), "window": (128, 0), "lengths": lengths}
+
+
 def speed_mixes() -> list:
     """The (tokens, seed) document mixes the varlen GPU checks time: VARLEN_TOTALS="16384" keeps the 16k mix."""
     keep = os.environ.get("VARLEN_TOTALS", "16384,65536").split(",")
