@@ -20,8 +20,8 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   ("after<n>"), before the exp2s ("first"), or where ptxas puts it ("free").
 * `rescale="lazy"`: O rescaled only where a row maximum grew by more than 2^8, with P
   rounded to the input type before the row sums (l then adds what the PV GEMM multiplies);
-  its PV wait under a per-warp vote splits warpgroups (docs/window.md): "lazy_wg" votes per
-  warpgroup, "lazy_after_wait" (d 256) / "lazy_before_pv" scale O after PV's wait / under QK.
+  its PV wait under a per-warp vote splits warpgroups (docs/window.md), so the defaults take
+  "lazy_after_wait" (d 256) / "lazy_before_pv" (d 192): O scaled after PV's wait / under QK.
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -100,8 +100,7 @@ ITEM_ENDS = {
 }
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
-RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv", "lazy_wg", "lazy_before_pv")
-RESCALE_VOTE_BARRIERS = 4        # + warpgroup 1..W (5..7; k5 takes 1, 2..4): lazy_wg's vote
+RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv", "lazy_before_pv")
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
 # A windowed problem's masked tiles per head dim (else compares): bit masks where the H200
 # measured them faster, at d = 64 without turns (WINDOW_WGS; compares spill on its 192 rows):
@@ -132,7 +131,7 @@ D64C = dict(block_m=192, mask_per_row=True, skip_idle_wgs=True, spin_waits=True,
             v_release_last=True, item_end="own_buffer_wg")        # d = 64 causal, 192 rows
 D128 = dict(block_m=128, block_n=128, item_end="own_buffer_wg", spin_waits=True,
             fma_exp2_every=16)
-D192 = dict(block_m=128, block_n=112, pv_wait="one_group", rescale="lazy",
+D192 = dict(block_m=128, block_n=112, pv_wait="one_group", rescale="lazy_before_pv",
             item_end="q_buffer_wg", peel_first=True)
 D256 = dict(block_m=128, block_n=80, pv_wait="one_group", rescale="lazy_after_wait",
             item_end="q_buffer_wg", v_release_last=True, peel_first=True)
@@ -189,13 +188,10 @@ POLICY = [
      "PV wait after 7 exp2s from 2k", H100 + "26_k6_pv_wait_after_*.json"),
     (128, True, ALL, dict(D128, pv_wait="after7", v_release_last=True),
      "longest-first lost at 16k", H100 + "26_k6_longest_first_*.json"),
-    (192, False, Lengths(0, 4096), dict(D192),
-     "lazy rescale with rounded sums, one PV group, first tile peeled",
-     H200 + "28_k6_d192_lazy_round*.json"),
-    (192, False, Lengths(4096, 8192), dict(D192, stream_k=True),
-     "stream-K tail from 4k", H100 + "26_k6_stream_k_d192_run2.json"),
-    (192, False, ALL, dict(D192, stream_k=True, item_end="q_buffer"),
-     "per-warpgroup stores lost at 16k", H100 + "26_k6_wg_store_q_*.json"),
+    (192, False, ALL, dict(D192, stream_k=True),
+     "lazy rescale with O scaled under QK (no WGMMA wait under a per-warp vote: synccheck "
+     "clean), stream-K at every length: 0.993-1.006x the earlier rows",
+     H200 + "29_fwd_d192_before_pv.json.xz"),
     (192, True, ALL, dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32,
                           mask_per_row=True),
      "spins; each warpgroup stops at its diagonal, 32 MiB head groups longest first, one key "
@@ -245,7 +241,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False, window_left: int | None = None, window_right=None,
-                 head_dim_v: int = 0, window_mask: str = "compare", window_group: int = 0):
+                 head_dim_v: int = 0, window_mask: str = "compare"):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -266,10 +262,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # fence: every exp2 result goes through an opaque move (OnlineSoftmax.opaque_exp2)
         self.opaque_exp2 = after > 0 and block_m == 192
         # lazy (module doc; its wait under a per-warp vote may split a warpgroup: wait_group is
-        # .sync.aligned), lazy_wg: voting per warpgroup; lazy_after_wait / lazy_before_pv: O's
-        # rows scaled after the PV wait / under QK; (k7) before_pv: O *= alpha under QK
+        # .sync.aligned); lazy_after_wait / lazy_before_pv: O's rows scaled after the PV wait
+        # / under QK; (k7) before_pv: O *= alpha under QK
         self.lazy_rescale = self.round_p_sums = rescale.startswith("lazy")
-        self.vote_barriers = RESCALE_VOTE_BARRIERS if rescale == "lazy_wg" else None
         self.rescale_after_pv_wait = rescale == "lazy_after_wait"
         self.rescale_threshold_log2 = 8.0
         self.rescale_before_pv = rescale.endswith("before_pv")
@@ -307,8 +302,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.window_mask_bits = window_mask != "compare" and windowed
         # bits_wg_first: with wg_causal_limit each warpgroup starts at its rows' first kv tile
         self.wg_window_first = self.wg_causal_limit and window_mask == "bits_wg_first"
-        # the persistent grid (module doc); head groups: `longest_first` MiB of K/V, or (a
-        # window) `window_group` heads at any N: its items read the window's keys, not N's
+        # the persistent grid (module doc); head groups of `longest_first` MiB of K and V
         if stream_k and causal:
             raise ValueError("stream_k: the static persistent schedule (no mask) only")
         self.stream_k = bool(stream_k)
@@ -316,8 +310,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         ordered = causal or windowed
         self.scheduler = TileScheduler(self.block_m, ordered, True, persistent_ctas or sm_count(),
                                        ordered, (longest_first << 20) // (head_dim * 4),
-                                       bool(fast_divmod), self.stream_k, self.block_n,
-                                       group_heads=int(window_group) if windowed else 0)
+                                       bool(fast_divmod), self.stream_k, self.block_n)
         self.uniform_descriptors = bool(uniform_descriptors)
         self.spin_waits = bool(spin_waits)
         # K_{j+1} loaded before V_j (k5's order), or (False) V_j before K_{j+1}
@@ -370,8 +363,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                                     fma_exp2_every=self.fma_exp2_every,
                                     fence_after=self.softmax_fence_after, softcap_prescale=prescale,
                                     opaque_exp2=self.opaque_exp2, fixed_max=self.softcap_fixed_max,
-                                    round_p=self.dtype if self.round_p_sums else None,
-                                    vote_barriers=self.vote_barriers)
+                                    round_p=self.dtype if self.round_p_sums else None)
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
@@ -733,7 +725,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 # steps some row turns on; BASE's other columns (spin_waits, stream_k, ...) are POLICY's
 OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fma_exp2_every",
            "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail", "peel_first",
-           "longest_first", "softcap", "window_group")
+           "longest_first", "softcap")
 # softcapped exponents against a fixed 0 (no row maxima, no O rescale) where the H200 measured
 # them faster and correct: bf16, cap log2(e) <= 100, d 128 and 256 (docs/softcap.md)
 SOFTCAP_FIXED_MAX_DIMS = (128, 256)
@@ -761,8 +753,8 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
         # stream-K's pieces (every item from tile 0, no mask) do not know; the tail test stays
         settings.update(window_left=problem.window_left, window_right=problem.window_right,
                         stream_k=False, kv_tail=True, window_mask=mask)
-        if settings["rescale"] == "lazy":       # (d = 192: a window's first keys split
-            settings["rescale"] = "lazy_after_wait"     # warps' votes; docs/window.md)
+        if settings["rescale"].startswith("lazy"):      # (what windows measured at d = 192;
+            settings["rescale"] = "lazy_after_wait"     # docs/window.md)
     if settings["kv_tail"] == "whole":
         settings["kv_tail"] = problem.causal or problem.kv_seqlen % settings["block_n"] != 0
     settings["kv_tail"] = bool(settings["kv_tail"])
@@ -781,9 +773,8 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, s
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden (docs/k6.md): tile ("192x96":
     block_m x block_n), kv_tail (0: no tail test, for whole kv tiles; "whole": 0 where the
-    key length allows), longest_first (MiB of K and V per head group; window_group: heads per
-    group, a window's at any N), softcap (logit softcapping's cap, compile time; 0: none); the
-    others as FlashAttentionK6's arguments.
+    key length allows), longest_first (MiB of K and V per head group), softcap (logit
+    softcapping's cap, compile time; 0: none); the others as FlashAttentionK6's arguments.
     trace: iket phase ranges (harness/timeline.py); sinks: 1 for attention sinks, a runtime
     (heads,) fp32 input after `out` (common/sinks.py); window_mask: settings_for's."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup

@@ -300,10 +300,8 @@ def test_k6_whole_kv_tiles_matches_fp32(name, d, seqlen_q, seqlen_k, causal):
     ("k6:rescale=lazy,pv_wait=late", 128, False, torch.float16, "growing"),
     ("k6:rescale=lazy_after_wait", 192, True, torch.bfloat16, "growing"),     # windows'
     ("k6:rescale=lazy_after_wait", 256, False, torch.float16, "outliers"),
-    ("k6:rescale=lazy_wg", 192, False, torch.bfloat16, "outliers"),    # d = 192's candidates
-    ("k6:rescale=lazy_wg", 192, True, torch.float16, "growing"),
-    ("k6:rescale=lazy_before_pv", 192, False, torch.bfloat16, "growing"),
-    ("k6:rescale=lazy_before_pv", 192, True, torch.bfloat16, "outliers")])
+    ("k6", 192, False, torch.bfloat16, "growing"),      # d = 192's lazy_before_pv
+    ("k6", 192, True, torch.bfloat16, "outliers")])
 def test_k6_lazy_rescale_rounded_sums_match_fp32(name, d, causal, dtype, keys):
     """Lazy rescaling (O rescaled only where a row maximum grew by more than 2^8; the default
     at d = 192 and 256) with P rounded to the input type before the row sums: on keys that

@@ -204,7 +204,7 @@ def test_sass_order_finds_warpgroup_ops_under_a_warp_vote():
     found = warpgroup_ops_under_warp_votes(text)
     assert found == [(0x100, 0x110, [(0x120, "WARPGROUP.DEPBAR.LE gsb0, 0x0")]),
                      (0x140, 0x160, [])]
-    # rescale="lazy_wg": the branch on a warpgroup-wide barrier vote (bar.red.or.pred)
+    # a branch on a warpgroup-wide barrier vote (bar.red.or.pred; k6's lazy_wg, not kept)
     barrier = """
         /*0100*/                   BAR.RED.OR.DEFER_BLOCKING R9, 0x80, P0 ;
         /*0110*/                   B2R.RESULT RZ, P0 ;

@@ -197,29 +197,22 @@ def test_d256_rescales_lazily_with_rounded_sums(dtype):
     assert steady_f2fp(plain) == 20 and steady_f2fp(art) == 40
 
 
-@pytest.mark.parametrize("rescale", ["lazy_wg", "lazy_before_pv"])
-def test_d192_lazy_candidates_keep_wgmma_waits_off_warp_votes(rescale):
-    """d = 192's lazy loops without "lazy"'s undefined behaviour (docs/lab/k6.md "The lazy
-    vote per warpgroup"): no WGMMA instruction under a branch on a per-warp vote (synccheck's
-    mismatching warpgroup pc); lazy_wg's PV wait under a branch on a warpgroup-wide barrier
-    vote (bar.red.or.pred) instead, lazy_before_pv's O multiplies under a per-warp vote with
-    no wait. The steady loop's PV wait leaves only P's 28 operand conversions behind it, as
-    "lazy"'s does (lazy_after_wait's rounded sums sink behind it at d = 192); no spills."""
+def test_d192_lazy_before_pv_keeps_wgmma_waits_off_warp_votes():
+    """d = 192's default lazy loop (lazy_before_pv) without "lazy"'s undefined behaviour
+    (docs/lab/k6.md "The lazy vote per warpgroup"): no WGMMA instruction under a branch on a
+    per-warp vote (synccheck's mismatching warpgroup pc), only O's multiplies, with no wait.
+    The steady loop's PV wait leaves only P's 28 operand conversions behind it, as "lazy"'s
+    does (lazy_after_wait's rounded sums sink behind it at d = 192); no spills."""
     from hopper_attn.harness.sass_order import (BARRIER_VOTE, loop_body, loops,
                                                 warpgroup_ops_under_warp_votes)
-    art = artifacts(192, False, name=f"k6:rescale={rescale}")
+    art = artifacts(192, False)
+    assert art["kernel"]["options"]["rescale"] == "lazy_before_pv"
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     text = sass(art["cubin"])
     votes = warpgroup_ops_under_warp_votes(text)
-    barrier_votes = warpgroup_ops_under_warp_votes(text, BARRIER_VOTE)
-    assert all(not skipped for _, _, skipped in votes), votes
-    if rescale == "lazy_wg":
-        assert "bar.red.or.pred" in art["ptx"] and barrier_votes
-        assert all(skipped and all("DEPBAR" in t for _, t in skipped)
-                   for _, _, skipped in barrier_votes), barrier_votes
-    else:
-        assert votes and not barrier_votes
+    assert votes and all(not skipped for _, _, skipped in votes), votes
+    assert not warpgroup_ops_under_warp_votes(text, BARRIER_VOTE)
     body = loop_body(text, max(loops(text), key=lambda lp: lp[1] - lp[0]))
     last_wait = max(i for i, t in enumerate(body) if t.startswith("WARPGROUP.DEPBAR.LE")
                     and t.endswith("0x0"))
@@ -234,7 +227,7 @@ def test_lazy_rescale_defaults():
     from hopper_attn import k6
     for d, causal in ((256, False), (256, True), (192, False), (192, True)):
         o = settings_for(Problem(1, 2, 1000, d, causal))
-        lazy = "lazy_after_wait" if d == 256 else "lazy"
+        lazy = "lazy_after_wait" if d == 256 else "lazy_before_pv"
         assert (o["rescale"], o["pv_wait"]) == (lazy, "one_group"), (d, causal)
     for d, causal in ((128, True), (128, False), (64, True)):
         assert settings_for(Problem(1, 2, 1000, d, causal))["rescale"] == "eager"
@@ -677,7 +670,7 @@ def test_item_end_options():
     for d, causal, n, end in [(64, False, 1024, "own_buffer_wg"), (64, True, 16384, "own_buffer_wg"),
                               (96, True, 8192, "own_buffer_wg"),
                               (128, True, 16384, "own_buffer_wg"), (256, False, 16384, "q_buffer_wg"),
-                              (256, True, 16384, "q_buffer_wg"), (192, False, 8192, "q_buffer")]:
+                              (256, True, 16384, "q_buffer_wg"), (192, False, 8192, "q_buffer_wg")]:
         assert settings_for(Problem(1, 2, n, d, causal))["item_end"] == end, (d, causal, n)
     # d >= 192: O staged in Q's buffer, each warpgroup's rows in its own rows of Q
     d256 = artifacts(256, False)
@@ -743,7 +736,7 @@ def test_wg_causal_limit():
 
 def test_stream_k():
     """POLICY's stream_k (measured 2026-11-26, docs/lab/k6.md "The static schedule's tail as
-    stream-K"): without a mask, at d = 128 from 8k queries and d = 192 from 4k, the static
+    stream-K"): without a mask, at d = 128 from 8k queries and d = 192 at all, the static
     schedule's last rounds are pieces of items; a split item's first piece leaves its state
     in the workspace (the kernel's counter argument, `stream_k_words` int32) and raises a
     flag with a release store, the last piece waits for it with acquire loads and merges.
@@ -763,7 +756,7 @@ def test_stream_k():
     for d, causal, n, want in [(128, False, 8192, True), (128, False, 16384, True),
                                (128, False, 4096, False), (128, True, 16384, False),
                                (256, False, 16384, False), (64, False, 16384, False),
-                               (192, False, 4096, True), (192, False, 2048, False)]:
+                               (192, False, 4096, True), (192, False, 2048, True)]:
         assert settings_for(Problem(1, 2, n, d, causal))["stream_k"] == want, (d, causal, n)
 
 

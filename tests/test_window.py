@@ -355,24 +355,6 @@ def test_k6_window_mask_bits_compiles_without_spills(mask, d, seqlen, window):
 
 
 @pytest.mark.compile
-def test_k6_window_group_compiles_without_spills():
-    """window_group=4 (w4096, d 128, 16k): head groups of 4 heads at any N (the producer warp
-    decodes the item; docs/window.md "The schedule at window 4096")."""
-    from hopper_attn.harness import registry
-    from hopper_attn.harness.compile_report import compile_artifacts, resource_usage
-    art = compile_artifacts(registry.get("k6:window_group=4"), 128, True, seqlen=16384,
-                            window=(4095, -1))
-    assert art["ok"], art.get("error")
-    assert art["kernel"]["options"]["window_group"] == 4
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    from ptx import count                 # the item decoded once, handed over in 16 bytes
-    assert count(art["ptx"], r"st\.shared\.v4\.b32") == 1
-    from hopper_attn.k6 import FlashAttentionK6      # without a window: no groups (old PTX)
-    assert FlashAttentionK6(128, True, 128, 128, window_group=4).scheduler.group_heads == 0
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("stage,d,window", [("k6", 64, (None, -5)), ("k6", 128, (5, -3)),
                                             ("kb2", 64, (-3, None)), ("kb2", 128, (None, -1))])
 def test_negative_window_sides_compile_without_spills(stage, d, window):
@@ -527,25 +509,6 @@ def test_forward_window_masks_match_fp32(causal, window, d, mask):
     finite = ref_lse.isfinite()
     assert torch.equal(lse.isfinite(), finite)
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch,heads,seqlen,window", [(3, 5, 2100, (1000, 0)),
-                                                       (1, 16, 5000, (4095, 0))])
-def test_forward_window_group_runs_every_item(batch, heads, seqlen, window):
-    """k6:window_group=4: items in groups of 4 heads (15 heads: a first group of 3), every
-    head's last query tile first; a skipped item would leave NaN rows, a repeated one is
-    caught by the reference; run twice (the work counter back at zero after a launch)."""
-    import hopper_attn
-    q, k, v = _inputs(batch, seqlen, seqlen, heads, heads, 128, seed=seqlen)
-    ref, ref_lse = reference(q, k, v, window[0], 0, 128 ** -0.5)
-    low, _ = torch_lowp(q, k, v, window[0], 0, 128 ** -0.5)
-    for _ in range(2):
-        out, lse = hopper_attn.attention(q, k, v, causal=True, window_size=window,
-                                         return_lse=True, stage="k6:window_group=4")
-        assert (out.float() - ref).abs().max().item() <= \
-            2 * (low - ref).abs().max().item() + 2 ** -10
-        assert (lse - ref_lse).abs().max().item() < 1e-3
 
 
 @pytest.mark.gpu

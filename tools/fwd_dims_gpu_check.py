@@ -43,13 +43,13 @@ candidates best against POLICY's row); everything goes to $OUT/fwd_dims.json (or
         --only d192x128:w112,d192x128:eager_after7,d192x128c:d192c,d192x128c:d192c_eager,\
 d192x128c:d192c_eager_after7,d192x128c:d192c_w128_eager,d192x128c:d192c_w128_eager_after7
 
-d = 192's lazy loops without a WGMMA wait under a per-warp vote, against "lazy" (POLICY;
-`stream_k` is it with stream-K, POLICY's from 4k) and after_wait (docs/lab/k6.md "The lazy
-vote per warpgroup"; ~3 min on an H200):
+d = 192's lazy loops without a WGMMA wait under a per-warp vote (docs/lab/k6.md "The lazy
+vote per warpgroup"; 2026-11-29_fwd_d192_before_pv: lazy_before_pv with stream-K became
+POLICY's row, lazy_wg was not kept), the row against itself without stream-K and after_wait
+(~3 min on an H200):
 
     python tools/fwd_dims_gpu_check.py --dims 192 --lengths 2048,8192,16384 \
-        --only d192:lazy_wg,d192:before_pv,d192:after_wait,d192:stream_k,d192:lazy_wg_sk,\
-d192:before_pv_sk,d192c:lazy_wg,d192c:before_pv,d192c:after_wait
+        --only d192:no_stream_k,d192:after_wait,d192c:after_wait
 """
 
 from __future__ import annotations
@@ -92,12 +92,6 @@ EAGER_AFTER7 = dict(rescale="eager", pv_wait="after7", v_release_last=True)
 # branches) is what the d = 96 profile found over FA4's (docs/k6.md, "The profile").
 AFTER_WAIT = ("the POLICY row with rescale=lazy_after_wait (windows'): O's lazy rescale "
               "after the PV wait, no WGMMA wait behind a per-warp vote (docs/window.md)")
-LAZY_WG = ("the POLICY row with rescale=lazy_wg: lazy's loop, its vote OR-ed over the "
-           "warpgroup by a named barrier (bar.red.or.pred), so the PV wait behind it is "
-           "warpgroup-uniform (docs/lab/k6.md 'The lazy vote per warpgroup')")
-BEFORE_PV = ("the POLICY row with rescale=lazy_before_pv: the vote per warp, O's moved rows "
-             "scaled under the next QK, before PV's issue; no wait under the vote, and the "
-             "rounded sums stay before the PV wait (after_wait's sink behind it)")
 CANDIDATES = {
     (96, False): {
         "w112": (dict(D96, block_n=112), "14% fewer kv tiles a key; 132 of 160 registers"),
@@ -136,14 +130,8 @@ CANDIDATES = {
                         "the same on 112 keys"),
     },
     (192, False): {
-        "stream_k": (dict(D192, stream_k=True), "stream-K below 4k too: 2,048 items are "
-                     "15.5 rounds on 132 SMs at every length"),
-        "lazy_wg": (dict(D192, rescale="lazy_wg"), LAZY_WG),
-        "before_pv": (dict(D192, rescale="lazy_before_pv"), BEFORE_PV),
-        "lazy_wg_sk": (dict(D192, rescale="lazy_wg", stream_k=True), "lazy_wg + stream_k "
-                       "(POLICY's row from 4k, against `stream_k`)"),
-        "before_pv_sk": (dict(D192, rescale="lazy_before_pv", stream_k=True),
-                         "before_pv + stream_k"),
+        "no_stream_k": (dict(D192), "the POLICY row without stream-K (the static schedule's "
+                        "last rounds whole)"),
         "after_wait": (dict(D192, rescale="lazy_after_wait"), AFTER_WAIT),
         "eager_after7_np": (dict(D192, **EAGER_AFTER7, peel_first=False),
                             "(192, 128)'s eager loop, unpeeled: 0.78-0.82x this row (H200)"),
@@ -169,8 +157,6 @@ CANDIDATES = {
         "d192c_eager": (dict(D192C, rescale="eager"), "d192c eager, the pinned one-group wait"),
     },
     (192, True): {
-        "lazy_wg": (dict(D192C, rescale="lazy_wg"), LAZY_WG),
-        "before_pv": (dict(D192C, rescale="lazy_before_pv"), BEFORE_PV),
         "wgl_lf32": (dict(D192, spin_waits=True, wg_causal_limit=True, longest_first=32),
                      "d = 256's causal row from 2k"),
         "wgl_lf32_per_row": (dict(D192, spin_waits=True, wg_causal_limit=True,

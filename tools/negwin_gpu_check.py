@@ -126,7 +126,8 @@ def correctness(log) -> list:
         rows += group
     for row in [r for r in rows if not r["ok"]][:6]:
         log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
-            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} "
+            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} (err "
+            f"{row.get('lse_err', float('nan')):.1e}, finite {row.get('lse_finite_ok')}) "
             f"zero_ok {row.get('zero_ok')}")
     return rows
 

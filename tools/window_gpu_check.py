@@ -23,6 +23,7 @@ Prints < 40 lines; everything goes to $OUT/window.json (or --out).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -40,6 +41,12 @@ from hopper_attn.harness.window_reference import (gradient_errors, reference,  #
 FWD_WINDOWS = [(True, (0, 0)), (True, (3, 0)), (True, (127, 0)), (True, (128, 0)),
                (True, (4095, 0)), (False, (256, 256)), (False, (-1, 64))]
 D64_WINDOWS = [(True, (127, 0)), (False, (256, 256)), (False, (-1, 64))]
+# the LSE's bound. d <= 128 (eager): 1e-3. d 192 / 256 (k6's lazy rescales) round P to bf16
+# before l's sums (l adds what the PV GEMM multiplies, so O / l is unaffected), and each
+# term's relative error is at most bf16's unit roundoff 2^-8 (a sum of positive terms keeps
+# that bound; the reference maximum may trail the true one by 2^8, so no term is exact for
+# sure): |LSE - ref| <= ln(1 + 2^-8). Rows that see few keys come nearest to it.
+ROUNDED_SUMS_LSE = math.log1p(2 ** -8)
 LENGTHS = [1, 17, 113, 1000, 4096]
 
 
@@ -53,14 +60,16 @@ def forward_case(batch, nq, nk, heads, heads_kv, d, causal, window, seed) -> dic
     bound = 2 * (low - ref).abs().max().item() + 2 ** -10
     err = (out.float() - ref).abs().max().item()
     finite = ref_lse.isfinite()
-    lse_ok = bool(torch.equal(lse.isfinite(), finite)) and (
-        not finite.any() or (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3)
+    lse_finite_ok = bool(torch.equal(lse.isfinite(), finite))     # -inf exactly where blind
+    lse_err = (lse[finite] - ref_lse[finite]).abs().max().item() if finite.any() else 0.0
+    lse_ok = lse_finite_ok and lse_err < (1e-3 if d <= 128 else ROUNDED_SUMS_LSE)
     blind = ~window_mask(nq, nk, window[0], right).any(-1)
     zero_ok = bool((out[:, blind] == 0).all()) if blind.any() else True
     nan = bool(out.isnan().any())
     return {"case": ["fwd", batch, nq, nk, heads, heads_kv, d, causal, list(window)],
             "ratio": float("inf") if nan else err / bound, "error": err,
-            "lse_ok": lse_ok, "blind_rows": int(blind.sum()), "zero_ok": zero_ok,
+            "lse_err": lse_err, "lse_finite_ok": lse_finite_ok, "lse_ok": lse_ok,
+            "blind_rows": int(blind.sum()), "zero_ok": zero_ok,
             "ok": not nan and err <= bound and lse_ok and zero_ok}
 
 
@@ -120,7 +129,8 @@ def correctness(log) -> list:
         rows += group
     for row in [r for r in rows if not r["ok"]][:4]:
         log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
-            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} "
+            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} (err "
+            f"{row.get('lse_err', float('nan')):.1e}, finite {row.get('lse_finite_ok')}) "
             f"zero_ok {row.get('zero_ok')}")
     return rows
 

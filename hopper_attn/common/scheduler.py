@@ -108,17 +108,13 @@ class TileScheduler:
     # a packed batch (module doc): `seqlen_q` in `grid` is the total query count and in
     # `work` the cu_seqlens_q tensor; batch_size the number of sequences
     varlen: bool = False
-    # dynamic (sliding windows, k6's `window_group`): head groups of this many heads, the
-    # longest query tile of each first, whatever N: a windowed item reads about the window's
-    # keys, so a group's K/V in L2 does not grow with N as `l2_rows`' budget assumes
-    group_heads: int = 0
 
     @property
     def by_head_group(self) -> bool:
         """Items decoded by `head_group_order`: then the producer warp decodes each one and
         passes (query tile, head, batch, valid) on through the `ItemQueue` (seven integer
         divisions in every consumer thread cost 0.5-2% in k6's loop, docs/k6.md)."""
-        return (self.l2_rows > 0 or self.group_heads > 0 or self.varlen) and self.dynamic
+        return (self.l2_rows > 0 or self.varlen) and self.dynamic
 
     def grid(self, seqlen_q, heads, batch):
         """Host side (inside the @cute.jit __call__)."""
@@ -219,10 +215,7 @@ class TileScheduler:
                 item = tiles * Int32(grid) + Int32(cta)
             valid = item < m_blocks * heads * batch_size
         if cutlass.const_expr(self.by_head_group):
-            if cutlass.const_expr(self.group_heads > 0):
-                group = cutlass.min(Int32(self.group_heads), heads * batch_size)
-            else:
-                group = heads_per_group(self.l2_rows, seqlen_q, heads * batch_size)
+            group = heads_per_group(self.l2_rows, seqlen_q, heads * batch_size)
             m_block, hb = head_group_order(item, m_blocks, heads * batch_size, group)
             head, batch = hb % heads, hb // heads
         else:                                           # (query tile, head, batch)

@@ -29,7 +29,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from hopper_attn.common.contract import LOG2_E
-from hopper_attn.common.warp_roles import warpgroup_any
 
 LN_2 = 0.6931471805599453
 
@@ -184,24 +183,20 @@ class OnlineSoftmax:
     # rescaling, P in [2^-scale_log2, 2^scale_log2], which fp32 and bf16 hold for
     # scale_log2 <= 100 (`exponentiate` only; `finalize` and the LSE as usual)
     fixed_max: bool = False
-    # `needs_rescale` over a warpgroup, not a warp: the OR of its 128 threads' answers at
-    # named barrier vote_barriers + its index (warp // 4; None: a per-warp vote), so that a
-    # branch on it may hold a WGMMA wait (k6's rescale="lazy_wg")
-    vote_barriers: object = None
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
                p_scale_log2: int = 0, fma_exp2_every: int = 0,
                fence_after: int = -1, opaque_exp2: bool = False,
-               round_p=None, softcap_prescale=None, fixed_max: bool = False,
-               vote_barriers=None) -> "OnlineSoftmax":
+               round_p=None, softcap_prescale=None, fixed_max: bool = False
+               ) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(0.0 if fixed_max else -Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
                              p_scale_log2, fma_exp2_every, fence_after, opaque_exp2, round_p,
-                             softcap_prescale, fixed_max, vote_barriers)
+                             softcap_prescale, fixed_max)
 
     def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
         """The same row state with another score scale (k7: per (batch, head) descales)."""
@@ -283,14 +278,11 @@ class OnlineSoftmax:
 
     @cute.jit
     def needs_rescale(self, m_new: cute.Tensor, threshold_log2: float):
-        """True for the whole warp (with `vote_barriers`: warpgroup) if any of its rows'
-        maxima grew by more than 2^threshold_log2 (a first finite maximum always counts;
-        -inf to -inf never)."""
+        """True for the whole warp if any of its rows' maxima grew by more than
+        2^threshold_log2 (a first finite maximum always counts; -inf to -inf never)."""
         grew = False
         for r in cutlass.range_constexpr(self.num_rows):
             grew = grew or (m_new[r] - self.row_max[r]) * self.scale_log2 > threshold_log2
-        if cutlass.const_expr(self.vote_barriers is not None):
-            return warpgroup_any(grew, self.vote_barriers)
         return cute.arch.vote_any_sync(grew)
 
     @cute.jit

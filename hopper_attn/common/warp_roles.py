@@ -30,9 +30,6 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 REGISTERS_PER_SM = 65536
 
@@ -159,37 +156,3 @@ class PingPong:
         if cutlass.const_expr(self.enabled):
             if wg == 0:
                 cute.arch.barrier(barrier_id=self.first_barrier, number_of_threads=self.threads)
-
-
-# the OR of one predicate over the named barrier's threads (`bar.red.or.pred`; a zero or
-# nonzero 32-bit value in and out): every thread that arrives gets the same answer
-_BARRIER_OR_PTX = """{
- .reg .pred own, any;
- setp.ne.u32 own, $1, 0;
- bar.red.or.pred any, $2, THREADS, own;
- selp.u32 $0, 1, 0, any;
-}"""
-
-
-@dsl_user_op
-def barrier_any(pred, barrier_id, threads: int, *, loc=None, ip=None):
-    """True for every one of `threads` threads arriving at named barrier `barrier_id` if
-    `pred` is true for any of them. Over a warpgroup's 128 threads: a branch on it is
-    taken by all four warps or none, so it may hold a `wgmma.wait_group` (.sync.aligned:
-    the warpgroup's warps at one pc), which a per-warp vote may not. A barrier: the
-    warpgroup's warps wait for each other here."""
-    ptx = _BARRIER_OR_PTX.replace("THREADS", str(int(threads)))
-    value = llvm.inline_asm(Int32.mlir_type,
-                            [Int32(pred).ir_value(loc=loc, ip=ip),
-                             Int32(barrier_id).ir_value(loc=loc, ip=ip)], ptx, "=r,r,r",
-                            has_side_effects=True, is_align_stack=False,
-                            asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Int32(value) != 0
-
-
-@cute.jit
-def warpgroup_any(pred, first_barrier: cutlass.Constexpr):
-    """`barrier_any` over the calling warpgroup's 128 threads, at named barrier
-    first_barrier + its index (warp // 4): one barrier per warpgroup."""
-    wg = cute.arch.make_warp_uniform(cute.arch.warp_idx()) // 4
-    return barrier_any(pred, first_barrier + wg, 128)
