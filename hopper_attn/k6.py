@@ -18,10 +18,10 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   allows): behind the back edge ("late"), pinned after the softmax by a fence ("pinned",
   "one_group": P's k16 slices also converted last first), after the tile's n-th exp2
   ("after<n>"), before the exp2s ("first"), or where ptxas puts it ("free").
-* `rescale="lazy"`: O rescaled only where a row maximum grew by more than 2^8, with P
-  rounded to the input type before the row sums (l then adds what the PV GEMM multiplies);
-  its PV wait under a per-warp vote splits warpgroups (docs/window.md), so the defaults take
-  "lazy_after_wait" (d 256) / "lazy_before_pv" (d 192): O scaled after PV's wait / under QK.
+* The lazy rescale (`rescale="lazy_after_wait"` at d 256, "lazy_before_pv" at d 192): O
+  rescaled only where a row maximum grew by more than 2^8, after PV's wait / under the next
+  QK (a per-warp vote moves the maxima; no WGMMA wait under it: docs/window.md), with P
+  rounded to the input type before the row sums (l then adds what the PV GEMM multiplies).
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -100,7 +100,7 @@ ITEM_ENDS = {
 }
 PV_WAITS = ("late", "free", "pinned", "one_group", "first")     # and "after<n>"
 WG_EPILOGUE_BARRIER = 11         # + consumer warpgroup: item_end's per-warpgroup stores
-RESCALES = ("eager", "lazy", "lazy_after_wait", "before_pv", "lazy_before_pv")
+RESCALES = ("eager", "lazy_after_wait", "before_pv", "lazy_before_pv")
 WINDOW_MASKS = ("compare", "bits", "bits_wg_first")
 # A windowed problem's masked tiles per head dim (else compares): bit masks where the H200
 # measured them faster, at d = 64 without turns (WINDOW_WGS; compares spill on its 192 rows):
@@ -261,9 +261,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # with the wait among the exp2s on 192-row tiles ptxas recomputes part of P after the
         # fence: every exp2 result goes through an opaque move (OnlineSoftmax.opaque_exp2)
         self.opaque_exp2 = after > 0 and block_m == 192
-        # lazy (module doc; its wait under a per-warp vote may split a warpgroup: wait_group is
-        # .sync.aligned); lazy_after_wait / lazy_before_pv: O's rows scaled after the PV wait
-        # / under QK; (k7) before_pv: O *= alpha under QK
+        # lazy_after_wait / lazy_before_pv (module doc): O's rows scaled after the PV wait /
+        # under QK, never a wait under a per-warp vote (wait_group is .sync.aligned: a
+        # warpgroup's warps at one pc); (k7) before_pv: O *= alpha under QK
         self.lazy_rescale = self.round_p_sums = rescale.startswith("lazy")
         self.rescale_after_pv_wait = rescale == "lazy_after_wait"
         self.rescale_threshold_log2 = 8.0
@@ -650,9 +650,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                            seqlen_k):
         """(softcap: tanh first), mask, then the online-softmax step. Eager: alpha goes to
         `finish_tile`, which rescales O (the PV wait among or before the exp2s: every row's
-        maximum and alpha first). Lazy: O rescaled here, only where a row maximum of this warp
-        grew by more than 2^rescale_threshold_log2 (a rare branch, after PV_{n-1}); with
-        lazy_after_wait in `finish_tile`."""
+        maximum and alpha first). Lazy: the reference maxima moved here, only where a row
+        maximum of this warp grew by more than 2^rescale_threshold_log2, O's rows scaled by
+        `finish_tile` (lazy_after_wait) or under the next QK (lazy_before_pv)."""
         if cutlass.const_expr(self.softcap > 0.0):
             softcap_scores(acc_rows_cols(acc_s), softmax.softcap_prescale)
         if cutlass.const_expr(self.softcap_fixed_max):
@@ -671,12 +671,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                                              seqlen_k).load())
         else:
             s_rc = self.masked_scores(acc_s, s_coords, m_block, n, seqlen_q, seqlen_k)
-            m_new = softmax.running_max(s_rc)
-            if cutlass.const_expr(self.rescale_after_pv_wait or self.rescale_before_pv):
-                softmax.rebase_if_grown(m_new, self.rescale_threshold_log2, alpha)
-            elif softmax.needs_rescale(m_new, self.rescale_threshold_log2):
-                warpgroup.wait_group(0)                 # PV_{n-1} done: O may change
-                scale_rows(o_rc, softmax.rebase(m_new))
+            softmax.rebase_if_grown(softmax.running_max(s_rc), self.rescale_threshold_log2,
+                                    alpha)
             softmax.exponentiate(s_rc)
 
     def smem_estimate(self, head_dim: int, block_m: int, block_n: int, stages: int) -> int:

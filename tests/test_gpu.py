@@ -297,7 +297,7 @@ def test_k6_whole_kv_tiles_matches_fp32(name, d, seqlen_q, seqlen_k, causal):
     ("k6", 256, False, torch.bfloat16, "growing"), ("k6", 256, True, torch.bfloat16, "growing"),
     ("k6", 256, False, torch.float16, "x4"), ("k6", 256, True, torch.float16, "outliers"),
     ("k6", 192, True, torch.bfloat16, "growing"), ("k6", 192, False, torch.float16, "outliers"),
-    ("k6:rescale=lazy,pv_wait=late", 128, False, torch.float16, "growing"),
+    ("k6:rescale=lazy_after_wait,pv_wait=late", 128, False, torch.float16, "growing"),
     ("k6:rescale=lazy_after_wait", 192, True, torch.bfloat16, "growing"),     # windows'
     ("k6:rescale=lazy_after_wait", 256, False, torch.float16, "outliers"),
     ("k6", 192, False, torch.bfloat16, "growing"),      # d = 192's lazy_before_pv

@@ -140,15 +140,15 @@ def registry_spec(name):
     return registry.get(name).spec
 
 
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, False)])
+@pytest.mark.parametrize("d,causal", [(128, True), (256, False)])
 def test_lazy_rescale_compiles(d, causal):
-    """rescale="lazy" (O rescaled only when a row maximum grew by more than 2^8, P's row sums
-    rounded): no spills, one warp vote per tile for the decision; at d = 256, with the PV
-    wait pinned after the softmax, every exp2 of the tile in front of the fenced wait (at
-    d < 192 with the late wait the rounded sums' conversions, F2FP as P's, leave
+    """rescale="lazy_after_wait" (O rescaled only when a row maximum grew by more than 2^8,
+    P's row sums rounded): no spills, one warp vote per tile for the decision; at d = 256,
+    with the PV wait pinned after the softmax, every exp2 of the tile in front of the fenced
+    wait (at d < 192 with the late wait the rounded sums' conversions, F2FP as P's, leave
     `exp2_between_waits` nothing to tell apart)."""
     # (all exp2s on the SFU: every 16th at d = 128 would otherwise run on the FMA pipe)
-    art = artifacts(d, causal, name="k6:rescale=lazy,fma_exp2_every=0," +
+    art = artifacts(d, causal, name="k6:rescale=lazy_after_wait,fma_exp2_every=0," +
                     ("pv_wait=one_group" if d >= 192 else "pv_wait=late"))
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
@@ -167,7 +167,7 @@ def test_lazy_rescale_compiles(d, causal):
 def test_d256_rescales_lazily_with_rounded_sums(dtype):
     """d = 256's default (lazy_after_wait): O rescaled only where a row maximum grew by more
     than 2^8 (one warp vote per tile, no WGMMA instruction under it), with P rounded to the input type before the row sums
-    (rescale="lazy" rounds them): in the steady loop one more pair conversion per pair of P
+    (every lazy rescale rounds them): in the steady loop one more pair conversion per pair of P
     (the row sums' next to the PV operand's) than the eager step's, widened back by a shift
     and a mask in bf16; the O rescale's multiplies only in the rare branch; no spills."""
     from hopper_attn.harness.sass_order import loop_body, loops
@@ -233,7 +233,8 @@ def test_lazy_rescale_defaults():
         assert settings_for(Problem(1, 2, 1000, d, causal))["rescale"] == "eager"
     with pytest.raises(ValueError, match="eager only"):
         k6.compile_kernel(Problem(1, 2, 1000, 256, False), pv_wait="after14")
-    kernel = k6.FlashAttentionK6(256, False, 128, 80, pv_wait="one_group", rescale="lazy")
+    kernel = k6.FlashAttentionK6(256, False, 128, 80, pv_wait="one_group",
+                                 rescale="lazy_after_wait")
     assert kernel.lazy_rescale and kernel.round_p_sums and kernel.reverse_p
     assert not kernel.wait_pv_late and kernel.pin_pv_wait
 
@@ -598,7 +599,7 @@ def _pv_groups(text: str) -> list:
     ("k6", 64, False, False), ("k6", 96, False, False), ("k6", 128, False, False),
     ("k6", 128, True, False), ("k6", 192, False, False), ("k6", 192, True, False),
     ("k6", 256, False, False), ("k6", 256, True, False),           # PINNED_IN_ITERATION
-    ("k6:pv_wait=late,peel_first=0", 192, False, True),             # the late wait
+    ("k6:pv_wait=late,peel_first=0,rescale=lazy_after_wait", 192, False, True),  # late wait
     ("k6:pv_wait=late,peel_first=0", 256, False, True),
     ("k6:pv_wait=late,peel_first=0", 256, True, True),
     ("k6:pv_wait=late", 256, False, False),                         # peel_first keeps PV whole
@@ -829,7 +830,7 @@ def test_pv_wait_before_the_exp2s_at_d64():
     assert "MEMBAR" not in events and _exp2s(events[:last_wait]) > 2
     from hopper_attn import k6
     with pytest.raises(ValueError, match="eager only"):
-        k6.compile_kernel(Problem(1, 2, 128, 64), pv_wait="first", rescale="lazy")
+        k6.compile_kernel(Problem(1, 2, 128, 64), pv_wait="first", rescale="lazy_after_wait")
 
 
 def test_first_kv_tile_peeled():

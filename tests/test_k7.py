@@ -335,7 +335,7 @@ def test_fp16_scores(d):
         with pytest.raises(ValueError, match="s_f16"):
             FlashAttentionK7(d, False, 128, 128, 2, s_f16=True, **option)
     with pytest.raises(ValueError, match="eager or before_pv"):
-        FlashAttentionK7(d, False, 128, 128, 2, rescale="lazy", pv_wait="pinned")
+        FlashAttentionK7(d, False, 128, 128, 2, rescale="lazy_after_wait", pv_wait="pinned")
 
 
 def test_prepare_inputs_scales_for_the_scores_type():

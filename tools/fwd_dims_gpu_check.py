@@ -96,9 +96,11 @@ CANDIDATES = {
     (96, False): {
         "w112": (dict(D96, block_n=112), "14% fewer kv tiles a key; 132 of 160 registers"),
         "w112_turns": (dict(D96, block_n=112, pingpong=True), "w112 with FA4's 3-way turns"),
-        "w112_lazy": (dict(D96, block_n=112, rescale="lazy"),
-                      "w112 without O's 48 multiplies a tile (rounded sums: 84 more)"),
-        "lazy": (dict(D96, rescale="lazy"), "O rescaled only where a maximum grew by 2^8"),
+        "w112_lazy": (dict(D96, block_n=112, rescale="lazy_before_pv"),
+                      "w112 without O's 48 multiplies a tile (rounded sums: 84 more; "
+                      "measured with \"lazy\", removed since)"),
+        "lazy": (dict(D96, rescale="lazy_before_pv"), "O rescaled only where a maximum grew "
+                 "by 2^8 (d = 192's lazy_before_pv)"),
         "after4": (dict(D96, pv_wait="after4", v_release_last=True),
                    "PV wait after 4 exp2s (d = 64's causal wait, no turns)"),
         "lags_spin": (dict(D96, v_lags_k=True, spin_waits=True),

@@ -262,7 +262,7 @@ class OnlineSoftmax:
         return p
 
     # --- the same step in three parts, for a loop that rescales O only when it must
-    # (k6's rescale="lazy"): row_max is then a *reference* maximum that may trail the true
+    # (k6's lazy rescales): row_max is then a *reference* maximum that may trail the true
     # one by up to `threshold_log2` (in exp2 units), so p_j <= 2^threshold_log2 (times
     # 2^p_scale_log2); O and l stay consistent with it, so O / l is unchanged.
 
