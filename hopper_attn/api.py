@@ -931,10 +931,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     non-decreasing, lengths <= max_seqlen_*; breaking these reads or writes out of bounds.
 
     A torch custom op (`torch.ops.hopper_attn.attention_varlen`) with a fake implementation:
-    torch.compile(fullgraph=True) traces through it. Differentiable at head dims 64, 96, 128
-    and 192 (256: ValueError, not yet run on packed batches) through
-    `attention_varlen_backward` (the varlen backward; with sinks that needs a gradient
-    `attention_varlen_backward_sinks`, the sinks' gradient from the backward's D).
+    torch.compile(fullgraph=True) traces through it. Differentiable at head dims 64, 96, 128,
+    192 and 256 through `attention_varlen_backward` (the varlen backward; with sinks that
+    needs a gradient `attention_varlen_backward_sinks`, the sinks' gradient from the backward's D).
     """
     window = normalize_window(window_size, bool(causal))
     softcap = _check_softcap(softcap)
@@ -950,9 +949,6 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # (before the op: its schema would refuse some arguments with a TypeError)
         _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       seqused_k, window, softcap, sinks, on_device=False)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            from hopper_attn.common.varlen_backward import check_head_dim
-            check_head_dim(q.shape[2])
     out, lse = torch.ops.hopper_attn.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
         softmax_scale, seqused_k, *window, float(softcap), sinks)

@@ -25,7 +25,8 @@ What changes from kb1:
   after head, and stores dK and dV once (kb1: per query head, summed by torch). Too few
   CTAs (MQA, small batches): each k/v head split in parts (masking.dkv_parts) that
   run_backward sums. With a mask the long CTAs start first (longest first at d = 128,
-  `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged.
+  `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged. At d = 128
+  with a mask from N = 16k the policy runs per query head (MHA's grid) instead: faster there.
 * Packed batches (`varlen`, common/varlen_backward.py): one CTA per (kv tile of a sequence,
   dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
@@ -86,7 +87,7 @@ from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_H
                                          run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap, dkv_swap_keys
 from hopper_attn.common.compiler_hints import opaque, pin
-from hopper_attn.common.contract import LOG2_E, KernelSpec
+from hopper_attn.common.contract import LOG2_E, KernelSpec, Lengths
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
 from hopper_attn.common.masking import KVTileSchedule, mask_scores
 from hopper_attn.common.softmax import softcap_scores
@@ -122,7 +123,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
-                 dq_rows: bool = False, gqa_stagger: bool = False):
+                 dq_rows: bool = False):
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -207,10 +208,6 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         # gqa: a CTA walks every query head of its group (or part: `dkv_parts`), stores dK
         # and dV once; a separate variant, so the MHA kernels compile as before
         self.gqa = bool(gqa)
-        # gqa_stagger: kv tile n starts its walk at query head n mod group (GroupWalk); off
-        # without the walk, in the deterministic mode (its dQ turns) and varlen (untried)
-        self.gqa_stagger = bool(gqa_stagger) and self.gqa and not deterministic \
-            and not self.varlen
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -382,15 +379,12 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
             do_load = tma.TmaTiles.partition(tma_do, mdO, head, batch, sdO)
             lse_load = tma.TmaTiles.partition_rows(tma_lse, mLSE2, head, batch, sLSE)
             dsum_load = tma.TmaTiles.partition_rows(tma_dsum, mD, head, batch, sD)
-        else:
-            walk_start = self.walk_start(n_block, group)
         produce = tma.producer_state(self.stages)
         produce_do = None if self.do_stages == self.stages else \
             tma.producer_state(self.do_stages)          # (dkv_swap_ab at dv = 192: depth 1)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):        # this tile's query head's copies
-                head_in_group, m_block = self.work_item(it, m_first, m_count, walk_start,
-                                                        group)
+                head_in_group, m_block = self.work_item(it, m_first, m_count)
                 q_head = head + head_in_group
                 head_loads = (tma.TmaTiles.partition(tma_q, mQ, q_head, batch, sQ),
                               tma.TmaTiles.partition(tma_do, mdO, q_head, batch, sdO),
@@ -638,8 +632,7 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
-            "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False,
-            "gqa_stagger": False}
+            "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False}
 
 
 BWD64 = "results/h200/2026-11-29_bwd64_dq_rows.json.xz"
@@ -724,6 +717,13 @@ POLICY = (
     # longest first; d = 64 heads first (the 1-D grid's index arithmetic spills there)
     PolicyRow(64, False, "gqa", {"dq_rows": False},
               "dQ split by rows -5.1 / -6.3% at 16/4 (B8 N4k, B2 N16k)", (BWD64,)),
+    PolicyRow(128, True, "gqa", {"gqa": False},
+              "per query head from N = 16k (dK / dV summed by torch): +2.5 / +3.5% at 16/4 B1 "
+              "N16k / 32k (+0.2% at 8k)", ("results/h200/2026-11-29_bwd128_gqa0_long.json.xz",),
+              Lengths(16384)),
+    PolicyRow(128, True, "gqa deterministic", {"gqa": True},
+              "the walk kept in the deterministic mode (the A/B above ran without it)",
+              ("results/h200/2026-11-29_bwd128_gqa0_long.json.xz",), Lengths(16384)),
     PolicyRow(64, True, "gqa", {"heads_first": True},
               "kv tile 0 of every head first: grid time estimated 1.24 -> 1.01x ideal at 32/8 "
               "B1 N = 8k (dkv_parts' model; not yet measured)",
@@ -765,7 +765,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
                    varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
                    dkv_split_d: Optional[bool] = None,
-                   dq_rows: Optional[bool] = None, gqa_stagger: Optional[bool] = None):
+                   dq_rows: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not

@@ -621,6 +621,20 @@ def test_policy(d, causal, deterministic, heads_kv, expect):
         assert settings[name] == value, name
 
 
+def test_policy_d128_causal_gqa_runs_per_query_head_from_16k():
+    """d = 128, causal, GQA: the walk up to N = 16k - 1, per query head (gqa off) from 16k
+    (results/h200/2026-11-29_bwd128_gqa0_long.json.xz); the deterministic mode and the
+    mask-free problem keep the walk."""
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    for n, causal, deterministic, gqa in ((16383, True, False, True), (16384, True, False, False),
+                                          (32768, True, False, False), (16384, True, True, True),
+                                          (16384, False, False, True)):
+        settings = kb2.policy(Problem(1, 16, n, 128, causal, heads_kv=4), deterministic)
+        assert settings["gqa"] is gqa, (n, causal, deterministic)
+        assert settings["longest_first"] is causal
+
+
 def test_dq_rows_compiles_without_spills():
     """dq_rows (d = 64, 128-row tiles): dQ split by query rows between the warpgroups, 8
     m64n64k16 WGMMAs a warpgroup from SMEM instead of 16 m64n32k16 (FA4's split); causal
@@ -636,19 +650,3 @@ def test_dq_rows_compiles_without_spills():
                              r"\s*%rd") == 128 // 16                           # dQ
     with pytest.raises(ValueError, match="dq_rows"):
         kb2.compile_kernel(Problem(1, 2, 128, 64, True), block_m=64, dq_rows=True)
-
-
-def test_gqa_stagger_compiles_without_spills():
-    """gqa_stagger (the gqa walk from query head n_block mod group, docs/lab/kb2.md "GQA at
-    d = 64: rows against columns"): d = 64 GQA without a mask and dQ by rows compiles without
-    spills; without the walk (MHA) or in the deterministic mode the option is off."""
-    from hopper_attn import kb2
-    art = compiled("kb2:dq_rows=1,gqa_stagger=1", 64, False, heads_kv=1)
-    assert art["kernel"]["options"]["gqa_stagger"] is True
-    for fn in resource_usage(art["cubin"]):
-        assert fn["local"] == 0 and fn["stack"] == 0, fn
-    assert count(art["ptx"], r"\brem\.s32") >= 1                 # n_block mod group
-    for gqa, deterministic in ((False, False), (True, True)):
-        kernel = kb2.FlashAttentionBackwardKB2(64, False, block_m=128, gqa=gqa,
-                                               deterministic=deterministic, gqa_stagger=True)
-        assert kernel.gqa_stagger is False

@@ -16,12 +16,11 @@ tiles, dK^T and dV^T with d as WGMMA's M); d = 192 with a softcap runs `shared_k
    tests/test_softcap.check_softcap) at d = 96 and 192; sliding windows (`WINDOWS`, every
    pair: `window_case`), at d = 192 and 256 also with a softcap (d = 192: the shared_keys
    tile), with sinks (their gradient too), with rows that see no key and keys no query
-   sees (`WIDE_WINDOWS`; dK and dV of unseen keys exactly 0), at d = 192 one-sided and on
-   packed batches (`VARLEN_WINDOWS`); and
-   `hopper_attn.attention_varlen(...).backward()` at d = 96 and 192 on packed batches
+   sees (`WIDE_WINDOWS`; dK and dV of unseen keys exactly 0), at d = 192 one-sided, and at
+   d = 192 and 256 on packed batches (`VARLEN_WINDOWS`); and
+   `hopper_attn.attention_varlen(...).backward()` at d = 96, 192 and 256 on packed batches
    (tools/varlen_bwd_gpu_check.check_case: lengths 0-1000, GQA cross lengths, MQA,
-   seqused_k, equal 2k lengths), which attention_varlen refuses until these cases pass
-   (`common/varlen_backward.UNVERIFIED_HEAD_DIMS`: the check lets them through). A gradient passes when its max error <= 2x torch's own bf16
+   seqused_k, equal 2k lengths). A gradient passes when its max error <= 2x torch's own bf16
    backward error on the same inputs (+ 2^-12 x max |ref|, FlashAttention's rule as
    tests/test_gpu.py applies it); `ratio` = error / that bound.
 2. Speed (skipped with --quick): the backward alone (autograd.grad of a kept graph), CUDA
@@ -82,7 +81,7 @@ VARLEN = [("MHA", [0, 1, 17, 113, 1000], None, None, 4, 4),
           ("MQA", [17, 700, 5], None, None, 4, 1),
           ("seqused_k", [100, 300, 7], [150, 400, 9], [120, 0, 9], 4, 2),
           ("equal GQA 3x2k", [2048] * 3, None, None, 4, 2)]
-VARLEN_DIMS = (96, 192, 256)   # (256: its first run lifts UNVERIFIED_HEAD_DIMS in this process)
+VARLEN_DIMS = (96, 192, 256)
 # packed batches with a window at d = 192 (the swapped tile): (causal, window), on VARLEN's
 # GQA cross lengths
 VARLEN_WINDOWS = [(True, (127, 0)), (False, (256, 256))]
@@ -303,10 +302,6 @@ def _softcap_varlen(log, d) -> list:
         log(f"  d{d} softcap {cap:g} x{magnitude:g} 4/{heads_kv} N{n} "
             f"{'causal' if causal else 'full':6}: worst ratio {worst:.2f}  "
             f"{'PASS' if row['ok'] else 'FAIL'}")
-    if d in VARLEN_DIMS:                      # the fixed padding lanes: what this checks
-        from hopper_attn.common import varlen_backward
-        varlen_backward.UNVERIFIED_HEAD_DIMS = tuple(
-            x for x in varlen_backward.UNVERIFIED_HEAD_DIMS if x != d)
     for label, lq, lk, used, heads, heads_kv in VARLEN if d in VARLEN_DIMS else []:
         for causal in (False, True):
             try:

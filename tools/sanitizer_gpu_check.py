@@ -103,9 +103,7 @@ class Dense:
 
 @dataclasses.dataclass(frozen=True)
 class Varlen:
-    """`attention_varlen` over sequences of q_lens queries and k_lens keys; `unverified`:
-    the backward at a head dim attention_varlen still refuses (common/varlen_backward.py's
-    UNVERIFIED_HEAD_DIMS, lifted in this process only: the check it waits for)."""
+    """`attention_varlen` over sequences of q_lens queries and k_lens keys."""
     q_lens: tuple
     k_lens: tuple
     heads: int
@@ -116,14 +114,13 @@ class Varlen:
     softcap: float = 0.0
     sinks: bool = False
     grad: bool = True
-    unverified: bool = False
 
     def label(self) -> str:
         return (f"q{list(self.q_lens)} k{list(self.k_lens)} H{self.heads}/{self.heads_kv} "
                 f"d{self.d}" + " causal" * self.causal
                 + (f" w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "")
                 + (f" cap{self.softcap:g}" if self.softcap else "") + " sinks" * self.sinks
-                + (" fwd+bwd" if self.grad else " fwd") + " (unverified d)" * self.unverified)
+                + (" fwd+bwd" if self.grad else " fwd"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,10 +236,10 @@ def cases() -> list[Case]:
     add(g, "varlen_bwd_d64_window_sinks", Varlen((200, 77, 300), (150, 300, 300), 4, 2, 64,
                                                  causal=True, window=(64, 0), sinks=True))
     add(g, "varlen_bwd_d128_softcap", Varlen((129, 250), (300, 100), 2, 2, 128, softcap=30.0))
-    g = "varlen_bwd_d96_192"  # refused by attention_varlen until a GPU has run them
+    g = "varlen_bwd_d96_192"  # the varlen backward's padding lanes at d = 96 and 192
     add(g, "varlen_bwd_d96_gqa_causal", Varlen((1, 130, 0, 257), (17, 130, 5, 300), 4, 2,
-                                               96, causal=True, unverified=True), quick=True)
-    add(g, "varlen_bwd_d192_full", Varlen((129, 250), (300, 100), 2, 2, 192, unverified=True))
+                                               96, causal=True), quick=True)
+    add(g, "varlen_bwd_d192_full", Varlen((129, 250), (300, 100), 2, 2, 192))
     g = "decode"              # attention() with 1-16 queries: packed GQA, split-KV + combine
     # (splits on an H200's 132 SMs: 4, 1, 6, 2, 1; the sinks join the combine in the 4th)
     add(g, "decode_split_d128_gqa", Dense(1, 1, 2000, 8, 2, 128, grad=False), quick=True)
@@ -380,20 +377,11 @@ def _check_dense(s: Dense, seed: int = 0) -> dict:
     return {"ok": ok, "errs": errs, "nan": nan, "lse_inf_ok": lse_ok, **info}
 
 
-def _lift_unverified(head_dim: int) -> None:
-    """Let attention_varlen's backward run `head_dim` in this process (module doc)."""
-    from hopper_attn.common import varlen_backward
-    varlen_backward.UNVERIFIED_HEAD_DIMS = tuple(
-        d for d in varlen_backward.UNVERIFIED_HEAD_DIMS if d != head_dim)
-
-
 def _check_varlen(s: Varlen, seed: int = 0) -> dict:
     import torch
 
     import hopper_attn
     from hopper_attn.harness import window_reference as wr
-    if s.unverified:
-        _lift_unverified(s.d)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     tq, tk = sum(s.q_lens), sum(s.k_lens)
     q = _randn(gen, tq, s.heads, s.d)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import cute_runtime as rt    # sets the target architecture before cutlass is imported
-from .contract import LOG2_E, KernelSpec, Problem, check_tensors
+from .contract import LOG2_E, KernelSpec, Lengths, Problem, check_tensors
 
 import cutlass
 import cutlass.cute as cute
@@ -635,7 +635,7 @@ def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutla
 class PolicyRow:
     """Settings for problems of `head_dim` (None: any) and `causal` (None: either) in `mode`
     ("": every problem, "deterministic", "gqa": fewer k/v heads than query heads, "gqa
-    deterministic": both)."""
+    deterministic": both) whose query length is in `lengths` (default: any)."""
 
     head_dim: Optional[int]
     causal: Optional[bool]
@@ -643,10 +643,11 @@ class PolicyRow:
     settings: dict
     reason: str
     results: tuple          # paths from the repository root
+    lengths: Lengths = Lengths()
 
-    def matches(self, head_dim: int, causal: bool, mode: str) -> bool:
+    def matches(self, head_dim: int, causal: bool, mode: str, seqlen: int) -> bool:
         return (self.mode == mode and self.head_dim in (None, head_dim)
-                and self.causal in (None, causal))
+                and self.causal in (None, causal) and seqlen in self.lengths)
 
 
 def policy_settings(rows, defaults: dict, problem, deterministic: bool = False,
@@ -664,7 +665,7 @@ def policy_settings(rows, defaults: dict, problem, deterministic: bool = False,
     modes += ["gqa deterministic"] if deterministic and "gqa" in modes else []
     for mode in modes:
         for row in rows:
-            if row.matches(problem.head_dim, masked, mode):
+            if row.matches(problem.head_dim, masked, mode, problem.seqlen):
                 settings.update(row.settings)
                 used.append(row)
     settings["rows"] = used
@@ -676,27 +677,11 @@ class GroupWalk:
     its part of it, masking.dkv_parts), head after head, and stores dK and dV once."""
 
     @cute.jit
-    def work_item(self, it, m_first, m_count, start=None, group=None):
+    def work_item(self, it, m_first, m_count):
         """The `it`-th (query head of the group, query tile) pair a CTA visits: each head's
-        query tiles in order, the group's heads one after the other (gqa_stagger: from head
-        `start` of `group`, `walk_start`; the query tile does not depend on it)."""
-        turn = it // m_count
-        m_block = m_first + (it - turn * m_count)
-        head_in_group = turn
-        if cutlass.const_expr(start is not None):
-            head_in_group = turn + start
-            if head_in_group >= group:
-                head_in_group = head_in_group - group
-        return head_in_group, m_block
-
-    @cute.jit
-    def walk_start(self, n_block, group):
-        """gqa_stagger: the query head kv tile `n_block` walks first, n_block mod group, so
-        that the CTAs of one k/v head (which run in step) read Q / dO and add dQ tiles of
-        `group` different query heads at a time, not all of one; None without it."""
-        if cutlass.const_expr(not self.gqa_stagger):
-            return None
-        return n_block % group
+        query tiles in order, the group's heads one after the other."""
+        head_in_group = it // m_count
+        return head_in_group, m_first + (it - head_in_group * m_count)
 
     def visits(self, m_count, group):
         """How many query tiles a CTA walks (gqa: times the group's query heads)."""
@@ -725,12 +710,9 @@ class DqWriter:
         dq_block = bm * d // self.warpgroups                # floats per warpgroup and tile
         if cutlass.const_expr(not self.gqa):
             dq_accum = mdQacc[batch, head, None, None].iterator
-        else:
-            walk_start = self.walk_start(n_block, group)
         for it in cutlass.range(self.visits(m_count, group), unroll=1):
             if cutlass.const_expr(self.gqa):
-                head_in_group, m_block = self.work_item(it, m_first, m_count, walk_start,
-                                                        group)
+                head_in_group, m_block = self.work_item(it, m_first, m_count)
                 q_head = head + head_in_group
                 dq_head = mdQacc[batch, q_head, None, None].iterator
             else:

@@ -53,8 +53,7 @@ one after dS is stored (dQ, dK^T) - the main loop FA4's, m64n48 for dK^T / dV^T.
 Sliding windows: which query tiles a kv tile walks is the schedule's (as without one), and
 a masked tile gets the window's two limits on S, queries x keys as in the forward (d <= 128
 masks S^T). Packed batches (`varlen`) need nothing of their own here: the kernel hands this
-consumer a sequence as a batch of one (common/varlen_backward.py; attention_varlen's
-backward at d = 256 waits for its GPU check: varlen_backward.UNVERIFIED_HEAD_DIMS).
+consumer a sequence as a batch of one (common/varlen_backward.py).
 """
 
 from __future__ import annotations

@@ -689,21 +689,6 @@ def _readable(t: torch.Tensor) -> bool:
             and t.data_ptr() % 16 == 0)
 
 
-# Head dims kb2 compiles that the varlen backward does not run yet: 256 was never run on
-# packed batches (96 and 192 passed tools/bwd_dims_gpu_check.py on the H200 once the
-# preprocess and dQ conversion kept their padding lanes inside the row, `_row_lanes`).
-UNVERIFIED_HEAD_DIMS = (256,)
-
-
-def check_head_dim(head_dim: int) -> None:
-    """ValueError for a head dim the varlen backward does not run (attention_varlen calls
-    it before the forward when gradients are wanted)."""
-    if head_dim in UNVERIFIED_HEAD_DIMS:
-        raise ValueError(f"attention_varlen's backward runs head dims 64, 96, 128 and 192, "
-                         f"not {head_dim} (not yet verified on a GPU; the forward runs it "
-                         f"under torch.no_grad())")
-
-
 def compile_for(q, k, causal: bool, window=(None, None), softcap: float = 0.0,
                 deterministic: bool = False, compile_options: str = ""):
     """kb2's varlen kernels for packed q (total_q, H, d), k (total_k, H_kv, d): ValueError
@@ -711,7 +696,6 @@ def compile_for(q, k, causal: bool, window=(None, None), softcap: float = 0.0,
     time: kb2's policy is looked up once)."""
     if deterministic:
         raise ValueError("the varlen backward has no deterministic mode")
-    check_head_dim(q.shape[2])
     # (Problem's fields, None: unbounded)
     left, right = normalize_window((None, None) if window is None else window, bool(causal))
     return _compiled(q.shape[1], k.shape[1], q.shape[2], q.dtype, bool(causal), left, right,
