@@ -343,17 +343,31 @@ def _workspace(problem: Problem, device, block_n: int, stages: int, splits: int)
     return ws
 
 
+# page size at or below which the kv tile with the most CTAs per SM is taken (d 128: 64 x 2;
+# page 16 at 0.960-0.993 of a contiguous cache against 0.925-0.985 with tile_for's:
+# results/h200/2026-11-29_page16_two_producers.json.xz, "p16-64x2")
+SMALL_PAGE = 16
+
+
 def plan(problem: Problem, num_splits: int = 0, fp8: bool = False, softcap: float = 0.0,
-         sinks: bool = False) -> tuple[int, int, int]:
+         sinks: bool = False, page_size: int = 0) -> tuple[int, int, int]:
     """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the e4m3
-    cache's consumer: the swapped one's tile, or decode.FP8_TILES, one CTA per SM)."""
+    cache's consumer: the swapped one's tile, or decode.FP8_TILES, one CTA per SM). Pages of
+    SMALL_PAGE tokens or fewer take the tile with the most CTAs per SM (two producers per SM
+    issuing the many small page boxes: SMALL_PAGE's measurement)."""
     from hopper_attn import decode
     if _swap_rows(problem, fp8, softcap, sinks):
         from hopper_attn import decode_fp8swap
         stages = _swap_stages(problem)
         return (decode_fp8swap.BLOCK_N, stages,
                 num_splits or decode_fp8swap.num_splits_for(problem, stages))
-    block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)
+    if fp8:
+        block_n, stages = decode.FP8_TILES[problem.head_dim]
+    elif 0 < page_size <= SMALL_PAGE:
+        block_n, stages = max(decode.TILES[problem.head_dim],
+                              key=lambda t: decode.ctas_per_sm(problem.head_dim, *t))
+    else:
+        block_n, stages = decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
     return block_n, stages, splits
 
@@ -374,7 +388,7 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_des
     problem = problem_for(q, k_cache.shape[2], capacity, causal, window)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
     fp8 = k_cache.dtype == FP8
-    block_n, stages, splits = plan(problem, num_splits, fp8, cap, with_sinks)
+    block_n, stages, splits = plan(problem, num_splits, fp8, cap, with_sinks, page_size)
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
                                  block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype,

@@ -201,6 +201,15 @@ def test_fp8_swap_compiles(page_size, rows, boxes):
         assert not ptxas_notes(ptx), ptxas_notes(ptx)
 
 
+def test_small_pages_take_the_most_ctas_per_sm():
+    """Pages of SMALL_PAGE tokens or fewer: the 64 x 2 tile at d 128 (two CTAs per SM) at
+    any batch; larger pages and contiguous caches: tile_for's choice (B1: 128 x 3)."""
+    from hopper_attn.common.contract import Problem
+    one = Problem(1, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=32768)
+    assert kvcache.plan(one, page_size=16)[:2] == (64, 2)
+    assert kvcache.plan(one, page_size=128)[:2] == kvcache.plan(one)[:2] == (128, 3)
+
+
 def test_fp8_swap_plan(monkeypatch):
     """The default ("auto") takes the swapped consumer at d 128 with <= 32 packed rows and no
     window / softcap / sinks, the widening one elsewhere; "swap" forces it (more than 32

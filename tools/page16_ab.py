@@ -180,6 +180,7 @@ def benchmark() -> list:
                 calls[label].append(call)
         problem = Problem(batch, HQ, 1, D, True, torch.bfloat16, heads_kv=HKV, seqlen_k=n)
         plans["api"] = list(kvcache.plan(problem))
+        plans["api_page16"] = list(kvcache.plan(problem, page_size=16))
         # the tile probes against the API's tile on the same table
         diffs = {}
         for a, b in (("p16-64x6", "p16"), ("contig-64x6", "contig"), ("p16-64x2", "p16")):
