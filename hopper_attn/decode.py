@@ -268,17 +268,15 @@ class DecodeAttention:
     def __init__(self, head_dim: int, causal: bool, block_n: int = 0, stages: int = 0,
                  combine_chunk: int = COMBINE_CHUNK, kv_cache: bool = False,
                  page_size: int = 0, fp8: bool = False, softcap: float = 0.0,
-                 window_left: Optional[int] = None, window_right: Optional[int] = None,
-                 kv_producers: int = 1):
+                 window_left: Optional[int] = None, window_right: Optional[int] = None):
         """`kv_cache`: the `kv_cache_call` variant (hopper_attn/kvcache.py): each request's
         key count read from a device tensor, a contiguous (page_size 0) or paged cache;
         `fp8`: an e4m3 cache (rings of `stages` e4m3 tiles, widened by a loader warpgroup
         into 16-bit rings; Q converted to fp16 too: fp16 WGMMAs) with per-(request, k/v
         head) descales. `softcap`: logit softcapping's cap (0: none); `window_left`,
         `window_right`: a sliding window as Problem's fields (None: unbounded; sides >= 0;
-        with causal the right side is 0 and window_right None). `kv_producers` 2 (a 16-bit
-        kv_cache only): K and V issued by two producer warps (192 threads; docs/lab/kvcache.md,
-        page 16). All compile-time: none of them, none of their code."""
+        with causal the right side is 0 and window_right None). All compile-time: none of
+        them, none of their code."""
         block_n, stages = tile_config(head_dim, block_n, stages)
         from hopper_attn.kvcache import PAGE_SIZES
         if page_size and (not kv_cache or page_size not in PAGE_SIZES):
@@ -286,14 +284,11 @@ class DecodeAttention:
                              f"got {page_size}")
         if fp8 and not kv_cache:
             raise ValueError("fp8: kv_cache only")
-        if kv_producers not in (1, 2) or (kv_producers == 2 and (fp8 or not kv_cache)):
-            raise ValueError(f"kv_producers: 1, or 2 with a 16-bit kv_cache; got {kv_producers}")
-        self.kv_producers = kv_producers
         if fp8 and block_n * head_dim // 16 % 128:
             raise ValueError(f"fp8: a kv tile of {block_n} x {head_dim} is not a whole number "
                              f"of 16-byte chunks per loader thread (128)")
         self.kv_cache, self.page_size, self.fp8 = kv_cache, page_size, fp8
-        self.threads = FP8_THREADS if fp8 else THREADS + 32 * (kv_producers - 1)
+        self.threads = FP8_THREADS if fp8 else THREADS
         self.q_in_registers = q_in_registers(head_dim, fp8)
         self.wide_stages = wide_stages(head_dim, block_n, stages) if fp8 else 0
         smem = smem_estimate(head_dim, block_n, stages, self.wide_stages)
@@ -322,7 +317,6 @@ class DecodeAttention:
                 "block_n": self.block_n, "stages": self.stages, "threads": self.threads,
                 "ctas_per_sm": self.ctas_per_sm, "max_splits": self.max_splits,
                 "combine_chunk": self.combine_chunk,
-                **({"kv_producers": 2} if self.kv_producers == 2 else {}),
                 **({"softcap": self.softcap} if self.softcap else {}),
                 **({"window": (self.window_left, self.window_right)} if self.windowed
                    else {})}
@@ -490,7 +484,7 @@ class DecodeAttention:
         v_pipe = tma.make_tma_ring(storage.v_barriers.data_ptr(), self.stages, 4,
                                    self.tile_bytes)
         k_ring, v_ring = k_pipe, v_pipe                     # the rings the WGMMAs read
-        loaders = warp >= PRODUCER_WARP if self.kv_producers == 2 else warp == PRODUCER_WARP
+        loaders = warp == PRODUCER_WARP
         if cutlass.const_expr(self.fp8):                    # e4m3: the 16-bit rings
             k_ring, v_ring = (paged.wide_ring(barriers.data_ptr(), self.wide_stages) for barriers
                               in (storage.k16_barriers, storage.v16_barriers))
@@ -506,16 +500,9 @@ class DecodeAttention:
                                      warp == PRODUCER_WARP, self.stages, self.page_size, bn)
             else:
                 # -------------- producer warp: K_j, V_j of this split's kv tiles --------------
-                producer = (k_pipe, v_pipe, tma_k, tma_v, mK, mV, mPageTable, sK_load,
-                            sV_load, n_first, n_count, seqlen_k, kv_head, batch, self.stages,
-                            self.page_size, bn)
-                if cutlass.const_expr(self.kv_producers == 2):   # warp 4 K, warp 5 V
-                    if warp == PRODUCER_WARP:
-                        paged.produce_kv(*producer, "k")
-                    else:
-                        paged.produce_kv(*producer, "v")
-                else:
-                    paged.produce_kv(*producer)
+                paged.produce_kv(k_pipe, v_pipe, tma_k, tma_v, mK, mV, mPageTable, sK_load,
+                                 sV_load, n_first, n_count, seqlen_k, kv_head, batch,
+                                 self.stages, self.page_size, bn)
         elif warp < PRODUCER_WARP:
             # ---------------- consumer warpgroup: the tile's 64 packed rows ----------------
             consumers = pipeline.NamedBarrier(barrier_id=CONSUMER_BARRIER, num_threads=128)

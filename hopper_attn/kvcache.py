@@ -249,9 +249,6 @@ def _args(tensors, tvm_ffi: bool) -> list:
 # the bf16 cache (docs/kvcache.md); decode.py's widening loaders elsewhere. "swap" forces the
 # former (ValueError where it cannot run), "widen" the latter; "swap:S": S e4m3 stages.
 FP8_CONSUMER = "auto"
-# Producer warps of a paged 16-bit cache's decode kernel: 1 (K and V from one warp), or 2
-# (K and V each from its own warp; a candidate for 16-token pages, docs/lab/kvcache.md)
-PAGED_PRODUCERS = 1
 
 
 def _swap_stages(problem: Problem) -> int:
@@ -281,18 +278,15 @@ def _swap_rows(problem: Problem, fp8: bool, softcap: float = 0.0, sinks: bool = 
 def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: int,
                    stages: int, tvm_ffi: bool = False, compile_options: str = "",
                    kv_dtype=None, window=(None, None), softcap: float = 0.0, sinks: bool = False,
-                   swap_rows: int = 0, kv_producers: int = 1):
+                   swap_rows: int = 0):
     """The decode stage's `kv_cache_call` for one (head dim, mask, dtype, page size (0:
     contiguous), tile, cache dtype (None: q's; float8_e4m3fn: the fp8 variant), window (as
     Problem's fields), softcap (0: none), sinks), compiled once: (compiled function, kernel
-    object). `swap_rows` R > 0: the e4m3 cache's swapped-operand consumer (decode_fp8swap);
-    `kv_producers` 2: K and V from two producer warps (16-bit caches)."""
+    object). `swap_rows` R > 0: the e4m3 cache's swapped-operand consumer (decode_fp8swap)."""
     kv_dtype = kv_dtype or dtype
     features = (tuple(window), float(softcap), bool(sinks))
     if swap_rows:
         features += (("swap", swap_rows),)
-    if kv_producers != 1:
-        features += (("producers", kv_producers),)
     key = (head_dim, bool(causal), dtype, page_size, block_n, stages, tvm_ffi, compile_options,
            kv_dtype) + (features if features != ((None, None), 0.0, False) else ())
     hit = _COMPILED.get(key)
@@ -311,8 +305,7 @@ def compile_kernel(head_dim: int, causal: bool, dtype, page_size: int, block_n: 
         kernel = (decode.DecodeAttentionSinks if sinks else decode.DecodeAttention)(
             head_dim, causal, block_n, stages, kv_cache=True, page_size=page_size,
             fp8=kv_dtype == FP8, softcap=softcap, window_left=window[0],
-            window_right=window[1], **({"kv_producers": kv_producers} if kv_producers != 1
-                                       else {}))
+            window_right=window[1])
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     batch, heads, pages = 2, 2, 4
     q = torch.empty((batch, 2, heads, head_dim), dtype=dtype, device=device)
@@ -350,17 +343,31 @@ def _workspace(problem: Problem, device, block_n: int, stages: int, splits: int)
     return ws
 
 
+# page size at or below which the kv tile with the most CTAs per SM is taken (d 128: 64 x 2;
+# page 16 at 0.960-0.993 of a contiguous cache against 0.925-0.985 with tile_for's:
+# results/h200/2026-11-29_page16_two_producers.json.xz, "p16-64x2")
+SMALL_PAGE = 16
+
+
 def plan(problem: Problem, num_splits: int = 0, fp8: bool = False, softcap: float = 0.0,
-         sinks: bool = False) -> tuple[int, int, int]:
+         sinks: bool = False, page_size: int = 0) -> tuple[int, int, int]:
     """(kv tile, stages, splits) for a problem, from its shapes only (`fp8`: the e4m3
-    cache's consumer: the swapped one's tile, or decode.FP8_TILES, one CTA per SM)."""
+    cache's consumer: the swapped one's tile, or decode.FP8_TILES, one CTA per SM). Pages of
+    SMALL_PAGE tokens or fewer take the tile with the most CTAs per SM (two producers per SM
+    issuing the many small page boxes: SMALL_PAGE's measurement)."""
     from hopper_attn import decode
     if _swap_rows(problem, fp8, softcap, sinks):
         from hopper_attn import decode_fp8swap
         stages = _swap_stages(problem)
         return (decode_fp8swap.BLOCK_N, stages,
                 num_splits or decode_fp8swap.num_splits_for(problem, stages))
-    block_n, stages = decode.FP8_TILES[problem.head_dim] if fp8 else decode.tile_for(problem)
+    if fp8:
+        block_n, stages = decode.FP8_TILES[problem.head_dim]
+    elif 0 < page_size <= SMALL_PAGE:
+        block_n, stages = max(decode.TILES[problem.head_dim],
+                              key=lambda t: decode.ctas_per_sm(problem.head_dim, *t))
+    else:
+        block_n, stages = decode.tile_for(problem)
     splits = num_splits or decode.num_splits_for(problem, block_n, stages)
     return block_n, stages, splits
 
@@ -381,13 +388,12 @@ def _prepare(q, k_cache, v_cache, cache_seqlens, page_table, k_new, v_new, k_des
     problem = problem_for(q, k_cache.shape[2], capacity, causal, window)
     decode.SPEC.check(problem, check_memory=False)       # head dim, grid limits
     fp8 = k_cache.dtype == FP8
-    block_n, stages, splits = plan(problem, num_splits, fp8, cap, with_sinks)
+    block_n, stages, splits = plan(problem, num_splits, fp8, cap, with_sinks, page_size)
     tvm_ffi = rt.tvm_ffi_available()
     compiled, _ = compile_kernel(problem.head_dim, problem.causal, q.dtype, page_size,
                                  block_n, stages, tvm_ffi, kv_dtype=k_cache.dtype,
                                  window=window, softcap=cap, sinks=with_sinks,
-                                 swap_rows=_swap_rows(problem, fp8, cap, with_sinks),
-                                 kv_producers=PAGED_PRODUCERS if page_size and not fp8 else 1)
+                                 swap_rows=_swap_rows(problem, fp8, cap, with_sinks))
     workspace = _workspace(problem, q.device, block_n, stages, splits)
     return compiled, workspace, tvm_ffi, problem.head_dim
 
@@ -504,7 +510,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                cache_seqlens.dtype, cache_seqlens.device,
                *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                  for t in tensors[4:]], bool(causal), num_splits, type(num_splits),
-               tuple(window_size), softcap, type(softcap), FP8_CONSUMER, PAGED_PRODUCERS)
+               tuple(window_size), softcap, type(softcap), FP8_CONSUMER)
         prepared = _FAST.get(key)
     except (AttributeError, TypeError):     # not tensors: the checks say so
         key = prepared = None

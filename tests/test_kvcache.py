@@ -4,7 +4,7 @@ On the CPU: refusals raise ValueError before any launch; the page-table gather a
 math (torch, CPU tensors) against a plain loop and a contiguous layout of the same keys;
 one compile per new variant (contiguous cache, pages smaller than the kv tile: one TMA box
 per page, pages as large as the tile or larger: one box per tile; an e4m3 cache; a window,
-a softcap with sinks; two producer warps) for sm_90a, no spills. Chunked prefill (k6 over the cache as packed
+a softcap with sinks) for sm_90a, no spills. Chunked prefill (k6 over the cache as packed
 keys): its refusals, the packed views of the cache, the page boxes' clipping, a compile of
 the paged kernel (pages of 16 and 128), the host path with the kernels emulated in torch.
 
@@ -175,28 +175,6 @@ def test_kv_cache_features_compile(page_size, block_n, stages, features):
 
 
 @pytest.mark.compile
-def test_two_producer_warps_compile():
-    """`kv_producers=2` (kvcache.PAGED_PRODUCERS, a candidate for 16-token pages): 192
-    threads, K's 16 boxes per 128-key tile from one warp's loop and V's from another's, no
-    spills within one CTA per SM; refused for an e4m3 cache."""
-    from hopper_attn import decode
-    from hopper_attn.harness.compile_report import SPILLS_AS_ERRORS, resource_usage
-    with pytest.raises(ValueError, match="kv_producers"):
-        decode.DecodeAttention(128, True, kv_cache=True, fp8=True, kv_producers=2)
-    with tempfile.TemporaryDirectory() as dump:
-        compiled, kernel = kvcache.compile_kernel(
-            128, True, torch.bfloat16, 16, 128, 3,
-            compile_options=f"--keep-ptx --keep-cubin --dump-dir={dump} {SPILLS_AS_ERRORS}",
-            kv_producers=2)
-        ptx, cubin = compiled.__ptx__, bytes(compiled.__cubin__)
-    (fn,) = resource_usage(cubin)
-    assert fn["local"] == 0 and fn["stack"] == 0, fn
-    assert kernel.threads == 192 and fn["registers"] * 192 * kernel.ctas_per_sm <= 65536, fn
-    assert ptx.count("cp.async.bulk.tensor") == 2 * 8 * 2      # (K, V) x 8 pages x 2 halves
-    assert kernel.describe()["kv_producers"] == 2
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("page_size,rows,boxes", [(0, 16, 1), (16, 8, 8)])
 def test_fp8_swap_compiles(page_size, rows, boxes):
     """The swapped-operand e4m3 consumer (decode_fp8swap, opt-in): compiles for sm_90a
@@ -221,6 +199,15 @@ def test_fp8_swap_compiles(page_size, rows, boxes):
     if shutil.which("ptxas"):   # (a CUDA toolkit here: its notes on serialized WGMMAs)
         from hopper_attn.harness.compile_report import ptxas_notes
         assert not ptxas_notes(ptx), ptxas_notes(ptx)
+
+
+def test_small_pages_take_the_most_ctas_per_sm():
+    """Pages of SMALL_PAGE tokens or fewer: the 64 x 2 tile at d 128 (two CTAs per SM) at
+    any batch; larger pages and contiguous caches: tile_for's choice (B1: 128 x 3)."""
+    from hopper_attn.common.contract import Problem
+    one = Problem(1, 32, 1, 128, True, torch.bfloat16, heads_kv=8, seqlen_k=32768)
+    assert kvcache.plan(one, page_size=16)[:2] == (64, 2)
+    assert kvcache.plan(one, page_size=128)[:2] == kvcache.plan(one)[:2] == (128, 3)
 
 
 def test_fp8_swap_plan(monkeypatch):

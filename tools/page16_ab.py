@@ -1,40 +1,42 @@
-"""Paged decode with 16-token pages against the contiguous cache (issue 62): correctness of
-the candidate, then a round-robin A/B with probes that say where page 16's loss comes from.
+"""Paged decode with 16-token pages against the contiguous cache (issue 62): correctness, then
+a round-robin A/B with probes that say where page 16's loss comes from.
 
     python tools/page16_ab.py --quick        # correctness only (< 2 min)
     python tools/page16_ab.py                # correctness + the A/B (~3 min)
     python tools/page16_ab.py --no-correctness
 
-The candidate (`kvcache.PAGED_PRODUCERS = 2`, decode.py `kv_producers=2`): K and V issued by
-two producer warps, each with its own page-table reads, instead of one warp issuing both
-rings' 32 TMA instructions per 128-key tile (docs/lab/kvcache.md, "Page 16").
+Measured (H200, 2026-11-29, results/h200/2026-11-29_page16_two_producers.json.xz, which
+also timed a two-producer loader, K and V from their own warps, since removed: 0.3-3.5%
+slower than one warp): page 16 at 0.93-0.99 of the contiguous cache (B1 128k worst,
+0.925), 128-token pages at 0.98-1.0; the table in memory order (p16-sorted) recovers part
+of page 16's gap (B1 32k 0.970 against 0.956), so part of it is where the pages lie, the
+rest the boxes; the 64 x 2 tile (p16-64x2, two CTAs per SM) measured 0.96-0.99
+(docs/lab/kvcache.md, "Page 16").
 
-Correctness (default and candidate): harness/kvcache_check.py's check (fp32 reference over
-the gathered cache, 2x PyTorch's error, LSE, same bits twice, appends byte for byte) on
-shuffled page tables with NaN in unused pages (and indices outside the cache), key counts
-1, 17, 1000 and 32769 at page 16 (and 32 / 64 / 128 for the candidate), GQA 32/8 and 64/8,
-d 128 and 64, fp16, 4 queries with appends, forced splits.
+Correctness: harness/kvcache_check.py's check (fp32 reference over the gathered cache, 2x
+PyTorch's error, LSE, same bits twice, appends byte for byte) on shuffled page tables with
+NaN in unused pages (and indices outside the cache), key counts 1, 17, 1000 and 32769 at
+page 16 (and 32 / 64 / 128), GQA 32/8 and 64/8, d 128 and 64, fp16, 4 queries with
+appends, forced splits.
 
 A/B (one query, Hq 32 / Hkv 8, d 128, bf16, causal, every request at the full length; B1
 32k, B1 128k, B8 32k, B64 4k), all in the same rounds (tools/decode_gpu_check.py's
 round robin: each call alone after a sleep kernel, the next of enough cache copies to miss
 the L2, medians of 30 rounds):
   contig       the contiguous cache (the target: page 16 at >= 0.95 of its speed)
-  p16          16-token pages, shuffled table, today's kernel
-  p16-2w       the candidate, the same pages
+  p16          16-token pages, shuffled table
   p128         128-token pages, shuffled
   probes (not options; same pools as p16, other tables or tiles):
   p16-sorted   the table in memory order: the same 32 boxes per tile, pages adjacent
   p16-runs8    runs of 8 adjacent pages (one 128-key tile each) in shuffled order: p128's
                memory locality with p16's boxes
-  p16-2w-sorted  the candidate on the sorted table
-  p16-64x6, p16-2w-64x6, contig-64x6  the kv tile 64 x 6 stages (same SMEM, one CTA per
-               SM, 16 boxes a tile, a finer ring) instead of tile_for's choice
+  p16-64x6, contig-64x6  the kv tile 64 x 6 stages (same SMEM, one CTA per SM, 16 boxes a
+               tile, a finer ring) instead of tile_for's choice
   p16-64x2, contig-64x2  64 x 2, two CTAs per SM (two producer warps per SM, 128 KiB in
                flight instead of 192) and twice the splits at B1
 Reading: p16-sorted ~ contig -> the loss is where the pages lie (DRAM / TLB), not the
 producer; p16-runs8 ~ p128 and p16 < p16-runs8 -> page scatter at 32 KiB granularity; p16 ~
-p16-sorted < contig -> the boxes / the producer's issue (then p16-2w and p16-64x2 should gain);
+p16-sorted < contig -> the boxes / the producer's issue (then p16-64x2 should gain);
 p16-64x6 > p16 with contig-64x6 ~ contig -> the ring's granularity.
 One line per shape (us and speed relative to contig); everything to $OUT/page16_ab.json.
 """
@@ -75,27 +77,19 @@ def cases() -> list:
 
 
 def correctness() -> list:
-    from hopper_attn import kvcache
     from hopper_attn.harness import kvcache_check as kc
     rows = []
-    for producers in (1, 2):
-        for i, case in enumerate(cases()):
-            if producers == 1 and case.page_size != 16:
-                continue
-            kvcache.PAGED_PRODUCERS = producers
-            try:
-                row = kc.check_case(case, seed=i)
-            except Exception as exc:  # noqa: BLE001 - report and go on
-                row = {"case": case.label(), "ok": False,
-                       "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            finally:
-                kvcache.PAGED_PRODUCERS = 1
-            row["producers"] = producers
-            rows.append(row)
-            flags = "" if "error" in row else kc.failure_flags(row)
-            print(f"{'ok  ' if row['ok'] else 'FAIL'} {producers}w "
-                  f"{row.get('ratio', float('nan')):4.2f} {row['case']}{flags}"
-                  f"{' ' + row['error'][:100] if 'error' in row else ''}", flush=True)
+    for i, case in enumerate(cases()):
+        try:
+            row = kc.check_case(case, seed=i)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            row = {"case": case.label(), "ok": False,
+                   "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        rows.append(row)
+        flags = "" if "error" in row else kc.failure_flags(row)
+        print(f"{'ok  ' if row['ok'] else 'FAIL'} {row.get('ratio', float('nan')):4.2f} "
+              f"{row['case']}{flags}{' ' + row['error'][:100] if 'error' in row else ''}",
+              flush=True)
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     print(f"correctness: {sum(r['ok'] for r in rows)}/{len(rows)} pass, max error ratio "
           f"{max(ratios, default=float('nan')):.2f} (limit 2 + 2^-10 / torch error)")
@@ -112,7 +106,7 @@ def _tables(batch: int, per: int, gen) -> dict:
                       ).flatten().view(batch, per)}
 
 
-def _direct(q, k, v, seqlens, table, block_n: int, stages: int, producers: int = 1):
+def _direct(q, k, v, seqlens, table, block_n: int, stages: int):
     """attention_with_kvcache's launch with a given kv tile (a probe: the API picks it)."""
     from hopper_attn import decode, kvcache
     from hopper_attn.common import cute_runtime as rt
@@ -122,8 +116,7 @@ def _direct(q, k, v, seqlens, table, block_n: int, stages: int, producers: int =
     problem = kvcache.problem_for(q, k.shape[2], capacity, True)
     splits = decode.num_splits_for(problem, block_n, stages)
     tvm_ffi = rt.tvm_ffi_available()
-    compiled, _ = kvcache.compile_kernel(D, True, q.dtype, page_size, block_n, stages, tvm_ffi,
-                                         kv_producers=producers)
+    compiled, _ = kvcache.compile_kernel(D, True, q.dtype, page_size, block_n, stages, tvm_ffi)
     workspace = kvcache._workspace(problem, q.device, block_n, stages, splits)
     ones = kvcache._ones(q.device, q.shape[0], k.shape[2])
     table = table if table is not None else seqlens.view(-1, 1)
@@ -140,15 +133,11 @@ def _direct(q, k, v, seqlens, table, block_n: int, stages: int, producers: int =
     return call, (block_n, stages, splits)
 
 
-def _api(q, k, v, seqlens, table, producers: int = 1):
+def _api(q, k, v, seqlens, table):
     from hopper_attn import kvcache
 
     def call():
-        kvcache.PAGED_PRODUCERS = producers
-        try:
-            return kvcache.attention_with_kvcache(q, k, v, seqlens, page_table=table)
-        finally:
-            kvcache.PAGED_PRODUCERS = 1
+        return kvcache.attention_with_kvcache(q, k, v, seqlens, page_table=table)
     return call
 
 
@@ -176,30 +165,25 @@ def benchmark() -> list:
         calls = {
             "contig": [_api(q, k, v, seqlens, None) for k, v in contig],
             "p16": [_api(q, k, v, seqlens, t["shuffled"]) for k, v, t in p16],
-            "p16-2w": [_api(q, k, v, seqlens, t["shuffled"], 2) for k, v, t in p16],
             "p128": [_api(q, k, v, seqlens, t) for k, v, t in p128],
             "p16-sorted": [_api(q, k, v, seqlens, t["sorted"]) for k, v, t in p16],
             "p16-runs8": [_api(q, k, v, seqlens, t["runs8"]) for k, v, t in p16],
-            "p16-2w-sorted": [_api(q, k, v, seqlens, t["sorted"], 2) for k, v, t in p16],
         }
         plans = {}
-        for label, kvs, tile, producers in (
-                ("p16-64x6", p16, (64, 6), 1), ("p16-2w-64x6", p16, (64, 6), 2),
-                ("contig-64x6", contig, (64, 6), 1), ("p16-64x2", p16, (64, 2), 1),
-                ("contig-64x2", contig, (64, 2), 1)):
+        for label, kvs, tile in (("p16-64x6", p16, (64, 6)), ("contig-64x6", contig, (64, 6)),
+                                 ("p16-64x2", p16, (64, 2)), ("contig-64x2", contig, (64, 2))):
             calls[label] = []
             for entry in kvs:
                 call, plans[label] = _direct(q, entry[0], entry[1], seqlens,
                                              entry[2]["shuffled"] if len(entry) > 2 else None,
-                                             *tile, producers)
+                                             *tile)
                 calls[label].append(call)
         problem = Problem(batch, HQ, 1, D, True, torch.bfloat16, heads_kv=HKV, seqlen_k=n)
         plans["api"] = list(kvcache.plan(problem))
-        # the candidate and the tile probe against today's kernel on the same table
+        plans["api_page16"] = list(kvcache.plan(problem, page_size=16))
+        # the tile probes against the API's tile on the same table
         diffs = {}
-        for a, b in (("p16-2w", "p16"), ("p16-2w-sorted", "p16-sorted"), ("p16-64x6", "p16"),
-                     ("p16-2w-64x6", "p16-64x6"), ("contig-64x6", "contig"),
-                     ("p16-64x2", "p16")):
+        for a, b in (("p16-64x6", "p16"), ("contig-64x6", "contig"), ("p16-64x2", "p16")):
             try:
                 diffs[a] = (calls[a][0]().float() - calls[b][0]().float()).abs().max().item()
             except Exception as exc:  # noqa: BLE001 - round_robin reports the variant too

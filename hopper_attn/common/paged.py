@@ -243,58 +243,23 @@ def load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK8, sV8, produce, t
 @cute.jit
 def produce_kv(k_pipe, v_pipe, tma_k, tma_v, mK, mV, mPageTable, sK, sV, n_first, n_count,
                seqlen_k, kv_head, batch, stages: cutlass.Constexpr,
-               page_size: cutlass.Constexpr, block_n: cutlass.Constexpr,
-               rings: cutlass.Constexpr = "kv"):
+               page_size: cutlass.Constexpr, block_n: cutlass.Constexpr):
     """The decode producer warp's loop: K_j and V_j of kv tiles n_first .. n_first + n_count
     - 1 into the rings, by pages (`page_size` > 0: each tile's page indices read first, in
-    flight while it waits for a free stage) or as one contiguous box per tile. `rings`:
-    "kv" both rings from this warp; "k" or "v" only that one (two producer warps, one ring
-    each: `DecodeAttention(kv_producers=2)`, half the TMA issue path per warp)."""
-    if cutlass.const_expr(rings == "k"):
-        _produce_one(k_pipe, tma_k, mK, mPageTable, sK, n_first, n_count, seqlen_k, kv_head,
-                     batch, stages, page_size, block_n)
-    elif cutlass.const_expr(rings == "v"):
-        _produce_one(v_pipe, tma_v, mV, mPageTable, sV, n_first, n_count, seqlen_k, kv_head,
-                     batch, stages, page_size, block_n)
-    else:
-        if cutlass.const_expr(page_size):
-            last_slot = last_page_slot(seqlen_k, page_size)
-        else:
-            k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
-            v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
-        produce = tma.producer_state(stages)
-        for j in cutlass.range(n_count, unroll=1):
-            if cutlass.const_expr(page_size):
-                pages = tile_pages(mPageTable, n_first + j, batch, last_slot, page_size,
-                                   block_n)
-                load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK, sV, produce,
-                           n_first + j, kv_head, page_size, block_n)
-            else:
-                load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
-            produce.advance()
-
-
-@cute.jit
-def _produce_one(pipe, atom, cache, mPageTable, smem, n_first, n_count, seqlen_k, kv_head,
-                 batch, stages: cutlass.Constexpr, page_size: cutlass.Constexpr,
-                 block_n: cutlass.Constexpr):
-    """`produce_kv` for one ring (K or V) from its own producer warp: the same tiles and
-    page reads, each warp reading the table for itself (one L1 line per 4 tiles at page
-    16: no second round trip to speak of)."""
+    flight while it waits for a free stage) or as one contiguous box per tile."""
     if cutlass.const_expr(page_size):
         last_slot = last_page_slot(seqlen_k, page_size)
     else:
-        tiles = tma.TmaTiles.partition(atom, cache, kv_head, batch, smem)
+        k_tiles = tma.TmaTiles.partition(tma_k, mK, kv_head, batch, sK)
+        v_tiles = tma.TmaTiles.partition(tma_v, mV, kv_head, batch, sV)
     produce = tma.producer_state(stages)
     for j in cutlass.range(n_count, unroll=1):
         if cutlass.const_expr(page_size):
             pages = tile_pages(mPageTable, n_first + j, batch, last_slot, page_size, block_n)
-            tma.acquire_empty(pipe, produce)
-            copy_paged_tile(atom, cache, pages, smem[None, None, produce.index], n_first + j,
-                            kv_head, pipe.producer_get_barrier(produce), page_size, block_n)
+            load_paged(k_pipe, v_pipe, tma_k, tma_v, mK, mV, pages, sK, sV, produce,
+                       n_first + j, kv_head, page_size, block_n)
         else:
-            tma.acquire_empty(pipe, produce)
-            tiles.copy(n_first + j, pipe.producer_get_barrier(produce), produce.index)
+            load_tiles(k_pipe, v_pipe, k_tiles, v_tiles, produce, n_first + j)
         produce.advance()
 
 

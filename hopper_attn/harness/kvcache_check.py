@@ -394,7 +394,8 @@ def check_case(case: Case, seed: int = 0) -> dict:
             "ratio": err / max(t_err, 2 ** -10), "lse_err": lse_err, "lse_limit": lse_limit,
             "torch_lse_err": t_lse_err, "lse_inf_ok": lse_ok,
             "same_bits": same, "no_nan": no_nan, "cache_ok": cache_ok,
-            "plan": kvcache.plan(problem, case.num_splits, case.fp8, case.softcap, case.sinks)}
+            "plan": kvcache.plan(problem, case.num_splits, case.fp8, case.softcap, case.sinks,
+                                 case.page_size)}
 
 
 def failure_flags(verdict: dict) -> str:
