@@ -9,9 +9,9 @@ heads, head_dim 128, bf16, causal):
             0's time is reported),
   ring      `ring_attention` on the zigzag halves, two ranks (the slower rank's time),
   torch CP  `context_parallel` over `F.scaled_dot_product_attention` (flash backend,
-            enable_gqa, load balancing on, rotate method "alltoall", i.e. a ring), and, if
-            an SDPA provider of this project is registered under a name containing
-            "hopper" (hopper_attn/integrations/sdpa.py), the same again with it activated,
+            enable_gqa, load balancing on, rotate method "alltoall", i.e. a ring), and the
+            same again with this project's SDPA provider (hopper_attn/integrations/sdpa.py)
+            activated: torch's CP ring calling this project's kernels per step,
 each forward alone (no_grad) and forward + backward. Scaling efficiency = one-GPU time /
 (2 x two-rank time): 1.0 means two GPUs take exactly half the time.
 
@@ -52,6 +52,8 @@ def _args():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--no-torch-cp", action="store_true")
+    p.add_argument("--no-provider", action="store_true",
+                   help="torch's CP over torch's flash kernels only, not over this project's")
     p.add_argument("--torch-rotate", default="alltoall", choices=("alltoall", "allgather"))
     return p.parse_args()
 
@@ -145,12 +147,12 @@ def main():
         mesh = init_device_mesh("cuda", (world,))
         set_rotate_method(args.torch_rotate)
     providers = []
-    try:
-        import hopper_attn.integrations.sdpa  # noqa: F401  (registers its provider, if any)
-        providers = [n for n in torch.nn.attention.list_flash_attention_impls()
-                     if "hopper" in n.lower()]
-    except Exception:                                      # noqa: BLE001
-        pass
+    if not args.no_provider:
+        try:       # this project's SDPA provider (hopper_attn/integrations/sdpa.py), registered
+            import hopper_attn.integrations.sdpa as hopper_sdpa   # (not activated) by name
+            providers = [hopper_sdpa.register()]
+        except Exception as err:                           # noqa: BLE001 (torch < 2.11)
+            print(f"no SDPA provider: {err!r}"[:200])
     report = dict(versions=_versions(), nccl_settings=NCCL_SETTINGS, world_size=world,
                   batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, causal=causal, warmup=args.warmup,
@@ -205,6 +207,11 @@ def main():
             f"ring {row['ring_fwd_s']:.3f} / {row['ring_fwd_bwd_s']:.3f} s (fwd / fwd+bwd), "
             f"efficiency {row['ring_efficiency_fwd']:.2f} / {row['ring_efficiency_fwd_bwd']:.2f}, "
             f"max|ring-one| {row['ring_vs_one_gpu_max_abs_diff']:.1e}; {tcp}")
+        for p in providers:
+            key = f"torch_cp_{p}"
+            log(f"           torch CP over {p}: " + (
+                f"{row[key + '_fwd_s']:.3f} / {row[key + '_fwd_bwd_s']:.3f} s"
+                if key + "_fwd_s" in row else row.get(key + "_error", "?")[:150]))
         del q, k, v, do
         torch.cuda.empty_cache()
     if rank == 0 and os.environ.get("OUT"):
