@@ -280,3 +280,24 @@ def test_gpu_batch_runs_steps_under_one_deadline(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["batch.json", "batch.tar.xz"]
     with pytest.raises(ValueError):
         gpu_batch.parse_step("bad/name:1:true")
+
+
+def test_case_groups_report():
+    """CaseGroups: seeds 1, 2, ...; an exception is a failed row; report prints one line per
+    group and the failed rows' fields, and returns every row."""
+    from hopper_attn.harness.gpu_check import CaseGroups
+
+    def ok(x, seed):
+        return {"case": [x, seed], "ok": True, "ratio": 0.5, "lse_ok": True}
+
+    def broken(x, seed):
+        raise RuntimeError("no kernel")
+
+    cases, lines = CaseGroups(), []
+    cases.run("a", ok, 1)
+    cases.run("a", ok, 2)
+    cases.run("b", broken, 3)
+    rows = cases.report(lines.append, ("lse_ok",), extra=lambda g: f" ({len(g)})")
+    assert [r["case"] for r in rows[:2]] == [[1, 1], [2, 2]] and len(rows) == 3
+    assert "PASS (2)" in lines[0] and "FAIL (1)" in lines[1]
+    assert "RuntimeError: no kernel" in lines[2] and "lse_ok None" in lines[2]

@@ -211,18 +211,8 @@ def correctness(log) -> list:
                     1000, 1000, 4, 2, d, dv, True)
         else:
             cases.groups.setdefault("window refused", []).append(refused_case(d, dv, (127, 0)))
-    rows = []
-    for label, group in cases.groups.items():
-        bad = [r for r in group if not r["ok"]]
-        log(f"  {label:28} {len(group):3} cases, worst ratio "
-            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")
-        rows += group
-    for row in [r for r in rows if not r["ok"]][:4]:
-        log(f"  FAILED {row['case']}: ratio {row['ratio']:.2f} "
-            f"{row.get('exception', '')[:80]} lse {row.get('lse_ok')} zero "
-            f"{row.get('zero_ok')} bits {row.get('same_bits')} guards "
-            f"{row.get('guards_intact')} poisoned {row.get('poisoned_ok')}")
-    return rows
+    return cases.report(log, ("lse_ok", "zero_ok", "same_bits", "guards_intact", "poisoned_ok"),
+                        width=28, shown=4)
 
 
 def speed(log, t0) -> list:

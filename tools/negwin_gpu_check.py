@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
-from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.gpu_check import CaseGroups, run_check  # noqa: E402
 from hopper_attn.harness.window_reference import (gradient_errors, reference,  # noqa: E402
                                                    torch_lowp, window_inputs, window_mask)
 from window_gpu_check import backward_case, forward_case  # noqa: E402
@@ -86,17 +86,8 @@ def varlen_case(d, window, backward, seed) -> dict:
 
 
 def correctness(log) -> list:
-    groups, seed = {}, 0
-
-    def run(label, fn, *args):
-        nonlocal seed
-        seed += 1
-        try:
-            row = fn(*args, seed)
-        except Exception as exc:  # noqa: BLE001 - reported as a failure
-            row = {"case": [label, *map(str, args)], "ok": False, "ratio": float("inf"),
-                   "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        groups.setdefault(label, []).append(row)
+    cases = CaseGroups()
+    run = cases.run
 
     windows = WINDOWS[:4] if QUICK else WINDOWS
     for d in (64, 128):
@@ -118,18 +109,7 @@ def correctness(log) -> list:
         run("varlen d64", varlen_case, 64, (-3, None), True)
         for window in ((None, -5), (5, -3)):    # (last: a wrong turn count would hang)
             run("bwd deterministic d128", _deterministic, 1000, 1300, window)
-    rows = []
-    for label, group in groups.items():
-        bad = [r for r in group if not r["ok"]]
-        log(f"  {label:24} {len(group):3} cases, worst ratio "
-            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")
-        rows += group
-    for row in [r for r in rows if not r["ok"]][:6]:
-        log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
-            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} (err "
-            f"{row.get('lse_err', float('nan')):.1e}, finite {row.get('lse_finite_ok')}) "
-            f"zero_ok {row.get('zero_ok')}")
-    return rows
+    return cases.report(log, ("lse_ok", "lse_err", "lse_finite_ok", "zero_ok"))
 
 
 def _deterministic(nq, nk, window, seed) -> dict:

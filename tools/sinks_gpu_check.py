@@ -164,19 +164,9 @@ def correctness(log) -> list:
             for left, sinks in ((127, False), (-1, False), (127, True)):
                 run(f"d{d} window LSE", forward_case, 1, n, n, 4, 4, d, True, left, sinks)
         run(f"d{d} window LSE", forward_case, 1, 1000, 1000, 4, 2, d, False, 256, False)
-    rows = []
-    for label, group in cases.groups.items():
-        bad = [r for r in group if not r["ok"]]
-        lse = max((r.get("lse_error", 0.0) for r in group), default=0.0)
-        log(f"  {label:22} {len(group):2} cases, worst ratio "
-            f"{max(r['ratio'] for r in group):.2f}, LSE err {lse:.1e}  "
-            f"{'PASS' if not bad else 'FAIL'}")
-        rows += group
-    for row in [r for r in rows if not r["ok"]][:4]:
-        log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
-            f"{row.get('exception', '')[:80]} lse {row.get('lse_error')} "
-            f"zero_ok {row.get('zero_ok')} same_bits {row.get('same_bits')}")
-    return rows
+    return cases.report(log, ("lse_error", "zero_ok", "same_bits"), width=22, shown=4,
+                        extra=lambda group: ", LSE err {:.1e}".format(
+                            max((r.get("lse_error", 0.0) for r in group), default=0.0)))
 
 
 def speed(log, t0) -> list:

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import hopper_attn  # noqa: E402
-from hopper_attn.harness.gpu_check import run_check  # noqa: E402
+from hopper_attn.harness.gpu_check import report_groups, run_check  # noqa: E402
 from hopper_attn.harness.varlen_reference import (  # noqa: E402
     cu_seqlens, flops, gpt_oss_packed, lognormal_lengths, reference, speed_dims,
     speed_equal_lengths, speed_mixes)
@@ -253,18 +253,7 @@ def correctness(log) -> list:
         run(f"sinks gpt-oss w{left}", docs, docs, True, fn=sinks_case, left=left)
     run("sinks rows without keys", [17, 300, 5, 129], [40, 100, 0, 129], True, fn=sinks_case,
         left=128, backward=False)                     # forward: output 0, LSE the sink
-    rows = []
-    for label, group in groups.items():
-        bad = [r for r in group if not r["ok"]]
-        log(f"  {label:24} {len(group):3} cases, worst ratio "
-            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")
-        rows += group
-    for row in [r for r in rows if not r["ok"]][:6]:
-        log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
-            f"{row.get('exception', '')[:90]}"
-            f" lse_ok {row.get('lse_ok')} poison {row.get('poison_intact')} "
-            f"bits {row.get('same_bits')}")
-    return rows
+    return report_groups(groups, log, ("lse_ok", "poison_intact", "same_bits"))
 
 
 def _fa4_varlen():

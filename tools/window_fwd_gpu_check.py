@@ -174,19 +174,12 @@ def correctness(log) -> list:
     docs = lognormal_lengths(4096, 61, median=512, cap=2048) + [1, 17, 0, 129]
     for sinks in (False, True):
         run("packed gpt-oss", packed_case, docs, 64, 8, 64, (128, 0), sinks=sinks)
-    rows = []
-    for label, group in groups.groups.items():
-        bad = [r for r in group if not r["ok"]]
+
+    def same_bits(group):
         same = [r["same_bits"] for r in group if "same_bits" in r]
-        log(f"  {label:20} {len(group):3} cases, worst ratio "
-            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}"
-            + (f"  (same bits as the default: {sum(same)}/{len(same)})" if same else ""))
-        rows += group
-    for row in [r for r in rows if not r["ok"]][:4]:
-        log(f"  FAILED {row['case']} {row.get('variant')}: ratio {row['ratio']:.2f} "
-            f"lse_ok {row.get('lse_ok')} zero_ok {row.get('zero_ok')} same_bits "
-            f"{row.get('same_bits')} {row.get('exception', '')[:80]}")
-    return rows
+        return f"  (same bits as the default: {sum(same)}/{len(same)})" if same else ""
+    return groups.report(log, ("variant", "lse_ok", "zero_ok", "same_bits"), width=20,
+                         shown=4, extra=same_bits)
 
 
 def _line(label, ms) -> str:

@@ -121,18 +121,7 @@ def correctness(log) -> list:
         causal = window[1] == 0
         run("cross (blind rows/keys)", forward_case, 1, nq, nk, 2, 2, 64, causal, window)
         run("cross (blind rows/keys)", backward_case, 1, nq, nk, 2, 2, 64, causal, window)
-    rows = []
-    for label, group in cases.groups.items():
-        bad = [r for r in group if not r["ok"]]
-        log(f"  {label:24} {len(group):3} cases, worst ratio "
-            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}")
-        rows += group
-    for row in [r for r in rows if not r["ok"]][:4]:
-        log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
-            f"{row.get('exception', '')[:80]} lse_ok {row.get('lse_ok')} (err "
-            f"{row.get('lse_err', float('nan')):.1e}, finite {row.get('lse_finite_ok')}) "
-            f"zero_ok {row.get('zero_ok')}")
-    return rows
+    return cases.report(log, ("lse_ok", "lse_err", "lse_finite_ok", "zero_ok"), shown=4)
 
 
 def _fa4(window):

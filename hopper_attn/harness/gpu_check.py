@@ -73,6 +73,28 @@ class CaseGroups:
                      "exception": f"{type(exc).__name__}: {str(exc)[:200]}"}
         self.groups.setdefault(label, []).extend(found if isinstance(found, list) else [found])
 
+    def report(self, log, fields=(), width=24, shown=6, extra=None) -> list:
+        """`report_groups` of these groups."""
+        return report_groups(self.groups, log, fields, width, shown, extra)
+
+
+def report_groups(groups: dict, log, fields=(), width=24, shown=6, extra=None) -> list:
+    """One line per group (cases, worst ratio, PASS / FAIL, then `extra(group)` if given),
+    then up to `shown` failed rows with their ratio(s), exception and `fields` of the row;
+    returns every row."""
+    rows = []
+    for label, group in groups.items():
+        bad = [r for r in group if not r["ok"]]
+        log(f"  {label:{width}} {len(group):3} cases, worst ratio "
+            f"{max(r['ratio'] for r in group):.2f}  {'PASS' if not bad else 'FAIL'}"
+            + (extra(group) if extra else ""))
+        rows += group
+    for row in [r for r in rows if not r["ok"]][:shown]:
+        log(f"  FAILED {row['case']}: ratio {row.get('ratios', row['ratio'])} "
+            f"{row.get('exception', '')[:90]} "
+            + " ".join(f"{name} {row.get(name)}" for name in fields))
+    return rows
+
 
 def run_check(doc: str, json_name: str, correctness, speed, correctness_legend: str,
               speed_legend: str) -> int:
