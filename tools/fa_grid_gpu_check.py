@@ -508,6 +508,7 @@ def run_case(case: Case, attention=None, dev: str = "cuda") -> dict:
                                           sinks, (left, right, scale, case.softcap), rtol,
                                           atol, floor):
         status = "KNOWN"
+        row["message"] = KNOWN_D
     return {"status": status, "ratio": checks[worst]["ratio"], "worst": worst, **row}
 
 
