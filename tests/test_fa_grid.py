@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
                     "fa_grid_gpu_check.py")
@@ -126,6 +127,45 @@ def test_checks_pass_the_math_and_fail_a_scaled_output(cases):
         assert grid.run_case(case, attention=off, dev="cpu")["status"] == "FAIL"
     negative = _find(cases, d=64, local_enum=2, seqlen_q=3, seqlen_k=3)   # (None, -w1)
     assert grid.dry_run_case(negative)["status"] == "PASS"
+
+
+def test_one_key_sinks_excess_is_d_from_the_bf16_output(cases):
+    """Issue 63's failing calls (one key and a sink, d 64): kb2's roundings emulated on the
+    CPU (tools/d_cancellation_model.py). With D = rowsum(dO * O) from the bf16 output (the
+    kernel's, and FA4's) this draw's dq fails the grid's rule and is KNOWN (within it against
+    the math with that D); with D from the fp32 output it passes; a dq 2% off is a FAIL."""
+    import dataclasses
+
+    model_path = os.path.join(os.path.dirname(PATH), "d_cancellation_model.py")
+    spec = importlib.util.spec_from_file_location("d_cancellation_model", model_path)
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    case = dataclasses.replace(cases[25], index=10_016)          # d64 1x1 mha win(0,N) sinks
+    assert case.sinks and case.backward and (case.seqlen_q, case.seqlen_k) == (1, 1)
+    known = grid.run_case(case, attention=model.emulated_attention("bf16_out"), dev="cpu")
+    assert known["status"] == "KNOWN" and known["dq"]["ratio"] > 1, known
+    assert known["dq"]["d_from_output"]["ok"]
+    fixed = grid.run_case(case, attention=model.emulated_attention("fp32_out"), dev="cpu")
+    assert fixed["status"] == "PASS", fixed
+
+    emulated = model.emulated_attention("bf16_out")
+
+    def off(q, k, v, **kw):                       # the same, dq 2% too large
+        q = _Scale.apply(q, 1.02)
+        return emulated(q, k, v, **kw)
+    assert grid.run_case(case, attention=off, dev="cpu")["status"] == "FAIL"
+
+
+class _Scale(torch.autograd.Function):
+    """Identity forward; the gradient times `factor`."""
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
 
 
 def test_jobs_split_the_compiles(cases):

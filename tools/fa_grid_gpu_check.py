@@ -48,16 +48,24 @@ rtol 2 (3 with softcap), atol 2 x the fp32 reference's own rounding (max |(ref +
 largest reference gradient of the call (a reference of exact zeros, one key a row, has no
 rounding to set atol: FA's own 1 x 1 case passes on its reference's fp32 noise); the sinks' gradient elementwise within rtol x
 torch's max error + 2 bf16 ulps of the reference (+ 3e-4 with softcap). NaN fails. `ratio`:
-the worst error / bound of a call.
+the worst error / bound of a call. This is stricter than FA's test as written, whose
+reference (`attention_ref`, upcast) returns its output in bf16, so that its gradients (of
+bf16 leaves) are bf16 too and its atol, taken from them in bf16, is about 2^-8 to 2^-7 of
+the largest; kept strict here, with KNOWN below for the one understood excess.
 
-Verdict per call: PASS, FAIL (a check failed, or an exception after the forward launched)
-or REFUSED (ValueError from `attention()` before any launch, with its message). Prints the
-FAIL / REFUSED lines (the first 30 of each), progress every 500 calls, one summary line per
-head dim and a total; JSON with every call, the environment and the grid to $OUT/fa_grid.json
-(or --out), rewritten every 500 calls. An illegal-address fault poisons the process: rerun
-with `--start <index>` (the global call index the progress and failure lines print; the
-JSON's `resume_from`); `--deadline S` starts no call after S seconds, so that a run cut
-short by a time limit still writes its JSON.
+Verdict per call: PASS, FAIL (a check failed, or an exception after the forward launched),
+KNOWN (only dq / dk / dsinks failed, and each passes the same bound measured against the
+fp32 math with D = rowsum(dO * O) taken from the bf16 output, as every FlashAttention
+backward, FA4's included, takes it: `d_from_output_grads`; one dominant key per row, e.g.
+one key and a sink, where dS = P (dP - D) cancels and O's rounding dominates; torch's
+reference with sinks runs its softmax in fp32, so has no such term: docs/sinks.md; counted
+apart, not a FAIL for the exit status) or REFUSED (ValueError from `attention()` before any
+launch, with its message). Prints the FAIL / KNOWN / REFUSED lines (the first 30 of each),
+progress every 500 calls, one summary line per head dim and a total; JSON with every call,
+the environment and the grid to $OUT/fa_grid.json (or --out), rewritten every 500 calls.
+An illegal-address fault poisons the process: rerun with `--start <index>` (the global call
+index the progress and failure lines print; the JSON's `resume_from`); `--deadline S` starts
+no call after S seconds, so that a run cut short by a time limit still writes its JSON.
 
 Compiles: one per kernel configuration (stage, head dims, mask, window size, cap, sinks,
 POLICY row), about 1.1-1.5 s each on one CPU core; FA's windows are drawn per key length
@@ -402,8 +410,11 @@ def _fp32_noise(ref) -> float:
     return (ref + 0.3 - 0.3 - ref).abs().max().item()
 
 
-def _judge(ours, ref, low, rtol, extra_atol=0.0, floor=0.0) -> dict:
-    err = (ours.float() - ref).abs().max().item() if ours.numel() else 0.0
+def _judge(ours, ref, low, rtol, extra_atol=0.0, floor=0.0, against=None) -> dict:
+    """FA's rule; `against`: the error measured from it instead of `ref` (the bound still
+    from ref and torch's error: `explained_by_d`)."""
+    against = ref if against is None else against
+    err = (ours.float() - against).abs().max().item() if ours.numel() else 0.0
     torch_err = (low.float() - ref).abs().max().item() if ours.numel() else 0.0
     bound = max(rtol * torch_err + 2 * _fp32_noise(ref) + extra_atol, floor) \
         if ours.numel() else 0.0
@@ -414,12 +425,12 @@ def _judge(ours, ref, low, rtol, extra_atol=0.0, floor=0.0) -> dict:
             "ok": not nan and err <= bound}
 
 
-def _judge_dsink(ours, ref, low, rtol, atol) -> dict:
+def _judge_dsink(ours, ref, low, rtol, atol, against=None) -> dict:
     import torch
     ref_lp = ref.to(ours.dtype).abs()
     ulp = (torch.nextafter(ref_lp, torch.full_like(ref_lp, float("inf"))) - ref_lp).float()
     torch_err = (low.float() - ref).abs().max().item()
-    diff = (ours.float() - ref).abs()
+    diff = (ours.float() - (ref if against is None else against)).abs()
     tol = rtol * torch_err + 2 * ulp + atol
     nan = bool(ours.isnan().any())
     return {"error": diff.max().item(), "torch_error": torch_err,
@@ -492,8 +503,71 @@ def run_case(case: Case, attention=None, dev: str = "cuda") -> dict:
     checks = {k: v for k, v in row.items() if isinstance(v, dict)}
     ok = all(v["ok"] for v in checks.values())
     worst = max(checks, key=lambda n: checks[n]["ratio"])
-    return {"status": "PASS" if ok else "FAIL", "ratio": checks[worst]["ratio"],
-            "worst": worst, **row}
+    status = "PASS" if ok else "FAIL"
+    if not ok and grad and explained_by_d(row, grads, refs, lowg, (q, k, v), g, out.detach(),
+                                          sinks, (left, right, scale, case.softcap), rtol,
+                                          atol, floor):
+        status = "KNOWN"
+        row["message"] = KNOWN_D
+    return {"status": status, "ratio": checks[worst]["ratio"], "worst": worst, **row}
+
+
+KNOWN_D = ("dq, dk, dsinks: over the rule against the fp32 reference, within it against the "
+           "same math with D = rowsum(dO * O) from the bf16 output, as every FlashAttention "
+           "backward takes it (one dominant key per row: D's cancellation, docs/sinks.md)")
+
+
+def d_from_output_grads(q, k, v, g, out, sinks, left, right, scale, softcap=0.0):
+    """dq, dk (, dsinks) of the fp32 math with one change: D = rowsum(dO * O) from the bf16
+    `out`, not from the fp32 softmax. Where P ~ 1, dS = P (dP - D) cancels and O's bf16
+    rounding (not scaled by 1 - P) dominates: FlashAttention's backward, ours and FA4's, has
+    this term; torch's fp32-softmax reference (the sinks' path) has not."""
+    import torch
+    from hopper_attn.harness.window_reference import window_mask
+    group = q.shape[2] // k.shape[2]
+    qf, gf, kf, vf = q.float(), g.float(), *(t.float().repeat_interleave(group, dim=2)
+                                              for t in (k, v))
+    raw = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale
+    s = softcap * torch.tanh(raw / softcap) if softcap else raw
+    seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
+    s = s.masked_fill(~seen, float("-inf"))
+    cols = s if sinks is None else torch.cat(
+        [s, sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)], -1)
+    lse = torch.logsumexp(cols, -1, keepdim=True)
+    p = torch.exp(s - lse).nan_to_num(0.0)                 # a row without keys: 0
+    d_rows = (gf * out.float()).sum(-1).transpose(1, 2)[..., None]
+    ds = p * (torch.einsum("bihd,bjhd->bhij", gf, vf) - d_rows)
+    if softcap:
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+    dq = torch.einsum("bhij,bjhd->bihd", ds, kf) * scale
+    dk = (torch.einsum("bhij,bihd->bjhd", ds, qf) * scale).unflatten(
+        2, (k.shape[2], group)).sum(3)
+    if sinks is None:
+        return dq, dk
+    p_sink = torch.exp(sinks.float()[None, :, None] - lse[..., 0]).nan_to_num(0.0)
+    return dq, dk, -(p_sink * d_rows[..., 0]).sum((0, 2))
+
+
+def explained_by_d(row, grads, refs, lowg, qkv, g, out, sinks, mask, rtol, atol,
+                   floor) -> bool:
+    """Whether a failing call's failures are all dq / dk / dsinks ones that pass the same
+    bound (from the fp32 reference and torch's error) with the error measured against
+    `d_from_output_grads` instead (adds "d_from_output" to those checks)."""
+    failing = [n for n, v in row.items() if isinstance(v, dict) and not v["ok"]]
+    if not failing or not set(failing) <= {"dq", "dk", "dsinks"}:
+        return False
+    left, right, scale, softcap = mask
+    alt = d_from_output_grads(*(t.detach() for t in qkv), g, out, sinks, left, right,
+                              scale, softcap)
+    for name in failing:
+        i = ("dq", "dk", "dsinks").index(name)
+        if name == "dsinks":
+            again = _judge_dsink(grads[3], refs[3], lowg[3], rtol, atol, against=alt[2])
+            again["ok"] &= row["dsinks"]["dtype_ok"]
+        else:
+            again = _judge(grads[i], refs[i], lowg[i], rtol, atol, floor, against=alt[i])
+        row[name]["d_from_output"] = {"error": again["error"], "ok": again["ok"]}
+    return all(row[n]["d_from_output"]["ok"] for n in failing)
 
 
 def stand_in_attention(q, k, v, *, causal, window_size, softcap, sinks, deterministic):
@@ -520,21 +594,22 @@ def _summary(records, cases_by_index) -> dict:
     per_dim: dict = {}
     for r in records:
         c = cases_by_index[r["index"]]
-        row = per_dim.setdefault(c.d, {"PASS": 0, "FAIL": 0, "REFUSED": 0, "calls": 0,
-                                       "worst_ratio": 0.0})
+        row = per_dim.setdefault(c.d, {"PASS": 0, "FAIL": 0, "KNOWN": 0, "REFUSED": 0,
+                                       "calls": 0, "worst_ratio": 0.0})
         row[r["status"]] += 1
         row["calls"] += 1
         if r["status"] != "REFUSED" and r.get("ratio") is not None:
             row["worst_ratio"] = max(row["worst_ratio"], r["ratio"])
-    total = {k: sum(v[k] for v in per_dim.values()) for k in ("PASS", "FAIL", "REFUSED",
-                                                                "calls")}
+    total = {k: sum(v.get(k, 0) for v in per_dim.values())
+             for k in ("PASS", "FAIL", "KNOWN", "REFUSED", "calls")}
     return {"per_head_dim": per_dim, "total": total}
 
 
 def _line(d, row) -> str:
     return (f"d {d}: {row['calls']} calls: PASS {row['PASS']} FAIL {row['FAIL']} "
-            f"REFUSED {row['REFUSED']}" + (f" (worst ratio {row['worst_ratio']:.2f})"
-                                           if "worst_ratio" in row else ""))
+            f"REFUSED {row['REFUSED']}"
+            + (f" KNOWN {row['KNOWN']} (D from the bf16 output)" if row.get("KNOWN") else "")
+            + (f" (worst ratio {row['worst_ratio']:.2f})" if "worst_ratio" in row else ""))
 
 
 def main(argv=None) -> int:
@@ -709,7 +784,7 @@ def run_jobs(chosen, cases, args) -> int:
             break
     ordered = [records[c.index] for c in chosen if c.index in records]
     missing = [c.index for c in chosen if c.index not in records]
-    for status in ("FAIL", "REFUSED"):
+    for status in ("FAIL", "KNOWN", "REFUSED"):
         for r in [r for r in ordered if r["status"] == status][:30]:
             detail = f"ratio {r['ratio']:.2f} ({r['worst']})" if "ratio" in r else \
                 r.get("message", "")[:160]
@@ -740,7 +815,7 @@ def run(chosen, cases, args) -> int:
     print(env_line(env), flush=True)
     print(f"{len(chosen)} calls (of {len(cases)}), from index "
           f"{chosen[0].index if chosen else '-'}", flush=True)
-    records, printed, t0 = [], {"FAIL": 0, "REFUSED": 0}, time.time()
+    records, printed, t0 = [], {"FAIL": 0, "KNOWN": 0, "REFUSED": 0}, time.time()
     by_index = {c.index: c for c in cases}
     stopped = None                         # the index to resume from, if stopped early
     why = None                             # "deadline" or "poisoned" where it stopped early

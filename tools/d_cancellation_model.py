@@ -1,0 +1,225 @@
+"""Why the FA grid's one-key learnable-sinks backward calls fail (issue 63), on the CPU.
+
+    python tools/d_cancellation_model.py [--seeds 200] [--out DIR]
+
+With one key per row and a sink, p = exp(s) / (exp(s) + exp(sink)) and the true
+dS = p (dP - D) = p (1 - p) dP, since D = rowsum(dO * O) = p dP. kb2 (as every FlashAttention
+backward, FA4's sm90 one included) takes D from the bf16 output the forward stored: the
+rounding of O (2^-9 of |O|, summed over d columns against dO) is then not multiplied by
+(1 - p), and where p is near 1 it dominates dS and so dQ and dK. torch's bf16 reference as
+FA's test writes it with sinks runs its softmax in fp32 (only P is rounded, after), so its
+backward has no such term: its dS error is 2^-9 of dS itself.
+
+This emulates kb2's roundings in fp32 torch (O stored bf16; P recomputed in fp32 from the fp32
+LSE; dP in fp32 from bf16 dO and V; D in fp32 from the bf16 O and dO; dS rounded to bf16
+before the dQ and dK products, bf16 P before dV; dQ, dK, dV accumulated in fp32, then bf16),
+with D taken three ways (bf16 O: the kernel; fp32 O: a forward that kept O's rounding
+residual; rowsum(P dP): D from the softmax), over the grid's five failing calls with many
+seeds, and judges each against the grid's rule (tools/fa_grid_gpu_check.py: fp32 reference,
+rtol 2 (3 with softcap), atol from the fp32 reference) and FA's own test's rule (its
+reference's output and gradients bf16, atol from their bf16 rounding). Prints one line per
+call and variant; JSON to $OUT/d_cancellation_model.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+FAILING = (25, 27, 41, 63, 105)       # the grid's failing 1 x 1 sinks calls (d 64)
+D_FROM = ("bf16_out", "fp32_out", "p_dp")
+
+
+def _bf16(t):
+    return t.to(torch.bfloat16).float()
+
+
+def kb2_emulated(q, k, v, sinks, g, left, right, scale, softcap=0.0, d_from="bf16_out"):
+    """(out, dq, dk, dv, dsinks) with kb2's roundings (module docstring); q, k, v, g bf16
+    (batch, seqlen, heads, d), sinks (heads,) fp32 or None. `d_from`: D from the bf16 out
+    (the kernel), the fp32 out, or rowsum(P dP)."""
+    from hopper_attn.harness.window_reference import window_mask
+    group = q.shape[2] // k.shape[2]
+    qf, gf = q.float(), g.float()
+    kf, vf = (t.float().repeat_interleave(group, dim=2) for t in (k, v))
+    raw = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale
+    s = softcap * torch.tanh(raw / softcap) if softcap else raw
+    seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
+    s = s.masked_fill(~seen, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    if sinks is not None:
+        m = torch.maximum(m, sinks.float()[None, :, None, None])
+    e = torch.exp(s - m)
+    row_sum = e.sum(-1, keepdim=True)
+    if sinks is not None:
+        row_sum = row_sum + torch.exp(sinks.float()[None, :, None, None] - m)
+    lse = m + torch.log(row_sum)
+    # forward: unnormalized bf16 P into the PV product, fp32 accumulator scaled by 1 / L
+    o32 = torch.einsum("bhij,bjhd->bihd", _bf16(e), vf) / row_sum.permute(0, 2, 1, 3)
+    out = _bf16(o32)
+    # backward
+    p = torch.exp(s - lse)
+    dp = torch.einsum("bihd,bjhd->bhij", gf, vf)
+    if d_from == "bf16_out":
+        d_rows = (gf * out).sum(-1).transpose(1, 2)[..., None]
+    elif d_from == "fp32_out":
+        d_rows = (gf * o32).sum(-1).transpose(1, 2)[..., None]
+    else:
+        d_rows = (p * dp).sum(-1, keepdim=True)
+    ds = p * (dp - d_rows)
+    if softcap:
+        ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+    ds16 = _bf16(ds)
+    dq = _bf16(torch.einsum("bhij,bjhd->bihd", ds16, kf) * scale)
+
+    def per_kv_head(t):          # (b, n, heads, d) -> sum over each group, fp32
+        return t.unflatten(2, (k.shape[2], group)).sum(3)
+    dk = _bf16(per_kv_head(torch.einsum("bhij,bihd->bjhd", ds16, qf) * scale))
+    dv = _bf16(per_kv_head(torch.einsum("bhij,bihd->bjhd", _bf16(p), gf)))
+    dsinks = None
+    if sinks is not None:
+        dsinks = -(torch.exp(sinks.float()[None, :, None] - lse[..., 0]) * d_rows[..., 0]).sum(
+            (0, 2))
+    return out, dq, dk, dv, dsinks
+
+
+def emulated_attention(d_from="bf16_out"):
+    """An attention() stand-in (differentiable) whose forward and backward are
+    `kb2_emulated`'s: what fa_grid_gpu_check.run_case checks in place of the GPU."""
+    from hopper_attn.common.contract import normalize_window
+
+    class Emulated(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, sinks, left, right, softcap):
+            ctx.save_for_backward(q, k, v, sinks)
+            ctx.mask = (left, right, softcap)
+            g = torch.zeros_like(q[..., :v.shape[-1]])
+            return kb2_emulated(q, k, v, sinks, g, left, right, q.shape[-1] ** -0.5,
+                                softcap, d_from)[0].to(q.dtype)
+
+        @staticmethod
+        def backward(ctx, g):
+            q, k, v, sinks = ctx.saved_tensors
+            left, right, softcap = ctx.mask
+            _, dq, dk, dv, dsinks = kb2_emulated(q, k, v, sinks, g, left, right,
+                                                 q.shape[-1] ** -0.5, softcap, d_from)
+            return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                    dsinks.to(sinks.dtype), None, None, None)
+
+    def attention(q, k, v, *, causal, window_size, softcap, sinks, deterministic):
+        left, right = normalize_window(window_size, causal)
+        return Emulated.apply(q, k, v, sinks, left, 0 if causal else right, softcap)
+    return attention
+
+
+def _fa_rule(ours, ref16, low, rtol, atol_extra):
+    """FA's test: ref and its atol in bf16."""
+    atol = 2 * (ref16 + 0.3 - 0.3 - ref16).abs().max().item() + atol_extra
+    err = (ours.float() - ref16.float()).abs().max().item()
+    torch_err = (low.float() - ref16.float()).abs().max().item()
+    bound = rtol * torch_err + atol
+    return {"error": err, "torch_error": torch_err, "bound": bound, "ratio": err / bound}
+
+
+def one_call(case, seed, d_from):
+    """The grid's inputs for `case` drawn with `seed`; {tensor: grid verdict, ...}."""
+    import fa_grid_gpu_check as grid
+    from hopper_attn.common.contract import normalize_window
+    from hopper_attn.harness.window_reference import reference
+    torch.manual_seed(seed)
+    bf16 = torch.bfloat16
+    q = torch.randn(case.batch, case.seqlen_q, grid.HEADS, case.d)
+    if case.softcap:
+        q = q * case.softcap / 4
+    q = q.to(bf16)
+    k = torch.randn(case.batch, case.seqlen_k, case.heads_kv, case.d).to(bf16)
+    v = torch.randn(case.batch, case.seqlen_k, case.heads_kv, case.dv).to(bf16)
+    sinks = torch.randn(grid.HEADS).to(bf16)
+    left, right = normalize_window(case.window_size(), case.causal)
+    right = 0 if case.causal else right
+    scale, rtol = case.d ** -0.5, 3 if case.softcap else 2
+    atol = 3e-4 if case.softcap else 0.0
+    g = torch.randn(case.batch, case.seqlen_q, grid.HEADS, case.dv).to(bf16)
+    ours = kb2_emulated(q, k, v, sinks.float(), g, left, right, scale, case.softcap, d_from)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    sink32 = sinks.float().requires_grad_()
+    ref, _ = reference(*leaves, left, right, scale, case.softcap, sink32)
+    refs = torch.autograd.grad(ref, leaves + [sink32], g.float())
+    lows = [t.clone().requires_grad_() for t in (q, k, v)]
+    low_sinks = sinks.clone().requires_grad_()
+    low = grid.torch_bf16(*lows, left, right, scale, case.softcap, low_sinks)
+    lowg = torch.autograd.grad(low, lows + [low_sinks], g)
+    # FA's own reference: the fp32 math, its output rounded to bf16, gradients w.r.t. bf16
+    fa_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fa_sinks = sinks.clone().requires_grad_()
+    fa_ref, _ = reference(*fa_leaves, left, right, scale, case.softcap, fa_sinks.float())
+    fa_ref = fa_ref.to(bf16)
+    fa_refs = torch.autograd.grad(fa_ref, fa_leaves, g)
+    floor = 2 ** -16 * max(r.abs().max().item() for r in refs[:3])
+    row = {"out": grid._judge(ours[0], ref.detach(), low.detach(), rtol)}
+    for i, name in enumerate(("dq", "dk", "dv"), 1):
+        row[name] = grid._judge(ours[i], refs[i - 1], lowg[i - 1], rtol, atol, floor)
+        row[name]["fa_rule"] = _fa_rule(ours[i], fa_refs[i - 1], lowg[i - 1], rtol, atol)
+    row["dsinks"] = grid._judge_dsink(ours[4].to(bf16), refs[3], lowg[3], rtol, atol)
+    return row
+
+
+def main(argv=None) -> int:
+    import dataclasses
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fa_grid_gpu_check as grid
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=200)
+    parser.add_argument("--cases", default=",".join(map(str, FAILING)))
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    cases = grid.enumerate_grid()
+    report = {"seeds": args.seeds, "calls": {}}
+    for index in (int(i) for i in args.cases.split(",")):
+        case = cases[index]
+        report["calls"][case.label()] = per_variant = {}
+        for d_from in D_FROM:
+            attention = emulated_attention(d_from)
+            statuses = {"PASS": 0, "FAIL": 0, "KNOWN": 0}
+            ratio = {n: [] for n in ("dq", "dk", "dv", "out", "dsinks")}
+            over_torch = {n: [] for n in ("dq", "dk")}
+            fa_rule = []
+            for seed in range(args.seeds):
+                row = grid.run_case(dataclasses.replace(case, index=10_000 + seed),
+                                    attention=attention, dev="cpu")
+                statuses[row["status"]] += 1
+                for n in ratio:
+                    ratio[n].append(row[n]["ratio"])
+                for n in over_torch:
+                    over_torch[n].append(row[n]["error"] / row[n]["torch_error"])
+                fa = one_call(case, 10_000 + seed, d_from)
+                fa_rule.append(max(fa[n]["fa_rule"]["ratio"] for n in ("dq", "dk", "dv")))
+            t = {n: torch.tensor(r) for n, r in ratio.items()}
+            e = {n: torch.tensor(r) for n, r in over_torch.items()}
+            per_variant[d_from] = v = {
+                "grid_status": statuses,
+                "grid_ratio_max": {n: r.max().item() for n, r in t.items()},
+                "error_over_torch_median": {n: r.median().item() for n, r in e.items()},
+                "error_over_torch_p99": {n: r.quantile(0.99).item() for n, r in e.items()},
+                "error_over_torch_gt2": {n: (r > 2).float().mean().item() for n, r in e.items()},
+                "fa_rule_ratio_max": max(fa_rule),
+                "fa_rule_fail": sum(r > 1 for r in fa_rule) / len(fa_rule)}
+            print(f"{case.label()[:44]:44s} D {d_from:8s}: grid {statuses}; err/torch "
+                  f"dq {v['error_over_torch_median']['dq']:.2f} (p99 "
+                  f"{v['error_over_torch_p99']['dq']:.2f}) dk "
+                  f"{v['error_over_torch_median']['dk']:.2f} (p99 "
+                  f"{v['error_over_torch_p99']['dk']:.2f}); FA's rule fails "
+                  f"{v['fa_rule_fail']:.3f}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "d_cancellation_model.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
