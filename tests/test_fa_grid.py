@@ -58,14 +58,43 @@ def test_windows_are_the_tests_draws(cases):
     assert {c.fa_window for c in local if c.d == 128 and c.dv == 128} == {second}
 
 
-def test_quick_and_filters(cases):
+def test_quick_covers_every_axis_in_few_kernels(cases):
+    """--quick (< 2 min on the GPU): every head dim (both dv at 128), causal, each window kind
+    (negative sides included), softcap, deterministic and sinks each on a call with the
+    backward, every mha type with and without the backward, forward-only calls, the one-key
+    (1, 1) and long / odd pairs; at most 40 kernels (counted on the host, no compile)."""
     quick = grid.select(cases, quick=True)
-    assert len(quick) == 50 and {c.d for c in quick} == set(grid.HEAD_DIMS)
-    assert {c.local_enum for c in quick} == set(grid.LOCAL_ENUM)
-    assert {(c.causal, c.softcap, c.deterministic, c.sinks) for c in quick} >= {
-        (True, 0.0, False, False)} and {c.mha_type for c in quick} == set(grid.MHA_TYPES)
+    assert len({c.index for c in quick}) == len(quick) == len(grid.QUICK_CALLS)
+    assert {(c.d, c.dv) for c in quick} == {(d, dv) for d in grid.HEAD_DIMS
+                                            for dv in grid.dv_values(d)}
+    backward = [c for c in quick if c.backward]
+    assert {c.d for c in backward} == {64, 96, 128, 192} and len(backward) < len(quick)
+    assert {c.local_enum for c in backward} == set(grid.LOCAL_ENUM)
+    for axis in ("causal", "softcap", "deterministic", "sinks"):
+        assert {bool(getattr(c, axis)) for c in backward} == {False, True}, axis
+    for mha in grid.MHA_TYPES:
+        assert {c.backward for c in quick if c.mha_type == mha} == {False, True}, mha
+    assert any(min(w for w in c.fa_window if w is not None) < 0 for c in quick if c.local)
+    pairs = {(c.seqlen_q, c.seqlen_k) for c in quick}
+    assert {(1, 1), (4224, 4224), (1023, 1024)} <= pairs
+    assert any(c.causal and c.seqlen_q > c.seqlen_k for c in quick)      # forward only
+    found = grid.inspect(quick)
+    assert found["refused"] == 0 and found["kernels"] <= 40, found["compiles"]
+
+
+def test_filters_and_plan(cases):
     some = grid.select(cases, dims=[96], start=5000, max_cases=5)
     assert len(some) == 5 and all(c.d == 96 and c.index >= 5000 for c in some)
+    assert [c.index for c in grid.select(cases, start=10, stop=13)] == [10, 11, 12]
+    # --plan over two head dims' first calls: runs of [start, stop) covering them in order
+    chosen = grid.select(cases, dims=[64, 256], max_cases=None)
+    chosen = [c for c in chosen if c.index % 3120 < 200]
+    found = grid.plan(chosen, jobs=4, budget=60)
+    runs = found["runs"]
+    assert sum(r["calls"] for r in runs) == len(chosen) and runs[0]["start"] == 0
+    assert all(a["stop"] <= b["start"] for a, b in zip(runs, runs[1:]))
+    assert set(found["per_head_dim"]) == {64, 256}
+    assert all(r["seconds"] <= 60 for r in runs if r["calls"] > 1)
 
 
 def _find(cases, **want):

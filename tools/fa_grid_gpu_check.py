@@ -2,10 +2,16 @@
 (issue 63: "every one runs through attention(), none refused, and passes").
 
     python tools/fa_grid_gpu_check.py --list                 # case counts per head dim (CPU)
-    python tools/fa_grid_gpu_check.py --inspect [--quick]    # host-side checks, compiles (CPU)
+    python tools/fa_grid_gpu_check.py --inspect [--quick]    # host-side checks, kernels (CPU)
+    python tools/fa_grid_gpu_check.py --plan [--budget 360]  # kernels, time, device calls (CPU)
     source .gpu/prelude.sh && python tools/fa_grid_gpu_check.py [--quick] [--dims 64,128]
-        [--start N] [--max-cases M] [--jobs 8] [--deadline S] [--verbose] [--out DIR]
+        [--start N] [--stop N] [--max-cases M] [--jobs 8] [--deadline S] [--verbose] [--out DIR]
     python tools/fa_grid_gpu_check.py --dry-run [...]       # the plumbing, on the CPU
+
+The whole grid on one H200 (`--plan`'s two device calls, each estimated <= 360 s):
+
+    python tools/fa_grid_gpu_check.py --start 0 --stop 6240 --jobs 8 --deadline 480
+    python tools/fa_grid_gpu_check.py --start 6240 --stop 18720 --jobs 8 --deadline 480
 
 The grid: the parametrize lists of `tests/cute/test_flash_attn.py::test_flash_attn_output`
 in Dao-AILab/flash-attention (read 2026-11-29, file version 008e636), written here as data:
@@ -68,22 +74,25 @@ index the progress and failure lines print; the JSON's `resume_from`); `--deadli
 no call after S seconds, so that a run cut short by a time limit still writes its JSON.
 
 Compiles: one per kernel configuration (stage, head dims, mask, window size, cap, sinks,
-POLICY row), about 1.1-1.5 s each on one CPU core; FA's windows are drawn per key length
-and each window size is its own compile in `attention()` (FA4 passes them at run time).
-`--inspect` counts them on the CPU (no compile, no launch) and says which calls
-`attention()` refuses: none since negative window sides run (was 6,576); 1,008 forward and
-992 backward configurations (488 and 448 before them; forward per head dim 192 / 152 /
-340 / 148 / 176). So the whole grid is ~30-40 min of compiles in one process. `--jobs N`
-runs N worker processes on the one GPU (each compiles its own kernels, so the compiles run
-in parallel on the host's cores), over shards that share no kernel configuration
-(`plan_jobs`: groups of calls, none sharing one, dealt by estimated work): the whole grid
-with `--jobs 8` is ~300 s of compiles per worker (estimated from ~150 s at half the
-configurations). Without it, commands of < 10 min each: `--dims 64`, `--dims 96`,
-`--dims 128` (with `--deadline` and `--start`), `--dims 192`, `--dims 256`. `--quick` (50
-calls, 10 of them negative windows; 46 forward and 30 backward configurations, was 49 in
-all: ~2 min): per head dim the pair (113, 203) through a rotation of the other parameters,
-plus the odd pairs (1, 1), (239, 1), (799, 3) and (4224, 4224) once each. `--dry-run`: no GPU; attention()'s host checks, then
-the checks against `stand_in_attention` (the fp32 math rounded to bf16) on the CPU.
+POLICY row), and the backward's pre- / post-processing kernels (a few per head dim); FA's
+windows are drawn per key length and each window size is its own compile in `attention()`
+(FA4 passes them at run time). `--inspect` counts them on the CPU (no compile, no launch) and
+says which calls `attention()` refuses (none): 2,027 kernels (1,008 forward, 992 backward,
+27 pre- / post-processing). `--jobs N` runs N worker processes on the one GPU (each compiles
+its own kernels, so the compiles run in parallel on the host's cores), over shards that share
+no kernel configuration (`plan_jobs`: groups of calls, none sharing one, dealt by estimated
+work). `--plan` (CPU, a few seconds) prints per head dim the calls, kernels and estimated
+seconds with `--jobs 8` (COMPILE_S etc. below, from the first H200 pass: ~1.6 s a kernel per
+worker), the whole grid's (~540 s: more than one device call) and one command per device
+call, index ranges `--start` / `--stop` estimated within `--budget` seconds each, run with
+`--deadline 480` (a run that overruns stops starting calls and writes its JSON; rerun its
+range from its `resume_from`). `--quick` (QUICK_CALLS: 20 calls, 37 kernels, every feature
+axis: each head dim and dv, causal, the three window kinds with negative sides, softcap,
+deterministic and sinks with the backward, MHA / MQA / GQA with and without it, forward-only
+calls, (1, 1), (1023, 1024) and (4224, 4224)) runs on min(8, cores / 2) workers by default:
+~25 s estimated, < 2 min. Runs print the kernel count first; each record's "s" is its call's
+seconds with its compiles. `--dry-run`: no GPU; attention()'s host checks, then the checks
+against `stand_in_attention` (the fp32 math rounded to bf16) on the CPU.
 """
 
 from __future__ import annotations
@@ -211,33 +220,56 @@ def enumerate_grid() -> list[Case]:
     return cases
 
 
-QUICK_PAIR = (113, 203)
-QUICK_ODD = ((1, 1), (239, 1), (799, 3), (4224, 4224))
+# `--quick`: 20 calls, 37 kernels (forward, backward and the backward's pre- / post-
+# processing), each feature axis at least once: (d, dv, (seqlen_q, seqlen_k), mha type, causal,
+# local_enum, softcap, deterministic, sinks). Two backward calls per head dim with a backward at
+# (113, 203), their masks, caps and GQA kinds rotated; the forward-only (128, 64) and 256;
+# then calls that reuse those kernels at other lengths (the one-key (1, 1), odd and long pairs,
+# causal with fewer keys than queries: forward only).
+_P = (113, 203)
+QUICK_CALLS = (
+    (64, 64, _P, "mha", True, 0, 0.0, True, True),
+    (64, 64, _P, "gqa", False, 1, 15.0, False, False),
+    (96, 96, _P, "mqa", False, 2, 0.0, True, True),
+    (96, 96, _P, "gqa", False, 0, 0.0, False, False),
+    (128, 128, _P, "gqa", False, 3, 15.0, False, True),
+    (128, 128, _P, "mha", True, 0, 0.0, True, False),
+    (192, 128, _P, "mqa", False, 1, 0.0, True, True),
+    (192, 128, _P, "gqa", False, 2, 15.0, False, False),
+    (128, 64, _P, "mha", False, 0, 0.0, False, False),
+    (256, 256, _P, "mqa", True, 0, 15.0, False, True),
+    (256, 256, _P, "gqa", False, 1, 0.0, True, False),
+    (64, 64, (1, 1), "mha", True, 0, 0.0, True, True),          # decode's forward, one key
+    (128, 128, (4224, 4224), "mha", True, 0, 0.0, True, False),
+    (96, 96, (4224, 4224), "gqa", False, 0, 0.0, False, False),
+    (96, 96, (1023, 1024), "gqa", False, 0, 0.0, False, False),
+    (96, 96, (1, 1), "mqa", False, 0, 0.0, False, False),
+    (128, 64, (1, 1), "gqa", False, 0, 0.0, False, False),
+    (64, 64, (239, 1), "gqa", True, 0, 0.0, True, True),
+    (128, 128, (799, 3), "mqa", True, 0, 0.0, True, False),
+    (256, 256, (64, 1), "gqa", True, 0, 15.0, True, True),
+)
+_QUICK_FIELDS = ("d", "dv", "pair", "mha_type", "causal", "local_enum", "softcap",
+                 "deterministic", "sinks")
 
 
 def quick_cases(cases: list[Case]) -> list[Case]:
-    """Per head dim: the pair (113, 203) through a rotation of the other parameters (each
-    value of each at least once, both dv at d = 128), and each odd pair once."""
+    """The grid's calls that QUICK_CALLS names (one each), in its order."""
     chosen = []
-    for d in HEAD_DIMS:
-        mine = [c for c in cases if c.d == d and (c.seqlen_q, c.seqlen_k) == QUICK_PAIR]
-        for i, (causal, local_enum) in enumerate([(False, 0), (True, 0), (False, 1),
-                                                  (False, 2), (False, 3), (False, 1)]):
-            want = dict(causal=causal, local_enum=local_enum, mha_type=MHA_TYPES[i % 3],
-                        softcap=SOFTCAPS[i // 2 % 2], deterministic=DETERMINISTIC[i % 2],
-                        sinks=SINKS[(i + 1) // 2 % 2], dv=dv_values(d)[i % len(dv_values(d))])
-            chosen += [c for c in mine if all(getattr(c, k) == v for k, v in want.items())]
-        for j, pair in enumerate(QUICK_ODD):
-            want = dict(causal=j % 2 == 1, local_enum=0, mha_type=MHA_TYPES[j % 3],
-                        softcap=0.0, deterministic=False, sinks=j == 2, dv=dv_values(d)[-1])
-            chosen += [c for c in cases if c.d == d and (c.seqlen_q, c.seqlen_k) == pair
-                       and all(getattr(c, k) == v for k, v in want.items())]
+    for row in QUICK_CALLS:
+        want = dict(zip(_QUICK_FIELDS, row))
+        pair = want.pop("pair")
+        found = [c for c in cases if (c.seqlen_q, c.seqlen_k) == pair
+                 and all(getattr(c, k) == v for k, v in want.items())]
+        assert len(found) == 1, (row, len(found))
+        chosen += found
     return chosen
 
 
-def select(cases, quick=False, dims=None, start=0, max_cases=None) -> list[Case]:
+def select(cases, quick=False, dims=None, start=0, max_cases=None, stop=None) -> list[Case]:
     chosen = quick_cases(cases) if quick else cases
-    chosen = [c for c in chosen if (not dims or c.d in dims) and c.index >= start]
+    chosen = [c for c in chosen if (not dims or c.d in dims) and c.index >= start
+              and (stop is None or c.index < stop)]
     return chosen[:max_cases] if max_cases else chosen
 
 
@@ -251,17 +283,27 @@ def _recording_compiles():
     (the key as compile_attention / compile_backward cache it)."""
     import importlib
 
+    from hopper_attn.common.backward import helper_keys
+
     def forward(spec, factory, problem, options=None, **_):
         spec.check(problem)
         opts = dict(options or {}, head_dim_v=problem.dv)
         raise _Recorded(("fwd", spec.name, factory.__name__, problem.head_dim, problem.causal,
                          str(problem.dtype), tuple(sorted(opts.items()))))
 
+    made: dict = {}                    # backward key -> its pre- / post-processing keys
+
     def backward(spec, factory, problem, options=None, **_):
         spec.check(problem)
         opts = dict(options or {}, head_dim_v=problem.dv)
-        raise _Recorded(("bwd", spec.name, factory.__name__, problem.head_dim, problem.causal,
-                         str(problem.dtype), tuple(sorted(opts.items()))))
+        key = ("bwd", spec.name, factory.__name__, problem.head_dim, problem.causal,
+               str(problem.dtype), tuple(sorted(opts.items())))
+        if key not in made:            # (the kernel object only: its helpers' keys)
+            d, dv = problem.head_dim, problem.dv
+            kernel = factory(d, problem.causal, **dict(options or {}, **(
+                {"head_dim_v": dv} if dv != d else {})))
+            made[key] = helper_keys(kernel, d, dv, str(problem.dtype), False)
+        raise _Recorded(key, made[key])
 
     saved = []
     for name, attr, fn in (("k6", "compile_attention", forward),
@@ -281,11 +323,12 @@ def _recording_compiles():
 
 
 def _compile_key(entry, problem):
+    """(the configuration's key, the keys of the helper kernels it launches too)"""
     try:
         entry.compile(problem)
     except _Recorded as recorded:
-        return recorded.args[0]
-    return None
+        return recorded.args[0], (recorded.args[1] if len(recorded.args) > 1 else ())
+    return None, ()
 
 
 def host_check(case: Case, grad: Optional[bool] = None, keys: bool = False) -> dict:
@@ -323,10 +366,17 @@ def host_check(case: Case, grad: Optional[bool] = None, keys: bool = False) -> d
     except ValueError as exc:
         return {**row, "status": "REFUSED", "message": str(exc)}
     if keys:
-        row["fwd_key"] = _compile_key(entry, problem)
+        row["fwd_key"] = _compile_key(entry, problem)[0]
         if bwd is not None:
-            row["bwd_key"] = _compile_key(bwd, problem)
+            row["bwd_key"], row["helper_keys"] = _compile_key(bwd, problem)
     return row
+
+
+def kernel_keys(row: dict) -> set:
+    """Every kernel a host_check(keys=True) row compiles: forward, backward, the backward's
+    pre- / post-processing (cached apart: shared by the backward configurations)."""
+    return {k for k in (row.get("fwd_key"), row.get("bwd_key"), *row.get("helper_keys", ()))
+            if k is not None}
 
 
 def inspect(cases: list[Case], print_limit: int = 40) -> dict:
@@ -347,20 +397,22 @@ def inspect(cases: list[Case], print_limit: int = 40) -> dict:
     for c, r in grad_refused:
         if r["status"] == "REFUSED":
             with_grad.setdefault(_reason(r["message"]), []).append(c.index)
-    keys = {"fwd": set(), "bwd": set()}
+    keys = {"fwd": set(), "bwd": set(), "helpers": set()}
     per_dim: dict = {}
     for c, r in rows:
-        for kind in ("fwd", "bwd"):
-            key = r.get(f"{kind}_key")
-            if key is not None:
-                keys[kind].add(key)
-                per_dim.setdefault(c.d, {"fwd": set(), "bwd": set()})[kind].add(key)
+        mine = per_dim.setdefault(c.d, {"fwd": set(), "bwd": set(), "helpers": set()})
+        for kind, found in (("fwd", [r.get("fwd_key")]), ("bwd", [r.get("bwd_key")]),
+                            ("helpers", r.get("helper_keys", ()))):
+            found = [k for k in found if k is not None]
+            keys[kind].update(found)
+            mine[kind].update(found)
     return {"calls": len(rows), "refused": sum(len(v) for v in reasons.values()),
             "refused_by_reason": {k: {"count": len(v), "first": v[:print_limit]}
                                   for k, v in sorted(reasons.items(), key=lambda kv: -len(kv[1]))},
             "forward_only_refused_with_grad": {k: {"count": len(v), "first": v[:print_limit]}
                                                for k, v in with_grad.items()},
-            "compiles": {"fwd": len(keys["fwd"]), "bwd": len(keys["bwd"])},
+            "compiles": {k: len(v) for k, v in keys.items()},
+            "kernels": sum(len(v) for v in keys.values()),
             "compiles_per_head_dim": {d: {k: len(s) for k, s in v.items()}
                                       for d, v in sorted(per_dim.items())},
             "stages": sorted({(r["forward"], r["backward"]) for _, r in rows
@@ -618,18 +670,26 @@ def main(argv=None) -> int:
                         help="print the call count per head dim and exit (CPU, no CUDA)")
     parser.add_argument("--inspect", action="store_true",
                         help="attention()'s host-side checks and the compile count (CPU)")
+    parser.add_argument("--plan", action="store_true",
+                        help="per head dim the kernels and estimated seconds with --jobs "
+                             "(8 if not given), and device calls of <= --budget s (CPU)")
+    parser.add_argument("--budget", type=float, default=360,
+                        help="--plan: estimated seconds per device call at most")
     parser.add_argument("--quick", action="store_true",
-                        help="a subset: (113, 203) per head dim plus the odd pairs (< 2 min)")
+                        help="QUICK_CALLS: 20 calls, every feature axis, 37 kernels (< 2 min)")
     parser.add_argument("--dims", default="", help="head dims to keep, e.g. 64,128")
     parser.add_argument("--start", type=int, default=0,
                         help="skip calls with a global index below this (resume)")
+    parser.add_argument("--stop", type=int, default=None,
+                        help="skip calls with a global index at or above this (--plan's runs)")
     parser.add_argument("--max-cases", type=int, default=0, help="at most this many calls")
     parser.add_argument("--deadline", type=float, default=0,
                         help="start no call after this many seconds (0: none); the JSON "
                              "says where to resume")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=int, default=None,
                         help="worker processes on the one GPU, each its own compiles (the "
-                             "whole grid: 8 on a 16-core host)")
+                             "whole grid: 8 on a 16-core host); default 1, with --quick "
+                             "min(8, cores / 2)")
     parser.add_argument("--indices", default="",
                         help="(a worker's) file of the global call indices to run")
     parser.add_argument("--dry-run", action="store_true",
@@ -640,7 +700,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     dims = [int(x) for x in args.dims.split(",") if x.strip()]
     cases = enumerate_grid()
-    chosen = select(cases, args.quick, dims, args.start, args.max_cases)
+    chosen = select(cases, args.quick, dims, args.start, args.max_cases, args.stop)
     if args.indices:
         with open(args.indices) as f:
             chosen = [cases[int(i)] for i in f.read().split()]
@@ -652,14 +712,18 @@ def main(argv=None) -> int:
         print(f"total: {len(chosen)} calls ({sum(c.backward for c in chosen)} with the "
               f"backward) of {len(cases)}")
         return 0
+    if args.plan:
+        return print_plan(plan(chosen, args.jobs or 8, args.budget), args)
     if args.inspect:
         t0 = time.time()
         found = inspect(chosen)
         print(f"{found['calls']} calls: {found['refused']} refused by attention() (host "
-              f"checks), {found['compiles']['fwd']} forward and {found['compiles']['bwd']} "
-              f"backward compile configurations ({time.time() - t0:.0f} s)")
+              f"checks), {found['kernels']} kernels: {found['compiles']['fwd']} forward and "
+              f"{found['compiles']['bwd']} backward compile configurations, "
+              f"{found['compiles']['helpers']} backward pre- / post-processing "
+              f"({time.time() - t0:.0f} s)")
         for d, n in found["compiles_per_head_dim"].items():
-            print(f"  d {d}: compiles fwd {n['fwd']} bwd {n['bwd']}")
+            print(f"  d {d}: compiles fwd {n['fwd']} bwd {n['bwd']} helpers {n['helpers']}")
         for reason, row in found["refused_by_reason"].items():
             print(f"  REFUSED x{row['count']}: {reason[:200]}")
         for reason, row in found["forward_only_refused_with_grad"].items():
@@ -667,9 +731,32 @@ def main(argv=None) -> int:
                   f"{reason[:160]}")
         print(f"  stages (forward, backward): {found['stages']}")
         return 0
+    if args.jobs is None:              # --quick: its few compiles side by side
+        args.jobs = min(8, max(1, (os.cpu_count() or 2) // 2)) if args.quick else 1
     if args.jobs > 1 and not args.indices:
         return run_jobs(chosen, cases, args)
     return run(chosen, cases, args)
+
+
+def print_plan(found: dict, args) -> int:
+    """--plan's lines: per head dim, the total, then one command per device call."""
+    def seconds(x):
+        return f"~{x:.0f} s"
+    for d, row in found["per_head_dim"].items():
+        k = row["kernels"]
+        print(f"d {d}: {row['calls']} calls ({row['backward']} with the backward), "
+              f"{k['all']} kernels (fwd {k['fwd']} bwd {k['bwd']} helpers {k['helpers']}): "
+              f"{seconds(row['seconds'])} with --jobs {found['jobs']}")
+    print(f"all: {found['kernels']['all']} kernels, {seconds(found['seconds_one_run'])} in one "
+          f"run with --jobs {found['jobs']}; device calls of <= "
+          f"{seconds(found['budget'])} estimated each:")
+    extra = (f" --dims {args.dims}" if args.dims else "") + " --quick" * args.quick
+    for run_ in found["runs"]:
+        dims = ",".join(map(str, run_["dims"]))
+        print(f"  python tools/fa_grid_gpu_check.py --start {run_['start']} --stop "
+              f"{run_['stop']}{extra} --jobs {found['jobs']} --deadline {PLAN_DEADLINE_S}"
+              f"   # d {dims}, {run_['calls']} calls, {seconds(run_['seconds'])}")
+    return 0
 
 
 def _compiled_count() -> int:
@@ -678,39 +765,108 @@ def _compiled_count() -> int:
     return len(contract._COMPILED) + len(backward._COMPILED)
 
 
-# rough seconds (for the planner): one compile, one call, one refused call
-COMPILE_S, CALL_S, REFUSED_S = 1.3, 0.03, 0.002
+# rough seconds (for the planners), from the first H200 pass (2026-11-29: 8 workers on the
+# 16-core host compiled ~30 kernels and ran ~180 calls each in ~70 s): one kernel compiled
+# by one of 8 workers, one call, one refused call, and a run's start (imports, CUDA, planning)
+COMPILE_S, CALL_S, REFUSED_S, START_S = 1.6, 0.04, 0.002, 15.0
+# --plan's device calls: estimated at most --budget seconds each, run with this --deadline
+# (a call stops starting calls there and writes its JSON before the device's 540 s)
+PLAN_DEADLINE_S = 480
 
 
-def plan_jobs(chosen: list[Case], jobs: int) -> tuple[list, list]:
+def key_rows(chosen: list[Case]) -> list[dict]:
+    """host_check(keys=True) of every call (no compile, no launch)."""
+    restore = _recording_compiles()
+    try:
+        return [host_check(c, keys=True) for c in chosen]
+    finally:
+        restore()
+
+
+def kernel_count(rows: list[dict]) -> dict:
+    """The distinct kernels `rows` compile: {"fwd", "bwd", "helpers", "all"}."""
+    found = {"fwd": set(), "bwd": set(), "helpers": set()}
+    for r in rows:
+        found["fwd"].update(k for k in [r.get("fwd_key")] if k is not None)
+        found["bwd"].update(k for k in [r.get("bwd_key")] if k is not None)
+        found["helpers"].update(r.get("helper_keys", ()))
+    counts = {k: len(v) for k, v in found.items()}
+    return {**counts, "all": sum(counts.values())}
+
+
+def plan_jobs(chosen: list[Case], jobs: int, rows: Optional[list] = None
+              ) -> tuple[list, list]:
     """`chosen` split into `jobs` shards of about equal work, each compile in one shard only:
     calls grouped by (d, dv, softcap, causal, window), which every kernel configuration's key
     fixes (the sinks' forward differs, their backward does not: they stay together), each
-    group's work estimated from its configurations and calls (host_check), dealt largest
-    first to the least loaded shard. (shards of indices, loads)"""
-    restore = _recording_compiles()
-    try:
-        rows = [(c, host_check(c, keys=True)) for c in chosen]
-    finally:
-        restore()
+    group's work estimated from its kernels and calls (host_check; the backward's pre- /
+    post-processing kernels, few and shared, may compile in more than one shard), dealt
+    largest first to the least loaded shard. (shards of indices, loads in seconds)"""
+    rows = key_rows(chosen) if rows is None else rows
     groups: dict = {}
-    for c, r in rows:
+    for c, r in zip(chosen, rows):
         group = groups.setdefault((c.d, c.dv, c.softcap, c.causal, c.fa_window),
                                   {"calls": [], "keys": set(), "runnable": 0})
         group["calls"].append(c.index)
         if r["status"] == "OK":
             group["runnable"] += 1
-            group["keys"].update(k for k in (r.get("fwd_key"), r.get("bwd_key")) if k)
+            group["keys"].update(kernel_keys(r))
 
-    def work(group):
-        return (len(group["keys"]) * COMPILE_S + group["runnable"] * CALL_S
-                + (len(group["calls"]) - group["runnable"]) * REFUSED_S)
-    shards, loads = [[] for _ in range(jobs)], [0.0] * jobs
-    for group in sorted(groups.values(), key=work, reverse=True):
+    def work(keys, calls, runnable):
+        return len(keys) * COMPILE_S + runnable * CALL_S + (calls - runnable) * REFUSED_S
+    shards = [{"calls": [], "keys": set(), "runnable": 0} for _ in range(jobs)]
+    loads = [0.0] * jobs
+    for group in sorted(groups.values(), key=lambda g: work(g["keys"], len(g["calls"]),
+                                                            g["runnable"]), reverse=True):
         i = loads.index(min(loads))
-        shards[i] += group["calls"]
-        loads[i] += work(group)
-    return [sorted(s) for s in shards], loads
+        shard = shards[i]
+        shard["calls"] += group["calls"]
+        shard["keys"] |= group["keys"]
+        shard["runnable"] += group["runnable"]
+        loads[i] = work(shard["keys"], len(shard["calls"]), shard["runnable"])
+    return [sorted(s["calls"]) for s in shards], loads
+
+
+def plan(chosen: list[Case], jobs: int, budget: float) -> dict:
+    """`--plan`: per head dim the calls, kernels and estimated seconds of one run with `jobs`
+    workers, and index ranges [start, stop) of runs estimated within `budget` seconds each
+    (a head dim per run where it fits, several together where they fit, a head dim split
+    into equal parts where it does not)."""
+    chosen = sorted(chosen, key=lambda c: c.index)      # (--quick's are in its own order)
+    rows = dict(zip((c.index for c in chosen), key_rows(chosen)))
+
+    def estimate(part):
+        _, loads = plan_jobs(part, jobs, [rows[c.index] for c in part])
+        return START_S + max(loads)
+    per_dim, units = {}, []
+    for d in HEAD_DIMS:
+        mine = [c for c in chosen if c.d == d]
+        if not mine:
+            continue
+        seconds = estimate(mine)
+        per_dim[d] = {"calls": len(mine), "backward": sum(c.backward for c in mine),
+                      "kernels": kernel_count([rows[c.index] for c in mine]),
+                      "seconds": seconds}
+        parts = 1
+        while True:                    # split a head dim that does not fit into equal parts
+            size = -(-len(mine) // parts)
+            pieces = [mine[i:i + size] for i in range(0, len(mine), size)]
+            if parts >= len(mine) or all(estimate(p) <= budget for p in pieces):
+                break
+            parts += 1
+        units += pieces
+    runs: list = []
+    for unit in units:                 # then whole units together while they fit
+        if runs and estimate(runs[-1] + unit) <= budget:
+            runs[-1] = runs[-1] + unit
+        else:
+            runs.append(unit)
+    return {"per_head_dim": per_dim, "jobs": jobs, "budget": budget,
+            "kernels": kernel_count(list(rows.values())),
+            "seconds_one_run": estimate(chosen) if chosen else 0.0,
+            "runs": [{"start": r[0].index, "stop": r[-1].index + 1, "calls": len(r),
+                      "dims": sorted({c.d for c in r}), "seconds": estimate(r)}
+                     for r in runs]}
 
 
 def run_jobs(chosen, cases, args) -> int:
@@ -726,9 +882,10 @@ def run_jobs(chosen, cases, args) -> int:
     env = environment()
     print(env_line(env), flush=True)
     t0 = time.time()
-    shards, loads = plan_jobs(chosen, args.jobs)
-    print(f"{len(chosen)} calls in {args.jobs} workers (estimated {max(loads):.0f} s each)",
-          flush=True)
+    rows = key_rows(chosen)
+    shards, loads = plan_jobs(chosen, args.jobs, rows)
+    print(f"{len(chosen)} calls, {_kernels_line(kernel_count(rows))}, in {args.jobs} "
+          f"workers (estimated {START_S + max(loads):.0f} s)", flush=True)
     folder = tempfile.mkdtemp(prefix="fa_grid_")
     by_index = {c.index: c for c in cases}
     records: dict = {}
@@ -803,6 +960,11 @@ def run_jobs(chosen, cases, args) -> int:
         and not missing else 1
 
 
+def _kernels_line(counts: dict) -> str:
+    return (f"{counts['all']} kernels to compile ({counts['fwd']} forward, {counts['bwd']} "
+            f"backward, {counts['helpers']} backward pre- / post-processing)")
+
+
 # CUDA errors after which the context is unusable (every later call would fail too)
 POISONED = ("illegal memory access", "illegal instruction", "unspecified launch failure",
             "misaligned address")
@@ -813,8 +975,9 @@ def run(chosen, cases, args) -> int:
     from hopper_attn.harness.gpu_check import env_line
     env = environment()
     print(env_line(env), flush=True)
+    kernels = "" if args.indices else f", {_kernels_line(kernel_count(key_rows(chosen)))}"
     print(f"{len(chosen)} calls (of {len(cases)}), from index "
-          f"{chosen[0].index if chosen else '-'}", flush=True)
+          f"{chosen[0].index if chosen else '-'}{kernels}", flush=True)
     records, printed, t0 = [], {"FAIL": 0, "KNOWN": 0, "REFUSED": 0}, time.time()
     by_index = {c.index: c for c in cases}
     stopped = None                         # the index to resume from, if stopped early
@@ -828,16 +991,19 @@ def run(chosen, cases, args) -> int:
         if args.indices:                   # a worker: which call it is on, should it die
             with open(os.path.join(args.out, "current.txt"), "w") as f:
                 f.write(str(case.index))
+        started = time.time()
         try:
             r = dry_run_case(case) if args.dry_run else run_case(case)
         except Exception as exc:  # noqa: BLE001 - one failure must not stop the sweep
             r = {"status": "FAIL", "message": f"{type(exc).__name__}: {str(exc)[:300]}",
                  "where": "run"}
         status = r["status"]
-        # a PASS in brief (the case is its index: enumerate_grid()), the others in full
+        # a PASS in brief (the case is its index: enumerate_grid()), the others in full; "s":
+        # the call's seconds, its compiles included (the planner's constants)
         records.append({"index": case.index, "status": status, "ratio": r["ratio"],
                         "worst": r["worst"]} if status == "PASS" else
                        {"index": case.index, "label": case.label(), **r})
+        records[-1]["s"] = round(time.time() - started, 3)
         if r.get("where") == "run" and any(s in r["message"].lower() for s in POISONED):
             stopped, why = case.index + 1, "poisoned"
             print(f"{case.label()}: FAIL {r['message'][:160]} -- the process is poisoned; "

@@ -96,6 +96,19 @@ def _example(shape, dtype):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def helper_keys(kernel, d: int, dv: int, dtype, ffi: bool) -> tuple:
+    """The cache keys of the pre- and post-processing kernels that `kernel`'s backward
+    launches: compiled once for every main kernel that shares them (tools count them)."""
+    pdl = bool(getattr(kernel, "pdl", False))
+    pre_key = ("preprocess", d, dtype, kernel.block_m, ffi, pdl) + ((dv,) if dv != d else ())
+    post_key = ("postprocess", d, dtype, kernel.block_m,
+                getattr(kernel, "dq_fragment_order", False),
+                getattr(kernel, "dq_swap_ab", False), ffi, pdl,
+                bool(getattr(kernel, "convert_per_head", False)),
+                getattr(kernel, "dq_rows", False))
+    return pre_key, post_key
+
+
 def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], problem: Problem,
                      options: Optional[dict] = None, compile_options: str = ""
                      ) -> CompiledBackward:
@@ -135,7 +148,7 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     main = rt.compile_with_tensors(kernel, *qkv, *stats, dq_accum, *dkv, *sems,
                                    scalars=(1.0, 1.0), options=compile_options, tvm_ffi=ffi)
     pdl = bool(getattr(kernel, "pdl", False))     # programmatic dependent launches (kb2)
-    pre_key = ("preprocess", d, dt, kernel.block_m, ffi, pdl) + ((dv,) if dv != d else ())
+    pre_key, post_key = helper_keys(kernel, d, dv, dt, ffi)
     if pre_key not in _COMPILED:
         lse = _example((b, h, n), torch.float32)
         _COMPILED[pre_key] = rt.compile_with_tensors(
@@ -145,8 +158,6 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
     fragments = getattr(kernel, "dq_fragment_order", False)
     swap_ab, rows = getattr(kernel, "dq_swap_ab", False), getattr(kernel, "dq_rows", False)
     per_head = bool(getattr(kernel, "convert_per_head", False))
-    post_key = ("postprocess", d, dt, kernel.block_m, fragments, swap_ab, ffi, pdl, per_head,
-                rows)
     if post_key not in _COMPILED:
         # both conversions take (dq_accum, dq, counters, scale, kv tiles); DqConvert ignores
         # the counters and the kv tile count (only the per-head wait reads them)
