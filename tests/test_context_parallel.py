@@ -631,3 +631,21 @@ def test_simulated_packed_ring_on_the_kernels(world_size, causal, layout):
     from tools.cp_gpu_check import run_packed_case
     result = run_packed_case(world_size, causal, 8, 2, 600, seed=world_size, layout=layout)
     assert result["ok"], result
+
+
+def test_nccl_check_cases_are_runnable_at_two_ranks():
+    """tools/cp_nccl_check.py (GPU hosts only): its cases pass the ring's host checks at
+    W = 2 (even zigzag halves under a causal mask, lengths a multiple of the chunks), and its
+    packed documents cover the sequence exactly."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "cp_nccl_check.py")
+    spec = importlib.util.spec_from_file_location("cp_nccl_check", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    for causal, hq, hk, rows, d, layout in tool.DENSE_CASES + tool.PACKED_CASES:
+        q = torch.empty(1, rows, hq, d)
+        k = torch.empty(1, rows, hk, d)
+        cp._check_local(q, k, k, causal, layout)
+    for *_, rows, _d, _layout in tool.PACKED_CASES:
+        cu = tool._documents(2 * rows, rows, "cpu")
+        assert cu[0] == 0 and cu[-1] == 2 * rows and bool((cu[1:] >= cu[:-1]).all())
