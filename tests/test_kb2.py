@@ -623,8 +623,8 @@ def test_policy(d, causal, deterministic, heads_kv, expect):
 
 def test_policy_d128_causal_gqa_runs_per_query_head_from_16k():
     """d = 128, causal, GQA: the walk up to N = 16k - 1, per query head (gqa off) from 16k
-    (results/h200/2026-11-29_bwd128_gqa0_long.json.xz); the deterministic mode and the
-    mask-free problem keep the walk."""
+    (results/h200/2026-11-29_bwd128_gqa0_long.json.xz); the deterministic mode, the
+    mask-free problem and sliding windows keep the walk."""
     from hopper_attn import kb2
     from hopper_attn.common.contract import Problem
     for n, causal, deterministic, gqa in ((16383, True, False, True), (16384, True, False, False),
@@ -633,6 +633,8 @@ def test_policy_d128_causal_gqa_runs_per_query_head_from_16k():
         settings = kb2.policy(Problem(1, 16, n, 128, causal, heads_kv=4), deterministic)
         assert settings["gqa"] is gqa, (n, causal, deterministic)
         assert settings["longest_first"] is causal
+    windowed = Problem(1, 16, 16384, 128, True, heads_kv=4, window_left=4095)
+    assert kb2.policy(windowed, False)["gqa"] is True          # unmeasured there: the walk
 
 
 def test_dq_rows_compiles_without_spills():

@@ -646,7 +646,8 @@ def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutla
 class PolicyRow:
     """Settings for problems of `head_dim` (None: any) and `causal` (None: either) in `mode`
     ("": every problem, "deterministic", "gqa": fewer k/v heads than query heads, "gqa
-    deterministic": both) whose query length is in `lengths` (default: any)."""
+    deterministic": both) whose query length is in `lengths` (default: any), with a sliding
+    window or not (`windowed`; None: either)."""
 
     head_dim: Optional[int]
     causal: Optional[bool]
@@ -655,10 +656,13 @@ class PolicyRow:
     reason: str
     results: tuple          # paths from the repository root
     lengths: Lengths = Lengths()
+    windowed: Optional[bool] = None     # None: with a sliding window or without
 
-    def matches(self, head_dim: int, causal: bool, mode: str, seqlen: int) -> bool:
+    def matches(self, head_dim: int, causal: bool, mode: str, seqlen: int,
+                windowed: bool = False) -> bool:
         return (self.mode == mode and self.head_dim in (None, head_dim)
-                and self.causal in (None, causal) and seqlen in self.lengths)
+                and self.causal in (None, causal) and seqlen in self.lengths
+                and self.windowed in (None, windowed))
 
 
 def policy_settings(rows, defaults: dict, problem, deterministic: bool = False,
@@ -676,7 +680,8 @@ def policy_settings(rows, defaults: dict, problem, deterministic: bool = False,
     modes += ["gqa deterministic"] if deterministic and "gqa" in modes else []
     for mode in modes:
         for row in rows:
-            if row.matches(problem.head_dim, masked, mode, problem.seqlen):
+            if row.matches(problem.head_dim, masked, mode, problem.seqlen,
+                           bool(getattr(problem, "windowed", False))):
                 settings.update(row.settings)
                 used.append(row)
     settings["rows"] = used
