@@ -280,6 +280,20 @@ def test_gpu_batch_runs_steps_under_one_deadline(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["batch.json", "batch.tar.xz"]
     with pytest.raises(ValueError):
         gpu_batch.parse_step("bad/name:1:true")
+    # lanes: the first step alone, then two at once on GPUs 0 and 1
+    monkeypatch.setenv("OUT", str(tmp_path / "lanes"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    note = (f"{sys.executable} -c \"import os, time; t = time.time(); time.sleep(1); "
+            f"open(os.environ['OUT'] + '/gpu', 'w').write("
+            f"os.environ['CUDA_VISIBLE_DEVICES'] + ' %f %f' % (t, time.time()))\"")
+    assert gpu_batch.main(["--gpus", "2", "--together", "1", f"all:20:{note}",
+                           f"a:20:{note}", f"b:20:{note}"]) == 0
+    with tarfile.open(tmp_path / "lanes" / "batch.tar.xz") as tar:
+        seen = {n.split("/")[1]: tar.extractfile(n).read().decode().split()
+                for n in tar.getnames() if n.endswith("/gpu")}
+    assert seen["all"][0] == "0,1" and sorted([seen["a"][0], seen["b"][0]]) == ["0", "1"]
+    (a0, a1), (b0, b1), (_, all1) = ([float(x) for x in seen[k][1:]] for k in "a b all".split())
+    assert a0 < b1 and b0 < a1 and min(a0, b0) >= all1       # side by side, after "all"
 
 
 def test_case_groups_report():
