@@ -153,7 +153,9 @@ def main():
             providers = [hopper_sdpa.register()]
         except Exception as err:                           # noqa: BLE001 (torch < 2.11)
             print(f"no SDPA provider: {err!r}"[:200])
-    report = dict(versions=_versions(), nccl_settings=NCCL_SETTINGS, world_size=world,
+    from hopper_attn.harness.env import environment
+    report = dict(env=environment(), versions=_versions(), nccl_settings=NCCL_SETTINGS,
+                  world_size=world,
                   batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, causal=causal, warmup=args.warmup,
                   iters=args.iters, torch_rotate=args.torch_rotate, providers=providers,

@@ -146,10 +146,10 @@ def main():
               f"({torch.cuda.get_device_name(0)})")
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "cp_nccl_check.json"), "w") as f:
-                json.dump(dict(nccl_settings=NCCL_SETTINGS, world_size=world,
-                               torch=torch.__version__,
+                from hopper_attn.harness.env import environment
+                json.dump(dict(env=environment(), nccl_settings=NCCL_SETTINGS, world_size=world,
                                nccl=".".join(map(str, torch.cuda.nccl.version())),
-                               device=torch.cuda.get_device_name(0), rows=rows), f, indent=1)
+                               rows=rows), f, indent=1)
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)
 
