@@ -324,6 +324,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.softcap_fixed_max = bool(softcap_fixed_max) and self.softcap > 0.0
         if self.softcap_fixed_max and self.rescale_before_pv:
             raise ValueError("softcap_fixed_max rescales nothing: not with rescale=before_pv")
+        # against a fixed 0 no P is exactly 1, so l sums the rounded P the PV GEMM multiplies
+        # (as with lazy rescaling): a row one key dominates then gets that key's V exactly
+        self.round_p_sums = self.round_p_sums or self.softcap_fixed_max
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,

@@ -172,3 +172,19 @@ def test_softcap_forward_matches_fp32(d, causal, n, cap, magnitude):
 def test_softcap_backward_matches_fp32(d, causal, n, heads_kv, cap, magnitude):
     errors = check_softcap(d, causal, n, cap, magnitude, heads_kv, seed=d + n + heads_kv)
     assert within(errors), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dv", [64, 128])
+@pytest.mark.parametrize("seqlen_q", [1, 64, 239])
+def test_softcap_one_key_returns_its_value(dv, seqlen_q):
+    """One key: every row's output is that key's V, bit for bit (FlashAttention's grid,
+    d 128 / dv 64, cap 15: k6's exponents against a fixed 0 sum the rounded P, so P V / l
+    is V exactly)."""
+    import hopper_attn
+    gen = torch.Generator(device="cuda").manual_seed(dv + seqlen_q)
+    q = torch.randn(2, seqlen_q, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k = torch.randn(2, 1, 4, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    v = (3 * torch.randn(2, 1, 4, dv, device="cuda", generator=gen)).to(torch.bfloat16)
+    out = hopper_attn.attention(q, k, v, softcap=15.0)
+    assert torch.equal(out, v.expand_as(out))

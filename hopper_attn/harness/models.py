@@ -19,7 +19,8 @@ Parts (`--only`, comma-separated):
 - generate: a `--prompt` token prompt, then `--new-tokens` greedy steps with the default
   KV cache (DynamicCache); prefill time, decode tokens/s, and whether the tokens match
   SDPA's (random weights: an early tie can make greedy paths part, the first step that
-  differs is recorded).
+  differs is recorded); timed round-robin like train (host-bound: the host's drift stays out
+  of the ratios).
 - probe: the model's own attention calls alone: the training shape (GQA forward + backward,
   causal) and decode shapes (one query over a cache; TB/s = bytes of K and V read once /
   time), with the L2 cache flushed before each call.
@@ -215,42 +216,54 @@ def bench_train(model, impls: dict, seqlens, rounds: int, vocab: int) -> list:
     return rows
 
 
-def bench_generate(model, impls: dict, prompt: int, new_tokens: int, reps: int,
+def bench_generate(model, impls: dict, prompt: int, new_tokens: int, rounds: int,
                    vocab: int) -> list:
+    """Greedy generation per implementation: warmed up one after another, then timed in
+    `rounds` shuffled rounds (a prefill of one new token, then the whole generation, per
+    implementation and round), medians. Generation at this size is host-bound, and the
+    host's speed drifts over a run: round-robin keeps that drift out of the ratios."""
+    from hopper_attn.harness.timing import round_orders
     model.eval()
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, vocab, (1, prompt), device="cuda", generator=gen)
     kwargs = dict(do_sample=False, use_cache=True, attention_mask=torch.ones_like(ids))
 
-    rows, reference = [], None
-    for name, impl in impls.items():
-        def run(tokens, name=name):
-            with torch.no_grad(), backend_context(name):
-                return model.generate(ids, max_new_tokens=tokens, **kwargs)
+    def run(name, tokens):
+        with torch.no_grad(), backend_context(name):
+            return model.generate(ids, max_new_tokens=tokens, **kwargs)
 
+    errors, tokens = {}, {}
+    for name, impl in impls.items():
         select(model, name, impl)
-        row = {"part": "generate", "impl": name, "prompt": prompt, "new_tokens": new_tokens}
         try:
-            run(new_tokens)                        # warm-up: every length the timing sees
-            run(1)
-            prefill = [_wall(lambda: run(1)) for _ in range(reps)]
-            total, tokens = [], None
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                tokens = run(new_tokens)
-                torch.cuda.synchronize()
-                total.append(time.perf_counter() - t0)
+            tokens[name] = run(name, new_tokens)[0, prompt:].tolist()  # every length, once
+            run(name, 1)
         except Exception as exc:  # noqa: BLE001
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            errors[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    live = [name for name in impls if name not in errors]
+    prefill, total = {name: [] for name in live}, {name: [] for name in live}
+    for order in round_orders(live, rounds, seed=prompt):
+        for name in order:
+            select(model, name, impls[name])
+            prefill[name].append(_wall(lambda name=name: run(name, 1)))
+            total[name].append(_wall(lambda name=name: run(name, new_tokens)))
+    rows, reference = [], None
+    for name in impls:
+        row = {"part": "generate", "impl": name, "prompt": prompt, "new_tokens": new_tokens}
+        if name in errors:
+            row["error"] = errors[name]
             rows.append(row)
             continue
-        new = tokens[0, prompt:].tolist()
+        new = tokens[name]
         if reference is None:
             reference = new
         first_diff = next((i for i, (a, b) in enumerate(zip(new, reference)) if a != b), None)
-        p, t = statistics.median(prefill), statistics.median(total)
+        p, t = statistics.median(prefill[name]), statistics.median(total[name])
+        per_round = [(new_tokens - 1) / (b - a) for a, b in zip(prefill[name], total[name])
+                     if b > a]
         row.update(prefill_ms=p * 1e3, total_ms=t * 1e3,
                    decode_tokens_per_s=(new_tokens - 1) / (t - p) if t > p else None,
+                   decode_tokens_per_s_rounds=per_round, rounds=rounds,
                    tokens_as_first_impl=first_diff is None, first_differing_step=first_diff)
         rows.append(row)
     deselect_provider()
@@ -531,7 +544,7 @@ def main(argv=None) -> int:
             _print_rows(rows)
             result["rows"] += rows
         if "generate" in parts:
-            rows = bench_generate(model, impls, prompt, new_tokens, reps=2, vocab=args.vocab)
+            rows = bench_generate(model, impls, prompt, new_tokens, rounds, vocab=args.vocab)
             _print_rows(rows)
             result["rows"] += rows
         del model
