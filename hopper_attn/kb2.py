@@ -82,10 +82,11 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_HANDOFF_THREADS,
                                          DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, BackwardTiles,
                                          DqWriter, GroupWalk, PolicyRow, backward_smem,
-                                         column_stats, compile_backward, converted,
+                                         compile_backward, converted,
                                          fragment_slot, kernel_arguments, policy_settings,
                                          run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap, dkv_swap_keys
+from hopper_attn.common.backward_stats import row_stats
 from hopper_attn.common.compiler_hints import opaque, pin
 from hopper_attn.common.contract import LOG2_E, KernelSpec, Lengths
 from hopper_attn.common.layouts import acc_as_operand_a, acc_rows_cols, operand_a_as_acc
@@ -123,7 +124,9 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
-                 dq_rows: bool = False):
+                 dq_rows: bool = False, stats_shuffle: bool = False):
+        # stats_shuffle: lse2 and D read once a lane quad and shuffled (backward_stats.py)
+        self.stats_shuffle = bool(stats_shuffle)
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:
@@ -475,7 +478,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                 # dP^T - D out of the GEMM (it starts from -D: no D registers); ptxas makes it
                 # wait for every earlier WGMMA, so it goes first and S^T queues behind it
                 do_pipe.consumer_wait(consume)
-                dsum = column_stats(sD, st_coords, stage, cols)
+                dsum = row_stats(sD, st_coords, stage, cols, self.stats_shuffle)
                 for c in cutlass.range_constexpr(cols):
                     for r in cutlass.range_constexpr(cute.size(dpt_rc, mode=[0])):
                         dpt_rc[r, c] = -dsum[c]
@@ -485,7 +488,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                        zero_init=True)
             # this thread's LSE (and below D) values, read while the GEMMs run (after the
             # wait their SMEM latency stalled the exp2 loop)
-            lse2 = column_stats(sLSE, st_coords, stage, cols)
+            lse2 = row_stats(sLSE, st_coords, stage, cols, self.stats_shuffle)
             if cutlass.const_expr(self.dp_first):
                 self.trace.end(phase)
                 phase = self.trace.start("wait_s")
@@ -526,7 +529,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                         dpt_rc[r, c] = st_rc[r, c] * dpt_rc[r, c] * cute.arch.fmax(
                             1.0 - t * t, Float32(0.0))                  # dS^T
             if cutlass.const_expr(not self.dp_first):
-                dsum = column_stats(sD, st_coords, stage, cols)
+                dsum = row_stats(sD, st_coords, stage, cols, self.stats_shuffle)
             if cutlass.const_expr(self.shared_keys):    # P^T -> SMEM (stmatrix) for dV
                 cute.copy(store_ds, thr_store_ds.retile(converted(acc_st, dtype)),
                           thr_store_ds.partition_D(sPt)[None, None, None, it % 2])
@@ -632,7 +635,8 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "ds_address_per_tile": False, "kv_with_first_tile": False, "pdl": False,
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
-            "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False}
+            "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False,
+            "stats_shuffle": False}
 
 
 BWD64 = "results/h200/2026-11-29_bwd64_dq_rows.json.xz"
@@ -765,7 +769,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
                    varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
                    dkv_split_d: Optional[bool] = None,
-                   dq_rows: Optional[bool] = None):
+                   dq_rows: Optional[bool] = None, stats_shuffle: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not

@@ -652,3 +652,24 @@ def test_dq_rows_compiles_without_spills():
                              r"\s*%rd") == 128 // 16                           # dQ
     with pytest.raises(ValueError, match="dq_rows"):
         kb2.compile_kernel(Problem(1, 2, 128, 64, True), block_m=64, dq_rows=True)
+
+
+def test_stats_shuffle_compiles_without_spills():
+    """stats_shuffle (d = 64): lse2 and D read once a lane quad (2 ld.shared.v2 a statistic
+    and thread) and taken by warp shuffles, FA4's way; GQA without a mask, no spills."""
+    art = compiled("kb2:stats_shuffle=1", 64, False, heads_kv=1)
+    assert art["kernel"]["options"]["stats_shuffle"] is True
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert count(art["ptx"], r"shfl\.sync\.idx") >= 64
+
+
+def test_causal_stmatrix_with_shuffled_stats():
+    """d = 64 causal: with the statistics shuffled (4 registers, not 64) dS^T's stmatrix
+    stores fit beside dQ by rows when their addresses are made per tile (ds_address_per_tile):
+    no spills (stmatrix alone spills 116 bytes, with the per-tile addresses 100)."""
+    art = compiled("kb2:stats_shuffle=1,stmatrix=1,ds_address_per_tile=1", 64, True)
+    assert art["kernel"]["options"]["dq_rows"] is True          # the causal policy's
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+    assert count(art["ptx"], r"stmatrix\.sync") > 0
