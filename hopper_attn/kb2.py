@@ -82,8 +82,8 @@ from hopper_attn.common import tma, wgmma
 from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_HANDOFF_THREADS,
                                          DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, BackwardTiles,
                                          DqWriter, GroupWalk, PolicyRow, backward_smem,
-                                         compile_backward, converted,
-                                         fragment_slot, kernel_arguments, policy_settings,
+                                         compile_backward, converted, fragment_slot,
+                                         kernel_arguments, policy_settings,
                                          run_backward, stage_dkv, store_dkv)
 from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap, dkv_swap_keys
 from hopper_attn.common.backward_stats import row_stats
@@ -125,8 +125,9 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
                  dq_rows: bool = False, stats_shuffle: bool = False):
-        # stats_shuffle: lse2 and D read once a lane quad and shuffled (backward_stats.py)
-        self.stats_shuffle = bool(stats_shuffle)
+        self.stats_shuffle = bool(stats_shuffle)    # lse2, D shuffled (backward_stats.py)
+        if self.stats_shuffle and (block_m % 64 or shared_keys or dkv_swap_ab):
+            raise ValueError("kb2: stats_shuffle takes 64- or 128-row query tiles")
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
         if not math.isfinite(self.softcap) or self.softcap < 0.0:

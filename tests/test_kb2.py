@@ -656,12 +656,17 @@ def test_dq_rows_compiles_without_spills():
 
 def test_stats_shuffle_compiles_without_spills():
     """stats_shuffle (d = 64): lse2 and D read once a lane quad (2 ld.shared.v2 a statistic
-    and thread) and taken by warp shuffles, FA4's way; GQA without a mask, no spills."""
+    and thread) and taken by warp shuffles, FA4's way; GQA without a mask, no spills; 80-row
+    tiles refused."""
     art = compiled("kb2:stats_shuffle=1", 64, False, heads_kv=1)
     assert art["kernel"]["options"]["stats_shuffle"] is True
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert count(art["ptx"], r"shfl\.sync\.idx") >= 64
+    from hopper_attn import kb2
+    from hopper_attn.common.contract import Problem
+    with pytest.raises(ValueError, match="stats_shuffle"):     # 20 columns a thread
+        kb2.compile_kernel(Problem(1, 2, 128, 128, False), block_m=80, stats_shuffle=True)
 
 
 def test_causal_stmatrix_with_shuffled_stats():

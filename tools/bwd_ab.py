@@ -5,6 +5,8 @@ both against FA4 and cuDNN: the A/B behind a POLICY change of kb2.
     python tools/bwd_ab.py --dim 256 --variant kb2:dkv_split_d=0 --kv-heads 16
     python tools/bwd_ab.py --dim 128 --variant kb2:gqa=0 --kv-heads 4 \\
         --shapes 1x8192,1x16384,1x32768 --causal 1
+    python tools/bwd_ab.py --dim 64 --variant kb2:stats_shuffle=1 \\
+        --variant kb2:stats_shuffle=1,stmatrix=1,ds_address_per_tile=1  # two arms, one run
     ... --quick                                                     # correctness only
 
 1. Correctness: both builds launched directly (registry, no autograd) on small problems (MHA,
@@ -14,7 +16,8 @@ both against FA4 and cuDNN: the A/B behind a POLICY change of kb2.
 2. Speed (skipped with --quick): the backward alone, CUDA events, L2 flushed, round-robin
    medians: both builds launched directly, ours (attention(), the default), FA4 and cuDNN
    through autograd, at 16 query heads, each of --kv-heads, --shapes (BxN), --causal. One line
-   per shape: each provider's time / the variant's (> 1: the variant faster).
+   per shape: each provider's time / the variant's (> 1: the variant faster). --variant given
+   more than once: every variant checked and timed in the same rounds, times over the first's.
 
 Writes $OUT/bwd_ab.json (or --out) with the environment and the arguments.
 """
@@ -47,12 +50,14 @@ def parse_own_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(add_help=False)
     asked_help = bool({"-h", "--help"} & set(sys.argv))
     parser.add_argument("--dim", type=int, required=not asked_help)
-    parser.add_argument("--variant", required=not asked_help, help="e.g. kb2:dq_rows=0")
+    parser.add_argument("--variant", required=not asked_help, action="append",
+                        help="e.g. kb2:dq_rows=0 (again: a further arm, same rounds)")
     parser.add_argument("--default", default="kb2")
     parser.add_argument("--kv-heads", default="16,4", help="k/v heads for 16 query heads")
     parser.add_argument("--shapes", default="8x4096,2x16384", help="BxN, comma-separated")
     parser.add_argument("--causal", default="0,1", help="0 (full), 1 (causal) or both")
     args, rest = parser.parse_known_args()
+    args.variants, args.variant = args.variant or [], (args.variant or [None])[0]
     sys.argv[1:] = rest
     return args
 
@@ -83,12 +88,14 @@ def _direct_grads(name, q, k, v, do, causal):
 def correctness(log) -> list:
     from hopper_attn.harness.window_reference import gradient_errors
     rows, d = [], ARGS.dim
-    for i, (batch, heads, heads_kv, nq, nk, causal) in enumerate(CASES):
+    for (i, (batch, heads, heads_kv, nq, nk, causal)), variant in \
+            ((c, name) for c in enumerate(CASES) for name in ARGS.variants):
         q, k, v, do = _inputs(batch, heads, heads_kv, nq, nk, 11 + i, d)
         base = _direct_grads(ARGS.default, q, k, v, do, causal)
-        grads = _direct_grads(ARGS.variant, q, k, v, do, causal)
+        grads = _direct_grads(variant, q, k, v, do, causal)
         errors = gradient_errors(q, k, v, do, grads, -1, 0 if causal else -1, d ** -0.5)
         row = {"case": [batch, heads, heads_kv, nq, nk, causal, d], "errors": errors,
+               "variant": variant,
                "ratio": {}, "ok": True,
                "same_bits_as_default": all(torch.equal(a, b) for a, b in zip(grads, base))}
         for name, grad in zip("qkv", grads):
@@ -96,7 +103,7 @@ def correctness(log) -> list:
             nan = bool(grad.isnan().any())
             row["ratio"][name] = float("inf") if nan else err / bound
             row["ok"] &= not nan and err <= bound
-        log(f"  {ARGS.variant} d{d} B{batch} {heads}/{heads_kv} {nq}x{nk} "
+        log(f"  {variant} d{d} B{batch} {heads}/{heads_kv} {nq}x{nk} "
             f"{'causal' if causal else 'full  '}: ratio dq {row['ratio']['q']:.2f} "
             f"dk {row['ratio']['k']:.2f} dv {row['ratio']['v']:.2f}, same bits as default "
             f"{row['same_bits_as_default']}  {'PASS' if row['ok'] else 'FAIL'}")
@@ -116,7 +123,7 @@ def speed(log) -> list:
         shape = f"d{d} {kind} B{batch} N{n // 1024}k {'causal' if causal else 'full'}"
         q, k, v, do = _inputs(batch, HEADS, heads_kv, n, n, 7, d)
         calls, notes = {}, {}
-        for name in (ARGS.default, ARGS.variant):
+        for name in (ARGS.default, *ARGS.variants):
             try:
                 calls[name] = direct_backward(name, q, k, v, do, causal)
             except Exception as exc:  # noqa: BLE001 - recorded, the others still run

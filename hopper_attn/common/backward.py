@@ -601,16 +601,6 @@ def wait_for_count(counter: cute.Pointer, target):
         seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
 
 
-@cute.jit
-def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
-    """The per-query statistic (lse2 or D) of each S^T column a kb2 consumer thread holds,
-    from the stage's SMEM row into registers."""
-    vals = cute.make_rmem_tensor((cols,), Float32)
-    for c in cutlass.range_constexpr(cols):
-        vals[c] = s_rows[st_coords[0, c][1], stage]
-    return vals
-
-
 def fragment_slot(base: cute.Pointer, m_block, tidx, block_m: int, head_dim: int, regs: int):
     """Where thread `tidx` (0..255, warpgroup tidx // 128) of the dQ WGMMA keeps its `regs`
     accumulator floats inside query tile `m_block`'s block of a fragment-ordered buffer
@@ -630,16 +620,6 @@ def converted(acc: cute.Tensor, dtype) -> cute.Tensor:
     out = cute.make_rmem_tensor_like(acc, dtype)
     out.store(acc.load().to(dtype))
     return out
-
-
-@cute.jit
-def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
-    """The per-query statistic (lse2 or D) of each S^T column this thread holds, from the
-    stage's SMEM row into registers."""
-    vals = cute.make_rmem_tensor((cols,), Float32)
-    for c in cutlass.range_constexpr(cols):
-        vals[c] = s_rows[st_coords[0, c][1], stage]
-    return vals
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,22 @@ of a lane quad hold different columns; the eight quads of a warp hold the same o
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .backward import column_stats
-
 PAIR_STRIDE = 8        # an m64nN accumulator: a thread's column pairs are 8 queries apart
 QUADS = 8              # lane quads a warp
+
+
+@cute.jit
+def column_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: cutlass.Constexpr):
+    """Each thread's own values: `vals[c]` read from the stage's SMEM row (one `LDS.64` per
+    column pair)."""
+    vals = cute.make_rmem_tensor((cols,), Float32)
+    for c in cutlass.range_constexpr(cols):
+        vals[c] = s_rows[st_coords[0, c][1], stage]
+    return vals
 
 
 class QuadStats:
