@@ -153,10 +153,12 @@ def speed(log) -> list:
 def main() -> int:
     return run_check(
         __doc__, "bwd_ab.json", correctness, lambda log, t0: speed(log),
-        f"{ARGS.variant} launched directly, gradients against the fp32 reference (ratio = max "
+        f"{' and '.join(ARGS.variants)} launched directly, gradients against the fp32 "
+        "reference (ratio = max "
         "error / (2x torch bf16 error + 2^-12 max|ref|), <= 1 passes):",
-        f"backward alone, ms, round-robin medians; {ARGS.default} / {ARGS.variant} launched "
-        "directly, ours / fa4 / cudnn through autograd; > 1: the variant faster:")
+        f"backward alone, ms, round-robin medians; {ARGS.default} / "
+        f"{' / '.join(ARGS.variants)} launched directly, ours / fa4 / cudnn through autograd; "
+        f"time / {ARGS.variant}'s, > 1: it is faster:")
 
 
 if __name__ == "__main__":
