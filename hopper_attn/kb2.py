@@ -115,8 +115,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
 
     def __init__(self, head_dim: int, causal: bool, block_m: int = 64, block_n: int = 128,
                  deterministic: bool = False, stmatrix: bool = True, early_dv=None,
-                 head_dim_v: int = 0,
-                 dp_first: bool = False, ds_address_per_tile: bool = False,
+                 head_dim_v: int = 0, dp_first: bool = False, ds_address_per_tile: bool = False,
                  kv_with_first_tile: bool = False, pdl: bool = False, split_dv: int = 0,
                  longest_first: bool = False, group_mib: int = 32, group_heads: int = 0,
                  trace: bool = False, convert_per_head: bool = False, gqa: bool = False,
@@ -124,9 +123,10 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
-                 dq_rows: bool = False, stats_shuffle: bool = False):
-        self.stats_shuffle = bool(stats_shuffle)    # lse2, D shuffled (backward_stats.py)
-        if self.stats_shuffle and (block_m % 64 or shared_keys or dkv_swap_ab):
+                 dq_rows: bool = False, stats_shuffle: bool = False, stats_at_use: bool = False):
+        # lse2 and D shuffled across lane quads, or read at use (common/backward_stats.py)
+        self.stats = "shuffle" if stats_shuffle else "at_use" if stats_at_use else ""
+        if stats_shuffle and (block_m % 64 or shared_keys or dkv_swap_ab):
             raise ValueError("kb2: stats_shuffle takes 64- or 128-row query tiles")
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
         self.softcap = float(softcap)
@@ -479,7 +479,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                 # dP^T - D out of the GEMM (it starts from -D: no D registers); ptxas makes it
                 # wait for every earlier WGMMA, so it goes first and S^T queues behind it
                 do_pipe.consumer_wait(consume)
-                dsum = row_stats(sD, st_coords, stage, cols, self.stats_shuffle)
+                dsum = row_stats(sD, st_coords, stage, cols, self.stats)
                 for c in cutlass.range_constexpr(cols):
                     for r in cutlass.range_constexpr(cute.size(dpt_rc, mode=[0])):
                         dpt_rc[r, c] = -dsum[c]
@@ -489,7 +489,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                        zero_init=True)
             # this thread's LSE (and below D) values, read while the GEMMs run (after the
             # wait their SMEM latency stalled the exp2 loop)
-            lse2 = row_stats(sLSE, st_coords, stage, cols, self.stats_shuffle)
+            lse2 = row_stats(sLSE, st_coords, stage, cols, self.stats)
             if cutlass.const_expr(self.dp_first):
                 self.trace.end(phase)
                 phase = self.trace.start("wait_s")
@@ -530,7 +530,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                         dpt_rc[r, c] = st_rc[r, c] * dpt_rc[r, c] * cute.arch.fmax(
                             1.0 - t * t, Float32(0.0))                  # dS^T
             if cutlass.const_expr(not self.dp_first):
-                dsum = row_stats(sD, st_coords, stage, cols, self.stats_shuffle)
+                dsum = row_stats(sD, st_coords, stage, cols, self.stats)
             if cutlass.const_expr(self.shared_keys):    # P^T -> SMEM (stmatrix) for dV
                 cute.copy(store_ds, thr_store_ds.retile(converted(acc_st, dtype)),
                           thr_store_ds.partition_D(sPt)[None, None, None, it % 2])
@@ -637,7 +637,7 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
             "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False,
-            "stats_shuffle": False}
+            "stats_shuffle": False, "stats_at_use": False}
 
 
 BWD64 = "results/h200/2026-11-29_bwd64_dq_rows.json.xz"
@@ -769,8 +769,8 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    gqa: Optional[bool] = None, heads_first: Optional[bool] = None,
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
                    varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
-                   dkv_split_d: Optional[bool] = None,
-                   dq_rows: Optional[bool] = None, stats_shuffle: Optional[bool] = None):
+                   dkv_split_d: Optional[bool] = None, dq_rows: Optional[bool] = None,
+                   stats_shuffle: Optional[bool] = None, stats_at_use: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not

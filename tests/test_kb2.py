@@ -669,11 +669,14 @@ def test_stats_shuffle_compiles_without_spills():
         kb2.compile_kernel(Problem(1, 2, 128, 128, False), block_m=80, stats_shuffle=True)
 
 
-def test_causal_stmatrix_with_shuffled_stats():
-    """d = 64 causal: with the statistics shuffled (4 registers, not 64) dS^T's stmatrix
-    stores fit beside dQ by rows when their addresses are made per tile (ds_address_per_tile):
-    no spills (stmatrix alone spills 116 bytes, with the per-tile addresses 100)."""
-    art = compiled("kb2:stats_shuffle=1,stmatrix=1,ds_address_per_tile=1", 64, True)
+@pytest.mark.parametrize("options", ["stats_shuffle=1,stmatrix=1,ds_address_per_tile=1",
+                                     "stats_at_use=1,stmatrix=1"])
+def test_causal_stmatrix_without_held_stats(options):
+    """d = 64 causal: the 32 lse2 values held across the S^T wait and the mask are what make
+    dS^T's stmatrix stores spill (116 bytes; 100 with per-tile addresses). Shuffled (2
+    registers a statistic, with per-tile addresses) or read at use, they fit beside dQ by
+    rows without spills."""
+    art = compiled("kb2:" + options, 64, True)
     assert art["kernel"]["options"]["dq_rows"] is True          # the causal policy's
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
