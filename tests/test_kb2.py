@@ -673,7 +673,7 @@ def test_stats_shuffle_compiles_without_spills():
                                      "stats_at_use=1,stmatrix=1"])
 def test_causal_stmatrix_without_held_stats(options):
     """d = 64 causal: the 32 lse2 values held across the S^T wait and the mask are what make
-    dS^T's stmatrix stores spill (116 bytes; 100 with per-tile addresses). Shuffled (2
+    dS^T's stmatrix stores spill (116 bytes; 100 with per-tile addresses). Shuffled (4
     registers a statistic, with per-tile addresses) or read at use, they fit beside dQ by
     rows without spills."""
     art = compiled("kb2:" + options, 64, True)
