@@ -123,9 +123,9 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
-                 dq_rows: bool = False, stats_shuffle: bool = False, stats_at_use: bool = False):
+                 dq_rows: bool = False, stats_shuffle: bool = False):
         # lse2 and D shuffled across lane quads, or read at use (common/backward_stats.py)
-        self.stats = "shuffle" if stats_shuffle else "at_use" if stats_at_use else ""
+        self.stats = "shuffle" if stats_shuffle else ""
         if stats_shuffle and (block_m % 64 or shared_keys or dkv_swap_ab):
             raise ValueError("kb2: stats_shuffle takes 64- or 128-row query tiles")
         # logit softcapping, cap * tanh(s / cap), a compile-time cap (0: none)
@@ -637,20 +637,22 @@ DEFAULTS = {"block_m": 64, "stmatrix": True, "dp_first": False, "early_dv": None
             "split_dv": 0, "longest_first": False, "group_mib": 32, "group_heads": 0,
             "convert_per_head": False, "gqa": False, "heads_first": False, "shared_keys": False,
             "dkv_swap_ab": False, "dkv_split_d": False, "dq_rows": False,
-            "stats_shuffle": False, "stats_at_use": False}
+            "stats_shuffle": False}
 
 
 BWD64 = "results/h200/2026-11-29_bwd64_dq_rows.json.xz"
+BWD64S = "results/h200/2026-11-29_bwd64_stats_shuffle.json.xz"
 POLICY = (
     PolicyRow(64, False, "", {"block_m": 128, "dp_first": True, "dq_rows": True},
               "FA3's 128-row tiles, dP^T first (no D registers, no spills): +8-14% over 64 "
               "rows; dQ split by rows (8 m64n64k16) +1.6-2.1% (MHA; GQA: its row)",
               ("results/h100/2026-11-24_kb2_tiles_d64.json", BWD64)),
-    PolicyRow(64, True, "", {"block_m": 128, "stmatrix": False, "early_dv": True, "split_dv": 1,
-                             "pdl": True, "convert_per_head": True, "dq_rows": True},
-              "128 rows +2-7% (stmatrix spills there); dV split +1.3%; dQ converted per head "
-              "(needs the early launch) +0.4-3.6%; dQ split by rows +4.3-5.9% (MHA and GQA)",
-              (BWD64, "results/h100/2026-11-24_kb2_tiles_d64.json",
+    PolicyRow(64, True, "", {"block_m": 128, "early_dv": True, "split_dv": 1, "pdl": True,
+                             "convert_per_head": True, "dq_rows": True, "stats_shuffle": True,
+                             "ds_address_per_tile": True},
+              "128 rows +2-7%; dV split +1.3%; dQ converted per head +0.4-3.6%; dQ split by "
+              "rows +4.3-5.9%; dS^T by stmatrix, no spill (stats shuffled) +3.4-6.8%",
+              (BWD64S, BWD64, "results/h100/2026-11-24_kb2_tiles_d64.json",
                "results/h100/2026-11-25_kb2_split_dv_d64_causal.json",
                "results/h100/2026-11-26_kb2_per_head_d64.json",
                "results/h100/2026-11-26_kb2_per_head_d64_run2.json")),
@@ -735,7 +737,8 @@ POLICY = (
               ("tools/bwd_gqa_gpu_check.py",)),
     # a sliding window (the causal row first): its masks' second limit costs registers
     PolicyRow(64, None, "window", {"dp_first": True, "stmatrix": False, "early_dv": False,
-                                   "split_dv": 0, "dq_rows": False},
+                                   "split_dv": 0, "dq_rows": False, "stats_shuffle": False,
+                                   "ds_address_per_tile": False},
               "dP^T first (no D registers), no stmatrix: the causal row's settings spill with "
               "a window's two limits (4-12 bytes); dQ by columns (rows untried); not yet measured",
               ("tools/window_gpu_check.py",)),
@@ -770,7 +773,7 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
                    varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
                    dkv_split_d: Optional[bool] = None, dq_rows: Optional[bool] = None,
-                   stats_shuffle: Optional[bool] = None, stats_at_use: Optional[bool] = None):
+                   stats_shuffle: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not

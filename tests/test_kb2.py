@@ -133,8 +133,9 @@ def test_prologue_at_d128(d, causal):
 
 @pytest.mark.parametrize("d,causal,block_m,options", [
     (64, False, 128, {"dp_first": True, "stmatrix": True}),
-    (64, True, 128, {"dp_first": False, "stmatrix": False, "early_dv": True, "split_dv": 1,
-                     "pdl": True, "convert_per_head": True}),
+    (64, True, 128, {"dp_first": False, "stmatrix": True, "early_dv": True, "split_dv": 1,
+                     "pdl": True, "convert_per_head": True, "stats_shuffle": True,
+                     "ds_address_per_tile": True}),
     (128, False, 80, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": True,
                       "kv_with_first_tile": True, "pdl": True, "convert_per_head": True}),
     (128, True, 64, {"dp_first": False, "stmatrix": True, "ds_address_per_tile": False,
@@ -599,7 +600,7 @@ def test_policy_rows_name_their_reason_and_results():
                           "group_heads": 16}),
     (64, True, True, 0, {"group_heads": 32, "convert_per_head": False}),
     (64, True, False, 2, {"gqa": True, "heads_first": True, "longest_first": False,
-                          "stmatrix": False}),
+                          "stmatrix": True, "stats_shuffle": True}),
     (64, True, True, 2, {"gqa": True, "longest_first": False, "heads_first": True,
                          "convert_per_head": False}),
     (128, True, True, 2, {"gqa": True, "longest_first": True, "group_heads": 16}),
@@ -669,15 +670,14 @@ def test_stats_shuffle_compiles_without_spills():
         kb2.compile_kernel(Problem(1, 2, 128, 128, False), block_m=80, stats_shuffle=True)
 
 
-@pytest.mark.parametrize("options", ["stats_shuffle=1,stmatrix=1,ds_address_per_tile=1",
-                                     "stats_at_use=1,stmatrix=1"])
-def test_causal_stmatrix_without_held_stats(options):
+def test_causal_stmatrix_without_held_stats():
     """d = 64 causal: the 32 lse2 values held across the S^T wait and the mask are what make
     dS^T's stmatrix stores spill (116 bytes; 100 with per-tile addresses). Shuffled (4
-    registers a statistic, with per-tile addresses) or read at use, they fit beside dQ by
-    rows without spills."""
-    art = compiled("kb2:" + options, 64, True)
-    assert art["kernel"]["options"]["dq_rows"] is True          # the causal policy's
+    registers a statistic, with per-tile addresses: the causal policy's row), they fit
+    beside dQ by rows without spills."""
+    art = compiled("kb2", 64, True)
+    assert art["kernel"]["options"]["dq_rows"] is True
+    assert art["kernel"]["options"]["stats_shuffle"] is True
     for fn in resource_usage(art["cubin"]):
         assert fn["local"] == 0 and fn["stack"] == 0, fn
     assert count(art["ptx"], r"stmatrix\.sync") > 0

@@ -5,8 +5,7 @@ both against FA4 and cuDNN: the A/B behind a POLICY change of kb2.
     python tools/bwd_ab.py --dim 256 --variant kb2:dkv_split_d=0 --kv-heads 16
     python tools/bwd_ab.py --dim 128 --variant kb2:gqa=0 --kv-heads 4 \\
         --shapes 1x8192,1x16384,1x32768 --causal 1
-    python tools/bwd_ab.py --dim 64 --variant kb2:stats_shuffle=1 \\
-        --variant kb2:stats_at_use=1,stmatrix=1                     # two arms, one run
+    python tools/bwd_ab.py --dim 64 --variant kb2:stats_shuffle=0 --causal 1
     ... --quick                                                     # correctness only
 
 1. Correctness: both builds launched directly (registry, no autograd) on small problems (MHA,

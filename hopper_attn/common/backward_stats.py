@@ -10,11 +10,7 @@ of a lane quad hold different columns; the eight quads of a warp hold the same o
   thread takes column c's value by a warp shuffle from the quad that read it (one `SHFL`
   a column). 32 SMEM values a thread become 4 held registers, so fewer live across the
   exp2 and dS^T loops, for N / 4 shuffles a statistic.
-* `StatsAtUse` (`stats_at_use`): each value read from SMEM where the exp2 or dS^T loop first
-  uses it, not into registers while the GEMMs run: none held across the S^T wait and the
-  mask, with the SMEM latency after the wait (docs/lab/kb2.md, "Shuffled statistics").
-
-Either frees the registers that d = 64 causal's dS^T `stmatrix` stores need (the default's
+It frees the registers that d = 64 causal's dS^T `stmatrix` stores need (the default's
 32 lse2 values live across the S^T wait and the mask make them spill).
 """
 
@@ -69,24 +65,9 @@ class QuadStats:
         return self.taken[c]
 
 
-class StatsAtUse:
-    """A statistic's row of one stage read at use: `stats[c]` loads column c's value the first
-    time (later uses take the same register)."""
-
-    def __init__(self, s_rows: cute.Tensor, st_coords: cute.Tensor, stage):
-        self.s_rows, self.st_coords, self.stage, self.taken = s_rows, st_coords, stage, {}
-
-    def __getitem__(self, c: int):
-        if c not in self.taken:
-            self.taken[c] = self.s_rows[self.st_coords[0, c][1], self.stage]
-        return self.taken[c]
-
-
 def row_stats(s_rows: cute.Tensor, st_coords: cute.Tensor, stage, cols: int, how: str = ""):
     """lse2 or D of each S^T column this thread holds, `stats[c]`: read now into registers
-    (""), shared across lane quads ("shuffle": `QuadStats`) or read at use ("at_use")."""
+    ("") or shared across lane quads ("shuffle": `QuadStats`)."""
     if how == "shuffle":
         return QuadStats(s_rows, st_coords, stage, cols)
-    if how == "at_use":
-        return StatsAtUse(s_rows, st_coords, stage)
     return column_stats(s_rows, st_coords, stage, cols)
