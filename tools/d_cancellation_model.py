@@ -1,6 +1,7 @@
 """Why the FA grid's one-key learnable-sinks backward calls fail (issue 63), on the CPU.
 
-    python tools/d_cancellation_model.py [--seeds 200] [--out DIR]
+    python tools/d_cancellation_model.py [--calls 25,3171] [--seeds 200] [--out DIR]
+    python tools/d_cancellation_model.py --calls 3171 --grid-draw    # the grid's own draw
 
 With one key per row and a sink, p = exp(s) / (exp(s) + exp(sink)) and the true
 dS = p (dP - D) = p (1 - p) dP, since D = rowsum(dO * O) = p dP. kb2 (as every FlashAttention
@@ -10,25 +11,37 @@ rounding of O (2^-9 of |O|, summed over d columns against dO) is then not multip
 FA's test writes it with sinks runs its softmax in fp32 (only P is rounded, after), so its
 backward has no such term: its dS error is 2^-9 of dS itself.
 
-This emulates kb2's roundings in fp32 torch (O stored bf16; P recomputed in fp32 from the fp32
-LSE; dP in fp32 from bf16 dO and V; D in fp32 from the bf16 O and dO; dS rounded to bf16
-before the dQ and dK products, bf16 P before dV; dQ, dK, dV accumulated in fp32, then bf16),
-with D taken three ways (bf16 O: the kernel; fp32 O: a forward that kept O's rounding
-residual; rowsum(P dP): D from the softmax), over the grid's five failing calls with many
-seeds, and judges each against the grid's rule (tools/fa_grid_gpu_check.py: fp32 reference,
-rtol 2 (3 with softcap), atol from the fp32 reference) and FA's own test's rule (its
-reference's output and gradients bf16, atol from their bf16 rounding). Prints one line per
-call and variant; JSON to $OUT/d_cancellation_model.json.
+This emulates the kernels' roundings in fp32 torch: the forward's P against the keys'
+maximum (the sink joins at the end), bf16 into P V, O stored bf16; P recomputed in fp32 from
+the fp32 LSE; dP in fp32 from bf16 dO and V; D in fp32 from the bf16 O and dO; dS rounded to
+bf16 before the dQ and dK products, bf16 P before dV; dQ, dK, dV accumulated in fp32, then
+bf16. GQA / MQA: kb2 sums a group's dK / dV in fp32 inside a CTA, but where that leaves too
+few CTAs it splits each k/v head in `dkv_parts` parts, each stored bf16 and summed by torch
+(`kb2_dkv_parts`: six one-head partials at the grid's MQA one-key calls); FA4 sums the group
+in fp32 (dk_accum) and rounds once: both emulated ("kb2", "fa4"). The deterministic mode
+changes only dQ's add order over key tiles (one tile here): nothing to emulate.
+
+Default: many draws (seeds 10,000 + i) of each call with D taken three ways (bf16 O: the
+kernel; fp32 O: a forward that kept O's rounding residual; rowsum(P dP): D from the softmax),
+judged by the grid's rule (tools/fa_grid_gpu_check.py: fp32 reference, rtol 2 (3 with
+softcap), atol from the fp32 reference; FAIL / KNOWN / PASS as the grid says) and FA's own
+test's rule (its reference's output and gradients bf16, atol from their bf16 rounding).
+`--grid-draw`: each call's own draw (its index as the seed): on a GPU the kernel and the
+emulation side by side (max |kernel - emulation|); on the CPU the emulation of the GPU's
+inputs (torch's CUDA randn emulated: cuda_randn.py; softcap calls' torch bf16 bound differs
+from the GPU's). One line per call and variant; JSON to $OUT/d_cancellation_model.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))     # its sibling tools
 
 import torch  # noqa: E402
 
@@ -57,16 +70,19 @@ def kb2_emulated(q, k, v, sinks, g, left, right, scale, softcap=0.0, d_from="bf1
     s = softcap * torch.tanh(raw / softcap) if softcap else raw
     seen = window_mask(q.shape[1], k.shape[1], left, right, q.device)
     s = s.masked_fill(~seen, float("-inf"))
+    # forward: P against the keys' maximum (the sink joins at the end: docs/sinks.md), bf16
+    # into the PV product, the fp32 accumulator scaled by 2^(c - t) / L
     m = s.amax(-1, keepdim=True)
-    if sinks is not None:
-        m = torch.maximum(m, sinks.float()[None, :, None, None])
-    e = torch.exp(s - m)
+    e = torch.exp(s - m).nan_to_num(0.0)               # (a row without keys: 0)
     row_sum = e.sum(-1, keepdim=True)
+    t = m if sinks is None else torch.maximum(m, sinks.float()[None, :, None, None])
+    rebase = torch.exp(m - t).nan_to_num(0.0)
+    row_sum = row_sum * rebase
     if sinks is not None:
-        row_sum = row_sum + torch.exp(sinks.float()[None, :, None, None] - m)
-    lse = m + torch.log(row_sum)
-    # forward: unnormalized bf16 P into the PV product, fp32 accumulator scaled by 1 / L
-    o32 = torch.einsum("bhij,bjhd->bihd", _bf16(e), vf) / row_sum.permute(0, 2, 1, 3)
+        row_sum = row_sum + torch.exp(sinks.float()[None, :, None, None] - t)
+    lse = t + torch.log(row_sum)
+    o32 = torch.einsum("bhij,bjhd->bihd", _bf16(e), vf) * (rebase / row_sum).nan_to_num(
+        0.0).permute(0, 2, 1, 3)
     out = _bf16(o32)
     # backward
     p = torch.exp(s - lse)
@@ -105,7 +121,7 @@ def emulated_attention(d_from="bf16_out", dkv_parts=1):
     class Emulated(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, sinks, left, right, softcap):
-            ctx.save_for_backward(q, k, v, sinks)
+            ctx.save_for_backward(q, k, v, sinks)      # (sinks: None allowed)
             ctx.mask = (left, right, softcap)
             g = torch.zeros_like(q[..., :v.shape[-1]])
             return kb2_emulated(q, k, v, sinks, g, left, right, q.shape[-1] ** -0.5,
@@ -119,7 +135,7 @@ def emulated_attention(d_from="bf16_out", dkv_parts=1):
                                                  q.shape[-1] ** -0.5, softcap, d_from,
                                                  dkv_parts)
             return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                    dsinks.to(sinks.dtype), None, None, None)
+                    None if sinks is None else dsinks.to(sinks.dtype), None, None, None)
 
     def attention(q, k, v, *, causal, window_size, softcap, sinks, deterministic):
         left, right = normalize_window(window_size, causal)
@@ -240,28 +256,57 @@ def capturing(attention, store):
     return wrapped
 
 
-def gpu_draw(case) -> dict:
-    """The grid's own draw of `case` (its seed, on the GPU): the kernel (attention()) and the
-    emulation (kb2's dK / dV partials, and FA4's fp32 group sum) through the grid's checks,
-    and max |kernel - emulation| per tensor."""
+@contextlib.contextmanager
+def cuda_draws():
+    """torch.manual_seed / randn / randn_like as on a CUDA device, on the CPU (cuda_randn.py):
+    run_case(case, dev="cpu") inside draws the grid's GPU inputs of `case`."""
+    from cuda_randn import CudaRandn
+    saved = torch.manual_seed, torch.randn, torch.randn_like
+    state = {}
+
+    def manual_seed(seed):
+        state["gen"] = CudaRandn(int(seed))
+        return saved[0](seed)
+
+    def randn(*shape, **_):
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        return state["gen"].randn(*shape)
+
+    def randn_like(t, **_):
+        return state["gen"].randn(*t.shape).to(t.dtype)
+    torch.manual_seed, torch.randn, torch.randn_like = manual_seed, randn, randn_like
+    try:
+        yield
+    finally:
+        torch.manual_seed, torch.randn, torch.randn_like = saved
+
+
+def grid_draw(case, gpu: bool) -> dict:
+    """The grid's own draw of `case` (its seed) through the grid's checks: the emulation with
+    kb2's dK / dV partials ("kb2_model") and with FA4's fp32 group sum ("fa4_model"); on a GPU
+    also the kernel (attention()) and max |kernel - emulation| per tensor; on the CPU the
+    CUDA draws emulated (cuda_draws)."""
     import fa_grid_gpu_check as grid
-    import hopper_attn
-    row, seen = {}, {}
     parts = kb2_dkv_parts(case)
-    for name, attention in (("kernel", hopper_attn.attention),
-                            ("kb2_model", emulated_attention("bf16_out", parts)),
-                            ("fa4_model", emulated_attention("bf16_out", 1))):
+    runs = [("kb2_model", emulated_attention("bf16_out", parts)),
+            ("fa4_model", emulated_attention("bf16_out", 1))]
+    if gpu:
+        import hopper_attn
+        runs.insert(0, ("kernel", hopper_attn.attention))
+    row, seen = {"dkv_parts": parts}, {}
+    for name, attention in runs:
         seen[name] = {}
-        r = grid.run_case(case, attention=capturing(attention, seen[name]), dev="cuda")
+        with contextlib.nullcontext() if gpu else cuda_draws():
+            r = grid.run_case(case, attention=capturing(attention, seen[name]),
+                              dev="cuda" if gpu else "cpu")
         row[name] = {"status": r["status"], "ratio": r.get("ratio"), "worst": r.get("worst"),
                      **{n: {"error": v["error"], "bound": v.get("bound"), "ok": v["ok"],
                             "d_from_output": v.get("d_from_output")}
                         for n, v in r.items() if isinstance(v, dict)}}
-        if name != "kernel":
+        if "kernel" in seen and name != "kernel":
             row[name]["max_abs_vs_kernel"] = {
                 n: (t.float() - seen["kernel"][n].float()).abs().max().item()
                 for n, t in seen[name].items() if n in seen["kernel"]}
-    row["dkv_parts"] = parts
     return row
 
 
@@ -301,7 +346,6 @@ def draw_statistics(case, seeds, d_from, parts) -> dict:
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fa_grid_gpu_check as grid
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=200)
@@ -309,26 +353,29 @@ def main(argv=None) -> int:
                         default=",".join(map(str, KNOWN_CALLS[:6] + KNOWN_CALLS[8:])),
                         help="grid call indices (comma-separated; default: the KNOWN calls "
                              "and #3171 but for the long #1617 and #2769)")
-    parser.add_argument("--gpu-draw", action="store_true",
-                        help="on a GPU: each call's own grid draw through the kernel and the "
-                             "emulation (no seeds)")
+    parser.add_argument("--grid-draw", action="store_true",
+                        help="each call's own grid draw (its seed): the emulation, and on a "
+                             "GPU the kernel too (on the CPU the CUDA draws are emulated)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     cases = grid.enumerate_grid()
     calls = [cases[int(i)] for i in args.calls.replace(" ", ",").split(",") if i]
     report = {"seeds": args.seeds, "calls": {}}
-    if args.gpu_draw:
-        from hopper_attn.harness.env import environment
-        report = {"env": environment(), "gpu_draw": {}}
+    if args.grid_draw:
+        gpu = torch.cuda.is_available()
+        report = {"grid_draw": {}, "gpu": gpu}
+        if gpu:
+            from hopper_attn.harness.env import environment
+            report["env"] = environment()
         for case in calls:
-            report["gpu_draw"][case.label()] = row = gpu_draw(case)
-            k, e = row["kernel"], row["kb2_model"]
-            print(f"{case.label()[:48]:48s} kernel {k['status']} {k['ratio']:.2f} "
-                  f"({k['worst']}); kb2 model {e['status']} {e['ratio']:.2f}; fa4 model "
-                  f"{row['fa4_model']['status']} {row['fa4_model']['ratio']:.2f}; |kernel - "
-                  f"kb2 model| dk {e['max_abs_vs_kernel']['dk']:.2e} dq "
-                  f"{e['max_abs_vs_kernel']['dq']:.2e}")
-    for case in [] if args.gpu_draw else calls:
+            report["grid_draw"][case.label()] = row = grid_draw(case, gpu)
+            line = " ".join(f"{n} {row[n]['status']} {row[n]['ratio']:.3f} ({row[n]['worst']})"
+                            for n in ("kernel", "kb2_model", "fa4_model") if n in row)
+            if gpu:
+                diff = row["kb2_model"]["max_abs_vs_kernel"]
+                line += f"; |kernel - kb2_model| dq {diff['dq']:.1e} dk {diff['dk']:.1e}"
+            print(f"{case.label()[:48]:48s} {line}", flush=True)
+    for case in [] if args.grid_draw else calls:
         parts = kb2_dkv_parts(case)
         # kb2: its bf16 dK / dV partials; fa4: one fp32 sum over the group (the same for MHA)
         designs = {"kb2": parts, "fa4": 1} if parts > 1 else {"kb2": 1}
