@@ -307,6 +307,10 @@ def grid_draw(case, gpu: bool) -> dict:
             row[name]["max_abs_vs_kernel"] = {
                 n: (t.float() - seen["kernel"][n].float()).abs().max().item()
                 for n, t in seen[name].items() if n in seen["kernel"]}
+            # per row (sequence position) of dq / dk: where the kernel parts from the model
+            row[name]["by_row_vs_kernel"] = {
+                n: (seen[name][n].float() - seen["kernel"][n].float()).abs().amax(
+                    (0, 2, 3)).tolist()[:16] for n in ("dq", "dk")}
     return row
 
 

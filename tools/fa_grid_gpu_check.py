@@ -993,6 +993,7 @@ def run(chosen, cases, args) -> int:
                   flush=True)
             break
         if args.indices:                   # a worker: which call it is on, should it die
+            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "current.txt"), "w") as f:
                 f.write(str(case.index))
         started = time.time()
