@@ -61,8 +61,8 @@ the largest; kept strict here, with KNOWN below for the one understood excess.
 
 Verdict per call: PASS, FAIL (a check failed, or an exception after the forward launched),
 KNOWN (only dq / dk / dsinks failed, and each passes the same bound measured against the
-fp32 math with D = rowsum(dO * O) taken from the bf16 output, as every FlashAttention
-backward, FA4's included, takes it: `d_from_output_grads`; one dominant key per row, e.g.
+fp32 math with D = rowsum(dO * O) taken from the bf16 output and dS rounded to bf16, as
+every FlashAttention backward, FA4's included, takes them: `d_from_output_grads`; one dominant key per row, e.g.
 one key and a sink, where dS = P (dP - D) cancels and O's rounding dominates; torch's
 reference with sinks runs its softmax in fp32, so has no such term: docs/sinks.md; counted
 apart, not a FAIL for the exit status) or REFUSED (ValueError from `attention()` before any
@@ -565,15 +565,18 @@ def run_case(case: Case, attention=None, dev: str = "cuda") -> dict:
 
 
 KNOWN_D = ("dq, dk, dsinks: over the rule against the fp32 reference, within it against the "
-           "same math with D = rowsum(dO * O) from the bf16 output, as every FlashAttention "
-           "backward takes it (one dominant key per row: D's cancellation, docs/sinks.md)")
+           "same math with D = rowsum(dO * O) from the bf16 output and dS in bf16, as every "
+           "FlashAttention backward takes them (one dominant key per row: D's cancellation, "
+           "docs/sinks.md)")
 
 
 def d_from_output_grads(q, k, v, g, out, sinks, left, right, scale, softcap=0.0):
-    """dq, dk (, dsinks) of the fp32 math with one change: D = rowsum(dO * O) from the bf16
-    `out`, not from the fp32 softmax. Where P ~ 1, dS = P (dP - D) cancels and O's bf16
-    rounding (not scaled by 1 - P) dominates: FlashAttention's backward, ours and FA4's, has
-    this term; torch's fp32-softmax reference (the sinks' path) has not."""
+    """dq, dk (, dsinks) of the fp32 math with two changes that every FlashAttention backward
+    (FA2-FA4, ours) makes: D = rowsum(dO * O) from the bf16 `out`, not from the fp32
+    softmax, and dS rounded to bf16 (the operand of the dQ and dK GEMMs). Where P ~ 1,
+    dS = P (dP - D) cancels and O's bf16 rounding (not scaled by 1 - P) dominates; torch's
+    fp32-softmax reference (the sinks' path) has neither term. Over a GQA group dK sums in
+    fp32 (FA4's dk_accum; kb2's bf16 partials of a split group are not emulated)."""
     import torch
     from hopper_attn.harness.window_reference import window_mask
     group = q.shape[2] // k.shape[2]
@@ -591,6 +594,7 @@ def d_from_output_grads(q, k, v, g, out, sinks, left, right, scale, softcap=0.0)
     ds = p * (torch.einsum("bihd,bjhd->bhij", gf, vf) - d_rows)
     if softcap:
         ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
+    ds = ds.to(q.dtype).float()
     dq = torch.einsum("bhij,bjhd->bihd", ds, kf) * scale
     dk = (torch.einsum("bhij,bihd->bjhd", ds, qf) * scale).unflatten(
         2, (k.shape[2], group)).sum(3)
@@ -989,6 +993,7 @@ def run(chosen, cases, args) -> int:
                   flush=True)
             break
         if args.indices:                   # a worker: which call it is on, should it die
+            os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "current.txt"), "w") as f:
                 f.write(str(case.index))
         started = time.time()
