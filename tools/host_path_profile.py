@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import cProfile
 import io
 import json
@@ -208,66 +207,10 @@ def tf_decode_paths(prompt: int = TF_PROMPT) -> dict:
             "tf_decode_step_sdpa": path("sdpa")}
 
 
-@contextlib.contextmanager
-def counting_syncs(counts: collections.Counter):
-    """Count host reads of tensor values (each a device sync on CUDA) by call site."""
-    import traceback
-    names = ("__bool__", "item", "__int__", "__float__", "tolist")
-    saved = {name: getattr(torch.Tensor, name) for name in names}
-
-    def counted(name):
-        original = saved[name]
-
-        def read(self, *args, **kwargs):
-            frame = traceback.extract_stack(limit=2)[0]
-            where = frame.filename.split("site-packages/")[-1].replace(os.getcwd() + "/", "")
-            counts[f"{name} {where}:{frame.lineno} {frame.name}"] += 1
-            return original(self, *args, **kwargs)
-        return read
-
-    for name in names:
-        setattr(torch.Tensor, name, counted(name))
-    try:
-        yield counts
-    finally:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, original)
-
-
-@contextlib.contextmanager
-def timing_interfaces(spent: collections.Counter):
-    """us inside transformers' attention functions ("attention") and mask functions ("mask")
-    of the implementations in use, summed into `spent`."""
-    from transformers import masking_utils
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    tables = ((ALL_ATTENTION_FUNCTIONS._global_mapping, "attention"),
-              (masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "mask"))
-    saved = [(table, dict(table)) for table, _ in tables]
-
-    def timed(fn, part):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - start
-        return call
-
-    for table, part in tables:
-        for name in ("sdpa", "hopper_attn"):
-            if name in table:
-                table[name] = timed(table[name], part)
-    try:
-        yield spent
-    finally:
-        for table, original in saved:
-            table.clear()
-            table.update(original)
-
-
 def parts_of(fn, calls: int) -> dict:
     """us per call inside the attention and mask functions, and host syncs per call by call
     site (one pass each, after the timed calls)."""
+    from hopper_attn.harness.host_probe import counting_syncs, timing_interfaces
     spent, syncs = collections.Counter(), collections.Counter()
     with timing_interfaces(spent):
         for _ in range(calls):
