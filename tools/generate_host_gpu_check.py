@@ -118,8 +118,8 @@ def main() -> int:
               "notes": notes, "rows": rows, "impls": {}}
     for row in rows:
         name = row["impl"]
-        if "error" in row:
-            print(f"{name:<14} error: {row['error']}")
+        if "error" in row or not row.get("decode_tokens_per_s"):
+            print(f"{name:<14} error: {row.get('error', 'no decode time')}")
             continue
         models.select(model, name, impls[name])
 
@@ -149,9 +149,9 @@ def main() -> int:
         kernels = sum(c for c, _ in prof["kernels"].values())
         kernel_us = sum(us for _, us in prof["kernels"].values())
         print(f"{name:<14} {info['ms_per_step']:6.3f} ms/step  attn "
-              f"{info['attention_us_per_step']:7.1f} us  mask {info['mask_us_per_step']:6.1f} us  syncs {info['syncs_per_step']:5.2f}  "
-              f"api {api_calls:6.1f} ({api_us:7.1f} us)  kernels {kernels:6.1f} "
-              f"({kernel_us:7.1f} us GPU)")
+              f"{info['attention_us_per_step']:7.1f} us  mask {info['mask_us_per_step']:6.1f} "
+              f"us  syncs {info['syncs_per_step']:5.2f}  api {api_calls:6.1f} ({api_us:7.1f} us)"
+              f"  kernels {kernels:6.1f} ({kernel_us:7.1f} us GPU)")
     models.deselect_provider()
     base = result["impls"].get("sdpa")
     for name, info in result["impls"].items():
