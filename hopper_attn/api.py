@@ -228,9 +228,10 @@ def _decode_step_handle(q, k, v, key):
 def _tma_strides(t: torch.Tensor) -> bool:
     """check_tensors' strided layout rule: last dim contiguous, the others 16-byte steps."""
     unit = 16 // t.element_size()
-    stride = t.stride()
-    return stride[3] == 1 and all(st % unit == 0 or n == 1
-                                  for st, n in zip(stride[:3], t.shape[:3]))
+    s0, s1, s2, s3 = t.stride()                # (4-D: the family's key has k's and v's dims)
+    n0, n1, n2, _ = t.shape
+    return s3 == 1 and (s0 % unit == 0 or n0 == 1) and (s1 % unit == 0 or n1 == 1) \
+        and (s2 % unit == 0 or n2 == 1)
 
 
 def _checked_handle(q, k, v, causal: bool, stage: str, softcap: float = 0.0,

@@ -295,6 +295,23 @@ def test_default_backend_refuses_fp32_before_launch():
                                            bhnd(1, 2, 8), None)
 
 
+def test_default_backend_passes_only_the_call_features(monkeypatch):
+    """A plain call reaches attention() with no window_size / softcap (so it checks no
+    defaults), and plain plans are shared, not rebuilt per call (a generation step's host
+    time: tools/host_path_profile.py tf_decode_step_hopper)."""
+    seen = []
+    monkeypatch.setattr(hopper_tf, "_attention",
+                        lambda q, k, v, **kw: seen.append(kw) or torch.empty_like(q))
+    q, k = bhnd(1, 8, 1, dtype=torch.bfloat16), bhnd(1, 2, 9, dtype=torch.bfloat16)
+    hopper_tf.hopper_attention_forward(Module(), q, k, k, None, scaling=0.5)
+    hopper_tf.hopper_attention_forward(Module(), q, k, k, None, scaling=0.5, sliding_window=4,
+                                       softcap=3.0)
+    assert seen == [dict(causal=False, softmax_scale=0.5),
+                    dict(causal=True, softmax_scale=0.5, window_size=(3, 0), softcap=3.0)]
+    assert plan_call(Module(), q, k, k, scaling=0.5) is plan_call(Module(), q, k, k,
+                                                                  scaling=0.5)
+
+
 @pytest.mark.parametrize("nq, nk, window, softcap", [(16, 16, 4, None), (16, 16, None, 5.0),
                                                     (16, 16, 6, 2.0), (1, 24, 8, None),
                                                     (5, 24, 8, 3.0), (5, 24, 30, None)])

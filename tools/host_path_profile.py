@@ -28,11 +28,26 @@ Paths (Hq 32 / Hkv 8, d 128, bf16):
   kvcache_paged16   attention_with_kvcache: page 16, (256, 16, 8, 128) and a page table
   train_n1k         attention(causal=True) forward + .backward(): B1, N 1024, Hq 16 /
                     Hkv 4 (overhead_gpu_check's training shape)
+
+One greedy generation step of `python -m hopper_attn.harness.models`'s Llama (8 layers, 16 /
+4 heads of 128, transformers' DynamicCache; what `generate()` calls per new token:
+`model(input_ids=<1 token>, attention_mask=<2-D, one longer>, past_key_values=cache)`), on
+CPU tensors whatever --device says (on meta every elementwise op runs a Python meta kernel:
+~25 ms a step, which hides the attention path), hidden 64 instead of 2048 and one CPU thread
+so that the projections cost little; the cache restarts at the prompt every 256 steps:
+  tf_decode_step_hopper  attn_implementation="hopper_attn" (integrations/transformers.py)
+  tf_decode_step_sdpa    attn_implementation="sdpa", F.scaled_dot_product_attention stubbed
+                         (returns an empty output): transformers' own path around it
+For these, `--parts` also reports the us per step inside the attention functions (8 calls)
+and the mask function (1 call), and every path's host syncs per call: reads of a tensor's
+value on the host (`bool()`, `.item()`, `int()`, `float()`, `.tolist()`), each one a
+device synchronization on CUDA tensors, by call site.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import json
@@ -126,6 +141,89 @@ def paths(device: str) -> dict:
     }
 
 
+TF_PROMPT = 256         # keys in the cache before the first step (CPU: the cat stays cheap)
+TF_STEPS = 256          # steps before the cache restarts at the prompt
+TF_CALLS = 1024         # at most this many timed calls of a tf_ path
+
+
+def _stub_sdpa() -> None:
+    """transformers' sdpa attention without the attention: F.scaled_dot_product_attention
+    (as that module calls it) returns an empty output of the query's shape."""
+    from transformers.integrations import sdpa_attention
+
+    def empty_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+        return torch.empty_like(query)
+
+    functional = type("functional", (), {"__getattr__": lambda self, n: getattr(
+        torch.nn.functional, n), "scaled_dot_product_attention": staticmethod(empty_sdpa)})()
+    nn = type("nn", (), {"__getattr__": lambda self, n: getattr(torch.nn, n),
+                         "functional": functional})()
+    sdpa_attention.torch = type("torch", (), {"__getattr__": lambda self, n: getattr(torch, n),
+                                              "nn": nn})()
+
+
+def tf_decode_paths(prompt: int = TF_PROMPT) -> dict:
+    """tf_decode_step_* (see the module docstring): one decode step per call."""
+    from transformers import DynamicCache
+    from transformers.utils import logging as transformers_logging
+    import hopper_attn.integrations.transformers as hopper_tf
+    from hopper_attn.harness import models
+    transformers_logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    hopper_tf.register()
+    _stub_sdpa()
+    shape = models.DEFAULT
+    model = models.build_model(shape["layers"], 64, shape["heads"], shape["kv_heads"],
+                               shape["head_dim"], 128, 256, prompt + TF_STEPS, device="cpu")
+    model.eval()
+
+    def path(impl):
+        state = {}
+        token = torch.zeros(1, 1, dtype=torch.long)
+
+        def restart():
+            model.set_attn_implementation(impl)
+            cache = DynamicCache(config=model.config)
+            mask = torch.ones(1, prompt, dtype=torch.long)
+            with torch.no_grad():
+                model(input_ids=torch.zeros(1, prompt, dtype=torch.long), attention_mask=mask,
+                      past_key_values=cache, use_cache=True)
+            state.update(cache=cache, mask=mask, steps=0)
+
+        def step():
+            if not state or state["steps"] == TF_STEPS or \
+                    model.config._attn_implementation != impl:
+                restart()
+            state["steps"] += 1
+            mask = state["mask"] = torch.cat([state["mask"], state["mask"].new_ones((1, 1))],
+                                             dim=-1)
+            with torch.no_grad():
+                model(input_ids=token.clone(), attention_mask=mask,
+                      past_key_values=state["cache"], use_cache=True)
+        return step
+
+    return {"tf_decode_step_hopper": path("hopper_attn"),
+            "tf_decode_step_sdpa": path("sdpa")}
+
+
+def parts_of(fn, calls: int) -> dict:
+    """us per call inside the attention and mask functions, and host syncs per call by call
+    site (one pass each, after the timed calls)."""
+    from hopper_attn.harness.host_probe import counting_syncs, timing_interfaces
+    spent, syncs = collections.Counter(), collections.Counter()
+    with timing_interfaces(spent):
+        for _ in range(calls):
+            fn()
+    with counting_syncs(syncs):
+        for _ in range(calls):
+            fn()
+    return {"attention_us": round(spent["attention"] / calls * 1e6, 2),
+            "mask_us": round(spent["mask"] / calls * 1e6, 2),
+            "syncs_per_call": sum(syncs.values()) / calls,
+            "sync_sites": {k: v / calls for k, v in syncs.items()}}
+
+
 def time_path(fn, calls: int, warmup: int = 50) -> dict:
     """Median and mean us per call over `calls` calls, and kernel launches per call."""
     for _ in range(warmup):
@@ -161,23 +259,41 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default="", help="comma-separated paths to cProfile")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", default="", help="JSON path")
+    parser.add_argument("--parts", action="store_true",
+                        help="also the attention / mask functions' us and the host syncs "
+                             "per call (tf_ paths; syncs for every path)")
+    parser.add_argument("--tf-prompt", type=int, default=TF_PROMPT,
+                        help="keys in the cache before a tf_ path's first step")
     args = parser.parse_args(argv)
     install_stubs()
     from hopper_attn.integrations import sdpa as hopper_sdpa
+    names = [p for p in args.paths.split(",") if p]
     table = paths(args.device)
-    names = [p for p in args.paths.split(",") if p] or list(table)
+    if not names or any(name.startswith("tf_") for name in names):
+        table.update(tf_decode_paths(args.tf_prompt))
+    names = names or list(table)
     # the provider's kernels for this device's dispatch key (meta tensors dispatch to Meta)
     handle = hopper_sdpa._install(dispatch_key="Meta" if args.device == "meta" else "CPU")
     results = {}
     try:
         for name in names:
-            results[name] = time_path(table[name], args.calls)
+            calls = min(args.calls, TF_CALLS) if name.startswith("tf_") else args.calls
+            results[name] = time_path(table[name], calls)
             r = results[name]
-            print(f"{name:<17} {r['median_us']:8.2f} us median {r['mean_us']:8.2f} mean "
-                  f"({r['launches_per_call']:g} launches)")
+            line = (f"{name:<21} {r['median_us']:8.2f} us median {r['mean_us']:8.2f} mean "
+                    f"({r['launches_per_call']:g} launches)")
+            if args.parts:
+                r.update(parts_of(table[name], min(calls, TF_STEPS)))
+                line += (f", attention {r['attention_us']:.1f} us, mask {r['mask_us']:.1f} us, "
+                         f"{r['syncs_per_call']:g} syncs") if name.startswith("tf_") else \
+                    f", {r['syncs_per_call']:g} syncs"
+            print(line)
+            for site, count in r.get("sync_sites", {}).items():
+                print(f"    {count:g} x {site}")
         for name in filter(None, args.profile.split(",")):
-            print(f"--- cProfile {name} ({args.calls} calls, by own time)")
-            print(profile_path(table[name], args.calls, args.top))
+            calls = min(args.calls, TF_CALLS) if name.startswith("tf_") else args.calls
+            print(f"--- cProfile {name} ({calls} calls, by own time)")
+            print(profile_path(table[name], calls, args.top))
     finally:
         handle.remove()
     if args.out:

@@ -336,9 +336,28 @@ def plan_call(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"a causal call with more queries ({q_length}) than keys "
                          f"({kv_length}): transformers aligns such a mask top-left, "
                          "hopper_attn bottom-right")
-    return CallPlan(causal=causal, softmax_scale=None if scaling is None else float(scaling),
-                    window_size=window_size, softcap=softcap, varlen=varlen,
-                    sinks=s_aux)
+    scale = None if scaling is None else float(scaling)
+    if varlen is not None or s_aux is not None:
+        return CallPlan(causal=causal, softmax_scale=scale, window_size=window_size,
+                        softcap=softcap, varlen=varlen, sinks=s_aux)
+    return _plain_plan(causal, scale, window_size, softcap)
+
+
+# The plans of calls without packed sequences or sinks, by their fields (a model's layers
+# share a few): a generation step builds none.
+_PLAIN_PLANS: dict = {}
+
+
+def _plain_plan(causal: bool, scale: Optional[float], window_size: tuple,
+                softcap: float) -> CallPlan:
+    key = (causal, scale, window_size, softcap)
+    plan = _PLAIN_PLANS.get(key)
+    if plan is None:
+        if len(_PLAIN_PLANS) >= 1024:          # (many scales: start over)
+            _PLAIN_PLANS.clear()
+        plan = _PLAIN_PLANS[key] = CallPlan(causal=causal, softmax_scale=scale,
+                                            window_size=window_size, softcap=softcap)
+    return plan
 
 
 def packed_call(kwargs: dict, attention_mask) -> Optional[tuple]:
@@ -392,21 +411,25 @@ def softcap_value(softcap: Optional[float]) -> float:
 
 
 def _default_varlen_backend(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale,
-                            window_size=(-1, -1), softcap=0.0, sinks=None):
+                            **features):
     from hopper_attn.api import attention_varlen
     return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
-                            softmax_scale=softmax_scale, window_size=window_size,
-                            softcap=softcap, sinks=sinks)
+                            softmax_scale=softmax_scale, **features)
 
 
-def _default_backend(q, k, v, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
-                     sinks=None):
-    from hopper_attn.api import attention
+_attention = None                            # hopper_attn.attention, imported on first use
+
+
+def _default_backend(q, k, v, causal, softmax_scale, **features):
+    # (only the features a call has: attention() skips the checks of its own defaults)
+    global _attention
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"hopper_attn runs bf16 or fp16, got {q.dtype}: load the model "
                          "with dtype=torch.bfloat16")
-    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                     window_size=window_size, softcap=softcap, sinks=sinks)
+    if _attention is None:
+        from hopper_attn.api import attention
+        _attention = attention
+    return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **features)
 
 
 _warned_output_attentions = False
@@ -444,8 +467,8 @@ def make_attention_forward(backend: Optional[Callable] = None,
             out = run_varlen(q, k, v, *plan.varlen, plan.causal, plan.softmax_scale,
                              **plan.features())
             return out.view(b, n, h, out.shape[-1]), None
-        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-        out = run(q, k, v, plan.causal, plan.softmax_scale, **plan.features())
+        out = run(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                  plan.causal, plan.softmax_scale, **plan.features())
         if isinstance(out, tuple):           # (out, lse) from FlashAttention-4's interface
             out = out[0]
         return out, None
