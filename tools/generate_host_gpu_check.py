@@ -4,6 +4,7 @@ $OUT/generate_host.json.
 
     python tools/generate_host_gpu_check.py            # prompt 2048, 128 steps, 3 rounds
     python tools/generate_host_gpu_check.py --quick    # 32 steps, 2 rounds (< 2 min)
+    python tools/generate_host_gpu_check.py --quick --gc-off   # the collector off
 
 The model of `python -m hopper_attn.harness.models --only generate` (8 layers, hidden 2048,
 16 / 4 heads of 128, random weights, DynamicCache) and its implementations (sdpa,
@@ -96,7 +97,14 @@ def main() -> int:
     parser.add_argument("--impls", default="sdpa,hopper_attn,sdpa_provider")
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--gc-off", action="store_true",
+                        help="Python's garbage collector off for the whole run (an A/B: does "
+                             "collection triggered by the calls' temporaries cost steps?)")
     args = parser.parse_args()
+    if args.gc_off:
+        import gc
+        gc.collect()
+        gc.disable()
     from transformers.utils import logging as transformers_logging
     transformers_logging.set_verbosity_error()
     from hopper_attn.harness import models
