@@ -675,15 +675,13 @@ POLICY = (
                "results/h100/2026-11-26_kb2_longest_first_causal.json",
                "results/h100/2026-11-26_backward_kb2_per_head.json",
                "results/h100/2026-11-26_backward_kb2_per_head_run2.json")),
-    # d = 96 (issue 63; tools/bwd_dims_gpu_check.py)
     PolicyRow(96, False, "", {"early_dv": True, "kv_with_first_tile": True, "pdl": True,
                               "convert_per_head": True},
               "d = 128's settings on 64-row tiles (80 rows need dQ^T, whose M = d is not a "
               "multiple of 64 here); not yet measured", ("tools/bwd_dims_gpu_check.py",)),
     PolicyRow(96, True, "", {"early_dv": True, "split_dv": 1, "kv_with_first_tile": True,
                              "pdl": True, "longest_first": True, "convert_per_head": True},
-              "d = 128's causal row (64 rows, dV split, longest first); not yet measured",
-              ("tools/bwd_dims_gpu_check.py",)),
+              "d = 128's causal row; not yet measured", ("tools/bwd_dims_gpu_check.py",)),
     # d = 192 and 256: dK^T / dV^T with d as M (dkv_swap_ab; with a softcap, d = 192 runs
     # shared_keys: compile_kernel). d = 256 ran kb1 before (two CTAs a 128-key tile)
     PolicyRow(192, None, "", {"dkv_swap_ab": True, "kv_with_first_tile": True, "pdl": True,
@@ -716,7 +714,6 @@ POLICY = (
                                            "group_heads": 8},
               "d = 128's groups scaled to 1.5x the bytes a head; not yet measured",
               ("tools/bwd_dims_gpu_check.py",)),
-    # GQA / MQA: dK and dV summed over the group inside the CTA (issue 59)
     PolicyRow(None, None, "gqa", {"gqa": True},
               "no per-query-head dK/dV scratch nor torch sum (not yet measured)",
               ("tools/bwd_gqa_gpu_check.py",)),        # its results: to be run
