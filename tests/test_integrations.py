@@ -300,7 +300,8 @@ def test_default_backend_passes_only_the_call_features(monkeypatch):
     defaults), and plain plans are shared, not rebuilt per call (a generation step's host
     time: tools/host_path_profile.py tf_decode_step_hopper)."""
     seen = []
-    monkeypatch.setattr(hopper_tf, "_attention",
+    import hopper_attn.api
+    monkeypatch.setattr(hopper_attn.api, "attention",
                         lambda q, k, v, **kw: seen.append(kw) or torch.empty_like(q))
     q, k = bhnd(1, 8, 1, dtype=torch.bfloat16), bhnd(1, 2, 9, dtype=torch.bfloat16)
     hopper_tf.hopper_attention_forward(Module(), q, k, k, None, scaling=0.5)

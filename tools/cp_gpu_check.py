@@ -320,17 +320,10 @@ def packed_host_syncs(world_size=2, per_rank=1024, heads=(8, 2), d=128):
         simulate_ring_varlen(q, k, v, cu, world_size, True, max_seqlen=longest).backward(do)
     step()                                    # compiles, caches
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    from hopper_attn.harness.host_probe import sync_warnings
+    caught = sync_warnings(step)
     torch.cuda.synchronize()
-    # (torch warns once that its sync-debug mode is a prototype: that notice is no sync)
-    return [str(w.message)[:160] for w in caught
-            if "prototype feature" not in str(w.message)]
+    return [str(w.message)[:160] for w in caught]
 
 
 def torch_cp_hooks():

@@ -31,7 +31,6 @@ import cProfile
 import os
 import pstats
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # checkout
 
@@ -54,15 +53,9 @@ def own_times(fn, steps: int) -> dict:
 
 def sync_sites(fn) -> collections.Counter:
     """Synchronizations that torch's sync debug mode warns about, by Python call site."""
+    from hopper_attn.harness.host_probe import sync_warnings
     sites = collections.Counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    for w in caught:
+    for w in sync_warnings(fn):
         if "synchroniz" in str(w.message):
             path = w.filename.split("site-packages/")[-1].replace(os.getcwd() + "/", "")
             sites[f"{path}:{w.lineno}"] += 1

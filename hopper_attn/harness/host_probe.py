@@ -1,7 +1,7 @@
 """Where a transformers model's host time goes, per step: the time inside the attention and
 mask functions, and the host reads of tensor values (each a device synchronization on CUDA
 tensors), by call site. Used by tools/host_path_profile.py (the CPU, launches stubbed) and
-tools/generate_host_gpu_check.py (the GPU host)."""
+tools/generate_host_gpu_check.py (the GPU host); `sync_warnings` by tools/cp_gpu_check.py too."""
 
 from __future__ import annotations
 
@@ -13,6 +13,20 @@ import time
 import torch
 
 IMPLEMENTATIONS = ("sdpa", "hopper_attn")     # the functions `timing_interfaces` wraps
+
+
+def sync_warnings(fn) -> list:
+    """fn() under torch's sync debug mode: the warnings it raised for device synchronizations
+    (torch's one notice that the mode is a prototype left out)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [w for w in caught if "prototype feature" not in str(w.message)]
 
 
 @contextlib.contextmanager

@@ -417,19 +417,13 @@ def _default_varlen_backend(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_s
                             softmax_scale=softmax_scale, **features)
 
 
-_attention = None                            # hopper_attn.attention, imported on first use
-
-
 def _default_backend(q, k, v, causal, softmax_scale, **features):
     # (only the features a call has: attention() skips the checks of its own defaults)
-    global _attention
+    from hopper_attn.api import attention
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"hopper_attn runs bf16 or fp16, got {q.dtype}: load the model "
                          "with dtype=torch.bfloat16")
-    if _attention is None:
-        from hopper_attn.api import attention
-        _attention = attention
-    return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **features)
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **features)
 
 
 _warned_output_attentions = False
