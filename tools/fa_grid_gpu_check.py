@@ -62,8 +62,9 @@ the largest; kept strict here, with KNOWN below for the one understood excess.
 Verdict per call: PASS, FAIL (a check failed, or an exception after the forward launched),
 KNOWN (only dq / dk / dsinks failed, and each passes the same bound measured against the
 fp32 math with D = rowsum(dO * O) taken from the bf16 output and dS rounded to bf16, as
-every FlashAttention backward, FA4's included, takes them: `d_from_output_grads`; one dominant key per row, e.g.
-one key and a sink, where dS = P (dP - D) cancels and O's rounding dominates; torch's
+every FlashAttention backward, FA4's included, takes them: `d_from_output_grads`; one
+dominant key per row, e.g. one key and a sink, where dS = P (dP - D) cancels and O's
+rounding dominates; torch's
 reference with sinks runs its softmax in fp32, so has no such term: docs/sinks.md; counted
 apart, not a FAIL for the exit status) or REFUSED (ValueError from `attention()` before any
 launch, with its message). Prints the FAIL / KNOWN / REFUSED lines (the first 30 of each),
