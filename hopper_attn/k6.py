@@ -264,7 +264,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # lazy_after_wait / lazy_before_pv (module doc): O's rows scaled after the PV wait /
         # under QK, never a wait under a per-warp vote (wait_group is .sync.aligned: a
         # warpgroup's warps at one pc); (k7) before_pv: O *= alpha under QK
-        self.lazy_rescale = self.round_p_sums = rescale.startswith("lazy")
+        self.lazy_rescale = rescale.startswith("lazy")
         self.rescale_after_pv_wait = rescale == "lazy_after_wait"
         self.rescale_threshold_log2 = 8.0
         self.rescale_before_pv = rescale.endswith("before_pv")
@@ -324,9 +324,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         self.softcap_fixed_max = bool(softcap_fixed_max) and self.softcap > 0.0
         if self.softcap_fixed_max and self.rescale_before_pv:
             raise ValueError("softcap_fixed_max rescales nothing: not with rescale=before_pv")
-        # against a fixed 0 no P is exactly 1, so l sums the rounded P the PV GEMM multiplies
-        # (as with lazy rescaling): a row one key dominates then gets that key's V exactly
-        self.round_p_sums = self.round_p_sums or self.softcap_fixed_max
+        # a reference maximum that trails the true one (lazy) or a fixed 0: no P is surely 1,
+        # so l sums the rounded P the PV GEMM multiplies (a row one key dominates gets its V)
+        self.round_p_sums = self.lazy_rescale or self.softcap_fixed_max
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,
