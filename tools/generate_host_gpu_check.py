@@ -5,6 +5,7 @@ $OUT/generate_host.json.
     python tools/generate_host_gpu_check.py            # prompt 2048, 128 steps, 3 rounds
     python tools/generate_host_gpu_check.py --quick    # 32 steps, 2 rounds (< 2 min)
     python tools/generate_host_gpu_check.py --quick --gc-off   # the collector off
+    python tools/generate_host_gpu_check.py --quick --prefill  # the prompt's forward instead
 
 The model of `python -m hopper_attn.harness.models --only generate` (8 layers, hidden 2048,
 16 / 4 heads of 128, random weights, DynamicCache) and its implementations (sdpa,
@@ -90,6 +91,8 @@ def main() -> int:
     parser.add_argument("--impls", default="sdpa,hopper_attn,sdpa_provider")
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--prefill", action="store_true",
+                        help="probe the prompt's forward (generate(1)) instead of a decode step")
     parser.add_argument("--gc-off", action="store_true",
                         help="Python's garbage collector off for the whole run (an A/B: does "
                              "collection triggered by the calls' temporaries cost steps?)")
@@ -116,6 +119,7 @@ def main() -> int:
     ids = torch.randint(0, shape["vocab"], (1, args.prompt), device="cuda")
     kwargs = dict(do_sample=False, use_cache=True, attention_mask=torch.ones_like(ids))
     result = {"env": env, "prompt": args.prompt, "steps": steps, "rounds": rounds,
+              "probe": "prefill" if args.prefill else "decode",
               "notes": notes, "rows": rows, "impls": {}}
     for row in rows:
         name = row["impl"]
@@ -124,7 +128,9 @@ def main() -> int:
             continue
         models.select(model, name, impls[name])
 
-        def generate(tokens=steps, name=name):
+        per = 1 if args.prefill else steps          # what one "step" is below
+
+        def generate(tokens=1 if args.prefill else steps, name=name):
             with torch.no_grad(), models.backend_context(name):
                 model.generate(ids, max_new_tokens=tokens, **kwargs)
 
@@ -135,15 +141,16 @@ def main() -> int:
         with counting_syncs(reads):
             generate()
         syncs = sync_sites(generate)
-        prof = profiled(generate, steps)
-        own = own_times(generate, steps)
+        prof = profiled(generate, per)
+        own = own_times(generate, per)
         info = result["impls"][name] = {
-            "ms_per_step": 1e3 / row["decode_tokens_per_s"],
-            "attention_us_per_step": spent["attention"] / steps * 1e6,
-            "mask_us_per_step": spent["mask"] / steps * 1e6,
-            "syncs_per_step": sum(syncs.values()) / steps,
-            "sync_sites": {k: v / steps for k, v in syncs.items()},
-            "value_reads": {k: v / steps for k, v in reads.items()},
+            "ms_per_step": (row["prefill_ms"] if args.prefill
+                            else 1e3 / row["decode_tokens_per_s"]),
+            "attention_us_per_step": spent["attention"] / per * 1e6,
+            "mask_us_per_step": spent["mask"] / per * 1e6,
+            "syncs_per_step": sum(syncs.values()) / per,
+            "sync_sites": {k: v / per for k, v in syncs.items()},
+            "value_reads": {k: v / per for k, v in reads.items()},
             **prof, "own_us": own}
         api_calls = sum(c for c, _ in prof["api"].values())
         api_us = sum(us for _, us in prof["api"].values())
@@ -158,7 +165,8 @@ def main() -> int:
     for name, info in result["impls"].items():
         if base is None or name == "sdpa":
             continue
-        for part, label in (("own_us", "own host us/step"), ("api", "runtime calls/step")):
+        for part, label in (("own_us", "own host us/step"), ("api", "runtime calls/step"),
+                            ("kernels", "kernels/step (GPU us)")):
             if part == "own_us":
                 delta = {k: info[part].get(k, 0.0) - base[part].get(k, 0.0)
                          for k in set(info[part]) | set(base[part])}
