@@ -23,7 +23,8 @@
    order instead of longest first, and with the dQ conversion after the whole main kernel
    (no per-sequence early start); TFLOP/s of the real per-sequence work, backward = 2.5x
    the forward's. Then equal lengths (8 x 2k, 4 x 16k, 16 heads) against
-   the dense call's backward (kb2) of the same shape.
+   the dense call's backward (kb2) of the same shape (VARLEN_EQUAL_ONLY=1 with --speed-only:
+   those rows alone, both shapes).
 
 Prints one line per case; everything goes to $OUT/varlen_bwd.json (or --out).
 """
@@ -287,7 +288,8 @@ def speed(log) -> dict:
     providers = _providers(log)
     flush, rows, notes = L2Flush(), [], {}
     mixes = []
-    for total, seed in speed_mixes():       # the forward check's mixes
+    equal_only = os.environ.get("VARLEN_EQUAL_ONLY") == "1"   # the equal-length rows alone
+    for total, seed in ([] if equal_only else speed_mixes()):   # the forward check's mixes
         lengths = lognormal_lengths(total, seed)
         mixes.append((f"lognormal {total // 1024}k", seed, lengths))
         log(f"  mix {total // 1024}k seed {seed}: {len(lengths)} documents, max {max(lengths)}"
@@ -338,7 +340,7 @@ def speed(log) -> dict:
                 del q, k, v, do
                 torch.cuda.empty_cache()
     dense_rows = []
-    for batch, n in speed_equal_lengths():
+    for batch, n in ([(8, 2048), (4, 16384)] if equal_only else speed_equal_lengths()):
         for d in speed_dims():
             for causal in (False, True):
                 gen = torch.Generator(device="cuda").manual_seed(n)
