@@ -84,7 +84,8 @@ from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_H
                                          DqWriter, GroupWalk, PolicyRow, backward_smem,
                                          compile_backward, converted, fragment_slot,
                                          kernel_arguments, policy_settings,
-                                         run_backward, stage_dkv, store_dkv)
+                                         run_backward, stage_dkv, store_dkv,
+                                         store_dkv_fp32, with_fp32_parts)
 from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap, dkv_swap_keys
 from hopper_attn.common.backward_stats import row_stats
 from hopper_attn.common.compiler_hints import opaque, pin
@@ -123,7 +124,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                  window_left: Optional[int] = None, window_right: Optional[int] = None,
                  shared_keys: bool = False, varlen: bool = False,
                  dkv_swap_ab: bool = False, dkv_split_d: bool = False,
-                 dq_rows: bool = False, stats_shuffle: bool = False):
+                 dq_rows: bool = False, stats_shuffle: bool = False, dkv_fp32: bool = False):
         # lse2 and D shuffled across lane quads, or read at use (common/backward_stats.py)
         self.stats = "shuffle" if stats_shuffle else ""
         if stats_shuffle and (block_m % 64 or shared_keys or dkv_swap_ab):
@@ -212,6 +213,10 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         # gqa: a CTA walks every query head of its group (or part: `dkv_parts`), stores dK
         # and dV once; a separate variant, so the MHA kernels compile as before
         self.gqa = bool(gqa)
+        # dkv_fp32 (where a group is split in parts): dK / dV stored fp32, rounded after the sum
+        self.dkv_fp32 = bool(dkv_fp32)
+        if self.dkv_fp32 and self.varlen:
+            raise ValueError("kb2: dkv_fp32 takes fixed-length batches (varlen sums its own parts)")
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -331,7 +336,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
             # ---------------- producer warpgroup ----------------
             self.roles.become_producer()
             if warp == 0:                                   # every TMA load
-                tma.prefetch_descriptors(*loads, tma_dk, tma_dv)
+                tma.prefetch_descriptors(*loads, *(() if self.dkv_fp32 else (tma_dk, tma_dv)))
                 self.load(loads, mQ, mdO, mK, mV, mLSE2, mD, sK, sV, sQ, sdO, sLSE, sD,
                           kv_pipe, q_pipe, do_pipe, n_block, head, batch, kv_head, m_first,
                           m_count, group)
@@ -621,11 +626,15 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                                          num_threads=128 * self.warpgroups)
         phase = self.trace.start("epilogue")
         acc_dk.store(acc_dk.load() * softmax_scale)
-        epilogue.arrive_and_wait()                          # every WGMMA has read K and V
-        stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype, mmas.thr_dv)
-        epilogue.arrive_and_wait()
-        if warp == 4:                                       # the first consumer warp
-            store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
+        if cutlass.const_expr(self.dkv_fp32):               # straight from the registers
+            store_dkv_fp32(mmas.thr_dkv, acc_dk, acc_dv, mdK, mdV, head, batch, sK, sV,
+                           n_block, mmas.thr_dv)
+        else:
+            epilogue.arrive_and_wait()                      # every WGMMA has read K and V
+            stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype, mmas.thr_dv)
+            epilogue.arrive_and_wait()
+            if warp == 4:                                   # the first consumer warp
+                store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
         self.trace.end(phase)
 
 
@@ -770,13 +779,14 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
                    softcap: float = 0.0, shared_keys: Optional[bool] = None,
                    varlen: bool = False, dkv_swap_ab: Optional[bool] = None,
                    dkv_split_d: Optional[bool] = None, dq_rows: Optional[bool] = None,
-                   stats_shuffle: Optional[bool] = None):
+                   stats_shuffle: Optional[bool] = None, dkv_fp32: Optional[bool] = None):
     """Compile (or fetch from the cache) kb2 and its pre/post-processing kernels.
     deterministic: dQ's fp32 adds in a fixed order (same bits on every run; slower). An
     option left None takes `policy`'s (the head dim and mask's row only when block_m is not
     given); convert_per_head is also off where pdl is (the early conversion waits per head).
     trace: iket phase ranges (harness/timeline.py). softcap: the forward's cap (0: none).
-    varlen: packed batches (common/varlen_backward.compile_for sets the other options)."""
+    varlen: packed batches (common/varlen_backward.compile_for sets the other options).
+    dkv_fp32: fp32 dK / dV parts (None: where GQA splits a group, backward.with_fp32_parts)."""
     softcap = float(softcap)
     if softcap and block_m is None:
         # the tile that fits the softcap's registers (tanh and 1 - t^2) without spills
@@ -790,9 +800,11 @@ def compile_kernel(problem, *, compile_options: str = "", block_m: Optional[int]
         shared_keys = not (settings["dkv_swap_ab"] if dkv_swap_ab is None else dkv_swap_ab)
     passed = locals()               # the options as given (None: the policy's)
     given = {name: value for name, value in passed.items() if name in DEFAULTS}
+    arguments = kernel_arguments(settings, given, problem, block_n, deterministic, trace,
+                                 softcap, varlen)
     return compile_backward(SPEC, FlashAttentionBackwardKB2, problem,
-                            kernel_arguments(settings, given, problem, block_n, deterministic,
-                                             trace, softcap, varlen),
+                            with_fp32_parts(FlashAttentionBackwardKB2, problem, arguments,
+                                            None if dkv_fp32 is None else bool(dkv_fp32)),
                             compile_options=compile_options)
 
 

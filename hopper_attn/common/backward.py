@@ -140,7 +140,9 @@ def compile_backward(spec: KernelSpec, kernel_factory: Callable[..., Any], probl
            for heads, dim in ((h, d), (h_kv, d), (h_kv, dv), (h, dv))]
     stats = [_example((b, h, rows), torch.float32) for _ in range(2)]         # lse2, D
     dq_accum = _example((b, h, rows, d), torch.float32)
-    dkv = [_example((b, n, h_kv, dim), dt) for dim in (d, dv)]
+    # kb2's fp32 dK / dV parts (`dkv_fp32`, fp32_parts) or the input type
+    dkv = [_example((b, n, h_kv, dim), torch.float32 if options.get("dkv_fp32") else dt)
+           for dim in (d, dv)]
     # one int32 per (batch, head, query tile), zeroed by the preprocess: the turn counters
     # of kb2's deterministic mode (kb1 and kb2's default mode do not read them)
     counters = _example((b, h, rows // kernel.block_m), torch.int32)
@@ -211,7 +213,13 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         dkv_heads = handle._dkv_heads[dev] = (handle.kernel.dkv_heads(p) if getattr(
             handle.kernel, "gqa", False) else p.heads)
     group = dkv_heads // p.kv_heads
-    if group > 1:
+    fp32_rows = 0       # kb2's fp32 parts (`dkv_fp32`): their rows, padded to whole kv tiles
+    if getattr(handle.kernel, "dkv_fp32", False):
+        fp32_rows = padded_rows(p.kv_seqlen, handle.kernel.block_n)
+        dk_out, dv_out = (torch.empty((p.batch, fp32_rows, dkv_heads, dim),
+                                      dtype=torch.float32, device=dev)
+                          for dim in (p.head_dim, p.dv))
+    elif group > 1:
         dk_out, dv_out = (torch.empty((p.batch, p.kv_seqlen, dkv_heads, dim), dtype=q.dtype,
                                       device=dev) for dim in (p.head_dim, p.dv))
     else:
@@ -233,12 +241,23 @@ def run_backward(handle: CompiledBackward, q, k, v, o, do, lse, dq, dk, dv,
         handle.main(t(q), t(k), t(v), t(do), t(lse2), t(dsum), t(dq_accum), t(dk_out),
                     t(dv_out), *[t(x) for x in sems], scale * LOG2_E, scale, stream)
         handle.postprocess(t(dq_accum), t(dq), t(counters), scale, float(kv_tiles), stream)
-    if group > 1:
+    if fp32_rows:
+        sum_fp32_parts(dk_out, dv_out, dk, dv, p.kv_seqlen, group)
+    elif group > 1:
         shape = (p.batch, p.kv_seqlen, p.kv_heads, group)
         # one reduction kernel each, fp32 accumulation, written into dk / dv's own layout
         torch.sum(dk_out.view(*shape, p.head_dim), 3, out=dk)
         torch.sum(dv_out.view(*shape, p.dv), 3, out=dv)
     return dsum
+
+
+def sum_fp32_parts(dk_parts, dv_parts, dk, dv, seqlen_k: int, group: int) -> None:
+    """dk, dv (their own type and layout) = the sum of each k/v head's `group` fp32 parts
+    (B, padded rows, k/v heads x group, d), rounded once. The sum goes through an fp32
+    tensor: torch's sum into a 16-bit `out` would round the parts to its type first."""
+    for parts, out in ((dk_parts, dk), (dv_parts, dv)):
+        parts = parts[:, :seqlen_k].unflatten(2, (out.shape[2], group))
+        out.copy_(parts.sum(3) if group > 1 else parts[:, :, :, 0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +284,8 @@ class BackwardTiles:
     q_layout: (block_m, d, stage), the Q and dO rings; kv_layout: (block_n, d), K and V, later
     dK and dV; ds_layout: (block_n, block_m, 2), dS^T (keys x queries, queries contiguous).
     atoms and tensors: (Q, dO, K, V) loads, then (dK, dV) stores, of dkv_cols columns
-    (dkv_layout: (block_n, dkv_cols); kb1 at d = 256 stores half of d per CTA). `kv_tiles`,
+    (dkv_layout: (block_n, dkv_cols); kb1 at d = 256 stores half of d per CTA; fp32 dK / dV,
+    kb2's `dkv_fp32`: no atoms, the (N, d, H, B) tensors, `store_dkv_fp32`). `kv_tiles`,
     `heads`, `batch`: the grid's extents (one CTA per kv tile of a head)."""
 
     q_layout: object
@@ -313,9 +333,12 @@ class BackwardTiles:
             v_layout = dv_layout = smem_tile_layout(dtype, bn, vd)
             dv_cols = vd
         copies = [tma.make_tma_load(q, q_layout, bm, d), tma.make_tma_load(do, do_layout, bm, vd),
-                  tma.make_tma_load(k, kv_layout, bn, d), tma.make_tma_load(v, v_layout, bn, vd),
-                  tma.make_tma_store(dk, dkv_layout, bn, cols),
-                  tma.make_tma_store(dv, dv_layout, bn, dv_cols)]
+                  tma.make_tma_load(k, kv_layout, bn, d), tma.make_tma_load(v, v_layout, bn, vd)]
+        if mdK.element_type == Float32:
+            copies += [(None, dk), (None, dv)]      # fp32 parts: stored by the threads
+        else:
+            copies += [tma.make_tma_store(dk, dkv_layout, bn, cols),
+                       tma.make_tma_store(dv, dv_layout, bn, dv_cols)]
         return BackwardTiles(q_layout, kv_layout, ds_layout, tuple(c[0] for c in copies),
                              tuple(c[1] for c in copies), *extents, dkv_layout, do_layout,
                              v_layout)
@@ -363,6 +386,29 @@ def store_dkv(tma_dk, tma_dv, mdK: cute.Tensor, mdV: cute.Tensor, head, batch,
     `col_tile`: which tile of columns, when a tile holds only part of d."""
     tma.TmaTiles.partition(tma_dk, mdK, head, batch, sK, col_tile).store(n_block)
     tma.TmaTiles.partition(tma_dv, mdV, head, batch, sV, col_tile).store(n_block)
+
+
+def store_dkv_fp32(thr_dk, acc_dk: cute.Tensor, acc_dv: cute.Tensor, mdK: cute.Tensor,
+                   mdV: cute.Tensor, head, batch, sK: cute.Tensor, sV: cute.Tensor, n_block,
+                   thr_dv=None, swapped: bool = False):
+    """kb2's `dkv_fp32` (a k/v head's group split in parts): each thread stores its dK and
+    dV accumulators (already scaled) as they are, in fp32, to (N, d, H, B) tensors whose rows
+    are padded to whole kv tiles (no clipping), so the parts' sum is rounded once. No SMEM:
+    a quad of lanes holds 8 consecutive floats of a row (`swapped`, dK^T / dV^T: of a
+    column), so every 32-byte sector a warp writes is whole. sK / sV give the tile shapes.
+    The addresses come from opaque indices and row stride: hoisted above the main loop (they
+    are loop-invariant) they would spill (d = 64: 32 bytes). The stride stays a multiple of 4
+    floats (a row: dK heads x d, d a multiple of 32), which keeps the 8-byte stores."""
+    from .compiler_hints import opaque
+    head, batch, n_block = opaque(head), opaque(batch), opaque(n_block)
+    for acc, tensor, smem, thr in ((acc_dk, mdK, sK, thr_dk), (acc_dv, mdV, sV, thr_dv or thr_dk)):
+        rows = tensor[None, None, head, batch]
+        row_stride = cute.assume(opaque(rows.layout.stride[0]), divby=4)
+        rows = cute.make_tensor(rows.iterator, cute.make_layout(rows.shape,
+                                                                stride=(row_stride, 1)))
+        tile = cute.local_tile(rows, (cute.size(smem, mode=[0]), cute.size(smem, mode=[1])),
+                               (n_block, 0))
+        cute.autovec_copy(acc, thr.partition_C(transposed(tile) if swapped else tile))
 
 
 CHUNK = 8            # elements per thread and access: 16 bytes of bf16, two 16-byte fp32 halves
@@ -750,6 +796,22 @@ class DqWriter:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)   # adds performed
                 with cute.arch.elect_one():
                     cute.arch.atomic_add(turn, Int32(1), sem="release", scope="gpu")
+
+
+def with_fp32_parts(kernel_factory, problem, arguments: dict, asked=None) -> dict:
+    """kb2's `arguments`, plus `dkv_fp32` where its GQA walk splits a k/v head's group in
+    parts (GroupWalk.dkv_heads): their dK / dV are then stored fp32 and rounded once, after
+    run_backward's sum (bf16 parts would round twice; FA4 sums a group in fp32). `asked`: a
+    caller's choice (None: where the group splits); other problems compile as before. Not
+    at d = 64 with a window (its row is at the register limit: the fp32 epilogue spills)."""
+    if asked is None:
+        asked = False
+        if arguments.get("gqa") and not arguments.get("varlen") and not (
+                problem.head_dim == 64 and getattr(problem, "windowed", False)):
+            dv = {"head_dim_v": problem.dv} if problem.dv != problem.head_dim else {}
+            kernel = kernel_factory(problem.head_dim, problem.causal, **arguments, **dv)
+            asked = kernel.dkv_heads(problem) > problem.kv_heads
+    return {**arguments, "dkv_fp32": True} if asked else arguments
 
 
 def kernel_arguments(settings: dict, given: dict, problem, block_n, deterministic: bool,
