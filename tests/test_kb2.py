@@ -221,8 +221,9 @@ def test_80_row_tiles_compute_dq_transposed():
 def test_gqa_variant_compiles_without_spills(d, causal):
     """With fewer k/v heads than q's, compile_kernel picks the gqa variant (one CTA per kv
     tile of a dK head walks its query heads); it keeps the MHA kernel's tiles and options
-    (with a mask, kv tile 0 of every head first) and compiles without spills."""
-    art = compiled("kb2", d, causal, heads_kv=1)
+    (with a mask, kv tile 0 of every head first) and compiles without spills. (The compile
+    problem, B = 2 with one kv tile, splits its group: dkv_fp32=0 keeps the bf16 TMA stores.)"""
+    art = compiled("kb2:dkv_fp32=0", d, causal, heads_kv=1)
     mha = compiled("kb2", d, causal)
     options = art["kernel"]["options"]
     assert options["gqa"] and not mha["kernel"]["options"]["gqa"]
@@ -236,6 +237,49 @@ def test_gqa_variant_compiles_without_spills(d, causal):
     # bulk reduce-adds and dK / dV stores as the MHA kernel
     for pattern in (TMA_LOAD, TMA_STORE, r"cp\.reduce\.async\.bulk"):
         assert count(art["ptx"], pattern) == count(mha["ptx"], pattern), pattern
+
+
+@pytest.mark.parametrize("d,causal,stores", [(64, True, 32), (128, False, 64), (256, True, 0)])
+def test_split_group_stores_fp32_parts(d, causal, stores):
+    """Where the group is split in parts (the compile problem: 2 CTAs), dK and dV leave in
+    fp32 from the registers (`dkv_fp32`: 8-byte stores; d = 256's dK^T / dV^T 4-byte), no
+    TMA store, no spills: run_backward sums the parts and rounds once."""
+    art = compiled("kb2", d, causal, heads_kv=1)
+    assert art["kernel"]["options"]["dkv_fp32"]
+    assert count(art["ptx"], TMA_STORE) == 0
+    assert count(art["ptx"], r"st\.global\.v2\.b32") == stores
+    if not stores:
+        assert count(art["ptx"], r"st\.global\.b32") == 96     # 2 x 48 floats a thread
+    for fn in resource_usage(art["cubin"]):
+        assert fn["local"] == 0 and fn["stack"] == 0, fn
+
+
+def test_run_backward_sums_fp32_parts_once(monkeypatch):
+    """dkv_fp32: the parts' scratch is fp32 with rows padded to whole kv tiles, and their sum
+    is rounded once (torch's sum into a bf16 `out` would round the parts first)."""
+    from hopper_attn.common import backward
+    from hopper_attn.common.backward import run_backward, sum_fp32_parts
+    monkeypatch.setattr(backward, "check_backward_tensors", lambda *a: None)   # CPU tensors
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.kb2 import FlashAttentionBackwardKB2
+    problem = Problem(1, 8, 1000, 64, True, heads_kv=1)
+    kernel = FlashAttentionBackwardKB2(64, True, block_m=128, heads_first=True, gqa=True,
+                                       dkv_fp32=True)
+    handle = _fake_handle(kernel, problem)
+    tensors = _backward_tensors(problem)
+    run_backward(handle, *tensors)
+    (args,) = handle.main.calls
+    parts = kernel.dkv_heads(problem)
+    assert parts > 1 and args[7].dtype == torch.float32
+    assert tuple(args[7].shape) == (1, 1024, parts, 64)
+    torch.manual_seed(0)
+    partials = torch.randn(1, 1024, 4, 64) * 3
+    dk, dv = (torch.empty(1, 1000, 1, 64, dtype=torch.bfloat16) for _ in range(2))
+    sum_fp32_parts(partials, partials, dk, dv, 1000, 4)
+    want = partials[:, :1000].sum(2, keepdim=True).to(torch.bfloat16)
+    assert torch.equal(dk, want) and torch.equal(dv, want)
+    assert not torch.equal(want, partials[:, :1000].to(torch.bfloat16).float().sum(
+        2, keepdim=True).to(torch.bfloat16))                # (two roundings differ)
 
 
 @pytest.mark.parametrize("d,causal", [(128, True), (64, True), (128, False)])
