@@ -84,8 +84,7 @@ from hopper_attn.common.backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_H
                                          DqWriter, GroupWalk, PolicyRow, backward_smem,
                                          compile_backward, converted, fragment_slot,
                                          kernel_arguments, policy_settings,
-                                         run_backward, stage_dkv, store_dkv,
-                                         store_dkv_fp32, with_fp32_parts)
+                                         run_backward, with_fp32_parts, write_dkv)
 from hopper_attn.common.backward_dkv_swap import DkvSwapConsumer, check_dkv_swap, dkv_swap_keys
 from hopper_attn.common.backward_stats import row_stats
 from hopper_attn.common.compiler_hints import opaque, pin
@@ -216,7 +215,7 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
         # dkv_fp32 (where a group is split in parts): dK / dV stored fp32, rounded after the sum
         self.dkv_fp32 = bool(dkv_fp32)
         if self.dkv_fp32 and self.varlen:
-            raise ValueError("kb2: dkv_fp32 takes fixed-length batches (varlen sums its own parts)")
+            raise ValueError("kb2: dkv_fp32 takes fixed-length batches, not varlen")
         self.trace = PhaseTrace(trace)          # iket phase ranges (off: no code at all)
         if dp_first and self.early_dv:
             raise ValueError("kb2: dp_first and early_dv exclude each other (dp_first waits "
@@ -626,15 +625,8 @@ class FlashAttentionBackwardKB2(GroupWalk, DqWriter, DkvSwapConsumer):
                                          num_threads=128 * self.warpgroups)
         phase = self.trace.start("epilogue")
         acc_dk.store(acc_dk.load() * softmax_scale)
-        if cutlass.const_expr(self.dkv_fp32):               # straight from the registers
-            store_dkv_fp32(mmas.thr_dkv, acc_dk, acc_dv, mdK, mdV, head, batch, sK, sV,
-                           n_block, mmas.thr_dv)
-        else:
-            epilogue.arrive_and_wait()                      # every WGMMA has read K and V
-            stage_dkv(mmas.thr_dkv, acc_dk, acc_dv, sK, sV, dtype, mmas.thr_dv)
-            epilogue.arrive_and_wait()
-            if warp == 4:                                   # the first consumer warp
-                store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
+        write_dkv(self.dkv_fp32, epilogue, warp, mmas.thr_dkv, mmas.thr_dv, acc_dk, acc_dv, sK,
+                  sV, dtype, tma_dk, tma_dv, mdK, mdV, head, batch, n_block)
         self.trace.end(phase)
 
 

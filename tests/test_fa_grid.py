@@ -185,24 +185,26 @@ def test_one_key_sinks_excess_is_d_from_the_bf16_output(cases):
     assert grid.run_case(case, attention=off, dev="cpu")["status"] == "FAIL"
 
 
-def test_mqa_one_key_dk_is_kb2s_bf16_partials(cases):
+def test_mqa_one_key_dk_was_kb2s_bf16_partials(cases):
     """#3171 (d 96, one key, MQA, sinks), the H200 grid's one dK FAIL, reproduced on the CPU:
     its own draw (torch's CUDA randn emulated, tools/cuda_randn.py) through kb2's emulated
     roundings gives the GPU's dK error (0.0241218) and torch's (0.0099058); KNOWN against the
     math with D from the bf16 output and dS in bf16 (as every FlashAttention backward), and
-    PASS with FA4's fp32 sum over the group instead of kb2's six bf16 partials."""
+    PASS with FA4's fp32 sum over the group instead of kb2's six bf16 partials. kb2 now
+    stores the six partials in fp32 (`dkv_fp32`): one rounding, FA4's error."""
     model_path = os.path.join(os.path.dirname(PATH), "d_cancellation_model.py")
     spec = importlib.util.spec_from_file_location("d_cancellation_model", model_path)
     model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(model)
     case = cases[3171]
-    assert model.kb2_dkv_parts(case) == 6
+    assert model.kb2_dkv_design(case) == (6, True)
     row = model.grid_draw(case, gpu=False)
-    kb2, fa4 = row["kb2_model"], row["fa4_model"]
-    assert abs(kb2["dk"]["error"] - 0.0241218) < 2e-6
-    assert abs(kb2["out"]["error"] - 0.00772452) < 1e-7
-    assert kb2["status"] == "KNOWN" and kb2["dk"]["d_from_output"]["ok"], kb2
+    bf16_parts, kb2, fa4 = row["kb2_bf16_parts_model"], row["kb2_model"], row["fa4_model"]
+    assert abs(bf16_parts["dk"]["error"] - 0.0241218) < 2e-6
+    assert abs(bf16_parts["out"]["error"] - 0.00772452) < 1e-7
+    assert bf16_parts["status"] == "KNOWN" and bf16_parts["dk"]["d_from_output"]["ok"]
     assert fa4["status"] == "PASS" and fa4["dk"]["error"] < 0.011, fa4
+    assert kb2["status"] == "PASS" and abs(kb2["dk"]["error"] - fa4["dk"]["error"]) < 1e-6
 
 
 class _Scale(torch.autograd.Function):

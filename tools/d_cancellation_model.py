@@ -2,6 +2,7 @@
 
     python tools/d_cancellation_model.py [--calls 25,3171] [--seeds 200] [--out DIR]
     python tools/d_cancellation_model.py --calls 3171 --grid-draw    # the grid's own draw
+    python tools/d_cancellation_model.py --calls 3171 --d-from bf16_out --seeds 200
 
 With one key per row and a sink, p = exp(s) / (exp(s) + exp(sink)) and the true
 dS = p (dP - D) = p (1 - p) dP, since D = rowsum(dO * O) = p dP. kb2 (as every FlashAttention
@@ -16,9 +17,10 @@ maximum (the sink joins at the end), bf16 into P V, O stored bf16; P recomputed 
 the fp32 LSE; dP in fp32 from bf16 dO and V; D in fp32 from the bf16 O and dO; dS rounded to
 bf16 before the dQ and dK products, bf16 P before dV; dQ, dK, dV accumulated in fp32, then
 bf16. GQA / MQA: kb2 sums a group's dK / dV in fp32 inside a CTA, but where that leaves too
-few CTAs it splits each k/v head in `dkv_parts` parts, each stored bf16 and summed by torch
-(`kb2_dkv_parts`: six one-head partials at the grid's MQA one-key calls); FA4 sums the group
-in fp32 (dk_accum) and rounds once: both emulated ("kb2", "fa4"). The deterministic mode
+few CTAs it splits each k/v head in `dkv_parts` parts, summed by torch (`kb2_dkv_parts`: six
+one-head partials at the grid's MQA one-key calls), stored bf16 before `dkv_fp32` (a second
+rounding: "kb2_bf16_parts"), fp32 since (one rounding: "kb2"); FA4 sums the group in fp32
+(dk_accum) and rounds once ("fa4"). The deterministic mode
 changes only dQ's add order over key tiles (one tile here): nothing to emulate.
 
 Default: many draws (seeds 10,000 + i) of each call with D taken three ways (bf16 O: the
@@ -55,13 +57,14 @@ def _bf16(t):
 
 
 def kb2_emulated(q, k, v, sinks, g, left, right, scale, softcap=0.0, d_from="bf16_out",
-                 dkv_parts=1):
+                 dkv_parts=1, parts_fp32=False):
     """(out, dq, dk, dv, dsinks) with kb2's roundings (module docstring); q, k, v, g bf16
     (batch, seqlen, heads, d), sinks (heads,) fp32 or None. `d_from`: D from the bf16 out
     (the kernel), the fp32 out, or rowsum(P dP). `dkv_parts`: each k/v head's dK / dV in
     that many bf16 partials (fp32 over each part's query heads), summed in fp32 and rounded
-    again (kb2's GQA split, run_backward's torch.sum); 1: fp32 over the whole group, one
-    rounding (FA4's fp32 dk_accum)."""
+    again (kb2's GQA split before `dkv_fp32`, run_backward's torch.sum); `parts_fp32`: the
+    partials kept fp32, so one rounding after their sum (kb2's `dkv_fp32`); 1: fp32 over the
+    whole group, one rounding (FA4's fp32 dk_accum)."""
     from hopper_attn.harness.window_reference import window_mask
     group = q.shape[2] // k.shape[2]
     qf, gf = q.float(), g.float()
@@ -102,7 +105,8 @@ def kb2_emulated(q, k, v, sinks, g, left, right, scale, softcap=0.0, d_from="bf1
     def per_kv_head(t):          # (b, n, heads, d) -> sum over each group (module docstring)
         if dkv_parts == 1:
             return _bf16(t.unflatten(2, (k.shape[2], group)).sum(3))
-        parts = _bf16(t.unflatten(2, (k.shape[2] * dkv_parts, group // dkv_parts)).sum(3))
+        parts = t.unflatten(2, (k.shape[2] * dkv_parts, group // dkv_parts)).sum(3)
+        parts = parts if parts_fp32 else _bf16(parts)
         return _bf16(parts.unflatten(2, (k.shape[2], dkv_parts)).sum(3))
     dk = per_kv_head(torch.einsum("bhij,bihd->bjhd", ds16, qf) * scale)
     dv = per_kv_head(torch.einsum("bhij,bihd->bjhd", _bf16(p), gf))
@@ -113,7 +117,7 @@ def kb2_emulated(q, k, v, sinks, g, left, right, scale, softcap=0.0, d_from="bf1
     return out, dq, dk, dv, dsinks
 
 
-def emulated_attention(d_from="bf16_out", dkv_parts=1):
+def emulated_attention(d_from="bf16_out", dkv_parts=1, parts_fp32=False):
     """An attention() stand-in (differentiable) whose forward and backward are
     `kb2_emulated`'s: what fa_grid_gpu_check.run_case checks in place of the GPU."""
     from hopper_attn.common.contract import normalize_window
@@ -125,7 +129,7 @@ def emulated_attention(d_from="bf16_out", dkv_parts=1):
             ctx.mask = (left, right, softcap)
             g = torch.zeros_like(q[..., :v.shape[-1]])
             return kb2_emulated(q, k, v, sinks, g, left, right, q.shape[-1] ** -0.5,
-                                softcap, d_from, dkv_parts)[0].to(q.dtype)
+                                softcap, d_from, dkv_parts, parts_fp32)[0].to(q.dtype)
 
         @staticmethod
         def backward(ctx, g):
@@ -133,7 +137,7 @@ def emulated_attention(d_from="bf16_out", dkv_parts=1):
             left, right, softcap = ctx.mask
             _, dq, dk, dv, dsinks = kb2_emulated(q, k, v, sinks, g, left, right,
                                                  q.shape[-1] ** -0.5, softcap, d_from,
-                                                 dkv_parts)
+                                                 dkv_parts, parts_fp32)
             return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                     None if sinks is None else dsinks.to(sinks.dtype), None, None, None)
 
@@ -144,10 +148,15 @@ def emulated_attention(d_from="bf16_out", dkv_parts=1):
 
 
 def kb2_dkv_parts(case) -> int:
-    """How many bf16 dK / dV partials kb2 writes per k/v head for the grid call `case` (1:
+    """How many dK / dV partials kb2 writes per k/v head for the grid call `case` (1:
     MHA; GQA: masking.dkv_parts on 132 SMs, what the GQA variant's `dkv_heads` picks on an
-    H200; a non-GQA kernel with a group: one per query head, summed by torch). The kernel
-    object only (no compile)."""
+    H200; a non-GQA kernel with a group: one per query head, summed by torch)."""
+    return kb2_dkv_design(case)[0]
+
+
+def kb2_dkv_design(case) -> tuple:
+    """(partials per k/v head, whether they are fp32: kb2's `dkv_fp32`) for the grid call
+    `case`. The kernel object only (no compile)."""
     import fa_grid_gpu_check as grid
     from hopper_attn import api, kb2
     from hopper_attn.common.contract import Problem, normalize_window
@@ -159,7 +168,7 @@ def kb2_dkv_parts(case) -> int:
         options = dict(options or {})
         if problem.dv != problem.head_dim:
             options["head_dim_v"] = problem.dv
-        raise Made(factory(problem.head_dim, problem.causal, **options), problem)
+        raise Made(factory(problem.head_dim, problem.causal, **options), problem, options)
     meta = dict(device="meta", dtype=torch.bfloat16)
     q = torch.empty(case.batch, case.seqlen_q, grid.HEADS, case.d, **meta)
     k = torch.empty(case.batch, case.seqlen_k, case.heads_kv, case.d, **meta)
@@ -171,11 +180,11 @@ def kb2_dkv_parts(case) -> int:
         api._backward_entry(problem, case.deterministic, case.softcap).compile(problem)
         raise AssertionError("kb2 did not compile")
     except Made as found:
-        kernel, problem = found.args
+        kernel, problem, options = found.args
     finally:
         kb2.compile_backward = saved
     heads = kernel.dkv_heads(problem) if getattr(kernel, "gqa", False) else problem.heads
-    return heads // problem.kv_heads
+    return heads // problem.kv_heads, bool(options.get("dkv_fp32"))
 
 
 def _fa_rule(ours, ref16, low, rtol, atol_extra):
@@ -187,7 +196,7 @@ def _fa_rule(ours, ref16, low, rtol, atol_extra):
     return {"error": err, "torch_error": torch_err, "bound": bound, "ratio": err / bound}
 
 
-def one_call(case, seed, d_from, dkv_parts=1):
+def one_call(case, seed, d_from, dkv_parts=1, parts_fp32=False):
     """The grid's inputs for `case` drawn with `seed`; {tensor: grid verdict, ...}."""
     import fa_grid_gpu_check as grid
     from hopper_attn.common.contract import normalize_window
@@ -207,7 +216,7 @@ def one_call(case, seed, d_from, dkv_parts=1):
     atol = 3e-4 if case.softcap else 0.0
     g = torch.randn(case.batch, case.seqlen_q, grid.HEADS, case.dv).to(bf16)
     ours = kb2_emulated(q, k, v, sinks.float(), g, left, right, scale, case.softcap, d_from,
-                        dkv_parts)
+                        dkv_parts, parts_fp32)
     leaves = [t.float().requires_grad_() for t in (q, k, v)]
     sink32 = sinks.float().requires_grad_()
     ref, _ = reference(*leaves, left, right, scale, case.softcap, sink32)
@@ -283,17 +292,20 @@ def cuda_draws():
 
 def grid_draw(case, gpu: bool) -> dict:
     """The grid's own draw of `case` (its seed) through the grid's checks: the emulation with
-    kb2's dK / dV partials ("kb2_model") and with FA4's fp32 group sum ("fa4_model"); on a GPU
-    also the kernel (attention()) and max |kernel - emulation| per tensor; on the CPU the
-    CUDA draws emulated (cuda_draws)."""
+    kb2's dK / dV partials as it stores them now ("kb2_model": fp32 where `dkv_fp32`), with
+    bf16 partials (kb2 before it, "kb2_bf16_parts_model", where the group is split) and with
+    FA4's fp32 group sum ("fa4_model"); on a GPU also the kernel (attention()) and
+    max |kernel - emulation| per tensor; on the CPU the CUDA draws emulated (cuda_draws)."""
     import fa_grid_gpu_check as grid
-    parts = kb2_dkv_parts(case)
-    runs = [("kb2_model", emulated_attention("bf16_out", parts)),
+    parts, fp32 = kb2_dkv_design(case)
+    runs = [("kb2_model", emulated_attention("bf16_out", parts, fp32)),
             ("fa4_model", emulated_attention("bf16_out", 1))]
+    if parts > 1:
+        runs.insert(1, ("kb2_bf16_parts_model", emulated_attention("bf16_out", parts)))
     if gpu:
         import hopper_attn
         runs.insert(0, ("kernel", hopper_attn.attention))
-    row, seen = {"dkv_parts": parts}, {}
+    row, seen = {"dkv_parts": parts, "dkv_fp32": fp32}, {}
     for name, attention in runs:
         seen[name] = {}
         with contextlib.nullcontext() if gpu else cuda_draws():
@@ -314,13 +326,13 @@ def grid_draw(case, gpu: bool) -> dict:
     return row
 
 
-def draw_statistics(case, seeds, d_from, parts) -> dict:
+def draw_statistics(case, seeds, d_from, parts, parts_fp32=False) -> dict:
     """`seeds` draws of `case` (seeds 10,000 + i, the grid's draw for another index) through
     the grid's checks with the emulation: statuses, failing tensors, error / bound."""
     import dataclasses
 
     import fa_grid_gpu_check as grid
-    attention = emulated_attention(d_from, parts)
+    attention = emulated_attention(d_from, parts, parts_fp32)
     statuses = {"PASS": 0, "FAIL": 0, "KNOWN": 0}
     failing = {}
     ratio = {n: [] for n in ("dq", "dk", "dv", "out", "dsinks")}
@@ -336,7 +348,7 @@ def draw_statistics(case, seeds, d_from, parts) -> dict:
                 failing[n] = failing.get(n, 0) + 1
         for n in over_torch:
             over_torch[n].append(row[n]["error"] / row[n]["torch_error"])
-        fa = one_call(case, 10_000 + seed, d_from, parts)
+        fa = one_call(case, 10_000 + seed, d_from, parts, parts_fp32)
         fa_rule.append(max(fa[n]["fa_rule"]["ratio"] for n in ("dq", "dk", "dv")))
     t = {n: torch.tensor(r) for n, r in ratio.items()}
     e = {n: torch.tensor(r) for n, r in over_torch.items()}
@@ -360,6 +372,8 @@ def main(argv=None) -> int:
     parser.add_argument("--grid-draw", action="store_true",
                         help="each call's own grid draw (its seed): the emulation, and on a "
                              "GPU the kernel too (on the CPU the CUDA draws are emulated)")
+    parser.add_argument("--d-from", default="all", choices=("all",) + D_FROM,
+                        help="the draws' D (default: each of the three)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     cases = grid.enumerate_grid()
@@ -374,20 +388,23 @@ def main(argv=None) -> int:
         for case in calls:
             report["grid_draw"][case.label()] = row = grid_draw(case, gpu)
             line = " ".join(f"{n} {row[n]['status']} {row[n]['ratio']:.3f} ({row[n]['worst']})"
-                            for n in ("kernel", "kb2_model", "fa4_model") if n in row)
+                            for n in ("kernel", "kb2_model", "kb2_bf16_parts_model",
+                                      "fa4_model") if n in row)
             if gpu:
                 diff = row["kb2_model"]["max_abs_vs_kernel"]
                 line += f"; |kernel - kb2_model| dq {diff['dq']:.1e} dk {diff['dk']:.1e}"
             print(f"{case.label()[:48]:48s} {line}", flush=True)
     for case in [] if args.grid_draw else calls:
-        parts = kb2_dkv_parts(case)
-        # kb2: its bf16 dK / dV partials; fa4: one fp32 sum over the group (the same for MHA)
-        designs = {"kb2": parts, "fa4": 1} if parts > 1 else {"kb2": 1}
-        report["calls"][case.label()] = per_variant = {"dkv_parts": parts}
-        for design, n in designs.items():
-            for d_from in D_FROM:
+        parts, fp32 = kb2_dkv_design(case)
+        # kb2: its dK / dV partials (fp32 where dkv_fp32); kb2_bf16_parts: bf16 partials (kb2
+        # before dkv_fp32); fa4: one fp32 sum over the group (the same for MHA)
+        designs = {"kb2": (parts, fp32), "kb2_bf16_parts": (parts, False), "fa4": (1, False)} \
+            if parts > 1 else {"kb2": (1, False)}
+        report["calls"][case.label()] = per_variant = {"dkv_parts": parts, "dkv_fp32": fp32}
+        for design, (n, n_fp32) in designs.items():
+            for d_from in D_FROM if args.d_from == "all" else (args.d_from,):
                 v = per_variant[f"{design}/{d_from}"] = draw_statistics(case, args.seeds,
-                                                                         d_from, n)
+                                                                         d_from, n, n_fp32)
                 print(f"{case.label()[:44]:44s} {design} D {d_from:8s}: grid "
                       f"{v['grid_status']} failing {v['failing_tensors']}; err/torch dq "
                       f"{v['error_over_torch_median']['dq']:.2f} (p99 "

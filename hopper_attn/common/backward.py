@@ -369,15 +369,34 @@ def backward_smem(storage, q_layout, kv_layout, ds_layout, head_dim_v: int = 0,
 
 
 def stage_dkv(thr_dkv, acc_dk: cute.Tensor, acc_dv: cute.Tensor, sK: cute.Tensor,
-              sV: cute.Tensor, dtype, thr_dv=None):
+              sV: cute.Tensor, dtype, thr_dv=None, swapped: bool = False):
     """dK and dV (already scaled) -> dtype -> K's and V's SMEM buffers, fenced for the TMA
-    unit (`thr_dv`: dV's partition where it is narrower than dK's). The caller has made sure
-    no WGMMA still reads K or V."""
+    unit (`thr_dv`: dV's partition where it is narrower than dK's; `swapped`: accumulators
+    of dK^T and dV^T). The caller has made sure no WGMMA still reads K or V."""
     for acc, smem, thr in ((acc_dk, sK, thr_dkv), (acc_dv, sV, thr_dv or thr_dkv)):
         out = cute.make_rmem_tensor_like(acc, dtype)
         out.store(acc.load().to(dtype))
-        cute.autovec_copy(out, thr.partition_C(smem))
+        cute.autovec_copy(out, thr.partition_C(transposed(smem) if swapped else smem))
     cute.arch.fence_proxy("async.shared", space="cta")       # visible to the TMA unit
+
+
+@cute.jit
+def write_dkv(fp32: cutlass.Constexpr, epilogue, warp, thr_dk, thr_dv, acc_dk: cute.Tensor,
+              acc_dv: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, dtype, tma_dk, tma_dv,
+              mdK: cute.Tensor, mdV: cute.Tensor, head, batch, n_block,
+              swapped: cutlass.Constexpr = False):
+    """kb2's epilogue, dK (already scaled) and dV out: in dtype through K's and V's SMEM and
+    TMA stores (one warp, the first consumer's), or (`fp32`, kb2's dkv_fp32) straight from
+    the registers (`store_dkv_fp32`). `epilogue`: the consumers' named barrier."""
+    if cutlass.const_expr(fp32):
+        store_dkv_fp32(thr_dk, acc_dk, acc_dv, mdK, mdV, head, batch, sK, sV, n_block, thr_dv,
+                       swapped)
+    else:
+        epilogue.arrive_and_wait()                          # every WGMMA has read K and V
+        stage_dkv(thr_dk, acc_dk, acc_dv, sK, sV, dtype, thr_dv, swapped)
+        epilogue.arrive_and_wait()
+        if warp == 4:                                       # the first consumer warp
+            store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
 
 
 def store_dkv(tma_dk, tma_dv, mdK: cute.Tensor, mdV: cute.Tensor, head, batch,

@@ -191,8 +191,7 @@ class DkvSwapConsumer:
         """kb2's `consume` (same arguments) for the 96-key tile: every query tile the CTA
         visits, then dK and dV out."""
         from .backward import (DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DQ_HANDOFF_THREADS,
-                               DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, fragment_slot, store_dkv,
-                               store_dkv_fp32)
+                               DS_WRITTEN_BARRIER, EPILOGUE_BARRIER, fragment_slot, write_dkv)
         bm, bn, d, dv, dtype = (self.block_m, self.block_n, self.head_dim, self.head_dim_v,
                                 self.dtype)
         split_d = self.dkv_split_d
@@ -317,16 +316,5 @@ class DkvSwapConsumer:
         # Epilogue: dK^T * scale and dV^T -> dtype -> K's and V's SMEM (transposed views)
         epilogue = pipeline.NamedBarrier(barrier_id=EPILOGUE_BARRIER, num_threads=256)
         acc_dk.store(acc_dk.load() * softmax_scale)
-        if cutlass.const_expr(self.dkv_fp32):               # fp32 parts: from the registers
-            store_dkv_fp32(mmas.thr_dk, acc_dk, acc_dv, mdK, mdV, head, batch, sK, sV, n_block,
-                           mmas.thr_dv, swapped=True)
-        else:
-            epilogue.arrive_and_wait()                      # every WGMMA has read K and V
-            for acc, smem, thr in ((acc_dk, sK, mmas.thr_dk), (acc_dv, sV, mmas.thr_dv)):
-                out = cute.make_rmem_tensor_like(acc, dtype)
-                out.store(acc.load().to(dtype))
-                cute.autovec_copy(out, thr.partition_C(transposed(smem)))
-            cute.arch.fence_proxy("async.shared", space="cta")   # visible to the TMA unit
-            epilogue.arrive_and_wait()
-            if warp == 4:                                   # the first consumer warp
-                store_dkv(tma_dk, tma_dv, mdK, mdV, head, batch, sK, sV, n_block)
+        write_dkv(self.dkv_fp32, epilogue, warp, mmas.thr_dk, mmas.thr_dv, acc_dk, acc_dv, sK,
+                  sV, dtype, tma_dk, tma_dv, mdK, mdV, head, batch, n_block, swapped=True)
