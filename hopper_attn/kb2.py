@@ -23,10 +23,11 @@ What changes from kb1:
 * GQA / MQA (`gqa`, a variant compiled where k and v have fewer heads than q): one CTA per
   (kv tile, dK head, batch) walks the query tiles of every query head of its group, head
   after head, and stores dK and dV once (kb1: per query head, summed by torch). Too few
-  CTAs (MQA, small batches): each k/v head split in parts (masking.dkv_parts) that
-  run_backward sums. With a mask the long CTAs start first (longest first at d = 128,
-  `heads_first` at d = 64). The deterministic mode's dQ add order is unchanged. At d = 128
-  with a mask from N = 16k the policy runs per query head (MHA's grid) instead: faster there.
+  CTAs (MQA, small batches): each k/v head split in parts (masking.dkv_parts) whose fp32
+  dK / dV (`dkv_fp32`: no second rounding) run_backward sums. With a mask the long CTAs
+  start first (longest first at d = 128, `heads_first` at d = 64). The deterministic mode's
+  dQ add order is unchanged. At d = 128 with a mask from N = 16k the policy runs per query
+  head (MHA's grid) instead: faster there.
 * Packed batches (`varlen`, common/varlen_backward.py): one CTA per (kv tile of a sequence,
   dK head) of a work list, each sequence seen through ragged TMA views as a batch of one.
 * Logit softcapping (`softcap`, docs/softcap.md): P from tanh(s scale / cap) taken before the
