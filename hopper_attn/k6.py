@@ -21,7 +21,8 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
 * The lazy rescale (`rescale="lazy_after_wait"` at d 256, "lazy_before_pv" at d 192): O
   rescaled only where a row maximum grew by more than 2^8, after PV's wait / under the next
   QK (a per-warp vote moves the maxima; no WGMMA wait under it: docs/window.md), with P
-  rounded to the input type before the row sums (l then adds what the PV GEMM multiplies).
+  rounded to the input type before the row sums (l then adds what the PV GEMM multiplies;
+  `round_once`, a column no row sets yet: the sums read from the PV operand under the next QK).
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -126,7 +127,7 @@ BASE = dict(pingpong=False, pv_wait="late", rescale="eager", item_end="q_buffer"
             v_lags_k=True, spin_waits=False, uniform_descriptors=True, fma_exp2_every=0,
             v_release_last=False, skip_idle_wgs=False, mask_per_row=False,
             wg_causal_limit=False, fast_divmod=False, stream_k=False,
-            kv_tail=True, peel_first=False, longest_first=0)
+            kv_tail=True, peel_first=False, longest_first=0, round_once=False)
 D64C = dict(block_m=192, mask_per_row=True, skip_idle_wgs=True, spin_waits=True,
             v_release_last=True, item_end="own_buffer_wg")        # d = 64 causal, 192 rows
 D128 = dict(block_m=128, block_n=128, item_end="own_buffer_wg", spin_waits=True,
@@ -241,7 +242,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False, window_left: int | None = None, window_right=None,
-                 head_dim_v: int = 0, window_mask: str = "compare"):
+                 head_dim_v: int = 0, window_mask: str = "compare", round_once: bool = False):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -327,6 +328,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # a reference maximum that trails the true one (lazy) or a fixed 0: no P is surely 1,
         # so l sums the rounded P the PV GEMM multiplies (a row one key dominates gets its V)
         self.round_p_sums = self.lazy_rescale or self.softcap_fixed_max
+        self.round_once = bool(round_once) and self.round_p_sums
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,
@@ -366,7 +368,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                                     fma_exp2_every=self.fma_exp2_every,
                                     fence_after=self.softmax_fence_after, softcap_prescale=prescale,
                                     opaque_exp2=self.opaque_exp2, fixed_max=self.softcap_fixed_max,
-                                    round_p=self.dtype if self.round_p_sums else None)
+                                    round_p=self.dtype if self.round_p_sums else None,
+                                    operand_sums=self.round_once)
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
@@ -583,6 +586,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if cutlass.const_expr(self.rescale_before_pv):
             self.rescale_o(o_rc, p_frag, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
+        if cutlass.const_expr(self.round_once):
+            softmax.add_operand_sums(p_frag, acc_s)
         return k_state, v_state
 
     def after_first(self, n, later: bool):
@@ -627,6 +632,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
         pingpong.pass_turn(wg)                          # --- the next WG may issue now
         if self.after_first(n, later):
+            if cutlass.const_expr(self.round_once):
+                softmax.add_operand_sums(p_frag, acc_s)     # P_{n-1}'s, under QK_n
             warpgroup.wait_group(1)                     # S_n done; PV_{n-1} may still run
         else:
             warpgroup.wait_group(0)
