@@ -22,7 +22,7 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
   rescaled only where a row maximum grew by more than 2^8, after PV's wait / under the next
   QK (a per-warp vote moves the maxima; no WGMMA wait under it: docs/window.md), with P
   rounded to the input type before the row sums (l then adds what the PV GEMM multiplies;
-  `round_once`, a column no row sets yet: the sums read from the PV operand under the next QK).
+  `round_once`, no row's yet: P converted once, l from the PV operand; docs/softcap.md).
 * Head dims 96, 192 and 256 (shared memory sets the kv tile) and fp16 (from the tensors).
 * A persistent grid (common/scheduler.py): one CTA per SM loops over work items (query
   tile, head, batch), its K/V rings running on from one item to the next. With a causal
@@ -242,7 +242,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False, window_left: int | None = None, window_right=None,
-                 head_dim_v: int = 0, window_mask: str = "compare", round_once: bool = False):
+                 head_dim_v: int = 0, window_mask: str = "compare", round_once=False):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -328,7 +328,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # a reference maximum that trails the true one (lazy) or a fixed 0: no P is surely 1,
         # so l sums the rounded P the PV GEMM multiplies (a row one key dominates gets its V)
         self.round_p_sums = self.lazy_rescale or self.softcap_fixed_max
-        self.round_once = bool(round_once) and self.round_p_sums
+        if round_once not in (False, "under_qk", "before_qk"):
+            raise ValueError(f"round_once: False, under_qk or before_qk, got {round_once!r}")
+        self.round_once = round_once if self.round_p_sums else False
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,
@@ -369,7 +371,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                                     fence_after=self.softmax_fence_after, softcap_prescale=prescale,
                                     opaque_exp2=self.opaque_exp2, fixed_max=self.softcap_fixed_max,
                                     round_p=self.dtype if self.round_p_sums else None,
-                                    operand_sums=self.round_once)
+                                    operand_sums=bool(self.round_once))
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
@@ -587,7 +589,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             self.rescale_o(o_rc, p_frag, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         if cutlass.const_expr(self.round_once):
-            softmax.add_operand_sums(p_frag, acc_s)
+            softmax.add_operand_sums(p_frag, acc_s)     # the last tile's P
         return k_state, v_state
 
     def after_first(self, n, later: bool):
@@ -609,6 +611,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             if self.after_first(n, later):      # tile n-1's end, after the back edge
                 v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
                                            v_state, self.reverse_p)
+        if cutlass.const_expr(self.round_once == "before_qk"):
+            if self.after_first(n, later):
+                softmax.add_operand_sums(p_frag, acc_s)     # P_{n-1}'s row sums
         phase = self.trace.start("wait_kv")
         loads.wait(loads.k_pipe, k_state)
         if cutlass.const_expr(not self.v_lags_k):
@@ -632,8 +637,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             self.issue_pv(mma_pv, acc_o, p_frag, vt_frag, v_state)
         pingpong.pass_turn(wg)                          # --- the next WG may issue now
         if self.after_first(n, later):
-            if cutlass.const_expr(self.round_once):
-                softmax.add_operand_sums(p_frag, acc_s)     # P_{n-1}'s, under QK_n
+            if cutlass.const_expr(self.round_once == "under_qk"):
+                softmax.add_operand_sums(p_frag, acc_s)     # P_{n-1}'s row sums
             warpgroup.wait_group(1)                     # S_n done; PV_{n-1} may still run
         else:
             warpgroup.wait_group(0)

@@ -65,34 +65,41 @@ def test_k6_softcap_fixed_max_where_measured_only():
 
 
 @pytest.mark.compile
-def test_k6_round_once_converts_p_once():
-    """round_once (docs/softcap.md "P converted once"): P converted to the PV operand once
-    (one F2FP per pair in the loop, not two: the rounding in the softmax is gone), l summed
-    from the operand's registers, no register moves for it, fewer instructions, no spills;
-    a POLICY column no row sets until the H200 has measured it."""
+@pytest.mark.parametrize("where", ["under_qk", "before_qk"])
+def test_k6_round_once_converts_p_once(where):
+    """round_once (docs/softcap.md "P converted once"), l's sums under the next QK or before
+    it: P converted to the PV operand once (one F2FP per pair in the loop, not two: the
+    rounding in the softmax is gone), no register moves for it, fewer instructions, no
+    spills; a column of k6.BASE (off) that no POLICY row sets until the H200 has measured it."""
+    from hopper_attn import k6
+    from hopper_attn.common.contract import compile_attention
     from hopper_attn.harness import sass_order
-    from hopper_attn.harness.compile_report import sass
+    from hopper_attn.harness.compile_report import compile_artifacts, sass
+
+    class RoundOnce:            # (a column, not an option: compiled through the class)
+        def compile(self, problem, compile_options=""):
+            settings = {**k6.settings_for(problem, softcap=50.0), "round_once": where}
+            return compile_attention(k6.SPEC, k6.FlashAttentionK6, problem, settings,
+                                     workspace_fn=k6.lse_buffer, compile_options=compile_options)
 
     def loop(art):
         text = sass(art["cubin"])
         return [t for lp in sass_order.loops(text) for t in sass_order.loop_body(text, lp)]
-    from hopper_attn import k6
-    from hopper_attn.common.contract import compile_attention
-    from hopper_attn.harness.compile_report import compile_artifacts
-
-    class RoundOnce:            # (a column of k6.BASE, not an option: compiled directly)
-        def compile(self, problem, compile_options=""):
-            settings = {**k6.settings_for(problem, softcap=50.0), "round_once": True}
-            return compile_attention(k6.SPEC, k6.FlashAttentionK6, problem, settings,
-                                     workspace_fn=k6.lse_buffer, compile_options=compile_options)
     once = compile_artifacts(RoundOnce(), 128, True)
     rounded = compiled("k6:softcap=50.0", 128, True)
     _no_spills(once)
-    assert once["kernel"]["options"]["round_once"] and not k6.BASE["round_once"]
+    assert once["kernel"]["options"]["round_once"] == where and not k6.BASE["round_once"]
     count = lambda body, op: sum(re.search(op, t) is not None for t in body)   # noqa: E731
     a, b = loop(once), loop(rounded)
     assert 2 * count(a, r"\bF2FP\.") == count(b, r"\bF2FP\.") == 64
     assert count(a, r"MOV\b") <= count(b, r"MOV\b") and len(a) < len(b)
+
+
+def test_k6_round_once_values():
+    from hopper_attn.k6 import FlashAttentionK6
+    with pytest.raises(ValueError, match="round_once"):
+        FlashAttentionK6(128, True, 128, 128, round_once=True)
+    assert not FlashAttentionK6(128, True, 128, 128, round_once="under_qk").round_once  # no rounding
 
 
 @pytest.mark.compile
