@@ -589,7 +589,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             self.rescale_o(o_rc, p_frag, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
         if cutlass.const_expr(self.round_once):
-            softmax.add_operand_sums(p_frag, acc_s)     # the last tile's P
+            softmax.add_operand_sums(p_frag, acc_s)     # the last tile's (every item has one)
         return k_state, v_state
 
     def after_first(self, n, later: bool):
