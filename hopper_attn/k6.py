@@ -39,7 +39,8 @@ What changes from k5 (docs/k6.md; the measurements behind each step in docs/lab/
 * Attention sinks (`sinks=1`, docs/sinks.md): per-head logits joined at an item's end.
 * Logit softcapping (`softcap`, a compile-time cap; docs/softcap.md): the raw scores through
   tanh(s scale / cap) before the mask, then the same softmax in units of cap log2(e); where
-  measured (bf16, d 128 / 256, cap <= 69) against a fixed 0, without row maxima.
+  measured (bf16, d 128 / 256, cap <= 69) against a fixed 0, without row maxima; at d 128
+  P converted to the PV operand once, l summed from its registers (`round_once`).
 * v narrower than q and k (`head_dim_v`, POLICY's (d, dv) rows; docs/head-dim-v.md): k5's.
 
 What stays: k5's `__call__` (k6 replaces the consumer loop, `mainloop`, and the hooks for
@@ -126,7 +127,7 @@ BASE = dict(pingpong=False, pv_wait="late", rescale="eager", item_end="q_buffer"
             v_lags_k=True, spin_waits=False, uniform_descriptors=True, fma_exp2_every=0,
             v_release_last=False, skip_idle_wgs=False, mask_per_row=False,
             wg_causal_limit=False, fast_divmod=False, stream_k=False,
-            kv_tail=True, peel_first=False, longest_first=0)
+            kv_tail=True, peel_first=False, longest_first=0, round_once=False)
 D64C = dict(block_m=192, mask_per_row=True, skip_idle_wgs=True, spin_waits=True,
             v_release_last=True, item_end="own_buffer_wg")        # d = 64 causal, 192 rows
 D128 = dict(block_m=128, block_n=128, item_end="own_buffer_wg", spin_waits=True,
@@ -241,7 +242,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                  peel_first: bool = False, longest_first: int = 0, softcap: float = 0.0,
                  softcap_fixed_max: bool = False, stages: int = 2, persistent_ctas: int = 0,
                  trace: bool = False, window_left: int | None = None, window_right=None,
-                 head_dim_v: int = 0, window_mask: str = "compare"):
+                 head_dim_v: int = 0, window_mask: str = "compare", round_once: bool = False):
         if not (pv_wait in PV_WAITS or pv_wait_after(pv_wait) > 0) or \
                 rescale not in RESCALES or item_end not in ITEM_ENDS:
             raise ValueError(f"pv_wait: one of {PV_WAITS} or after<n>; rescale: one of "
@@ -273,8 +274,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if self.rescale_before_pv and self.wait_pv_late:
             # with the late wait ptxas then serializes every WGMMA of the kernel
             raise ValueError("rescale=before_pv needs the PV wait in the iteration")
-        # V_{n-1}'s stage handed back after O's rescale and P's conversion by a predicated
-        # arrive (no branch between exp2s and conversions; always with the wait among them)
+        # v_release_last (module doc); always with the PV wait among the exp2s
         self.v_release_last = bool(v_release_last) or after > 0
         # causal: each warpgroup stops at its own rows' last kv tile (`idle_tiles` after)
         self.wg_causal_limit = bool(wg_causal_limit) and causal
@@ -327,6 +327,10 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         # a reference maximum that trails the true one (lazy) or a fixed 0: no P is surely 1,
         # so l sums the rounded P the PV GEMM multiplies (a row one key dominates gets its V)
         self.round_p_sums = self.lazy_rescale or self.softcap_fixed_max
+        # round_once: P converted once; l sums the PV operand's registers (docs/softcap.md)
+        if round_once not in (False, True):
+            raise ValueError(f"round_once: True or False, got {round_once!r}")
+        self.round_once = bool(round_once) and self.round_p_sums
 
     def describe(self) -> dict:
         return {**super().describe(), "v_lags_k": self.v_lags_k,
@@ -366,7 +370,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
                                     fma_exp2_every=self.fma_exp2_every,
                                     fence_after=self.softmax_fence_after, softcap_prescale=prescale,
                                     opaque_exp2=self.opaque_exp2, fixed_max=self.softcap_fixed_max,
-                                    round_p=self.dtype if self.round_p_sums else None)
+                                    round_p=self.dtype if self.round_p_sums else None,
+                                    operand_sums=self.round_once)
 
     def o_apart_from_q(self) -> bool:
         """O staged in a buffer of its own, not in Q's (k7: always)."""
@@ -566,8 +571,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
 
         n_first = 0
         if cutlass.const_expr(self.peel_first):
-            # tile 0 before the loop (its `n > 0` tests fold away), then a loop that knows
-            # n > 0 (`later`): no branch left for them in it
+            # tile 0 before the loop, then a loop that knows n > 0 (`later`): no branch for it
             k_state, v_state = self.kv_tile(loads, wg, m_block, Int32(0), n_count, seqlen_q,
                                             seqlen_k, mma_qk, mma_pv, q_frag, k_frag, vt_frag,
                                             p_frag, acc_s, acc_o, o_rc, s_coords, softmax,
@@ -583,6 +587,8 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if cutlass.const_expr(self.rescale_before_pv):
             self.rescale_o(o_rc, p_frag, alpha)
         v_state = self.last_pv(loads, wg, mma_pv, acc_o, p_frag, vt_frag, v_state)  # as in k5
+        if cutlass.const_expr(self.round_once):
+            softmax.add_operand_sums(p_frag, acc_s)     # the last tile's (every item has one)
         return k_state, v_state
 
     def after_first(self, n, later: bool):
@@ -604,6 +610,9 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
             if self.after_first(n, later):      # tile n-1's end, after the back edge
                 v_state = self.finish_tile(loads, n - 1, acc_s, o_rc, p_frag, alpha,
                                            v_state, self.reverse_p)
+        if cutlass.const_expr(self.round_once):
+            if self.after_first(n, later):      # P_{n-1}'s row sums, before the K wait
+                softmax.add_operand_sums(p_frag, acc_s)
         phase = self.trace.start("wait_kv")
         loads.wait(loads.k_pipe, k_state)
         if cutlass.const_expr(not self.v_lags_k):
@@ -633,8 +642,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         loads.release(loads.k_pipe, k_state)            # K_n read: its stage is free
         k_state.advance()
         if cutlass.const_expr(self.early_q_release):
-            # Q's one stage, once the item's last QK is done (the kernel then only
-            # advances its Q state)
+            # Q's one stage, after the item's last QK (the kernel then only advances its state)
             loads.release_if(loads.q_pipe, 0, n == n_count - 1)
         self.trace.end(phase)
         # --- under PV_{n-1}: everything of the softmax that touches neither O nor P
@@ -710,8 +718,7 @@ class FlashAttentionK6(StreamKPartials, FlashAttentionK5):
         if cutlass.const_expr(self.v_release_last):
             # tile 0 has no V_{n-1}: a predicated arrive instead of an `if`, so nothing here
             # ends the block that holds the exp2s and P's conversions
-            loads.release_if(loads.v_pipe, v_state.index,
-                              self.after_first(n, later))
+            loads.release_if(loads.v_pipe, v_state.index, self.after_first(n, later))
             if self.after_first(n, later):
                 v_state.advance()
         if cutlass.const_expr(self.rescale_after_pv_wait):
@@ -726,15 +733,16 @@ OPTIONS = ("tile", "pingpong", "pv_wait", "rescale", "item_end", "v_lags_k", "fm
            "v_release_last", "skip_idle_wgs", "wg_causal_limit", "kv_tail", "peel_first",
            "longest_first", "softcap")
 # softcapped exponents against a fixed 0 (no row maxima, no O rescale) where the H200 measured
-# them faster and correct: bf16, cap log2(e) <= 100, d 128 and 256 (docs/softcap.md)
+# them faster and correct: bf16, cap log2(e) <= 100, d 128 and 256 (docs/softcap.md); at d 128
+# with round_once (cap 50: 0.97x the time causal at 16k, 0.87x at 4k; d 192 / 256 measured
+# 0.996-1.05x: off; results/h200/2026-11-29_round_once.json)
 SOFTCAP_FIXED_MAX_DIMS = (128, 256)
 
 
 def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     """FlashAttentionK6's settings for `problem`: its POLICY row, then `overrides` (None:
-    the row's). kv_tail="whole" resolves to no tail test where the key length is a
-    multiple of the kv tile (no mask); peel_first needs the loop's tail test. window_mask:
-    WINDOW_MASK's choice for this call (windowed problems; "": WINDOW_MASK's)."""
+    the row's), resolved: kv_tail="whole" and peel_first as POLICY's comment says, softcap's
+    fixed 0. window_mask: WINDOW_MASK's choice for this call ("": WINDOW_MASK's)."""
     unknown = sorted(set(overrides) - set(OPTIONS))
     if unknown:
         raise ValueError(f"k6: unknown options {unknown}; known: {', '.join(OPTIONS)}")
@@ -764,6 +772,7 @@ def settings_for(problem, window_mask: str = "", **overrides) -> dict:
     if 0.0 < cap * LOG2_E <= 100.0 and problem.dtype == torch.bfloat16 and \
             problem.head_dim in SOFTCAP_FIXED_MAX_DIMS and "before_pv" not in settings["rescale"]:
         settings["softcap_fixed_max"] = True
+        settings["round_once"] = problem.head_dim == 128
     return settings
 
 
@@ -771,11 +780,10 @@ def compile_kernel(problem, *, compile_options: str = "", trace: bool = False, s
                    window_mask: str = "", **overrides):
     """Compile (or fetch from the cache) k6 with POLICY's settings for the problem's head
     dim, mask and query length, any of OPTIONS overridden (docs/k6.md): tile ("192x96":
-    block_m x block_n), kv_tail (0: no tail test, for whole kv tiles; "whole": 0 where the
-    key length allows), longest_first (MiB of K and V per head group), softcap (logit
-    softcapping's cap, compile time; 0: none); the others as FlashAttentionK6's arguments.
-    trace: iket phase ranges (harness/timeline.py); sinks: 1 for attention sinks, a runtime
-    (heads,) fp32 input after `out` (common/sinks.py); window_mask: settings_for's."""
+    block_m x block_n), kv_tail (0: no tail test; "whole": 0 for whole kv tiles),
+    longest_first (MiB of K and V per head group), softcap (compile-time cap; 0: none), the
+    others FlashAttentionK6's. trace: iket phase ranges (harness/timeline.py); sinks: 1 for
+    attention sinks, a runtime (heads,) fp32 input after `out`; window_mask: settings_for's."""
     SPEC.check(problem)                 # UnsupportedProblem before POLICY's lookup
     settings = {**settings_for(problem, window_mask, **overrides), "trace": bool(trace)}
     return compile_attention(SINKS_SPEC if sinks else SPEC,

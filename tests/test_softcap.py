@@ -65,6 +65,37 @@ def test_k6_softcap_fixed_max_where_measured_only():
 
 
 @pytest.mark.compile
+def test_k6_round_once_converts_p_once():
+    """round_once (POLICY's at d 128 with softcap's fixed 0; docs/softcap.md "P converted
+    once"): P converted to the PV operand once, one F2FP per pair in the loop (32, not the
+    rounded sums' 64), l summed from the operand's registers; no spills."""
+    from hopper_attn.harness import sass_order
+    from hopper_attn.harness.compile_report import sass
+    once = compiled("k6:softcap=50.0", 128, True)           # (the compile above, cached)
+    assert once["kernel"]["options"]["round_once"]
+    _no_spills(once)
+    text = sass(once["cubin"])
+    body = [t for lp in sass_order.loops(text) for t in sass_order.loop_body(text, lp)]
+    assert sum(re.search(r"\bF2FP\.", t) is not None for t in body) == 32
+
+
+def test_k6_round_once_where_measured_only():
+    """On where d 128 takes softcap's fixed 0 (results/h200/2026-11-29_round_once.json); off
+    at d 256 and in the lazy loops; a bool of k6.BASE (not an option), ignored where P is not
+    rounded for l."""
+    from hopper_attn.common.contract import Problem
+    from hopper_attn.k6 import BASE, FlashAttentionK6, settings_for
+    on = lambda d, causal, cap, dtype=torch.bfloat16: settings_for(  # noqa: E731
+        Problem(1, 2, 4096, d, causal, dtype), softcap=cap)["round_once"]
+    assert on(128, True, 50.0) and on(128, False, 15.0) and not BASE["round_once"]
+    assert not any([on(256, True, 50.0), on(192, True, 0.0), on(256, False, 0.0),
+                    on(128, True, 0.0), on(128, True, 50.0, torch.float16)])
+    with pytest.raises(ValueError, match="round_once"):
+        FlashAttentionK6(128, True, 128, 128, round_once="before_qk")
+    assert not FlashAttentionK6(128, True, 128, 128, round_once=True).round_once  # eager
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads_kv", [0, 1])           # 1: the GQA variant

@@ -24,11 +24,12 @@ import dataclasses
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float16, Float32
+from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from hopper_attn.common.contract import LOG2_E
+from hopper_attn.common.layouts import acc_rows_cols, operand_a_as_acc
 
 LN_2 = 0.6931471805599453
 
@@ -131,6 +132,35 @@ _ROUND_PAIR_PTX = {
 }
 
 
+# a 32-bit register of the PV operand (two 16-bit values, the first in the lower half) ->
+# the two values in fp32, exactly (bf16: a shift and a mask, as above)
+_UNPACK_PAIR_PTX = {
+    BFloat16: """{
+ shl.b32 $0, $2, 16;
+ and.b32 $1, $2, 0xffff0000;
+}""",
+    Float16: """{
+ .reg .b16 lo, hi;
+ mov.b32 {lo, hi}, $2;
+ cvt.f32.f16 $0, lo;
+ cvt.f32.f16 $1, hi;
+}""",
+}
+
+
+@dsl_user_op
+def unpack_pair(word: Int32, dtype, *, loc=None, ip=None):
+    """The two `dtype` (BFloat16 or Float16) values of a 32-bit register, in fp32
+    (OnlineSoftmax.add_operand_sums)."""
+    f32 = Float32.mlir_type
+    pair = llvm.inline_asm(llvm.StructType.get_literal([f32, f32]),
+                           [Int32(word).ir_value(loc=loc, ip=ip)], _UNPACK_PAIR_PTX[dtype],
+                           "=f,=f,r", has_side_effects=False, is_align_stack=False,
+                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return (Float32(llvm.extractvalue(f32, pair, [0], loc=loc, ip=ip)),
+            Float32(llvm.extractvalue(f32, pair, [1], loc=loc, ip=ip)))
+
+
 @dsl_user_op
 def round_pair(a: Float32, b: Float32, dtype, *, loc=None, ip=None):
     """(a, b) rounded to `dtype` (BFloat16 or Float16) and back to fp32
@@ -183,20 +213,24 @@ class OnlineSoftmax:
     # rescaling, P in [2^-scale_log2, 2^scale_log2], which fp32 and bf16 hold for
     # scale_log2 <= 100 (`exponentiate` only; `finalize` and the LSE as usual)
     fixed_max: bool = False
+    # with round_p: `exponentiate` leaves l alone, and the caller adds each tile's sums from
+    # the PV operand once P is converted to it (`add_operand_sums`): P converted once, not
+    # rounded in `exponentiate` and converted again
+    operand_sums: bool = False
 
     @staticmethod
     def create(num_rows: int, scale_log2: Float32, lanes_per_row: int,
                p_scale_log2: int = 0, fma_exp2_every: int = 0,
                fence_after: int = -1, opaque_exp2: bool = False,
-               round_p=None, softcap_prescale=None, fixed_max: bool = False
-               ) -> "OnlineSoftmax":
+               round_p=None, softcap_prescale=None, fixed_max: bool = False,
+               operand_sums: bool = False) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(0.0 if fixed_max else -Float32.inf)
         row_sum.fill(0.0)
         return OnlineSoftmax(num_rows, lanes_per_row, scale_log2, row_max, row_sum,
                              p_scale_log2, fma_exp2_every, fence_after, opaque_exp2, round_p,
-                             softcap_prescale, fixed_max)
+                             softcap_prescale, fixed_max, operand_sums)
 
     def with_scale(self, scale_log2: Float32) -> "OnlineSoftmax":
         """The same row state with another score scale (k7: per (batch, head) descales)."""
@@ -324,7 +358,8 @@ class OnlineSoftmax:
 
     @cute.jit
     def exponentiate(self, s_rc: cute.Tensor):
-        """S -> P = 2^(s * scale_log2 - reference max (+ p_scale_log2)) in place; l += sums."""
+        """S -> P = 2^(s * scale_log2 - reference max (+ p_scale_log2)) in place; l += sums
+        (operand_sums: later, `add_operand_sums`)."""
         for r in cutlass.range_constexpr(self.num_rows):
             m_ref = self.row_max[r]
             m_safe = 0.0 if m_ref == -Float32.inf else m_ref
@@ -332,12 +367,30 @@ class OnlineSoftmax:
             if cutlass.const_expr(self.p_scale_log2 != 0):
                 m_scaled = m_scaled - Float32(self.p_scale_log2)
             p = self.exp2_row(s_rc, r, s_rc[r, None].load(), m_scaled)
-            if cutlass.const_expr(self.round_p is not None):
+            if cutlass.const_expr(self.round_p is not None and not self.operand_sums):
                 for c in cutlass.range_constexpr(0, cute.size(s_rc, mode=[1]), 2):
                     s_rc[r, c], s_rc[r, c + 1] = round_pair(s_rc[r, c], s_rc[r, c + 1],
                                                             self.round_p)
                 p = s_rc[r, None].load()
-            self.row_sum[r] = self.row_sum[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            if cutlass.const_expr(not self.operand_sums):
+                self.row_sum[r] = self.row_sum[r] + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+
+    @cute.jit
+    def add_operand_sums(self, p_frag: cute.Tensor, acc_s: cute.Tensor):
+        """l += the row sums of P as the PV operand holds it (`operand_sums`): p_frag written
+        through `acc_as_operand_a(acc_s)` (one MMA tile along M: register i of either is
+        register i of the other), each 32-bit register unpacked to its two values, summed in
+        `exponentiate`'s order. Reads p_frag only, so it may run while a PV GEMM reads it
+        (acc_s: its layout only)."""
+        words = acc_rows_cols(cute.recast_tensor(operand_a_as_acc(p_frag, acc_s), Int32))
+        for r in cutlass.range_constexpr(self.num_rows):
+            # word j holds columns 2j and 2j + 1: `exponentiate`'s reduction over the same
+            # values in the same order
+            cols = 2 * cute.size(words, mode=[1])
+            p = cute.make_rmem_tensor((cols,), Float32)
+            for j in cutlass.range_constexpr(cols // 2):
+                p[2 * j], p[2 * j + 1] = unpack_pair(words[r, j], self.round_p)
+            self.row_sum[r] = self.row_sum[r] + p.load().reduce(cute.ReductionOp.ADD, 0.0, 0)
 
     @cute.jit
     def finalize(self) -> cute.Tensor:
