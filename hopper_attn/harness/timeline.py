@@ -53,7 +53,8 @@ def workload(args) -> int:
     from hopper_attn.harness.timing import benchmark
 
     problem = Problem(args.batch, args.heads, args.seqlen, args.head_dim, args.causal,
-                      window_left=args.window_left)       # (-1: no sliding window)
+                      # -1: no sliding window (Problem's None; its -1 is a literal side)
+                      window_left=args.window_left if args.window_left >= 0 else None)
     backward = args.kernel.partition(":")[0] in registry.BACKWARD_KERNELS
     if backward:                                        # kb1, kb2: gradients of one case
         from hopper_attn.harness.grad_check import BackwardCase
