@@ -110,41 +110,33 @@ def softcap_scores(s_rc: cute.Tensor, prescale: Float32):
             s_rc[r, c] = tanh_approx(s_rc[r, c] * prescale)
 
 
-# a pair of fp32 values rounded to the 16-bit type P is converted to for the PV GEMM, and
-# widened back: what the tensor cores will multiply V by, exactly (cvt.rn.*x2 packs $3 into
-# the upper half, $2 into the lower). A bf16 is the upper half of an fp32, so widening is a
-# shift and a mask (ptxas turns cvt.f32.bf16 into a byte permute and a shift per value)
-_ROUND_PAIR_PTX = {
-    BFloat16: """{
- .reg .b32 p;
- cvt.rn.bf16x2.f32 p, $3, $2;
- shl.b32 $0, p, 16;
- and.b32 $1, p, 0xffff0000;
-}""",
-    Float16: """{
- .reg .b32 p;
- .reg .b16 lo, hi;
- cvt.rn.f16x2.f32 p, $3, $2;
- mov.b32 {lo, hi}, p;
+# A 32-bit register `{w}` of two 16-bit values (the first in the lower half) widened to fp32
+# $0, $1, exactly. A bf16 is the upper half of an fp32, so that is a shift and a mask (ptxas
+# turns cvt.f32.bf16 into a byte permute and a shift per value); f16 needs `lo, hi` declared.
+_WIDEN_PTX = {
+    BFloat16: """
+ shl.b32 $0, {w}, 16;
+ and.b32 $1, {w}, 0xffff0000;""",
+    Float16: """
+ mov.b32 {{lo, hi}}, {w};
  cvt.f32.f16 $0, lo;
- cvt.f32.f16 $1, hi;
-}""",
+ cvt.f32.f16 $1, hi;""",
+}
+# a pair of fp32 values rounded to the 16-bit type P is converted to for the PV GEMM, and
+# widened back: what the tensor cores will multiply V by (cvt.rn.*x2 packs $3 into the
+# upper half, $2 into the lower)
+_ROUND_PAIR_PTX = {
+    BFloat16: "{\n .reg .b32 p;\n cvt.rn.bf16x2.f32 p, $3, $2;"
+              + _WIDEN_PTX[BFloat16].format(w="p") + "\n}",
+    Float16: "{\n .reg .b32 p;\n .reg .b16 lo, hi;\n cvt.rn.f16x2.f32 p, $3, $2;"
+             + _WIDEN_PTX[Float16].format(w="p") + "\n}",
 }
 
 
-# a 32-bit register of the PV operand (two 16-bit values, the first in the lower half) ->
-# the two values in fp32, exactly (bf16: a shift and a mask, as above)
+# a 32-bit register of the PV operand -> its two values in fp32 (add_operand_sums)
 _UNPACK_PAIR_PTX = {
-    BFloat16: """{
- shl.b32 $0, $2, 16;
- and.b32 $1, $2, 0xffff0000;
-}""",
-    Float16: """{
- .reg .b16 lo, hi;
- mov.b32 {lo, hi}, $2;
- cvt.f32.f16 $0, lo;
- cvt.f32.f16 $1, hi;
-}""",
+    BFloat16: "{" + _WIDEN_PTX[BFloat16].format(w="$2") + "\n}",
+    Float16: "{\n .reg .b16 lo, hi;" + _WIDEN_PTX[Float16].format(w="$2") + "\n}",
 }
 
 
